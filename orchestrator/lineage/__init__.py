@@ -1,0 +1,47 @@
+"""Lineage: the record of what produced what, and a log that shows any silent edit."""
+
+from orchestrator.lineage.models import (
+    RECORD_TYPES,
+    RELATION_KINDS,
+    Artifact,
+    Attempt,
+    Commit,
+    DataSnapshot,
+    Environment,
+    Event,
+    Experiment,
+    GithubIssue,
+    Lease,
+    LineageRecord,
+    PipelineRun,
+    Relation,
+    StageRun,
+    WandbRun,
+    new_id,
+    utcnow,
+)
+from orchestrator.lineage.store import LineageStore, Transaction, open_store
+
+__all__ = [
+    "RECORD_TYPES",
+    "RELATION_KINDS",
+    "Artifact",
+    "Attempt",
+    "Commit",
+    "DataSnapshot",
+    "Environment",
+    "Event",
+    "Experiment",
+    "GithubIssue",
+    "Lease",
+    "LineageRecord",
+    "LineageStore",
+    "PipelineRun",
+    "Relation",
+    "StageRun",
+    "Transaction",
+    "WandbRun",
+    "new_id",
+    "open_store",
+    "utcnow",
+]

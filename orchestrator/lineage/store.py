@@ -1,0 +1,374 @@
+"""The lineage store: one database, transactional writes, a hash-chained event log.
+
+Every write goes through :meth:`LineageStore.transaction`. Inside it,
+:meth:`Transaction.add`, :meth:`Transaction.update` and :meth:`Transaction.relate`
+change a record *and* append an :class:`~orchestrator.lineage.models.Event` whose hash
+covers the record's full new content and the previous event's hash. A row edited
+behind openlab's back no longer matches its last event, and a removed or altered
+event breaks the chain; :mod:`orchestrator.lineage.verify` finds both.
+
+Appending to one chain from several processes needs one writer at a time: on SQLite
+a write transaction starts with ``BEGIN IMMEDIATE`` (WAL mode keeps readers going),
+on PostgreSQL it takes a transaction-scoped advisory lock. Either way the whole
+change, records and events, commits or rolls back together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from sqlalchemy import event as sa_event
+from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.exc import DatabaseError, OperationalError, SQLAlchemyError
+from sqlmodel import Session, SQLModel, col, select
+
+from orchestrator.errors import NotFoundError, StoreError
+from orchestrator.hashing import canonical, hash_json
+from orchestrator.lineage.models import (
+    RECORD_TYPES,
+    RELATION_KINDS,
+    Event,
+    LineageRecord,
+    Relation,
+    new_id,
+    utcnow,
+)
+from orchestrator.settings import Settings, load_settings
+
+log = logging.getLogger(__name__)
+
+GENESIS_HASH = "0" * 64
+_PG_CHAIN_LOCK = 0x6F70656E6C6162  # "openlab"
+
+R = TypeVar("R", bound=LineageRecord)
+
+
+def record_payload(record: SQLModel) -> dict[str, Any]:
+    """The canonical content of a record, as hashed into its events."""
+    return canonical(record.model_dump(mode="json"))
+
+
+def event_hash(seq: int, at: str, kind: str, record_id: str, action: str, payload: Any, prev: str) -> str:
+    """Hash of one event: its content and the previous event's hash."""
+    return hash_json(
+        {
+            "seq": seq,
+            "at": at,
+            "record_kind": kind,
+            "record_id": record_id,
+            "action": action,
+            "payload": payload,
+            "prev_hash": prev,
+        }
+    )
+
+
+def display_url(url: str | URL) -> str:
+    """A database URL safe to print: the password is never shown."""
+    try:
+        return make_url(str(url)).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - an unparsable URL is shown as the user wrote it, minus nothing secret
+        return "<unparsable database URL>"
+
+
+def _normalise_url(url: str) -> str:
+    """Accept ``postgresql://`` and ``postgres://`` as psycopg 3 URLs."""
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url[len(prefix) :]
+    return url
+
+
+def _make_engine(url: str) -> Engine:
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        database = parsed.database
+        if database and database != ":memory:":
+            Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        engine = sa.create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
+
+        @sa_event.listens_for(engine, "connect")
+        def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+            # Let SQLAlchemy, not the sqlite3 module, issue BEGIN, so it can be IMMEDIATE.
+            dbapi_conn.isolation_level = None
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA busy_timeout = 60000")
+            cur.execute("PRAGMA journal_mode = WAL")
+            cur.execute("PRAGMA synchronous = NORMAL")
+            cur.execute("PRAGMA foreign_keys = ON")
+            cur.close()
+
+        @sa_event.listens_for(engine, "begin")
+        def _on_begin(conn: Any) -> None:
+            conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.info.get("write") else "BEGIN")
+
+        return engine
+    if parsed.get_backend_name() == "postgresql":
+        return sa.create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 10})
+    raise StoreError(
+        f"unsupported lineage database URL {display_url(url)}: use sqlite:///PATH or postgresql://..."
+    )
+
+
+def _explain_db_error(url: str, exc: BaseException) -> str:
+    text = str(getattr(exc, "orig", exc) or exc).strip().splitlines()
+    reason = text[0] if text else type(exc).__name__
+    shown = display_url(url)
+    if "file is not a database" in reason or "malformed" in reason:
+        return (
+            f"lineage database {shown} is not a readable SQLite database ({reason}); "
+            "move it aside to start a new one, or restore it from a backup"
+        )
+    if url.startswith("postgresql"):
+        return f"cannot use lineage database {shown}: {reason}; check OPENLAB_DB_URL and that the server is up"
+    return f"cannot use lineage database {shown}: {reason}"
+
+
+class Transaction:
+    """One atomic change to lineage: records plus the events that describe them."""
+
+    def __init__(self, session: Session, store: LineageStore) -> None:
+        self.session = session
+        self.store = store
+        self._head: tuple[int, str] | None = None
+
+    # -- the chain ---------------------------------------------------------------
+    def _chain_head(self) -> tuple[int, str]:
+        if self._head is None:
+            last = self.session.exec(select(Event).order_by(col(Event.seq).desc()).limit(1)).first()
+            self._head = (last.seq, last.hash) if last else (0, GENESIS_HASH)
+        return self._head
+
+    def _append(self, record: LineageRecord, action: str) -> Event:
+        self.session.flush()
+        seq, prev = self._chain_head()
+        seq += 1
+        at = utcnow()
+        payload = record_payload(record)
+        digest = event_hash(seq, at.isoformat(), record.kind, record.id, action, payload, prev)  # type: ignore[attr-defined]
+        entry = Event(
+            seq=seq,
+            at=at,
+            record_kind=record.kind,
+            record_id=record.id,  # type: ignore[attr-defined]
+            action=action,
+            payload=payload,
+            prev_hash=prev,
+            hash=digest,
+        )
+        self.session.add(entry)
+        self.session.flush()
+        self._head = (seq, digest)
+        return entry
+
+    # -- writes --------------------------------------------------------------------
+    def add(self, record: R) -> R:
+        """Insert a new record (an id is assigned when it has none)."""
+        if not getattr(record, "id", None):
+            record.id = new_id(record.id_prefix)  # type: ignore[attr-defined]
+        self.session.add(record)
+        self._append(record, "create")
+        return record
+
+    def ensure(self, record: R) -> R:
+        """Insert a content-addressed record unless one with its id exists; return the stored one.
+
+        Content-addressed records (commits, snapshots, environments) are the same thing
+        whenever their id is the same, so a second capture changes nothing.
+        """
+        existing = self.session.get(type(record), record.id)  # type: ignore[attr-defined]
+        if existing is not None:
+            return existing
+        return self.add(record)
+
+    def update(self, record: R, **changes: Any) -> R:
+        """Change fields of a stored record and log the new content."""
+        stored = record if record in self.session else self.session.merge(record)
+        for name, value in changes.items():
+            if name not in type(stored).model_fields:
+                raise AttributeError(f"{type(stored).__name__} has no field {name!r}")
+            setattr(stored, name, value)
+        self.session.add(stored)
+        self._append(stored, "update")
+        return stored
+
+    def relate(self, relation: str, subject: LineageRecord, obj: LineageRecord, role: str = "") -> Relation:
+        """Record a PROV relation ``subject --relation--> obj`` (idempotent)."""
+        if relation not in RELATION_KINDS:
+            raise ValueError(f"unknown relation {relation!r}; known: {', '.join(RELATION_KINDS)}")
+        existing = self.session.exec(
+            select(Relation).where(
+                Relation.relation == relation,
+                Relation.subject_id == subject.id,  # type: ignore[attr-defined]
+                Relation.object_id == obj.id,  # type: ignore[attr-defined]
+                Relation.role == role,
+            )
+        ).first()
+        if existing is not None:
+            return existing
+        edge = Relation(
+            id=new_id(Relation.id_prefix),
+            relation=relation,
+            subject_kind=subject.kind,
+            subject_id=subject.id,  # type: ignore[attr-defined]
+            object_kind=obj.kind,
+            object_id=obj.id,  # type: ignore[attr-defined]
+            role=role,
+        )
+        return self.add(edge)
+
+    # -- reads inside the transaction ---------------------------------------------
+    def get(self, model: type[R], record_id: str) -> R | None:
+        return self.session.get(model, record_id)
+
+
+class LineageStore:
+    """Access to one lineage database (SQLite by default, PostgreSQL by URL)."""
+
+    def __init__(self, url: str, *, migrate: bool = True) -> None:
+        self.url = _normalise_url(url)
+        self.engine = _make_engine(self.url)
+        try:
+            from orchestrator.lineage.migrations import ensure_schema
+
+            ensure_schema(self.engine, migrate=migrate)
+        except (OperationalError, DatabaseError) as exc:
+            self.engine.dispose()
+            raise StoreError(_explain_db_error(self.url, exc)) from None
+
+    @classmethod
+    def open(cls, settings: Settings | None = None, *, migrate: bool = True) -> LineageStore:
+        """Open the configured store: ``OPENLAB_DB_URL`` or ``$OPENLAB_HOME/lineage.db``."""
+        settings = settings or load_settings()
+        return cls(settings.db_url, migrate=migrate)
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.engine.dialect.name == "sqlite"
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> LineageStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- sessions -----------------------------------------------------------------
+    @contextlib.contextmanager
+    def session(self) -> Iterator[Session]:
+        """A read session; objects stay usable after it closes."""
+        with Session(self.engine, expire_on_commit=False) as session:
+            try:
+                yield session
+            except (OperationalError, DatabaseError) as exc:
+                raise StoreError(_explain_db_error(self.url, exc)) from None
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[Transaction]:
+        """One atomic write: everything inside commits together or not at all."""
+        try:
+            with self.engine.connect() as conn:
+                conn.info["write"] = True
+                try:
+                    with Session(bind=conn, expire_on_commit=False) as session:
+                        with conn.begin():
+                            if self.engine.dialect.name == "postgresql":
+                                conn.execute(sa.text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_CHAIN_LOCK})
+                            yield Transaction(session, self)
+                            session.flush()
+                finally:
+                    conn.info.pop("write", None)
+        except (OperationalError, DatabaseError) as exc:
+            raise StoreError(_explain_db_error(self.url, exc)) from None
+
+    # -- reads ----------------------------------------------------------------------
+    def get(self, model: type[R], record_id: str) -> R | None:
+        with self.session() as session:
+            return session.get(model, record_id)
+
+    def require(self, model: type[R], record_id: str) -> R:
+        found = self.get(model, record_id)
+        if found is None:
+            raise NotFoundError(f"no {model.kind} with id {record_id!r}; `openlab lineage list` shows ids")
+        return found
+
+    def list(
+        self,
+        model: type[R],
+        *,
+        where: Sequence[Any] = (),
+        order_by: Any = None,
+        limit: int | None = None,
+        **equals: Any,
+    ) -> list[R]:
+        """Records of one kind, filtered by SQL expressions and ``field=value`` pairs."""
+        stmt = select(model)
+        for clause in where:
+            stmt = stmt.where(clause)
+        for name, value in equals.items():
+            stmt = stmt.where(getattr(model, name) == value)
+        if order_by is not None:
+            stmt = stmt.order_by(order_by)
+        if limit is not None:
+            stmt = stmt.limit(limit)
+        with self.session() as session:
+            return list(session.exec(stmt).all())
+
+    def find(self, record_id: str) -> LineageRecord:
+        """The record with this id (or unique id prefix, at least 6 characters), of any kind."""
+        matches: list[LineageRecord] = []
+        with self.session() as session:
+            for model in RECORD_TYPES.values():
+                exact = session.get(model, record_id)
+                if exact is not None:
+                    return exact
+            if len(record_id) >= 6:
+                for model in RECORD_TYPES.values():
+                    id_col = model.id  # type: ignore[attr-defined]
+                    matches.extend(session.exec(select(model).where(id_col.startswith(record_id)).limit(3)))
+        if len(matches) == 1:
+            return matches[0]
+        if matches:
+            ids = ", ".join(m.id for m in matches[:3])  # type: ignore[attr-defined]
+            raise NotFoundError(f"id prefix {record_id!r} is ambiguous ({ids}, ...): give more characters")
+        raise NotFoundError(f"no lineage record with id {record_id!r}; `openlab lineage list` shows ids")
+
+    def relations(self, record_id: str) -> list[Relation]:
+        """Every relation where ``record_id`` is the subject or the object."""
+        with self.session() as session:
+            stmt = select(Relation).where(
+                (Relation.subject_id == record_id) | (Relation.object_id == record_id)
+            ).order_by(col(Relation.created_at))
+            return list(session.exec(stmt).all())
+
+    def events(self, record_id: str | None = None) -> list[Event]:
+        with self.session() as session:
+            stmt = select(Event).order_by(col(Event.seq))
+            if record_id is not None:
+                stmt = stmt.where(Event.record_id == record_id)
+            return list(session.exec(stmt).all())
+
+
+def open_store(settings: Settings | None = None) -> LineageStore:
+    """Open the configured lineage store, migrating it to this code's schema."""
+    return LineageStore.open(settings)
+
+
+__all__ = [
+    "GENESIS_HASH",
+    "LineageStore",
+    "StoreError",
+    "SQLAlchemyError",
+    "Transaction",
+    "display_url",
+    "event_hash",
+    "open_store",
+    "record_payload",
+]

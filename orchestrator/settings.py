@@ -1,0 +1,154 @@
+"""Typed settings: where openlab keeps its state and how each part is configured.
+
+Resolution order, lowest to highest precedence (the same for every key):
+
+1. built-in defaults;
+2. the project file: ``$OPENLAB_CONFIG``, else the nearest ``openlab.toml`` from the
+   working directory upwards, else ``[tool.openlab]`` in the nearest ``pyproject.toml``;
+3. environment variables: ``OPENLAB_HOME``, ``OPENLAB_DB_URL`` and, for any nested key,
+   ``OPENLAB_<SECTION>__<KEY>`` (double underscore between levels), e.g.
+   ``OPENLAB_BACKENDS__SLURM__PARTITION=debug``;
+4. command-line flags, which callers apply on top with :meth:`Settings.section`'s result.
+
+Secrets are never stored here: a section names the *variable* that holds a token
+(``token_env = "GITHUB_TOKEN"``), and the value is read where it is used.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import ConfigError
+
+ENV_PREFIX = "OPENLAB_"
+
+
+def _find_upwards(start: Path, name: str) -> Path | None:
+    for folder in (start, *start.parents):
+        candidate = folder / name
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+
+
+def _coerce(text: str) -> Any:
+    """Read an environment value as TOML when it parses as a scalar, else as a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_project_config(cwd: Path | None = None) -> tuple[dict[str, Any], Path | None]:
+    """Return the project's openlab configuration and the file it came from (if any)."""
+    explicit = os.environ.get("OPENLAB_CONFIG")
+    if explicit:
+        path = Path(explicit).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"OPENLAB_CONFIG names {path}, which does not exist")
+        data = _read_toml(path)
+        return (data.get("tool", {}).get("openlab", data) if path.name == "pyproject.toml" else data), path
+    start = (cwd or Path.cwd()).resolve()
+    toml_path = _find_upwards(start, "openlab.toml")
+    if toml_path:
+        return _read_toml(toml_path), toml_path
+    pyproject = _find_upwards(start, "pyproject.toml")
+    if pyproject:
+        data = _read_toml(pyproject).get("tool", {}).get("openlab")
+        if isinstance(data, dict):
+            return data, pyproject
+    return {}, None
+
+
+def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        parts = [p.lower() for p in name[len(ENV_PREFIX) :].split("__") if p]
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                break
+        else:
+            node[parts[-1]] = _coerce(value)
+    return out
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Resolved settings for one process."""
+
+    home: Path
+    db_url: str
+    config: dict[str, Any] = field(default_factory=dict)
+    config_path: Path | None = None
+
+    @property
+    def snapshots_dir(self) -> Path:
+        return self.home / "snapshots"
+
+    @property
+    def blobs_dir(self) -> Path:
+        """Content-addressed store for small artifacts such as dirty-tree patches."""
+        return self.home / "blobs"
+
+    @property
+    def artifacts_dir(self) -> Path:
+        """Default artifact root that jobs write their outputs under."""
+        configured = self.config.get("artifacts", {}).get("root")
+        return Path(configured).expanduser() if configured else self.home / "artifacts"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.home / "logs"
+
+    @cached_property
+    def is_sqlite(self) -> bool:
+        return self.db_url.startswith("sqlite")
+
+    def section(self, dotted: str) -> dict[str, Any]:
+        """Return a config section (``"backends.slurm"``) as a dict, empty when absent."""
+        node: Any = self.config
+        for part in dotted.split("."):
+            if not isinstance(node, dict):
+                return {}
+            node = node.get(part, {})
+        return dict(node) if isinstance(node, dict) else {}
+
+
+def load_settings(cwd: Path | None = None, environ: Mapping[str, str] | None = None) -> Settings:
+    """Resolve settings from defaults, the project file and the environment."""
+    env = os.environ if environ is None else environ
+    file_config, path = load_project_config(cwd)
+    config = _merge(file_config, _env_overrides(env))
+    home = Path(env.get("OPENLAB_HOME") or config.get("home") or "~/.openlab").expanduser()
+    db_url = env.get("OPENLAB_DB_URL") or config.get("db_url") or f"sqlite:///{home / 'lineage.db'}"
+    return Settings(home=home, db_url=str(db_url), config=config, config_path=path)
