@@ -110,9 +110,7 @@ def _make_engine(url: str) -> Engine:
         return engine
     if parsed.get_backend_name() == "postgresql":
         return sa.create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 10})
-    raise StoreError(
-        f"unsupported lineage database URL {display_url(url)}: use sqlite:///PATH or postgresql://..."
-    )
+    raise StoreError(f"unsupported lineage database URL {display_url(url)}: use sqlite:///PATH or postgresql://...")
 
 
 def _explain_db_error(url: str, exc: BaseException) -> str:
@@ -343,9 +341,11 @@ class LineageStore:
     def relations(self, record_id: str) -> list[Relation]:
         """Every relation where ``record_id`` is the subject or the object."""
         with self.session() as session:
-            stmt = select(Relation).where(
-                (Relation.subject_id == record_id) | (Relation.object_id == record_id)
-            ).order_by(col(Relation.created_at))
+            stmt = (
+                select(Relation)
+                .where((Relation.subject_id == record_id) | (Relation.object_id == record_id))
+                .order_by(col(Relation.created_at))
+            )
             return list(session.exec(stmt).all())
 
     def events(self, record_id: str | None = None) -> list[Event]:
