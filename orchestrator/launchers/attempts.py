@@ -1,0 +1,227 @@
+"""The one place where job submissions become lineage :class:`Attempt` records.
+
+Flows call :func:`run_job` once per stage; the CLI's ``openlab job run`` does the same.
+Whatever happens — success, failure, a submit the backend refuses, Ctrl-C, a crash in
+the caller's log callback — the attempt row ends with a terminal state and a reason, and
+a job that was started is cancelled before the exception propagates. Only the command is
+recorded, never the environment (values of secrets must not reach lineage).
+
+Attempt states use the lineage vocabulary (:data:`orchestrator.lineage.models.STATES`):
+a :attr:`JobState.SUCCEEDED` job is recorded as ``COMPLETED``; the others keep their names.
+
+A handle is revived from an attempt with :func:`handle_from_attempt`: every backend makes
+its ``job_id`` self-sufficient (a Kubernetes id is ``namespace/name``), so
+``openlab job status ID`` works from any process.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import func
+from sqlmodel import select
+
+from orchestrator.launchers.base import JobHandle, JobSpec, JobState, JobStatus, JobTimeout, Launcher
+from orchestrator.lineage.models import Attempt, utcnow
+
+if TYPE_CHECKING:
+    from orchestrator.lineage.store import LineageStore
+
+log = logging.getLogger(__name__)
+
+#: How long to keep draining logs after the job ended before recording the end anyway.
+LOG_DRAIN_TIMEOUT = 10.0
+
+
+def lineage_state(state: JobState) -> str:
+    """The lineage name of a job state (``SUCCEEDED`` is ``COMPLETED`` in lineage)."""
+    return "COMPLETED" if state is JobState.SUCCEEDED else str(state)
+
+
+def next_attempt_number(store: LineageStore, stage_run_id: str | None) -> int:
+    """Previous attempts of this stage run + 1 (1 for a job outside any stage run)."""
+    if stage_run_id is None:
+        return 1
+    with store.session() as session:
+        count = session.exec(
+            select(func.count()).select_from(Attempt).where(Attempt.stage_run_id == stage_run_id)
+        ).one()
+    return int(count) + 1
+
+
+def handle_from_attempt(attempt: Attempt) -> JobHandle:
+    """Revive the handle of a recorded attempt."""
+    if not attempt.job_id:
+        from orchestrator.launchers.base import JobNotFound
+
+        raise JobNotFound(f"attempt {attempt.id} has no job id: its submission failed ({attempt.reason})")
+    return JobHandle(backend=attempt.backend, job_id=attempt.job_id, log_path=attempt.log_path)
+
+
+def submit_attempt(
+    store: LineageStore, launcher: Launcher, spec: JobSpec, *, stage_run_id: str | None = None
+) -> tuple[Attempt, JobHandle]:
+    """Submit ``spec`` and record the attempt; a refused submit is recorded FAILED and re-raised."""
+    number = next_attempt_number(store, stage_run_id)
+    attempt = Attempt(
+        stage_run_id=stage_run_id,
+        number=number,
+        backend=launcher.name,
+        job_name=spec.name,
+        image=spec.image,
+        command=list(spec.command),
+        state="PENDING",
+    )
+    try:
+        handle = launcher.submit(spec)
+    except BaseException as exc:
+        with store.transaction() as tx:
+            attempt.state = "CANCELLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
+            attempt.reason = f"submit failed: {_one_line(exc)}"
+            attempt.ended_at = utcnow()
+            attempt = tx.add(attempt)
+        raise
+    with store.transaction() as tx:
+        attempt.job_id = handle.job_id
+        attempt.log_path = handle.log_path
+        attempt = tx.add(attempt)
+    return attempt, handle
+
+
+def mark_running(store: LineageStore, attempt: Attempt, status: JobStatus) -> Attempt:
+    """Record that the job started (once), with its host and start time."""
+    if attempt.state == "RUNNING":
+        return attempt
+    with store.transaction() as tx:
+        return tx.update(
+            attempt,
+            state="RUNNING",
+            started_at=status.started_at or utcnow(),
+            host=status.host or attempt.host,
+            image_digest=status.image_digest or attempt.image_digest,
+        )
+
+
+def finish_attempt(store: LineageStore, attempt: Attempt, status: JobStatus) -> Attempt:
+    """Record the end of an attempt: state, exit code, reason, host, image digest, times."""
+    changes: dict[str, Any] = {
+        "state": lineage_state(status.state),
+        "exit_code": status.exit_code,
+        "reason": status.reason,
+        "host": status.host or attempt.host,
+        "image_digest": status.image_digest or attempt.image_digest,
+        "started_at": attempt.started_at or status.started_at,
+        "ended_at": status.ended_at or utcnow(),
+    }
+    with store.transaction() as tx:
+        return tx.update(attempt, **changes)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+class _LogPump(threading.Thread):
+    """Follows a job's log in the background so the caller can poll status and cancel meanwhile."""
+
+    def __init__(self, launcher: Launcher, handle: JobHandle, on_log: Callable[[str], None]) -> None:
+        super().__init__(name=f"logs-{handle.job_id}", daemon=True)
+        self.launcher, self.handle, self.on_log = launcher, handle, on_log
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            for line in self.launcher.logs(self.handle, follow=True):
+                self.on_log(line)
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller's thread
+            self.error = exc
+
+
+def run_job(
+    store: LineageStore,
+    launcher: Launcher,
+    spec: JobSpec,
+    *,
+    stage_run_id: str | None = None,
+    on_log: Callable[[str], None] | None = None,
+    timeout: float | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+    poll: float | None = None,
+) -> tuple[Attempt, JobStatus]:
+    """Submit, stream logs to ``on_log`` (from a background thread), wait, and record the end.
+
+    ``should_cancel`` is polled with the status; when it returns True the job is cancelled
+    and the attempt recorded CANCELLED. After ``timeout`` seconds the job is cancelled and
+    :class:`JobTimeout` raised. On any exception (Ctrl-C included) the job is cancelled,
+    the attempt recorded CANCELLED (Ctrl-C) or FAILED with the reason, and the exception
+    re-raised. The finished job's leftovers (container, Job object) are cleaned up once its
+    logs are read.
+    """
+    import time
+
+    attempt, handle = submit_attempt(store, launcher, spec, stage_run_id=stage_run_id)
+    pump = _LogPump(launcher, handle, on_log) if on_log is not None else None
+    interval = launcher.poll_interval if poll is None else poll
+    deadline = None if timeout is None else time.monotonic() + timeout
+    cancelled_by_caller = False
+    try:
+        if pump is not None:
+            pump.start()
+        while True:
+            status = launcher.status(handle)
+            if status.state is JobState.RUNNING or (status.state.terminal and status.started_at):
+                attempt = mark_running(store, attempt, status)
+            if status.state.terminal:
+                break
+            if should_cancel is not None and not cancelled_by_caller and should_cancel():
+                cancelled_by_caller = True
+                launcher.cancel(handle)
+                continue
+            if deadline is not None and time.monotonic() >= deadline:
+                raise JobTimeout(f"{launcher.name} job {handle.job_id} did not finish within {timeout:g}s")
+            time.sleep(interval)
+        if pump is not None:
+            pump.join(LOG_DRAIN_TIMEOUT)
+            if pump.error is not None:
+                log.warning("log streaming of %s failed: %s", handle.job_id, _one_line(pump.error))
+        if cancelled_by_caller and status.state is JobState.CANCELLED and not status.reason:
+            status.reason = "cancelled by request"
+        attempt = finish_attempt(store, attempt, status)
+    except BaseException as exc:
+        interrupted = isinstance(exc, (KeyboardInterrupt, JobTimeout))
+        try:
+            launcher.cancel(handle)
+        except Exception as cancel_exc:  # noqa: BLE001 - the original error matters more
+            log.warning("could not cancel %s job %s: %s", launcher.name, handle.job_id, _one_line(cancel_exc))
+        end = JobStatus(
+            state=JobState.CANCELLED if interrupted else JobState.FAILED,
+            reason=("interrupted" if isinstance(exc, KeyboardInterrupt) else _one_line(exc)),
+        )
+        try:
+            finish_attempt(store, attempt, end)
+        except Exception as rec_exc:  # noqa: BLE001
+            log.error("could not record the end of attempt %s: %s", attempt.id, _one_line(rec_exc))
+        if pump is not None:
+            pump.join(2.0)
+        raise
+    finally:
+        try:
+            launcher.cleanup(handle)
+        except Exception as exc:  # noqa: BLE001 - cleanup is best effort
+            log.warning("cleanup of %s job %s failed: %s", launcher.name, handle.job_id, _one_line(exc))
+    return attempt, status
+
+
+__all__ = [
+    "finish_attempt",
+    "handle_from_attempt",
+    "lineage_state",
+    "mark_running",
+    "next_attempt_number",
+    "run_job",
+    "submit_attempt",
+]

@@ -1,0 +1,319 @@
+"""One small interface for running a stage's job on any backend.
+
+Every backend (``local``, ``docker``, ``slurm``, ``kubernetes``) implements
+:class:`Launcher`, so flows and the CLI never branch on where a job runs:
+
+- :meth:`Launcher.submit` takes a :class:`JobSpec` and returns a :class:`JobHandle`
+  (backend + backend job id + log path). A handle is plain data
+  (:meth:`JobHandle.to_dict` / :meth:`JobHandle.from_dict`) so another process, e.g.
+  ``openlab job status ID``, can revive it from the attempt recorded in lineage.
+- :meth:`Launcher.status` returns a :class:`JobStatus` (:class:`JobState`, exit code,
+  reason, host, start/end, image digest).
+- :meth:`Launcher.logs` yields log lines (``tail`` the last N, or ``follow`` until the
+  job ends); :meth:`Launcher.cancel` ends the job and everything it started;
+  :meth:`Launcher.wait` polls until a terminal state or raises :class:`JobTimeout`.
+- :meth:`Launcher.check` says whether the backend is reachable and, if not, why.
+
+:func:`get_launcher` builds a launcher by name from settings
+(``[backends.<name>]`` in openlab.toml, overridable by ``OPENLAB_BACKENDS__<NAME>__<KEY>``).
+Recording attempts in lineage lives in one place, :mod:`orchestrator.launchers.attempts`.
+
+Why the shape: the four backends differ in everything but these seven verbs, and keeping
+the spec backend-neutral (with ``options`` for what only one backend understands:
+partition, account, array, namespace, network, ...) lets the same stage run on a
+laptop, a Slurm cluster or Kubernetes with the same provenance.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.errors import OpenlabError
+
+if TYPE_CHECKING:
+    from orchestrator.settings import Settings
+
+#: Environment variable names whose values are secrets: never logged or recorded.
+SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+
+#: Label keys that carry lineage ids on containers, Slurm comments and Kubernetes objects.
+LABEL_PREFIX = "openlab.io/"
+
+
+class JobState(StrEnum):
+    """Where a job is in its life; the last four are terminal."""
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    LOST = "LOST"  # the backend no longer knows the job and no end was seen
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.LOST)
+
+
+class LauncherError(OpenlabError):
+    """A backend refused or failed an operation; the message quotes the backend's own words."""
+
+
+class BackendUnavailable(LauncherError):
+    """The backend cannot be reached (engine down, controller unreachable, no API server)."""
+
+
+class ImageNotFound(LauncherError):
+    """The job image does not exist where the backend looks for it."""
+
+
+class JobNotFound(LauncherError):
+    """The backend knows no job with this id."""
+
+
+class JobTimeout(TimeoutError, LauncherError):
+    """:meth:`Launcher.wait` gave up before the job ended (the job keeps running)."""
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What to run, backend-neutral.
+
+    ``artifact_root`` is mounted at the same path inside containers and pods so paths
+    written into lineage mean the same thing everywhere. ``labels`` carry lineage ids
+    (``openlab.io/stage-run`` ...). ``options`` holds backend-specific settings
+    (slurm: partition, account, array, qos; docker: network_mode, pids_limit;
+    kubernetes: namespace, backoff_limit, ttl_seconds) and overrides configured defaults.
+    """
+
+    name: str
+    command: list[str]
+    image: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+    artifact_root: Path | None = None
+    cpus: float | None = None
+    memory: str | None = None
+    gpus: int = 0
+    time_limit: int | None = None
+    labels: Mapping[str, str] = field(default_factory=dict)
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.command:
+            raise OpenlabError("a job needs a command")
+        if self.memory is not None:
+            parse_memory(self.memory)  # fail early on "lots"
+        if self.time_limit is not None and self.time_limit <= 0:
+            raise OpenlabError(f"time limit must be positive, got {self.time_limit}")
+
+    @property
+    def memory_bytes(self) -> int | None:
+        return parse_memory(self.memory) if self.memory else None
+
+    def public_env(self) -> dict[str, str]:
+        """The env with secret values masked, for anything that is printed or recorded."""
+        return {k: ("***" if SECRET_NAME.search(k) else v) for k, v in self.env.items()}
+
+
+@dataclass(frozen=True)
+class JobHandle:
+    """A submitted job: enough to find it again from any process."""
+
+    backend: str
+    job_id: str
+    log_path: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"backend": self.backend, "job_id": self.job_id, "log_path": self.log_path, "extra": dict(self.extra)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> JobHandle:
+        return cls(
+            backend=str(data["backend"]),
+            job_id=str(data["job_id"]),
+            log_path=data.get("log_path"),
+            extra=dict(data.get("extra") or {}),
+        )
+
+
+@dataclass
+class JobStatus:
+    """A job's state as the backend reports it."""
+
+    state: JobState
+    exit_code: int | None = None
+    reason: str | None = None
+    host: str | None = None
+    started_at: dt.datetime | None = None
+    ended_at: dt.datetime | None = None
+    image_digest: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["state"] = str(self.state)
+        for key in ("started_at", "ended_at"):
+            out[key] = out[key].isoformat() if out[key] else None
+        return out
+
+
+class Launcher(ABC):
+    """Runs jobs on one backend. Instances are cheap; they hold settings, not jobs."""
+
+    name: str = "base"
+    #: Default seconds between status polls in :meth:`wait`.
+    poll_interval: float = 0.5
+
+    def __init__(self, settings: Settings | None = None, config: Mapping[str, Any] | None = None) -> None:
+        from orchestrator.settings import load_settings
+
+        self.settings = settings or load_settings()
+        self.config: dict[str, Any] = dict(config or {})
+
+    @abstractmethod
+    def submit(self, spec: JobSpec) -> JobHandle:
+        """Start the job; return once the backend has accepted it."""
+
+    @abstractmethod
+    def status(self, handle: JobHandle) -> JobStatus:
+        """The job's current state."""
+
+    @abstractmethod
+    def logs(self, handle: JobHandle, *, follow: bool = False, tail: int | None = None) -> Iterator[str]:
+        """Log lines (without newline); with ``follow``, until the job ends."""
+
+    @abstractmethod
+    def cancel(self, handle: JobHandle) -> None:
+        """End the job and everything it started; a finished job is left as it is."""
+
+    @abstractmethod
+    def check(self) -> tuple[bool, str]:
+        """``(reachable, detail)``: detail says what was found or why it is unreachable."""
+
+    def wait(self, handle: JobHandle, timeout: float | None = None, poll: float | None = None) -> JobStatus:
+        """Poll :meth:`status` until the job ends; :class:`JobTimeout` after ``timeout`` s."""
+        interval = self.poll_interval if poll is None else poll
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            status = self.status(handle)
+            if status.state.terminal:
+                return status
+            if deadline is not None and time.monotonic() >= deadline:
+                raise JobTimeout(f"{self.name} job {handle.job_id} still {status.state} after {timeout:g}s")
+            time.sleep(interval if deadline is None else max(0.0, min(interval, deadline - time.monotonic())))
+
+    def cleanup(self, handle: JobHandle) -> None:  # noqa: B027 - optional hook
+        """Release what a finished job still holds (containers, Job objects) once logs are read."""
+
+
+# -- parsing helpers shared by backends and the CLI -----------------------------------
+
+_MEM = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
+
+
+def parse_memory(text: str) -> int:
+    """``"512M"``/``"2G"``/``"1.5Gi"``/``"1048576"`` -> bytes (binary multiples, like Slurm and Docker)."""
+    match = _MEM.match(str(text))
+    if not match:
+        raise OpenlabError(f"invalid memory {text!r}: use a number with K, M, G or T, e.g. 512M or 2G")
+    number, unit = float(match.group(1)), match.group(2).upper()
+    return int(number * 1024 ** "_KMGT".index(unit)) if unit else int(number)
+
+
+_DURATION = re.compile(r"^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
+
+
+def parse_duration(text: str | int) -> int:
+    """Seconds from ``90``, ``"MM:SS"``, ``"HH:MM:SS"``, ``"D-HH:MM:SS"``, ``"1h"``, ``"30m"``, ``"1h30m"``."""
+    raw = str(text).strip().lower()
+    try:
+        if raw.isdigit():
+            seconds = int(raw)
+        elif ":" in raw:
+            days = 0
+            if "-" in raw:
+                day_text, raw = raw.split("-", 1)
+                days = int(day_text)
+            parts = [int(p) for p in raw.split(":")]
+            if len(parts) > 3 or any(p < 0 for p in parts):
+                raise ValueError
+            while len(parts) < 3:
+                parts.insert(0, 0)
+            seconds = days * 86400 + parts[0] * 3600 + parts[1] * 60 + parts[2]
+        else:
+            match = _DURATION.match(raw)
+            if not match or not raw:
+                raise ValueError
+            h, m, s = (int(g) if g else 0 for g in match.groups())
+            seconds = h * 3600 + m * 60 + s
+    except ValueError:
+        raise OpenlabError(
+            f"invalid time limit {text!r}: use seconds, MM:SS, HH:MM:SS, D-HH:MM:SS, or 1h / 30m / 45s"
+        ) from None
+    if seconds <= 0:
+        raise OpenlabError(f"invalid time limit {text!r}: must be positive")
+    return seconds
+
+
+# -- registry ---------------------------------------------------------------------------
+
+BACKENDS: dict[str, str] = {
+    "local": "orchestrator.launchers.local:LocalLauncher",
+    "docker": "orchestrator.launchers.docker:DockerLauncher",
+    "slurm": "orchestrator.launchers.slurm:SlurmLauncher",
+    "kubernetes": "orchestrator.launchers.kubernetes:KubernetesLauncher",
+}
+
+
+def get_launcher(name: str, settings: Settings | None = None, **overrides: Any) -> Launcher:
+    """The launcher for backend ``name``, configured from ``[backends.<name>]`` plus ``overrides``."""
+    import importlib
+
+    from orchestrator.settings import load_settings
+
+    key = (name or "").strip().lower()
+    if key not in BACKENDS:
+        raise OpenlabError(f"unknown backend {name!r}; known backends: {', '.join(BACKENDS)}")
+    settings = settings or load_settings()
+    config = {**settings.section(f"backends.{key}"), **{k: v for k, v in overrides.items() if v is not None}}
+    module_name, cls_name = BACKENDS[key].split(":")
+    cls = getattr(importlib.import_module(module_name), cls_name)
+    return cls(settings, config)
+
+
+def configured_backends(settings: Settings | None = None) -> list[str]:
+    """Backends to check: those under ``[backends]`` in config, else all known ones."""
+    from orchestrator.settings import load_settings
+
+    settings = settings or load_settings()
+    names = [n for n in settings.section("backends") if n in BACKENDS]
+    return names or list(BACKENDS)
+
+
+__all__ = [
+    "BACKENDS",
+    "BackendUnavailable",
+    "ImageNotFound",
+    "JobHandle",
+    "JobNotFound",
+    "JobSpec",
+    "JobState",
+    "JobStatus",
+    "JobTimeout",
+    "Launcher",
+    "LauncherError",
+    "SECRET_NAME",
+    "configured_backends",
+    "get_launcher",
+    "parse_duration",
+    "parse_memory",
+]
