@@ -53,7 +53,7 @@ from typing import Any
 import blake3
 
 from orchestrator.errors import NotFoundError, OpenlabError
-from orchestrator.hashing import canonical_json, hash_bytes
+from orchestrator.hashing import hash_bytes
 from orchestrator.settings import Settings, load_settings
 
 MERKLE_SCHEME = "openlab-snapshot-v1"
@@ -72,6 +72,7 @@ RACY_NS = 20_000_000
 _COARSE_RACY_NS = 2_000_000_000
 
 ProgressFn = Callable[[int, int], None]
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 class SnapshotError(OpenlabError):
@@ -89,11 +90,19 @@ class SnapshotEntry:
 
     def leaf(self) -> bytes:
         """The raw 32-byte leaf digest defined in the module docstring."""
+        return blake3.blake3(self.leaf_payload()).digest()
+
+    def leaf_payload(self) -> bytes:
+        """``canonical_json`` of the leaf list, built directly for speed.
+
+        Paths are already NFC and the other fields are ASCII hex or ints, so this is
+        byte-identical to ``canonical_json([...])`` (tests check it) while costing one
+        C-level string encode instead of a recursive normalisation per file: on a warm
+        snapshot of 10,000 files that difference is most of the run time.
+        """
         if self.link is not None:
-            payload = canonical_json(["link", self.path, self.link])
-        else:
-            payload = canonical_json(["file", self.path, self.size, self.blake3])
-        return blake3.blake3(payload).digest()
+            return f'["link",{_dumps(self.path)},{_dumps(self.link)}]'.encode()
+        return f'["file",{_dumps(self.path)},{self.size},"{self.blake3}"]'.encode()
 
     def to_dict(self) -> dict[str, Any]:
         if self.link is not None:
@@ -335,16 +344,21 @@ def _cache_path(settings: Settings, root: Path) -> Path:
     return settings.snapshots_dir / "cache" / f"{hash_bytes(str(root).encode('utf-8'))[:32]}.json"
 
 
-def _load_cache(path: Path, root: Path) -> dict[str, list[Any]]:
-    """Read a root's stat cache; anything unreadable or foreign is an empty cache."""
+def _load_cache(path: Path, root: Path) -> tuple[dict[str, list[Any]], str | None]:
+    """Read a root's stat cache and the id of the manifest it last wrote.
+
+    Anything unreadable, of another version or for another root is an empty cache:
+    the cache is only ever an optimisation.
+    """
     try:
         data = json.loads(path.read_bytes())
     except (OSError, ValueError):
-        return {}
+        return {}, None
     if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or data.get("root") != str(root):
-        return {}
+        return {}, None
     entries = data.get("entries")
-    return entries if isinstance(entries, dict) else {}
+    last = data.get("manifest")
+    return (entries if isinstance(entries, dict) else {}), (last if isinstance(last, str) else None)
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -408,61 +422,75 @@ def snapshot(
     found = _walk(root)
 
     cache_file = _cache_path(settings, root)
-    cache = _load_cache(cache_file, root)
+    cache, last_manifest = _load_cache(cache_file, root)
+    # Cache entry: [size, mtime_ns, inode, ctime_ns, blake3_hex, leaf_hex]. Keeping the
+    # leaf saves re-serialising and re-hashing every leaf on a warm run.
     new_cache: dict[str, list[Any]] = {}
-    known: dict[str, str] = {}
     todo: list[_Found] = []
     total = 0
     hit_bytes = 0
     for f in found:
         if f.link is not None:
             continue
-        total += f.st.st_size
-        key = list(_stat_key(f.st))
+        st = f.st
+        total += st.st_size
         cached = cache.get(f.rel)
-        if cached is not None and cached[:4] == key and isinstance(cached[4], str):
-            known[f.rel] = cached[4]
+        if (
+            cached is not None
+            and len(cached) == 6
+            and cached[0] == st.st_size
+            and cached[1] == st.st_mtime_ns
+            and cached[2] == st.st_ino
+            and cached[3] == st.st_ctime_ns
+        ):
             new_cache[f.rel] = cached
-            hit_bytes += f.st.st_size
+            hit_bytes += st.st_size
         else:
             todo.append(f)
     if progress is not None:
         progress(hit_bytes, total)
 
     hashed = _hash_many(todo, total, hit_bytes, progress)
+    fresh: dict[str, list[Any]] = {}
     for f in todo:
-        known[f.rel] = hashed[f.rel]
+        entry = SnapshotEntry(path=f.rel, size=f.st.st_size, blake3=hashed[f.rel])
+        fresh[f.rel] = [*_stat_key(f.st), hashed[f.rel], entry.leaf().hex()]
         if not _racy(f.st, start_ns):
-            new_cache[f.rel] = [*_stat_key(f.st), hashed[f.rel]]
+            new_cache[f.rel] = fresh[f.rel]
 
-    entries = tuple(
-        sorted(
-            (
-                SnapshotEntry(path=f.rel, link=f.link)
-                if f.link is not None
-                else SnapshotEntry(path=f.rel, size=f.st.st_size, blake3=known[f.rel])
-                for f in found
-            ),
-            key=lambda e: e.path,
-        )
-    )
-    snap_id = merkle_root(entries)
+    entries: list[SnapshotEntry] = []
+    leaves: list[tuple[str, bytes]] = []
+    for f in found:
+        if f.link is not None:
+            entry = SnapshotEntry(path=f.rel, link=f.link)
+            entries.append(entry)
+            leaves.append((f.rel, entry.leaf()))
+        else:
+            rec = new_cache.get(f.rel) or fresh[f.rel]
+            entries.append(SnapshotEntry(path=f.rel, size=f.st.st_size, blake3=rec[4]))
+            leaves.append((f.rel, bytes.fromhex(rec[5])))
+    entries.sort(key=lambda e: e.path)
+    leaves.sort(key=lambda item: item[0])
+    snap_id = blake3.blake3(_ROOT_PREFIX + b"".join(leaf for _, leaf in leaves)).hexdigest()
     created = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
-    nfiles = sum(1 for e in entries if e.link is None)
-    manifest = {
-        "version": MANIFEST_VERSION,
-        "scheme": MERKLE_SCHEME,
-        "id": snap_id,
-        "path": str(root),
-        "created": created,
-        "files": nfiles,
-        "bytes": total,
-        "entries": [e.to_dict() for e in entries],
-    }
+    nfiles = len(found) - sum(1 for f in found if f.link is not None)
     manifest_path = settings.snapshots_dir / f"{snap_id}.json"
-    _atomic_write(manifest_path, json.dumps(manifest, indent=None, separators=(",", ":")).encode())
-    if new_cache != cache or not cache_file.exists():
-        body = {"version": CACHE_VERSION, "root": str(root), "entries": new_cache}
+    # Same root, same id as last time and the manifest is still there: it already says
+    # exactly this (content-addressed), so skip re-serialising 10,000 entries.
+    if not (last_manifest == snap_id and manifest_path.exists()):
+        manifest = {
+            "version": MANIFEST_VERSION,
+            "scheme": MERKLE_SCHEME,
+            "id": snap_id,
+            "path": str(root),
+            "created": created,
+            "files": nfiles,
+            "bytes": total,
+            "entries": [e.to_dict() for e in entries],
+        }
+        _atomic_write(manifest_path, json.dumps(manifest, separators=(",", ":")).encode())
+    if todo or len(new_cache) != len(cache) or last_manifest != snap_id:
+        body = {"version": CACHE_VERSION, "root": str(root), "manifest": snap_id, "entries": new_cache}
         _atomic_write(cache_file, json.dumps(body, separators=(",", ":")).encode())
     return Snapshot(
         id=snap_id,
@@ -470,7 +498,7 @@ def snapshot(
         files=nfiles,
         bytes=total,
         manifest_path=manifest_path,
-        entries=entries,
+        entries=tuple(entries),
         created=created,
         cache_hits=nfiles - len(todo),
         hashed_files=len(todo),
@@ -533,7 +561,7 @@ def verify_snapshot(
     except SnapshotError as exc:
         return [*problems, f"{label}: {exc}"]
 
-    cache = _load_cache(_cache_path(settings, root), root) if trust_stat_cache else {}
+    cache = _load_cache(_cache_path(settings, root), root)[0] if trust_stat_cache else {}
     current = {f.rel: f for f in found}
     for rel in sorted(set(recorded) - set(current)):
         problems.append(f"{label}: {rel} is missing")
@@ -549,7 +577,7 @@ def verify_snapshot(
             problems.append(f"{label}: {rel} changed size ({want.size} -> {f.st.st_size} bytes)")
             continue
         cached = cache.get(rel)
-        if cached is not None and cached[:4] == list(_stat_key(f.st)):
+        if cached is not None and len(cached) == 6 and cached[:4] == list(_stat_key(f.st)):
             digest = cached[4]
         else:
             try:

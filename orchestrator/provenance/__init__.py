@@ -1,0 +1,64 @@
+"""Provenance capture: the code (git) and the environment a stage runs with.
+
+:func:`capture` is what ``openlab provenance [PATH]`` prints: its ``to_dict()`` has
+``git.commit``, ``git.dirty``, ``git.patch_hash`` (null when clean) and
+``environment.packages_hash``. Pure library code: it returns typed results and
+writes only the content-addressed dirty patch; the lineage store records them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orchestrator.provenance.environment import EnvironmentInfo, capture_environment
+from orchestrator.provenance.git import (
+    GitInfo,
+    ProvenanceError,
+    ProvenanceWarning,
+    SubmoduleInfo,
+    capture_git,
+    commit_exists,
+    strip_credentials,
+)
+from orchestrator.settings import Settings
+
+__all__ = [
+    "EnvironmentInfo",
+    "GitInfo",
+    "Provenance",
+    "ProvenanceError",
+    "ProvenanceWarning",
+    "SubmoduleInfo",
+    "capture",
+    "capture_environment",
+    "capture_git",
+    "commit_exists",
+    "strip_credentials",
+]
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Git and environment facts captured together."""
+
+    git: GitInfo
+    environment: EnvironmentInfo
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"git": self.git.to_dict(), "environment": self.environment.to_dict()}
+
+
+def capture(
+    path: Path = Path("."),
+    code_paths: Sequence[str] = (),
+    *,
+    settings: Settings | None = None,
+) -> Provenance:
+    """Capture provenance for the repository containing ``path`` and this process."""
+    return Provenance(
+        git=capture_git(path, code_paths=code_paths, settings=settings),
+        environment=capture_environment(),
+    )

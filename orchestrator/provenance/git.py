@@ -1,0 +1,345 @@
+"""Git provenance: which commit, which uncommitted changes, which code.
+
+A stage's result depends on the code as it was on disk, not on the last commit, so
+capture works from the *working tree*:
+
+* ``patch`` — one binary-safe patch (``git diff --binary``) from HEAD to the working
+  tree, covering staged and unstaged edits **and** untracked files that .gitignore
+  does not exclude. It is stored content-addressed at ``settings.blobs_dir/<hash>``;
+  ``patch_hash`` is the BLAKE3 of its bytes (``None`` when the tree is clean).
+  ``git apply --binary`` of that patch on the recorded commit rebuilds the tree.
+* ``tree_hashes`` — for each declared code path, the git object id (tree for a
+  folder, blob for a file) of that path in the working tree. It is computed by
+  ``git add -A`` into a *temporary index* (a copy of the real one, so unchanged files
+  are not re-read) with a *temporary object directory* (so nothing is written into
+  the user's repository), then ``git write-tree``. Git ids are content-addressed per
+  subtree, so a one-line edit changes the hash of exactly the declared paths that
+  contain it, and a clean tree gives the same ids as ``HEAD:<path>``.
+
+A folder that is not in a git repository (or a machine without git) yields
+``GitInfo(available=False, reason=...)`` and a :class:`ProvenanceWarning`; it never
+raises. A declared code path that does not exist or is ignored by git does raise: a
+stage identity silently missing its code would defeat the cache key.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import tempfile
+import urllib.parse
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import git as gitpython
+from git.exc import GitCommandError, GitCommandNotFound, InvalidGitRepositoryError, NoSuchPathError
+
+from orchestrator.errors import OpenlabError
+from orchestrator.hashing import hash_bytes
+from orchestrator.settings import Settings, load_settings
+from orchestrator.snapshots import _atomic_write
+
+log = logging.getLogger(__name__)
+
+#: The id of git's empty tree: the "HEAD" of a repository with no commits yet.
+EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
+
+
+class ProvenanceWarning(UserWarning):
+    """Provenance could only be captured partially (e.g. the folder is not a git repo)."""
+
+
+class ProvenanceError(OpenlabError):
+    """Provenance cannot be captured as declared (e.g. a code path that does not exist)."""
+
+
+@dataclass(frozen=True)
+class SubmoduleInfo:
+    """A submodule's path, the commit checked out in it, and whether it has local edits."""
+
+    path: str
+    commit: str | None
+    dirty: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "commit": self.commit, "dirty": self.dirty}
+
+
+@dataclass(frozen=True)
+class GitInfo:
+    """What git says about the code at capture time (see the module docstring)."""
+
+    available: bool
+    reason: str | None = None
+    root: str | None = None
+    remote_url: str | None = None
+    branch: str | None = None
+    commit: str | None = None
+    dirty: bool | None = None
+    patch_hash: str | None = None
+    patch_path: str | None = None
+    patch_bytes: int = 0
+    untracked: tuple[str, ...] = ()
+    tree_hashes: Mapping[str, str] = field(default_factory=dict)
+    submodules: tuple[SubmoduleInfo, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "available": self.available,
+            "reason": self.reason,
+            "root": self.root,
+            "remote_url": self.remote_url,
+            "branch": self.branch,
+            "commit": self.commit,
+            "dirty": self.dirty,
+            "patch_hash": self.patch_hash,
+            "patch_path": self.patch_path,
+            "patch_bytes": self.patch_bytes,
+            "untracked": list(self.untracked),
+            "tree_hashes": dict(self.tree_hashes),
+            "submodules": [s.to_dict() for s in self.submodules],
+        }
+
+
+_SCP_LIKE = re.compile(r"^(?P<user>[^@/]+@)?(?P<host>[^:/]+):(?P<path>.*)$")
+
+
+def strip_credentials(url: str | None) -> str | None:
+    """Remove secrets from a remote URL.
+
+    ``https://user:token@host/x`` becomes ``https://host/x`` (for http(s) the user
+    part alone can be a token, so all of it goes); other schemes keep a user name but
+    lose any password (``ssh://git@host/x`` is not a secret). scp-like
+    ``git@host:x`` has no password field and is kept.
+    """
+    if not url:
+        return url
+    if "://" not in url:
+        return url if _SCP_LIKE.match(url) or "@" not in url else url.split("@", 1)[1]
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    userinfo, host = parts.netloc.rsplit("@", 1)
+    if parts.scheme in ("http", "https", "ftp", "ftps"):
+        netloc = host
+    else:
+        user = userinfo.split(":", 1)[0]
+        netloc = f"{user}@{host}" if user else host
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def _unavailable(path: Path, reason: str) -> GitInfo:
+    message = f"{path}: {reason}; provenance records no git commit or patch"
+    warnings.warn(message, ProvenanceWarning, stacklevel=3)
+    log.warning(message)
+    return GitInfo(available=False, reason=reason)
+
+
+def _open_repo(path: Path) -> gitpython.Repo:
+    return gitpython.Repo(path, search_parent_directories=True)
+
+
+def _remote_url(repo: gitpython.Repo) -> str | None:
+    remotes = {r.name: r for r in repo.remotes}
+    chosen = remotes.get("origin") or (next(iter(remotes.values())) if remotes else None)
+    if chosen is None:
+        return None
+    try:
+        urls = list(chosen.urls)
+    except GitCommandError:
+        return None
+    return strip_credentials(urls[0]) if urls else None
+
+
+class _TempTree:
+    """The working tree as git objects, without touching the user's index or objects.
+
+    Inside the context, ``tree`` is the working tree's root tree id (untracked files
+    included, ignored ones excluded) and :meth:`run` runs git with the temporary index
+    and object directory, so ``diff --cached`` and ``rev-parse`` see that tree.
+    """
+
+    def __init__(self, repo: gitpython.Repo) -> None:
+        self.repo = repo
+        self.tmp = Path(tempfile.mkdtemp(prefix="openlab-git-"))
+        git_dir = Path(repo.git_dir)
+        objects = Path(repo.common_dir) / "objects" if hasattr(repo, "common_dir") else git_dir / "objects"
+        index = self.tmp / "index"
+        real_index = git_dir / "index"
+        if real_index.exists():
+            shutil.copyfile(real_index, index)  # reuse cached stat info: no re-read of clean files
+        (self.tmp / "objects").mkdir()
+        self.env = {
+            "GIT_INDEX_FILE": str(index),
+            "GIT_OBJECT_DIRECTORY": str(self.tmp / "objects"),
+            "GIT_ALTERNATE_OBJECT_DIRECTORIES": str(objects),
+        }
+        self.tree = ""
+
+    def run(self, *args: str, binary: bool = False) -> Any:
+        return self.repo.git.execute(
+            ["git", *args], env=self.env, stdout_as_string=not binary, strip_newline_in_stdout=not binary
+        )
+
+    def __enter__(self) -> _TempTree:
+        try:
+            self.run("add", "-A", "--", ".")
+            self.tree = self.run("write-tree").strip()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _submodules(repo: gitpython.Repo) -> tuple[SubmoduleInfo, ...]:
+    try:
+        listing = repo.git.ls_files("-s", "-z")
+    except GitCommandError:
+        return ()
+    out: list[SubmoduleInfo] = []
+    root = Path(repo.working_tree_dir or ".")
+    for record in listing.split("\0"):
+        if not record.startswith("160000 "):
+            continue
+        meta, sub_path = record.split("\t", 1)
+        sub_dir = root / sub_path
+        commit: str | None = None
+        dirty = False
+        if (sub_dir / ".git").exists():
+            try:
+                sub = gitpython.Repo(sub_dir)
+                commit = sub.head.commit.hexsha if sub.head.is_valid() else None
+                dirty = sub.is_dirty(untracked_files=True)
+            except (InvalidGitRepositoryError, GitCommandError, ValueError):
+                commit = meta.split()[1]
+        out.append(SubmoduleInfo(path=sub_path, commit=commit, dirty=dirty))
+    return tuple(out)
+
+
+def _relative_code_path(declared: str, base: Path, root: Path) -> str:
+    candidate = Path(declared)
+    absolute = candidate if candidate.is_absolute() else base / candidate
+    absolute = Path(os.path.normpath(absolute))
+    try:
+        rel = absolute.relative_to(root)
+    except ValueError:
+        raise ProvenanceError(
+            f"code path {declared}: outside the git repository {root}; declare paths inside it"
+        ) from None
+    return rel.as_posix()
+
+
+def capture_git(
+    path: Path = Path("."),
+    *,
+    code_paths: Sequence[str] = (),
+    settings: Settings | None = None,
+) -> GitInfo:
+    """Capture git provenance of the repository containing ``path``.
+
+    ``code_paths`` are files or folders, relative to ``path`` (or absolute), whose
+    working-tree git hashes go into ``tree_hashes`` keyed by the string given. The
+    dirty patch is written to ``settings.blobs_dir``. Never raises for "no git";
+    raises :class:`ProvenanceError` for a declared code path that git does not have.
+    """
+    path = Path(path).expanduser().resolve()
+    try:
+        repo = _open_repo(path)
+    except (InvalidGitRepositoryError, NoSuchPathError):
+        return _unavailable(path, "no git")
+    except GitCommandNotFound:
+        return _unavailable(path, "git executable not found")
+    if repo.bare or repo.working_tree_dir is None:
+        return _unavailable(path, "bare git repository (no working tree)")
+    try:
+        return _capture(repo, path, code_paths, settings)
+    except GitCommandNotFound:
+        return _unavailable(path, "git executable not found")
+    finally:
+        repo.close()
+
+
+def _capture(
+    repo: gitpython.Repo, path: Path, code_paths: Sequence[str], settings: Settings | None
+) -> GitInfo:
+    root = Path(repo.working_tree_dir or path).resolve()
+    has_commit = repo.head.is_valid()
+    commit = repo.head.commit.hexsha if has_commit else None
+    try:
+        branch = None if repo.head.is_detached else repo.head.reference.name
+    except (TypeError, ValueError):
+        branch = None
+    base = commit or EMPTY_TREE
+
+    with _TempTree(repo) as work:
+        patch: bytes = work.run(
+            "diff", "--cached", "--binary", "--no-color", "--no-ext-diff", "--full-index",
+            "--ignore-submodules=none", base, binary=True,
+        )
+        untracked_raw = repo.git.ls_files("--others", "--exclude-standard", "-z")
+        untracked = tuple(sorted(p for p in untracked_raw.split("\0") if p))
+        tree_hashes: dict[str, str] = {}
+        for declared in code_paths:
+            rel = _relative_code_path(declared, path, root)
+            spec = work.tree if rel in ("", ".") else f"{work.tree}:{rel}"
+            try:
+                tree_hashes[declared] = work.run("rev-parse", "--verify", "--quiet", spec).strip()
+            except GitCommandError:
+                ignored = bool(repo.git.check_ignore(rel, with_exceptions=False)) if (root / rel).exists() else False
+                why = "is ignored by git" if ignored else "does not exist in the working tree"
+                raise ProvenanceError(
+                    f"code path {declared} ({root / rel}) {why}; fix the stage's declared code paths"
+                ) from None
+
+    submodules = _submodules(repo)
+    patch_hash: str | None = None
+    patch_path: str | None = None
+    if patch:
+        settings = settings if settings is not None else load_settings()
+        patch_hash = hash_bytes(patch)
+        blob = settings.blobs_dir / patch_hash
+        if not blob.exists():
+            _atomic_write(blob, patch)
+        patch_path = str(blob)
+    return GitInfo(
+        available=True,
+        root=str(root),
+        remote_url=_remote_url(repo),
+        branch=branch,
+        commit=commit,
+        dirty=bool(patch) or any(s.dirty for s in submodules),
+        patch_hash=patch_hash,
+        patch_path=patch_path,
+        patch_bytes=len(patch),
+        untracked=untracked,
+        tree_hashes=tree_hashes,
+        submodules=submodules,
+    )
+
+
+def commit_exists(repo_path: Path, sha: str) -> bool:
+    """Whether ``sha`` names a commit in the repository at ``repo_path`` (for verify)."""
+    if not sha or not re.fullmatch(r"[0-9a-fA-F]{4,64}", sha):
+        return False
+    try:
+        repo = _open_repo(Path(repo_path))
+    except (InvalidGitRepositoryError, NoSuchPathError, GitCommandNotFound):
+        return False
+    try:
+        repo.git.cat_file("-e", f"{sha}^{{commit}}")
+        return True
+    except GitCommandError:
+        return False
+    finally:
+        repo.close()
