@@ -293,3 +293,53 @@ RECORD_TYPES: dict[str, type[LineageRecord]] = {
 
 #: Record kinds by id prefix, so ``lineage show ID`` finds a record from its id alone.
 PREFIXES: dict[str, type[LineageRecord]] = {cls.id_prefix: cls for cls in RECORD_TYPES.values()}
+
+
+# -- GitHub links (orchestrator.links.github) --------------------------------------------------
+# Appended by the links work: the two tables below were added after 0001 (see migration 0002).
+
+
+class GithubComment(LineageRecord, table=True):
+    """The single comment on an experiment issue that holds one pipeline run's lineage card.
+
+    Its id is derived from (issue, pipeline run), so recording it twice is one record;
+    ``comment_id`` is GitHub's id, known only once the comment exists. The comment body
+    also carries a hidden marker, so a crash between creating it and recording it here
+    is repaired by finding the marker instead of posting a second comment.
+    """
+
+    kind: ClassVar[str] = "github_comment"
+    id_prefix: ClassVar[str] = "ghc"
+
+    id: str = Field(primary_key=True)  # "ghc_" + hash(issue id, pipeline run id)
+    issue_id: str = Field(index=True)
+    pipeline_run_id: str = Field(index=True)
+    comment_id: int | None = Field(default=None, sa_column=Column(BigInteger, nullable=True))
+    url: str | None = None
+    body_hash: str | None = None
+    updated_at: dt.datetime = Field(default_factory=utcnow)
+
+
+class GithubUpdate(SQLModel, table=True):
+    """A GitHub update not yet made (no token, no network, rate limited); not lineage.
+
+    Like :class:`Lease` this is coordination state and changes without events.
+    ``openlab github sync`` flushes it. One row per (action, issue, pipeline run):
+    repeated failures coalesce, because a card is always re-rendered from lineage
+    when it is finally sent.
+    """
+
+    id: str = Field(primary_key=True)  # "<action>:<issue id>:<pipeline run id or ->"
+    action: str  # resolve | publish
+    issue_id: str = Field(index=True)
+    pipeline_run_id: str | None = Field(default=None, index=True)
+    state: str = Field(default="pending", index=True)  # pending | done | failed
+    attempts: int = 0
+    last_error: str | None = None
+    not_before: dt.datetime | None = None
+    created_at: dt.datetime = Field(default_factory=utcnow)
+    updated_at: dt.datetime = Field(default_factory=utcnow)
+
+
+RECORD_TYPES[GithubComment.kind] = GithubComment
+PREFIXES[GithubComment.id_prefix] = GithubComment
