@@ -180,7 +180,6 @@ def run_job(
             if should_cancel is not None and not cancelled_by_caller and should_cancel():
                 cancelled_by_caller = True
                 launcher.cancel(handle)
-                continue
             if deadline is not None and time.monotonic() >= deadline:
                 raise JobTimeout(f"{launcher.name} job {handle.job_id} did not finish within {timeout:g}s")
             time.sleep(interval)

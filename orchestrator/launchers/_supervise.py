@@ -1,0 +1,125 @@
+"""Supervisor of one local job; run as ``python -I -S _supervise.py STATE LIMIT GRACE -- CMD...``.
+
+Why a supervisor: a local job must outlive the process that submitted it, keep its time
+limit without anyone polling, and leave its exit code where *another* process (``openlab
+job status ID``) can read it. Only the parent of a process can read its exit status, so a
+tiny supervisor is that parent and writes the outcome into a JSON state file.
+
+The supervisor runs in its own session and the job in its own process group, so the supervisor can end the
+whole group: on SIGTERM/SIGINT/SIGHUP (cancel) or SIGALRM (time limit) it sends SIGTERM to
+the group, then SIGKILL after the grace period. When the job's main process exits, any
+processes it left behind in its group are killed too, like Slurm and Docker do.
+
+Stdlib only and imported by path with ``-S``: it must start fast and cannot see openlab.
+"""
+
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+
+def _write(path, data):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(data, fh)
+    os.replace(tmp, path)
+
+
+def main(argv):
+    state_path, limit, grace = argv[0], float(argv[1]), float(argv[2])
+    cmd = argv[4:] if argv[3] == "--" else argv[3:]
+    with open(state_path) as fh:
+        state = json.load(fh)
+
+    why = {"stop": None, "killed": False, "pid": None}
+
+    def kill(sig):
+        if why["pid"] is not None:
+            try:
+                os.killpg(why["pid"], sig)
+            except OSError:
+                pass
+
+    def stop(reason):
+        if why["stop"] is None:
+            why["stop"] = reason
+            kill(signal.SIGTERM)
+            signal.alarm(max(1, int(round(grace))))
+        elif not why["killed"]:
+            why["killed"] = True
+            kill(signal.SIGKILL)
+
+    def on_cancel(_signum, _frame):
+        stop("cancelled")
+
+    def on_alarm(_signum, _frame):
+        stop("time limit exceeded")
+
+    # handlers first, so a cancel that arrives while the job starts is not lost
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, on_cancel)
+    signal.signal(signal.SIGALRM, on_alarm)
+
+    pid = os.fork()
+    if pid == 0:  # the job, in its own process group (the supervisor already has its own session)
+        os.setpgid(0, 0)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGALRM):
+            signal.signal(sig, signal.SIG_DFL)
+        try:
+            if state.get("workdir"):
+                os.chdir(state["workdir"])
+            os.execvp(cmd[0], cmd)
+        except OSError as exc:
+            sys.stderr.write(f"openlab: cannot run {cmd[0]!r}: {exc.strerror}\n")
+            sys.stderr.flush()
+            os._exit(127)
+    try:  # set it from both sides, so the group exists before anyone signals it
+        os.setpgid(pid, pid)
+    except OSError:
+        pass
+    why["pid"] = pid
+    if why["stop"] is not None:
+        kill(signal.SIGTERM)
+
+    state.update(state="RUNNING", pgid=pid, host=socket.gethostname(), started_at=time.time())
+    _write(state_path, state)
+    if limit > 0:
+        signal.setitimer(signal.ITIMER_REAL, limit)
+
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except ChildProcessError:
+            status = 255 << 8
+            break
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    try:  # nothing of the job outlives it
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+    if os.WIFSIGNALED(status):
+        code = 128 + os.WTERMSIG(status)
+    else:
+        code = os.WEXITSTATUS(status)
+    if why["stop"] == "cancelled":
+        final, reason = "CANCELLED", "cancelled"
+    elif why["stop"] == "time limit exceeded":
+        final, reason = "FAILED", f"time limit exceeded ({limit:g}s)"
+    elif code == 0:
+        final, reason = "SUCCEEDED", None
+    elif os.WIFSIGNALED(status):
+        final, reason = "FAILED", f"killed by signal {os.WTERMSIG(status)}"
+    else:
+        final, reason = "FAILED", f"exit code {code}"
+    state.update(state=final, exit_code=code, reason=reason, ended_at=time.time())
+    _write(state_path, state)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,301 @@
+"""Local backend: the job is a process on this machine, in its own process group.
+
+A tiny stdlib supervisor (:mod:`orchestrator.launchers._supervise`) is the job's parent:
+it keeps the time limit, ends the whole process group on cancel (SIGTERM, then SIGKILL
+after ``grace`` seconds) and writes the outcome into ``$OPENLAB_HOME/jobs/local/ID.json``,
+so any process can ask for the status of a job it did not start. Output goes to
+``logs_dir/ID.log``.
+
+Config (``[backends.local]``): ``grace`` (seconds between SIGTERM and SIGKILL, default 5),
+``inherit_env`` (pass this process's environment to jobs, default true).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from orchestrator.launchers.base import (
+    JobHandle,
+    JobNotFound,
+    JobSpec,
+    JobState,
+    JobStatus,
+    Launcher,
+    LauncherError,
+)
+
+SUPERVISOR = Path(__file__).with_name("_supervise.py")
+
+
+def _ts(value: Any) -> dt.datetime | None:
+    return dt.datetime.fromtimestamp(float(value), dt.UTC) if value else None
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is not alive
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def group_members(pgid: int | None) -> list[int]:
+    """Live (non-zombie) processes in process group ``pgid``, from /proc."""
+    if not pgid:
+        return []
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return []
+    except PermissionError:
+        pass
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def _group_alive(pgid: int | None) -> bool:
+    return bool(group_members(pgid))
+
+
+def follow_file(path: Path, done: Any, *, follow: bool, tail: int | None, poll: float = 0.1) -> Iterator[str]:
+    """Lines of a growing log file; with ``follow`` until ``done()`` is true and the file is drained."""
+    deadline_missing = time.monotonic() + 30
+    while not path.exists():
+        if not follow or done() or time.monotonic() > deadline_missing:
+            return
+        time.sleep(poll)
+    with path.open("r", encoding="utf-8", errors="replace") as fh:
+        if tail is not None:
+            last = deque(fh, maxlen=max(tail, 0))
+            pending = "".join(last)
+            for line in pending.splitlines():
+                yield line
+            if not follow:
+                return
+        elif not follow:
+            for line in fh:
+                yield line.rstrip("\n")
+            return
+        partial = ""
+        while True:
+            chunk = fh.readline()
+            if chunk:
+                partial += chunk
+                if partial.endswith("\n"):
+                    yield partial[:-1]
+                    partial = ""
+                continue
+            if done():
+                rest = fh.read()
+                text = partial + rest
+                for line in text.splitlines():
+                    yield line
+                return
+            time.sleep(poll)
+
+
+class LocalLauncher(Launcher):
+    """Runs jobs as local processes (see the module docstring)."""
+
+    name = "local"
+    poll_interval = 0.1
+
+    def __init__(self, settings: Any = None, config: Any = None) -> None:
+        super().__init__(settings, config)
+        self.state_dir = self.settings.home / "jobs" / "local"
+        self._children: dict[str, subprocess.Popen[bytes]] = {}
+
+    # -- helpers ---------------------------------------------------------------
+    def _state_path(self, job_id: str) -> Path:
+        if not job_id.startswith("local-") or "/" in job_id:
+            raise JobNotFound(f"{job_id!r} is not a local job id (local-...)")
+        return self.state_dir / f"{job_id}.json"
+
+    def _read(self, job_id: str) -> dict[str, Any]:
+        path = self._state_path(job_id)
+        for _ in range(3):
+            try:
+                return json.loads(path.read_text())
+            except FileNotFoundError:
+                raise JobNotFound(f"no local job {job_id} (no state file {path})") from None
+            except json.JSONDecodeError:
+                time.sleep(0.02)  # replaced atomically, but be forgiving
+        raise LauncherError(f"local job state file {path} is unreadable")
+
+    def _reap(self, job_id: str) -> None:
+        child = self._children.get(job_id)
+        if child is not None and child.poll() is not None:
+            self._children.pop(job_id, None)
+
+    # -- interface -------------------------------------------------------------
+    def submit(self, spec: JobSpec) -> JobHandle:
+        job_id = f"local-{uuid.uuid4().hex[:12]}"
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        logs_dir = self.settings.logs_dir
+        logs_dir.mkdir(parents=True, exist_ok=True)
+        log_path = logs_dir / f"{job_id}.log"
+        workdir = spec.workdir
+        if workdir and not Path(workdir).is_dir():
+            raise LauncherError(f"working directory {workdir} does not exist")
+        env = dict(os.environ) if self.config.get("inherit_env", True) else {"PATH": os.environ.get("PATH", "")}
+        env.update(spec.env)
+        env.update(
+            OPENLAB_JOB_ID=job_id,
+            OPENLAB_JOB_NAME=spec.name,
+            OPENLAB_LABELS=json.dumps(dict(spec.labels), sort_keys=True),
+        )
+        if spec.artifact_root is not None:
+            Path(spec.artifact_root).mkdir(parents=True, exist_ok=True)
+            env["OPENLAB_ARTIFACT_ROOT"] = str(spec.artifact_root)
+        if spec.gpus:
+            env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(spec.gpus)))
+        state: dict[str, Any] = {
+            "job_id": job_id,
+            "name": spec.name,
+            "command": list(spec.command),
+            "labels": dict(spec.labels),
+            "workdir": workdir,
+            "log_path": str(log_path),
+            "time_limit": spec.time_limit,
+            "state": "PENDING",
+            "submitted_at": time.time(),
+            "host": socket.gethostname(),
+        }
+        path = self._state_path(job_id)
+        path.write_text(json.dumps(state))
+        grace = float(spec.options.get("grace", self.config.get("grace", 5)))
+        argv = [sys.executable, "-I", "-S", str(SUPERVISOR), str(path), str(spec.time_limit or 0), str(grace), "--"]
+        with log_path.open("ab") as log_fh:
+            try:
+                child = subprocess.Popen(
+                    [*argv, *spec.command],
+                    stdin=subprocess.DEVNULL,
+                    stdout=log_fh,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
+                    close_fds=True,
+                )
+            except OSError as exc:
+                raise LauncherError(f"cannot start local job: {exc}") from None
+        self._children[job_id] = child
+        # the supervisor owns the state file; its pid goes beside it so neither writer races the other
+        path.with_suffix(".pid").write_text(json.dumps({"supervisor_pid": child.pid}))
+        return JobHandle(self.name, job_id, str(log_path), {"supervisor_pid": child.pid})
+
+    def _supervisor_pid(self, job_id: str, state: dict[str, Any]) -> int | None:
+        pid = state.get("supervisor_pid")
+        if pid:
+            return int(pid)
+        try:
+            return int(json.loads(self._state_path(job_id).with_suffix(".pid").read_text())["supervisor_pid"])
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def status(self, handle: JobHandle) -> JobStatus:
+        self._reap(handle.job_id)
+        state = self._read(handle.job_id)
+        job_state = JobState(state.get("state", "PENDING"))
+        if not job_state.terminal:
+            sup = self._supervisor_pid(handle.job_id, state)
+            self._reap(handle.job_id)
+            if sup is not None and not _alive(sup):
+                state = self._read(handle.job_id)  # it may have finished just now
+                job_state = JobState(state.get("state", "PENDING"))
+                if not job_state.terminal:
+                    job_state = JobState.LOST
+                    state["reason"] = "the job's supervisor process is gone without recording an end"
+        return JobStatus(
+            state=job_state,
+            exit_code=state.get("exit_code"),
+            reason=state.get("reason"),
+            host=state.get("host"),
+            started_at=_ts(state.get("started_at")),
+            ended_at=_ts(state.get("ended_at")),
+        )
+
+    def logs(self, handle: JobHandle, *, follow: bool = False, tail: int | None = None) -> Iterator[str]:
+        path = Path(handle.log_path or self._read(handle.job_id)["log_path"])
+        return follow_file(path, lambda: self.status(handle).state.terminal, follow=follow, tail=tail)
+
+    def cancel(self, handle: JobHandle) -> None:
+        state = self._read(handle.job_id)
+        if JobState(state.get("state", "PENDING")).terminal:
+            return
+        sup = self._supervisor_pid(handle.job_id, state)
+        grace = float(self.config.get("grace", 5))
+        if sup is not None and _alive(sup):
+            try:
+                os.kill(sup, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + grace + 3
+            while time.monotonic() < deadline:
+                self._reap(handle.job_id)
+                if JobState(self._read(handle.job_id).get("state", "PENDING")).terminal:
+                    break
+                time.sleep(0.05)
+        # the supervisor is gone or stuck, or members linger: end the group ourselves
+        state = self._read(handle.job_id)
+        pgid = int(state.get("pgid") or 0)
+        if _group_alive(pgid):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 3
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if sup is not None and _alive(sup):
+            os.kill(sup, signal.SIGKILL)
+        if not JobState(state.get("state", "PENDING")).terminal:
+            state.update(state="CANCELLED", reason="cancelled (supervisor did not answer)", ended_at=time.time())
+            self._state_path(handle.job_id).write_text(json.dumps(state))
+
+    def check(self) -> tuple[bool, str]:
+        try:
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            probe = self.state_dir / ".probe"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as exc:
+            return False, f"cannot write job state under {self.state_dir}: {exc.strerror}"
+        return True, f"processes on {socket.gethostname()} (state in {self.state_dir})"
+
+    def process_group(self, handle: JobHandle) -> int | None:
+        """The job's process group id (tests check nothing of it is left after cancel)."""
+        pgid = self._read(handle.job_id).get("pgid")
+        return int(pgid) if pgid else None
+
+    def cleanup(self, handle: JobHandle) -> None:
+        self._reap(handle.job_id)
