@@ -1,0 +1,243 @@
+"""Provenance capture against real git repositories built in temp folders."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from orchestrator.hashing import hash_bytes
+from orchestrator.provenance import (
+    Provenance,
+    ProvenanceError,
+    ProvenanceWarning,
+    capture,
+    capture_environment,
+    capture_git,
+    commit_exists,
+    strip_credentials,
+)
+from orchestrator.provenance.environment import normalise_dist_name, packages_hash
+from orchestrator.settings import Settings, load_settings
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], check=True, capture_output=True, text=True
+    ).stdout.strip()
+
+
+@pytest.fixture()
+def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
+    monkeypatch.setenv("OPENLAB_HOME", str(tmp_path / "home"))
+    for var in ("GIT_DIR", "GIT_INDEX_FILE", "GIT_WORK_TREE", "GIT_OBJECT_DIRECTORY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("GIT_AUTHOR_NAME", "t")
+    monkeypatch.setenv("GIT_AUTHOR_EMAIL", "t@example.org")
+    monkeypatch.setenv("GIT_COMMITTER_NAME", "t")
+    monkeypatch.setenv("GIT_COMMITTER_EMAIL", "t@example.org")
+    return load_settings(cwd=tmp_path)
+
+
+@pytest.fixture()
+def repo(tmp_path: Path, settings: Settings) -> Path:
+    root = tmp_path / "repo"
+    root.mkdir()
+    git(root, "init", "-q", "-b", "main")
+    (root / "src").mkdir()
+    (root / "src" / "model.py").write_text("x = 1\ny = 2\n")
+    (root / "data").mkdir()
+    (root / "data" / "prep.py").write_text("print('prep')\n")
+    (root / "logo.bin").write_bytes(bytes(range(256)))
+    (root / ".gitignore").write_text("*.log\nbuild/\n")
+    git(root, "add", "-A")
+    git(root, "commit", "-q", "-m", "first")
+    return root
+
+
+def test_clean_repo(repo: Path, settings: Settings) -> None:
+    info = capture_git(repo, code_paths=["src", "data/prep.py"], settings=settings)
+    assert info.available and info.commit == git(repo, "rev-parse", "HEAD")
+    assert info.branch == "main" and info.dirty is False and info.patch_hash is None
+    assert info.tree_hashes == {
+        "src": git(repo, "rev-parse", "HEAD:src"),
+        "data/prep.py": git(repo, "rev-parse", "HEAD:data/prep.py"),
+    }
+    assert not settings.blobs_dir.exists()
+    # capture must not touch the user's index or object store
+    assert git(repo, "status", "--porcelain") == ""
+
+
+def test_dirty_patch_staged_unstaged_untracked_binary(repo: Path, settings: Settings) -> None:
+    (repo / "src" / "model.py").write_text("x = 1\ny = 3\n")  # unstaged
+    (repo / "data" / "prep.py").write_text("print('prep2')\n")
+    git(repo, "add", "data/prep.py")  # staged
+    (repo / "logo.bin").write_bytes(bytes(range(255, -1, -1)))  # binary edit
+    (repo / "notes.txt").write_text("untracked\n")
+    (repo / "run.log").write_text("ignored\n")
+    (repo / "build").mkdir()
+    (repo / "build" / "out.o").write_bytes(b"\0")
+    objects_before = git(repo, "count-objects")
+
+    info = capture_git(repo, settings=settings)
+    assert info.dirty is True and info.patch_hash is not None
+    blob = settings.blobs_dir / info.patch_hash
+    patch = blob.read_bytes()
+    assert hash_bytes(patch) == info.patch_hash and info.patch_path == str(blob)
+    assert b"y = 3" in patch and b"prep2" in patch and b"notes.txt" in patch
+    assert b"GIT binary patch" in patch
+    assert b"run.log" not in patch and b"out.o" not in patch
+    assert info.untracked == ("notes.txt",)
+    assert git(repo, "count-objects") == objects_before
+
+    # the patch rebuilds the working tree from the commit
+    clone = repo.parent / "clone"
+    git(repo.parent, "clone", "-q", str(repo), str(clone))
+    subprocess.run(["git", "-C", str(clone), "apply", "--binary", str(blob)], check=True)
+    for rel in ("src/model.py", "data/prep.py", "logo.bin", "notes.txt"):
+        assert (clone / rel).read_bytes() == (repo / rel).read_bytes()
+
+
+def test_staged_only_is_dirty(repo: Path, settings: Settings) -> None:
+    (repo / "src" / "model.py").write_text("x = 1\n")
+    git(repo, "add", "src/model.py")
+    info = capture_git(repo, settings=settings)
+    assert info.dirty and info.patch_hash
+
+
+def test_one_line_edit_changes_only_that_code_path(repo: Path, settings: Settings) -> None:
+    paths = ["src", "data/prep.py", "."]
+    clean = capture_git(repo, code_paths=paths, settings=settings).tree_hashes
+    (repo / "src" / "model.py").write_text("x = 1\ny = 22\n")
+    edited = capture_git(repo, code_paths=paths, settings=settings).tree_hashes
+    assert edited["src"] != clean["src"]
+    assert edited["data/prep.py"] == clean["data/prep.py"]
+    assert edited["."] != clean["."]
+    # an untracked file inside a declared folder changes it too; an ignored one does not
+    (repo / "src" / "debug.log").write_text("noise")
+    assert capture_git(repo, code_paths=["src"], settings=settings).tree_hashes["src"] == edited["src"]
+    (repo / "src" / "extra.py").write_text("z = 0\n")
+    assert capture_git(repo, code_paths=["src"], settings=settings).tree_hashes["src"] != edited["src"]
+
+
+def test_code_paths_relative_to_subfolder_and_missing(repo: Path, settings: Settings) -> None:
+    info = capture_git(repo / "src", code_paths=["model.py"], settings=settings)
+    assert info.tree_hashes["model.py"] == git(repo, "rev-parse", "HEAD:src/model.py")
+    with pytest.raises(ProvenanceError, match="nope.py.*does not exist"):
+        capture_git(repo, code_paths=["nope.py"], settings=settings)
+    (repo / "x.log").write_text("ignored")
+    with pytest.raises(ProvenanceError, match="x.log.*ignored"):
+        capture_git(repo, code_paths=["x.log"], settings=settings)
+    with pytest.raises(ProvenanceError, match="outside the git repository"):
+        capture_git(repo, code_paths=["../elsewhere"], settings=settings)
+
+
+def test_detached_head(repo: Path, settings: Settings) -> None:
+    first = git(repo, "rev-parse", "HEAD")
+    (repo / "src" / "model.py").write_text("x = 2\n")
+    git(repo, "commit", "-qam", "second")
+    git(repo, "checkout", "-q", "--detach", first)
+    info = capture_git(repo, settings=settings)
+    assert info.branch is None and info.commit == first and info.dirty is False
+
+
+def test_repo_without_commits(tmp_path: Path, settings: Settings) -> None:
+    root = tmp_path / "fresh"
+    root.mkdir()
+    git(root, "init", "-q", "-b", "trunk")
+    (root / "a.py").write_text("a = 1\n")
+    info = capture_git(root, code_paths=["a.py"], settings=settings)
+    assert info.available and info.commit is None and info.branch == "trunk"
+    assert info.dirty is True and info.untracked == ("a.py",)
+    assert b"a = 1" in (settings.blobs_dir / str(info.patch_hash)).read_bytes()
+    assert info.tree_hashes["a.py"] == git(root, "hash-object", "a.py")
+
+
+def test_not_a_repo_warns_and_records_no_git(tmp_path: Path, settings: Settings) -> None:
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    with pytest.warns(ProvenanceWarning, match="no git"):
+        prov = capture(plain, ["src"], settings=settings)
+    assert isinstance(prov, Provenance)
+    assert prov.git.available is False and prov.git.reason == "no git"
+    data = json.loads(json.dumps(prov.to_dict()))
+    assert data["git"]["commit"] is None and data["git"]["patch_hash"] is None
+    assert "dirty" in data["git"] and data["environment"]["packages_hash"]
+
+
+def test_remote_credentials_stripped(repo: Path, settings: Settings) -> None:
+    git(repo, "remote", "add", "origin", "https://alice:ghp_SECRET123@github.com/org/proj.git")
+    info = capture_git(repo, settings=settings)
+    assert info.remote_url == "https://github.com/org/proj.git"
+    assert "SECRET" not in json.dumps(info.to_dict())
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("https://ghp_token@github.com/o/r.git", "https://github.com/o/r.git"),
+        ("https://u:p@host:8443/o/r", "https://host:8443/o/r"),
+        ("ssh://git:pw@host/o/r.git", "ssh://git@host/o/r.git"),
+        ("ssh://git@host/o/r.git", "ssh://git@host/o/r.git"),
+        ("git@github.com:o/r.git", "git@github.com:o/r.git"),
+        ("/srv/git/r.git", "/srv/git/r.git"),
+        (None, None),
+    ],
+)
+def test_strip_credentials(url: str | None, expected: str | None) -> None:
+    assert strip_credentials(url) == expected
+
+
+def test_submodule_recorded(repo: Path, tmp_path: Path, settings: Settings) -> None:
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    git(lib, "init", "-q", "-b", "main")
+    (lib / "l.py").write_text("l = 1\n")
+    git(lib, "add", "-A")
+    git(lib, "commit", "-q", "-m", "lib")
+    git(repo, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(lib), "vendor/lib")
+    git(repo, "commit", "-q", "-m", "add submodule")
+    info = capture_git(repo, code_paths=["vendor/lib"], settings=settings)
+    assert info.dirty is False
+    assert [s.path for s in info.submodules] == ["vendor/lib"]
+    assert info.submodules[0].commit == git(lib, "rev-parse", "HEAD")
+    assert info.tree_hashes["vendor/lib"] == git(lib, "rev-parse", "HEAD")
+    (repo / "vendor" / "lib" / "l.py").write_text("l = 2\n")
+    info = capture_git(repo, settings=settings)
+    assert info.dirty is True and info.submodules[0].dirty is True
+
+
+def test_commit_exists(repo: Path, tmp_path: Path) -> None:
+    head = git(repo, "rev-parse", "HEAD")
+    assert commit_exists(repo, head) and commit_exists(repo, head[:10])
+    assert not commit_exists(repo, "f" * 40)
+    assert not commit_exists(repo, git(repo, "rev-parse", "HEAD:src"))  # a tree, not a commit
+    assert not commit_exists(repo, "--help")
+    assert not commit_exists(tmp_path, head)
+
+
+def test_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPENLAB_TEST_SECRET", "s3cr3t-value")
+    env = capture_environment(refresh=True)
+    assert env is capture_environment()  # cached per process
+    data = env.to_dict()
+    assert data["python_version"].count(".") == 2 and data["packages_count"] > 10
+    assert len(data["packages_hash"]) == 64 and len(data["id"]) == 64
+    assert "s3cr3t-value" not in json.dumps(data)
+    assert normalise_dist_name("Foo_Bar.baz") == "foo-bar-baz"
+    assert packages_hash(["b==1", "a==2"]) == packages_hash(["a==2", "b==1", "a==2"])
+    assert packages_hash(["a==2"]) != packages_hash(["a==3"])
+
+
+def test_image_digest_from_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    digest = "sha256:" + "ab" * 32
+    monkeypatch.setenv("OPENLAB_IMAGE_DIGEST", digest)
+    with_digest = capture_environment(refresh=True)
+    assert with_digest.container_image_digest == digest and with_digest.in_container
+    monkeypatch.setenv("OPENLAB_IMAGE_DIGEST", "not-a-digest-maybe-a-secret")
+    without = capture_environment(refresh=True)
+    assert without.container_image_digest is None and without.id != with_digest.id
+    monkeypatch.delenv("OPENLAB_IMAGE_DIGEST")
+    capture_environment(refresh=True)
