@@ -588,3 +588,20 @@ def verify_snapshot(
         if digest != want.blake3:
             problems.append(f"{label}: {rel} content changed (blake3 {want.blake3[:16]}... -> {digest[:16]}...)")
     return problems
+
+
+def content_hash(path: Path) -> str:
+    """Content hash of an output file or folder: the id its snapshot would have.
+
+    Unlike :func:`snapshot` this writes no manifest and trusts no stat cache: every
+    file is re-read. Artifacts are recorded and verified with it, so an artifact's
+    hash and a snapshot of the same data are always the same string.
+    """
+    root = _resolve_root(path)
+    entries = [
+        SnapshotEntry(path=f.rel, link=f.link)
+        if f.link is not None
+        else SnapshotEntry(path=f.rel, size=f.st.st_size, blake3=_hash_file(f.abs, f.st))
+        for f in _walk(root)
+    ]
+    return merkle_root(entries)

@@ -16,6 +16,7 @@ change, records and events, commits or rolls back together.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import logging
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -53,12 +54,12 @@ def record_payload(record: SQLModel) -> dict[str, Any]:
     return canonical(record.model_dump(mode="json"))
 
 
-def event_hash(seq: int, at: str, kind: str, record_id: str, action: str, payload: Any, prev: str) -> str:
+def event_hash(seq: int, at: dt.datetime, kind: str, record_id: str, action: str, payload: Any, prev: str) -> str:
     """Hash of one event: its content and the previous event's hash."""
     return hash_json(
         {
             "seq": seq,
-            "at": at,
+            "at": at.astimezone(dt.UTC).isoformat(),
             "record_kind": kind,
             "record_id": record_id,
             "action": action,
@@ -148,7 +149,7 @@ class Transaction:
         seq += 1
         at = utcnow()
         payload = record_payload(record)
-        digest = event_hash(seq, at.isoformat(), record.kind, record.id, action, payload, prev)  # type: ignore[attr-defined]
+        digest = event_hash(seq, at, record.kind, record.id, action, payload, prev)  # type: ignore[attr-defined]
         entry = Event(
             seq=seq,
             at=at,

@@ -1,0 +1,241 @@
+"""``openlab lineage``: list, show, diff and verify what was recorded."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+from sqlmodel import col
+
+from orchestrator.cli.output import console, print_json
+from orchestrator.errors import OpenlabError
+
+app = typer.Typer(help="Audit lineage: which commit, data, environment and job produced what.", no_args_is_help=True)
+
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+
+#: What `lineage list` shows by default: the activities people audit, newest first.
+DEFAULT_KINDS = ("pipeline_run", "stage_run", "attempt", "snapshot")
+
+
+def _when(record: Any) -> Any:
+    for name in ("started_at", "submitted_at", "created_at", "updated_at"):
+        value = getattr(record, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _summary(record: Any) -> str:
+    kind = record.kind
+    if kind == "pipeline_run":
+        return f"{record.recipe or record.name} replica={record.replica} backend={record.backend} {record.state}"
+    if kind == "stage_run":
+        reused = f" (reused {record.reused_from})" if record.reused_from else ""
+        return f"{record.stage} {record.state} identity={record.identity[:12]}{reused}"
+    if kind == "attempt":
+        return f"#{record.number} {record.backend} job={record.job_id} {record.state} exit={record.exit_code}"
+    if kind == "snapshot":
+        return f"{record.path} files={record.files} bytes={record.bytes}"
+    if kind == "commit":
+        return f"{record.sha} {'dirty' if record.dirty else 'clean'} {record.remote_url or ''}"
+    if kind == "artifact":
+        return f"{record.name} {record.content_hash[:12]} {record.uri}"
+    if kind == "github_issue":
+        return f"{record.title or ''} ({record.state or 'unresolved'})"
+    if kind == "wandb_run":
+        return f"{record.mode} {record.url or record.local_dir or ''}"
+    return ""
+
+
+def _open() -> Any:
+    from orchestrator.lineage.store import open_store
+
+    return open_store()
+
+
+@app.command("list")
+def list_cmd(
+    kind: Annotated[
+        list[str] | None,
+        typer.Option("--kind", "-k", help="Record kind(s) to list (default: runs, stage runs, attempts, snapshots)."),
+    ] = None,
+    limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="At most this many records.")] = 50,
+    json_out: JsonFlag = False,
+) -> None:
+    """List recorded runs, stage runs, attempts and snapshots, newest first."""
+    from orchestrator.lineage.models import RECORD_TYPES
+    from orchestrator.lineage.store import record_payload
+
+    kinds = kind or list(DEFAULT_KINDS)
+    unknown = [k for k in kinds if k not in RECORD_TYPES]
+    if unknown:
+        raise OpenlabError(f"unknown record kind {unknown[0]!r}; known kinds: {', '.join(RECORD_TYPES)}")
+    store = _open()
+    rows: list[Any] = []
+    for name in kinds:
+        model = RECORD_TYPES[name]
+        order = next(
+            (
+                getattr(model, f)
+                for f in ("started_at", "submitted_at", "created_at", "updated_at")
+                if f in model.model_fields
+            ),
+            None,
+        )
+        rows.extend(store.list(model, order_by=col(order).desc() if order is not None else None, limit=limit))
+    rows.sort(key=lambda r: (_when(r) is not None, _when(r)), reverse=True)
+    rows = rows[:limit]
+    if json_out:
+        print_json([{"kind": r.kind, **record_payload(r)} for r in rows])
+        return
+    table = Table(title=f"lineage ({store.url.split('://')[0]})", show_lines=False)
+    for header in ("kind", "id", "when", "summary"):
+        table.add_column(header, overflow="fold")
+    for r in rows:
+        when = _when(r)
+        table.add_row(r.kind, r.id, when.strftime("%Y-%m-%d %H:%M:%S") if when else "", _summary(r))
+    console.print(table)
+
+
+@app.command("show")
+def show_cmd(
+    record_id: Annotated[str, typer.Argument(help="Record id (or a unique prefix).")], json_out: JsonFlag = False
+) -> None:
+    """Show one record, everything it is related to, and its change history."""
+    from orchestrator.lineage.store import record_payload
+
+    store = _open()
+    record = store.find(record_id)
+    relations = store.relations(record.id)
+    events = store.events(record.id)
+    linked = _linked(store, record)
+    if json_out:
+        print_json(
+            {
+                "kind": record.kind,
+                "record": record_payload(record),
+                "relations": [record_payload(r) for r in relations],
+                "linked": linked,
+                "events": [{"seq": e.seq, "at": e.at, "action": e.action, "hash": e.hash} for e in events],
+            }
+        )
+        return
+    console.print(f"[bold]{record.kind}[/] {record.id}")
+    for key, value in record_payload(record).items():
+        if key != "id" and value not in (None, {}, []):
+            console.print(f"  {key:<16}{value}", highlight=False, soft_wrap=True)
+    if linked:
+        console.print("[bold]links[/]")
+        for key, value in linked.items():
+            console.print(f"  {key:<16}{value}", highlight=False, soft_wrap=True)
+    if relations:
+        console.print("[bold]relations[/]")
+        for rel in relations:
+            if rel.subject_id == record.id:
+                console.print(f"  {rel.relation} -> {rel.object_kind}:{rel.object_id} {rel.role}".rstrip())
+            else:
+                console.print(f"  {rel.subject_kind}:{rel.subject_id} {rel.relation} -> this {rel.role}".rstrip())
+    console.print(f"[bold]history[/] {len(events)} event(s), last {events[-1].hash[:16] if events else '-'}")
+
+
+def _linked(store: Any, record: Any) -> dict[str, str]:
+    """GitHub issue and W&B run reachable from a record (directly or via its pipeline run)."""
+    from orchestrator.lineage.models import GithubIssue, WandbRun
+
+    ids = {record.id}
+    pipeline_run_id = getattr(record, "pipeline_run_id", None)
+    if pipeline_run_id:
+        ids.add(pipeline_run_id)
+    out: dict[str, str] = {}
+    for rid in ids:
+        for rel in store.relations(rid):
+            other = rel.object_id if rel.subject_id == rid else rel.subject_id
+            other_kind = rel.object_kind if rel.subject_id == rid else rel.subject_kind
+            if other_kind == "github_issue" and "github" not in out:
+                issue = store.get(GithubIssue, other)
+                out["github"] = (issue.url or issue.id) if issue else other
+            elif other_kind == "wandb_run" and rid == record.id:
+                run = store.get(WandbRun, other)
+                out.setdefault("wandb", (run.url or f"{run.mode} {run.local_dir}") if run else other)
+    return out
+
+
+@app.command("diff")
+def diff_cmd(
+    a: Annotated[str, typer.Argument(help="First stage run or pipeline run id.")],
+    b: Annotated[str, typer.Argument(help="Second stage run or pipeline run id.")],
+    json_out: JsonFlag = False,
+) -> None:
+    """Say field by field what differs between two stage runs' identities (or two pipeline runs' stages)."""
+    from orchestrator.identity import diff_identities
+    from orchestrator.lineage.models import StageRun
+    from orchestrator.lineage.store import record_payload
+
+    store = _open()
+    left, right = store.find(a), store.find(b)
+    if left.kind != right.kind:
+        raise OpenlabError(f"cannot diff a {left.kind} with a {right.kind}: give two records of the same kind")
+    result: dict[str, list[dict[str, Any]]] = {}
+    if left.kind == "stage_run":
+        result[f"{left.stage}"] = [c.__dict__ for c in diff_identities(left.identity_fields, right.identity_fields)]
+    elif left.kind == "pipeline_run":
+        ls = {s.stage: s for s in store.list(StageRun, pipeline_run_id=left.id)}
+        rs = {s.stage: s for s in store.list(StageRun, pipeline_run_id=right.id)}
+        for stage in sorted(ls.keys() | rs.keys()):
+            if stage not in ls or stage not in rs:
+                result[stage] = [
+                    {"path": "stage", "old": stage if stage in ls else None, "new": stage if stage in rs else None}
+                ]
+            else:
+                result[stage] = [
+                    c.__dict__ for c in diff_identities(ls[stage].identity_fields, rs[stage].identity_fields)
+                ]
+    else:
+        pa, pb = record_payload(left), record_payload(right)
+        result[left.kind] = [
+            {"path": k, "old": pa.get(k), "new": pb.get(k)}
+            for k in sorted(pa.keys() | pb.keys())
+            if pa.get(k) != pb.get(k)
+        ]
+    if json_out:
+        print_json({"a": left.id, "b": right.id, "kind": left.kind, "changes": result})
+        return
+    for section, changes in result.items():
+        if not changes:
+            console.print(f"[green]{section}: identical[/]")
+            continue
+        console.print(f"[bold]{section}[/]: {len(changes)} field(s) differ")
+        for change in changes:
+            console.print(
+                f"  {change['path']}: {change['old']!r} -> {change['new']!r}", highlight=False, soft_wrap=True
+            )
+
+
+@app.command("verify")
+def verify_cmd(json_out: JsonFlag = False) -> None:
+    """Re-hash data and artifacts, re-walk the event chain and check commits; exit 1 if anything is broken."""
+    from orchestrator.lineage.verify import verify
+    from orchestrator.settings import load_settings
+
+    settings = load_settings()
+    from orchestrator.lineage.store import LineageStore
+
+    store = LineageStore.open(settings)
+    if json_out or not console.is_terminal:
+        problems = verify(store, settings)
+    else:
+        with console.status("verifying lineage…") as status:
+            problems = verify(store, settings, progress=lambda what: status.update(f"verifying {what}"))
+    if json_out:
+        print_json({"ok": not problems, "problems": [p.to_dict() for p in problems]})
+    elif problems:
+        console.print(f"[bold red]{len(problems)} problem(s)[/]")
+        for p in problems:
+            console.print(f"  {p}", highlight=False, soft_wrap=True)
+    else:
+        console.print(
+            "[green]lineage verified: event chain intact, records match their log, data and commits present[/]"
+        )
+    raise typer.Exit(1 if problems else 0)

@@ -1,0 +1,44 @@
+"""Entry point of the ``openlab`` command.
+
+Every command group lives in its own module and is mounted here. User errors
+(:class:`~orchestrator.errors.OpenlabError`) become one line on stderr and exit code 2
+(1 for integrity failures); no traceback reaches the user for a problem they can fix.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from orchestrator.cli import core, lineage
+from orchestrator.errors import OpenlabError
+
+app = typer.Typer(
+    name="openlab",
+    help="Experiment orchestration and provenance for training foundation models in the open.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.command("snapshot")(core.snapshot_cmd)
+app.command("provenance")(core.provenance_cmd)
+app.add_typer(lineage.app, name="lineage")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the CLI, turning user errors into one clear line and a non-zero exit."""
+    try:
+        app(args=argv, prog_name="openlab", standalone_mode=True)
+    except OpenlabError as exc:
+        from orchestrator.cli.output import err_console
+
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

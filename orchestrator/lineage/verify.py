@@ -1,0 +1,161 @@
+"""``openlab lineage verify``: prove that recorded lineage is what was recorded.
+
+Four checks, each naming every broken record it finds:
+
+1. the event chain: sequence numbers are contiguous, each event's ``prev_hash`` is the
+   hash of the one before, and each hash matches the event's content;
+2. the records: every row equals the content of its last event (a row edited in SQL
+   behind openlab's back no longer does), every row has events, every record an
+   event describes still exists;
+3. the data: snapshots and artifacts whose files are present are re-hashed (not
+   trusted from a stat cache) and compared with what was recorded;
+4. the code: every recorded commit still exists in its repository, and every dirty
+   patch is still in the blob store with the recorded hash.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from sqlmodel import col, select
+
+from orchestrator.errors import OpenlabError
+from orchestrator.hashing import hash_file
+from orchestrator.lineage.models import RECORD_TYPES, Artifact, Commit, DataSnapshot, Event
+from orchestrator.lineage.store import GENESIS_HASH, LineageStore, event_hash, record_payload
+from orchestrator.settings import Settings, load_settings
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One broken record: which (``kind:id`` or ``event:seq``) and what is wrong."""
+
+    record: str
+    message: str
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        return f"{self.record}: {self.message}"
+
+
+def _check_chain(store: LineageStore) -> tuple[list[Problem], dict[tuple[str, str], dict]]:
+    problems: list[Problem] = []
+    latest: dict[tuple[str, str], dict] = {}
+    expected_seq, prev = 1, GENESIS_HASH
+    with store.session() as session:
+        for ev in session.exec(select(Event).order_by(col(Event.seq))):
+            if ev.seq != expected_seq:
+                problems.append(Problem(f"event:{expected_seq}", f"missing (next event is {ev.seq}): events deleted"))
+            if ev.prev_hash != prev:
+                problems.append(Problem(f"event:{ev.seq}", "prev_hash does not match the previous event's hash"))
+            digest = event_hash(ev.seq, ev.at, ev.record_kind, ev.record_id, ev.action, ev.payload, ev.prev_hash)
+            if digest != ev.hash:
+                problems.append(
+                    Problem(f"event:{ev.seq}", f"content does not match its hash ({ev.record_kind}:{ev.record_id})")
+                )
+            latest[(ev.record_kind, ev.record_id)] = ev.payload
+            expected_seq, prev = ev.seq + 1, ev.hash
+    return problems, latest
+
+
+def _check_records(store: LineageStore, latest: dict[tuple[str, str], dict]) -> list[Problem]:
+    problems: list[Problem] = []
+    seen: set[tuple[str, str]] = set()
+    with store.session() as session:
+        for kind, model in RECORD_TYPES.items():
+            for row in session.exec(select(model)):
+                key = (kind, row.id)  # type: ignore[attr-defined]
+                seen.add(key)
+                recorded = latest.get(key)
+                if recorded is None:
+                    problems.append(Problem(f"{kind}:{key[1]}", "has no event: written outside openlab"))
+                    continue
+                current = record_payload(row)
+                if current != recorded:
+                    fields = sorted(k for k in current.keys() | recorded.keys() if current.get(k) != recorded.get(k))
+                    problems.append(
+                        Problem(f"{kind}:{key[1]}", f"edited outside openlab: {', '.join(fields)} differ from its log")
+                    )
+    for kind, record_id in sorted(latest.keys() - seen):
+        problems.append(Problem(f"{kind}:{record_id}", "deleted outside openlab (its events remain)"))
+    return problems
+
+
+def _check_data(store: LineageStore, settings: Settings, progress: Progress | None) -> list[Problem]:
+    from orchestrator.snapshots import content_hash, verify_snapshot
+
+    problems: list[Problem] = []
+    for snap in store.list(DataSnapshot):
+        if progress:
+            progress(f"snapshot {snap.id[:16]}")
+        manifest = Path(snap.manifest_path)
+        if not manifest.exists():
+            manifest = settings.snapshots_dir / f"{snap.id}.json"
+        if not manifest.exists():
+            problems.append(Problem(f"snapshot:{snap.id}", f"manifest {snap.manifest_path} is missing"))
+            continue
+        try:
+            found = verify_snapshot(manifest, settings)
+        except OpenlabError as exc:
+            found = [str(exc)]
+        try:
+            manifest_id = json.loads(manifest.read_bytes()).get("id")
+        except (OSError, ValueError):
+            manifest_id = None
+        if manifest_id != snap.id:
+            found.append(f"manifest id {manifest_id} is not the recorded id")
+        problems.extend(Problem(f"snapshot:{snap.id}", msg) for msg in found)
+    for art in store.list(Artifact):
+        path = Path(art.uri.removeprefix("file://"))
+        if not path.exists():
+            continue  # not present here: nothing to re-hash
+        if progress:
+            progress(f"artifact {art.name}")
+        try:
+            digest = content_hash(path)
+        except OpenlabError as exc:
+            problems.append(Problem(f"artifact:{art.id}", str(exc)))
+            continue
+        if digest != art.content_hash:
+            problems.append(
+                Problem(
+                    f"artifact:{art.id}",
+                    f"{path} content changed (recorded {art.content_hash[:16]}…, now {digest[:16]}…)",
+                )
+            )
+    return problems
+
+
+def _check_commits(store: LineageStore, settings: Settings) -> list[Problem]:
+    from orchestrator.provenance.git import commit_exists
+
+    problems: list[Problem] = []
+    for commit in store.list(Commit):
+        label = f"commit:{commit.id}"
+        if commit.sha and commit.repo_path and Path(commit.repo_path).exists():
+            if not commit_exists(Path(commit.repo_path), commit.sha):
+                problems.append(Problem(label, f"commit {commit.sha} no longer exists in {commit.repo_path}"))
+        if commit.patch_hash:
+            blob = settings.blobs_dir / commit.patch_hash
+            if not blob.exists():
+                problems.append(Problem(label, f"dirty patch {commit.patch_hash[:16]}… is missing from {blob.parent}"))
+            elif hash_file(blob) != commit.patch_hash:
+                problems.append(Problem(label, f"dirty patch {blob} does not match its recorded hash"))
+    return problems
+
+
+def verify(store: LineageStore, settings: Settings | None = None, *, progress: Progress | None = None) -> list[Problem]:
+    """Run every check; an empty list means lineage is intact."""
+    settings = settings or load_settings()
+    chain_problems, latest = _check_chain(store)
+    problems = chain_problems + _check_records(store, latest)
+    problems += _check_data(store, settings, progress)
+    problems += _check_commits(store, settings)
+    return problems

@@ -1,0 +1,57 @@
+"""Fixtures shared by every test folder.
+
+Each test gets its own ``OPENLAB_HOME`` (so its own SQLite lineage store, snapshots and
+blobs) and never sees the developer's real configuration.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def openlab_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh, empty OPENLAB_HOME for every test; no project config leaks in."""
+    home = tmp_path_factory.mktemp("openlab-home")
+    monkeypatch.setenv("OPENLAB_HOME", str(home))
+    monkeypatch.delenv("OPENLAB_DB_URL", raising=False)
+    monkeypatch.setenv("OPENLAB_CONFIG", str(_empty_config(home)))
+    monkeypatch.setenv("DO_NOT_TRACK", "1")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for name in list(os.environ):
+        if name.startswith("OPENLAB_") and "__" in name:
+            monkeypatch.delenv(name, raising=False)
+    return home
+
+
+def _empty_config(home: Path) -> Path:
+    path = home / "openlab.toml"
+    path.write_text("# test configuration: defaults only\n")
+    return path
+
+
+@pytest.fixture
+def run_cli(openlab_home: Path) -> Iterator[object]:
+    """Run ``openlab ARGS`` as a real subprocess; returns the CompletedProcess."""
+
+    def _run(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 300):
+        full_env = {**os.environ, **(env or {})}
+        return subprocess.run(
+            [sys.executable, "-m", "orchestrator.cli.main", *args],
+            capture_output=True,
+            text=True,
+            env=full_env,
+            cwd=cwd or REPO_ROOT,
+            timeout=timeout,
+        )
+
+    yield _run

@@ -1,0 +1,153 @@
+"""The lineage store on real SQLite and real PostgreSQL: transactions, the event chain, tampering."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import sqlite3
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from orchestrator.errors import StoreError
+from orchestrator.lineage import (
+    Experiment,
+    LineageStore,
+    PipelineRun,
+    StageRun,
+)
+from orchestrator.lineage.verify import verify
+from orchestrator.settings import load_settings
+
+
+def _populate(store: LineageStore) -> tuple[PipelineRun, StageRun]:
+    with store.transaction() as tx:
+        exp = tx.add(Experiment(name="moe-drops"))
+        run = tx.add(PipelineRun(experiment_id=exp.id, recipe="marin-535b-a23b", replica="tiny", params={"lr": 1.0}))
+        stage = tx.add(StageRun(pipeline_run_id=run.id, stage="tokenize", identity="a" * 64))
+        tx.relate("wasInformedBy", stage, run)
+    with store.transaction() as tx:
+        tx.update(stage, state="COMPLETED", metrics={"loss": 2.5})
+    return run, stage
+
+
+def test_writes_are_logged_and_verify_clean(store: LineageStore) -> None:
+    run, stage = _populate(store)
+    events = store.events()
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert events[0].prev_hash == "0" * 64
+    assert all(b.prev_hash == a.hash for a, b in zip(events, events[1:], strict=False))
+    assert [e.action for e in store.events(stage.id)] == ["create", "update"]
+    assert store.events(stage.id)[-1].payload["metrics"] == {"loss": 2.5}
+    assert verify(store, load_settings()) == []
+
+
+def test_failed_transaction_writes_nothing(store: LineageStore) -> None:
+    _populate(store)
+    before = len(store.events())
+    with pytest.raises(RuntimeError):
+        with store.transaction() as tx:
+            tx.add(Experiment(name="half-written"))
+            raise RuntimeError("crash in the middle")
+    assert len(store.events()) == before
+    assert store.list(Experiment, name="half-written") == []
+
+
+def test_row_edited_in_sql_is_named(store: LineageStore) -> None:
+    _, stage = _populate(store)
+    with store.engine.begin() as conn:
+        conn.execute(sa.text("UPDATE stagerun SET state = 'FAILED' WHERE id = :id"), {"id": stage.id})
+    problems = verify(store, load_settings())
+    assert [p.record for p in problems] == [f"stage_run:{stage.id}"]
+    assert "state" in problems[0].message
+
+
+def test_row_inserted_or_deleted_in_sql_is_named(store: LineageStore) -> None:
+    run, _ = _populate(store)
+    with store.engine.begin() as conn:
+        conn.execute(
+            sa.text("INSERT INTO experiment (id, name, description, created_at) VALUES ('exp_forged', 'f', '', :t)"),
+            {"t": run.started_at},
+        )
+    names = {p.record for p in verify(store, load_settings())}
+    assert "experiment:exp_forged" in names
+
+
+def test_event_tampering_breaks_the_chain(store: LineageStore) -> None:
+    _populate(store)
+    with store.engine.begin() as conn:
+        conn.execute(sa.text("DELETE FROM event WHERE seq = 2"))
+    records = {p.record for p in verify(store, load_settings())}
+    assert "event:2" in records and "event:3" in records  # missing, and the next link broken
+
+
+def _writer(url: str, worker: int, count: int) -> None:
+    store = LineageStore(url)
+    for i in range(count):
+        with store.transaction() as tx:
+            tx.add(Experiment(name=f"w{worker}-{i}"))
+    store.close()
+
+
+def test_concurrent_processes_keep_one_chain(store: LineageStore) -> None:
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_writer, args=(store.url, w, 15)) for w in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    events = store.events()
+    assert len(events) == 60
+    assert [e.seq for e in events] == list(range(1, 61))
+    assert verify(store, load_settings()) == []
+
+
+def test_older_database_is_migrated(tmp_path: Path) -> None:
+    from alembic import command
+
+    from orchestrator.lineage.migrations import _alembic_config, head_revision
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        command.upgrade(_alembic_config(conn), "0001")
+    with engine.begin() as conn:
+        assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar() == "0001"
+    engine.dispose()
+    store = LineageStore(url)
+    with store.engine.connect() as conn:
+        assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalar() == head_revision()
+    _populate(store)
+    assert verify(store, load_settings()) == []
+
+
+def test_newer_database_is_refused(store: LineageStore) -> None:
+    with store.engine.begin() as conn:
+        conn.execute(sa.text("UPDATE alembic_version SET version_num = '9999'"))
+    with pytest.raises(StoreError, match="newer than this openlab"):
+        LineageStore(store.url)
+
+
+def test_corrupted_sqlite_file_is_one_clear_line(tmp_path: Path, run_cli, openlab_home: Path) -> None:
+    (openlab_home / "lineage.db").write_bytes(b"this is not a database" * 100)
+    result = run_cli("lineage", "list")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "not a readable SQLite database" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_unreachable_database_url_hides_password(run_cli) -> None:
+    result = run_cli("lineage", "list", env={"OPENLAB_DB_URL": "postgresql://u:hunter2@127.0.0.1:1/x"})
+    assert result.returncode == 2
+    assert "hunter2" not in result.stderr
+    assert "cannot use lineage database" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_sqlite_uses_wal(openlab_home: Path) -> None:
+    store = LineageStore.open()
+    _populate(store)
+    conn = sqlite3.connect(openlab_home / "lineage.db")
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
