@@ -1,0 +1,376 @@
+"""Docker backend: one container per job, through the ``docker`` SDK.
+
+- The image comes from the spec, else ``[backends.docker] image`` (default
+  ``openlab/job:latest``, built from the repo's Dockerfile by
+  ``infra/docker/build-job-image.sh``); it is never pulled unless ``pull = true``, since
+  these machines have no registry. Its digest (RepoDigests, else the image id) is recorded.
+- Limits: ``nano_cpus``, ``mem_limit`` (with swap off, so over the limit means OOM, which
+  is reported as ``FAILED`` with reason "out of memory"), ``pids_limit`` (default 4096).
+- ``network_mode`` defaults to ``"none"``: a job reads its inputs from the artifact root,
+  which is bind-mounted at the same path, so lineage paths mean the same inside and out.
+- The time limit is enforced in the container by GNU ``timeout`` (so it holds with nobody
+  watching; set ``time_limit_wrapper = false`` for images without coreutils) and by
+  :meth:`DockerLauncher.status` as a backstop.
+- Containers carry the spec's labels plus ``openlab.io/managed``; once a job ended and its
+  logs were collected (:meth:`DockerLauncher.cleanup`, called by ``run_job``, or
+  :meth:`DockerLauncher.cancel`) the log goes to ``logs_dir/ID.log``, the final status to
+  ``$OPENLAB_HOME/jobs/docker/ID.json`` and the container is removed.
+
+The job id is the container name (``openlab-<name>-<hex>``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from orchestrator.launchers.base import (
+    BackendUnavailable,
+    ImageNotFound,
+    JobHandle,
+    JobNotFound,
+    JobSpec,
+    JobState,
+    JobStatus,
+    Launcher,
+    LauncherError,
+)
+
+DEFAULT_IMAGE = "openlab/job:latest"
+MANAGED_LABEL = "openlab.io/managed"
+TIME_LIMIT_LABEL = "openlab.io/time-limit"
+CANCEL_EXIT_CODES = (137, 143)
+
+
+def _parse_time(text: str | None) -> dt.datetime | None:
+    """Docker's RFC 3339 timestamps with nanoseconds; the zero time means 'never'."""
+    if not text or text.startswith("0001-"):
+        return None
+    match = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)?", text)
+    if not match:
+        return None
+    frac = (match.group(2) or ".0")[:7]
+    tz = match.group(3) or "Z"
+    return dt.datetime.fromisoformat(match.group(1) + frac + ("+00:00" if tz == "Z" else tz)).astimezone(dt.UTC)
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-zA-Z0-9_.-]+", "-", name).strip("-.")[:40] or "job"
+
+
+def _api_message(exc: Exception) -> str:
+    explanation = getattr(exc, "explanation", None)
+    if explanation:
+        return explanation.decode() if isinstance(explanation, bytes) else str(explanation)
+    return str(exc)
+
+
+class DockerLauncher(Launcher):
+    """Runs jobs as Docker containers (see the module docstring)."""
+
+    name = "docker"
+    poll_interval = 0.2
+
+    def __init__(self, settings: Any = None, config: Any = None) -> None:
+        super().__init__(settings, config)
+        self._client: Any = None
+        self._engine_host: str | None = None
+        self.state_dir = self.settings.home / "jobs" / "docker"
+
+    # -- connection ---------------------------------------------------------------
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            import docker
+            from docker.errors import DockerException
+
+            base_url = self.config.get("base_url") or os.environ.get("DOCKER_HOST")
+            where = base_url or "unix:///var/run/docker.sock"
+            try:
+                if base_url:
+                    self._client = docker.DockerClient(base_url=base_url, timeout=int(self.config.get("timeout", 60)))
+                else:
+                    self._client = docker.from_env(timeout=int(self.config.get("timeout", 60)))
+                self._client.ping()
+            except DockerException as exc:
+                self._client = None
+                raise BackendUnavailable(
+                    f"docker engine not reachable at {where}: {_api_message(exc)} "
+                    "(start it with infra/docker/start.sh or set DOCKER_HOST)"
+                ) from None
+        return self._client
+
+    def _errors(self) -> Any:
+        from docker import errors
+
+        return errors
+
+    @property
+    def engine_host(self) -> str | None:
+        if self._engine_host is None:
+            try:
+                self._engine_host = str(self.client.info().get("Name") or "") or None
+            except Exception:  # noqa: BLE001 - the host name is informative only
+                self._engine_host = None
+        return self._engine_host
+
+    def _image(self, spec: JobSpec) -> Any:
+        name = spec.image or self.config.get("image") or DEFAULT_IMAGE
+        errors = self._errors()
+        try:
+            return self.client.images.get(name)
+        except errors.ImageNotFound:
+            if self.config.get("pull"):
+                try:
+                    return self.client.images.pull(name)
+                except errors.APIError as exc:
+                    raise ImageNotFound(f"image {name} not found and pull failed: {_api_message(exc)}") from None
+            raise ImageNotFound(f"image {name} not found: run infra/docker/build-job-image.sh") from None
+        except errors.APIError as exc:
+            raise LauncherError(f"docker could not inspect image {name}: {_api_message(exc)}") from None
+
+    @staticmethod
+    def image_digest(image: Any) -> str | None:
+        digests = image.attrs.get("RepoDigests") or []
+        return str(digests[0]) if digests else image.id
+
+    # -- state kept after the container is gone -----------------------------------------
+    def _final_path(self, job_id: str) -> Path:
+        return self.state_dir / f"{job_id}.json"
+
+    def _log_path(self, job_id: str) -> Path:
+        return self.settings.logs_dir / f"{job_id}.log"
+
+    def _get(self, job_id: str) -> Any | None:
+        errors = self._errors()
+        try:
+            return self.client.containers.get(job_id)
+        except errors.NotFound:
+            return None
+        except errors.APIError as exc:
+            raise LauncherError(f"docker could not inspect container {job_id}: {_api_message(exc)}") from None
+
+    # -- interface -------------------------------------------------------------------
+    def submit(self, spec: JobSpec) -> JobHandle:
+        errors = self._errors()
+        image = self._image(spec)
+        job_id = f"openlab-{_slug(spec.name)}-{uuid.uuid4().hex[:8]}"
+        opts = {**self.config, **spec.options}
+        labels = {str(k): str(v) for k, v in spec.labels.items()}
+        labels[MANAGED_LABEL] = "true"
+        labels["openlab.io/job-name"] = spec.name
+        command = list(spec.command)
+        if spec.time_limit:
+            labels[TIME_LIMIT_LABEL] = str(spec.time_limit)
+            if opts.get("time_limit_wrapper", True):
+                grace = int(opts.get("grace", 5))
+                command = ["timeout", "-k", str(grace), str(spec.time_limit), *command]
+        env = {
+            **{str(k): str(v) for k, v in spec.env.items()},
+            "OPENLAB_JOB_ID": job_id,
+            "OPENLAB_JOB_NAME": spec.name,
+            "OPENLAB_LABELS": json.dumps(dict(spec.labels), sort_keys=True),
+        }
+        volumes: dict[str, dict[str, str]] = {}
+        if spec.artifact_root is not None:
+            root = str(Path(spec.artifact_root).resolve())
+            Path(root).mkdir(parents=True, exist_ok=True)
+            volumes[root] = {"bind": root, "mode": "rw"}
+            env["OPENLAB_ARTIFACT_ROOT"] = root
+        for host_path, target in (opts.get("mounts") or {}).items():
+            volumes[str(host_path)] = {"bind": str(target), "mode": "rw"}
+        kwargs: dict[str, Any] = {
+            "name": job_id,
+            "detach": True,
+            "labels": labels,
+            "environment": env,
+            "network_mode": opts.get("network_mode", "none"),
+            "pids_limit": int(opts.get("pids_limit", 4096)),
+            "volumes": volumes,
+            # docker-init as PID 1 forwards SIGTERM to the job and reaps its zombies, so a
+            # cancel ends the job at once instead of after the stop timeout
+            "init": bool(opts.get("init", True)),
+        }
+        if spec.workdir:
+            kwargs["working_dir"] = spec.workdir
+        if spec.cpus:
+            kwargs["nano_cpus"] = int(spec.cpus * 1e9)
+        if spec.memory_bytes:
+            kwargs["mem_limit"] = spec.memory_bytes
+            kwargs["memswap_limit"] = spec.memory_bytes  # no swap: over the limit is an OOM kill
+        if spec.gpus:
+            from docker.types import DeviceRequest
+
+            kwargs["device_requests"] = [DeviceRequest(count=spec.gpus, capabilities=[["gpu"]])]
+        if opts.get("user"):
+            kwargs["user"] = str(opts["user"])
+        try:
+            container = self.client.containers.run(image.id, command, **kwargs)
+        except errors.ImageNotFound as exc:
+            raise ImageNotFound(f"docker: {_api_message(exc)}") from None
+        except errors.APIError as exc:
+            self._remove_quietly(job_id)
+            raise LauncherError(f"docker refused to run the job: {_api_message(exc)}") from None
+        digest = self.image_digest(image)
+        return JobHandle(
+            self.name,
+            job_id,
+            str(self._log_path(job_id)),
+            {"container_id": container.id, "image_digest": digest},
+        )
+
+    def _remove_quietly(self, job_id: str) -> None:
+        try:
+            container = self._get(job_id)
+            if container is not None:
+                container.remove(force=True)
+        except Exception:  # noqa: BLE001 - best effort after a failed create
+            pass
+
+    def _status_of(self, container: Any, job_id: str) -> JobStatus:
+        state = container.attrs.get("State", {})
+        labels = container.attrs.get("Config", {}).get("Labels") or {}
+        started = _parse_time(state.get("StartedAt"))
+        ended = _parse_time(state.get("FinishedAt"))
+        digest = None
+        try:
+            digest = self.image_digest(self.client.images.get(container.attrs.get("Image")))
+        except Exception:  # noqa: BLE001 - the image may have been removed since
+            digest = container.attrs.get("Image")
+        status_text = state.get("Status", "")
+        host = self.engine_host
+        if status_text in ("created",):
+            return JobStatus(JobState.PENDING, host=host, image_digest=digest)
+        if status_text in ("running", "paused", "restarting"):
+            limit = int(labels.get(TIME_LIMIT_LABEL) or 0)
+            if limit and started and (dt.datetime.now(dt.UTC) - started).total_seconds() > limit + 10:
+                # the in-container wrapper did not end it (disabled, or missing): end it here
+                container.kill()
+                container.reload()
+                return self._status_of(container, job_id)
+            return JobStatus(JobState.RUNNING, host=host, started_at=started, image_digest=digest)
+        code = state.get("ExitCode")
+        limit = int(labels.get(TIME_LIMIT_LABEL) or 0)
+        elapsed = (ended - started).total_seconds() if started and ended else 0.0
+        if self._cancel_marker(job_id).exists():
+            job_state, reason = JobState.CANCELLED, "cancelled"
+        elif state.get("OOMKilled"):
+            mem = container.attrs.get("HostConfig", {}).get("Memory") or 0
+            job_state = JobState.FAILED
+            reason = f"out of memory (limit {mem // (1024 * 1024)}M)" if mem else "out of memory"
+        elif code == 0:
+            job_state, reason = JobState.SUCCEEDED, None
+        elif limit and elapsed >= limit - 1 and code in (124, *CANCEL_EXIT_CODES):
+            job_state, reason = JobState.FAILED, f"time limit exceeded ({limit}s)"
+        elif state.get("Error"):
+            job_state, reason = JobState.FAILED, str(state["Error"])
+        else:
+            job_state, reason = JobState.FAILED, f"exit code {code}"
+        if status_text == "dead" and job_state is JobState.SUCCEEDED:
+            job_state, reason = JobState.LOST, "container is dead"
+        return JobStatus(job_state, code, reason, host, started, ended, digest)
+
+    def _cancel_marker(self, job_id: str) -> Path:
+        return self.state_dir / f"{job_id}.cancelled"
+
+    def status(self, handle: JobHandle) -> JobStatus:
+        container = self._get(handle.job_id)
+        if container is None:
+            final = self._final_path(handle.job_id)
+            if final.exists():
+                data = json.loads(final.read_text())
+                return JobStatus(
+                    JobState(data["state"]),
+                    data.get("exit_code"),
+                    data.get("reason"),
+                    data.get("host"),
+                    dt.datetime.fromisoformat(data["started_at"]) if data.get("started_at") else None,
+                    dt.datetime.fromisoformat(data["ended_at"]) if data.get("ended_at") else None,
+                    data.get("image_digest"),
+                )
+            return JobStatus(JobState.LOST, reason=f"container {handle.job_id} no longer exists")
+        return self._status_of(container, handle.job_id)
+
+    def logs(self, handle: JobHandle, *, follow: bool = False, tail: int | None = None) -> Iterator[str]:
+        container = self._get(handle.job_id)
+        if container is None:
+            from orchestrator.launchers.local import follow_file
+
+            path = Path(handle.log_path or self._log_path(handle.job_id))
+            if not path.exists():
+                raise JobNotFound(f"container {handle.job_id} is gone and no log was saved at {path}")
+            return follow_file(path, lambda: True, follow=False, tail=tail)
+        return self._stream(container, follow=follow, tail=tail)
+
+    @staticmethod
+    def _stream(container: Any, *, follow: bool, tail: int | None) -> Iterator[str]:
+        kwargs: dict[str, Any] = {"stream": True, "follow": follow, "stdout": True, "stderr": True}
+        if tail is not None:
+            kwargs["tail"] = tail
+        partial = b""
+        try:
+            for chunk in container.logs(**kwargs):
+                partial += chunk
+                *lines, partial = partial.split(b"\n")
+                for line in lines:
+                    yield line.decode("utf-8", "replace")
+        except Exception:  # noqa: BLE001 - the container was removed while we followed it
+            pass
+        if partial:
+            yield partial.decode("utf-8", "replace")
+
+    def cancel(self, handle: JobHandle) -> None:
+        container = self._get(handle.job_id)
+        if container is None:
+            return
+        if container.attrs.get("State", {}).get("Status") in ("created", "running", "paused", "restarting"):
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            self._cancel_marker(handle.job_id).write_text(str(time.time()))
+            try:
+                container.stop(timeout=int(self.config.get("grace", 5)))
+            except self._errors().NotFound:
+                return
+            except self._errors().APIError as exc:
+                raise LauncherError(f"docker could not stop {handle.job_id}: {_api_message(exc)}") from None
+        self.cleanup(handle)
+
+    def cleanup(self, handle: JobHandle) -> None:
+        """Save the log and final status of an ended container, then remove it."""
+        container = self._get(handle.job_id)
+        if container is None:
+            return
+        container.reload()
+        status = self._status_of(container, handle.job_id)
+        if not status.state.terminal:
+            return
+        log_path = Path(handle.log_path or self._log_path(handle.job_id))
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_path.write_bytes(container.logs(stdout=True, stderr=True))
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._final_path(handle.job_id).write_text(json.dumps(status.to_dict()))
+        try:
+            container.remove(force=True)
+        except self._errors().NotFound:
+            pass
+
+    def check(self) -> tuple[bool, str]:
+        try:
+            info = self.client.info()
+        except BackendUnavailable as exc:
+            return False, str(exc)
+        except Exception as exc:  # noqa: BLE001 - report, do not crash `backends check`
+            return False, f"docker engine error: {_api_message(exc)}"
+        image = self.config.get("image") or DEFAULT_IMAGE
+        try:
+            self.client.images.get(image)
+            has_image = f"image {image} present"
+        except Exception:  # noqa: BLE001
+            has_image = f"image {image} missing: run infra/docker/build-job-image.sh"
+        return True, f"engine {info.get('ServerVersion')} on {info.get('Name')} ({info.get('Driver')}); {has_image}"
