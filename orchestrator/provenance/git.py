@@ -36,13 +36,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import git as gitpython
-from git.exc import GitCommandError, GitCommandNotFound, InvalidGitRepositoryError, NoSuchPathError
+# Without this, importing gitpython on a machine with no git executable raises
+# ImportError; we want "no git" recorded instead.
+os.environ.setdefault("GIT_PYTHON_REFRESH", "quiet")
 
-from orchestrator.errors import OpenlabError
-from orchestrator.hashing import hash_bytes
-from orchestrator.settings import Settings, load_settings
-from orchestrator.snapshots import _atomic_write
+import git as gitpython  # noqa: E402
+from git.exc import (  # noqa: E402
+    GitCommandError,
+    GitCommandNotFound,
+    InvalidGitRepositoryError,
+    NoSuchPathError,
+)
+
+from orchestrator.errors import OpenlabError  # noqa: E402
+from orchestrator.hashing import hash_bytes  # noqa: E402
+from orchestrator.settings import Settings, load_settings  # noqa: E402
+from orchestrator.snapshots import _atomic_write  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -266,6 +275,10 @@ def capture_git(
         return _capture(repo, path, code_paths, settings)
     except GitCommandNotFound:
         return _unavailable(path, "git executable not found")
+    except GitCommandError as exc:
+        # e.g. "dubious ownership" or a corrupt repository: record why, do not crash
+        detail = (exc.stderr or str(exc)).strip().splitlines()
+        return _unavailable(path, f"git failed: {detail[-1] if detail else exc}")
     finally:
         repo.close()
 

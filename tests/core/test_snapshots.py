@@ -297,3 +297,24 @@ def test_verify_detects_edited_manifest_and_missing_data(tmp_path: Path, setting
 
     shutil.rmtree(root / "sub")
     assert any("is missing" in p for p in verify_snapshot(other.id, settings))
+
+
+def _snap_in_child(root: str, home: str) -> str:
+    return snapshot(Path(root), settings=Settings(home=Path(home), db_url="sqlite://")).id
+
+
+def test_two_processes_snapshot_at_once(tmp_path: Path, settings: Settings) -> None:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    root = make_tree(tmp_path / "data")
+    _settle()
+    ctx = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
+        ids = list(pool.map(_snap_in_child, [str(root)] * 6, [str(settings.home)] * 6))
+    assert len(set(ids)) == 1
+    leftovers = [p.name for p in settings.snapshots_dir.rglob("*.tmp")]
+    assert leftovers == []
+    for cache in (settings.snapshots_dir / "cache").glob("*.json"):
+        json.loads(cache.read_text())
+    assert snapshot(root, settings=settings).hashed_files == 0
