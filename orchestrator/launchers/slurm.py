@@ -1,0 +1,377 @@
+"""Slurm backend: ``sbatch --parsable`` with a generated batch script, then the Slurm CLI.
+
+- The batch script carries ``--job-name``, ``--output`` (``logs_dir/slurm-%j.log``, or
+  ``%A_%a`` for arrays), ``--time``, ``--cpus-per-task``, ``--mem``, ``--gres=gpu:N``,
+  ``--partition``, ``--account``, ``--qos``, ``--array``, ``--chdir`` and the lineage
+  labels as ``--comment`` (JSON). The environment reaches the job through sbatch's own
+  environment and ``--export=ALL``, so secret values are never written to the script file.
+- Status comes from ``scontrol show job -o`` while slurmctld remembers the job, then
+  ``sacct`` where accounting works, then the jobcomp/filetxt log (``JobCompLoc``) where it
+  does not; a job none of them knows is ``LOST``.
+- ``scancel`` cancels; :meth:`SlurmLauncher.cancel` waits until the job has left the
+  queue, so nothing of it is running when it returns.
+- sbatch/scontrol errors are quoted verbatim; "Socket timed out" and "Unable to contact
+  slurm controller" are retried a bounded number of times (``retries``, default 3).
+
+Config (``[backends.slurm]``): partition, account, qos, slurm_conf (exported as
+SLURM_CONF), bin_dir, extra_args (list of sbatch flags), retries, log_dir.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import glob
+import json
+import math
+import os
+import re
+import shlex
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from orchestrator.launchers.base import (
+    BackendUnavailable,
+    JobHandle,
+    JobSpec,
+    JobState,
+    JobStatus,
+    Launcher,
+    LauncherError,
+)
+
+TRANSIENT = ("Socket timed out", "Unable to contact slurm controller", "Resource temporarily unavailable",
+             "Zero Bytes were transmitted or received")
+
+#: Slurm job states -> (JobState, reason when the state itself is the reason).
+STATE_MAP: dict[str, tuple[JobState, str | None]] = {
+    "PENDING": (JobState.PENDING, None),
+    "CONFIGURING": (JobState.PENDING, None),
+    "REQUEUED": (JobState.PENDING, None),
+    "REQUEUE_HOLD": (JobState.PENDING, None),
+    "RESIZING": (JobState.RUNNING, None),
+    "RUNNING": (JobState.RUNNING, None),
+    "COMPLETING": (JobState.RUNNING, None),
+    "SUSPENDED": (JobState.RUNNING, None),
+    "STOPPED": (JobState.RUNNING, None),
+    "SIGNALING": (JobState.RUNNING, None),
+    "STAGE_OUT": (JobState.RUNNING, None),
+    "COMPLETED": (JobState.SUCCEEDED, None),
+    "FAILED": (JobState.FAILED, None),
+    "CANCELLED": (JobState.CANCELLED, "cancelled"),
+    "TIMEOUT": (JobState.FAILED, "time limit exceeded"),
+    "OUT_OF_MEMORY": (JobState.FAILED, "out of memory"),
+    "NODE_FAIL": (JobState.FAILED, "node failure"),
+    "BOOT_FAIL": (JobState.FAILED, "node boot failure"),
+    "DEADLINE": (JobState.FAILED, "deadline reached"),
+    "PREEMPTED": (JobState.FAILED, "preempted"),
+    "SPECIAL_EXIT": (JobState.FAILED, "special exit"),
+    "REVOKED": (JobState.CANCELLED, "revoked (federation)"),
+}
+
+_KV = re.compile(r"(\S+?)=(.*?)(?=\s+[A-Za-z][\w:/]*=|$)")
+
+
+def parse_scontrol(line: str) -> dict[str, str]:
+    """``scontrol show job -o`` output (one job per line) as a dict; values may contain spaces."""
+    return {m.group(1): m.group(2) for m in _KV.finditer(line.strip())}
+
+
+def slurm_time(seconds: int) -> str:
+    """Seconds as Slurm's ``D-HH:MM:SS`` (Slurm rounds limits up to whole minutes)."""
+    days, rest = divmod(int(seconds), 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{days}-{hours:02d}:{minutes:02d}:{secs:02d}" if days else f"{hours:02d}:{minutes:02d}:{secs:02d}"
+
+
+def _parse_dt(text: str | None) -> dt.datetime | None:
+    """Slurm prints local times without zone (``2026-12-02T18:46:49``); None for Unknown/None."""
+    if not text or text in ("Unknown", "None", "N/A") or not text[:1].isdigit():
+        return None
+    try:
+        return dt.datetime.fromisoformat(text).astimezone(dt.UTC)
+    except ValueError:
+        return None
+
+
+def _exit_code(text: str | None) -> tuple[int | None, int]:
+    """``"3:0"`` -> (3, 0): exit code and terminating signal."""
+    if not text or ":" not in text:
+        return None, 0
+    code, sig = text.split(":", 1)
+    try:
+        return int(code), int(sig)
+    except ValueError:
+        return None, 0
+
+
+class SlurmLauncher(Launcher):
+    """Runs jobs with sbatch (see the module docstring)."""
+
+    name = "slurm"
+    poll_interval = 0.5
+
+    def __init__(self, settings: Any = None, config: Any = None) -> None:
+        super().__init__(settings, config)
+        self.script_dir = self.settings.home / "jobs" / "slurm"
+        self.retries = int(self.config.get("retries", 3))
+
+    # -- running the Slurm CLI --------------------------------------------------------
+    def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        env.pop("SLURM_JWT", None)  # with it the CLI switches to JWT auth and sacct fails
+        if self.config.get("slurm_conf"):
+            env["SLURM_CONF"] = str(self.config["slurm_conf"])
+        if extra:
+            env.update(extra)
+        return env
+
+    def _bin(self, tool: str) -> str:
+        bin_dir = self.config.get("bin_dir")
+        return str(Path(bin_dir) / tool) if bin_dir else tool
+
+    def _run(
+        self, tool: str, *args: str, env: dict[str, str] | None = None, check: bool = True, timeout: float = 30
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a Slurm command, retrying transient controller errors; quote its error verbatim."""
+        argv = [self._bin(tool), *args]
+        delay = 0.5
+        for attempt in range(self.retries + 1):
+            try:
+                proc = subprocess.run(
+                    argv, capture_output=True, text=True, env=env or self._env(), timeout=timeout, check=False
+                )
+            except FileNotFoundError:
+                raise BackendUnavailable(f"{tool} not found: is the Slurm client installed (bin_dir)?") from None
+            except subprocess.TimeoutExpired:
+                if attempt < self.retries:
+                    time.sleep(delay)
+                    delay *= 2
+                    continue
+                raise BackendUnavailable(f"{tool} did not answer within {timeout:g}s") from None
+            message = (proc.stderr or proc.stdout).strip()
+            if proc.returncode != 0 and any(t in message for t in TRANSIENT) and attempt < self.retries:
+                time.sleep(delay)
+                delay *= 2
+                continue
+            if check and proc.returncode != 0:
+                if any(t in message for t in TRANSIENT):
+                    raise BackendUnavailable(f"{tool} failed after {self.retries + 1} tries: {message}")
+                raise LauncherError(f"{tool} failed: {message}")
+            return proc
+        raise AssertionError("unreachable")
+
+    # -- submit ------------------------------------------------------------------------
+    def batch_script(self, spec: JobSpec, log_pattern: str) -> str:
+        """The generated batch script (public so users and tests can see exactly what is sent)."""
+        opts = {**self.config, **spec.options}
+        lines = ["#!/bin/bash", f"#SBATCH --job-name={spec.name}", f"#SBATCH --output={log_pattern}"]
+        lines.append("#SBATCH --export=ALL")
+        if spec.time_limit:
+            lines.append(f"#SBATCH --time={slurm_time(spec.time_limit)}")
+        if spec.cpus:
+            lines.append(f"#SBATCH --cpus-per-task={max(1, math.ceil(spec.cpus))}")
+        if spec.memory_bytes:
+            lines.append(f"#SBATCH --mem={max(1, math.ceil(spec.memory_bytes / 2**20))}M")
+        if spec.gpus:
+            lines.append(f"#SBATCH --gres=gpu:{spec.gpus}")
+        for key in ("partition", "account", "qos", "array", "nodelist", "constraint"):
+            if opts.get(key):
+                lines.append(f"#SBATCH --{key}={opts[key]}")
+        if spec.workdir:
+            lines.append(f"#SBATCH --chdir={spec.workdir}")
+        for flag in opts.get("extra_args") or []:
+            lines.append(f"#SBATCH {flag}")
+        lines.append("")
+        lines.append(" ".join(shlex.quote(c) for c in spec.command))
+        return "\n".join(lines) + "\n"
+
+    def submit(self, spec: JobSpec) -> JobHandle:
+        opts = {**self.config, **spec.options}
+        log_dir = Path(opts.get("log_dir") or self.settings.logs_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        is_array = bool(opts.get("array"))
+        log_pattern = str(log_dir / ("slurm-%A_%a.log" if is_array else "slurm-%j.log"))
+        script = self.batch_script(spec, log_pattern)
+        self.script_dir.mkdir(parents=True, exist_ok=True)
+        script_path = self.script_dir / f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', spec.name)[:40]}-{uuid.uuid4().hex[:8]}.sh"
+        script_path.write_text(script)
+        env_extra = {str(k): str(v) for k, v in spec.env.items()}
+        env_extra["OPENLAB_JOB_NAME"] = spec.name
+        env_extra["OPENLAB_LABELS"] = json.dumps(dict(spec.labels), sort_keys=True)
+        if spec.artifact_root is not None:
+            Path(spec.artifact_root).mkdir(parents=True, exist_ok=True)
+            env_extra["OPENLAB_ARTIFACT_ROOT"] = str(spec.artifact_root)
+        args = ["--parsable"]
+        if spec.labels:  # on the command line, not in the script: no quoting rules to trip over
+            args.append("--comment=" + json.dumps(dict(spec.labels), sort_keys=True, separators=(",", ":")))
+        proc = self._run("sbatch", *args, str(script_path), env=self._env(env_extra), check=False)
+        if proc.returncode != 0:
+            message = (proc.stderr or proc.stdout).strip()
+            if any(t in message for t in TRANSIENT):
+                raise BackendUnavailable(f"sbatch failed after {self.retries + 1} tries: {message}")
+            raise LauncherError(f"sbatch refused the job: {message}")
+        job_id = proc.stdout.strip().split(";", 1)[0]
+        if not job_id.isdigit():
+            raise LauncherError(f"sbatch --parsable printed no job id: {proc.stdout.strip()!r}")
+        log_path = log_pattern.replace("%A", job_id).replace("%j", job_id)
+        return JobHandle(self.name, job_id, log_path, {"script": str(script_path), "array": is_array})
+
+    # -- status ------------------------------------------------------------------------
+    def _scontrol(self, job_id: str) -> list[dict[str, str]] | None:
+        proc = self._run("scontrol", "show", "job", "-o", job_id, check=False)
+        if proc.returncode != 0:
+            message = (proc.stderr or proc.stdout).strip()
+            if "Invalid job id" in message:
+                return None
+            raise LauncherError(f"scontrol show job {job_id} failed: {message}")
+        return [parse_scontrol(line) for line in proc.stdout.splitlines() if line.strip()]
+
+    def _sacct(self, job_id: str) -> list[dict[str, str]] | None:
+        fields = ["JobID", "State", "ExitCode", "NodeList", "Start", "End", "Reason"]
+        proc = self._run(
+            "sacct", "-j", job_id, "-X", "-n", "-P", "-o", ",".join(fields), check=False
+        )
+        if proc.returncode != 0 or not proc.stdout.strip():
+            return None
+        rows = []
+        for line in proc.stdout.splitlines():
+            values = dict(zip(fields, line.split("|"), strict=False))
+            rows.append(
+                {
+                    "JobState": values.get("State", "").split(" ")[0],
+                    "ExitCode": values.get("ExitCode", ""),
+                    "NodeList": values.get("NodeList", ""),
+                    "StartTime": values.get("Start", ""),
+                    "EndTime": values.get("End", ""),
+                    "Reason": values.get("Reason", ""),
+                }
+            )
+        return rows
+
+    def _jobcomp_path(self) -> str | None:
+        if "jobcomp_loc" in self.config:
+            return str(self.config["jobcomp_loc"])
+        proc = self._run("scontrol", "show", "config", check=False)
+        kinds = dict(re.findall(r"^(JobCompType|JobCompLoc)\s*=\s*(\S+)", proc.stdout, re.M))
+        self.config["jobcomp_loc"] = kinds.get("JobCompLoc") if kinds.get("JobCompType") == "jobcomp/filetxt" else None
+        return self.config["jobcomp_loc"]
+
+    def _jobcomp(self, job_id: str) -> list[dict[str, str]] | None:
+        path = self._jobcomp_path()
+        if not path or not os.path.exists(path):
+            return None
+        rows = []
+        with open(path, errors="replace") as fh:
+            for line in fh:
+                if f"JobId={job_id} " in line or f"ArrayJobId={job_id} " in line:
+                    rows.append(parse_scontrol(line))
+        if not rows:
+            return None
+        for row in rows:  # filetxt names its fields a little differently
+            row.setdefault("NodeList", row.get("NodeList", ""))
+            row.setdefault("ExitCode", row.get("ExitCode", ""))
+        return rows
+
+    def _rows(self, job_id: str) -> tuple[list[dict[str, str]] | None, str]:
+        rows = self._scontrol(job_id)
+        if rows:
+            return rows, "scontrol"
+        rows = self._sacct(job_id)
+        if rows:
+            return rows, "sacct"
+        return self._jobcomp(job_id), "jobcomp"
+
+    def status(self, handle: JobHandle) -> JobStatus:
+        rows, _source = self._rows(handle.job_id)
+        if not rows:
+            reason = f"slurm no longer knows job {handle.job_id} (scontrol, sacct, jobcomp)"
+            return JobStatus(JobState.LOST, reason=reason)
+        states = [self._row_status(r) for r in rows]
+        # an array: running while any task runs; failed if any failed; else the first
+        for wanted in (JobState.RUNNING, JobState.PENDING, JobState.FAILED, JobState.CANCELLED, JobState.LOST):
+            match = [s for s in states if s.state is wanted]
+            if match:
+                chosen = match[0]
+                break
+        else:
+            chosen = states[0]
+        starts = [s.started_at for s in states if s.started_at]
+        ends = [s.ended_at for s in states if s.ended_at]
+        chosen.started_at = min(starts) if starts else None
+        chosen.ended_at = max(ends) if ends and chosen.state.terminal else None
+        return chosen
+
+    @staticmethod
+    def _row_status(row: dict[str, str]) -> JobStatus:
+        raw = row.get("JobState", "").split(" ")[0].upper()
+        state, reason = STATE_MAP.get(raw, (JobState.LOST, f"unknown Slurm state {raw or '?'}"))
+        code, sig = _exit_code(row.get("ExitCode"))
+        if state is JobState.FAILED and reason is None:
+            reason = f"killed by signal {sig}" if sig else f"exit code {code}"
+            if row.get("Reason") not in (None, "", "None", "NonZeroExitCode"):
+                reason += f" ({row['Reason']})"
+        if state is JobState.SUCCEEDED and code not in (None, 0):
+            state, reason = JobState.FAILED, f"exit code {code}"
+        if state is JobState.PENDING and row.get("Reason") not in (None, "", "None"):
+            reason = row["Reason"]
+        if sig and code == 0 and state.terminal:
+            code = 128 + sig
+        node = row.get("NodeList") or row.get("BatchHost")
+        return JobStatus(
+            state=state,
+            exit_code=code if state.terminal else None,
+            reason=reason,
+            host=node if node not in ("", "(null)", "None", "None assigned") else None,
+            started_at=_parse_dt(row.get("StartTime")) if state is not JobState.PENDING else None,
+            ended_at=_parse_dt(row.get("EndTime")) if state.terminal else None,
+        )
+
+    # -- logs, cancel, check ---------------------------------------------------------------
+    def logs(self, handle: JobHandle, *, follow: bool = False, tail: int | None = None) -> Iterator[str]:
+        from orchestrator.launchers.local import follow_file
+
+        log_path = handle.log_path or str(self.settings.logs_dir / f"slurm-{handle.job_id}.log")
+        if "%a" in log_path:
+            return self._array_logs(handle, log_path, follow=follow, tail=tail)
+        return follow_file(Path(log_path), lambda: self.status(handle).state.terminal, follow=follow, tail=tail)
+
+    def _array_logs(self, handle: JobHandle, pattern: str, *, follow: bool, tail: int | None) -> Iterator[str]:
+        from orchestrator.launchers.local import follow_file
+
+        if follow:
+            self.wait(handle)
+        for path in sorted(glob.glob(pattern.replace("%a", "*"))):
+            task = Path(path).stem.rsplit("_", 1)[-1]
+            for line in follow_file(Path(path), lambda: True, follow=False, tail=tail):
+                yield f"[{task}] {line}"
+
+    def cancel(self, handle: JobHandle) -> None:
+        status = self.status(handle)
+        if status.state.terminal:
+            return
+        self._run("scancel", handle.job_id)
+        deadline = time.monotonic() + float(self.config.get("cancel_timeout", 30))
+        while time.monotonic() < deadline:
+            proc = self._run("squeue", "-h", "-j", handle.job_id, "-o", "%T", check=False)
+            remaining = [s for s in proc.stdout.split() if s]
+            if proc.returncode != 0 or not remaining:
+                return
+            time.sleep(0.2)
+        raise LauncherError(f"slurm job {handle.job_id} is still in the queue 30s after scancel")
+
+    def check(self) -> tuple[bool, str]:
+        try:
+            ping = self._run("scontrol", "ping", check=False, timeout=10)
+        except BackendUnavailable as exc:
+            return False, str(exc)
+        text = (ping.stdout or ping.stderr).strip()
+        if ping.returncode != 0 or "UP" not in text:
+            return False, f"slurmctld not reachable: {text or 'scontrol ping failed'}"
+        info = self._run("sinfo", "-h", "-o", "%P %a %D %t", check=False)
+        partitions = ", ".join(" ".join(line.split()) for line in info.stdout.splitlines()) or "no partitions"
+        return True, f"{text.splitlines()[0]}; partitions: {partitions}"
