@@ -181,7 +181,9 @@ class _TempTree:
         index = self.tmp / "index"
         real_index = git_dir / "index"
         if real_index.exists():
-            shutil.copyfile(real_index, index)  # reuse cached stat info: no re-read of clean files
+            # copy2 keeps the index mtime, which git needs to spot "racily clean" entries
+            # (edited within the same timestamp tick as the index was written).
+            shutil.copy2(real_index, index)  # reuse cached stat info: no re-read of clean files
         (self.tmp / "objects").mkdir()
         self.env = {
             "GIT_INDEX_FILE": str(index),

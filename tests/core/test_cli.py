@@ -1,0 +1,150 @@
+"""The core CLI contracts scripts rely on, run as a real subprocess against real git repos and files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@x",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@x",
+    }
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True, env=env).stdout
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    root = tmp_path / "repo"
+    root.mkdir()
+    _git(root, "init", "-q", "-b", "main")
+    (root / "train.py").write_text("print('train')\n")
+    _git(root, "add", ".")
+    _git(root, "commit", "-qm", "first")
+    return root
+
+
+@pytest.fixture
+def data(tmp_path: Path) -> Path:
+    folder = tmp_path / "data"
+    (folder / "sub").mkdir(parents=True)
+    for i in range(5):
+        (folder / f"f{i}.txt").write_text(f"row {i}\n" * 100)
+    (folder / "sub" / "deep.bin").write_bytes(os.urandom(4096))
+    return folder
+
+
+def test_snapshot_json_contract_and_stability(run_cli, data: Path) -> None:
+    first = run_cli("snapshot", str(data), "--json")
+    assert first.returncode == 0, first.stderr
+    snap = json.loads(first.stdout)
+    assert snap["files"] == 6
+    assert snap["bytes"] == sum(p.stat().st_size for p in data.rglob("*") if p.is_file())
+    again = json.loads(run_cli("snapshot", str(data), "--json").stdout)
+    assert again["id"] == snap["id"]
+    (data / "f0.txt").write_text("changed\n")
+    assert json.loads(run_cli("snapshot", str(data), "--json").stdout)["id"] != snap["id"]
+
+
+def test_provenance_json_contract(run_cli, repo: Path) -> None:
+    clean = run_cli("provenance", str(repo), "--json", cwd=repo)
+    assert clean.returncode == 0, clean.stderr
+    info = json.loads(clean.stdout)
+    head = _git(repo, "rev-parse", "HEAD").strip()
+    assert info["git"]["commit"] == head
+    assert info["git"]["dirty"] is False
+    assert info["git"]["patch_hash"] is None
+    assert len(info["environment"]["packages_hash"]) == 64
+    (repo / "train.py").write_text("print('edited')\n")
+    dirty = json.loads(run_cli("provenance", str(repo), "--json", cwd=repo).stdout)
+    assert dirty["git"]["dirty"] is True and dirty["git"]["patch_hash"]
+
+
+def test_provenance_outside_git_warns_not_crashes(run_cli, tmp_path: Path) -> None:
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    result = run_cli("provenance", str(plain), "--json", cwd=plain)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["git"]["available"] is False
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("snapshot", "/no/such/path"),
+        ("lineage", "show", "srun_doesnotexist"),
+        ("lineage", "list", "--kind", "bogus"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(run_cli, args: tuple[str, ...]) -> None:
+    result = run_cli(*args)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1
+
+
+def test_verify_reports_data_drift_and_tampering(run_cli, data: Path, openlab_home: Path) -> None:
+    snap = json.loads(run_cli("snapshot", str(data), "--json").stdout)
+    ok = run_cli("lineage", "verify", "--json")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert json.loads(ok.stdout) == {"ok": True, "problems": []}
+
+    (data / "f1.txt").write_text("drifted\n")
+    drift = run_cli("lineage", "verify", "--json")
+    assert drift.returncode == 1
+    report = json.loads(drift.stdout)
+    assert report["ok"] is False
+    assert any(p["record"] == f"snapshot:{snap['id']}" and "f1.txt" in p["message"] for p in report["problems"])
+
+
+def test_verify_names_commits_that_vanished(run_cli, repo: Path, openlab_home: Path) -> None:
+    from orchestrator.lineage import open_store
+    from orchestrator.lineage.record import record_git
+    from orchestrator.provenance import capture
+
+    (repo / "train.py").write_text("print('dirty')\n")
+    store = open_store()
+    with store.transaction() as tx:
+        commit = record_git(tx, capture(repo).git)
+    assert commit.dirty and commit.patch_hash
+    assert run_cli("lineage", "verify").returncode == 0
+    # Rewrite history so the recorded commit no longer exists, and lose the patch blob.
+    _git(repo, "checkout", "-q", "--orphan", "other")
+    _git(repo, "commit", "-qam", "rewritten")
+    _git(repo, "branch", "-D", "main")
+    _git(repo, "reflog", "expire", "--expire=now", "--all")
+    _git(repo, "gc", "-q", "--prune=now")
+    (openlab_home / "blobs" / commit.patch_hash).unlink()
+    report = json.loads(run_cli("lineage", "verify", "--json").stdout)
+    messages = [p["message"] for p in report["problems"] if p["record"] == f"commit:{commit.id}"]
+    assert any("no longer exists" in m for m in messages)
+    assert any("patch" in m and "missing" in m for m in messages)
+
+
+def test_show_list_and_diff(run_cli, openlab_home: Path) -> None:
+    from orchestrator.identity import compute_identity
+    from orchestrator.lineage import PipelineRun, StageRun, open_store
+
+    store = open_store()
+    a = compute_identity("pretrain", {"steps": 10}, inputs={"tokens": "t1"})
+    b = compute_identity("pretrain", {"steps": 20}, inputs={"tokens": "t1"})
+    with store.transaction() as tx:
+        run = tx.add(PipelineRun(recipe="r", replica="tiny", backend="local"))
+        s1 = tx.add(StageRun(pipeline_run_id=run.id, stage="pretrain", identity=a.digest, identity_fields=a.fields()))
+        s2 = tx.add(StageRun(pipeline_run_id=run.id, stage="pretrain", identity=b.digest, identity_fields=b.fields()))
+        tx.relate("wasInformedBy", s1, run)
+    listed = json.loads(run_cli("lineage", "list", "--json").stdout)
+    assert {r["id"] for r in listed} >= {run.id, s1.id, s2.id}
+    shown = json.loads(run_cli("lineage", "show", s1.id[:12], "--json").stdout)
+    assert shown["record"]["identity"] == a.digest
+    assert shown["relations"][0]["object_id"] == run.id
+    diff = json.loads(run_cli("lineage", "diff", s1.id, s2.id, "--json").stdout)
+    assert diff["changes"]["pretrain"] == [{"path": "config.steps", "old": 10, "new": 20}]
