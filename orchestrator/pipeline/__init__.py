@@ -1,0 +1,75 @@
+"""The staged replica pipeline as a library: recipes in, reused or executed stages out.
+
+Used by ``openlab run`` / ``openlab explain`` (terminal, no Prefect) and by the Prefect
+flows in ``flows/`` alike, so both behave the same. Typical use from a flow::
+
+    from orchestrator.pipeline import PipelineHooks, RunOptions, execute_stage, finish_pipeline, start_recipe
+
+    ctx = start_recipe("marin-535b-a23b", "tiny", options=RunOptions(backend="local", trigger="ui"),
+                       hooks=PipelineHooks(on_log=..., on_transition=..., should_cancel=...))
+    for stage in ctx.pipeline.order:       # one Prefect task per stage
+        execute_stage(ctx, stage)          # raises StageFailed / StageCancelled
+    finish_pipeline(ctx)                   # COMPLETED / FAILED / CANCELLED from the stage results
+
+or everything at once: ``run_recipe(...)`` / ``run_pipeline(...)``; the dry run is
+``explain_recipe(...)`` / ``plan(...)``; ``reconcile(store)`` closes stale stage runs.
+"""
+
+from orchestrator.pipeline.dag import DEFAULT_VOLATILE, REPO_ROOT, Pipeline, StageSpec, moe_pipeline
+from orchestrator.pipeline.execute import (
+    PipelineContext,
+    PipelineHooks,
+    PipelineResult,
+    RunOptions,
+    StageCancelled,
+    StageFailed,
+    StageResult,
+    StageTransition,
+    execute_stage,
+    find_reusable,
+    finish_pipeline,
+    output_dir,
+    pipeline_state,
+    run_pipeline,
+    run_recipe,
+    run_stages,
+    stage_identity,
+    start_pipeline,
+    start_recipe,
+    verify_outputs,
+)
+from orchestrator.pipeline.plan import StagePlan, explain_recipe, plan
+from orchestrator.pipeline.reconcile import Reconciled, reconcile
+
+__all__ = [
+    "DEFAULT_VOLATILE",
+    "REPO_ROOT",
+    "Pipeline",
+    "PipelineContext",
+    "PipelineHooks",
+    "PipelineResult",
+    "Reconciled",
+    "RunOptions",
+    "StageCancelled",
+    "StageFailed",
+    "StagePlan",
+    "StageResult",
+    "StageSpec",
+    "StageTransition",
+    "execute_stage",
+    "explain_recipe",
+    "find_reusable",
+    "finish_pipeline",
+    "moe_pipeline",
+    "output_dir",
+    "pipeline_state",
+    "plan",
+    "reconcile",
+    "run_pipeline",
+    "run_recipe",
+    "run_stages",
+    "stage_identity",
+    "start_pipeline",
+    "start_recipe",
+    "verify_outputs",
+]

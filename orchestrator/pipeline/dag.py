@@ -1,0 +1,171 @@
+"""The stage DAG: which stages exist, what each consumes, and which code and environment decide it.
+
+A :class:`Pipeline` is plain data — stage names, inputs, declared code paths, declared
+environment fields and a command template — built at call time, never at import time
+(Marin #6649: a graph built on import silently forked outputs when files changed).
+The repository root is a field, so tests can point the same machinery at a scratch git
+repository whose stage programs are small scripts.
+
+Declared code paths are what a stage's identity hashes (their working-tree git tree
+hashes): a one-line edit to a declared path re-runs that stage, an edit anywhere else
+does not. Declared environment fields are taken from the captured environment
+(``python_version``, ``packages_hash``, ...) or, written ``pkg:NAME``, the installed
+version of one distribution — so installing an unrelated package does not re-run
+training, while upgrading torch does.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orchestrator.errors import ConfigError
+
+#: Where this repository lives (the MoE workload's stage programs are under it).
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+#: Files whose content may differ between two runs that computed the same thing (wall
+#: times in metrics, W&B run folders, logs). Downstream identities hash a stage's output
+#: *without* them, so a re-run that produced byte-identical data re-uses what follows.
+DEFAULT_VOLATILE = ("metrics.json", "wandb/*", "*.log", "*.tmp", ".openlab/*")
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One stage: its name, its inputs and what decides its result.
+
+    ``inputs`` maps the config key the stage reads (``inputs.tokens`` in its config) to
+    the upstream stage whose output folder it is. ``command`` is a template: ``{python}``,
+    ``{stage}``, ``{config}`` and ``{out}`` are substituted at launch.
+    """
+
+    name: str
+    inputs: Mapping[str, str] = field(default_factory=dict)
+    code_paths: tuple[str, ...] = ()
+    environment_fields: tuple[str, ...] = ()
+    command: tuple[str, ...] = ("{python}", "-m", "workloads.moe", "{stage}", "--config", "{config}", "--out", "{out}")
+    #: The stage's output folder is also recorded as a DataSnapshot (the corpus).
+    snapshot_output: bool = False
+    volatile: tuple[str, ...] = DEFAULT_VOLATILE
+    #: Job resources (local backend ignores most of them).
+    cpus: float | None = None
+    memory: str | None = None
+    gpus: int = 0
+    time_limit: int | None = None
+
+    def render_command(self, *, python: str, config: Path, out: Path) -> list[str]:
+        values = {"python": python, "stage": self.name, "config": str(config), "out": str(out)}
+        return [part.format(**values) for part in self.command]
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """A DAG of stages rooted in one repository; ``order`` is a topological order."""
+
+    name: str
+    stages: tuple[StageSpec, ...]
+    repo_root: Path = REPO_ROOT
+    image: str | None = None
+
+    def __post_init__(self) -> None:
+        seen: set[str] = set()
+        for spec in self.stages:
+            if spec.name in seen:
+                raise ConfigError(f"pipeline {self.name}: stage {spec.name!r} defined twice")
+            for key, upstream in spec.inputs.items():
+                if upstream not in seen:
+                    raise ConfigError(
+                        f"pipeline {self.name}: stage {spec.name!r} input {key!r} names {upstream!r}, "
+                        "which is not an earlier stage"
+                    )
+            seen.add(spec.name)
+
+    @property
+    def order(self) -> list[str]:
+        return [s.name for s in self.stages]
+
+    def stage(self, name: str) -> StageSpec:
+        for spec in self.stages:
+            if spec.name == name:
+                return spec
+        raise ConfigError(f"pipeline {self.name}: no stage {name!r} (stages: {', '.join(self.order)})")
+
+    def code_paths(self) -> list[str]:
+        """Every declared code path of every stage (captured once per pipeline run)."""
+        out: list[str] = []
+        for spec in self.stages:
+            out.extend(p for p in spec.code_paths if p not in out)
+        return out
+
+    def downstream(self, name: str) -> list[str]:
+        """Stages that (transitively) consume ``name``'s output."""
+        hit = {name}
+        for spec in self.stages:
+            if any(up in hit for up in spec.inputs.values()):
+                hit.add(spec.name)
+        return [s for s in self.order if s in hit and s != name]
+
+
+def _moe(path: str) -> str:
+    return f"workloads/moe/{path}"
+
+
+def moe_pipeline(repo_root: Path | None = None, *, python: str | None = None, image: str | None = None) -> Pipeline:
+    """The MoE replica pipeline: data -> tokenize -> pretrain -> midtrain -> posttrain -> eval.
+
+    Code paths are the workload modules each stage executes; the W&B helper
+    (``tracking.py``) is deliberately left out: logging does not change results.
+    """
+    root = (repo_root or REPO_ROOT).resolve()
+    common = [_moe("__init__.py"), _moe("__main__.py"), _moe("config.py"), _moe("util.py")]
+    model = [_moe("model.py"), _moe("dispatch.py"), _moe("metrics.py")]
+    declared: dict[str, Sequence[str]] = {
+        "data": [*common, _moe("data.py")],
+        "tokenize": [*common, _moe("tokenizing.py")],
+        "pretrain": [*common, *model, _moe("train.py")],
+        "midtrain": [*common, *model, _moe("train.py")],
+        "posttrain": [*common, *model, _moe("train.py"), _moe("data.py")],
+        "eval": [*common, *model, _moe("evaluate.py")],
+    }
+    torch_env = ("python_version", "pkg:torch", "pkg:numpy")
+    env: dict[str, tuple[str, ...]] = {
+        # the default corpus is the Python standard library's own source
+        "data": ("python_version",),
+        "tokenize": ("pkg:tokenizers", "pkg:numpy"),
+        "pretrain": torch_env,
+        "midtrain": torch_env,
+        "posttrain": torch_env,
+        "eval": torch_env,
+    }
+    inputs: dict[str, dict[str, str]] = {
+        "data": {},
+        "tokenize": {"corpus": "data"},
+        "pretrain": {"tokens": "tokenize"},
+        "midtrain": {"tokens": "tokenize", "checkpoint": "pretrain"},
+        "posttrain": {"tokens": "tokenize", "checkpoint": "midtrain"},
+        "eval": {"tokens": "tokenize", "checkpoint": "posttrain"},
+    }
+    stages = []
+    for name in ("data", "tokenize", "pretrain", "midtrain", "posttrain", "eval"):
+        paths = tuple(p for p in declared[name] if (root / p).exists())
+        stages.append(
+            StageSpec(
+                name=name,
+                inputs=inputs[name],
+                code_paths=paths,
+                environment_fields=env[name],
+                snapshot_output=name == "data",
+            )
+        )
+    del python  # the interpreter is chosen per backend at launch
+    return Pipeline(name="moe-replica", stages=tuple(stages), repo_root=root, image=image)
+
+
+def default_python(backend: str) -> str:
+    """The interpreter a stage command starts with: this one locally, ``python`` in images."""
+    return sys.executable if backend == "local" else "python"
+
+
+__all__ = ["DEFAULT_VOLATILE", "REPO_ROOT", "Pipeline", "StageSpec", "default_python", "moe_pipeline"]

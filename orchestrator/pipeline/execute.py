@@ -1,0 +1,1095 @@
+"""Executing a pipeline: one stage at a time, skip-if-done by content, one holder per identity.
+
+The flow of :func:`execute_stage`, and why each step is there:
+
+1. **Identity** (:mod:`orchestrator.identity`): the stage's config (minus inputs, W&B and
+   runtime placement), its inputs by *content* (upstream outputs hashed without volatile
+   files such as ``metrics.json``), the working-tree tree hashes of its declared code
+   paths and its declared environment fields. The output folder is
+   ``artifacts_dir/<stage>/<identity[:16]>``: derived from the identity, never part of it.
+2. **Reuse**: a COMPLETED stage run with the same identity whose outputs still verify
+   (content hash re-checked) is reused: a REUSED stage run points at it (``reused_from``)
+   and the reason is logged.
+3. **Lease** (:mod:`orchestrator.lineage.leases`): otherwise take the lease on the
+   identity; if another live holder has it, wait, then check for reuse again — so two
+   pipeline runs started at once execute each identity once.
+4. **Run** the job with :func:`orchestrator.launchers.attempts.run_job` on the chosen
+   backend, streaming its log to the hooks; a lost lease or a cancel request cancels it.
+5. **Record** the output folder as an Artifact (snapshot Merkle hash) ``wasGeneratedBy``
+   the stage run, which ``used`` its inputs and ``wasAssociatedWith`` the commit and the
+   environment; metrics come from ``metrics.json``.
+
+The same functions serve ``openlab run`` (terminal, no Prefect) and the Prefect flows in
+``flows/``: :func:`start_pipeline` / :func:`execute_stage` / :func:`finish_pipeline` for
+a flow that maps each stage onto a task, :func:`run_pipeline` for everything at once.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fnmatch
+import json
+import logging
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sqlmodel import col, select
+
+from orchestrator.errors import ConfigError, OpenlabError
+from orchestrator.identity import FieldChange, StageIdentity, compute_identity, diff_identities
+from orchestrator.lineage import leases
+from orchestrator.lineage.models import (
+    Artifact,
+    Commit,
+    Environment,
+    PipelineRun,
+    StageRun,
+    new_id,
+    utcnow,
+)
+from orchestrator.lineage.store import LineageStore
+from orchestrator.pipeline.dag import Pipeline, StageSpec, default_python, moe_pipeline
+from orchestrator.recipes import ResolvedRecipe, identity_config
+from orchestrator.settings import Settings, load_settings
+
+if TYPE_CHECKING:
+    from orchestrator.provenance import Provenance
+
+log = logging.getLogger("openlab.pipeline")
+
+#: Stage states a transition hook sees (lineage states plus the two waiting phases).
+TRANSITIONS = ("CHECKING", "WAITING", "RUNNING", "REUSED", "COMPLETED", "FAILED", "CANCELLED", "SKIPPED")
+
+_PROGRESS = re.compile(r"\bstep[ =:]*(\d+)\s*/\s*(\d+)", re.IGNORECASE)
+
+
+class StageFailed(OpenlabError):
+    """A stage ended FAILED (its result, with the reason, is attached)."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, result: StageResult | None = None) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class StageCancelled(StageFailed):
+    """A stage was cancelled (by request, or because its lease was taken over)."""
+
+
+# -- options, hooks, results ------------------------------------------------------------------
+
+
+@dataclass
+class RunOptions:
+    """How to run a pipeline: backend, links, forcing, lease timing, trigger."""
+
+    backend: str = "local"
+    #: Experiment issue ``owner/repo#N`` (or ``#N`` with a configured default repo).
+    issue: str | None = None
+    issue_required: bool = False
+    #: True re-runs every stage; a collection of stage names re-runs those.
+    force: bool | frozenset[str] = False
+    trigger: str = "terminal"
+    flow_run_id: str | None = None
+    #: Extra parameters recorded on the pipeline run (e.g. the UI's form values).
+    params: dict[str, Any] = field(default_factory=dict)
+    lease_ttl: float = leases.DEFAULT_TTL
+    heartbeat_interval: float | None = None
+    #: Seconds between looks while another holder runs the same identity.
+    wait_poll: float = 1.0
+    wait_timeout: float | None = None
+    job_timeout: float | None = None
+    #: Seconds between job status polls (None: the launcher's default).
+    poll: float | None = 0.05
+    #: Re-read every output byte when checking reuse (default: trust the snapshot stat cache).
+    deep_verify: bool = False
+    launcher_overrides: dict[str, Any] = field(default_factory=dict)
+
+    def forced(self, stage: str) -> bool:
+        return self.force is True or (not isinstance(self.force, bool) and stage in self.force)
+
+
+@dataclass(frozen=True)
+class StageTransition:
+    """A stage changing phase; what the hooks (Prefect logs, cards, progress bars) see."""
+
+    pipeline_run_id: str
+    stage: str
+    state: str
+    identity: str | None = None
+    stage_run_id: str | None = None
+    reason: str = ""
+    result: StageResult | None = None
+    at: dt.datetime = field(default_factory=utcnow)
+
+
+@dataclass
+class PipelineHooks:
+    """Callbacks for the layer above (terminal display, Prefect flow).
+
+    Every callback may be called from a background thread (log pump, lease heartbeat);
+    an exception in a hook is logged and otherwise ignored — a display must not kill a run.
+    """
+
+    #: ``(stage, line)`` for each line of a running job's log.
+    on_log: Callable[[str, str], None] | None = None
+    #: Each :class:`StageTransition`.
+    on_transition: Callable[[StageTransition], None] | None = None
+    #: ``(stage, done, total)`` parsed from ``step N/M`` in job logs.
+    on_progress: Callable[[str, int, int], None] | None = None
+    #: Polled while waiting and while a job runs; True cancels (e.g. Prefect cancellation).
+    should_cancel: Callable[[], bool] | None = None
+
+
+@dataclass
+class StageResult:
+    """What one :func:`execute_stage` call did."""
+
+    stage: str
+    state: str  # COMPLETED | REUSED | FAILED | CANCELLED
+    stage_run_id: str
+    identity: str
+    identity_fields: dict[str, Any]
+    out_dir: Path
+    outputs: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    reason: str = ""
+    #: Identity fields that differ from the last completed run of this stage.
+    changes: list[str] = field(default_factory=list)
+    reused_from: str | None = None
+    attempt_id: str | None = None
+    job_id: str | None = None
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.state in ("COMPLETED", "REUSED")
+
+    @property
+    def output(self) -> dict[str, Any]:
+        return dict(self.outputs.get("out") or {})
+
+    @property
+    def content_hash(self) -> str | None:
+        return self.output.get("content_hash")
+
+    @property
+    def input_hash(self) -> str | None:
+        """The hash downstream identities use (volatile files excluded)."""
+        return self.output.get("input_hash") or self.content_hash
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "state": self.state,
+            "stage_run_id": self.stage_run_id,
+            "identity": self.identity,
+            "out_dir": str(self.out_dir),
+            "outputs": self.outputs,
+            "metrics": self.metrics,
+            "reason": self.reason,
+            "changes": list(self.changes),
+            "reused_from": self.reused_from,
+            "attempt_id": self.attempt_id,
+            "job_id": self.job_id,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+@dataclass
+class PipelineContext:
+    """One pipeline run in progress: shared by every :func:`execute_stage` call of that run.
+
+    Thread-safe for stages running in different threads (Prefect's task runner).
+    """
+
+    pipeline: Pipeline
+    configs: dict[str, dict[str, Any]]
+    options: RunOptions
+    hooks: PipelineHooks
+    settings: Settings
+    store: LineageStore
+    pipeline_run: PipelineRun
+    commit: Commit
+    environment: Environment
+    provenance: Provenance
+    tree_hashes: dict[str, str]
+    env_values: dict[str, str]
+    recipe: ResolvedRecipe | None = None
+    issue_id: str | None = None
+    results: dict[str, StageResult] = field(default_factory=dict)
+    #: stage -> stage run id of this pipeline run, so a retry adds an attempt to the same stage run.
+    stage_runs: dict[str, str] = field(default_factory=dict)
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    owns_store: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.pipeline_run.id
+
+    def emit(self, stage: str, state: str, **kw: Any) -> None:
+        """Send a transition to the hook and, when an issue is linked, refresh its card."""
+        event = StageTransition(pipeline_run_id=self.id, stage=stage, state=state, **kw)
+        level = logging.WARNING if state in ("FAILED", "CANCELLED") else logging.INFO
+        log.log(level, "%s: %s%s", stage, state, f" - {event.reason}" if event.reason else "")
+        _call_hook(self.hooks.on_transition, event)
+        if self.issue_id and state not in ("CHECKING",):
+            publish_issue_card(self)
+
+
+def _call_hook(fn: Callable[..., Any] | None, *args: Any) -> None:
+    if fn is None:
+        return
+    try:
+        fn(*args)
+    except Exception:  # noqa: BLE001 - a display must not kill a run
+        log.exception("pipeline hook %s failed", getattr(fn, "__name__", fn))
+
+
+def publish_issue_card(ctx: PipelineContext) -> None:
+    """Refresh the run's lineage card on its experiment issue; never fails the pipeline."""
+    try:
+        from orchestrator.links.github import publish_card
+    except ImportError:
+        return
+    try:
+        publish_card(ctx.store, ctx.id, settings=ctx.settings)
+    except Exception as exc:  # noqa: BLE001 - GitHub problems are recorded by the linker and queued
+        log.warning("could not publish the lineage card for %s: %s", ctx.id, exc)
+
+
+# -- environment fields --------------------------------------------------------------------------
+
+
+def environment_values(provenance: Provenance, fields: Sequence[str]) -> dict[str, str]:
+    """Values of declared environment fields: captured ones by name, ``pkg:NAME`` by version."""
+    import importlib.metadata as md
+
+    captured = provenance.environment.to_dict()
+    out: dict[str, str] = {}
+    for name in fields:
+        if name.startswith("pkg:"):
+            try:
+                out[name] = md.version(name[4:])
+            except md.PackageNotFoundError:
+                out[name] = "absent"
+        elif name in captured:
+            value = captured[name]
+            out[name] = json.dumps(value, sort_keys=True) if isinstance(value, (list, dict)) else str(value)
+        else:
+            raise ConfigError(f"unknown environment field {name!r}; known: {', '.join(sorted(captured))} or pkg:NAME")
+    return out
+
+
+# -- starting and finishing a pipeline run ------------------------------------------------------
+
+
+def start_pipeline(
+    pipeline: Pipeline,
+    configs: Mapping[str, Mapping[str, Any]],
+    *,
+    options: RunOptions | None = None,
+    hooks: PipelineHooks | None = None,
+    recipe: ResolvedRecipe | None = None,
+    settings: Settings | None = None,
+    store: LineageStore | None = None,
+    reconcile_first: bool = True,
+) -> PipelineContext:
+    """Reconcile stale stage runs, capture provenance, record the pipeline run; return its context."""
+    from orchestrator.lineage.record import record_environment, record_git
+    from orchestrator.pipeline.reconcile import reconcile
+    from orchestrator.provenance import capture
+
+    options = options or RunOptions()
+    hooks = hooks or PipelineHooks()
+    settings = settings or load_settings()
+    owns = store is None
+    store = store or LineageStore.open(settings)
+    missing = [s for s in pipeline.order if s not in configs]
+    if missing:
+        raise ConfigError(f"pipeline {pipeline.name}: no config for stage(s) {', '.join(missing)}")
+    from orchestrator.launchers.base import BACKENDS
+
+    if options.backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {options.backend!r}; known backends: {', '.join(BACKENDS)}")
+    if reconcile_first:
+        reconcile(store, settings=settings)
+    prov = capture(pipeline.repo_root, pipeline.code_paths(), settings=settings)
+    all_env_fields = sorted({f for s in pipeline.stages for f in s.environment_fields})
+    env_values = environment_values(prov, all_env_fields)
+    params: dict[str, Any] = {
+        **options.params,
+        "pipeline": pipeline.name,
+        "force": sorted(options.force) if not isinstance(options.force, bool) else options.force,
+        "issue": options.issue,
+        "repo_root": str(pipeline.repo_root),
+    }
+    if recipe is not None:
+        params["recipe"] = recipe.lineage()
+    with store.transaction() as tx:
+        commit = record_git(tx, prov.git)
+        environment = record_environment(tx, prov.environment)
+        run = tx.add(
+            PipelineRun(
+                id=new_id(PipelineRun.id_prefix),
+                name=recipe.name if recipe is not None else pipeline.name,
+                recipe=recipe.recipe.name if recipe is not None else None,
+                replica=recipe.replica if recipe is not None else None,
+                backend=options.backend,
+                trigger=options.trigger,
+                flow_run_id=options.flow_run_id,
+                params=params,
+                state="RUNNING",
+            )
+        )
+        tx.relate("wasAssociatedWith", run, commit, role="code")
+        tx.relate("wasAssociatedWith", run, environment, role="environment")
+    ctx = PipelineContext(
+        pipeline=pipeline,
+        configs={k: dict(v) for k, v in configs.items()},
+        options=options,
+        hooks=hooks,
+        settings=settings,
+        store=store,
+        pipeline_run=run,
+        commit=commit,
+        environment=environment,
+        provenance=prov,
+        tree_hashes=dict(prov.git.tree_hashes),
+        env_values=env_values,
+        recipe=recipe,
+        owns_store=owns,
+    )
+    if options.issue:
+        from orchestrator.links.github import resolve_issue
+
+        issue = resolve_issue(store, options.issue, run, required=options.issue_required, settings=settings)
+        ctx.issue_id = issue.id
+        publish_issue_card(ctx)
+    log.info("pipeline run %s started (%s, backend %s)", run.id, run.name, options.backend)
+    return ctx
+
+
+def pipeline_state(ctx: PipelineContext) -> str:
+    """COMPLETED when every stage completed or was reused, else FAILED / CANCELLED."""
+    states = [ctx.results[s].state if s in ctx.results else None for s in ctx.pipeline.order]
+    if any(s == "CANCELLED" for s in states):
+        return "CANCELLED"
+    if any(s == "FAILED" for s in states) or any(s is None for s in states):
+        return "FAILED"
+    return "COMPLETED"
+
+
+def finish_pipeline(ctx: PipelineContext, state: str | None = None, error: str | None = None) -> PipelineRun:
+    """Close the pipeline run (COMPLETED / FAILED / CANCELLED) and refresh its card."""
+    final = state or pipeline_state(ctx)
+    params = dict(ctx.pipeline_run.params or {})
+    if error:
+        params["error"] = error
+    params["stages"] = {
+        s: {"state": r.state, "stage_run_id": r.stage_run_id, "identity": r.identity} for s, r in ctx.results.items()
+    }
+    with ctx.store.transaction() as tx:
+        ctx.pipeline_run = tx.update(ctx.pipeline_run, state=final, ended_at=utcnow(), params=params)
+    log.info("pipeline run %s %s", ctx.id, final)
+    if ctx.issue_id:
+        publish_issue_card(ctx)
+    if ctx.owns_store:
+        ctx.store.close()
+    return ctx.pipeline_run
+
+
+# -- identity and reuse --------------------------------------------------------------------------
+
+
+def _upstream(ctx: PipelineContext, spec: StageSpec, given: Mapping[str, StageResult] | None) -> dict[str, StageResult]:
+    out: dict[str, StageResult] = {}
+    for key, stage in spec.inputs.items():
+        result = (given or {}).get(stage) or ctx.results.get(stage)
+        if result is None or not result.ok:
+            raise ConfigError(f"stage {spec.name}: input {key} needs stage {stage} to have completed first")
+        out[key] = result
+    return out
+
+
+def stage_identity(ctx: PipelineContext, spec: StageSpec, upstream: Mapping[str, StageResult]) -> StageIdentity:
+    """The stage's identity from its config, inputs' content, code tree hashes and environment."""
+    return compute_identity(
+        spec.name,
+        identity_config(ctx.configs[spec.name]),
+        inputs={key: str(res.input_hash) for key, res in upstream.items()},
+        code={p: ctx.tree_hashes[p] for p in spec.code_paths},
+        environment={f: ctx.env_values[f] for f in spec.environment_fields},
+    )
+
+
+def output_dir(settings: Settings, stage: str, identity: str) -> Path:
+    """Where a stage identity's output lives; a function of the identity, never an input to it."""
+    return settings.artifacts_dir / stage / identity[:16]
+
+
+def _volatile(path: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(path, p) for p in patterns)
+
+
+def hash_output(path: Path, settings: Settings, volatile: Sequence[str]) -> dict[str, Any]:
+    """Snapshot an output folder: full Merkle hash plus the hash without volatile files."""
+    from orchestrator.snapshots import merkle_root, snapshot
+
+    snap = snapshot(path, settings=settings)
+    stable = [e for e in snap.entries if not _volatile(e.path, volatile)]
+    return {
+        "path": str(snap.path),
+        "content_hash": snap.id,
+        "input_hash": merkle_root(stable),
+        "files": snap.files,
+        "bytes": snap.bytes,
+        "manifest_path": str(snap.manifest_path),
+        "_snapshot": snap,
+    }
+
+
+def verify_outputs(outputs: Mapping[str, Any], settings: Settings, *, deep: bool = False) -> str | None:
+    """None when every recorded output still has its content hash, else what is wrong.
+
+    The default check re-snapshots with the stat cache (one stat per unchanged file), so
+    reuse stays cheap; ``deep`` re-reads every byte.
+    """
+    from orchestrator.snapshots import SnapshotError, snapshot, verify_snapshot
+
+    if not outputs:
+        return "no outputs recorded"
+    for name, out in outputs.items():
+        path = Path(out.get("path", ""))
+        if not path.exists():
+            return f"output {name} is missing at {path}"
+        try:
+            if deep:
+                problems = verify_snapshot(out["content_hash"], settings, path=path)
+                if problems:
+                    return f"output {name}: {problems[0]}"
+            elif snapshot(path, settings=settings).id != out.get("content_hash"):
+                return f"output {name} at {path} changed since it was recorded"
+        except (SnapshotError, OpenlabError) as exc:
+            return f"output {name}: {exc}"
+    return None
+
+
+def find_reusable(
+    store: LineageStore, identity: str, settings: Settings, *, deep: bool = False
+) -> tuple[StageRun | None, str]:
+    """The latest COMPLETED stage run of ``identity`` whose outputs verify, and why (or why not)."""
+    candidates = store.list(
+        StageRun,
+        where=[StageRun.identity == identity, StageRun.state == "COMPLETED"],
+        order_by=col(StageRun.ended_at).desc(),
+        limit=5,
+    )
+    if not candidates:
+        return None, "no completed run with this identity"
+    problems = []
+    for run in candidates:
+        problem = verify_outputs(run.outputs, settings, deep=deep)
+        if problem is None:
+            return run, f"identity {identity[:16]} already completed by {run.id}; outputs verified"
+        problems.append(f"{run.id}: {problem}")
+    return None, "completed runs with this identity no longer verify: " + "; ".join(problems)
+
+
+def last_completed(
+    store: LineageStore,
+    stage: str,
+    *,
+    exclude_identity: str | None = None,
+    recipe: str | None = None,
+    replica: str | None = None,
+) -> StageRun | None:
+    """The most recent COMPLETED run of ``stage`` (preferring the same recipe and replica)."""
+    with store.session() as session:
+        base = select(StageRun).where(StageRun.stage == stage, StageRun.state == "COMPLETED")
+        if exclude_identity:
+            base = base.where(StageRun.identity != exclude_identity)
+        if recipe is not None:
+            same = (
+                base.join(PipelineRun, col(StageRun.pipeline_run_id) == col(PipelineRun.id))
+                .where(PipelineRun.recipe == recipe, PipelineRun.replica == replica)
+                .order_by(col(StageRun.ended_at).desc())
+                .limit(1)
+            )
+            found = session.exec(same).first()
+            if found is not None:
+                return found
+        return session.exec(base.order_by(col(StageRun.ended_at).desc()).limit(1)).first()
+
+
+def describe_changes(changes: Sequence[FieldChange]) -> list[str]:
+    return [c.describe() for c in changes]
+
+
+def changes_since_last(ctx: PipelineContext, stage: str, identity: StageIdentity) -> tuple[list[str], str]:
+    """Identity fields changed since the last completed run of ``stage``, and a one-line reason."""
+    previous = last_completed(
+        ctx.store,
+        stage,
+        exclude_identity=identity.digest,
+        recipe=ctx.pipeline_run.recipe,
+        replica=ctx.pipeline_run.replica,
+    )
+    if previous is None:
+        return [], "no earlier completed run of this stage"
+    changes = describe_changes(diff_identities(previous.identity_fields, identity.fields()))
+    return changes, f"changed since {previous.id}: " + "; ".join(changes[:6]) + (" ..." if len(changes) > 6 else "")
+
+
+def _record_reuse(
+    ctx: PipelineContext, spec: StageSpec, identity: StageIdentity, original: StageRun, reason: str, started: float
+) -> StageResult:
+    now = utcnow()
+    with ctx.store.transaction() as tx:
+        run = tx.add(
+            StageRun(
+                id=new_id(StageRun.id_prefix),
+                pipeline_run_id=ctx.id,
+                stage=spec.name,
+                identity=identity.digest,
+                identity_fields=identity.fields(),
+                state="REUSED",
+                reused_from=original.id,
+                outputs=dict(original.outputs),
+                metrics=dict(original.metrics),
+                started_at=now,
+                ended_at=now,
+            )
+        )
+        tx.relate("wasInformedBy", run, original, role="reused")
+        tx.relate("wasAssociatedWith", run, ctx.commit, role="code")
+        for out in original.outputs.values():
+            art = tx.get(Artifact, out.get("artifact_id", "")) if out.get("artifact_id") else None
+            if art is not None:
+                tx.relate("used", run, art, role="reused")
+    result = StageResult(
+        stage=spec.name,
+        state="REUSED",
+        stage_run_id=run.id,
+        identity=identity.digest,
+        identity_fields=identity.fields(),
+        out_dir=output_dir(ctx.settings, spec.name, identity.digest),
+        outputs=dict(original.outputs),
+        metrics=dict(original.metrics),
+        reason=reason,
+        reused_from=original.id,
+        seconds=time.monotonic() - started,
+    )
+    with ctx.lock:
+        ctx.results[spec.name] = result
+        ctx.stage_runs.pop(spec.name, None)
+    ctx.emit(spec.name, "REUSED", identity=identity.digest, stage_run_id=run.id, reason=reason, result=result)
+    return result
+
+
+# -- running a stage --------------------------------------------------------------------------------
+
+
+def _cancel_requested(ctx: PipelineContext, extra: Callable[[], bool] | None) -> bool:
+    for fn in (extra, ctx.hooks.should_cancel):
+        if fn is not None:
+            try:
+                if fn():
+                    return True
+            except Exception:  # noqa: BLE001
+                log.exception("should_cancel hook failed")
+    return False
+
+
+def _write_config(
+    ctx: PipelineContext, spec: StageSpec, identity: str, upstream: Mapping[str, StageResult], stage_run: StageRun
+) -> Path:
+    config = dict(ctx.configs[spec.name])
+    if upstream:
+        config["inputs"] = {key: str(res.output.get("path") or res.out_dir) for key, res in upstream.items()}
+    wandb = _wandb_section(ctx, spec, identity, stage_run)
+    if wandb:
+        config["wandb"] = wandb
+    path = output_dir(ctx.settings, spec.name, identity).with_suffix(".config.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{stage_run.id}.tmp")
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True))
+    tmp.replace(path)
+    return path
+
+
+def _wandb_section(ctx: PipelineContext, spec: StageSpec, identity: str, stage_run: StageRun) -> dict[str, Any] | None:
+    """The ``wandb:`` section of the stage config, from the links layer when it is installed."""
+    try:
+        from orchestrator.links import wandb as links_wandb  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    fn = getattr(links_wandb, "stage_wandb_settings", None)
+    if fn is None:
+        return None
+    try:
+        return fn(  # type: ignore[no-any-return]
+            stage_run=stage_run,
+            pipeline_run=ctx.pipeline_run,
+            commit=ctx.commit,
+            recipe=ctx.recipe.wandb if ctx.recipe is not None else {},
+            replica=ctx.pipeline_run.replica,
+            issue=ctx.issue_id,
+            settings=ctx.settings,
+        )
+    except TypeError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - W&B is optional: the stage runs without it
+        log.warning("no W&B settings for %s: %s", spec.name, exc)
+        return None
+
+
+def _record_wandb(ctx: PipelineContext, stage_run: StageRun, out_dir: Path) -> None:
+    try:
+        from orchestrator.links import wandb as links_wandb  # type: ignore[attr-defined]
+    except ImportError:
+        return
+    fn = getattr(links_wandb, "record_wandb_run", None)
+    if fn is None:
+        return
+    try:
+        fn(ctx.store, stage_run, out_dir)
+    except Exception as exc:  # noqa: BLE001 - optional link
+        log.warning("could not record the W&B run of %s: %s", stage_run.stage, exc)
+
+
+def _read_metrics(out_dir: Path) -> dict[str, Any]:
+    path = out_dir / "metrics.json"
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        log.warning("unreadable metrics %s: %s", path, exc)
+        return {}
+    return data if isinstance(data, dict) else {"value": data}
+
+
+def execute_stage(
+    ctx: PipelineContext,
+    stage: str | StageSpec,
+    *,
+    upstream: Mapping[str, StageResult] | None = None,
+    should_cancel: Callable[[], bool] | None = None,
+) -> StageResult:
+    """Reuse or run one stage of ``ctx``'s pipeline; see the module docstring.
+
+    ``upstream`` (stage name -> result) overrides results kept in ``ctx`` (for flows that
+    pass results between tasks). Raises :class:`StageFailed` / :class:`StageCancelled`
+    when the stage does not complete; calling again for the same stage in the same
+    pipeline run (a Prefect retry) adds an attempt to the same stage run.
+    """
+    started = time.monotonic()
+    spec = stage if isinstance(stage, StageSpec) else ctx.pipeline.stage(stage)
+    inputs = _upstream(ctx, spec, upstream)
+    identity = stage_identity(ctx, spec, inputs)
+    digest = identity.digest
+    ctx.emit(spec.name, "CHECKING", identity=digest)
+    forced = ctx.options.forced(spec.name)
+    if not forced:
+        original, why = find_reusable(ctx.store, digest, ctx.settings, deep=ctx.options.deep_verify)
+        if original is not None:
+            return _record_reuse(ctx, spec, identity, original, why, started)
+    with ctx.lock:
+        stage_run_id = ctx.stage_runs.get(spec.name) or new_id(StageRun.id_prefix)
+        ctx.stage_runs[spec.name] = stage_run_id
+    holder = leases.new_holder(ctx.id)
+    held: leases.HeldLease | None = None
+    waited_since: float | None = None
+    while held is None:
+        if _cancel_requested(ctx, should_cancel):
+            raise StageCancelled(f"stage {spec.name}: cancelled while waiting for its lease")
+        held = leases.try_hold(
+            ctx.store,
+            digest,
+            holder,
+            ttl=ctx.options.lease_ttl,
+            heartbeat_interval=ctx.options.heartbeat_interval,
+            stage_run_id=stage_run_id,
+        )
+        if held is not None:
+            break
+        if waited_since is None:
+            waited_since = time.monotonic()
+            other = leases.current(ctx.store, digest)
+            who = other.holder if other is not None else "another run"
+            ctx.emit(spec.name, "WAITING", identity=digest, reason=f"identity {digest[:16]} is being run by {who}")
+        elif ctx.options.wait_timeout is not None and time.monotonic() - waited_since > ctx.options.wait_timeout:
+            raise StageFailed(
+                f"stage {spec.name}: gave up after {ctx.options.wait_timeout:g}s waiting for identity "
+                f"{digest[:16]}, held by another run"
+            )
+        time.sleep(ctx.options.wait_poll)
+        if not forced or waited_since is not None:
+            original, why = find_reusable(ctx.store, digest, ctx.settings, deep=ctx.options.deep_verify)
+            if original is not None:
+                return _record_reuse(ctx, spec, identity, original, f"waited, then {why}", started)
+    try:
+        if waited_since is not None:
+            # the other holder may have finished between our last look and our acquire
+            original, why = find_reusable(ctx.store, digest, ctx.settings, deep=ctx.options.deep_verify)
+            if original is not None:
+                held.release()
+                return _record_reuse(ctx, spec, identity, original, f"waited, then {why}", started)
+        return _run_stage(ctx, spec, identity, inputs, stage_run_id, held, should_cancel, forced, started)
+    finally:
+        held.release()
+
+
+def _run_stage(
+    ctx: PipelineContext,
+    spec: StageSpec,
+    identity: StageIdentity,
+    inputs: Mapping[str, StageResult],
+    stage_run_id: str,
+    held: leases.HeldLease,
+    should_cancel: Callable[[], bool] | None,
+    forced: bool,
+    started: float,
+) -> StageResult:
+    from orchestrator.launchers.attempts import run_job
+    from orchestrator.launchers.base import JobSpec, JobState, get_launcher
+
+    digest = identity.digest
+    out_dir = output_dir(ctx.settings, spec.name, digest)
+    changes, why = changes_since_last(ctx, spec.name, identity)
+    if forced:
+        why = f"forced; {why}"
+    existing = ctx.store.get(StageRun, stage_run_id)
+    with ctx.store.transaction() as tx:
+        if existing is not None:  # a retry within the same pipeline run: same stage run, new attempt
+            run = tx.update(
+                existing, state="RUNNING", error=None, ended_at=None, identity=digest, identity_fields=identity.fields()
+            )
+        else:
+            run = tx.add(
+                StageRun(
+                    id=stage_run_id,
+                    pipeline_run_id=ctx.id,
+                    stage=spec.name,
+                    identity=digest,
+                    identity_fields=identity.fields(),
+                    state="RUNNING",
+                )
+            )
+        tx.relate("wasAssociatedWith", run, ctx.commit, role="code")
+        tx.relate("wasAssociatedWith", run, ctx.environment, role="environment")
+        for key, res in inputs.items():
+            art_id = res.output.get("artifact_id")
+            art = tx.get(Artifact, art_id) if art_id else None
+            if art is not None:
+                tx.relate("used", run, art, role=key)
+            snap_id = res.output.get("snapshot_id")
+            if snap_id:
+                from orchestrator.lineage.models import DataSnapshot
+
+                snap = tx.get(DataSnapshot, snap_id)
+                if snap is not None:
+                    tx.relate("used", run, snap, role=key)
+            up_run = tx.get(StageRun, res.reused_from or res.stage_run_id)
+            if up_run is not None:
+                tx.relate("wasInformedBy", run, up_run, role=key)
+    ctx.emit(spec.name, "RUNNING", identity=digest, stage_run_id=run.id, reason=why)
+
+    if forced and out_dir.exists() and existing is None:
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config_path = _write_config(ctx, spec, digest, inputs, run)
+    backend = ctx.options.backend
+    job = JobSpec(
+        name=f"openlab-{spec.name}-{digest[:12]}",
+        command=spec.render_command(python=default_python(backend), config=config_path, out=out_dir),
+        image=ctx.pipeline.image,
+        env={
+            "OPENLAB_STAGE": spec.name,
+            "OPENLAB_STAGE_RUN": run.id,
+            "OPENLAB_PIPELINE_RUN": ctx.id,
+            "OPENLAB_IDENTITY": digest,
+        },
+        workdir=str(ctx.pipeline.repo_root),
+        artifact_root=ctx.settings.artifacts_dir,
+        cpus=spec.cpus,
+        memory=spec.memory,
+        gpus=spec.gpus,
+        time_limit=spec.time_limit,
+        labels={
+            "openlab.io/stage": spec.name,
+            "openlab.io/stage-run": run.id,
+            "openlab.io/pipeline-run": ctx.id,
+            "openlab.io/identity": digest[:32],
+        },
+    )
+    launcher = get_launcher(backend, ctx.settings, **ctx.options.launcher_overrides)
+    cancel_reason: list[str] = []
+
+    def cancel() -> bool:
+        if held.should_cancel():
+            cancel_reason[:] = [held.lost_reason or "lease lost"]
+            return True
+        if _cancel_requested(ctx, should_cancel):
+            cancel_reason[:] = ["cancel requested"]
+            return True
+        return False
+
+    def on_log(line: str) -> None:
+        _call_hook(ctx.hooks.on_log, spec.name, line)
+        if ctx.hooks.on_progress is not None:
+            match = _PROGRESS.search(line)
+            if match:
+                _call_hook(ctx.hooks.on_progress, spec.name, int(match.group(1)), int(match.group(2)))
+
+    attempt = None
+    try:
+        attempt, status = run_job(
+            ctx.store,
+            launcher,
+            job,
+            stage_run_id=run.id,
+            on_log=on_log if (ctx.hooks.on_log or ctx.hooks.on_progress) else None,
+            timeout=ctx.options.job_timeout,
+            should_cancel=cancel,
+            poll=ctx.options.poll,
+        )
+    except BaseException as exc:
+        state = "CANCELLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
+        reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
+        result = _finish_failed(ctx, spec, run, identity, out_dir, state, reason, None, started, changes)
+        if isinstance(exc, OpenlabError) and not isinstance(exc, StageFailed):
+            raise StageFailed(f"stage {spec.name}: {reason}", result) from exc
+        raise
+
+    if status.state is JobState.SUCCEEDED and not cancel_reason:
+        return _finish_completed(ctx, spec, run, identity, inputs, out_dir, attempt, started, changes, why)
+    if status.state is JobState.CANCELLED or cancel_reason:
+        reason = cancel_reason[0] if cancel_reason else (status.reason or "job cancelled")
+        result = _finish_failed(ctx, spec, run, identity, out_dir, "CANCELLED", reason, attempt, started, changes)
+        raise StageCancelled(f"stage {spec.name} cancelled: {reason}", result)
+    reason = f"job {attempt.job_id} {status.state}" + (
+        f" (exit {status.exit_code})" if status.exit_code is not None else ""
+    )
+    if status.reason:
+        reason += f": {status.reason}"
+    if attempt.log_path:
+        reason += f"; log: {attempt.log_path}"
+    result = _finish_failed(ctx, spec, run, identity, out_dir, "FAILED", reason, attempt, started, changes)
+    raise StageFailed(f"stage {spec.name} failed: {reason}", result)
+
+
+def _finish_failed(
+    ctx: PipelineContext,
+    spec: StageSpec,
+    run: StageRun,
+    identity: StageIdentity,
+    out_dir: Path,
+    state: str,
+    reason: str,
+    attempt: Any,
+    started: float,
+    changes: list[str],
+) -> StageResult:
+    try:
+        with ctx.store.transaction() as tx:
+            run = tx.update(run, state=state, error=reason, ended_at=utcnow())
+    except Exception:  # noqa: BLE001 - the original failure matters more
+        log.exception("could not record the end of stage run %s", run.id)
+    result = StageResult(
+        stage=spec.name,
+        state=state,
+        stage_run_id=run.id,
+        identity=identity.digest,
+        identity_fields=identity.fields(),
+        out_dir=out_dir,
+        reason=reason,
+        changes=changes,
+        attempt_id=getattr(attempt, "id", None),
+        job_id=getattr(attempt, "job_id", None),
+        seconds=time.monotonic() - started,
+    )
+    with ctx.lock:
+        ctx.results[spec.name] = result
+    ctx.emit(spec.name, state, identity=identity.digest, stage_run_id=run.id, reason=reason, result=result)
+    return result
+
+
+def _finish_completed(
+    ctx: PipelineContext,
+    spec: StageSpec,
+    run: StageRun,
+    identity: StageIdentity,
+    inputs: Mapping[str, StageResult],
+    out_dir: Path,
+    attempt: Any,
+    started: float,
+    changes: list[str],
+    why: str,
+) -> StageResult:
+    from orchestrator.lineage.record import record_snapshot
+
+    hashed = hash_output(out_dir, ctx.settings, spec.volatile)
+    snap = hashed.pop("_snapshot")
+    metrics = _read_metrics(out_dir)
+    with ctx.store.transaction() as tx:
+        art = tx.add(
+            Artifact(
+                id=new_id(Artifact.id_prefix),
+                name=f"{spec.name}/out",
+                artifact_type="folder",
+                uri=str(out_dir),
+                content_hash=snap.id,
+                size=snap.bytes,
+            )
+        )
+        tx.relate("wasGeneratedBy", art, run)
+        for key, res in inputs.items():
+            up_id = res.output.get("artifact_id")
+            up = tx.get(Artifact, up_id) if up_id else None
+            if up is not None:
+                tx.relate("wasDerivedFrom", art, up, role=key)
+        hashed["artifact_id"] = art.id
+        if spec.snapshot_output:
+            data_snap = record_snapshot(tx, snap)
+            tx.relate("wasGeneratedBy", data_snap, run)
+            hashed["snapshot_id"] = data_snap.id
+        outputs = {"out": hashed}
+        run = tx.update(run, state="COMPLETED", outputs=outputs, metrics=metrics, error=None, ended_at=utcnow())
+    _record_wandb(ctx, run, out_dir)
+    result = StageResult(
+        stage=spec.name,
+        state="COMPLETED",
+        stage_run_id=run.id,
+        identity=identity.digest,
+        identity_fields=identity.fields(),
+        out_dir=out_dir,
+        outputs=outputs,
+        metrics=metrics,
+        reason=why,
+        changes=changes,
+        attempt_id=getattr(attempt, "id", None),
+        job_id=getattr(attempt, "job_id", None),
+        seconds=time.monotonic() - started,
+    )
+    with ctx.lock:
+        ctx.results[spec.name] = result
+        ctx.stage_runs.pop(spec.name, None)
+    ctx.emit(spec.name, "COMPLETED", identity=identity.digest, stage_run_id=run.id, reason=why, result=result)
+    return result
+
+
+# -- whole pipelines ----------------------------------------------------------------------------------
+
+
+@dataclass
+class PipelineResult:
+    """The outcome of :func:`run_pipeline`."""
+
+    pipeline_run: PipelineRun
+    results: dict[str, StageResult]
+    state: str
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.state == "COMPLETED"
+
+    def to_dict(self) -> dict[str, Any]:
+        run = self.pipeline_run
+        return {
+            "pipeline_run_id": run.id,
+            "name": run.name,
+            "recipe": run.recipe,
+            "replica": run.replica,
+            "backend": run.backend,
+            "state": self.state,
+            "error": self.error,
+            "stages": [r.to_dict() for r in self.results.values()],
+        }
+
+
+def run_stages(ctx: PipelineContext, stages: Sequence[str] | None = None) -> PipelineResult:
+    """Execute the stages of a started pipeline in order, then close the run."""
+    error: str | None = None
+    state: str | None = None
+    try:
+        for name in stages or ctx.pipeline.order:
+            execute_stage(ctx, name)
+    except StageCancelled as exc:
+        state, error = "CANCELLED", str(exc)
+    except StageFailed as exc:
+        state, error = "FAILED", str(exc)
+    except KeyboardInterrupt:
+        state, error = "CANCELLED", "interrupted"
+        run = finish_pipeline(ctx, state, error)
+        raise
+    except Exception as exc:
+        state, error = "FAILED", f"{type(exc).__name__}: {exc}"
+        finish_pipeline(ctx, state, error)
+        raise
+    for name in ctx.pipeline.order:
+        if name not in ctx.results:
+            ctx.emit(name, "SKIPPED", reason="an earlier stage did not complete")
+    run = finish_pipeline(ctx, state, error)
+    return PipelineResult(pipeline_run=run, results=dict(ctx.results), state=run.state, error=error)
+
+
+def run_pipeline(
+    pipeline: Pipeline,
+    configs: Mapping[str, Mapping[str, Any]],
+    *,
+    options: RunOptions | None = None,
+    hooks: PipelineHooks | None = None,
+    recipe: ResolvedRecipe | None = None,
+    settings: Settings | None = None,
+    store: LineageStore | None = None,
+) -> PipelineResult:
+    """Start, execute every stage, and close a pipeline run (stops at the first failed stage)."""
+    ctx = start_pipeline(pipeline, configs, options=options, hooks=hooks, recipe=recipe, settings=settings, store=store)
+    return run_stages(ctx)
+
+
+def start_recipe(
+    recipe: str | Path | ResolvedRecipe,
+    replica: str | None = None,
+    *,
+    options: RunOptions | None = None,
+    hooks: PipelineHooks | None = None,
+    settings: Settings | None = None,
+    store: LineageStore | None = None,
+    repo_root: Path | None = None,
+) -> PipelineContext:
+    """Resolve a recipe replica and start the MoE pipeline for it (the flows layer's entry point)."""
+    from orchestrator.recipes import resolve
+
+    resolved = recipe if isinstance(recipe, ResolvedRecipe) else resolve(recipe, replica)
+    pipeline = moe_pipeline(repo_root)
+    return start_pipeline(
+        pipeline, resolved.stage_configs, options=options, hooks=hooks, recipe=resolved, settings=settings, store=store
+    )
+
+
+def run_recipe(
+    recipe: str | Path | ResolvedRecipe,
+    replica: str | None = None,
+    *,
+    options: RunOptions | None = None,
+    hooks: PipelineHooks | None = None,
+    settings: Settings | None = None,
+    store: LineageStore | None = None,
+    repo_root: Path | None = None,
+) -> PipelineResult:
+    """Run a recipe replica end to end (what ``openlab run`` does)."""
+    ctx = start_recipe(
+        recipe, replica, options=options, hooks=hooks, settings=settings, store=store, repo_root=repo_root
+    )
+    return run_stages(ctx)

@@ -1,0 +1,190 @@
+"""The dry run: for each stage, run or reuse, and why (Marin #2219: say which change invalidated a hash).
+
+:func:`plan` computes each stage's identity exactly as :func:`execute_stage` would — same
+config, same code tree hashes, same environment fields — and looks up lineage without
+writing a record. Downstream of a stage that will run, the input's content is not known
+yet; that stage is reported ``depends`` when nothing else in its identity changed (it is
+reused if the upstream re-run produces byte-identical output) and ``run`` otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator.identity import compute_identity, diff_identities
+from orchestrator.lineage import leases
+from orchestrator.lineage.store import LineageStore
+from orchestrator.pipeline.dag import Pipeline, moe_pipeline
+from orchestrator.pipeline.execute import describe_changes, environment_values, find_reusable, last_completed
+from orchestrator.recipes import ResolvedRecipe, identity_config
+from orchestrator.settings import Settings, load_settings
+
+#: Plan actions.
+ACTIONS = ("reuse", "run", "wait", "depends")
+
+
+@dataclass
+class StagePlan:
+    """What :func:`execute_stage` would do for one stage, and why."""
+
+    stage: str
+    action: str
+    reason: str
+    identity: str | None = None
+    #: Identity fields that differ from ``previous`` (the last completed run of the stage).
+    changes: list[str] = field(default_factory=list)
+    previous: str | None = None
+    reused_from: str | None = None
+    lease_holder: str | None = None
+    #: Inputs whose content is unknown until an upstream stage runs.
+    pending_inputs: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "action": self.action,
+            "reason": self.reason,
+            "identity": self.identity,
+            "changes": list(self.changes),
+            "previous": self.previous,
+            "reused_from": self.reused_from,
+            "lease_holder": self.lease_holder,
+            "pending_inputs": list(self.pending_inputs),
+        }
+
+
+def plan(
+    pipeline: Pipeline,
+    configs: Mapping[str, Mapping[str, Any]],
+    *,
+    settings: Settings | None = None,
+    store: LineageStore | None = None,
+    force: bool | frozenset[str] = False,
+    recipe: str | None = None,
+    replica: str | None = None,
+) -> list[StagePlan]:
+    """Say, for every stage, reuse / run / wait / depends and which identity fields changed."""
+    from orchestrator.provenance import capture
+
+    settings = settings or load_settings()
+    owns = store is None
+    store = store or LineageStore.open(settings)
+    try:
+        prov = capture(pipeline.repo_root, pipeline.code_paths(), settings=settings)
+        env_fields = sorted({f for s in pipeline.stages for f in s.environment_fields})
+        env_values = environment_values(prov, env_fields)
+        tree = dict(prov.git.tree_hashes)
+        known: dict[str, str | None] = {}  # stage -> input hash of its output (None: unknown until it runs)
+        plans: list[StagePlan] = []
+        for spec in pipeline.stages:
+            pending = [key for key, up in spec.inputs.items() if known.get(up) is None]
+            inputs = {key: str(known[up]) for key, up in spec.inputs.items() if known.get(up) is not None}
+            identity = compute_identity(
+                spec.name,
+                identity_config(configs[spec.name]),
+                inputs=inputs,
+                code={p: tree[p] for p in spec.code_paths},
+                environment={f: env_values[f] for f in spec.environment_fields},
+            )
+            forced = force is True or (not isinstance(force, bool) and spec.name in force)
+            previous = last_completed(
+                store,
+                spec.name,
+                exclude_identity=None if pending else identity.digest,
+                recipe=recipe,
+                replica=replica,
+            )
+            changes: list[str] = []
+            if previous is not None:
+                old = dict(previous.identity_fields)
+                if pending:  # compare what is known; pending inputs are judged after upstream runs
+                    old_inputs = dict(old.get("inputs") or {})
+                    for key in pending:
+                        old_inputs.pop(key, None)
+                    old["inputs"] = old_inputs
+                changes = describe_changes(diff_identities(old, identity.fields()))
+            item = StagePlan(
+                stage=spec.name,
+                action="run",
+                reason="",
+                identity=None if pending else identity.digest,
+                changes=changes,
+                previous=previous.id if previous is not None else None,
+                pending_inputs=pending,
+            )
+            if pending:
+                ups = ", ".join(sorted({spec.inputs[k] for k in pending}))
+                if forced:
+                    item.reason = "forced"
+                elif previous is None:
+                    item.reason = "no earlier completed run of this stage"
+                elif changes:
+                    item.reason = f"changed since {previous.id}: " + "; ".join(changes[:6])
+                else:
+                    item.action = "depends"
+                    item.reason = (
+                        f"nothing of its own changed; {ups} runs first, and this stage is reused "
+                        f"if that output is byte-identical to what {previous.id} used"
+                    )
+                known[spec.name] = None
+                plans.append(item)
+                continue
+            if not forced:
+                original, why = find_reusable(store, identity.digest, settings)
+                if original is not None:
+                    item.action, item.reason, item.reused_from = "reuse", why, original.id
+                    item.changes = []
+                    item.previous = original.id
+                    out = original.outputs.get("out") or {}
+                    known[spec.name] = out.get("input_hash") or out.get("content_hash")
+                    plans.append(item)
+                    continue
+            lease = leases.current(store, identity.digest)
+            if leases.is_live(lease) and not forced:
+                item.action = "wait"
+                item.lease_holder = lease.holder if lease is not None else None
+                item.reason = (
+                    f"identity {identity.digest[:16]} is being run by {item.lease_holder}; will reuse its result"
+                )
+            elif forced:
+                item.reason = "forced"
+            elif previous is None:
+                item.reason = "no earlier completed run of this stage"
+            else:
+                item.reason = f"changed since {previous.id}: " + "; ".join(changes[:6])
+            known[spec.name] = None
+            plans.append(item)
+        return plans
+    finally:
+        if owns:
+            store.close()
+
+
+def explain_recipe(
+    recipe: str | Path | ResolvedRecipe,
+    replica: str | None = None,
+    *,
+    settings: Settings | None = None,
+    store: LineageStore | None = None,
+    force: bool | frozenset[str] = False,
+    repo_root: Path | None = None,
+) -> list[StagePlan]:
+    """The dry run of ``openlab run RECIPE --replica R``."""
+    from orchestrator.recipes import resolve
+
+    resolved = recipe if isinstance(recipe, ResolvedRecipe) else resolve(recipe, replica)
+    return plan(
+        moe_pipeline(repo_root),
+        resolved.stage_configs,
+        settings=settings,
+        store=store,
+        force=force,
+        recipe=resolved.recipe.name,
+        replica=resolved.replica,
+    )
+
+
+__all__ = ["ACTIONS", "StagePlan", "explain_recipe", "plan"]

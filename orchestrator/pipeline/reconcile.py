@@ -1,0 +1,130 @@
+"""Reconcile: no stage run stays RUNNING forever after its orchestrator died.
+
+A stage run is RUNNING only while some process holds the lease on its identity and
+heartbeats it. When that process crashes (or a Prefect worker is killed) the lease
+expires and nobody will ever record the stage's end. At the start of every pipeline run
+:func:`reconcile` finds RUNNING stage runs whose lease is gone, expired or now protects a
+different stage run, revives the job handle from the stage run's last attempt, asks the
+backend, and closes the stage run accordingly:
+
+- job still PENDING/RUNNING: nobody will record its outputs, so it is cancelled and the
+  stage run marked CANCELLED ("orphaned");
+- job FAILED / CANCELLED / LOST: the stage run gets that state;
+- job SUCCEEDED: LOST — the job finished but its outputs were never recorded, so the
+  next run re-executes (or resumes from checkpoints in the same output folder);
+- no attempt, or the backend no longer knows the job: LOST.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from sqlmodel import col
+
+from orchestrator.lineage import leases
+from orchestrator.lineage.models import Attempt, StageRun, utcnow
+from orchestrator.lineage.store import LineageStore
+from orchestrator.settings import Settings, load_settings
+
+log = logging.getLogger("openlab.pipeline")
+
+
+@dataclass(frozen=True)
+class Reconciled:
+    """One stale stage run and what it was closed as."""
+
+    stage_run_id: str
+    stage: str
+    state: str
+    reason: str
+    job_id: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "stage_run_id": self.stage_run_id,
+            "stage": self.stage,
+            "state": self.state,
+            "reason": self.reason,
+            "job_id": self.job_id,
+        }
+
+
+def is_stale(store: LineageStore, run: StageRun) -> bool:
+    """Whether no live lease protects this RUNNING stage run."""
+    lease = leases.current(store, run.identity)
+    if not leases.is_live(lease):
+        return True
+    return lease is not None and lease.stage_run_id is not None and lease.stage_run_id != run.id
+
+
+def _judge(store: LineageStore, run: StageRun, settings: Settings) -> tuple[str, str, Attempt | None, Any]:
+    """(state, reason, last attempt, backend status) for a stale stage run."""
+    from orchestrator.launchers.attempts import handle_from_attempt, lineage_state
+    from orchestrator.launchers.base import JobState, LauncherError, get_launcher
+
+    attempts = store.list(Attempt, stage_run_id=run.id, order_by=col(Attempt.number).desc(), limit=1)
+    if not attempts:
+        return "LOST", "its orchestrator ended before any job was submitted", None, None
+    attempt = attempts[0]
+    if not attempt.job_id:
+        return "FAILED", f"job submission failed: {attempt.reason}", attempt, None
+    try:
+        launcher = get_launcher(attempt.backend, settings)
+        handle = handle_from_attempt(attempt)
+        status = launcher.status(handle)
+    except LauncherError as exc:
+        return "LOST", f"backend {attempt.backend} cannot report job {attempt.job_id}: {exc}", attempt, None
+    if not status.state.terminal:
+        try:
+            launcher.cancel(handle)
+        except LauncherError as exc:
+            log.warning("could not cancel orphaned job %s: %s", attempt.job_id, exc)
+        return "CANCELLED", f"orphaned: lease expired while job {attempt.job_id} ran; job cancelled", attempt, status
+    if status.state is JobState.SUCCEEDED:
+        return (
+            "LOST",
+            f"job {attempt.job_id} succeeded but its orchestrator ended before recording outputs",
+            attempt,
+            status,
+        )
+    detail = f" ({status.reason})" if status.reason else ""
+    return (
+        lineage_state(status.state),
+        f"job {attempt.job_id} ended {status.state}{detail} while unattended",
+        attempt,
+        status,
+    )
+
+
+def reconcile(store: LineageStore, *, settings: Settings | None = None) -> list[Reconciled]:
+    """Close every RUNNING stage run whose lease has expired; return what was done."""
+    from orchestrator.launchers.attempts import finish_attempt
+    from orchestrator.launchers.base import JobState, JobStatus
+
+    settings = settings or load_settings()
+    done: list[Reconciled] = []
+    for run in store.list(StageRun, state="RUNNING"):
+        if not is_stale(store, run):
+            continue
+        state, reason, attempt, status = _judge(store, run, settings)
+        current = store.get(StageRun, run.id)
+        if current is None or current.state != "RUNNING" or not is_stale(store, current):
+            continue  # its holder came back or another reconciler got there first
+        with store.transaction() as tx:
+            tx.update(current, state=state, error=f"reconciled: {reason}", ended_at=utcnow())
+        if attempt is not None and attempt.state in ("PENDING", "RUNNING"):
+            end = status or JobStatus(state=JobState.LOST, reason=reason)
+            if not end.state.terminal:
+                end = JobStatus(state=JobState.CANCELLED, reason=reason)
+            try:
+                finish_attempt(store, attempt, end)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("could not close attempt %s: %s", attempt.id, exc)
+        log.warning("reconciled stale stage run %s (%s): %s - %s", run.id, run.stage, state, reason)
+        done.append(Reconciled(run.id, run.stage, state, reason, attempt.job_id if attempt else None))
+    return done
+
+
+__all__ = ["Reconciled", "is_stale", "reconcile"]

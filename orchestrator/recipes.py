@@ -1,0 +1,648 @@
+"""Recipes: a full-scale training run described as data, and replicas derived from it.
+
+A recipe file (``recipes/*.yaml``) holds the *reference* run at full scale — model shape,
+routing and dispatch, data, token budget and its pretrain / mid-train split, post-train,
+eval, hardware, W&B project and the metrics the nightly verdict tracks — plus named
+``replicas``. A replica is the reference recipe times explicit scale factors
+(``scale: {d_model: 1/96, ...}``, each factor applied by a fixed rule in
+:data:`SCALE_RULES`), plus explicit ``set`` values for what has no scaling rule, plus
+``runtime`` settings (device, threads) that say where it runs and so never reach a stage
+identity. Why so explicit: a replica's numbers must be explainable from the reference
+alone, and its lineage records the reference recipe and every factor.
+
+:func:`load_recipe` reads a file with ``yaml.safe_load`` and validates it against
+:data:`RECIPE_SCHEMA`; unknown keys and wrong types raise :class:`ConfigError` naming the
+key path (``recipe marin-535b-a23b.yaml: model.experts: expected int, got str``).
+:func:`resolve` turns a recipe and a replica name into concrete per-stage configs in the
+MoE workload's config schema (:mod:`workloads.moe.config`), validated by the workload's
+own checks before any job starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from orchestrator.errors import ConfigError
+from orchestrator.hashing import hash_json
+
+#: Where recipe names (``marin-535b-a23b``) are looked up: ``recipes/`` at the repo root.
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+#: The workload stages a recipe resolves to, in pipeline order.
+STAGES = ("data", "tokenize", "pretrain", "midtrain", "posttrain", "eval")
+
+#: Config keys that say where a stage runs; they go into stage configs but never into identities.
+RUNTIME_KEYS = ("device", "threads")
+
+
+class _Number:
+    """Schema marker: an int or a float (never a bool)."""
+
+
+class _Ratio:
+    """Schema marker: a positive scale factor, written ``0.25`` or ``"1/4"``."""
+
+
+@dataclass(frozen=True)
+class Opt:
+    """Schema marker: the key may be absent (and, for ``nullable``, null)."""
+
+    spec: Any
+    nullable: bool = False
+
+
+@dataclass(frozen=True)
+class MapOf:
+    """Schema marker: a mapping from free-form string keys to values of ``spec``."""
+
+    spec: Any
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """Schema marker: one of a fixed set of strings."""
+
+    choices: tuple[str, ...]
+
+
+NUMBER = _Number()
+RATIO = _Ratio()
+
+_TRAIN = {
+    "lr": NUMBER,
+    "min_lr_ratio": NUMBER,
+    "warmup_fraction": NUMBER,
+    "weight_decay": NUMBER,
+    "grad_clip": NUMBER,
+    "mixture": Opt(MapOf(NUMBER)),
+    "checkpoint_every": int,
+}
+
+#: Each scale factor and the recipe fields it multiplies.
+SCALE_RULES: dict[str, tuple[str, ...]] = {
+    "d_model": ("model.d_model",),
+    "layers": ("model.layers",),
+    "heads": ("model.heads",),
+    "experts": ("model.experts",),
+    "top_k": ("model.top_k",),
+    "expert_hidden": ("model.expert_hidden",),
+    "shared_experts": ("model.shared_experts",),
+    "shared_hidden": ("model.shared_hidden",),
+    "context": ("model.context", "model.attn_window"),
+    "ranks": ("dispatch.ranks",),
+    "batch": ("tokens.batch_sequences",),
+    "tokens": ("tokens.budget", "posttrain.tokens"),
+    "vocab": ("tokenizer.vocab_size",),
+    "eval": ("eval.batches",),
+}
+
+#: The recipe schema: a nested mapping of key -> type or marker.
+RECIPE_SCHEMA: dict[str, Any] = {
+    "name": str,
+    "description": Opt(str),
+    "reference": Opt(str),
+    "seed": Opt(int),
+    "model": {
+        "d_model": int,
+        "layers": int,
+        "heads": int,
+        "experts": int,
+        "top_k": int,
+        "expert_hidden": int,
+        "shared_experts": int,
+        "shared_hidden": int,
+        "context": int,
+        "attn_window": Opt(int),
+        "routed_weight_sum": Opt(NUMBER),
+        "rope_theta": Opt(NUMBER),
+    },
+    "routing": {
+        "balancing": OneOf(("quantile", "none")),
+        "aux_loss_coef": Opt(NUMBER),
+        "z_loss_coef": Opt(NUMBER),
+    },
+    "dispatch": {
+        "scheme": OneOf(("dropless", "fixed_all_to_all", "pooled_wave", "ragged", "waterfilling")),
+        "ranks": int,
+        "capacity_factor": NUMBER,
+        "transport_capacity_factor": Opt(NUMBER),
+        "waves": Opt(int),
+        "chunks": Opt(int),
+    },
+    "data": {
+        "domains": MapOf(str),
+        "heldout_fraction": NUMBER,
+        "max_bytes_per_domain": Opt(int, nullable=True),
+    },
+    "tokenizer": {"vocab_size": int, "min_frequency": Opt(int)},
+    "tokens": {
+        "budget": NUMBER,
+        "pretrain_fraction": NUMBER,
+        "midtrain_fraction": NUMBER,
+        "batch_sequences": int,
+    },
+    "pretrain": dict(_TRAIN),
+    "midtrain": dict(_TRAIN),
+    "posttrain": {"tokens": NUMBER, **{k: v for k, v in _TRAIN.items() if k != "mixture"}},
+    "eval": {"batches": int},
+    "hardware": Opt(
+        {
+            "system": str,
+            "systems": int,
+            "gpus_per_system": Opt(int),
+            "expert_parallel": Opt(int),
+            "notes": Opt(str),
+        }
+    ),
+    "wandb": Opt({"project": str, "entity": Opt(str, nullable=True)}),
+    "tracked_metrics": Opt(
+        MapOf({"stage": OneOf(STAGES), "relative": Opt(NUMBER), "absolute": Opt(NUMBER), "description": Opt(str)})
+    ),
+    "replicas": Opt(
+        MapOf(
+            {
+                "description": Opt(str),
+                "scale": Opt({key: Opt(RATIO) for key in SCALE_RULES}),
+                "set": Opt(MapOf(object)),
+                "runtime": Opt({"device": Opt(OneOf(("auto", "cpu", "cuda"))), "threads": Opt(int)}),
+            }
+        )
+    ),
+}
+
+
+def _type_name(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "bool", int: "int", float: "float", str: "str", list: "list", dict: "mapping"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _spec_name(spec: Any) -> str:
+    if isinstance(spec, Opt):
+        return _spec_name(spec.spec)
+    if spec is NUMBER:
+        return "number"
+    if spec is RATIO:
+        return "scale factor (number or 'a/b')"
+    if isinstance(spec, OneOf):
+        return "one of " + ", ".join(spec.choices)
+    if isinstance(spec, (dict, MapOf)):
+        return "mapping"
+    return getattr(spec, "__name__", str(spec))
+
+
+def parse_ratio(value: Any, where: str) -> Fraction:
+    """A positive scale factor from ``0.25``, ``1`` or ``"1/4"`` as an exact fraction."""
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        if isinstance(value, str):
+            frac = Fraction(value.replace(" ", ""))
+        elif isinstance(value, int):
+            frac = Fraction(value)
+        elif isinstance(value, float):
+            frac = Fraction(value).limit_denominator(10**12)
+        else:
+            raise ValueError
+    except (ValueError, ZeroDivisionError):
+        raise ConfigError(
+            f"{where}: expected a scale factor (number or 'a/b'), got {_type_name(value)} {value!r}"
+        ) from None
+    if frac <= 0:
+        raise ConfigError(f"{where}: scale factor must be positive, got {value!r}")
+    return frac
+
+
+def _check(value: Any, spec: Any, path: str, where: str) -> None:
+    """Validate ``value`` against ``spec``; raise :class:`ConfigError` naming the key path."""
+    label = f"{where}: {path}" if path else where
+    if isinstance(spec, Opt):
+        if value is None and spec.nullable:
+            return
+        _check(value, spec.spec, path, where)
+        return
+    if spec is object:
+        return
+    if isinstance(spec, dict):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{label}: expected mapping, got {_type_name(value)}")
+        for key in value:
+            if not isinstance(key, str):
+                raise ConfigError(f"{label}: keys must be strings, got {key!r}")
+            if key not in spec:
+                known = ", ".join(spec)
+                raise ConfigError(f"{where}: {path + '.' if path else ''}{key}: unknown key (known: {known})")
+        for key, sub in spec.items():
+            sub_path = f"{path}.{key}" if path else key
+            if key not in value:
+                if isinstance(sub, Opt):
+                    continue
+                raise ConfigError(f"{where}: {sub_path}: missing (expected {_spec_name(sub)})")
+            _check(value[key], sub, sub_path, where)
+        return
+    if isinstance(spec, MapOf):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{label}: expected mapping, got {_type_name(value)}")
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"{label}: keys must be strings, got {key!r}")
+            _check(item, spec.spec, f"{path}.{key}" if path else key, where)
+        return
+    if isinstance(spec, OneOf):
+        if not isinstance(value, str) or value not in spec.choices:
+            raise ConfigError(f"{label}: expected one of {', '.join(spec.choices)}, got {value!r}")
+        return
+    if spec is RATIO:
+        parse_ratio(value, label)
+        return
+    if spec is NUMBER:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{label}: expected number, got {_type_name(value)}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{label}: expected a finite number, got {value!r}")
+        return
+    if spec is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{label}: expected int, got {_type_name(value)}")
+        return
+    if spec is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{label}: expected str, got {_type_name(value)}")
+        return
+    raise AssertionError(f"bad schema at {path}: {spec!r}")  # pragma: no cover
+
+
+def _schema_at(dotted: str) -> Any | None:
+    node: Any = RECIPE_SCHEMA
+    for part in dotted.split("."):
+        if isinstance(node, Opt):
+            node = node.spec
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, MapOf):
+            node = node.spec
+        else:
+            return None
+    return node
+
+
+def _get(data: Mapping[str, Any], dotted: str) -> Any:
+    node: Any = data
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _put(data: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A validated recipe file: the reference run and its replica definitions."""
+
+    name: str
+    path: Path
+    data: dict[str, Any]
+    #: BLAKE3 of the canonical recipe content (what lineage records as the reference).
+    content_hash: str
+
+    @property
+    def replicas(self) -> dict[str, Any]:
+        return dict(self.data.get("replicas") or {})
+
+    @property
+    def label(self) -> str:
+        return f"recipe {self.path.name}"
+
+
+@dataclass(frozen=True)
+class TrackedMetric:
+    """A metric the nightly verdict compares, with its tolerance."""
+
+    name: str
+    stage: str
+    relative: float | None = None
+    absolute: float | None = None
+
+    def within(self, old: float, new: float) -> bool:
+        """Whether ``new`` is within tolerance of ``old`` (both tolerances must hold when both are set)."""
+        ok = True
+        if self.relative is not None:
+            ok = ok and abs(new - old) <= self.relative * abs(old)
+        if self.absolute is not None:
+            ok = ok and abs(new - old) <= self.absolute
+        return ok
+
+
+@dataclass(frozen=True)
+class ResolvedRecipe:
+    """A recipe at one scale: concrete per-stage workload configs plus how they were derived."""
+
+    recipe: Recipe
+    replica: str | None
+    #: Scale factors as written (``"1/96"``) and as floats.
+    scale: dict[str, str]
+    #: Explicit ``set`` values of the replica (dotted key -> value).
+    overrides: dict[str, Any]
+    runtime: dict[str, Any]
+    #: The recipe values after scaling and ``set`` (same shape as the recipe).
+    values: dict[str, Any]
+    #: Stage name -> workload config (without ``inputs`` and ``wandb``, which the pipeline adds).
+    stage_configs: dict[str, dict[str, Any]]
+    tracked_metrics: tuple[TrackedMetric, ...] = ()
+    derived: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{self.recipe.name}:{self.replica}" if self.replica else self.recipe.name
+
+    @property
+    def wandb(self) -> dict[str, Any]:
+        return dict(self.values.get("wandb") or {})
+
+    def lineage(self) -> dict[str, Any]:
+        """What a pipeline run records about its recipe: reference, factors, settings, derived numbers."""
+        return {
+            "recipe": self.recipe.name,
+            "recipe_path": str(self.recipe.path),
+            "recipe_hash": self.recipe.content_hash,
+            "reference": self.recipe.data.get("reference"),
+            "replica": self.replica,
+            "scale": dict(self.scale),
+            "scale_float": {k: float(Fraction(v)) for k, v in self.scale.items()},
+            "set": dict(self.overrides),
+            "runtime": dict(self.runtime),
+            "derived": dict(self.derived),
+        }
+
+
+def find_recipe(ref: str | Path, recipes_dir: Path | None = None) -> Path:
+    """The recipe file for a path or a bare name (looked up in ``recipes/``)."""
+    candidate = Path(ref).expanduser()
+    if candidate.is_file():
+        return candidate
+    folder = recipes_dir or RECIPES_DIR
+    for name in (str(ref), f"{ref}.yaml", f"{ref}.yml"):
+        path = folder / name
+        if path.is_file():
+            return path
+    known = ", ".join(sorted(p.stem for p in folder.glob("*.y*ml"))) if folder.is_dir() else "none"
+    raise ConfigError(f"recipe {ref}: no such file, and no recipe of that name in {folder} (known: {known})")
+
+
+def load_recipe(ref: str | Path, recipes_dir: Path | None = None) -> Recipe:
+    """Read and validate a recipe (``yaml.safe_load``: no arbitrary objects from YAML)."""
+    path = find_recipe(ref, recipes_dir)
+    where = f"recipe {path.name}"
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{where}: invalid YAML: {' '.join(str(exc).split())}") from None
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read: {exc.strerror}") from None
+    return parse_recipe(data, path)
+
+
+def parse_recipe(data: Any, path: Path) -> Recipe:
+    """Validate already-parsed recipe data (used by :func:`load_recipe` and tests)."""
+    where = f"recipe {path.name}"
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: the top level must be a mapping, got {_type_name(data)}")
+    _check(data, RECIPE_SCHEMA, "", where)
+    total = data["tokens"]["pretrain_fraction"] + data["tokens"]["midtrain_fraction"]
+    if abs(total - 1.0) > 1e-9:
+        raise ConfigError(f"{where}: tokens: pretrain_fraction + midtrain_fraction must be 1, got {total:g}")
+    for name, metric in (data.get("tracked_metrics") or {}).items():
+        if metric.get("relative") is None and metric.get("absolute") is None:
+            raise ConfigError(f"{where}: tracked_metrics.{name}: give a relative or an absolute tolerance")
+    for rname, replica in (data.get("replicas") or {}).items():
+        for dotted, value in (replica.get("set") or {}).items():
+            spec = _schema_at(dotted)
+            if spec is None or isinstance(spec, dict) or dotted.split(".")[0] == "replicas":
+                raise ConfigError(f"{where}: replicas.{rname}.set.{dotted}: no such recipe field")
+            _check(value, spec, f"replicas.{rname}.set.{dotted}", where)
+    return Recipe(name=data["name"], path=path.resolve(), data=data, content_hash=hash_json(data))
+
+
+def _scaled(value: Any, factor: Fraction, path: str) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, int):
+        return max(1, int(round(Fraction(value) * factor)))
+    return float(Fraction(value).limit_denominator(10**12) * factor)
+
+
+def resolve(recipe: Recipe | str | Path, replica: str | None = None, *, validate: bool = True) -> ResolvedRecipe:
+    """Concrete per-stage workload configs for ``recipe`` at ``replica`` scale (None: full scale)."""
+    if not isinstance(recipe, Recipe):
+        recipe = load_recipe(recipe)
+    where = recipe.label
+    values = copy.deepcopy({k: v for k, v in recipe.data.items() if k != "replicas"})
+    scale: dict[str, str] = {}
+    overrides: dict[str, Any] = {}
+    runtime: dict[str, Any] = {"device": "auto", "threads": 0}
+    if replica is not None:
+        replicas = recipe.replicas
+        if replica not in replicas:
+            known = ", ".join(replicas) or "none"
+            raise ConfigError(f"{where}: no replica {replica!r} (known: {known})")
+        spec = replicas[replica]
+        for key, raw in (spec.get("scale") or {}).items():
+            factor = parse_ratio(raw, f"{where}: replicas.{replica}.scale.{key}")
+            scale[key] = str(factor)
+            for dotted in SCALE_RULES[key]:
+                current = _get(values, dotted)
+                if current is not None:
+                    _put(values, dotted, _scaled(current, factor, dotted))
+        for dotted, value in (spec.get("set") or {}).items():
+            overrides[dotted] = value
+            _put(values, dotted, value)
+        runtime.update(spec.get("runtime") or {})
+    configs, derived = _stage_configs(values, runtime)
+    tracked = tuple(
+        TrackedMetric(name=n, stage=m["stage"], relative=m.get("relative"), absolute=m.get("absolute"))
+        for n, m in (values.get("tracked_metrics") or {}).items()
+    )
+    resolved = ResolvedRecipe(
+        recipe=recipe,
+        replica=replica,
+        scale=scale,
+        overrides=overrides,
+        runtime=runtime,
+        values=values,
+        stage_configs=configs,
+        tracked_metrics=tracked,
+        derived=derived,
+    )
+    if validate:
+        validate_workload_configs(resolved)
+    return resolved
+
+
+def _train_section(section: Mapping[str, Any], steps: int, batch: int) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "steps": steps,
+        "batch_size": batch,
+        "lr": section["lr"],
+        "min_lr_ratio": section["min_lr_ratio"],
+        "warmup_steps": max(1, int(round(section["warmup_fraction"] * steps))) if steps > 1 else 0,
+        "weight_decay": section["weight_decay"],
+        "grad_clip": section["grad_clip"],
+        "checkpoint_every": max(1, min(int(section["checkpoint_every"]), steps)),
+    }
+    if section.get("mixture"):
+        out["mixture"] = dict(section["mixture"])
+    return out
+
+
+def _stage_configs(
+    v: Mapping[str, Any], runtime: Mapping[str, Any]
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Map recipe values onto the workload's per-stage config schema.
+
+    Each stage gets only the sections it reads, so its identity changes only when
+    something it depends on changes (a new model shape does not re-run ``data``).
+    """
+    model, tokens, dispatch, routing = v["model"], v["tokens"], v["dispatch"], v["routing"]
+    batch = int(tokens["batch_sequences"])
+    context = int(model["context"])
+    per_step = batch * context
+    pre_steps = max(1, int(round(tokens["budget"] * tokens["pretrain_fraction"] / per_step)))
+    mid_steps = max(1, int(round(tokens["budget"] * tokens["midtrain_fraction"] / per_step)))
+    post_steps = max(1, int(round(v["posttrain"]["tokens"] / per_step)))
+    seed = int(v.get("seed", 0))
+    rt = {k: runtime[k] for k in RUNTIME_KEYS if k in runtime}
+    moe = {
+        "dispatch": dispatch["scheme"],
+        "ranks": dispatch["ranks"],
+        "capacity_factor": dispatch["capacity_factor"],
+        "transport_capacity_factor": dispatch.get("transport_capacity_factor", 1.05),
+        "waves": dispatch.get("waves", 3),
+        "chunks": dispatch.get("chunks", 2),
+        "qb": routing["balancing"] == "quantile",
+        "aux_loss_coef": routing.get("aux_loss_coef", 0.0),
+        "z_loss_coef": routing.get("z_loss_coef", 0.0),
+    }
+    model_cfg: dict[str, Any] = {
+        "d_model": model["d_model"],
+        "n_layers": model["layers"],
+        "n_heads": model["heads"],
+        "context": context,
+        "attn_window": model.get("attn_window", 0),
+        "n_experts": model["experts"],
+        "top_k": model["top_k"],
+        "expert_hidden": model["expert_hidden"],
+        "n_shared": model["shared_experts"],
+        "shared_hidden": model["shared_hidden"],
+    }
+    for key in ("routed_weight_sum", "rope_theta"):
+        if key in model:
+            model_cfg[key] = model[key]
+    data_cfg: dict[str, Any] = {
+        "domains": dict(v["data"]["domains"]),
+        "heldout_fraction": v["data"]["heldout_fraction"],
+    }
+    if v["data"].get("max_bytes_per_domain") is not None:
+        data_cfg["max_bytes_per_domain"] = v["data"]["max_bytes_per_domain"]
+    tok_cfg = {"vocab_size": v["tokenizer"]["vocab_size"]}
+    if "min_frequency" in v["tokenizer"]:
+        tok_cfg["min_frequency"] = v["tokenizer"]["min_frequency"]
+    configs = {
+        "data": {"seed": seed, "data": data_cfg},
+        "tokenize": {"seed": seed, "tokenizer": tok_cfg},
+        "pretrain": {
+            "seed": seed,
+            **rt,
+            "model": model_cfg,
+            "moe": moe,
+            "train": _train_section(v["pretrain"], pre_steps, batch),
+        },
+        "midtrain": {"seed": seed, **rt, "moe": moe, "train": _train_section(v["midtrain"], mid_steps, batch)},
+        "posttrain": {"seed": seed, **rt, "moe": moe, "train": _train_section(v["posttrain"], post_steps, batch)},
+        "eval": {"seed": seed, **rt, "moe": moe, "eval": {"batches": v["eval"]["batches"], "batch_size": batch}},
+    }
+    derived = {
+        "tokens_per_step": per_step,
+        "pretrain_steps": pre_steps,
+        "midtrain_steps": mid_steps,
+        "posttrain_steps": post_steps,
+        "pretrain_tokens": pre_steps * per_step,
+        "midtrain_tokens": mid_steps * per_step,
+    }
+    return configs, derived
+
+
+_PLACEHOLDER_INPUTS = {
+    "corpus": "/nonexistent/corpus",
+    "tokens": "/nonexistent/tokens",
+    "checkpoint": "/nonexistent/ckpt",
+}
+
+
+def validate_workload_configs(resolved: ResolvedRecipe) -> None:
+    """Run the workload's own config checks on every stage config before any job starts."""
+    try:
+        from workloads.moe import config as wcfg
+    except ImportError:  # the workload is optional for the orchestrator itself
+        return
+    label = f"{resolved.recipe.label}" + (f" replica {resolved.replica}" if resolved.replica else "")
+    for stage, cfg in resolved.stage_configs.items():
+        # The workload checks batch sizes of sections a stage does not read; give those the run's batch.
+        batch = resolved.stage_configs["pretrain"]["train"]["batch_size"]
+        full = {
+            "train": {"batch_size": batch},
+            "eval": {"batch_size": batch},
+            **cfg,
+            "inputs": dict(_PLACEHOLDER_INPUTS),
+        }
+        try:
+            parsed = wcfg.parse_config(full)
+            wcfg.validate(parsed, stage)
+            if stage != "pretrain":
+                # later stages take the model from the checkpoint; check the shape once against their moe
+                wcfg.validate_model(
+                    wcfg.parse_config({"model": resolved.stage_configs["pretrain"]["model"]}).model, parsed.moe.ranks
+                )
+        except wcfg.WorkloadError as exc:
+            raise ConfigError(f"{label}: stage {stage}: {exc}") from None
+
+
+def identity_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of a stage config that decides its result: no inputs (by content instead),
+    no W&B settings and no runtime placement (device, threads)."""
+    return {k: v for k, v in config.items() if k not in ("inputs", "wandb", *RUNTIME_KEYS)}
+
+
+__all__ = [
+    "RECIPES_DIR",
+    "RECIPE_SCHEMA",
+    "SCALE_RULES",
+    "STAGES",
+    "Recipe",
+    "ResolvedRecipe",
+    "TrackedMetric",
+    "find_recipe",
+    "identity_config",
+    "load_recipe",
+    "parse_ratio",
+    "parse_recipe",
+    "resolve",
+    "validate_workload_configs",
+]
