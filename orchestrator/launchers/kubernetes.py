@@ -1,0 +1,526 @@
+"""Kubernetes backend: one batch/v1 Job per job, through the official ``kubernetes`` client.
+
+- The manifest starts from an editable base template (``infra/k8s/job-template.yaml``, or
+  ``[backends.kubernetes] template``); openlab sets the name, namespace, labels (lineage
+  ids whose values are valid label values; all of them also as annotations), the first
+  container's image/command/env/resources/workingDir, ``activeDeadlineSeconds`` (the time
+  limit), ``backoffLimit`` and ``ttlSecondsAfterFinished`` (from the template unless
+  configured), and mounts the artifact root as a hostPath at the same path.
+- Every manifest passes ``kubernetes_validate.validate(manifest, version, strict=True)``
+  (``version`` from config, default 1.33) before it is sent: a typo in the template is
+  reported here, with the schema's message, not as a half-created Job.
+- Status comes from the Job's conditions (Complete / Failed with DeadlineExceeded or
+  BackoffLimitExceeded) and counts, exit code and node from its pod (found by the
+  ``job-name`` label, filtered client-side too). Logs come from that pod.
+- Cancel deletes the Job with ``propagationPolicy=Background`` and waits until its pods
+  are gone. A cancelled or cleaned-up Job's final status is kept in
+  ``$OPENLAB_HOME/jobs/kubernetes/`` so status still answers after the Job is deleted.
+- API errors quote the server's ``message``; 5xx and connection errors are retried a
+  bounded number of times (``retries``, default 3).
+
+Config (``[backends.kubernetes]``): namespace (default "default"), version, template,
+image, host (API URL, e.g. an emulator), kubeconfig, context, verify_ssl, token_env (name
+of the variable holding a bearer token), backoff_limit, ttl_seconds, retries.
+The job id is ``namespace/name``.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime as dt
+import json
+import os
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from orchestrator.launchers.base import (
+    BackendUnavailable,
+    JobHandle,
+    JobNotFound,
+    JobSpec,
+    JobState,
+    JobStatus,
+    Launcher,
+    LauncherError,
+)
+
+DEFAULT_VERSION = "1.33"
+DEFAULT_TEMPLATE = Path(__file__).resolve().parents[2] / "infra" / "k8s" / "job-template.yaml"
+FALLBACK_TEMPLATE: dict[str, Any] = {
+    "apiVersion": "batch/v1",
+    "kind": "Job",
+    "metadata": {"name": "openlab-job", "labels": {"app.kubernetes.io/managed-by": "openlab"}},
+    "spec": {
+        "backoffLimit": 0,
+        "ttlSecondsAfterFinished": 3600,
+        "template": {
+            "metadata": {"labels": {"app.kubernetes.io/managed-by": "openlab"}},
+            "spec": {"restartPolicy": "Never", "containers": [{"name": "job", "image": "openlab/job:latest"}]},
+        },
+    },
+}
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+T = TypeVar("T")
+
+
+def k8s_name(name: str) -> str:
+    """A DNS-1123 name (``openlab-<slug>-<hex>``, at most 63 characters)."""
+    slug = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")[:40].strip("-") or "job"
+    return f"openlab-{slug}-{uuid.uuid4().hex[:8]}"
+
+
+def k8s_memory(nbytes: int) -> str:
+    """Bytes as a Kubernetes quantity (Mi, rounded up)."""
+    return f"{max(1, -(-nbytes // 2**20))}Mi"
+
+
+def k8s_cpu(cpus: float) -> str:
+    return str(int(cpus)) if float(cpus).is_integer() else f"{int(round(cpus * 1000))}m"
+
+
+def _api_message(exc: Any) -> str:
+    body = getattr(exc, "body", None)
+    if body:
+        try:
+            data = json.loads(body)
+            if isinstance(data, dict) and data.get("message"):
+                return f"{data['message']} ({getattr(exc, 'status', '?')} {data.get('reason', '')})".replace(" )", ")")
+        except (ValueError, TypeError):
+            pass
+        return str(body)[:500]
+    return f"{getattr(exc, 'status', '')} {getattr(exc, 'reason', '') or exc}".strip()
+
+
+def _aware(value: Any) -> dt.datetime | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
+
+
+class KubernetesLauncher(Launcher):
+    """Runs jobs as Kubernetes Jobs (see the module docstring)."""
+
+    name = "kubernetes"
+    poll_interval = 0.5
+
+    def __init__(self, settings: Any = None, config: Any = None) -> None:
+        super().__init__(settings, config)
+        self.namespace = str(self.config.get("namespace", "default"))
+        self.version = str(self.config.get("version", DEFAULT_VERSION))
+        self.retries = int(self.config.get("retries", 3))
+        self.state_dir = self.settings.home / "jobs" / "kubernetes"
+        self._api_client: Any = None
+
+    # -- connection -------------------------------------------------------------------
+    @property
+    def api_client(self) -> Any:
+        if self._api_client is None:
+            from kubernetes import client, config
+
+            try:
+                if self.config.get("host"):
+                    cfg = client.Configuration()
+                    cfg.host = str(self.config["host"]).rstrip("/")
+                    cfg.verify_ssl = bool(self.config.get("verify_ssl", True))
+                    token_env = self.config.get("token_env")
+                    if token_env and os.environ.get(str(token_env)):
+                        cfg.api_key = {"authorization": "Bearer " + os.environ[str(token_env)]}
+                    self._api_client = client.ApiClient(cfg)
+                elif os.environ.get("KUBERNETES_SERVICE_HOST") and not self.config.get("kubeconfig"):
+                    config.load_incluster_config()
+                    self._api_client = client.ApiClient()
+                else:
+                    self._api_client = config.new_client_from_config(
+                        config_file=self.config.get("kubeconfig"), context=self.config.get("context")
+                    )
+            except Exception as exc:  # noqa: BLE001 - kubeconfig errors come in many types
+                raise BackendUnavailable(
+                    f"no Kubernetes API configured: {exc} (set [backends.kubernetes] host or kubeconfig)"
+                ) from None
+        return self._api_client
+
+    @property
+    def batch(self) -> Any:
+        from kubernetes import client
+
+        return client.BatchV1Api(self.api_client)
+
+    @property
+    def core(self) -> Any:
+        from kubernetes import client
+
+        return client.CoreV1Api(self.api_client)
+
+    def _call(self, what: str, fn: Callable[[], T], *, not_found: Callable[[], T] | None = None) -> T:
+        """Call the API; retry 5xx/connection errors; 404 -> ``not_found()``; quote the server's message."""
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        delay = 0.25
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except ApiException as exc:
+                if exc.status == 404 and not_found is not None:
+                    return not_found()
+                if exc.status and exc.status >= 500 and attempt < self.retries:
+                    time.sleep(delay)
+                    delay *= 2
+                    continue
+                raise LauncherError(f"kubernetes API refused to {what}: {_api_message(exc)}") from None
+            except HTTPError as exc:
+                if attempt < self.retries:
+                    time.sleep(delay)
+                    delay *= 2
+                    continue
+                host = getattr(self.api_client.configuration, "host", "?")
+                raise BackendUnavailable(f"kubernetes API at {host} not reachable: {exc}") from None
+        raise AssertionError("unreachable")
+
+    # -- the manifest -----------------------------------------------------------------
+    def template(self) -> dict[str, Any]:
+        import yaml
+
+        path = self.config.get("template")
+        path = Path(path).expanduser() if path else DEFAULT_TEMPLATE
+        if not path.exists():
+            if self.config.get("template"):
+                raise LauncherError(f"kubernetes job template {path} does not exist")
+            return copy.deepcopy(FALLBACK_TEMPLATE)
+        try:
+            data = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise LauncherError(f"kubernetes job template {path} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict) or data.get("kind") != "Job":
+            raise LauncherError(f"kubernetes job template {path} must be one batch/v1 Job manifest")
+        return data
+
+    def manifest(self, spec: JobSpec, name: str) -> dict[str, Any]:
+        """The Job manifest for ``spec`` (validated; public so users can see what is sent)."""
+        opts = {**self.config, **spec.options}
+        job = self.template()
+        job["apiVersion"], job["kind"] = "batch/v1", "Job"
+        meta = job.setdefault("metadata", {})
+        meta.pop("generateName", None)
+        meta["name"] = name
+        meta["namespace"] = str(opts.get("namespace", self.namespace))
+        labels = {str(k): str(v) for k, v in spec.labels.items() if _LABEL_VALUE.match(str(v)) and len(str(v)) <= 63}
+        labels["openlab.io/job-name"] = re.sub(r"[^A-Za-z0-9_.-]+", "-", spec.name).strip("-_.")[:63] or "job"
+        annotations = {str(k): str(v) for k, v in spec.labels.items()}
+        meta["labels"] = {**(meta.get("labels") or {}), **labels}
+        meta["annotations"] = {**(meta.get("annotations") or {}), **annotations}
+        jspec = job.setdefault("spec", {})
+        if "backoff_limit" in opts:
+            jspec["backoffLimit"] = int(opts["backoff_limit"])
+        jspec.setdefault("backoffLimit", 0)
+        if "ttl_seconds" in opts:
+            jspec["ttlSecondsAfterFinished"] = int(opts["ttl_seconds"])
+        if spec.time_limit:
+            jspec["activeDeadlineSeconds"] = int(spec.time_limit)
+        pod = jspec.setdefault("template", {})
+        pod_meta = pod.setdefault("metadata", {})
+        pod_meta["labels"] = {**(pod_meta.get("labels") or {}), **labels}
+        pod_spec = pod.setdefault("spec", {})
+        pod_spec["restartPolicy"] = "Never"
+        containers = pod_spec.setdefault("containers", [{"name": "job"}])
+        if not containers:
+            containers.append({"name": "job"})
+        main = containers[0]
+        main.setdefault("name", "job")
+        main["image"] = spec.image or opts.get("image") or main.get("image") or "openlab/job:latest"
+        main["command"] = list(spec.command)
+        main.pop("args", None)
+        env = [e for e in main.get("env") or [] if e.get("name") not in spec.env]
+        env += [{"name": str(k), "value": str(v)} for k, v in spec.env.items()]
+        env += [
+            {"name": "OPENLAB_JOB_ID", "value": f"{meta['namespace']}/{name}"},
+            {"name": "OPENLAB_JOB_NAME", "value": spec.name},
+            {"name": "OPENLAB_LABELS", "value": json.dumps(dict(spec.labels), sort_keys=True)},
+        ]
+        if spec.workdir:
+            main["workingDir"] = spec.workdir
+        resources = main.setdefault("resources", {})
+        limits, requests = resources.setdefault("limits", {}), resources.setdefault("requests", {})
+        if spec.cpus:
+            limits["cpu"] = requests["cpu"] = k8s_cpu(spec.cpus)
+        if spec.memory_bytes:
+            limits["memory"] = requests["memory"] = k8s_memory(spec.memory_bytes)
+        if spec.gpus:
+            limits["nvidia.com/gpu"] = str(spec.gpus)
+        if not limits:
+            resources.pop("limits")
+        if not requests:
+            resources.pop("requests")
+        if not resources:
+            main.pop("resources")
+        if spec.artifact_root is not None:
+            root = str(Path(spec.artifact_root).resolve())
+            env.append({"name": "OPENLAB_ARTIFACT_ROOT", "value": root})
+            volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") != "openlab-artifacts"]
+            volumes.append({"name": "openlab-artifacts", "hostPath": {"path": root, "type": "DirectoryOrCreate"}})
+            pod_spec["volumes"] = volumes
+            mounts = [m for m in main.get("volumeMounts") or [] if m.get("name") != "openlab-artifacts"]
+            mounts.append({"name": "openlab-artifacts", "mountPath": root})
+            main["volumeMounts"] = mounts
+        main["env"] = env
+        self.validate(job)
+        return job
+
+    def validate(self, manifest: dict[str, Any]) -> None:
+        """Strict schema validation for the configured Kubernetes version."""
+        import kubernetes_validate
+
+        try:
+            kubernetes_validate.validate(manifest, self.version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            where = "/".join(str(p) for p in getattr(exc, "path", []) or [])
+            at = f" (at {where})" if where else ""
+            raise LauncherError(f"job manifest is invalid for Kubernetes {self.version}: {exc.message}{at}") from None
+        except kubernetes_validate.utils.VersionNotSupportedError:
+            raise LauncherError(f"kubernetes-validate has no schema for Kubernetes {self.version}") from None
+        except kubernetes_validate.utils.SchemaNotFoundError as exc:
+            raise LauncherError(f"kubernetes-validate: {exc}") from None
+
+    # -- interface --------------------------------------------------------------------------
+    @staticmethod
+    def _split(job_id: str) -> tuple[str, str]:
+        if "/" not in job_id:
+            raise JobNotFound(f"{job_id!r} is not a kubernetes job id (namespace/name)")
+        namespace, name = job_id.split("/", 1)
+        return namespace, name
+
+    def submit(self, spec: JobSpec) -> JobHandle:
+        name = k8s_name(spec.name)
+        manifest = self.manifest(spec, name)
+        namespace = manifest["metadata"]["namespace"]
+        self._call(f"create Job {namespace}/{name}", lambda: self.batch.create_namespaced_job(namespace, manifest))
+        job_id = f"{namespace}/{name}"
+        return JobHandle(self.name, job_id, str(self.settings.logs_dir / f"k8s-{namespace}-{name}.log"))
+
+    def _final_path(self, job_id: str) -> Path:
+        return self.state_dir / (job_id.replace("/", "__") + ".json")
+
+    def _saved(self, job_id: str) -> JobStatus | None:
+        path = self._final_path(job_id)
+        if not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        return JobStatus(
+            JobState(data["state"]),
+            data.get("exit_code"),
+            data.get("reason"),
+            data.get("host"),
+            _aware(data.get("started_at")),
+            _aware(data.get("ended_at")),
+            data.get("image_digest"),
+        )
+
+    def _save(self, job_id: str, status: JobStatus) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._final_path(job_id).write_text(json.dumps(status.to_dict()))
+
+    def pods(self, job_id: str) -> list[Any]:
+        """The Job's pods, newest last (selector sent, and applied again here)."""
+        namespace, name = self._split(job_id)
+        found = self._call(
+            f"list pods of {job_id}",
+            lambda: self.core.list_namespaced_pod(namespace, label_selector=f"job-name={name}"),
+            not_found=lambda: None,
+        )
+        items = [
+            p
+            for p in (found.items if found is not None else [])
+            if (p.metadata.labels or {}).get("job-name") == name
+            or (p.metadata.labels or {}).get("batch.kubernetes.io/job-name") == name
+        ]
+        items.sort(key=lambda p: _aware(p.metadata.creation_timestamp) or dt.datetime.min.replace(tzinfo=dt.UTC))
+        return items
+
+    def status(self, handle: JobHandle) -> JobStatus:
+        namespace, name = self._split(handle.job_id)
+        job = self._call(
+            f"read Job {handle.job_id}", lambda: self.batch.read_namespaced_job(name, namespace), not_found=lambda: None
+        )
+        if job is None:
+            saved = self._saved(handle.job_id)
+            return saved or JobStatus(JobState.LOST, reason=f"Job {handle.job_id} no longer exists")
+        st = job.status
+        conditions = {c.type: c for c in (st.conditions or []) if st is not None and c.status == "True"} if st else {}
+        started = _aware(st.start_time) if st else None
+        ended = _aware(st.completion_time) if st else None
+        exit_code, host, digest, pod_reason = None, None, None, None
+        pods = self.pods(handle.job_id) if (st and (st.active or st.succeeded or st.failed or conditions)) else []
+        if pods:
+            pod = pods[-1]
+            host = pod.spec.node_name if pod.spec else None
+            for cs in (pod.status.container_statuses or []) if pod.status else []:
+                digest = cs.image_id or digest
+                term = cs.state.terminated if cs.state else None
+                if term is not None:
+                    exit_code = term.exit_code
+                    pod_reason = term.reason if term.reason not in (None, "Completed", "Error") else None
+                    started = started or _aware(term.started_at)
+                    ended = ended or _aware(term.finished_at)
+        if "Complete" in conditions or "SuccessCriteriaMet" in conditions:
+            state, reason = JobState.SUCCEEDED, None
+            exit_code = 0 if exit_code is None else exit_code
+            cond = conditions.get("Complete") or conditions["SuccessCriteriaMet"]
+            ended = ended or _aware(cond.last_transition_time)
+        elif "Failed" in conditions or "FailureTarget" in conditions:
+            cond = conditions.get("Failed") or conditions["FailureTarget"]
+            state = JobState.FAILED
+            if cond.reason == "DeadlineExceeded":
+                reason = f"time limit exceeded ({job.spec.active_deadline_seconds}s)"
+            elif pod_reason == "OOMKilled":
+                reason = "out of memory"
+            elif exit_code is not None:
+                reason = f"exit code {exit_code}" + (f" ({cond.reason})" if cond.reason else "")
+            else:
+                reason = cond.message or cond.reason or "failed"
+            ended = ended or _aware(cond.last_transition_time)
+        elif st and (st.active or (st.ready or 0) > 0):
+            state, reason = JobState.RUNNING, None
+        else:
+            state, reason = JobState.PENDING, None
+        if state is JobState.PENDING and pods and pods[-1].status and pods[-1].status.phase == "Running":
+            state = JobState.RUNNING
+        if not state.terminal:
+            exit_code, ended = None, None
+        return JobStatus(state, exit_code, reason, host, started, ended, digest)
+
+    def _read_log(self, handle: JobHandle, *, tail: int | None = None, follow: bool = False) -> Any:
+        namespace, _ = self._split(handle.job_id)
+        pods = self.pods(handle.job_id)
+        if not pods:
+            return None
+        pod = pods[-1].metadata.name
+        kwargs: dict[str, Any] = {"_preload_content": False}
+        if tail is not None:
+            kwargs["tail_lines"] = tail
+        if follow:
+            kwargs["follow"] = True
+        return self._call(
+            f"read the log of pod {namespace}/{pod}",
+            lambda: self.core.read_namespaced_pod_log(pod, namespace, **kwargs),
+            not_found=lambda: None,
+        )
+
+    def logs(self, handle: JobHandle, *, follow: bool = False, tail: int | None = None) -> Iterator[str]:
+        if not follow:
+            resp = self._read_log(handle, tail=tail)
+            if resp is None:
+                saved = Path(handle.log_path) if handle.log_path else None
+                if saved is not None and saved.exists():
+                    from orchestrator.launchers.local import follow_file
+
+                    yield from follow_file(saved, lambda: True, follow=False, tail=tail)
+                return
+            yield from resp.data.decode("utf-8", "replace").splitlines()
+            return
+        yield from self._follow(handle, tail)
+
+    def _follow(self, handle: JobHandle, tail: int | None) -> Iterator[str]:
+        """Stream with ``follow=true``; when a stream ends early (API restart, an emulator), read again.
+
+        Logs only grow, so each new read skips the lines already yielded.
+        """
+        seen = 0
+        if tail is not None:
+            resp = self._read_log(handle)
+            lines = resp.data.decode("utf-8", "replace").splitlines() if resp is not None else []
+            yield from lines[-tail:] if tail else []
+            seen = len(lines)
+        while True:
+            done = self.status(handle).state.terminal
+            resp = self._read_log(handle, follow=not done)
+            if resp is not None:
+                partial, index = b"", 0
+                for chunk in resp.stream(4096):
+                    partial += chunk
+                    *lines_b, partial = partial.split(b"\n")
+                    for line in lines_b:
+                        index += 1
+                        if index > seen:
+                            yield line.decode("utf-8", "replace")
+                if partial:
+                    index += 1
+                    if index > seen:
+                        yield partial.decode("utf-8", "replace")
+                resp.release_conn()
+                seen = max(seen, index)
+            if done:
+                return
+            time.sleep(self.poll_interval)
+
+    def cancel(self, handle: JobHandle) -> None:
+        from kubernetes import client
+
+        namespace, name = self._split(handle.job_id)
+        status = self.status(handle)
+        if status.state.terminal:
+            self.cleanup(handle)
+            return
+        self._save_logs(handle)
+        status.state, status.reason, status.ended_at = JobState.CANCELLED, "cancelled", dt.datetime.now(dt.UTC)
+        self._save(handle.job_id, status)
+        self._call(
+            f"delete Job {handle.job_id}",
+            lambda: self.batch.delete_namespaced_job(
+                name, namespace, body=client.V1DeleteOptions(propagation_policy="Background")
+            ),
+            not_found=lambda: None,
+        )
+        deadline = time.monotonic() + float(self.config.get("cancel_timeout", 30))
+        while time.monotonic() < deadline:
+            if not self.pods(handle.job_id):
+                return
+            time.sleep(0.2)
+        raise LauncherError(f"pods of {handle.job_id} still exist 30s after the Job was deleted")
+
+    def _save_logs(self, handle: JobHandle) -> None:
+        if not handle.log_path:
+            return
+        try:
+            resp = self._read_log(handle)
+        except LauncherError:
+            return
+        if resp is not None:
+            path = Path(handle.log_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(resp.data)
+
+    def cleanup(self, handle: JobHandle) -> None:
+        """Keep the final status and log, then delete the finished Job (its TTL would anyway)."""
+        from kubernetes import client
+
+        status = self.status(handle)
+        if not status.state.terminal or self._final_path(handle.job_id).exists() and status.state is JobState.LOST:
+            return
+        self._save_logs(handle)
+        self._save(handle.job_id, status)
+        if self.config.get("delete_finished", True):
+            namespace, name = self._split(handle.job_id)
+            self._call(
+                f"delete Job {handle.job_id}",
+                lambda: self.batch.delete_namespaced_job(
+                    name, namespace, body=client.V1DeleteOptions(propagation_policy="Background")
+                ),
+                not_found=lambda: None,
+            )
+
+    def check(self) -> tuple[bool, str]:
+        try:
+            self._call(
+                f"list Jobs in namespace {self.namespace}",
+                lambda: self.batch.list_namespaced_job(self.namespace, limit=1),
+            )
+        except LauncherError as exc:
+            return False, str(exc)
+        host = self.api_client.configuration.host
+        return True, f"API at {host}, namespace {self.namespace}, manifests validated for Kubernetes {self.version}"
