@@ -1,0 +1,360 @@
+"""Lineage cards: a pipeline run or stage run rendered as markdown.
+
+The same card is the body of the experiment issue's comment (GitHub) and the Prefect
+markdown artifact, so people discussing a run and people watching it see the same
+facts. Rendering is split in two so the output depends on lineage records only:
+:func:`collect_pipeline` / :func:`collect_stage` read the records, and
+:func:`render_pipeline` / :func:`render_stage` turn them into text without touching
+the store, the clock or the environment (the same records always give the same card).
+
+Nothing secret is ever on a card: it shows ids, URLs and metrics that are already
+in lineage, and lineage never holds tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlmodel import col
+
+from orchestrator.lineage.models import (
+    Attempt,
+    Commit,
+    DataSnapshot,
+    GithubIssue,
+    LineageRecord,
+    PipelineRun,
+    StageRun,
+    WandbRun,
+)
+from orchestrator.lineage.store import LineageStore
+
+#: Hosts whose remotes are turned into web commit links (GitHub Enterprise hosts can be added).
+DEFAULT_GITHUB_HOSTS: tuple[str, ...] = ("github.com",)
+
+#: How many metrics a stage shows; the rest stay in lineage.
+MAX_METRICS = 8
+
+_STATE_ICONS = {
+    "COMPLETED": "✅",
+    "REUSED": "♻️",
+    "RUNNING": "⏳",
+    "PENDING": "🕓",
+    "FAILED": "❌",
+    "CANCELLED": "⛔",
+    "LOST": "❓",
+}
+
+
+@dataclass
+class StageView:
+    """Everything a card says about one stage run, gathered from lineage."""
+
+    stage: StageRun
+    attempts: list[Attempt] = field(default_factory=list)
+    commits: list[Commit] = field(default_factory=list)
+    snapshots: list[DataSnapshot] = field(default_factory=list)
+    wandb_runs: list[WandbRun] = field(default_factory=list)
+
+
+@dataclass
+class PipelineView:
+    """A pipeline run with its stages and the entities linked to it."""
+
+    run: PipelineRun
+    stages: list[StageView] = field(default_factory=list)
+    commits: list[Commit] = field(default_factory=list)
+    snapshots: list[DataSnapshot] = field(default_factory=list)
+    issues: list[GithubIssue] = field(default_factory=list)
+
+
+# -- reading lineage ------------------------------------------------------------------------------
+def _linked(store: LineageStore, record_id: str) -> dict[str, list[LineageRecord]]:
+    """Records related to ``record_id`` in either direction, by kind, in relation order, unique."""
+    from orchestrator.lineage.models import RECORD_TYPES
+
+    out: dict[str, list[LineageRecord]] = {}
+    seen: set[str] = set()
+    for rel in store.relations(record_id):
+        other_kind, other_id = (
+            (rel.object_kind, rel.object_id) if rel.subject_id == record_id else (rel.subject_kind, rel.subject_id)
+        )
+        model = RECORD_TYPES.get(other_kind)
+        if model is None or other_id in seen:
+            continue
+        found = store.get(model, other_id)
+        if found is not None:
+            seen.add(other_id)
+            out.setdefault(other_kind, []).append(found)
+    return out
+
+
+def collect_stage(store: LineageStore, stage_run_id: str) -> StageView:
+    """Gather one stage run, its attempts and its linked commits, snapshots and W&B runs."""
+    stage = store.require(StageRun, stage_run_id)
+    linked = _linked(store, stage.id)
+    attempts = store.list(Attempt, stage_run_id=stage.id, order_by=col(Attempt.number))
+    return StageView(
+        stage=stage,
+        attempts=attempts,
+        commits=linked.get(Commit.kind, []),  # type: ignore[arg-type]
+        snapshots=linked.get(DataSnapshot.kind, []),  # type: ignore[arg-type]
+        wandb_runs=linked.get(WandbRun.kind, []),  # type: ignore[arg-type]
+    )
+
+
+def collect_pipeline(store: LineageStore, pipeline_run_id: str) -> PipelineView:
+    """Gather a pipeline run, its stage runs (in start order) and what is linked to them."""
+    run = store.require(PipelineRun, pipeline_run_id)
+    linked = _linked(store, run.id)
+    stages = store.list(StageRun, pipeline_run_id=run.id, order_by=col(StageRun.started_at))
+    return PipelineView(
+        run=run,
+        stages=[collect_stage(store, s.id) for s in stages],
+        commits=linked.get(Commit.kind, []),  # type: ignore[arg-type]
+        snapshots=linked.get(DataSnapshot.kind, []),  # type: ignore[arg-type]
+        issues=linked.get(GithubIssue.kind, []),  # type: ignore[arg-type]
+    )
+
+
+# -- formatting helpers (pure) --------------------------------------------------------------------
+_SCP_REMOTE = re.compile(r"^(?:[\w.-]+@)?(?P<host>[\w.-]+):(?P<path>[^/].*)$")
+
+
+def commit_url(
+    remote_url: str | None, sha: str | None, github_hosts: Iterable[str] = DEFAULT_GITHUB_HOSTS
+) -> str | None:
+    """The web URL of a commit when its remote is on a GitHub host, else ``None``.
+
+    Accepts ``git@github.com:o/r.git``, ``ssh://git@github.com/o/r``, ``https://github.com/o/r.git``;
+    credentials embedded in an https remote are dropped, never shown.
+    """
+    if not remote_url or not sha:
+        return None
+    url = remote_url.strip()
+    host = path = None
+    if "://" in url:
+        rest = url.split("://", 1)[1]
+        hostpart, _, path = rest.partition("/")
+        host = hostpart.rsplit("@", 1)[-1].split(":", 1)[0]
+    else:
+        m = _SCP_REMOTE.match(url)
+        if m:
+            host, path = m.group("host"), m.group("path")
+    if not host or not path or host.lower() not in {h.lower() for h in github_hosts}:
+        return None
+    path = path.strip("/")
+    if path.endswith(".git"):
+        path = path[:-4]
+    if path.count("/") != 1:
+        return None
+    return f"https://{host}/{path}/commit/{sha}"
+
+
+def _cell(value: Any) -> str:
+    """Text safe inside a markdown table cell."""
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def format_metric(value: Any) -> str:
+    """Numbers with 4 significant digits; other values as text."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, Mapping) or isinstance(value, list):
+        return "…"
+    return str(value)
+
+
+def key_metrics(stage: StageView, limit: int = MAX_METRICS) -> dict[str, Any]:
+    """User metrics of a stage: the stage's own metrics first, then W&B summary values.
+
+    W&B's bookkeeping keys (``_step``, ``_runtime``, ``_timestamp``, ``_wandb``) are left out.
+    """
+    merged: dict[str, Any] = {}
+    for run in stage.wandb_runs:
+        merged.update({k: v for k, v in (run.summary or {}).items() if not k.startswith("_")})
+    merged.update({k: v for k, v in (stage.stage.metrics or {}).items() if not k.startswith("_")})
+    scalars = {k: v for k, v in merged.items() if isinstance(v, (int, float, str, bool))}
+    return dict(sorted(scalars.items())[:limit])
+
+
+def _commit_text(commit: Commit, github_hosts: Iterable[str]) -> str:
+    short = (commit.sha or commit.id)[:8]
+    link = commit_url(commit.remote_url, commit.sha, github_hosts)
+    text = f"[`{short}`]({link})" if link else f"`{short}`"
+    if commit.dirty:
+        patch = f" patch `{commit.patch_hash[:12]}`" if commit.patch_hash else ""
+        text += f" (dirty{patch})"
+    return text
+
+
+def _wandb_text(run: WandbRun) -> str:
+    if run.url:
+        return f"[{run.run_id}]({run.url})"
+    where = f" `{run.local_dir}`" if run.local_dir else ""
+    return f"`{run.run_id}` ({run.mode}{where})"
+
+
+def _job_text(attempts: list[Attempt]) -> str:
+    if not attempts:
+        return "—"
+    last = attempts[-1]
+    job = f"{last.backend}:{last.job_id}" if last.job_id else last.backend
+    suffix = f" (attempt {last.number})" if len(attempts) > 1 or last.number > 1 else ""
+    return f"`{job}`{suffix}"
+
+
+def _verdict_lines(verdict: Mapping[str, Any] | None) -> list[str]:
+    if not verdict:
+        return []
+    status = verdict_status(verdict)
+    lines = [f"**Nightly verdict:** {status or 'recorded'}"]
+    for key, value in sorted(verdict.items()):
+        if key in {"status", "verdict", "result"}:
+            continue
+        lines.append(f"- {key}: {format_metric(value) if not isinstance(value, (dict, list)) else _cell(value)}")
+    return lines
+
+
+def verdict_status(verdict: Mapping[str, Any] | None) -> str | None:
+    """``passed``, ``regressed`` or ``failed`` from a verdict record, whatever key it uses."""
+    if not verdict:
+        return None
+    for key in ("status", "verdict", "result"):
+        value = verdict.get(key)
+        if isinstance(value, str) and value:
+            return value.lower()
+    if verdict.get("regressed") is True:
+        return "regressed"
+    if verdict.get("passed") is True:
+        return "passed"
+    if verdict.get("passed") is False:
+        return "regressed"
+    return None
+
+
+def _stage_row(view: StageView, github_hosts: Iterable[str]) -> str:
+    s = view.stage
+    icon = _STATE_ICONS.get(s.state, "")
+    ran = f"reused from `{s.reused_from[:12]}`" if s.reused_from else ("reused" if s.state == "REUSED" else "run")
+    commits = ", ".join(_commit_text(c, github_hosts) for c in view.commits) or "—"
+    snaps = ", ".join(f"`{d.id[:12]}`" for d in view.snapshots) or "—"
+    wandb = ", ".join(_wandb_text(r) for r in view.wandb_runs) or "—"
+    metrics = ", ".join(f"{k}={format_metric(v)}" for k, v in key_metrics(view).items()) or "—"
+    cells = [
+        s.stage,
+        f"{icon} {s.state}".strip(),
+        ran,
+        f"`{s.identity[:12]}`",
+        commits,
+        snaps,
+        _job_text(view.attempts),
+        wandb,
+        metrics,
+    ]
+    return "| " + " | ".join(_cell(c) for c in cells) + " |"
+
+
+_TABLE_HEAD = (
+    "| stage | status | run/reused | identity | commit | data snapshot | job | W&B | key metrics |\n"
+    "|---|---|---|---|---|---|---|---|---|"
+)
+
+
+# -- rendering (pure) -----------------------------------------------------------------------------
+def render_pipeline(view: PipelineView, github_hosts: Iterable[str] = DEFAULT_GITHUB_HOSTS) -> str:
+    """Markdown card of a pipeline run from gathered records (no I/O)."""
+    hosts = tuple(github_hosts)
+    run = view.run
+    title = run.name or run.recipe or run.id
+    lines = [f"### openlab pipeline run `{run.id}`: {_cell(title)}", ""]
+    facts = [f"**State:** {_STATE_ICONS.get(run.state, '')} {run.state}".replace("  ", " ")]
+    if run.recipe:
+        facts.append(f"**Recipe:** `{run.recipe}`")
+    if run.replica:
+        facts.append(f"**Replica:** `{run.replica}`")
+    if run.backend:
+        facts.append(f"**Backend:** `{run.backend}`")
+    if run.trigger:
+        facts.append(f"**Trigger:** {run.trigger}")
+    facts.append(f"**Started:** {run.started_at:%Y-%m-%d %H:%M:%S} UTC")
+    if run.ended_at:
+        facts.append(f"**Ended:** {run.ended_at:%Y-%m-%d %H:%M:%S} UTC")
+    lines.append(" · ".join(facts))
+    commits = list(view.commits)
+    for sv in view.stages:
+        commits.extend(c for c in sv.commits if c.id not in {x.id for x in commits})
+    if commits:
+        lines += ["", "**Commit:** " + ", ".join(_commit_text(c, hosts) for c in commits)]
+    snaps = list(view.snapshots)
+    for sv in view.stages:
+        snaps.extend(d for d in sv.snapshots if d.id not in {x.id for x in snaps})
+    if snaps:
+        lines += ["", "**Data snapshots:** " + ", ".join(f"`{d.id[:16]}`" for d in snaps)]
+    if view.issues:
+        issues = [f"[{i.id}]({i.url})" if i.url else f"{i.id} (unresolved)" for i in view.issues]
+        lines += ["", "**Experiment issue:** " + ", ".join(issues)]
+    verdict = _verdict_lines(run.verdict)
+    if verdict:
+        lines += ["", *verdict]
+    lines += ["", _TABLE_HEAD]
+    lines += [_stage_row(sv, hosts) for sv in view.stages] or ["| _no stages yet_ |  |  |  |  |  |  |  |  |"]
+    errors = [(sv.stage.stage, sv.stage.error) for sv in view.stages if sv.stage.error]
+    if errors:
+        lines += ["", "**Errors:**", *(f"- `{name}`: {_cell(err)[:300]}" for name, err in errors)]
+    return "\n".join(lines) + "\n"
+
+
+def render_stage(view: StageView, github_hosts: Iterable[str] = DEFAULT_GITHUB_HOSTS) -> str:
+    """Markdown card of one stage run from gathered records (no I/O)."""
+    hosts = tuple(github_hosts)
+    s = view.stage
+    lines = [f"### openlab stage `{s.stage}` (`{s.id}`)", "", _TABLE_HEAD, _stage_row(view, hosts), ""]
+    lines.append(f"- identity: `{s.identity}`")
+    if s.pipeline_run_id:
+        lines.append(f"- pipeline run: `{s.pipeline_run_id}`")
+    for a in view.attempts:
+        exit_text = f", exit {a.exit_code}" if a.exit_code is not None else ""
+        reason = f", {_cell(a.reason)}" if a.reason else ""
+        lines.append(f"- attempt {a.number}: `{a.backend}` job `{a.job_id or '—'}` {a.state}{exit_text}{reason}")
+    metrics = key_metrics(view, limit=10_000)
+    if metrics:
+        lines += ["", "| metric | value |", "|---|---|"]
+        lines += [f"| {_cell(k)} | {_cell(format_metric(v))} |" for k, v in metrics.items()]
+    if s.error:
+        lines += ["", f"**Error:** {_cell(s.error)[:500]}"]
+    return "\n".join(lines) + "\n"
+
+
+def pipeline_card(
+    store: LineageStore, pipeline_run_id: str, github_hosts: Iterable[str] = DEFAULT_GITHUB_HOSTS
+) -> str:
+    """Markdown lineage card of a pipeline run (stages, commits, snapshots, W&B, metrics, verdict)."""
+    return render_pipeline(collect_pipeline(store, pipeline_run_id), github_hosts)
+
+
+def stage_card(store: LineageStore, stage_run_id: str, github_hosts: Iterable[str] = DEFAULT_GITHUB_HOSTS) -> str:
+    """Markdown lineage card of one stage run (identity, attempts and jobs, W&B, all metrics)."""
+    return render_stage(collect_stage(store, stage_run_id), github_hosts)
+
+
+__all__ = [
+    "DEFAULT_GITHUB_HOSTS",
+    "PipelineView",
+    "StageView",
+    "collect_pipeline",
+    "collect_stage",
+    "commit_url",
+    "format_metric",
+    "key_metrics",
+    "pipeline_card",
+    "render_pipeline",
+    "render_stage",
+    "stage_card",
+    "verdict_status",
+]

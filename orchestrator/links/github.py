@@ -1,0 +1,648 @@
+"""GitHub experiment issues as lineage nodes: resolve, one card comment per run, labels, a queue.
+
+A pipeline run may name an experiment issue. :func:`resolve_issue` records it (title,
+state, labels, URL) and relates it to the run; :func:`publish_card` keeps a single
+comment on it holding the run's lineage card, plus a state label. What GitHub cannot
+take right now (no token, no network, rate limit) is recorded on the issue
+(``last_error``) and queued durably in the lineage database
+(:class:`~orchestrator.lineage.models.GithubUpdate`); ``openlab github sync`` flushes it
+with :func:`sync_queue`.
+
+Why the design is what it is:
+
+- *Never two comments for one run.* The comment's id is stored, and the body carries a
+  hidden marker ``<!-- openlab:pipeline-run=ID -->``. If a process dies between creating
+  the comment and storing its id, the next publish finds the marker and edits that
+  comment instead of posting another.
+- *GitHub never fails the pipeline when the link is optional.* Every GitHub error is
+  turned into one line, recorded and (when retrying can help) queued. Only
+  ``required=True`` at resolve time raises, and the flows call that before any job starts.
+- *Rate limits are waited out only within a bound* (``[github] max_wait_s``): a
+  pipeline should not stall for an hour on a status comment, so a longer wait queues.
+- *The token is read from the environment where it is used* and never reaches lineage,
+  logs, comments or exports; every message is scrubbed of it anyway.
+
+Configuration (``[github]``): ``repo`` (default for ``#N``), ``token_env`` (default
+``GITHUB_TOKEN``), ``base_url`` (GitHub Enterprise: ``https://HOST/api/v3``), ``strict``,
+``max_wait_s``, ``timeout_s``, ``per_page``, ``seconds_between_requests``,
+``seconds_between_writes`` (0 disables PyGithub's throttle) and ``[github.labels]``
+``running`` / ``passed`` / ``regressed`` / ``failed`` (an empty name disables that label).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import logging
+import os
+import time
+import urllib.parse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from sqlmodel import col
+
+from orchestrator.cards import pipeline_card, verdict_status
+from orchestrator.errors import ConfigError
+from orchestrator.lineage.models import GithubComment, GithubIssue, GithubUpdate, PipelineRun, Relation, utcnow
+from orchestrator.lineage.store import LineageStore
+from orchestrator.links.refs import GithubLinkError, IssueRef, parse_issue_ref
+from orchestrator.settings import Settings, load_settings
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_BASE_URL = "https://api.github.com"
+DEFAULT_LABELS: dict[str, str] = {
+    "running": "openlab:running",
+    "passed": "openlab:passed",
+    "regressed": "openlab:regressed",
+    "failed": "openlab:failed",
+}
+#: GitHub refuses comment bodies over 65536 characters.
+MAX_BODY = 65_000
+#: Without headers, GitHub asks clients to wait at least a minute after a secondary rate limit.
+SECONDARY_LIMIT_WAIT_S = 60.0
+
+
+def marker(pipeline_run_id: str) -> str:
+    """The hidden HTML marker that identifies a run's card comment on any issue."""
+    return f"<!-- openlab:pipeline-run={pipeline_run_id} -->"
+
+
+def comment_record_id(issue_id: str, pipeline_run_id: str) -> str:
+    """Deterministic lineage id of the (issue, pipeline run) card comment."""
+    return "ghc_" + hashlib.sha256(f"{issue_id}@{pipeline_run_id}".encode()).hexdigest()[:20]
+
+
+def _float_or_none(value: Any, default: float | None) -> float | None:
+    if value is None:
+        return default
+    value = float(value)
+    return value if value > 0 else None
+
+
+@dataclass(frozen=True)
+class GithubConfig:
+    """The ``[github]`` settings section, validated."""
+
+    repo: str | None = None
+    token_env: str = "GITHUB_TOKEN"
+    base_url: str = DEFAULT_BASE_URL
+    strict: bool = False
+    max_wait_s: float = 60.0
+    timeout_s: int = 15
+    per_page: int = 100
+    seconds_between_requests: float | None = 0.25
+    seconds_between_writes: float | None = 1.0
+    labels: dict[str, str] = field(default_factory=lambda: dict(DEFAULT_LABELS))
+
+    @classmethod
+    def from_settings(cls, settings: Settings | None = None) -> GithubConfig:
+        section = (settings or load_settings()).section("github")
+        try:
+            labels = dict(DEFAULT_LABELS)
+            raw_labels = section.get("labels", {})
+            if not isinstance(raw_labels, Mapping):
+                raise ConfigError("[github] labels must be a table of running/passed/regressed/failed names")
+            unknown = set(raw_labels) - set(DEFAULT_LABELS)
+            if unknown:
+                known = ", ".join(DEFAULT_LABELS)
+                raise ConfigError(f"[github.labels] has unknown keys {sorted(unknown)}; known: {known}")
+            labels.update({k: str(v) for k, v in raw_labels.items()})
+            return cls(
+                repo=section.get("repo") or None,
+                token_env=str(section.get("token_env") or "GITHUB_TOKEN"),
+                base_url=str(section.get("base_url") or DEFAULT_BASE_URL).rstrip("/"),
+                strict=bool(section.get("strict", False)),
+                max_wait_s=float(section.get("max_wait_s", 60.0)),
+                timeout_s=int(section.get("timeout_s", 15)),
+                per_page=int(section.get("per_page", 100)),
+                seconds_between_requests=_float_or_none(section.get("seconds_between_requests"), 0.25),
+                seconds_between_writes=_float_or_none(section.get("seconds_between_writes"), 1.0),
+                labels=labels,
+            )
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"invalid [github] setting: {exc}") from None
+
+    def token(self, environ: Mapping[str, str] | None = None) -> str | None:
+        """The token from the configured variable, else ``GITHUB_TOKEN``; never stored."""
+        env = os.environ if environ is None else environ
+        return env.get(self.token_env) or env.get("GITHUB_TOKEN") or None
+
+    @property
+    def web_hosts(self) -> tuple[str, ...]:
+        """Hosts whose git remotes get commit links on cards (github.com plus an Enterprise host)."""
+        host = urllib.parse.urlparse(self.base_url).hostname or ""
+        if host in ("", "api.github.com"):
+            return ("github.com",)
+        return ("github.com", host)
+
+    def label_for(self, run: PipelineRun) -> str | None:
+        """The state label a pipeline run should carry, or ``None`` when it has none."""
+        state = (run.state or "").upper()
+        if state in ("RUNNING", "PENDING"):
+            key = "running"
+        elif state in ("FAILED", "CANCELLED", "LOST"):
+            key = "failed"
+        elif state in ("COMPLETED", "REUSED"):
+            verdict = verdict_status(run.verdict)
+            key = "regressed" if verdict in ("regressed", "regression", "fail", "failed") else "passed"
+        else:
+            return None
+        return self.labels.get(key) or None
+
+
+class _Failure(Exception):
+    """A GitHub call that did not work, already phrased for people."""
+
+    def __init__(
+        self, message: str, *, retryable: bool, status: int | None = None, not_before: dt.datetime | None = None
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retryable = retryable
+        self.status = status
+        self.not_before = not_before
+
+
+@dataclass
+class SyncReport:
+    """What one flush of the queue did."""
+
+    sent: int = 0
+    failed: int = 0
+    pending: int = 0
+    deferred: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class GithubLinker:
+    """GitHub operations for one process: a PyGithub client plus lineage bookkeeping.
+
+    ``sleep`` and ``clock`` are injectable so rate-limit waits can be tested without waiting.
+    """
+
+    def __init__(
+        self,
+        store: LineageStore,
+        *,
+        settings: Settings | None = None,
+        config: GithubConfig | None = None,
+        environ: Mapping[str, str] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.config = config or GithubConfig.from_settings(settings)
+        self._token = self.config.token(environ)
+        self._sleep = sleep
+        self._clock = clock
+        self._client: Any = None
+        self._waited = 0.0
+
+    # -- plumbing ------------------------------------------------------------------------------
+    @property
+    def has_token(self) -> bool:
+        return bool(self._token)
+
+    def scrub(self, text: str) -> str:
+        """``text`` with the token (if any) masked: messages end up in lineage and logs."""
+        if self._token and self._token in text:
+            text = text.replace(self._token, "***")
+        return text
+
+    def _missing_token(self) -> _Failure:
+        env = self.config.token_env
+        hint = env if env == "GITHUB_TOKEN" else f"{env} (or GITHUB_TOKEN)"
+        return _Failure(f"no GitHub token: set {hint} to a token that can write issues", retryable=True)
+
+    def client(self) -> Any:
+        """The PyGithub client; retries are ours (bounded), not urllib3's (unbounded waits)."""
+        if not self._token:
+            raise self._missing_token()
+        if self._client is None:
+            from github import Auth, Github
+
+            self._client = Github(
+                auth=Auth.Token(self._token),
+                base_url=self.config.base_url,
+                timeout=self.config.timeout_s,
+                per_page=self.config.per_page,
+                retry=None,
+                lazy=True,
+                seconds_between_requests=self.config.seconds_between_requests,
+                seconds_between_writes=self.config.seconds_between_writes,
+            )
+        return self._client
+
+    def _rate_limit_wait(self, exc: Any) -> float | None:
+        """Seconds GitHub asks us to wait, from Retry-After or X-RateLimit-Reset; None if not a rate limit."""
+        from github.GithubException import RateLimitExceededException
+
+        headers = {str(k).lower(): str(v) for k, v in (exc.headers or {}).items()}
+        if exc.status not in (403, 429):
+            return None
+        if "retry-after" in headers:
+            try:
+                return max(0.0, float(headers["retry-after"]))
+            except ValueError:
+                pass
+        if headers.get("x-ratelimit-remaining") == "0" and "x-ratelimit-reset" in headers:
+            try:
+                return max(0.0, float(headers["x-ratelimit-reset"]) - self._clock())
+            except ValueError:
+                pass
+        if isinstance(exc, RateLimitExceededException) or exc.status == 429:
+            return SECONDARY_LIMIT_WAIT_S
+        return None
+
+    def _classify(self, exc: Any, ref: IssueRef) -> _Failure:
+        """One clear line for each GitHub error status."""
+        status = exc.status
+        data = exc.data if isinstance(exc.data, Mapping) else {}
+        detail = str(data.get("message") or "").strip()
+        env = self.config.token_env
+        if status == 401:
+            msg = f"GitHub rejected the token in ${env} (401 Bad credentials): it is revoked, expired or mistyped"
+            return _Failure(msg, retryable=True, status=status)
+        if status == 403:
+            msg = f"GitHub refused access to {ref.repo} (403 {detail or 'Forbidden'}): the token lacks permission"
+            return _Failure(msg, retryable=False, status=status)
+        if status == 404:
+            msg = (
+                f"issue {ref.id} not found (404): check the repository and number, "
+                f"and that the token in ${env} can read {ref.repo}"
+            )
+            return _Failure(msg, retryable=False, status=status)
+        if status == 410:
+            msg = f"issues are disabled on {ref.repo} (410 Gone): enable them or name an issue in another repository"
+            return _Failure(msg, retryable=False, status=status)
+        if status == 422:
+            errors = data.get("errors") or []
+            parts = [detail or "Validation Failed"]
+            for err in errors if isinstance(errors, list) else []:
+                if isinstance(err, Mapping):
+                    parts.append(str(err.get("message") or f"{err.get('field')} {err.get('code')}"))
+            msg = f"GitHub rejected the update to {ref.id} (422 {'; '.join(parts)})"
+            return _Failure(msg, retryable=False, status=422)
+        if status >= 500:
+            msg = f"GitHub failed ({status} {detail or 'server error'}) on {ref.id}"
+            return _Failure(msg, retryable=True, status=status)
+        return _Failure(f"GitHub answered {status} {detail} for {ref.id}".strip(), retryable=False, status=status)
+
+    def _call(self, ref: IssueRef, fn: Callable[[], T]) -> T:
+        """Run one GitHub call, waiting out rate limits within ``max_wait_s`` for this operation."""
+        import requests
+        from github.GithubException import GithubException
+
+        for _ in range(4):
+            try:
+                return fn()
+            except GithubException as exc:
+                wait = self._rate_limit_wait(exc)
+                if wait is None:
+                    failure = self._classify(exc, ref)
+                    failure.message = self.scrub(failure.message)  # a server may echo anything back
+                    raise failure from None
+                if self._waited + wait > self.config.max_wait_s:
+                    until = dt.datetime.fromtimestamp(self._clock() + wait, dt.UTC)
+                    msg = (
+                        f"GitHub rate limit reached until {until:%H:%M:%S} UTC, longer than "
+                        f"[github] max_wait_s={self.config.max_wait_s:g}s"
+                    )
+                    raise _Failure(msg, retryable=True, status=exc.status, not_before=until) from None
+                log.info("GitHub rate limit: waiting %.1fs as its headers ask", wait)
+                self._sleep(wait)
+                self._waited += wait
+            except (requests.RequestException, OSError) as exc:
+                reason = self.scrub(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)[:200]
+                raise _Failure(f"cannot reach GitHub at {self.config.base_url}: {reason}", retryable=True) from None
+        raise _Failure("GitHub rate limit persists after waiting", retryable=True)
+
+    def _issue(self, ref: IssueRef) -> Any:
+        """Fetch the issue (one GET); a lazy object is completed here so its errors surface here."""
+        client = self.client()
+
+        def fetch() -> Any:
+            issue = client.get_repo(ref.repo).get_issue(ref.number)
+            issue.title  # noqa: B018 - completes a lazy object
+            return issue
+
+        return self._call(ref, fetch)
+
+    # -- lineage bookkeeping ---------------------------------------------------------------------
+    def _ensure_issue(self, ref: IssueRef, pipeline_run: PipelineRun | str | None) -> GithubIssue:
+        with self.store.transaction() as tx:
+            issue = tx.ensure(GithubIssue(id=ref.id, repo=ref.repo, number=ref.number))
+            if pipeline_run is not None:
+                run = pipeline_run if isinstance(pipeline_run, PipelineRun) else tx.get(PipelineRun, pipeline_run)
+                if run is None:
+                    raise GithubLinkError(f"no pipeline run with id {pipeline_run!r} to link {ref.id} to")
+                tx.relate("wasAssociatedWith", run, issue)
+            return issue
+
+    def _record_issue(self, ref: IssueRef, gh_issue: Any, labels: list[str] | None = None) -> GithubIssue:
+        with self.store.transaction() as tx:
+            stored = tx.get(GithubIssue, ref.id) or tx.add(GithubIssue(id=ref.id, repo=ref.repo, number=ref.number))
+            return tx.update(
+                stored,
+                title=gh_issue.title,
+                state=gh_issue.state,
+                labels=labels if labels is not None else [lb.name for lb in gh_issue.labels],
+                url=gh_issue.html_url,
+                resolved=True,
+                last_error=None,
+                updated_at=utcnow(),
+            )
+
+    def _record_error(self, ref: IssueRef, message: str) -> None:
+        with self.store.transaction() as tx:
+            stored = tx.get(GithubIssue, ref.id) or tx.add(GithubIssue(id=ref.id, repo=ref.repo, number=ref.number))
+            if stored.last_error != message:
+                tx.update(stored, last_error=message, updated_at=utcnow())
+
+    def _record_comment(self, ref: IssueRef, pipeline_run_id: str, comment: Any, body_hash: str) -> GithubComment:
+        cid = comment_record_id(ref.id, pipeline_run_id)
+        with self.store.transaction() as tx:
+            rec = tx.get(GithubComment, cid)
+            fields = {"comment_id": int(comment.id), "url": comment.html_url, "body_hash": body_hash}
+            if rec is None:
+                rec = tx.add(GithubComment(id=cid, issue_id=ref.id, pipeline_run_id=pipeline_run_id, **fields))
+                issue = tx.get(GithubIssue, ref.id)
+                run = tx.get(PipelineRun, pipeline_run_id)
+                if issue is not None:
+                    tx.relate("wasDerivedFrom", rec, issue, role="comment-on")
+                if run is not None:
+                    tx.relate("wasGeneratedBy", rec, run)
+                return rec
+            if any(getattr(rec, k) != v for k, v in fields.items()):
+                rec = tx.update(rec, updated_at=utcnow(), **fields)
+            return rec
+
+    def _queue_id(self, action: str, ref: IssueRef, pipeline_run_id: str | None) -> str:
+        return f"{action}:{ref.id}:{pipeline_run_id or '-'}"
+
+    def _enqueue(self, action: str, ref: IssueRef, pipeline_run_id: str | None, failure: _Failure) -> None:
+        qid = self._queue_id(action, ref, pipeline_run_id)
+        with self.store.transaction() as tx:
+            entry = tx.session.get(GithubUpdate, qid) or GithubUpdate(
+                id=qid, action=action, issue_id=ref.id, pipeline_run_id=pipeline_run_id
+            )
+            entry.state = "pending" if failure.retryable else "failed"
+            entry.attempts += 1
+            entry.last_error = failure.message
+            entry.not_before = failure.not_before
+            entry.updated_at = utcnow()
+            tx.session.add(entry)
+
+    def _mark_done(self, action: str, ref: IssueRef, pipeline_run_id: str | None) -> None:
+        qid = self._queue_id(action, ref, pipeline_run_id)
+        with self.store.transaction() as tx:
+            entry = tx.session.get(GithubUpdate, qid)
+            if entry is not None and entry.state != "done":
+                entry.state, entry.last_error, entry.updated_at = "done", None, utcnow()
+                tx.session.add(entry)
+
+    # -- operations ------------------------------------------------------------------------------
+    def resolve(
+        self, ref: IssueRef | str, pipeline_run: PipelineRun | str | None = None, *, required: bool = False
+    ) -> GithubIssue:
+        """Record the issue and its link to the run, then fetch its title/state/labels/URL.
+
+        Failures: ``required`` raises :class:`GithubLinkError`; otherwise the issue is
+        left unresolved with ``last_error`` and, when retrying can help, queued.
+        """
+        ref = ref if isinstance(ref, IssueRef) else parse_issue_ref(ref, self.config.repo)
+        self._waited = 0.0
+        record = self._ensure_issue(ref, pipeline_run)
+        try:
+            gh_issue = self._issue(ref)
+        except _Failure as failure:
+            self._record_error(ref, failure.message)
+            self._enqueue("resolve", ref, None, failure)  # non-retryable ones are kept as "failed"
+            if required:
+                raise GithubLinkError(f"{failure.message} (the issue link is required)") from None
+            if not failure.retryable and self.config.strict:
+                raise GithubLinkError(f"{failure.message} ([github] strict = true)") from None
+            suffix = "; queued for `openlab github sync`" if failure.retryable else ""
+            log.warning("GitHub issue %s left unresolved: %s%s", ref.id, failure.message, suffix)
+            return self.store.get(GithubIssue, ref.id) or record
+        record = self._record_issue(ref, gh_issue)
+        self._mark_done("resolve", ref, None)
+        if record.state == "closed":
+            msg = f"issue {ref.id} is closed: reopen it or name an open experiment issue"
+            if self.config.strict:
+                raise GithubLinkError(f"{msg} ([github] strict = true)")
+            log.warning("%s", msg)
+        return record
+
+    def linked_issues(self, pipeline_run_id: str) -> list[GithubIssue]:
+        """The issues a pipeline run is associated with, in link order."""
+        rels = self.store.list(
+            Relation,
+            relation="wasAssociatedWith",
+            subject_id=pipeline_run_id,
+            object_kind=GithubIssue.kind,
+            order_by=col(Relation.created_at),
+        )
+        found = [self.store.get(GithubIssue, r.object_id) for r in rels]
+        return [i for i in found if i is not None]
+
+    def render_body(self, pipeline_run_id: str) -> str:
+        """Marker plus card, cut to GitHub's size limit."""
+        card = pipeline_card(self.store, pipeline_run_id, github_hosts=self.config.web_hosts)
+        body = f"{marker(pipeline_run_id)}\n{card}"
+        if len(body) > MAX_BODY:
+            body = body[: MAX_BODY - 80] + "\n\n_card truncated; `openlab lineage show` has the rest_\n"
+        return body
+
+    def publish(self, pipeline_run_id: str, *, issue_id: str | None = None) -> list[GithubComment]:
+        """Create or edit the run's card comment on each linked issue and set its state label.
+
+        Never raises for GitHub problems: they are recorded and queued (see module doc).
+        """
+        results: list[GithubComment] = []
+        for issue in self.linked_issues(pipeline_run_id):
+            if issue_id is not None and issue.id != issue_id:
+                continue
+            ref = IssueRef(issue.repo, issue.number)
+            self._waited = 0.0
+            try:
+                results.append(self._publish_one(ref, pipeline_run_id))
+            except _Failure as failure:
+                self._record_error(ref, failure.message)
+                self._enqueue("publish", ref, pipeline_run_id, failure)
+                suffix = "; queued for `openlab github sync`" if failure.retryable else ""
+                log.warning(
+                    "lineage card for %s not posted on %s: %s%s", pipeline_run_id, ref.id, failure.message, suffix
+                )
+        return results
+
+    def _find_marked(self, ref: IssueRef, gh_issue: Any, mark: str) -> Any:
+        """The existing card comment, found by its marker across all pages of comments."""
+
+        def scan() -> Any:
+            for comment in gh_issue.get_comments():
+                if mark in (comment.body or ""):
+                    return comment
+            return None
+
+        return self._call(ref, scan)
+
+    def _publish_one(self, ref: IssueRef, pipeline_run_id: str) -> GithubComment:
+        run = self.store.require(PipelineRun, pipeline_run_id)
+        body = self.render_body(pipeline_run_id)
+        body_hash = hashlib.sha256(body.encode()).hexdigest()
+        rec = self.store.get(GithubComment, comment_record_id(ref.id, pipeline_run_id))
+        wanted = self.config.label_for(run)
+        managed = {name for name in self.config.labels.values() if name}
+        stored_issue = self.store.get(GithubIssue, ref.id)
+        if (
+            rec is not None
+            and rec.comment_id
+            and rec.body_hash == body_hash
+            and stored_issue is not None
+            and stored_issue.resolved
+            and {lb for lb in stored_issue.labels if lb in managed} == ({wanted} if wanted else set())
+        ):
+            self._mark_done("publish", ref, pipeline_run_id)
+            return rec  # nothing changed since the last post: spend no API calls
+        if not self._token:
+            raise self._missing_token()
+        gh_issue = self._issue(ref)
+        comment = None
+        if rec is not None and rec.comment_id:
+            known = gh_issue.get_comment(rec.comment_id)
+            try:
+                self._call(ref, lambda: known.edit(body))
+                comment = known
+            except _Failure as failure:
+                if failure.status != 404:
+                    raise
+                log.info("card comment %s on %s was deleted; looking for another", rec.comment_id, ref.id)
+        if comment is None:
+            comment = self._find_marked(ref, gh_issue, marker(pipeline_run_id))
+            if comment is not None:
+                found = comment
+                if found.body != body:
+                    self._call(ref, lambda: found.edit(body))
+            else:
+                comment = self._call(ref, lambda: gh_issue.create_comment(body))
+        rec = self._record_comment(ref, pipeline_run_id, comment, body_hash)
+        labels = self._sync_labels(ref, gh_issue, wanted, managed)
+        self._record_issue(ref, gh_issue, labels=labels)
+        self._mark_done("publish", ref, pipeline_run_id)
+        return rec
+
+    def _sync_labels(self, ref: IssueRef, gh_issue: Any, wanted: str | None, managed: set[str]) -> list[str]:
+        """Leave exactly one openlab state label (others' labels untouched); return the issue's labels."""
+        current = [lb.name for lb in gh_issue.labels]
+        for name in current:
+            if name in managed and name != wanted:
+                try:
+                    self._call(ref, lambda n=name: gh_issue.remove_from_labels(n))
+                except _Failure as failure:
+                    if failure.status != 404:  # someone removed it already
+                        raise
+        if wanted and wanted not in current:
+            self._call(ref, lambda: gh_issue.add_to_labels(wanted))
+        kept = [n for n in current if n not in managed or n == wanted]
+        return kept + ([wanted] if wanted and wanted not in kept else [])
+
+    def pending(self) -> list[GithubUpdate]:
+        """Queued updates not yet sent (oldest first)."""
+        return self.store.list(GithubUpdate, state="pending", order_by=col(GithubUpdate.created_at))
+
+    def sync(self) -> SyncReport:
+        """Send every queued update whose rate-limit time has come; resolves before cards."""
+        if not self._token:
+            raise GithubLinkError(self._missing_token().message)
+        report = SyncReport()
+        now = utcnow()
+        entries = sorted(self.pending(), key=lambda e: (e.action != "resolve", e.created_at))
+        for entry in entries:
+            not_before = entry.not_before
+            if not_before is not None and not_before.tzinfo is None:
+                not_before = not_before.replace(tzinfo=dt.UTC)
+            if not_before is not None and not_before > now:
+                report.deferred += 1
+                continue
+            ref = parse_issue_ref(entry.issue_id)
+            if entry.action == "resolve":
+                self.resolve(ref)
+            elif entry.action == "publish" and entry.pipeline_run_id:
+                self.publish(entry.pipeline_run_id, issue_id=ref.id)
+            after = self.store.get(GithubUpdate, entry.id)
+            state = after.state if after else "done"
+            if state == "done":
+                report.sent += 1
+            else:
+                report.failed += state == "failed"
+                report.pending += state == "pending"
+                if after and after.last_error:
+                    report.errors.append(f"{entry.action} {entry.issue_id}: {after.last_error}")
+        return report
+
+
+# -- module-level API ---------------------------------------------------------------------------
+def resolve_issue(
+    store: LineageStore,
+    ref: str | IssueRef,
+    pipeline_run: PipelineRun | str | None = None,
+    *,
+    required: bool = False,
+    settings: Settings | None = None,
+    linker: GithubLinker | None = None,
+) -> GithubIssue:
+    """Resolve an experiment issue and relate it to the pipeline run (``wasAssociatedWith``).
+
+    Call before any job starts: with ``required=True`` every problem (malformed ref, no
+    token, 401/404/410, network, rate limit beyond the bound) raises
+    :class:`GithubLinkError`; otherwise only a malformed ref raises, and problems are
+    recorded on the issue and queued. ``[github] strict = true`` makes a closed or
+    nonexistent issue an error too.
+    """
+    linker = linker or GithubLinker(store, settings=settings)
+    return linker.resolve(ref, pipeline_run, required=required)
+
+
+def publish_card(
+    store: LineageStore,
+    pipeline_run_id: str,
+    *,
+    settings: Settings | None = None,
+    linker: GithubLinker | None = None,
+) -> list[GithubComment]:
+    """Create once, then edit, the run's card comment on each linked issue; maintain the state label.
+
+    Safe to call on every stage transition: unchanged cards cost no API call, and
+    GitHub problems are recorded and queued, never raised.
+    """
+    linker = linker or GithubLinker(store, settings=settings)
+    return linker.publish(pipeline_run_id)
+
+
+def sync_queue(
+    store: LineageStore, *, settings: Settings | None = None, linker: GithubLinker | None = None
+) -> SyncReport:
+    """Flush queued GitHub updates (``openlab github sync``)."""
+    linker = linker or GithubLinker(store, settings=settings)
+    return linker.sync()
+
+
+__all__ = [
+    "GithubConfig",
+    "GithubLinkError",
+    "GithubLinker",
+    "IssueRef",
+    "SyncReport",
+    "comment_record_id",
+    "marker",
+    "parse_issue_ref",
+    "publish_card",
+    "resolve_issue",
+    "sync_queue",
+]
