@@ -26,6 +26,7 @@ from sqlmodel import select
 
 from orchestrator.launchers.base import JobHandle, JobSpec, JobState, JobStatus, JobTimeout, Launcher
 from orchestrator.lineage.models import Attempt, utcnow
+from orchestrator.secrets import scrub
 
 if TYPE_CHECKING:
     from orchestrator.lineage.store import LineageStore
@@ -128,15 +129,17 @@ def _one_line(exc: BaseException) -> str:
 class _LogPump(threading.Thread):
     """Follows a job's log in the background so the caller can poll status and cancel meanwhile."""
 
-    def __init__(self, launcher: Launcher, handle: JobHandle, on_log: Callable[[str], None]) -> None:
+    def __init__(
+        self, launcher: Launcher, handle: JobHandle, on_log: Callable[[str], None], secrets: list[str]
+    ) -> None:
         super().__init__(name=f"logs-{handle.job_id}", daemon=True)
-        self.launcher, self.handle, self.on_log = launcher, handle, on_log
+        self.launcher, self.handle, self.on_log, self.secrets = launcher, handle, on_log, secrets
         self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
             for line in self.launcher.logs(self.handle, follow=True):
-                self.on_log(line)
+                self.on_log(scrub(line, self.secrets) if self.secrets else line)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller's thread
             self.error = exc
 
@@ -154,6 +157,9 @@ def run_job(
 ) -> tuple[Attempt, JobStatus]:
     """Submit, stream logs to ``on_log`` (from a background thread), wait, and record the end.
 
+    Lines passed to ``on_log`` have secret values (from the spec's and this process's
+    secret-named variables) replaced by ``***``.
+
     ``should_cancel`` is polled with the status; when it returns True the job is cancelled
     and the attempt recorded CANCELLED. After ``timeout`` seconds the job is cancelled and
     :class:`JobTimeout` raised. On any exception (Ctrl-C included) the job is cancelled,
@@ -164,7 +170,7 @@ def run_job(
     import time
 
     attempt, handle = submit_attempt(store, launcher, spec, stage_run_id=stage_run_id)
-    pump = _LogPump(launcher, handle, on_log) if on_log is not None else None
+    pump = _LogPump(launcher, handle, on_log, spec.secret_values()) if on_log is not None else None
     interval = launcher.poll_interval if poll is None else poll
     deadline = None if timeout is None else time.monotonic() + timeout
     cancelled_by_caller = False

@@ -27,6 +27,7 @@ laptop, a Slurm cluster or Kubernetes with the same provenance.
 from __future__ import annotations
 
 import datetime as dt
+import os
 import re
 import time
 from abc import ABC, abstractmethod
@@ -37,12 +38,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.errors import OpenlabError
+from orchestrator.secrets import SECRET_NAME, redact_mapping, secret_values
 
 if TYPE_CHECKING:
     from orchestrator.settings import Settings
-
-#: Environment variable names whose values are secrets: never logged or recorded.
-SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 
 #: Label keys that carry lineage ids on containers, Slurm comments and Kubernetes objects.
 LABEL_PREFIX = "openlab.io/"
@@ -121,7 +120,11 @@ class JobSpec:
 
     def public_env(self) -> dict[str, str]:
         """The env with secret values masked, for anything that is printed or recorded."""
-        return {k: ("***" if SECRET_NAME.search(k) else v) for k, v in self.env.items()}
+        return redact_mapping(self.env)
+
+    def secret_values(self) -> list[str]:
+        """Values of the spec's secret-named variables and this process's, to scrub from logs."""
+        return secret_values(self.env, os.environ)
 
 
 @dataclass(frozen=True)
