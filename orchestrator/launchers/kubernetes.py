@@ -141,7 +141,7 @@ class KubernetesLauncher(Launcher):
                     )
             except Exception as exc:  # noqa: BLE001 - kubeconfig errors come in many types
                 raise BackendUnavailable(
-                    f"no Kubernetes API configured: {exc} (set [backends.kubernetes] host or kubeconfig)"
+                    f"no Kubernetes API configured: {exc} (set backends.kubernetes.host or .kubeconfig in openlab.toml)"
                 ) from None
         return self._api_client
 

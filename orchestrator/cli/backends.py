@@ -1,0 +1,52 @@
+"""``openlab backends check``: is each configured backend reachable, and if not, why.
+
+Run before a long pipeline: it asks each backend the cheapest question that proves it
+can take jobs (docker: engine info and the job image; slurm: ``scontrol ping`` and
+partitions; kubernetes: list Jobs in the namespace; local: the state folder is
+writable). Backends are those under ``[backends]`` in the config, else all four.
+"""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(help="Check the job backends (local, docker, slurm, kubernetes).", no_args_is_help=True)
+
+
+@app.command("check")
+def check_cmd(
+    backend: list[str] = typer.Argument(None, help="backends to check (default: the configured ones)"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+    strict: bool = typer.Option(False, "--strict", help="exit 1 when any backend is unreachable"),
+) -> None:
+    """Say for each backend whether it is reachable and, if not, why."""
+    from orchestrator.cli.output import console, print_json
+    from orchestrator.errors import OpenlabError
+    from orchestrator.launchers import configured_backends, get_launcher
+    from orchestrator.settings import load_settings
+
+    settings = load_settings()
+    names = backend or configured_backends(settings)
+    results = []
+    for name in names:
+        try:
+            ok, detail = get_launcher(name, settings).check()
+        except OpenlabError as exc:
+            if name not in configured_backends(settings) and "unknown backend" in str(exc):
+                raise
+            ok, detail = False, str(exc)
+        except Exception as exc:  # noqa: BLE001 - one broken backend must not hide the others
+            ok, detail = False, f"{type(exc).__name__}: {exc}"
+        results.append({"backend": name, "reachable": ok, "detail": detail})
+    if as_json:
+        print_json(results)
+    else:
+        from rich.markup import escape
+        from rich.table import Table
+
+        table = Table("backend", "reachable", "detail")
+        for row in results:
+            table.add_row(row["backend"], "[green]yes[/]" if row["reachable"] else "[red]no[/]", escape(row["detail"]))
+        console.print(table)
+    if strict and not all(r["reachable"] for r in results):
+        raise typer.Exit(1)

@@ -1,0 +1,228 @@
+"""``openlab job``: run one command as a job on any backend, and inspect jobs by id.
+
+``openlab job run --backend slurm -- python train.py`` is the smoke test users run
+before a long pipeline: it goes through the same launcher and lineage path as a stage
+(:func:`orchestrator.launchers.attempts.run_job`), streams the job's log, records the
+attempt and exits with the job's own exit code. ``status``, ``logs`` and ``cancel``
+take an attempt id (``att_...``, or a unique prefix) or a backend job id, find the
+attempt in lineage and revive its handle, so they work from any process.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from orchestrator.errors import NotFoundError, OpenlabError
+
+app = typer.Typer(help="Run one command as a job (local, docker, slurm, kubernetes) and inspect jobs.",
+                  no_args_is_help=True)
+
+_RUN_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
+
+
+def _pairs(values: list[str] | None, what: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in values or []:
+        if "=" not in item or not item.split("=", 1)[0]:
+            raise OpenlabError(f"invalid {what} {item!r}: use KEY=VALUE")
+        key, value = item.split("=", 1)
+        out[key] = value
+    return out
+
+
+def _default_backend() -> str:
+    from orchestrator.settings import load_settings
+
+    return str(load_settings().section("backends").get("default") or "local")
+
+
+def _exit_code(status: Any) -> int:
+    from orchestrator.launchers import JobState
+
+    if status.state is JobState.SUCCEEDED:
+        return 0
+    if status.exit_code not in (None, 0):
+        return int(status.exit_code) if 0 < int(status.exit_code) < 256 else 1
+    return 130 if status.state is JobState.CANCELLED else 1
+
+
+@app.command("run", context_settings=_RUN_CONTEXT)
+def run_cmd(
+    command: list[str] = typer.Argument(None, help="the command to run, after --"),
+    backend: str = typer.Option(None, "--backend", "-b", help="local, docker, slurm or kubernetes"),
+    image: str = typer.Option(None, "--image", help="container image (docker, kubernetes)"),
+    cpus: float = typer.Option(None, "--cpus", help="CPUs for the job"),
+    memory: str = typer.Option(None, "--memory", help="memory limit, e.g. 512M or 2G"),
+    gpus: int = typer.Option(0, "--gpus", help="GPUs for the job"),
+    time_limit: str = typer.Option(None, "--time-limit", help="seconds, MM:SS, HH:MM:SS, 1h, 30m"),
+    env: list[str] = typer.Option(None, "--env", "-e", help="KEY=VALUE for the job's environment (repeatable)"),
+    option: list[str] = typer.Option(
+        None, "--option", "-o", help="backend option KEY=VALUE, e.g. partition=debug, namespace=ml (repeatable)"
+    ),
+    name: str = typer.Option(None, "--name", help="job name (default: the command's first word)"),
+    workdir: str = typer.Option(None, "--workdir", help="working directory of the job"),
+    artifact_root: Path = typer.Option(None, "--artifact-root", help="mounted at the same path in containers"),
+    stage_run: str = typer.Option(None, "--stage-run", help="record the attempt under this stage run id"),
+    timeout: float = typer.Option(None, "--timeout", help="give up (and cancel) after this many seconds"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="do not stream the job's log"),
+) -> None:
+    """Run CMD as one job, stream its log, record the attempt; exit with the job's exit code."""
+    from orchestrator.launchers import JobSpec, get_launcher, parse_duration
+    from orchestrator.launchers.attempts import run_job
+    from orchestrator.lineage.store import open_store
+    from orchestrator.settings import load_settings
+
+    if not command:
+        raise OpenlabError("no command given: openlab job run [OPTIONS] -- CMD [ARGS...]")
+    settings = load_settings()
+    backend = backend or _default_backend()
+    launcher = get_launcher(backend, settings)
+    labels = {"openlab.io/trigger": "terminal"}
+    if stage_run:
+        labels["openlab.io/stage-run"] = stage_run
+    spec = JobSpec(
+        name=name or Path(command[0]).name or "job",
+        command=list(command),
+        image=image,
+        env=_pairs(env, "--env"),
+        workdir=workdir,
+        artifact_root=artifact_root or settings.artifacts_dir,
+        cpus=cpus,
+        memory=memory,
+        gpus=gpus,
+        time_limit=parse_duration(time_limit) if time_limit else None,
+        labels=labels,
+        options=_pairs(option, "--option"),
+    )
+
+    def echo(line: str) -> None:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+    with open_store(settings) as store:
+        attempt, status = run_job(
+            store, launcher, spec, stage_run_id=stage_run, on_log=None if quiet else echo, timeout=timeout
+        )
+    where = f" on {status.host}" if status.host else ""
+    detail = f" ({status.reason})" if status.reason else ""
+    sys.stderr.write(
+        f"openlab: {backend} job {attempt.job_id}{where}: {status.state} exit {status.exit_code}{detail}; "
+        f"attempt {attempt.id}, log {attempt.log_path}\n"
+    )
+    raise typer.Exit(_exit_code(status))
+
+
+def _find(store: Any, ident: str, backend: str | None) -> tuple[Any, Any]:
+    """(attempt or None, handle) for an attempt id/prefix or a backend job id."""
+    from sqlmodel import col
+
+    from orchestrator.launchers import JobHandle
+    from orchestrator.launchers.attempts import handle_from_attempt
+    from orchestrator.lineage.models import Attempt
+
+    attempt = store.get(Attempt, ident)
+    if attempt is None:
+        where = [Attempt.job_id == ident]
+        if backend:
+            where.append(Attempt.backend == backend)
+        found = store.list(Attempt, where=where, order_by=col(Attempt.submitted_at).desc(), limit=1)
+        attempt = found[0] if found else None
+    if attempt is None and ident.startswith("att_") and len(ident) >= 6:
+        found = store.list(Attempt, where=[col(Attempt.id).startswith(ident)], limit=2)
+        if len(found) > 1:
+            raise NotFoundError(f"attempt prefix {ident!r} is ambiguous: give more characters")
+        attempt = found[0] if found else None
+    if attempt is not None:
+        return attempt, handle_from_attempt(attempt)
+    if backend:
+        return None, JobHandle(backend=backend, job_id=ident)
+    raise NotFoundError(
+        f"no attempt or job {ident!r} in lineage; pass --backend to ask a backend about a job openlab did not record"
+    )
+
+
+def _refresh(store: Any, attempt: Any, status: Any) -> None:
+    """Bring the attempt up to date when the backend knows more than lineage does."""
+    from orchestrator.launchers.attempts import finish_attempt, lineage_state, mark_running
+
+    if attempt is None or attempt.state in ("COMPLETED", "FAILED", "CANCELLED", "LOST"):
+        return
+    if status.state.terminal:
+        finish_attempt(store, attempt, status)
+    elif lineage_state(status.state) == "RUNNING":
+        mark_running(store, attempt, status)
+
+
+@app.command("status")
+def status_cmd(
+    ident: str = typer.Argument(..., metavar="ID", help="attempt id (att_...) or backend job id"),
+    backend: str = typer.Option(None, "--backend", "-b", help="backend, for a job id not in lineage"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+) -> None:
+    """Show a job's state, exit code, reason, host and times (and update its attempt)."""
+    from orchestrator.cli.output import console, print_json
+    from orchestrator.launchers import get_launcher
+    from orchestrator.lineage.store import open_store
+
+    with open_store() as store:
+        attempt, handle = _find(store, ident, backend)
+        status = get_launcher(handle.backend).status(handle)
+        _refresh(store, attempt, status)
+    data = {
+        "attempt": attempt.id if attempt else None,
+        "backend": handle.backend,
+        "job_id": handle.job_id,
+        "log_path": handle.log_path,
+        **status.to_dict(),
+    }
+    if as_json:
+        print_json(data)
+        return
+    for key, value in data.items():
+        if value is not None:
+            console.print(f"{key:>12}: {value}", highlight=False)
+
+
+@app.command("logs")
+def logs_cmd(
+    ident: str = typer.Argument(..., metavar="ID", help="attempt id (att_...) or backend job id"),
+    follow: bool = typer.Option(False, "--follow", "-f", help="keep printing until the job ends"),
+    tail: int = typer.Option(None, "--tail", "-n", help="only the last N lines"),
+    backend: str = typer.Option(None, "--backend", "-b", help="backend, for a job id not in lineage"),
+) -> None:
+    """Print a job's log."""
+    from orchestrator.launchers import get_launcher
+    from orchestrator.lineage.store import open_store
+    from orchestrator.secrets import scrub, secret_values
+
+    with open_store() as store:
+        _attempt, handle = _find(store, ident, backend)
+    secrets = secret_values()
+    for line in get_launcher(handle.backend).logs(handle, follow=follow, tail=tail):
+        sys.stdout.write(scrub(line, secrets) + "\n")
+        sys.stdout.flush()
+
+
+@app.command("cancel")
+def cancel_cmd(
+    ident: str = typer.Argument(..., metavar="ID", help="attempt id (att_...) or backend job id"),
+    backend: str = typer.Option(None, "--backend", "-b", help="backend, for a job id not in lineage"),
+) -> None:
+    """Cancel a job (and everything it started) and record it in its attempt."""
+    from orchestrator.cli.output import console
+    from orchestrator.launchers import JobState, get_launcher
+    from orchestrator.lineage.store import open_store
+
+    with open_store() as store:
+        attempt, handle = _find(store, ident, backend)
+        launcher = get_launcher(handle.backend)
+        launcher.cancel(handle)
+        status = launcher.status(handle)
+        if status.state is JobState.LOST or not status.state.terminal:
+            status.state, status.reason = JobState.CANCELLED, status.reason or "cancelled"
+        _refresh(store, attempt, status)
+    console.print(f"{handle.backend} job {handle.job_id}: {status.state}", highlight=False)
