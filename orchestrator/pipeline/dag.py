@@ -112,7 +112,7 @@ def _moe(path: str) -> str:
     return f"workloads/moe/{path}"
 
 
-def moe_pipeline(repo_root: Path | None = None, *, python: str | None = None, image: str | None = None) -> Pipeline:
+def moe_pipeline(repo_root: Path | None = None, *, image: str | None = None) -> Pipeline:
     """The MoE replica pipeline: data -> tokenize -> pretrain -> midtrain -> posttrain -> eval.
 
     Code paths are the workload modules each stage executes; the W&B helper
@@ -120,14 +120,15 @@ def moe_pipeline(repo_root: Path | None = None, *, python: str | None = None, im
     """
     root = (repo_root or REPO_ROOT).resolve()
     common = [_moe("__init__.py"), _moe("__main__.py"), _moe("config.py"), _moe("util.py")]
-    model = [_moe("model.py"), _moe("dispatch.py"), _moe("metrics.py")]
+    # training and eval read token shards through tokenizing.py
+    model = [_moe("model.py"), _moe("dispatch.py"), _moe("metrics.py"), _moe("tokenizing.py"), _moe("train.py")]
     declared: dict[str, Sequence[str]] = {
         "data": [*common, _moe("data.py")],
         "tokenize": [*common, _moe("tokenizing.py")],
-        "pretrain": [*common, *model, _moe("train.py")],
-        "midtrain": [*common, *model, _moe("train.py")],
-        "posttrain": [*common, *model, _moe("train.py"), _moe("data.py")],
-        "eval": [*common, *model, _moe("evaluate.py")],
+        "pretrain": [*common, *model],
+        "midtrain": [*common, *model],
+        "posttrain": [*common, *model],
+        "eval": [*common, *model],
     }
     torch_env = ("python_version", "pkg:torch", "pkg:numpy")
     env: dict[str, tuple[str, ...]] = {
@@ -159,7 +160,6 @@ def moe_pipeline(repo_root: Path | None = None, *, python: str | None = None, im
                 snapshot_output=name == "data",
             )
         )
-    del python  # the interpreter is chosen per backend at launch
     return Pipeline(name="moe-replica", stages=tuple(stages), repo_root=root, image=image)
 
 

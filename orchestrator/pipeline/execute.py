@@ -610,7 +610,7 @@ def _cancel_requested(ctx: PipelineContext, extra: Callable[[], bool] | None) ->
 
 def _write_config(
     ctx: PipelineContext, spec: StageSpec, identity: str, upstream: Mapping[str, StageResult], stage_run: StageRun
-) -> Path:
+) -> tuple[Path, bool]:
     config = dict(ctx.configs[spec.name])
     if upstream:
         config["inputs"] = {key: str(res.output.get("path") or res.out_dir) for key, res in upstream.items()}
@@ -622,30 +622,49 @@ def _write_config(
     tmp = path.with_suffix(f".{stage_run.id}.tmp")
     tmp.write_text(json.dumps(config, indent=2, sort_keys=True))
     tmp.replace(path)
-    return path
+    return path, bool(wandb)
 
 
 def _wandb_section(ctx: PipelineContext, spec: StageSpec, identity: str, stage_run: StageRun) -> dict[str, Any] | None:
-    """The ``wandb:`` section of the stage config, from the links layer when it is installed."""
+    """The ``wandb:`` section of the stage config (links layer); None when no W&B project is configured.
+
+    The run id derives from the stage identity, so a retried or resumed attempt continues the same W&B run.
+    """
     try:
-        from orchestrator.links import wandb as links_wandb  # type: ignore[attr-defined]
+        from orchestrator.links import wandb as links_wandb
     except ImportError:
         return None
-    fn = getattr(links_wandb, "stage_wandb_settings", None)
-    if fn is None:
+    recipe_wandb = ctx.recipe.wandb if ctx.recipe is not None else {}
+    project = recipe_wandb.get("project") or ctx.settings.section("wandb").get("project")
+    if not project:
         return None
+    issue_number = None
+    if ctx.issue_id and "#" in ctx.issue_id:
+        try:
+            issue_number = int(ctx.issue_id.rsplit("#", 1)[1])
+        except ValueError:
+            issue_number = None
+    data = ctx.results.get("data")
     try:
-        return fn(  # type: ignore[no-any-return]
-            stage_run=stage_run,
-            pipeline_run=ctx.pipeline_run,
-            commit=ctx.commit,
-            recipe=ctx.recipe.wandb if ctx.recipe is not None else {},
+        return links_wandb.stage_wandb_settings(
+            identity,
+            pipeline_run_id=ctx.id,
+            stage=spec.name,
+            project=project,
+            entity=recipe_wandb.get("entity"),
+            commit_sha=ctx.commit.sha,
+            issue_number=issue_number,
+            snapshot_id=data.output.get("snapshot_id") if data is not None else None,
+            backend=ctx.options.backend,
             replica=ctx.pipeline_run.replica,
-            issue=ctx.issue_id,
+            lineage_ids={
+                "stage_run_id": stage_run.id,
+                "commit": ctx.commit.id,
+                "environment": ctx.environment.id,
+                "issue": ctx.issue_id,
+            },
             settings=ctx.settings,
         )
-    except TypeError:
-        return None
     except Exception as exc:  # noqa: BLE001 - W&B is optional: the stage runs without it
         log.warning("no W&B settings for %s: %s", spec.name, exc)
         return None
@@ -653,14 +672,11 @@ def _wandb_section(ctx: PipelineContext, spec: StageSpec, identity: str, stage_r
 
 def _record_wandb(ctx: PipelineContext, stage_run: StageRun, out_dir: Path) -> None:
     try:
-        from orchestrator.links import wandb as links_wandb  # type: ignore[attr-defined]
+        from orchestrator.links import wandb as links_wandb
     except ImportError:
         return
-    fn = getattr(links_wandb, "record_wandb_run", None)
-    if fn is None:
-        return
     try:
-        fn(ctx.store, stage_run, out_dir)
+        links_wandb.record_wandb_run(ctx.store, stage_run, out_dir)
     except Exception as exc:  # noqa: BLE001 - optional link
         log.warning("could not record the W&B run of %s: %s", stage_run.stage, exc)
 
@@ -806,7 +822,7 @@ def _run_stage(
     if forced and out_dir.exists() and existing is None:
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    config_path = _write_config(ctx, spec, digest, inputs, run)
+    config_path, uses_wandb = _write_config(ctx, spec, digest, inputs, run)
     backend = ctx.options.backend
     job = JobSpec(
         name=f"openlab-{spec.name}-{digest[:12]}",
@@ -871,7 +887,9 @@ def _run_stage(
         raise
 
     if status.state is JobState.SUCCEEDED and not cancel_reason:
-        return _finish_completed(ctx, spec, run, identity, inputs, out_dir, attempt, started, changes, why)
+        return _finish_completed(
+            ctx, spec, run, identity, inputs, out_dir, attempt, started, changes, why, uses_wandb=uses_wandb
+        )
     if status.state is JobState.CANCELLED or cancel_reason:
         reason = cancel_reason[0] if cancel_reason else (status.reason or "job cancelled")
         result = _finish_failed(ctx, spec, run, identity, out_dir, "CANCELLED", reason, attempt, started, changes)
@@ -934,6 +952,8 @@ def _finish_completed(
     started: float,
     changes: list[str],
     why: str,
+    *,
+    uses_wandb: bool = False,
 ) -> StageResult:
     from orchestrator.lineage.record import record_snapshot
 
@@ -964,7 +984,8 @@ def _finish_completed(
             hashed["snapshot_id"] = data_snap.id
         outputs = {"out": hashed}
         run = tx.update(run, state="COMPLETED", outputs=outputs, metrics=metrics, error=None, ended_at=utcnow())
-    _record_wandb(ctx, run, out_dir)
+    if uses_wandb:
+        _record_wandb(ctx, run, out_dir)
     result = StageResult(
         stage=spec.name,
         state="COMPLETED",

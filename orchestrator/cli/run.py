@@ -1,0 +1,202 @@
+"""``openlab run`` and ``openlab explain``: the replica pipeline from a terminal, without Prefect.
+
+Both call the same library as the Prefect flows (:mod:`orchestrator.pipeline`), so a
+terminal run and a UI run reuse each other's stages and record the same lineage.
+``run`` shows a live line per stage (state, progress, last log line) and ends with the
+lineage summary; ``explain`` is the dry run: per stage run / reuse / wait / depends, and
+which identity fields changed since the last completed run of that stage.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from orchestrator.cli.output import console, err_console, print_json
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+RecipeArg = Annotated[str, typer.Argument(help="Recipe file or name in recipes/ (e.g. marin-535b-a23b).")]
+ReplicaOpt = Annotated[
+    str | None, typer.Option("--replica", "-r", help="Named replica (e.g. tiny, small); default: full scale.")
+]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
+
+_STYLE = {
+    "CHECKING": "cyan",
+    "WAITING": "yellow",
+    "RUNNING": "blue",
+    "REUSED": "green",
+    "COMPLETED": "bold green",
+    "FAILED": "bold red",
+    "CANCELLED": "red",
+    "SKIPPED": "dim",
+    "PENDING": "dim",
+}
+
+
+def _force_value(force: bool, force_stage: list[str] | None) -> bool | frozenset[str]:
+    if force:
+        return True
+    return frozenset(force_stage) if force_stage else False
+
+
+class _Display:
+    """A rich progress line per stage, fed by pipeline hooks (called from worker threads)."""
+
+    def __init__(self, stages: list[str], verbose: bool) -> None:
+        self.verbose = verbose
+        self.progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.fields[stage]:<10}"),
+            TextColumn("{task.fields[state]}"),
+            BarColumn(bar_width=24),
+            TextColumn("{task.fields[detail]}", overflow="ellipsis"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+        )
+        self.tasks: dict[str, TaskID] = {
+            s: self.progress.add_task(s, stage=s, state="[dim]PENDING[/]", detail="", total=None, start=False)
+            for s in stages
+        }
+        self.lock = threading.Lock()
+
+    def transition(self, event: Any) -> None:
+        with self.lock:
+            task = self.tasks.get(event.stage)
+            if task is None:
+                return
+            style = _STYLE.get(event.state, "")
+            detail = escape(event.reason[:90]) if event.reason else ""
+            self.progress.update(task, state=f"[{style}]{event.state}[/]", detail=detail)
+            if event.state in ("CHECKING", "RUNNING"):
+                self.progress.start_task(task)
+            if event.state in ("REUSED", "COMPLETED", "FAILED", "CANCELLED", "SKIPPED"):
+                total = self.progress.tasks[task].total or 1
+                self.progress.update(task, total=total, completed=total)
+                self.progress.stop_task(task)
+
+    def log(self, stage: str, line: str) -> None:
+        with self.lock:
+            task = self.tasks.get(stage)
+            if task is not None:
+                self.progress.update(task, detail=escape(line.strip()[:90]))
+            if self.verbose:
+                self.progress.console.print(f"[dim]{stage:>10} |[/] {escape(line)}", highlight=False)
+
+    def advance(self, stage: str, done: int, total: int) -> None:
+        with self.lock:
+            task = self.tasks.get(stage)
+            if task is not None:
+                self.progress.update(task, total=total, completed=done)
+
+
+def _summary_table(result: Any) -> Table:
+    table = Table(title=f"pipeline run {result.pipeline_run.id}: {result.state}", title_justify="left")
+    for column in ("stage", "state", "stage run", "identity", "reused from / job", "s", "why"):
+        table.add_column(column, overflow="fold")
+    for r in result.results.values():
+        style = _STYLE.get(r.state, "")
+        table.add_row(
+            r.stage,
+            f"[{style}]{r.state}[/]",
+            r.stage_run_id,
+            r.identity[:16],
+            r.reused_from or r.job_id or "",
+            f"{r.seconds:.2f}",
+            escape(r.reason),
+        )
+    return table
+
+
+@app.command("run")
+def run(
+    recipe: RecipeArg,
+    replica: ReplicaOpt = None,
+    backend: Annotated[str, typer.Option("--backend", "-b", help="local, docker, slurm or kubernetes.")] = "local",
+    issue: Annotated[str | None, typer.Option("--issue", help="Experiment issue owner/repo#N (or #N).")] = None,
+    force: Annotated[bool, typer.Option("--force", help="Re-run every stage, even reusable ones.")] = False,
+    force_stage: Annotated[
+        list[str] | None, typer.Option("--force-stage", help="Re-run this stage (repeatable).")
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print every job log line.")] = False,
+    json_out: JsonFlag = False,
+) -> None:
+    """Run RECIPE's pipeline (data, tokenize, pretrain, midtrain, posttrain, eval) here, reusing what is done."""
+    from orchestrator.pipeline import PipelineHooks, RunOptions, run_stages, start_recipe
+    from orchestrator.recipes import resolve
+
+    resolved = resolve(recipe, replica)
+    options = RunOptions(backend=backend, issue=issue, force=_force_value(force, force_stage), trigger="terminal")
+    if json_out or not console.is_terminal:
+        hooks = PipelineHooks(
+            on_transition=(None if json_out else lambda e: err_console.print(f"{e.stage}: {e.state} {e.reason}")),
+            on_log=(lambda s, line: err_console.print(f"{s} | {line}", highlight=False)) if verbose else None,
+        )
+        ctx = start_recipe(resolved, options=options, hooks=hooks)
+        result = run_stages(ctx)
+    else:
+        from orchestrator.pipeline.dag import moe_pipeline
+
+        display = _Display(moe_pipeline().order, verbose)
+        hooks = PipelineHooks(on_transition=display.transition, on_log=display.log, on_progress=display.advance)
+        with display.progress:
+            ctx = start_recipe(resolved, options=options, hooks=hooks)
+            result = run_stages(ctx)
+    if json_out:
+        data = result.to_dict()
+        data["commit"] = ctx.commit.id
+        data["environment"] = ctx.environment.id
+        data["recipe_lineage"] = resolved.lineage()
+        print_json(data)
+    else:
+        console.print(_summary_table(result))
+        console.print(
+            f"commit {ctx.commit.id} · environment {ctx.environment.id[:16]} · "
+            f"recipe {resolved.name} · backend {backend}"
+        )
+        if result.error:
+            err_console.print(f"[bold red]error:[/] {escape(result.error)}")
+        console.print(f"lineage: [bold]openlab lineage show {result.pipeline_run.id}[/]")
+    raise typer.Exit(0 if result.ok else 1)
+
+
+@app.command("explain")
+def explain(
+    recipe: RecipeArg,
+    replica: ReplicaOpt = None,
+    force: Annotated[bool, typer.Option("--force", help="Plan as if every stage were forced.")] = False,
+    force_stage: Annotated[list[str] | None, typer.Option("--force-stage", help="Plan this stage as forced.")] = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Dry run: for each stage, run or reuse, and which identity fields changed since its last completed run."""
+    from orchestrator.pipeline import explain_recipe
+    from orchestrator.recipes import resolve
+
+    resolved = resolve(recipe, replica)
+    plans = explain_recipe(resolved, force=_force_value(force, force_stage))
+    if json_out:
+        print_json({"recipe": resolved.lineage(), "stages": [p.to_dict() for p in plans]})
+        return
+    table = Table(title=f"openlab explain {resolved.name}", title_justify="left")
+    for column in ("stage", "action", "identity", "why", "changed fields"):
+        table.add_column(column, overflow="fold")
+    colours = {"reuse": "green", "run": "bold blue", "wait": "yellow", "depends": "cyan"}
+    for p in plans:
+        table.add_row(
+            p.stage,
+            f"[{colours.get(p.action, '')}]{p.action}[/]",
+            (p.identity or "(after upstream)")[:16],
+            escape(p.reason),
+            escape("\n".join(p.changes)) or "-",
+        )
+    console.print(table)
+
+
+__all__ = ["app", "explain", "run"]
