@@ -59,7 +59,7 @@ from orchestrator.settings import Settings, load_settings
 MERKLE_SCHEME = "openlab-snapshot-v1"
 _ROOT_PREFIX = MERKLE_SCHEME.encode() + b"\x00"
 MANIFEST_VERSION = 1
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 
 #: Files at least this big are hashed one at a time with BLAKE3's own multithreading
 #: (memory-mapped); smaller ones are spread over a thread pool, one file per task.
@@ -79,7 +79,7 @@ class SnapshotError(OpenlabError):
     """The path cannot be snapshotted as asked (missing, unsafe or unreadable)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SnapshotEntry:
     """One file (``blake3`` set) or in-root symlink (``link`` set) of a snapshot."""
 
@@ -161,7 +161,7 @@ def merkle_root(entries: Iterable[SnapshotEntry]) -> str:
 # --------------------------------------------------------------------------- walking
 
 
-@dataclass
+@dataclass(slots=True)
 class _Found:
     rel: str
     abs: str
@@ -169,8 +169,12 @@ class _Found:
     link: str | None = None
 
 
+def _rel_key(found: _Found) -> str:
+    return found.rel
+
+
 def _nfc(text: str) -> str:
-    return unicodedata.normalize("NFC", text)
+    return text if text.isascii() else unicodedata.normalize("NFC", text)
 
 
 def _inside(root: str, target: str) -> bool:
@@ -344,8 +348,8 @@ def _cache_path(settings: Settings, root: Path) -> Path:
     return settings.snapshots_dir / "cache" / f"{hash_bytes(str(root).encode('utf-8'))[:32]}.json"
 
 
-def _load_cache(path: Path, root: Path) -> tuple[dict[str, list[Any]], str | None]:
-    """Read a root's stat cache and the id of the manifest it last wrote.
+def _load_cache(path: Path, root: Path) -> tuple[dict[str, list[Any]], dict[str, str], str | None]:
+    """Read a root's stat cache: file entries, in-root links, and the id they made.
 
     Anything unreadable, of another version or for another root is an empty cache:
     the cache is only ever an optimisation.
@@ -353,12 +357,17 @@ def _load_cache(path: Path, root: Path) -> tuple[dict[str, list[Any]], str | Non
     try:
         data = json.loads(path.read_bytes())
     except (OSError, ValueError):
-        return {}, None
+        return {}, {}, None
     if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or data.get("root") != str(root):
-        return {}, None
+        return {}, {}, None
     entries = data.get("entries")
+    links = data.get("links")
     last = data.get("manifest")
-    return (entries if isinstance(entries, dict) else {}), (last if isinstance(last, str) else None)
+    return (
+        entries if isinstance(entries, dict) else {},
+        links if isinstance(links, dict) else {},
+        last if isinstance(last, str) else None,
+    )
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -420,31 +429,36 @@ def snapshot(
     root = _resolve_root(path)
     start_ns = time.time_ns()
     found = _walk(root)
+    found.sort(key=_rel_key)
 
     cache_file = _cache_path(settings, root)
-    cache, last_manifest = _load_cache(cache_file, root)
+    cache, links_before, last_manifest = _load_cache(cache_file, root)
     # Cache entry: [size, mtime_ns, inode, ctime_ns, blake3_hex, leaf_hex]. Keeping the
     # leaf saves re-serialising and re-hashing every leaf on a warm run.
     new_cache: dict[str, list[Any]] = {}
+    links: dict[str, str] = {}
     todo: list[_Found] = []
     total = 0
     hit_bytes = 0
+    cache_get = cache.get
     for f in found:
         if f.link is not None:
+            links[f.rel] = f.link
             continue
         st = f.st
-        total += st.st_size
-        cached = cache.get(f.rel)
+        size = st.st_size
+        total += size
+        c = cache_get(f.rel)
         if (
-            cached is not None
-            and len(cached) == 6
-            and cached[0] == st.st_size
-            and cached[1] == st.st_mtime_ns
-            and cached[2] == st.st_ino
-            and cached[3] == st.st_ctime_ns
+            c is not None
+            and c[0] == size
+            and c[1] == st.st_mtime_ns
+            and c[2] == st.st_ino
+            and c[3] == st.st_ctime_ns
+            and len(c) == 6
         ):
-            new_cache[f.rel] = cached
-            hit_bytes += st.st_size
+            new_cache[f.rel] = c
+            hit_bytes += size
         else:
             todo.append(f)
     if progress is not None:
@@ -459,21 +473,28 @@ def snapshot(
             new_cache[f.rel] = fresh[f.rel]
 
     entries: list[SnapshotEntry] = []
-    leaves: list[tuple[str, bytes]] = []
+    leaves: list[bytes] = []
     for f in found:
         if f.link is not None:
             entry = SnapshotEntry(path=f.rel, link=f.link)
-            entries.append(entry)
-            leaves.append((f.rel, entry.leaf()))
+            leaves.append(entry.leaf())
         else:
             rec = new_cache.get(f.rel) or fresh[f.rel]
-            entries.append(SnapshotEntry(path=f.rel, size=f.st.st_size, blake3=rec[4]))
-            leaves.append((f.rel, bytes.fromhex(rec[5])))
-    entries.sort(key=lambda e: e.path)
-    leaves.sort(key=lambda item: item[0])
-    snap_id = blake3.blake3(_ROOT_PREFIX + b"".join(leaf for _, leaf in leaves)).hexdigest()
+            entry = SnapshotEntry(path=f.rel, size=f.st.st_size, blake3=rec[4])
+            leaves.append(bytes.fromhex(rec[5]))
+        entries.append(entry)
+    manifest_path: Path
+    unchanged = (
+        not todo and last_manifest is not None and links == links_before and len(new_cache) == len(cache)
+    )
+    if unchanged:
+        # Every file hit, none added or removed: the id is the one this cache was
+        # written with, so the leaves need not be re-hashed.
+        snap_id = str(last_manifest)
+    else:
+        snap_id = blake3.blake3(_ROOT_PREFIX + b"".join(leaves)).hexdigest()
     created = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
-    nfiles = len(found) - sum(1 for f in found if f.link is not None)
+    nfiles = len(found) - len(links)
     manifest_path = settings.snapshots_dir / f"{snap_id}.json"
     # Same root, same id as last time and the manifest is still there: it already says
     # exactly this (content-addressed), so skip re-serialising 10,000 entries.
@@ -489,8 +510,14 @@ def snapshot(
             "entries": [e.to_dict() for e in entries],
         }
         _atomic_write(manifest_path, json.dumps(manifest, separators=(",", ":")).encode())
-    if todo or len(new_cache) != len(cache) or last_manifest != snap_id:
-        body = {"version": CACHE_VERSION, "root": str(root), "manifest": snap_id, "entries": new_cache}
+    if not unchanged or last_manifest != snap_id:
+        body = {
+            "version": CACHE_VERSION,
+            "root": str(root),
+            "manifest": snap_id,
+            "links": links,
+            "entries": new_cache,
+        }
         _atomic_write(cache_file, json.dumps(body, separators=(",", ":")).encode())
     return Snapshot(
         id=snap_id,
