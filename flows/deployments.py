@@ -1,0 +1,137 @@
+"""openlab's Prefect deployments: the replica pipeline (run from the UI) and the nightly.
+
+Two deployments, built the same way for ``openlab deploy`` (register only) and
+``openlab server`` (register and serve):
+
+- ``replica-pipeline/replica``: parameters recipe, replica, backend, issue, git ref,
+  force and dry run, with the schema Prefect derives from the flow's type hints, so
+  the UI renders a form with a dropdown for the backend;
+- ``nightly-replica/nightly``: a replica of the current main commit on a cron schedule
+  (default ``0 2 * * *`` UTC; ``[prefect] nightly_cron`` or a flag changes it).
+
+Served deployments run flows in subprocesses of the serving process, loaded by file
+path relative to the working directory; :func:`repo_root` is where ``flows/`` lives
+and callers serve from there, so the entrypoints resolve wherever openlab is started.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from orchestrator.errors import ConfigError
+from orchestrator.settings import Settings, load_settings
+
+if TYPE_CHECKING:
+    from prefect.deployments.runner import RunnerDeployment
+
+PIPELINE_DEPLOYMENT = "replica"
+NIGHTLY_DEPLOYMENT = "nightly"
+DEFAULT_NIGHTLY_CRON = "0 2 * * *"
+DEFAULT_NIGHTLY_TIMEZONE = "UTC"
+TAGS = ["openlab"]
+
+
+def repo_root() -> Path:
+    """The directory that contains the ``flows`` package (entrypoints are relative to it)."""
+    return Path(__file__).resolve().parent.parent
+
+
+@contextmanager
+def in_repo_root() -> Iterator[Path]:
+    """Work from :func:`repo_root` for the block, so flow entrypoints are ``flows/<file>.py:<fn>``."""
+    before = Path.cwd()
+    root = repo_root()
+    os.chdir(root)
+    try:
+        yield root
+    finally:
+        os.chdir(before)
+
+
+def nightly_cron(settings: Settings | None = None, override: str | None = None) -> str:
+    """The nightly's cron: the flag, else ``[prefect] nightly_cron``, else 02:00 every day."""
+    settings = settings or load_settings()
+    cron = (override or settings.section("prefect").get("nightly_cron") or DEFAULT_NIGHTLY_CRON).strip()
+    from prefect.client.schemas.schedules import CronSchedule
+
+    try:
+        CronSchedule(cron=cron, timezone=DEFAULT_NIGHTLY_TIMEZONE)
+    except ValueError:
+        raise ConfigError(f"invalid nightly cron {cron!r}: use five fields, e.g. '0 2 * * *' (02:00 daily)") from None
+    return cron
+
+
+def nightly_timezone(settings: Settings | None = None) -> str:
+    """The nightly schedule's time zone (``[prefect] nightly_timezone``, UTC by default)."""
+    settings = settings or load_settings()
+    return str(settings.section("prefect").get("nightly_timezone") or DEFAULT_NIGHTLY_TIMEZONE)
+
+
+def build_deployments(
+    settings: Settings | None = None,
+    *,
+    cron: str | None = None,
+    nightly_parameters: dict[str, Any] | None = None,
+    paused_nightly: bool = False,
+) -> list[RunnerDeployment]:
+    """The pipeline and nightly deployments (not yet registered). Call inside :func:`in_repo_root`."""
+    from prefect.schedules import Cron
+
+    from flows.nightly import nightly_replica
+    from flows.pipeline import replica_pipeline
+
+    settings = settings or load_settings()
+    schedule = Cron(nightly_cron(settings, cron), timezone=nightly_timezone(settings))
+    pipeline = replica_pipeline.to_deployment(
+        name=PIPELINE_DEPLOYMENT,
+        description=(
+            "Run a recipe's scaled-down replica stage by stage: reuse what is done, lease and launch "
+            "the rest on the chosen backend, and record lineage. Pick recipe, replica and backend, then Run."
+        ),
+        tags=TAGS,
+    )
+    nightly = nightly_replica.to_deployment(
+        name=NIGHTLY_DEPLOYMENT,
+        description=(
+            "Nightly replica of the current main commit; fails when a tracked metric moved beyond the "
+            "recipe's tolerance since the previous successful nightly."
+        ),
+        schedules=[schedule],
+        parameters=nightly_parameters or None,
+        paused=paused_nightly,
+        tags=[*TAGS, "nightly"],
+    )
+    return [pipeline, nightly]
+
+
+def apply_deployments(deployments: Iterable[RunnerDeployment], *, work_pool: str | None = None) -> dict[str, str]:
+    """Register (create or update) deployments with the API; returns ``{full name: id}``."""
+    out: dict[str, str] = {}
+    for deployment in deployments:
+        deployment_id = deployment.apply(work_pool_name=work_pool)
+        out[deployment.full_name] = str(deployment_id)
+    return out
+
+
+def serve_deployments(deployments: Iterable[RunnerDeployment], *, limit: int | None = None) -> None:
+    """Serve the deployments in this process until Ctrl-C (or SIGTERM); runs execute as subprocesses."""
+    from prefect import serve
+
+    serve(*deployments, limit=limit, print_starting_message=False)
+
+
+__all__ = [
+    "DEFAULT_NIGHTLY_CRON",
+    "NIGHTLY_DEPLOYMENT",
+    "PIPELINE_DEPLOYMENT",
+    "apply_deployments",
+    "build_deployments",
+    "in_repo_root",
+    "nightly_cron",
+    "repo_root",
+    "serve_deployments",
+]

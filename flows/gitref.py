@@ -1,0 +1,60 @@
+"""Run a pipeline at a git ref: a detached worktree per commit, reused across runs.
+
+``git_ref="HEAD"`` runs the working tree as it is (dirty edits included, and recorded
+as dirty by provenance capture). Any other ref — ``main`` for the nightly — is resolved
+to a commit and checked out into ``$OPENLAB_HOME/worktrees/<sha>``, so the run sees
+exactly that commit no matter what the developer has checked out or edited. Identities
+hash file content, not paths, so a stage computed in the worktree is reused by a run of
+the same code in the working tree, and vice versa.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import subprocess
+from pathlib import Path
+
+from orchestrator.errors import ConfigError
+from orchestrator.settings import Settings
+
+
+def _git(repo: Path, *args: str) -> str:
+    proc = subprocess.run(  # noqa: S603 - fixed git arguments
+        ["git", "-C", str(repo), *args], capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise ConfigError(f"git {' '.join(args)} failed in {repo}: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc.stdout.strip()
+
+
+def resolve_ref(repo: Path, ref: str) -> str:
+    """The full commit sha ``ref`` names in ``repo``; a clear error when it names none."""
+    try:
+        return _git(repo, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
+    except ConfigError:
+        raise ConfigError(f"git ref {ref!r} names no commit in {repo}") from None
+
+
+def checkout_ref(repo: Path, ref: str | None, settings: Settings) -> Path:
+    """The tree to run ``ref`` from: ``repo`` itself for HEAD/empty, else a worktree of that commit."""
+    if not ref or ref.strip() in ("HEAD", "@"):
+        return repo
+    sha = resolve_ref(repo, ref.strip())
+    root = settings.home / "worktrees"
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / sha
+    with (root / f"{sha}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two runs of one commit share one checkout
+        if path.exists():
+            try:
+                if _git(path, "rev-parse", "HEAD") == sha:
+                    return path
+            except ConfigError:
+                pass
+            _git(repo, "worktree", "remove", "--force", str(path))
+        _git(repo, "worktree", "prune")
+        _git(repo, "worktree", "add", "--detach", "--force", str(path), sha)
+    return path
+
+
+__all__ = ["checkout_ref", "resolve_ref"]

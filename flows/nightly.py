@@ -1,0 +1,83 @@
+"""The nightly replica: run main's replica, then judge its tracked metrics against the last good nightly.
+
+The comparison itself is :mod:`orchestrator.nightly` (pure library); this flow runs the
+pipeline exactly as the UI does (:func:`flows.pipeline.run_replica`, ``git_ref="main"``
+by default so the nightly tests what is merged, not what is checked out), then records
+the verdict in lineage and fails the flow run — with a message naming the metric, both
+values and both commits — when a tracked metric moved beyond the recipe's tolerance.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from flows.cancel import on_cancellation_hook
+from flows.pipeline import Backend, run_replica
+
+
+@task(name="nightly-verdict", cache_policy=NO_CACHE)
+def nightly_verdict(pipeline_run_id: str, recipe: str, replica: str) -> dict[str, Any]:
+    """Compare with the previous successful nightly, record the verdict, raise on a regression."""
+    from prefect.artifacts import create_markdown_artifact
+
+    from orchestrator.lineage.store import LineageStore
+    from orchestrator.nightly import evaluate_nightly, parse_tolerances, raise_for_verdict
+    from orchestrator.recipes import resolve
+
+    logger = get_run_logger()
+    tolerances = parse_tolerances(resolve(recipe, replica).tracked_metrics)
+    with LineageStore.open() as store:
+        verdict = evaluate_nightly(store, pipeline_run_id, tolerances)
+    lines = [f"**Nightly verdict: {verdict.status}**", "", verdict.message, "", "| metric | previous | now | allowed |"]
+    lines.append("|---|---|---|---|")
+    for check in verdict.checks:
+        flag = " ❌" if check.regressed else ""
+        lines.append(f"| {check.metric}{flag} | {check.previous} | {check.current} | {check.allowed} |")
+    try:
+        create_markdown_artifact(key="nightly-verdict", markdown="\n".join(lines), description=verdict.message[:500])
+    except Exception as exc:  # noqa: BLE001 - the verdict is in lineage either way
+        logger.warning("could not publish the verdict artifact: %s", exc)
+    (logger.error if not verdict.passed else logger.info)(verdict.message)
+    raise_for_verdict(verdict)
+    return verdict.to_dict()
+
+
+@flow(
+    name="nightly-replica",
+    description="Nightly replica of main with a regression verdict against the previous successful nightly.",
+    on_cancellation=[on_cancellation_hook],
+)
+def nightly_replica(
+    recipe: str = "marin-535b-a23b",
+    replica: str = "small",
+    backend: Backend = "local",
+    git_ref: str = "main",
+    issue: str | None = None,
+) -> dict[str, Any]:
+    """Run ``recipe``'s ``replica`` at ``git_ref`` and fail when a tracked metric regressed.
+
+    Args:
+        recipe: Recipe name (a file in recipes/) or path.
+        replica: Scaled-down replica to run (small is sized for a nightly).
+        backend: Where the stage jobs run.
+        git_ref: Commit to test; main by default (the current main commit).
+        issue: Experiment issue owner/repo#N to post the lineage card to.
+    """
+    summary = run_replica(
+        recipe=recipe,
+        replica=replica,
+        backend=backend,
+        issue=issue,
+        git_ref=git_ref,
+        force=False,
+        dry_run=False,
+        trigger=None,
+    )
+    verdict = nightly_verdict(summary["pipeline_run_id"], recipe, replica)
+    return {**summary, "verdict": verdict}
+
+
+__all__ = ["nightly_replica", "nightly_verdict"]

@@ -1,0 +1,334 @@
+"""The replica pipeline as a Prefect flow: one task per stage, lineage one click away.
+
+Thin on purpose: :mod:`orchestrator.pipeline.execute` decides reuse, leases, launches
+and lineage (the same code ``openlab run`` uses); this module only maps it onto Prefect:
+
+- each stage is a task (``data`` → ``tokenize`` → ``pretrain`` → ``midtrain`` →
+  ``posttrain`` → ``eval``); the job's log lines go to that task's run logger, and each
+  transition (checking, waiting for a lease, reused and why, running, done) is logged;
+- each stage publishes its lineage card (:func:`orchestrator.cards.stage_card`) as a
+  markdown artifact keyed ``lineage-<stage>``, and the run its pipeline card as
+  ``lineage-pipeline``;
+- a Prefect task retry calls the library again with the same pipeline context, which
+  keeps the stage run id, so the retry is a new *attempt* of the same stage run;
+- cancellation: Prefect kills the flow-run process; the ``on_cancellation`` hook
+  (:mod:`flows.cancel`) cancels the backend job through lineage and records CANCELLED.
+  While the process lives, a watcher thread also polls the flow run's state and feeds
+  the library's ``should_cancel``, which covers deployments whose infrastructure does
+  not kill the process;
+- the library's reconcile runs when the pipeline starts (:func:`start_recipe`), so a
+  crashed earlier run leaves no stage run RUNNING forever.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from typing import TYPE_CHECKING, Any, Literal
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.context import get_run_context
+
+from flows.cancel import on_cancellation_hook
+
+if TYPE_CHECKING:
+    from prefect.client.schemas.objects import TaskRun
+    from prefect.states import State
+    from prefect.tasks import Task
+
+    from orchestrator.pipeline.execute import PipelineContext, StageResult, StageTransition
+
+Backend = Literal["local", "docker", "slurm", "kubernetes"]
+
+#: Pipeline contexts of the runs in this process, by pipeline run id (tasks get the id, not the object:
+#: a context holds a database engine and locks, which Prefect must not try to hash or serialize).
+_CONTEXTS: dict[str, PipelineContext] = {}
+#: Per pipeline run, the Prefect run logger of each stage's current task run (log lines arrive on threads).
+_LOGGERS: dict[str, dict[str, Any]] = {}
+
+#: Seconds between looks at the flow run's state for a cancel request.
+CANCEL_POLL_SECONDS = 2.0
+
+
+class CancelWatcher(threading.Thread):
+    """Polls this flow run's state; once it is CANCELLING/CANCELLED, :meth:`requested` is True."""
+
+    def __init__(self, flow_run_id: str, interval: float = CANCEL_POLL_SECONDS) -> None:
+        super().__init__(name=f"cancel-watch-{flow_run_id[:8]}", daemon=True)
+        # Threads start with an empty context; carry the flow's Prefect settings (API URL) over.
+        self._context = contextvars.copy_context()
+        self.flow_run_id = flow_run_id
+        self.interval = interval
+        self._requested = threading.Event()
+        self._stop = threading.Event()
+
+    def requested(self) -> bool:
+        return self._requested.is_set()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        self._context.run(self._watch)
+
+    def _watch(self) -> None:
+        from prefect import get_client
+
+        try:
+            with get_client(sync_client=True) as client:
+                while not self._stop.wait(self.interval):
+                    try:
+                        state = client.read_flow_run(self.flow_run_id).state
+                    except Exception:  # noqa: BLE001, S112 - the API may blip; keep watching
+                        continue
+                    if state is not None and (state.is_cancelling() or state.is_cancelled()):
+                        self._requested.set()
+                        return
+        except Exception:  # noqa: BLE001 - without a client there is nothing to watch
+            return
+
+
+def _stage_retries() -> int:
+    from orchestrator.settings import load_settings
+
+    return int(load_settings().section("prefect").get("stage_retries", 1))
+
+
+def _retry_unless_cancelled(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:
+    """Retry a failed stage, but never one that was cancelled (by request or a lost lease)."""
+    from orchestrator.pipeline.execute import StageCancelled
+
+    try:
+        state.result(raise_on_failure=True)
+    except StageCancelled:
+        return False
+    except Exception:  # noqa: BLE001 - any other failure may be transient
+        return True
+    return True
+
+
+def _publish_stage_card(ctx: PipelineContext, stage: str, stage_run_id: str | None) -> None:
+    """The stage's lineage card as the markdown artifact ``lineage-<stage>``; never fails the stage."""
+    if not stage_run_id:
+        return
+    from prefect.artifacts import create_markdown_artifact
+
+    from orchestrator.cards import stage_card
+
+    try:
+        create_markdown_artifact(
+            key=f"lineage-{stage}",
+            markdown=stage_card(ctx.store, stage_run_id),
+            description=f"openlab lineage of stage {stage} (stage run {stage_run_id}, pipeline run {ctx.id})",
+        )
+    except Exception as exc:  # noqa: BLE001 - a card must not fail a stage
+        get_run_logger().warning("could not publish the lineage card of %s: %s", stage, exc)
+
+
+@task(name="stage", cache_policy=NO_CACHE, retry_condition_fn=_retry_unless_cancelled, retry_delay_seconds=2)
+def run_stage(pipeline_run_id: str, stage: str) -> dict[str, Any]:
+    """Reuse or run one stage through the library; publish its card; return its result summary."""
+    from orchestrator.pipeline.execute import StageFailed, execute_stage
+
+    ctx = _CONTEXTS[pipeline_run_id]
+    logger = get_run_logger()
+    _LOGGERS.setdefault(pipeline_run_id, {})[stage] = logger
+    try:
+        result: StageResult = execute_stage(ctx, stage)
+    except StageFailed as exc:
+        failed = exc.result
+        _publish_stage_card(ctx, stage, failed.stage_run_id if failed else ctx.stage_runs.get(stage))
+        raise
+    _publish_stage_card(ctx, stage, result.stage_run_id)
+    if result.state == "REUSED":
+        logger.info("%s reused stage run %s: %s", stage, result.reused_from, result.reason)
+    return result.to_dict()
+
+
+def _hooks(pipeline_run_ids: list[str], watcher: CancelWatcher | None, flow_logger: Any) -> Any:
+    """Library callbacks that forward job logs and transitions to the stage's Prefect logger."""
+    from orchestrator.pipeline.execute import PipelineHooks
+
+    # Log lines arrive on the launcher's log-pump thread, which has an empty context: run each
+    # call in a copy of the flow's context so Prefect's log handler sees the same settings.
+    base = contextvars.copy_context()
+
+    def logger_for(stage: str) -> Any:
+        run_id = pipeline_run_ids[0] if pipeline_run_ids else ""
+        return _LOGGERS.get(run_id, {}).get(stage, flow_logger)
+
+    def on_log(stage: str, line: str) -> None:
+        base.copy().run(logger_for(stage).info, "[%s] %s", stage, line)
+
+    def on_transition(event: StageTransition) -> None:
+        reason = f": {event.reason}" if event.reason else ""
+        level = "warning" if event.state in ("FAILED", "CANCELLED") else "info"
+        base.copy().run(getattr(logger_for(event.stage), level), "%s %s%s", event.stage, event.state, reason)
+
+    return PipelineHooks(
+        on_log=on_log,
+        on_transition=on_transition,
+        should_cancel=(watcher.requested if watcher is not None else None),
+    )
+
+
+def run_replica(
+    *,
+    recipe: str,
+    replica: str,
+    backend: str,
+    issue: str | None,
+    git_ref: str,
+    force: bool,
+    dry_run: bool,
+    trigger: str | None = None,
+) -> dict[str, Any]:
+    """The body of the pipeline flows (also used by the nightly): start, run each stage as a task, finish."""
+    from prefect.exceptions import ExternalSignal
+
+    from flows.gitref import checkout_ref
+    from orchestrator.pipeline.execute import RunOptions, StageCancelled, StageFailed, finish_pipeline, start_recipe
+    from orchestrator.settings import load_settings
+
+    logger = get_run_logger()
+    run_ctx = get_run_context()
+    flow_run = getattr(run_ctx, "flow_run", None)
+    flow_run_id = str(flow_run.id) if flow_run is not None else None
+    settings = load_settings()
+    if dry_run:
+        return _dry_run(recipe=recipe, replica=replica, backend=backend, git_ref=git_ref, force=force)
+    from orchestrator.pipeline.dag import REPO_ROOT
+
+    repo_root = checkout_ref(REPO_ROOT, git_ref, settings)
+    if repo_root != REPO_ROOT:
+        logger.info("running git ref %s from worktree %s", git_ref, repo_root)
+    watcher = CancelWatcher(flow_run_id) if flow_run_id else None
+    run_ids: list[str] = []
+    params = {"recipe": recipe, "replica": replica, "backend": backend, "issue": issue, "git_ref": git_ref,
+              "force": force, "dry_run": dry_run, "flow_run_id": flow_run_id}
+    options = RunOptions(
+        backend=backend,
+        issue=issue or None,
+        force=force,
+        trigger=trigger or _trigger(flow_run),
+        flow_run_id=flow_run_id,
+        params={"prefect": params},
+    )
+    ctx = start_recipe(
+        recipe, replica, options=options, hooks=_hooks(run_ids, watcher, logger), settings=settings,
+        repo_root=repo_root,
+    )
+    run_ids.append(ctx.id)
+    _CONTEXTS[ctx.id] = ctx
+    logger.info("pipeline run %s: %s on %s (commit %s)", ctx.id, ctx.pipeline_run.name, backend, ctx.commit.id[:12])
+    if watcher is not None:
+        watcher.start()
+    retries = _stage_retries()
+    state: str | None = None
+    error: str | None = None
+    try:
+        for stage in ctx.pipeline.order:
+            run_stage.with_options(name=stage, retries=retries)(ctx.id, stage)
+    except StageCancelled as exc:
+        state, error = "CANCELLED", str(exc)
+        raise
+    except StageFailed as exc:
+        state, error = "FAILED", str(exc)
+        raise
+    except ExternalSignal as exc:  # Prefect's SIGTERM: a cancel (the hook then cancels the jobs) or a stop
+        state, error = "CANCELLED", f"flow-run process terminated ({type(exc).__name__})"
+        raise
+    except BaseException as exc:
+        state, error = "FAILED", f"{type(exc).__name__}: {exc}"
+        raise
+    finally:
+        if watcher is not None:
+            watcher.stop()
+        try:
+            finish_pipeline(ctx, state, error)
+            _publish_pipeline_card(ctx)
+        finally:
+            _CONTEXTS.pop(ctx.id, None)
+            _LOGGERS.pop(ctx.id, None)
+    summary = {
+        "pipeline_run_id": ctx.id,
+        "state": ctx.pipeline_run.state,
+        "commit": ctx.commit.id,
+        "stages": {s: r.to_dict() for s, r in ctx.results.items()},
+    }
+    logger.info("pipeline run %s %s; `openlab lineage show %s`", ctx.id, ctx.pipeline_run.state, ctx.id)
+    return summary
+
+
+def _trigger(flow_run: Any) -> str:
+    """``schedule`` for cron runs, ``ui`` for deployment runs started by a person or the API, else ``prefect``."""
+    if flow_run is None:
+        return "prefect"
+    if getattr(flow_run, "auto_scheduled", False):
+        return "schedule"
+    return "ui" if getattr(flow_run, "deployment_id", None) else "prefect"
+
+
+def _publish_pipeline_card(ctx: PipelineContext) -> None:
+    from prefect.artifacts import create_markdown_artifact
+
+    from orchestrator.cards import pipeline_card
+
+    try:
+        create_markdown_artifact(
+            key="lineage-pipeline",
+            markdown=pipeline_card(ctx.store, ctx.id),
+            description=f"openlab lineage of pipeline run {ctx.id}",
+        )
+    except Exception as exc:  # noqa: BLE001 - a card must not fail the run
+        get_run_logger().warning("could not publish the pipeline card: %s", exc)
+
+
+def _dry_run(*, recipe: str, replica: str, backend: str, git_ref: str, force: bool) -> dict[str, Any]:
+    """Resolve and validate the recipe replica without running anything.
+
+    Per-stage run/reuse decisions need the library's explain (see NOTES-flows.md); until
+    it exists a dry run checks that the recipe and replica resolve and lists the stages.
+    """
+    from orchestrator.recipes import resolve
+
+    logger = get_run_logger()
+    resolved = resolve(recipe, replica)
+    stages = list(resolved.stage_configs)
+    logger.info("dry run of %s on %s at %s: stages %s (nothing launched)", resolved.name, backend, git_ref, stages)
+    return {"dry_run": True, "recipe": resolved.name, "stages": stages, "force": force, "lineage": resolved.lineage()}
+
+
+@flow(
+    name="replica-pipeline",
+    description="Run a recipe's replica stage by stage with reuse, leases and lineage.",
+    on_cancellation=[on_cancellation_hook],
+    validate_parameters=True,
+)
+def replica_pipeline(
+    recipe: str = "marin-535b-a23b",
+    replica: str = "tiny",
+    backend: Backend = "local",
+    issue: str | None = None,
+    git_ref: str = "HEAD",
+    force: bool = False,
+    dry_run: bool = False,
+) -> dict[str, Any]:
+    """Run a recipe's scaled-down replica stage by stage, reusing what is already done.
+
+    Args:
+        recipe: Recipe name (a file in recipes/) or path.
+        replica: Scaled-down replica of the recipe (tiny runs in minutes on 2 CPU cores).
+        backend: Where the stage jobs run.
+        issue: Experiment issue owner/repo#N whose card shows this run's lineage.
+        git_ref: Commit to run; HEAD runs the working tree as it is, anything else a clean checkout.
+        force: Re-run every stage even when a completed identical one exists.
+        dry_run: Resolve and validate the recipe replica, launch nothing.
+    """
+    return run_replica(
+        recipe=recipe, replica=replica, backend=backend, issue=issue, git_ref=git_ref, force=force, dry_run=dry_run
+    )
+
+
+__all__ = ["Backend", "CancelWatcher", "replica_pipeline", "run_replica", "run_stage"]

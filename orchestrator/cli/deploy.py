@@ -1,0 +1,79 @@
+"""``openlab deploy``: register the replica pipeline and the nightly as Prefect deployments.
+
+Registration is separate from serving so a team can point openlab at a shared Prefect
+server (``--api-url`` or ``PREFECT_API_URL``) and let workers of a work pool
+(``--work-pool``) execute the runs; on a laptop ``openlab server`` registers and serves
+in one go. Registering again updates the deployments in place (same names).
+"""
+
+from __future__ import annotations
+
+import os
+
+import typer
+
+from orchestrator.cli.output import console
+from orchestrator.errors import OpenlabError
+from orchestrator.prefect_server import DEFAULT_HOST, DEFAULT_PORT, health_ok, use_api
+from orchestrator.settings import Settings, load_settings
+
+app = typer.Typer(
+    help="Register the openlab deployments (replica pipeline, nightly) with a Prefect server.",
+    invoke_without_command=True,
+    no_args_is_help=False,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def resolve_api_url(settings: Settings, flag: str | None = None) -> str:
+    """The Prefect API to talk to: the flag, ``PREFECT_API_URL``, ``[prefect] api_url``, or the local default."""
+    section = settings.section("prefect")
+    url = flag or os.environ.get("PREFECT_API_URL") or section.get("api_url")
+    if not url:
+        url = f"http://{section.get('host') or DEFAULT_HOST}:{section.get('port') or DEFAULT_PORT}/api"
+    return str(url).rstrip("/")
+
+
+@app.callback(invoke_without_command=True)
+def deploy(
+    api_url: str = typer.Option(None, "--api-url", help="Prefect API URL (default: PREFECT_API_URL or local)."),
+    nightly_cron: str = typer.Option(
+        None, "--nightly-cron", help="Cron for the nightly, UTC ([prefect] nightly_cron, default '0 2 * * *')."
+    ),
+    work_pool: str = typer.Option(
+        None, "--work-pool", help="Work pool whose workers run the flows (default: none, `openlab server` serves)."
+    ),
+    paused_nightly: bool = typer.Option(False, "--paused-nightly", help="Register the nightly schedule paused."),
+) -> None:
+    """Create or update the ``replica-pipeline/replica`` and ``nightly-replica/nightly`` deployments."""
+    from flows.deployments import apply_deployments, build_deployments, in_repo_root
+    from flows.deployments import nightly_cron as resolve_cron
+
+    settings = load_settings()
+    url = resolve_api_url(settings, api_url)
+    if not health_ok(url):
+        raise OpenlabError(f"no Prefect API answers at {url}: start one with `openlab server`, or pass --api-url")
+    cron = resolve_cron(settings, nightly_cron)
+    with use_api(url), in_repo_root():
+        ids = apply_deployments(
+            build_deployments(settings, cron=cron, paused_nightly=paused_nightly), work_pool=work_pool
+        )
+    ui = url.removesuffix("/api")
+    for name, deployment_id in ids.items():
+        console.print(f"deployed {name}  {ui}/deployments/deployment/{deployment_id}", highlight=False)
+    console.print(f"nightly schedule: {cron} (UTC){' paused' if paused_nightly else ''}", highlight=False)
+    if work_pool is None:
+        console.print("runs execute where the deployments are served: keep `openlab server` running", highlight=False)
+
+
+if __name__ == "__main__":  # `python -m orchestrator.cli.deploy`: usable before it is mounted
+    import sys
+
+    from orchestrator.cli.output import err_console
+
+    try:
+        app(prog_name="openlab deploy")
+    except OpenlabError as exc:
+        err_console.print(f"error: {exc}", highlight=False)
+        sys.exit(exc.exit_code)

@@ -1,0 +1,101 @@
+"""``openlab server``: a local Prefect server plus a runner serving openlab's deployments.
+
+One command gives a person the whole product on a laptop: the Prefect UI with the
+replica pipeline and the nightly ready to run. The server is a real ``prefect server
+start`` subprocess (SQLite under ``$OPENLAB_HOME/prefect`` unless ``[prefect]
+database_url`` names PostgreSQL); this process registers both deployments and serves
+them, so UI-triggered and scheduled runs execute here as subprocesses.
+
+Ctrl-C (or SIGTERM) stops the runner first — its in-flight runs are cancelled, which
+cancels their backend jobs — and then the server. ``--api-url`` attaches to a server
+that is already running (a team's PostgreSQL-backed one) and serves only.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from types import FrameType
+
+import typer
+
+from orchestrator.cli.output import console, err_console
+from orchestrator.prefect_server import PrefectServer, health_ok, use_api
+from orchestrator.settings import load_settings
+
+app = typer.Typer(
+    help="Start a local Prefect server (telemetry off) and serve the openlab deployments.",
+    invoke_without_command=True,
+    no_args_is_help=False,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _sigterm_to_interrupt(_signum: int, _frame: FrameType | None) -> None:
+    """Treat SIGTERM like Ctrl-C so ``kill`` also stops the runner and the server in order."""
+    raise KeyboardInterrupt
+
+
+@app.callback(invoke_without_command=True)
+def server(
+    host: str = typer.Option(None, help="Address the server listens on ([prefect] host, default 127.0.0.1)."),
+    port: int = typer.Option(None, help="Server port ([prefect] port, default 4200)."),
+    api_url: str = typer.Option(
+        None, "--api-url", help="Use this running Prefect API instead of starting a server (serve only)."
+    ),
+    serve: bool = typer.Option(True, "--serve/--no-serve", help="Serve the deployments (else: server only)."),
+    nightly_cron: str = typer.Option(None, "--nightly-cron", help="Cron for the nightly ([prefect] nightly_cron)."),
+    limit: int = typer.Option(None, help="Most flow runs executed at once by this runner."),
+) -> None:
+    """Start Prefect (or attach with --api-url), print the UI address and serve until Ctrl-C."""
+    from orchestrator.errors import OpenlabError
+    from orchestrator.lineage.store import display_url
+
+    settings = load_settings()
+    previous = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
+    started: PrefectServer | None = None
+    try:
+        if api_url:
+            if not health_ok(api_url):
+                raise OpenlabError(f"no Prefect API answers at {api_url}: check the URL or drop --api-url")
+            ui = api_url.rstrip("/").removesuffix("/api")
+        else:
+            started = PrefectServer.from_settings(settings, host=host, port=port)
+            err_console.print(f"starting Prefect server (database {display_url(started.database_url or '')}) ...")
+            started.start()
+            api_url, ui = started.api_url, started.ui_url
+            err_console.print(f"server log: {started.log_path}")
+        console.print(f"Prefect UI: {ui}", highlight=False)
+        console.print(f"Prefect API: {api_url}  (export PREFECT_API_URL={api_url} to use it)", highlight=False)
+        if not serve:
+            console.print("serving nothing (--no-serve); press Ctrl-C to stop", highlight=False)
+            signal.pause()
+            return
+        from flows.deployments import build_deployments, in_repo_root, serve_deployments
+
+        with use_api(api_url), in_repo_root():
+            deployments = build_deployments(settings, cron=nightly_cron)
+            for d in deployments:
+                console.print(f"serving deployment {d.full_name}: {ui}/deployments", highlight=False)
+            console.print("press Ctrl-C to stop", highlight=False)
+            sys.stdout.flush()
+            serve_deployments(deployments, limit=limit)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if started is not None:
+            err_console.print("stopping Prefect server ...")
+            started.stop()
+        err_console.print("stopped")
+
+
+if __name__ == "__main__":  # `python -m orchestrator.cli.server`: usable before it is mounted
+    from orchestrator.errors import OpenlabError
+
+    try:
+        app(prog_name="openlab server")
+    except OpenlabError as exc:
+        err_console.print(f"error: {exc}", highlight=False)
+        sys.exit(exc.exit_code)

@@ -1,0 +1,184 @@
+"""A real Prefect server for the flow tests, and a real runner serving openlab's deployments.
+
+``prefect_server`` (session): ``prefect server start`` as a subprocess on a free port,
+temporary ``PREFECT_HOME``, SQLite, telemetry off, started through
+:class:`orchestrator.prefect_server.PrefectServer` — the same code ``openlab server``
+runs. Skips with the reason locally when it cannot start; fails under ``CI=true``.
+
+``served`` (session): ``python -m orchestrator.cli.server --api-url ...`` serving the
+replica pipeline and the nightly against that server, with its own ``OPENLAB_HOME``
+(:attr:`Served.home`), so tests read the lineage the flow runs wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.prefect_server import PrefectServer, free_port, use_api
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def unavailable(reason: str) -> None:
+    """Skip locally, fail under CI: a missing service must not pass silently there."""
+    if IN_CI:
+        pytest.fail(f"CI=true but {reason}")
+    pytest.skip(reason)
+
+
+def require_service(name: str) -> Any:
+    """Call ``tests.services.require_<name>()`` (docker, slurm, ...) from the infra helpers."""
+    try:
+        import tests.services as services
+    except ImportError as exc:
+        unavailable(f"tests/services.py is not available ({exc}); cannot check {name}")
+    check: Callable[[], Any] | None = getattr(services, f"require_{name}", None)
+    if check is None:
+        unavailable(f"tests/services.py has no require_{name}()")
+    return check()
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+    """A running Prefect server; this process's Prefect client points at it."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    server = PrefectServer(home=home, port=free_port())
+    try:
+        server.start(timeout=120)
+    except Exception as exc:  # noqa: BLE001 - any start-up failure is reported the same way
+        unavailable(f"cannot start a Prefect server: {exc}")
+    saved_home = os.environ.get("PREFECT_HOME")
+    os.environ["PREFECT_HOME"] = str(home / "client")
+    try:
+        with use_api(server.api_url):
+            yield server
+    finally:
+        server.stop()
+        if saved_home is None:
+            os.environ.pop("PREFECT_HOME", None)
+        else:
+            os.environ["PREFECT_HOME"] = saved_home
+
+
+@dataclass
+class Served:
+    """A runner serving openlab's deployments against ``server``; flows write lineage under ``home``."""
+
+    server: PrefectServer
+    home: Path
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def db_url(self) -> str:
+        return f"sqlite:///{self.home / 'lineage.db'}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def runner_env(server: PrefectServer, home: Path) -> dict[str, str]:
+    """Environment of a serving process: this server, this lineage home, quick polling, no telemetry."""
+    config = home / "openlab.toml"
+    if not config.exists():
+        config.write_text("# flow tests: defaults only\n")
+    env = {k: v for k, v in os.environ.items() if not (k.startswith("OPENLAB_") and "__" in k)}
+    env.update(server.client_env())
+    env.update(
+        {
+            "OPENLAB_HOME": str(home),
+            "OPENLAB_CONFIG": str(config),
+            "PREFECT_HOME": str(home / "prefect-client"),
+            # Served deployments poll for work every 10 s by default; tests need seconds.
+            "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+            "PYTHONUNBUFFERED": "1",
+            "WANDB_MODE": "offline",
+            "WANDB_SILENT": "true",
+        }
+    )
+    env.pop("OPENLAB_DB_URL", None)
+    return env
+
+
+def stop_process(proc: subprocess.Popen[bytes], timeout: float = 40.0) -> int | None:
+    """SIGINT (like Ctrl-C), then SIGKILL of the group after ``timeout``; returns the exit code."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+    return proc.returncode
+
+
+def wait_for_deployments(names: list[str], timeout: float, proc: subprocess.Popen[bytes], log: Path) -> None:
+    """Poll the API until every deployment ``flow/deployment`` exists, or fail with the runner's log."""
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    deadline = time.monotonic() + timeout
+    missing = list(names)
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                tail = log.read_text(errors="replace")[-3000:]
+                pytest.fail(f"serving process exited with {proc.returncode}:\n{tail}")
+            for name in list(missing):
+                with contextlib.suppress(ObjectNotFound):
+                    client.read_deployment_by_name(name)
+                    missing.remove(name)
+            if not missing:
+                return
+            time.sleep(0.5)
+    pytest.fail(f"deployments {missing} not registered after {timeout:g}s:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def served(prefect_server: PrefectServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """``openlab server --api-url`` serving both deployments for the whole session."""
+    home = tmp_path_factory.mktemp("served-openlab-home")
+    log_path = home / "runner.log"
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(  # noqa: S603 - our interpreter, fixed arguments
+            [sys.executable, "-m", "orchestrator.cli.server", "--api-url", prefect_server.api_url],
+            cwd=REPO_ROOT,
+            env=runner_env(prefect_server, home),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_for_deployments(["replica-pipeline/replica", "nightly-replica/nightly"], 90, proc, log_path)
+        yield Served(server=prefect_server, home=home, process=proc, log_path=log_path)
+    finally:
+        stop_process(proc)
+
+
+def wait_flow_run(flow_run_id: Any, timeout: float, *, final: bool = True) -> Any:
+    """Poll a flow run until it reaches a final state (or ``timeout``); returns the flow run."""
+    from prefect import get_client
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            run = client.read_flow_run(flow_run_id)
+            if run.state is not None and (run.state.is_final() if final else not run.state.is_scheduled()):
+                return run
+            if time.monotonic() > deadline:
+                pytest.fail(f"flow run {flow_run_id} still {run.state and run.state.name} after {timeout:g}s")
+            time.sleep(0.5)

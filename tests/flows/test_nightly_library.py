@@ -1,0 +1,172 @@
+"""The nightly comparison as a library: planted regressions are flagged, unchanged runs pass."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from orchestrator.errors import ConfigError
+from orchestrator.lineage import Commit, LineageStore, PipelineRun, StageRun
+from orchestrator.nightly import (
+    NightlyRegression,
+    Tolerance,
+    Verdict,
+    check_metric,
+    evaluate_nightly,
+    parse_tolerances,
+    raise_for_verdict,
+)
+
+TOLERANCES = [
+    Tolerance("eval/loss", rel=0.02, worse="higher", stage="eval"),
+    Tolerance("moe/drop_fraction", abs=0.01),
+]
+
+
+@pytest.fixture()
+def store(tmp_path: Path) -> Iterator[LineageStore]:
+    with LineageStore(f"sqlite:///{tmp_path / 'lineage.db'}") as s:
+        yield s
+
+
+def plant_run(
+    store: LineageStore, sha: str, loss: float, drop: float, *, minutes: int, state: str = "COMPLETED"
+) -> PipelineRun:
+    """A finished nightly-shaped pipeline run with an eval and a pretrain stage and a commit."""
+    start = dt.datetime(2026, 1, 1, 2, tzinfo=dt.UTC) + dt.timedelta(minutes=minutes)
+    with store.transaction() as tx:
+        run = tx.add(PipelineRun(recipe="marin-535b-a23b", replica="tiny", state=state, started_at=start))
+        commit = tx.ensure(Commit(id=sha, sha=sha))
+        tx.relate("wasAssociatedWith", run, commit, role="code")
+        tx.add(
+            StageRun(
+                pipeline_run_id=run.id,
+                stage="pretrain",
+                identity=f"p-{sha}",
+                state="COMPLETED",
+                metrics={"moe": {"drop_fraction": drop}},
+                started_at=start,
+            )
+        )
+        tx.add(
+            StageRun(
+                pipeline_run_id=run.id,
+                stage="eval",
+                identity=f"e-{sha}",
+                state="COMPLETED",
+                metrics={"eval/loss": loss},
+                started_at=start + dt.timedelta(seconds=1),
+            )
+        )
+    return run
+
+
+def test_first_nightly_is_the_baseline_and_is_recorded(store: LineageStore) -> None:
+    run = plant_run(store, "a" * 40, 3.0, 0.10, minutes=0)
+    verdict = evaluate_nightly(store, run.id, TOLERANCES)
+    assert verdict.status == "baseline" and verdict.passed
+    stored = store.require(PipelineRun, run.id)
+    assert stored.verdict is not None and stored.verdict["status"] == "baseline"
+    assert [e.action for e in store.events(run.id)][-1] == "update"  # written through a logged transaction
+
+
+def test_unchanged_run_passes(store: LineageStore) -> None:
+    base = plant_run(store, "a" * 40, 3.0, 0.10, minutes=0)
+    evaluate_nightly(store, base.id, TOLERANCES)
+    again = plant_run(store, "b" * 40, 3.0 * 1.01, 0.105, minutes=1440)
+    verdict = raise_for_verdict(evaluate_nightly(store, again.id, TOLERANCES))
+    assert verdict.status == "passed"
+    assert verdict.previous_run_id == base.id and verdict.previous_commit == "a" * 40
+    assert store.require(PipelineRun, again.id).verdict["status"] == "passed"
+
+
+def test_planted_regression_names_metric_values_and_commits(store: LineageStore) -> None:
+    base = plant_run(store, "a" * 40, 3.0, 0.10, minutes=0)
+    evaluate_nightly(store, base.id, TOLERANCES)
+    bad = plant_run(store, "c" * 40, 3.3, 0.10, minutes=1440)
+    verdict = evaluate_nightly(store, bad.id, TOLERANCES)
+    with pytest.raises(NightlyRegression) as info:
+        raise_for_verdict(verdict)
+    text = str(info.value)
+    assert "eval/loss" in text and "3 at" in text and "3.3 at" in text
+    assert "a" * 12 in text and "c" * 12 in text
+    assert "moe/drop_fraction" not in text
+    recorded = Verdict.from_dict(store.require(PipelineRun, bad.id).verdict)
+    assert recorded.status == "regressed" and [c.metric for c in recorded.regressions] == ["eval/loss"]
+
+    # A regressed nightly never becomes the baseline: the next one compares with `base`.
+    later = plant_run(store, "d" * 40, 3.0, 0.10, minutes=2880)
+    assert evaluate_nightly(store, later.id, TOLERANCES).previous_run_id == base.id
+
+
+def test_drop_fraction_change_in_either_direction_is_flagged(store: LineageStore) -> None:
+    base = plant_run(store, "a" * 40, 3.0, 0.10, minutes=0)
+    evaluate_nightly(store, base.id, TOLERANCES)
+    run = plant_run(store, "e" * 40, 3.0, 0.05, minutes=60)
+    verdict = evaluate_nightly(store, run.id, TOLERANCES)
+    assert [c.metric for c in verdict.regressions] == ["moe/drop_fraction"]
+
+
+def test_failed_pipeline_runs_are_not_baselines(store: LineageStore) -> None:
+    base = plant_run(store, "a" * 40, 3.0, 0.10, minutes=0)
+    evaluate_nightly(store, base.id, TOLERANCES)
+    crashed = plant_run(store, "f" * 40, 9.0, 0.9, minutes=30, state="FAILED")
+    evaluate_nightly(store, crashed.id, TOLERANCES)
+    run = plant_run(store, "b" * 40, 3.0, 0.10, minutes=60)
+    assert evaluate_nightly(store, run.id, TOLERANCES).previous_run_id == base.id
+
+
+def test_reused_stages_carry_the_metrics_of_the_run_they_reuse(store: LineageStore) -> None:
+    base = plant_run(store, "a" * 40, 3.0, 0.10, minutes=0)
+    evaluate_nightly(store, base.id, TOLERANCES)
+    originals = store.list(StageRun, pipeline_run_id=base.id)
+    with store.transaction() as tx:
+        run = tx.add(
+            PipelineRun(
+                recipe="marin-535b-a23b",
+                replica="tiny",
+                state="COMPLETED",
+                started_at=base.started_at + dt.timedelta(days=1),
+            )
+        )
+        for s in originals:
+            tx.add(
+                StageRun(pipeline_run_id=run.id, stage=s.stage, identity=s.identity, state="REUSED", reused_from=s.id)
+            )
+    assert evaluate_nightly(store, run.id, TOLERANCES).status == "passed"
+
+
+def test_vanished_metric_is_a_regression() -> None:
+    assert check_metric(Tolerance("eval/loss", rel=0.1), 3.0, None).regressed
+    assert check_metric(Tolerance("eval/loss", rel=0.1), 3.0, float("nan")).regressed
+    assert not check_metric(Tolerance("eval/loss", rel=0.1), None, 3.0).regressed
+    assert not check_metric(Tolerance("acc", abs=0.01, worse="lower"), 0.5, 0.9).regressed
+    assert check_metric(Tolerance("acc", abs=0.01, worse="lower"), 0.5, 0.4).regressed
+
+
+def test_parse_tolerances_shapes_and_errors() -> None:
+    parsed = parse_tolerances({"eval/loss": 0.02, "moe/drop_fraction": {"abs": 0.01, "worse": "higher"}})
+    assert parsed == [Tolerance("eval/loss", rel=0.02), Tolerance("moe/drop_fraction", abs=0.01, worse="higher")]
+    assert parse_tolerances([{"metric": "x", "rel": 0.1}]) == [Tolerance("x", rel=0.1)]
+    # The recipes' own spelling (recipes/marin-535b-a23b.yaml, tracked_metrics).
+    assert parse_tolerances({"eval/loss": {"stage": "eval", "relative": 0.02}}) == [
+        Tolerance("eval/loss", rel=0.02, stage="eval")
+    ]
+    # What orchestrator.recipes resolves from the real recipe file.
+    from orchestrator.recipes import resolve
+
+    tracked = parse_tolerances(resolve("marin-535b-a23b", "tiny", validate=False).tracked_metrics)
+    assert {t.metric: (t.stage, t.rel, t.abs) for t in tracked} == {
+        "eval/loss": ("eval", 0.02, None),
+        "moe/drop_fraction": ("eval", None, 0.005),
+    }
+    assert Tolerance("x", rel=0.1, abs=0.01).allowance(1.0) == 0.01  # both must hold
+    with pytest.raises(ConfigError, match=r"tracked_metrics.x: unknown keys \['tol'\]"):
+        parse_tolerances({"x": {"tol": 1}})
+    with pytest.raises(ConfigError, match="tracked_metrics.x.rel"):
+        parse_tolerances({"x": {"rel": "lots"}})
+    with pytest.raises(ConfigError, match="worse"):
+        parse_tolerances({"x": {"rel": 0.1, "worse": "sideways"}})
