@@ -18,7 +18,7 @@ from pathlib import Path
 
 from orchestrator.pipeline import Pipeline, RunOptions, StageSpec, run_pipeline
 
-COMMON = '''
+COMMON = """
 import json, os, sys, time
 from pathlib import Path
 args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
@@ -28,34 +28,39 @@ ledger = os.environ.get("TOY_LEDGER")
 if ledger:
     with open(ledger, "a") as fh:
         fh.write(os.environ["OPENLAB_STAGE"] + " " + str(os.getpid()) + "\\n")
-time.sleep(cfg.get("sleep", 0))
-'''
+time.sleep(float(os.environ.get("TOY_SLEEP") or cfg.get("sleep", 0)))
+"""
 
 SCRIPTS = {
     "gen.py": COMMON
-    + '''
+    + """
 (out / "corpus.txt").write_text("\\n".join(f"line {i}" for i in range(cfg["n"])) + "\\n")
 (out / "metrics.json").write_text(json.dumps({"lines": cfg["n"], "wall": time.time()}))
-''',
+""",
     "upper.py": COMMON
-    + '''
+    + """
 text = (Path(cfg["inputs"]["corpus"]) / "corpus.txt").read_text()
 (out / "upper.txt").write_text(text.upper())
 (out / "metrics.json").write_text(json.dumps({"chars": len(text), "wall": time.time()}))
-''',
+""",
     "count.py": COMMON
-    + '''
+    + """
 text = (Path(cfg["inputs"]["text"]) / "upper.txt").read_text()
 print("step 1/1 counting")
 (out / "count.json").write_text(json.dumps({"words": len(text.split())}))
 (out / "metrics.json").write_text(json.dumps({"eval/loss": 1.5, "words": len(text.split()), "wall": time.time()}))
-''',
+""",
 }
 
 
 def git(repo: Path, *args: str) -> str:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@e", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@e"}
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@e",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@e",
+    }
     return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True, env=env).stdout
 
 
@@ -106,9 +111,7 @@ def main() -> int:
     start_at = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0
     while time.time() < start_at:
         time.sleep(0.005)
-    result = run_pipeline(
-        toy_pipeline(repo), toy_configs(sleep), options=RunOptions(wait_poll=0.1, lease_ttl=10)
-    )
+    result = run_pipeline(toy_pipeline(repo), toy_configs(sleep), options=RunOptions(wait_poll=0.1, lease_ttl=10))
     print(json.dumps(result.to_dict()))
     return 0 if result.ok else 1
 

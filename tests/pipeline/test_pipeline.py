@@ -1,0 +1,293 @@
+"""The pipeline library against a scratch git repository: reuse, partial re-runs, leases, reconcile.
+
+Everything runs for real: git, the local launcher (subprocesses), SQLite in a fresh
+OPENLAB_HOME (see tests/conftest.py), snapshots. The toy stages are three tiny scripts
+(tests/pipeline/toy.py) so the whole file runs in well under a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.lineage import leases
+from orchestrator.lineage.models import Artifact, Attempt, DataSnapshot, PipelineRun, Relation, StageRun
+from orchestrator.lineage.store import LineageStore
+from orchestrator.pipeline import (
+    PipelineHooks,
+    RunOptions,
+    StageCancelled,
+    execute_stage,
+    plan,
+    reconcile,
+    run_pipeline,
+    start_pipeline,
+)
+from orchestrator.settings import load_settings
+from tests.pipeline.toy import make_repo, toy_configs, toy_pipeline
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    return make_repo(tmp_path)
+
+
+@pytest.fixture
+def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each real stage execution appends a line here (the jobs inherit the environment)."""
+    path = tmp_path / "ledger.txt"
+    monkeypatch.setenv("TOY_LEDGER", str(path))
+    return path
+
+
+def executions(ledger: Path) -> list[str]:
+    return [line.split()[0] for line in ledger.read_text().splitlines()] if ledger.exists() else []
+
+
+def fast() -> RunOptions:
+    return RunOptions(wait_poll=0.05, lease_ttl=10)
+
+
+def test_first_run_records_lineage_and_second_run_reuses_every_stage(repo: Path, ledger: Path) -> None:
+    transitions: list[tuple[str, str]] = []
+    logs: list[tuple[str, str]] = []
+    hooks = PipelineHooks(
+        on_transition=lambda e: transitions.append((e.stage, e.state)), on_log=lambda s, line: logs.append((s, line))
+    )
+    first = run_pipeline(toy_pipeline(repo), toy_configs(), options=fast(), hooks=hooks)
+    assert first.ok, first.error
+    assert [r.state for r in first.results.values()] == ["COMPLETED"] * 3
+    assert executions(ledger) == ["gen", "upper", "count"]
+    assert ("count", "step 1/1 counting") in logs
+    assert ("gen", "RUNNING") in transitions and ("count", "COMPLETED") in transitions
+
+    settings = load_settings()
+    with LineageStore.open(settings) as store:
+        gen = store.require(StageRun, first.results["gen"].stage_run_id)
+        assert gen.outputs["out"]["content_hash"] and gen.metrics["lines"] == 5
+        assert gen.outputs["out"]["path"].startswith(str(settings.artifacts_dir / "gen" / gen.identity[:16]))
+        art = store.require(Artifact, gen.outputs["out"]["artifact_id"])
+        assert art.content_hash == gen.outputs["out"]["content_hash"]
+        assert store.get(DataSnapshot, gen.outputs["out"]["snapshot_id"]) is not None  # the corpus is a snapshot
+        upper = first.results["upper"].stage_run_id
+        rels = {(r.relation, r.subject_id, r.object_kind) for r in store.relations(upper)}
+        assert ("used", upper, "artifact") in rels
+        assert ("wasAssociatedWith", upper, "commit") in rels
+        assert ("wasAssociatedWith", upper, "environment") in rels
+        assert any(r.relation == "wasGeneratedBy" and r.object_id == upper for r in store.relations(upper))
+        attempts = store.list(Attempt, stage_run_id=upper)
+        assert len(attempts) == 1 and attempts[0].state == "COMPLETED" and attempts[0].backend == "local"
+        run = store.require(PipelineRun, first.pipeline_run.id)
+        assert run.state == "COMPLETED" and run.ended_at is not None
+
+    second = run_pipeline(toy_pipeline(repo), toy_configs(), options=fast())
+    assert second.ok
+    assert [r.state for r in second.results.values()] == ["REUSED"] * 3
+    assert executions(ledger) == ["gen", "upper", "count"]  # nothing executed again
+    for name, r in second.results.items():
+        assert r.reused_from == first.results[name].stage_run_id
+        assert "outputs verified" in r.reason
+    with LineageStore.open() as store:
+        reused = store.require(StageRun, second.results["count"].stage_run_id)
+        assert reused.state == "REUSED" and reused.reused_from == first.results["count"].stage_run_id
+        assert reused.outputs == store.require(StageRun, first.results["count"].stage_run_id).outputs
+
+
+def test_one_line_change_reruns_that_stage_and_only_stages_whose_input_changed(repo: Path, ledger: Path) -> None:
+    pipeline = toy_pipeline(repo)
+    assert run_pipeline(pipeline, toy_configs(), options=fast()).ok
+    script = repo / "stages" / "upper.py"
+
+    # 1. a one-line edit that does not change upper's output: upper re-runs, count is reused
+    script.write_text(script.read_text() + "# a comment\n")
+    planned = {p.stage: p for p in plan(pipeline, toy_configs())}
+    assert planned["gen"].action == "reuse"
+    assert planned["upper"].action == "run"
+    assert planned["upper"].changes and all(c.startswith("code.stages/upper.py") for c in planned["upper"].changes)
+    assert planned["count"].action == "depends"
+    result = run_pipeline(pipeline, toy_configs(), options=fast())
+    assert {k: r.state for k, r in result.results.items()} == {"gen": "REUSED", "upper": "COMPLETED", "count": "REUSED"}
+    assert "code.stages/upper.py" in result.results["upper"].reason
+    assert executions(ledger)[3:] == ["upper"]
+
+    # 2. a one-line edit that changes upper's output: upper and count re-run, gen does not
+    script.write_text(script.read_text().replace("text.upper()", "text.upper() + 'X'"))
+    result = run_pipeline(pipeline, toy_configs(), options=fast())
+    assert {k: r.state for k, r in result.results.items()} == {
+        "gen": "REUSED",
+        "upper": "COMPLETED",
+        "count": "COMPLETED",
+    }
+    assert any(c.startswith("inputs.text") for c in result.results["count"].changes)
+    assert executions(ledger)[4:] == ["upper", "count"]
+
+    # 3. an edit outside every declared code path changes nothing
+    (repo / "README").write_text("edited\n")
+    result = run_pipeline(pipeline, toy_configs(), options=fast())
+    assert [r.state for r in result.results.values()] == ["REUSED"] * 3
+
+
+def test_changed_output_on_disk_is_not_reused(repo: Path, ledger: Path) -> None:
+    first = run_pipeline(toy_pipeline(repo), toy_configs(), options=fast())
+    (first.results["count"].out_dir / "count.json").write_text('{"words": -1}')
+    again = run_pipeline(toy_pipeline(repo), toy_configs(), options=fast())
+    assert again.results["count"].state == "COMPLETED"
+    assert executions(ledger) == ["gen", "upper", "count", "count"]
+
+
+def test_two_pipeline_processes_at_once_execute_each_identity_once(repo: Path, ledger: Path) -> None:
+    start_at = time.time() + 2.0
+    env = {**os.environ, "PYTHONPATH": str(HERE)}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "toy.py"), str(repo), "0.4", str(start_at)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (_out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-2000:]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert sorted(executions(ledger)) == ["count", "gen", "upper"]  # each identity executed exactly once
+    for stage in ("gen", "upper", "count"):
+        states = sorted(next(s["state"] for s in r["stages"] if s["stage"] == stage) for r in results)
+        assert states == ["COMPLETED", "REUSED"], (stage, states)
+    waited = [s for r in results for s in r["stages"] if s["state"] == "REUSED"]
+    assert any("waited" in s["reason"] for s in waited)
+    with LineageStore.open() as store:
+        assert store.list(StageRun, state="RUNNING") == []
+        assert [lease for lease in store.list(leases.Lease)] == []
+
+
+def test_expired_lease_is_taken_over_and_old_holder_cancels_its_job(
+    repo: Path, ledger: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pipeline = toy_pipeline(repo)
+    configs = toy_configs()  # TOY_SLEEP (inherited by the job) makes A's job long, B's short
+    # A's lease expires after 0.5 s and A only heartbeats every 3 s: a stalled holder.
+    ctx_a = start_pipeline(pipeline, configs, options=RunOptions(lease_ttl=0.5, heartbeat_interval=3.0, wait_poll=0.05))
+    ctx_b = start_pipeline(pipeline, configs, options=RunOptions(lease_ttl=10, wait_poll=0.05))
+    outcome: dict[str, object] = {}
+
+    def run_a() -> None:
+        try:
+            outcome["a"] = execute_stage(ctx_a, "gen")
+        except StageCancelled as exc:
+            outcome["a"] = exc
+
+    monkeypatch.setenv("TOY_SLEEP", "60")
+    thread = threading.Thread(target=run_a)
+    thread.start()
+    deadline = time.time() + 20
+    while executions(ledger) != ["gen"] and time.time() < deadline:
+        time.sleep(0.05)
+    assert executions(ledger) == ["gen"], "A's job did not start"
+    monkeypatch.setenv("TOY_SLEEP", "0")
+    time.sleep(0.7)  # A's lease has expired by now
+    b = execute_stage(ctx_b, "gen")
+    assert b.state == "COMPLETED"
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    a = outcome["a"]
+    assert isinstance(a, StageCancelled), a
+    assert a.result is not None and a.result.state == "CANCELLED"
+    assert "lease" in a.result.reason
+    with LineageStore.open() as store:
+        srun = store.require(StageRun, a.result.stage_run_id)
+        assert srun.state == "CANCELLED"
+        (attempt,) = store.list(Attempt, stage_run_id=srun.id)
+        assert attempt.state == "CANCELLED"
+    # A's job process is gone
+    pid = int(ledger.read_text().splitlines()[0].split()[1])
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1][:3]
+
+
+def test_reconcile_closes_stale_running_stage_runs(repo: Path) -> None:
+    from orchestrator.launchers.attempts import submit_attempt
+    from orchestrator.launchers.base import JobSpec, get_launcher
+
+    settings = load_settings()
+    with LineageStore.open(settings) as store:
+        with store.transaction() as tx:
+            orphan = tx.add(StageRun(stage="gen", identity="i-orphan", state="RUNNING"))
+            never = tx.add(StageRun(stage="gen", identity="i-never", state="RUNNING"))
+            alive = tx.add(StageRun(stage="gen", identity="i-alive", state="RUNNING"))
+        launcher = get_launcher("local", settings)
+        _, handle = submit_attempt(
+            store, launcher, JobSpec(name="orphan", command=["sleep", "60"]), stage_run_id=orphan.id
+        )
+        assert leases.acquire(store, "i-alive", "someone", ttl=60, stage_run_id=alive.id)
+        assert leases.acquire(store, "i-orphan", "dead-holder", ttl=0.01, stage_run_id=orphan.id)
+        time.sleep(0.05)
+
+        done = {r.stage_run_id: r for r in reconcile(store, settings=settings)}
+        assert set(done) == {orphan.id, never.id}
+        assert done[orphan.id].state == "CANCELLED" and "orphaned" in done[orphan.id].reason
+        assert done[never.id].state == "LOST"
+        assert store.require(StageRun, orphan.id).state == "CANCELLED"
+        assert store.require(StageRun, alive.id).state == "RUNNING"
+        status = launcher.wait(handle, timeout=15)
+        assert status.state.terminal
+        (attempt,) = store.list(Attempt, stage_run_id=orphan.id)
+        assert attempt.state in ("CANCELLED", "FAILED")
+        assert reconcile(store, settings=settings) == []
+
+
+def test_failed_stage_fails_the_pipeline_and_skips_the_rest(repo: Path, ledger: Path) -> None:
+    (repo / "stages" / "upper.py").write_text((repo / "stages" / "upper.py").read_text() + "raise SystemExit(3)\n")
+    seen: list[tuple[str, str]] = []
+    result = run_pipeline(
+        toy_pipeline(repo),
+        toy_configs(),
+        options=fast(),
+        hooks=PipelineHooks(on_transition=lambda e: seen.append((e.stage, e.state))),
+    )
+    assert result.state == "FAILED"
+    assert result.results["upper"].state == "FAILED" and "exit 3" in result.results["upper"].reason
+    assert "count" not in result.results and ("count", "SKIPPED") in seen
+    with LineageStore.open() as store:
+        assert store.require(PipelineRun, result.pipeline_run.id).state == "FAILED"
+        assert store.require(StageRun, result.results["upper"].stage_run_id).state == "FAILED"
+
+
+def test_force_reruns_a_stage_with_the_same_identity(repo: Path, ledger: Path) -> None:
+    first = run_pipeline(toy_pipeline(repo), toy_configs(), options=fast())
+    forced = run_pipeline(
+        toy_pipeline(repo), toy_configs(), options=RunOptions(force=frozenset({"gen"}), wait_poll=0.05)
+    )
+    assert forced.results["gen"].state == "COMPLETED"
+    assert forced.results["gen"].identity == first.results["gen"].identity
+    assert forced.results["upper"].state == "REUSED"  # byte-identical corpus
+    assert executions(ledger) == ["gen", "upper", "count", "gen"]
+
+
+def test_identity_ignores_location_and_runtime(
+    repo: Path, ledger: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = run_pipeline(toy_pipeline(repo), toy_configs(), options=fast())
+    configs = toy_configs()
+    configs["gen"]["threads"] = 7  # runtime placement, not part of the identity
+    plans = plan(toy_pipeline(repo), configs)
+    assert plans[0].action == "reuse" and plans[0].identity == first.results["gen"].identity
+
+
+def test_relation_rows_are_unique(repo: Path, ledger: Path) -> None:
+    run_pipeline(toy_pipeline(repo), toy_configs(), options=fast())
+    run_pipeline(toy_pipeline(repo), toy_configs(), options=fast())
+    with LineageStore.open() as store:
+        rels = store.list(Relation)
+        keys = [(r.relation, r.subject_id, r.object_id, r.role) for r in rels]
+        assert len(keys) == len(set(keys))
