@@ -1,0 +1,167 @@
+"""Recipes: validation names the key path, replicas are the reference times recorded factors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.errors import ConfigError
+from orchestrator.recipes import RECIPES_DIR, identity_config, load_recipe, resolve
+
+RECIPE = RECIPES_DIR / "marin-535b-a23b.yaml"
+
+
+def write(tmp_path: Path, data: object, name: str = "r.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data) if not isinstance(data, str) else data)
+    return path
+
+
+def base() -> dict:
+    return yaml.safe_load(RECIPE.read_text())
+
+
+def test_full_recipe_has_the_hero_run_shape() -> None:
+    r = resolve("marin-535b-a23b")
+    model = r.stage_configs["pretrain"]["model"]
+    assert (model["d_model"], model["n_layers"], model["n_experts"], model["top_k"], model["n_shared"]) == (
+        6144,
+        48,
+        384,
+        8,
+        2,
+    )
+    assert model["context"] == 4096
+    tokens = r.values["tokens"]
+    assert tokens["budget"] == 18.75e12 and tokens["pretrain_fraction"] == 0.8 and tokens["midtrain_fraction"] == 0.2
+    assert r.values["hardware"]["systems"] == 11 and "NVL72" in r.values["hardware"]["system"]
+    tracked = {m.name: m for m in r.tracked_metrics}
+    assert tracked["eval/moe/drop_fraction"].absolute == 0.005
+    assert tracked["eval/code/loss"].relative == 0.02
+    assert tracked["eval/code/loss"].within(2.0, 2.03) and not tracked["eval/code/loss"].within(2.0, 2.05)
+
+
+def test_tiny_replica_is_the_reference_times_recorded_factors() -> None:
+    r = resolve("marin-535b-a23b", "tiny")
+    model = r.stage_configs["pretrain"]["model"]
+    assert model["d_model"] == 6144 // 96 and model["n_layers"] == 48 // 24 and model["n_experts"] == 384 // 48
+    lineage = r.lineage()
+    assert lineage["recipe"] == "marin-535b-a23b" and lineage["replica"] == "tiny"
+    assert lineage["reference"] == "marin-community/marin#8435"
+    assert lineage["scale"]["d_model"] == "1/96" and lineage["scale"]["tokens"] == "1/732421875"
+    assert lineage["set"]["data.max_bytes_per_domain"] == 200000
+    assert r.derived["pretrain_tokens"] + r.derived["midtrain_tokens"] == 25600
+    assert r.derived["pretrain_tokens"] == 4 * r.derived["midtrain_tokens"]  # the 80/20 split survives scaling
+    json.dumps(lineage)  # recordable as is
+    # runtime placement is in the stage config but not in its identity
+    assert r.stage_configs["pretrain"]["threads"] == 2
+    assert "threads" not in identity_config(r.stage_configs["pretrain"])
+    # each stage gets only the sections it reads: a model change does not touch data/tokenize
+    assert set(r.stage_configs["data"]) == {"seed", "data"}
+    assert set(r.stage_configs["tokenize"]) == {"seed", "tokenizer"}
+
+
+def test_small_replica_resolves_and_passes_the_workload_checks() -> None:
+    r = resolve("marin-535b-a23b", "small")
+    assert r.stage_configs["pretrain"]["model"]["n_experts"] % r.stage_configs["pretrain"]["moe"]["ranks"] == 0
+    assert r.derived["pretrain_steps"] > r.derived["midtrain_steps"] > 0
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        (("model", "experts"), "many", "recipe r.yaml: model.experts: expected int, got str"),
+        (("tokens", "budget"), True, "recipe r.yaml: tokens.budget: expected number, got bool"),
+        (("dispatch", "scheme"), "warp", "recipe r.yaml: dispatch.scheme: expected one of"),
+        (("model", "expertz"), 3, "recipe r.yaml: model.expertz: unknown key"),
+        (
+            ("replicas", "tiny", "scale", "d_model"),
+            "one/96",
+            "recipe r.yaml: replicas.tiny.scale.d_model: expected a scale",
+        ),
+        (("replicas", "tiny", "scale", "widths"), 0.5, "recipe r.yaml: replicas.tiny.scale.widths: unknown key"),
+        (
+            ("replicas", "tiny", "set"),
+            {"model.nope": 1},
+            "recipe r.yaml: replicas.tiny.set.model.nope: no such recipe field",
+        ),
+        (
+            ("replicas", "tiny", "set"),
+            {"model.layers": "2"},
+            "recipe r.yaml: replicas.tiny.set.model.layers: expected int",
+        ),
+        (
+            ("tracked_metrics", "eval/code/loss", "stage"),
+            "nightly",
+            "tracked_metrics.eval/code/loss.stage: expected one of",
+        ),
+    ],
+)
+def test_validation_errors_name_the_key_path(
+    tmp_path: Path, path: tuple[str, ...], value: object, message: str
+) -> None:
+    data = base()
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(ConfigError) as err:
+        load_recipe(write(tmp_path, data))
+    assert message in str(err.value)
+
+
+def test_missing_key_and_bad_split_and_unknown_replica(tmp_path: Path) -> None:
+    data = base()
+    del data["model"]["top_k"]
+    with pytest.raises(ConfigError, match=r"model\.top_k: missing"):
+        load_recipe(write(tmp_path, data))
+    data = base()
+    data["tokens"]["midtrain_fraction"] = 0.3
+    with pytest.raises(ConfigError, match="pretrain_fraction \\+ midtrain_fraction must be 1"):
+        load_recipe(write(tmp_path, data))
+    with pytest.raises(ConfigError, match="no replica 'huge'.*tiny, small"):
+        resolve("marin-535b-a23b", "huge")
+    with pytest.raises(ConfigError, match="no recipe of that name"):
+        load_recipe("no-such-recipe")
+
+
+def test_yaml_is_loaded_safely(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    text = f"name: !!python/object/apply:os.system ['touch {marker}']\n"
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_recipe(write(tmp_path, text))
+    assert not marker.exists()
+
+
+def test_workload_checks_run_before_any_job(tmp_path: Path) -> None:
+    data = base()
+    data["replicas"]["tiny"]["scale"]["ranks"] = "1/10"  # 64/10 -> 6 ranks: 8 experts do not split
+    with pytest.raises(ConfigError, match="replica tiny: stage pretrain: .*divisible"):
+        resolve(load_recipe(write(tmp_path, data)), "tiny")
+
+
+def test_explain_cli_json(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from orchestrator.cli.run import app; app()",
+            "explain",
+            "marin-535b-a23b",
+            "--replica",
+            "tiny",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert [s["stage"] for s in doc["stages"]] == ["data", "tokenize", "pretrain", "midtrain", "posttrain", "eval"]
+    assert doc["stages"][0]["action"] == "run" and doc["recipe"]["replica"] == "tiny"
