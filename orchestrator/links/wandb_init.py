@@ -1,0 +1,74 @@
+"""Start a stage's W&B run from the ``wandb:`` section the orchestrator put in its config.
+
+This module is imported inside jobs (containers, Slurm, Kubernetes pods), so it imports
+nothing but the standard library and ``wandb`` itself: no Prefect, no database.
+
+The section comes from :func:`orchestrator.links.wandb.stage_wandb_settings`. Its run id
+is derived from the stage identity and ``resume`` is ``"allow"``, so a retried or
+requeued attempt continues the same W&B run instead of starting an unlinked one.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+#: Keys :func:`init_run` passes to ``wandb.init``; the same set the MoE workload's tracker accepts, plus mode.
+SECTION_KEYS = ("id", "project", "entity", "group", "job_type", "tags", "config", "resume", "name", "notes", "mode")
+
+
+def wandb_mode(environ: Mapping[str, str] | None = None) -> str:
+    """``offline`` unless an API key is set (``WANDB_MODE=offline``/``disabled`` still win).
+
+    Decided in the job, because the job's environment, not the orchestrator's, holds the key.
+    """
+    env = os.environ if environ is None else environ
+    forced = (env.get("WANDB_MODE") or "").strip().lower()
+    if forced in ("offline", "disabled"):
+        return forced
+    return "online" if env.get("WANDB_API_KEY") else "offline"
+
+
+def init_kwargs(
+    section: Mapping[str, Any],
+    *,
+    dir: str | Path | None = None,  # noqa: A002 - wandb.init's own name
+    config: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The ``wandb.init`` keyword arguments for a section (pure; see :func:`init_run`)."""
+    unknown = set(section) - set(SECTION_KEYS)
+    if unknown:
+        raise ValueError(f"unknown key(s) in the wandb section: {', '.join(sorted(unknown))}")
+    kwargs = {k: v for k, v in section.items() if v is not None}
+    kwargs.setdefault("resume", "allow")
+    kwargs.setdefault("mode", wandb_mode(environ))
+    if config:
+        kwargs["config"] = {**dict(config), **dict(kwargs.get("config") or {})}  # lineage ids win
+    if dir is not None:
+        Path(dir).mkdir(parents=True, exist_ok=True)
+        kwargs["dir"] = str(dir)
+    return kwargs
+
+
+def init_run(
+    section: Mapping[str, Any],
+    *,
+    dir: str | Path | None = None,  # noqa: A002 - wandb.init's own name
+    config: Mapping[str, Any] | None = None,
+) -> Any:
+    """``wandb.init(**section)``: run files go to ``dir/wandb/`` (default ``$WANDB_DIR``), quietly.
+
+    ``config`` (the stage's own config) is merged under the section's ``config``, which
+    carries ``{"openlab": {...lineage ids...}}`` so a W&B run always leads back to lineage.
+    """
+    import wandb
+
+    kwargs = init_kwargs(section, dir=dir, config=config)
+    kwargs.setdefault("settings", wandb.Settings(silent=True))
+    return wandb.init(**kwargs)
+
+
+__all__ = ["SECTION_KEYS", "init_kwargs", "init_run", "wandb_mode"]

@@ -1,0 +1,64 @@
+"""Lineage cards: markdown for a pipeline run and a stage run, from lineage records only."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.cards import commit_url, pipeline_card, stage_card
+from orchestrator.lineage.models import GithubIssue, PipelineRun, StageRun, WandbRun
+
+
+@pytest.mark.parametrize(
+    ("remote", "expected"),
+    [
+        ("git@github.com:lab/exp.git", "https://github.com/lab/exp/commit/abc"),
+        ("https://github.com/lab/exp", "https://github.com/lab/exp/commit/abc"),
+        ("https://user:s3cret@github.com/lab/exp.git", "https://github.com/lab/exp/commit/abc"),
+        ("ssh://git@github.com/lab/exp.git", "https://github.com/lab/exp/commit/abc"),
+        ("git@gitlab.com:lab/exp.git", None),
+        ("/local/path/repo", None),
+        (None, None),
+    ],
+)
+def test_commit_url(remote: str | None, expected: str | None) -> None:
+    assert commit_url(remote, "abc") == expected
+
+
+def test_enterprise_host_gets_links_when_named() -> None:
+    assert commit_url("git@ghe.corp:a/b.git", "abc") is None
+    assert commit_url("git@ghe.corp:a/b.git", "abc", ("github.com", "ghe.corp")) == "https://ghe.corp/a/b/commit/abc"
+
+
+def test_pipeline_card_shows_every_link(store, pipeline) -> None:
+    with store.transaction() as tx:
+        run = tx.get(PipelineRun, pipeline.id)
+        tx.update(run, state="COMPLETED", verdict={"status": "regressed", "loss_delta": 0.0312})
+        tx.update(tx.get(StageRun, "srun_train"), state="COMPLETED", metrics={"eval|loss": 2.25})
+        tx.update(tx.get(WandbRun, "/openlab/w1234567"), url="https://wandb.ai/lab/openlab/runs/w1234567")
+        issue = tx.add(GithubIssue(id="lab/exp#7", repo="lab/exp", number=7, url="https://github.com/lab/exp/issues/7"))
+        tx.relate("wasAssociatedWith", run, issue)
+    card = pipeline_card(store, pipeline.id)
+    for needle in [
+        "`prun_test0001`: nightly moe",
+        "[`abc1234d`](https://github.com/lab/exp/commit/abc1234def567890) (dirty patch `9f8e7d6c5b4a`)",
+        "`b3snapshot01`",
+        "reused from `srun_older`",
+        "`slurm:4242`",
+        "[w1234567](https://wandb.ai/lab/openlab/runs/w1234567)",
+        "eval\\|loss=2.25",  # a pipe inside a cell is escaped
+        "loss=2.5",
+        "**Nightly verdict:** regressed",
+        "- loss_delta: 0.0312",
+        "[lab/exp#7](https://github.com/lab/exp/issues/7)",
+    ]:
+        assert needle in card, needle
+    assert "_step" not in card
+    assert card == pipeline_card(store, pipeline.id)  # same records, same card
+
+
+def test_stage_card_lists_attempts_and_all_metrics(store, pipeline) -> None:
+    card = stage_card(store, "srun_train")
+    assert "- attempt 1: `slurm` job `4242` RUNNING" in card
+    assert "| loss | 2.5 |" in card
+    assert "offline `/runs/wandb/offline-run-x-w1234567`" in card
+    assert "b" * 64 in card

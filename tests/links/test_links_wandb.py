@@ -1,0 +1,236 @@
+"""W&B links with the real wandb library in offline mode: a subprocess job per attempt."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from orchestrator.cli.wandb import app as wandb_app
+from orchestrator.lineage.models import Relation, StageRun, WandbRun
+from orchestrator.links.wandb import (
+    WandbLinkError,
+    find_run_dirs,
+    read_run_dir,
+    record_wandb_run,
+    stage_wandb_settings,
+    sync_offline_runs,
+    wandb_run_id,
+)
+from orchestrator.links.wandb_init import init_kwargs
+
+IDENTITY = "c0ffee" * 10 + "abcd"
+
+JOB = r"""
+import json, sys
+from orchestrator.links.wandb_init import init_run
+section, out, steps = json.loads(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+run = init_run(section, dir=out, config={"lr": 0.003})
+for step, metrics in steps:
+    run.log(metrics, step=step)
+run.summary["attempt_id"] = run.id
+print(json.dumps({"id": run.id, "path": run.path, "mode": run.settings.mode, "dir": run.dir}))
+run.finish()
+"""
+
+
+def _section(**extra: Any) -> dict[str, Any]:
+    return stage_wandb_settings(
+        IDENTITY,
+        pipeline_run_id="prun_w1",
+        stage="pretrain",
+        project="openlab-moe",
+        entity="lab",
+        commit_sha="abc1234def567890",
+        issue_number=7,
+        snapshot_id="b3snapshot0123456789",
+        backend="slurm",
+        replica="olmoe",
+        lineage_ids={"stage_run_id": "srun_w1", "commit": "abc1234def567890", "issue": "lab/exp#7"},
+        **extra,
+    )
+
+
+def _job_env(wandb_dir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(WANDB_MODE="offline", WANDB_DIR=str(wandb_dir), WANDB_SILENT="true", WANDB_DISABLE_GIT="true")
+    return env
+
+
+def _run_job(out: Path, section: dict[str, Any], steps: list[tuple[int, dict[str, float]]]) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, "-c", JOB, json.dumps(section), str(out), json.dumps(steps)],
+        env=_job_env(out.parent),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+ATTEMPT1 = [
+    (0, {"loss": 4.0, "tokens": 100.0}),
+    (1, {"loss": 3.25, "tokens": 200.0}),
+    (2, {"loss": 2.5, "tokens": 300.0}),
+]
+ATTEMPT2 = [(3, {"loss": 2.125, "tokens": 400.0}), (4, {"loss": 1.75, "tokens": 500.0})]
+
+
+@pytest.fixture(scope="module")
+def job_out(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    """One stage's output dir after two attempts (the second a retry of the first), run once."""
+    out = tmp_path_factory.mktemp("stage") / "out"
+    first = _run_job(out, _section(), ATTEMPT1)
+    second = _run_job(out, _section(), ATTEMPT2)
+    return out, [first, second]
+
+
+@pytest.fixture
+def stage(store) -> StageRun:
+    with store.transaction() as tx:
+        return tx.add(StageRun(id="srun_w1", stage="pretrain", identity=IDENTITY, state="RUNNING"))
+
+
+def test_section_carries_lineage_ids_deterministic_id_and_tags() -> None:
+    s = _section()
+    assert s["id"] == wandb_run_id(IDENTITY) and len(s["id"]) >= 8
+    assert s["id"] == _section()["id"] and s["id"] != wandb_run_id(IDENTITY + "x")
+    assert (s["project"], s["entity"], s["group"], s["job_type"], s["resume"]) == (
+        "openlab-moe", "lab", "prun_w1", "pretrain", "allow")
+    assert s["tags"] == ["abc1234d", "issue-7", "snap-b3snapshot01", "slurm", "olmoe"]
+    assert s["config"] == {"openlab": {"stage_run_id": "srun_w1", "commit": "abc1234def567890", "issue": "lab/exp#7",
+                                       "pipeline_run_id": "prun_w1", "stage": "pretrain", "stage_identity": IDENTITY}}
+    assert "mode" not in s
+    assert _section(include_mode=True, environ={})["mode"] == "offline"
+    assert _section(include_mode=True, environ={"WANDB_API_KEY": "k"})["mode"] == "online"
+    assert init_kwargs(s, environ={})["mode"] == "offline"
+    assert init_kwargs(s, environ={"WANDB_API_KEY": "k"})["mode"] == "online"
+
+
+@pytest.mark.parametrize("name", ["lab/moe", "moe#1", "a:b", "what?", "x" * 129, "", " moe"])
+def test_invalid_project_name_is_one_clear_line(name: str) -> None:
+    with pytest.raises(WandbLinkError) as err:
+        stage_wandb_settings(IDENTITY, pipeline_run_id="p", stage="s", project=name, entity="lab")
+    text = str(err.value)
+    assert text.startswith("invalid W&B project name") and "\n" not in text
+
+
+def test_project_from_config_or_a_clear_error(openlab_env: Path) -> None:
+    with pytest.raises(WandbLinkError, match=r"no W&B project"):
+        stage_wandb_settings(IDENTITY, pipeline_run_id="p", stage="s")
+    openlab_env.write_text('[wandb]\nproject = "from-config"\nentity = "team"\n')
+    s = stage_wandb_settings(IDENTITY, pipeline_run_id="p", stage="s")
+    assert (s["project"], s["entity"]) == ("from-config", "team")
+
+
+def test_metrics_read_back_from_offline_files_match_what_the_job_logged(job_out, store, stage) -> None:
+    out, attempts = job_out
+    first = attempts[0]
+    assert first["mode"] == "offline" and first["id"] == wandb_run_id(IDENTITY)
+    [d1, d2] = find_run_dirs(out, first["id"])
+    one = read_run_dir(d1)
+    assert one.mode == "offline" and one.run_id == first["id"] and one.project == "openlab-moe"
+    assert {k: one.summary[k] for k in ("loss", "tokens", "_step")} == {"loss": 2.5, "tokens": 300.0, "_step": 2}
+    assert one.config["openlab"]["stage_identity"] == IDENTITY and one.config["lr"] == 0.003
+    assert "issue-7" in one.tags
+
+    run = record_wandb_run(store, stage, out)
+    assert run.id == f"lab/openlab-moe/{first['id']}" and run.mode == "offline" and run.url is None
+    assert Path(run.local_dir) == d2.resolve()
+    last_step, last = ATTEMPT2[-1]
+    assert {k: run.summary[k] for k in ("loss", "tokens", "_step")} == {**last, "_step": last_step}
+    assert run.summary["attempt_id"] == first["id"]
+    [rel] = store.list(Relation, relation="wasAssociatedWith", subject_id=stage.id, object_kind=WandbRun.kind)
+    assert rel.object_id == run.id
+    assert store.get(WandbRun, run.id).summary == run.summary
+
+
+def test_retried_attempt_resumes_the_same_run_id(job_out) -> None:
+    out, (first, second) = job_out
+    assert first["id"] == second["id"] == wandb_run_id(IDENTITY)
+    assert first["path"] == second["path"] == f"lab/openlab-moe/{first['id']}"
+    dirs = find_run_dirs(out)
+    assert len(dirs) == 2 and all(d.name.endswith(first["id"]) for d in dirs)
+    assert read_run_dir(dirs[1]).summary["_step"] == 4
+
+
+def test_both_readers_agree(job_out) -> None:
+    out, _ = job_out
+    for d in find_run_dirs(out):
+        leet, raw = read_run_dir(d, reader="leet"), read_run_dir(d, reader="protobuf")
+        user = [k for k in leet.summary if not k.startswith("_")]
+        assert user and {k: raw.summary[k] for k in user} == {k: leet.summary[k] for k in user}
+        assert raw.config == leet.config and raw.tags == leet.tags
+        assert (raw.run_id, raw.project, raw.entity) == (leet.run_id, leet.project, leet.entity)
+
+
+def test_record_without_run_files_is_a_clear_error(tmp_path: Path, store, stage) -> None:
+    with pytest.raises(WandbLinkError, match="no W&B run directory"):
+        record_wandb_run(store, stage, tmp_path)
+
+
+def test_moe_workload_tracker_accepts_the_section(tmp_path: Path) -> None:
+    """The MoE workload's own tracker starts its run from our section: the formats agree."""
+    pytest.importorskip("workloads.moe.tracking")
+    code = (
+        "import json, sys; from pathlib import Path; from workloads.moe.tracking import open_tracker\n"
+        "with open_tracker(Path(sys.argv[2]), 'pretrain', {'lr': 1}, json.loads(sys.argv[1])) as tr:\n"
+        "    tr.log({'loss': 1.5}, step=0); print(tr.run_id)\n"
+    )
+    out = tmp_path / "moe"
+    out.mkdir()
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(_section()), str(out)], env=_job_env(tmp_path),
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == wandb_run_id(IDENTITY)
+    [d] = find_run_dirs(out)
+    back = read_run_dir(d, reader="protobuf")
+    assert back.summary["loss"] == 1.5 and back.config["openlab"]["stage_identity"] == IDENTITY
+
+
+# -- sync -------------------------------------------------------------------------------------------
+def test_sync_without_login_is_one_line_exit_2(openlab_env: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    result = CliRunner().invoke(wandb_app, ["sync"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (
+        "error: not logged in to W&B: run `wandb login` (or set WANDB_API_KEY), then sync again"
+    )
+
+
+def test_sync_uploads_every_attempt_and_records_the_url(job_out, store, stage) -> None:
+    out, (first, _) = job_out
+    record_wandb_run(store, stage, out)
+    calls: list[list[str]] = []
+
+    def fake_wandb(cmd):
+        calls.append(list(cmd))
+        url = f"https://wandb.ai/lab/openlab-moe/runs/{first['id']}"
+        return subprocess.CompletedProcess(cmd, 0, stdout=f"Syncing: {url} ... done.\n", stderr="")
+
+    [run] = sync_offline_runs(store, runner=fake_wandb, environ={"WANDB_API_KEY": "k"})
+    assert run.mode == "synced" and run.url == f"https://wandb.ai/lab/openlab-moe/runs/{first['id']}"
+    [cmd] = calls
+    assert cmd[1:8] == ["sync", "--id", first["id"], "-p", "openlab-moe", "-e", "lab"]
+    assert [Path(p).name for p in cmd[8:]] == [d.name for d in find_run_dirs(out)]
+    assert sync_offline_runs(store, runner=fake_wandb, environ={"WANDB_API_KEY": "k"}) == []  # nothing left
+
+
+def test_sync_failure_is_reported(job_out, store, stage) -> None:
+    out, _ = job_out
+    record_wandb_run(store, stage, out)
+
+    def failing(cmd):
+        return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="wandb: ERROR permission denied\n")
+
+    with pytest.raises(WandbLinkError, match="wandb sync failed: wandb: ERROR permission denied"):
+        sync_offline_runs(store, runner=failing, environ={"WANDB_API_KEY": "k"})
+    assert store.list(WandbRun)[0].mode == "offline"
