@@ -319,3 +319,23 @@ def test_token_never_in_lineage_logs_or_comments(
         assert TOKEN.encode() not in path.read_bytes(), path
     for c in fake_github.comments.values():
         assert TOKEN not in c["body"]
+
+
+def test_no_network_records_unresolved_and_queues(openlab_env: Path, store, pipeline, monkeypatch, caplog) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    openlab_env.write_text(f'[github]\nbase_url = "http://127.0.0.1:{port}/api/v3"\nseconds_between_requests = 0\n')
+    monkeypatch.setenv("GITHUB_TOKEN", TOKEN)
+    with caplog.at_level(logging.WARNING):
+        issue = resolve_issue(store, ISSUE, pipeline)
+        assert publish_card(store, pipeline.id) == []
+    assert not issue.resolved and f"cannot reach GitHub at http://127.0.0.1:{port}/api/v3" in (issue.last_error or "")
+    assert sorted((u.action, u.state) for u in store.list(GithubUpdate)) == [
+        ("publish", "pending"),
+        ("resolve", "pending"),
+    ]
+    with pytest.raises(GithubLinkError, match="cannot reach GitHub"):
+        resolve_issue(store, ISSUE, pipeline, required=True)
