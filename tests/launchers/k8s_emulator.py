@@ -121,6 +121,16 @@ class EmulatedCluster:
             lambda: [(k[1], k[2]) for k, obj in list(self.km.objects.items()) if k[0] == PODS and not obj.deleted]
         )
 
+    def pod_phases(self) -> dict[tuple[str, str], str]:
+        def read() -> dict[tuple[str, str], str]:
+            return {
+                (k[1], k[2]): (obj.last.raw.get("status") or {}).get("phase", "Pending")
+                for k, obj in list(self.km.objects.items())
+                if k[0] == PODS and not obj.deleted
+            }
+
+        return self.on_loop(read)
+
     def _patch(self, res: Any, ns: str, name: str, status: dict[str, Any], spec: dict[str, Any] | None = None) -> None:
         def write() -> None:
             key = (res, ns, name)
@@ -168,6 +178,10 @@ class EmulatedCluster:
         container = pod_spec["containers"][0]
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
         env.update({e["name"]: e.get("value", "") for e in container.get("env") or []})
+        for volume in pod_spec.get("volumes") or []:  # the kubelet's part for hostPath volumes
+            host_path = volume.get("hostPath") or {}
+            if host_path.get("type") == "DirectoryOrCreate":
+                Path(host_path["path"]).mkdir(parents=True, exist_ok=True)
         pod = f"{name}-{uuid.uuid4().hex[:5]}"
         log = self._logdir / f"{ns}-{pod}.log"
         with log.open("wb") as fh:

@@ -1,0 +1,150 @@
+"""One behavioural suite, the same assertions for every backend (see conftest.Harness)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from orchestrator.launchers import JobSpec, JobState
+from orchestrator.launchers.attempts import handle_from_attempt, run_job
+from orchestrator.lineage.models import Attempt, StageRun
+from orchestrator.lineage.store import LineageStore
+from tests.launchers.harness import BACKENDS, Harness
+
+TIME_LIMIT_BACKENDS = [
+    p if p.id != "slurm" else pytest.param("slurm", id="slurm", marks=[pytest.mark.slurm, pytest.mark.slow])
+    for p in BACKENDS
+]
+
+EXPECTED_JOB_ID = {
+    "local": r"^local-[0-9a-f]{12}$",
+    "docker": r"^openlab-[a-z0-9-]+-[0-9a-f]{8}$",
+    "slurm": r"^\d+$",
+    "kubernetes": r"^default/openlab-[a-z0-9-]+-[0-9a-f]{8}$",
+}
+
+
+def spec(h: Harness, name: str, command: list[str], **kwargs: object) -> JobSpec:
+    options = {k: v for k, v in h.options.items() if k != "cluster"}
+    return JobSpec(name=name, command=command, image=h.image, options=options, **kwargs)  # type: ignore[arg-type]
+
+
+def stage_run(store: LineageStore) -> StageRun:
+    with store.transaction() as tx:
+        return tx.add(StageRun(stage="train", identity="ident-1"))
+
+
+def test_success_streams_logs_and_records_the_attempt(harness: Harness, store: LineageStore) -> None:
+    import re
+
+    srun = stage_run(store)
+    lines: list[str] = []
+    attempt, status = run_job(
+        store,
+        harness.launcher,
+        spec(harness, "hello", ["sh", "-c", "echo hello; echo world"]),
+        stage_run_id=srun.id,
+        on_log=lines.append,
+        timeout=harness.wait_timeout,
+    )
+    assert status.state is JobState.SUCCEEDED, status
+    assert status.exit_code == 0
+    assert lines == ["hello", "world"]
+
+    stored = store.get(Attempt, attempt.id)
+    assert stored is not None
+    assert stored.backend == harness.name
+    assert stored.stage_run_id == srun.id and stored.number == 1
+    assert stored.job_id and re.match(EXPECTED_JOB_ID[harness.name], stored.job_id), stored.job_id
+    assert stored.state == "COMPLETED" and stored.exit_code == 0 and stored.reason is None
+    assert stored.host, "the host/node is recorded"
+    assert stored.command == ["sh", "-c", "echo hello; echo world"]
+    assert stored.started_at is not None and stored.ended_at is not None
+    assert stored.submitted_at <= stored.ended_at
+    assert stored.log_path
+    if harness.name == "docker":
+        assert stored.image == harness.image
+        assert stored.image_digest and stored.image_digest.startswith(("sha256:", harness.image.split(":")[0]))
+
+    # another process revives the handle from lineage alone and reads the same log
+    assert list(harness.launcher.logs(handle_from_attempt(stored))) == ["hello", "world"]
+    assert harness.launcher.status(handle_from_attempt(stored)).state is JobState.SUCCEEDED
+    # every write went through the hash-chained event log
+    assert [e.action for e in store.events(attempt.id)][:1] == ["create"]
+
+
+def test_nonzero_exit_code(harness: Harness, store: LineageStore) -> None:
+    lines: list[str] = []
+    attempt, status = run_job(
+        store,
+        harness.launcher,
+        spec(harness, "fails", ["sh", "-c", "echo oops >&2; exit 3"]),
+        on_log=lines.append,
+        timeout=harness.wait_timeout,
+    )
+    assert status.state is JobState.FAILED
+    assert status.exit_code == 3
+    assert "exit code 3" in (status.reason or "")
+    assert "oops" in lines, "stderr is part of the log"
+    stored = store.get(Attempt, attempt.id)
+    assert stored is not None and stored.state == "FAILED" and stored.exit_code == 3
+
+
+def test_cancel_while_running_leaves_nothing_running(harness: Harness, store: LineageStore) -> None:
+    lines: list[str] = []
+    attempt, status = run_job(
+        store,
+        harness.launcher,
+        # a child in the background too: cancel must end the whole job, not just its main process
+        spec(harness, "cancel-me", ["sh", "-c", "sleep 300 & echo started; sleep 300"]),
+        on_log=lines.append,
+        should_cancel=lambda: "started" in lines,
+        timeout=harness.wait_timeout,
+    )
+    assert status.state is JobState.CANCELLED, status
+    stored = store.get(Attempt, attempt.id)
+    assert stored is not None and stored.state == "CANCELLED" and stored.reason
+    assert harness.nothing_running(handle_from_attempt(stored)) == []
+
+
+@pytest.mark.parametrize("harness", TIME_LIMIT_BACKENDS, indirect=True)
+def test_time_limit_exceeded(harness: Harness, store: LineageStore) -> None:
+    attempt, status = run_job(
+        store,
+        harness.launcher,
+        spec(harness, "too-long", ["sleep", "600"], time_limit=harness.time_limit),
+        timeout=harness.wait_timeout + harness.time_limit,
+    )
+    assert status.state is JobState.FAILED, status
+    assert "time limit" in (status.reason or ""), status.reason
+    stored = store.get(Attempt, attempt.id)
+    assert stored is not None and stored.state == "FAILED" and "time limit" in (stored.reason or "")
+    assert harness.nothing_running(handle_from_attempt(stored)) == []
+
+
+def test_env_labels_and_artifact_root(harness: Harness, tmp_path: Path) -> None:
+    root = tmp_path / "artifacts"
+    labels = {"openlab.io/stage-run": "srun_abc123", "openlab.io/pipeline-run": "prun_def456"}
+    job = spec(
+        harness,
+        "env-labels",
+        ["sh", "-c", f'echo "FOO=$FOO"; echo "LABELS=$OPENLAB_LABELS"; echo result > {root}/out.txt'],
+        env={"FOO": "bar baz"},
+        labels=labels,
+        artifact_root=root,
+    )
+    handle = harness.launcher.submit(job)
+    try:
+        status = harness.launcher.wait(handle, timeout=harness.wait_timeout)
+        assert status.state is JobState.SUCCEEDED, status
+        native = harness.native_labels(handle)
+        assert {k: native.get(k) for k in labels} == labels
+        lines = list(harness.launcher.logs(handle))
+        assert "FOO=bar baz" in lines
+        (label_line,) = [line for line in lines if line.startswith("LABELS=")]
+        assert json.loads(label_line.removeprefix("LABELS=")) == labels
+        assert (root / "out.txt").read_text() == "result\n"
+    finally:
+        harness.launcher.cleanup(handle)
