@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from orchestrator.cli import core, lineage
+from orchestrator.cli import backends, core, deploy, github, job, lineage, run, server, wandb
 from orchestrator.errors import OpenlabError
 
 app = typer.Typer(
@@ -23,7 +23,15 @@ app = typer.Typer(
 )
 app.command("snapshot")(core.snapshot_cmd)
 app.command("provenance")(core.provenance_cmd)
+app.command("run")(run.run)
+app.command("explain")(run.explain)
 app.add_typer(lineage.app, name="lineage")
+app.add_typer(job.app, name="job")
+app.add_typer(backends.app, name="backends")
+app.add_typer(github.app, name="github")
+app.add_typer(wandb.app, name="wandb")
+app.add_typer(server.app, name="server")
+app.add_typer(deploy.app, name="deploy")
 
 
 def main(argv: list[str] | None = None) -> None:
