@@ -439,10 +439,37 @@ def _volatile(path: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(path, p) for p in patterns)
 
 
+def detach_external_links(path: Path, volatile: Sequence[str]) -> list[str]:
+    """Remove symlinks under volatile paths that point outside the output folder.
+
+    W&B's offline run folder links ``logs/debug-core.log`` to a file in the user's cache;
+    a snapshot rightly refuses links that leave its root, and that debug log is not a
+    result. Links outside volatile paths are left alone (the snapshot then names them).
+    """
+    import os
+
+    removed: list[str] = []
+    root = os.path.realpath(path)
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in [*filenames, *dirnames]:
+            full = os.path.join(dirpath, name)
+            if not os.path.islink(full):
+                continue
+            rel = os.path.relpath(full, path).replace(os.sep, "/")
+            target = os.path.realpath(full)
+            if _volatile(rel, volatile) and not (target == root or target.startswith(root + os.sep)):
+                os.unlink(full)
+                removed.append(rel)
+    if removed:
+        log.info("removed %d volatile link(s) leaving %s: %s", len(removed), path, ", ".join(removed[:3]))
+    return removed
+
+
 def hash_output(path: Path, settings: Settings, volatile: Sequence[str]) -> dict[str, Any]:
     """Snapshot an output folder: full Merkle hash plus the hash without volatile files."""
     from orchestrator.snapshots import merkle_root, snapshot
 
+    detach_external_links(path, volatile)
     snap = snapshot(path, settings=settings)
     stable = [e for e in snap.entries if not _volatile(e.path, volatile)]
     return {
@@ -568,12 +595,9 @@ def _record_reuse(
                 ended_at=now,
             )
         )
+        # One edge: the reused run points at the run that produced the outputs (whose own
+        # edges say which code, environment and inputs made them). Kept minimal: reuse must stay cheap.
         tx.relate("wasInformedBy", run, original, role="reused")
-        tx.relate("wasAssociatedWith", run, ctx.commit, role="code")
-        for out in original.outputs.values():
-            art = tx.get(Artifact, out.get("artifact_id", "")) if out.get("artifact_id") else None
-            if art is not None:
-                tx.relate("used", run, art, role="reused")
     result = StageResult(
         stage=spec.name,
         state="REUSED",
@@ -814,9 +838,6 @@ def _run_stage(
                 snap = tx.get(DataSnapshot, snap_id)
                 if snap is not None:
                     tx.relate("used", run, snap, role=key)
-            up_run = tx.get(StageRun, res.reused_from or res.stage_run_id)
-            if up_run is not None:
-                tx.relate("wasInformedBy", run, up_run, role=key)
     ctx.emit(spec.name, "RUNNING", identity=digest, stage_run_id=run.id, reason=why)
 
     if forced and out_dir.exists() and existing is None:
@@ -887,9 +908,14 @@ def _run_stage(
         raise
 
     if status.state is JobState.SUCCEEDED and not cancel_reason:
-        return _finish_completed(
-            ctx, spec, run, identity, inputs, out_dir, attempt, started, changes, why, uses_wandb=uses_wandb
-        )
+        try:
+            return _finish_completed(
+                ctx, spec, run, identity, inputs, out_dir, attempt, started, changes, why, uses_wandb=uses_wandb
+            )
+        except Exception as exc:  # noqa: BLE001 - the stage run must not stay RUNNING
+            reason = f"job succeeded but its outputs could not be recorded: {type(exc).__name__}: {exc}"
+            result = _finish_failed(ctx, spec, run, identity, out_dir, "FAILED", reason, attempt, started, changes)
+            raise StageFailed(f"stage {spec.name} failed: {reason}", result) from exc
     if status.state is JobState.CANCELLED or cancel_reason:
         reason = cancel_reason[0] if cancel_reason else (status.reason or "job cancelled")
         result = _finish_failed(ctx, spec, run, identity, out_dir, "CANCELLED", reason, attempt, started, changes)
@@ -972,11 +998,6 @@ def _finish_completed(
             )
         )
         tx.relate("wasGeneratedBy", art, run)
-        for key, res in inputs.items():
-            up_id = res.output.get("artifact_id")
-            up = tx.get(Artifact, up_id) if up_id else None
-            if up is not None:
-                tx.relate("wasDerivedFrom", art, up, role=key)
         hashed["artifact_id"] = art.id
         if spec.snapshot_output:
             data_snap = record_snapshot(tx, snap)

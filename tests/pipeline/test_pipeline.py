@@ -291,3 +291,18 @@ def test_relation_rows_are_unique(repo: Path, ledger: Path) -> None:
         rels = store.list(Relation)
         keys = [(r.relation, r.subject_id, r.object_id, r.role) for r in rels]
         assert len(keys) == len(set(keys))
+
+
+def test_volatile_links_leaving_the_output_are_dropped_before_hashing(repo: Path, ledger: Path, tmp_path: Path) -> None:
+    """W&B offline folders link their debug log into ~/.cache; that must not fail the stage."""
+    outside = tmp_path / "outside.log"
+    outside.write_text("debug\n")
+    script = repo / "stages" / "gen.py"
+    script.write_text(
+        script.read_text()
+        + "(out / 'wandb' / 'run' / 'logs').mkdir(parents=True, exist_ok=True)\n"
+        + f"os.symlink({str(outside)!r}, out / 'wandb' / 'run' / 'logs' / 'debug-core.log')\n"
+    )
+    result = run_pipeline(toy_pipeline(repo), toy_configs(), options=fast())
+    assert result.ok, result.error
+    assert not (result.results["gen"].out_dir / "wandb" / "run" / "logs" / "debug-core.log").exists()
