@@ -1,0 +1,371 @@
+"""Stage configuration: one schema shared by every stage, loaded from YAML or JSON.
+
+Every stage (`data`, `tokenize`, `pretrain`, `midtrain`, `posttrain`, `eval`, `repro`) reads the same
+schema and uses the sections it needs; the Flows engineer generates these files from recipes, so the
+schema is deliberately flat and stable. All sections are optional and have defaults, except the
+`inputs` a stage needs. Unknown keys are errors (with their key path) so a typo never silently
+falls back to a default.
+
+    seed: 0                      # seeds data split, sampling, init
+    device: auto                 # auto | cpu | cuda
+    threads: 0                   # torch CPU threads; 0 = all visible cores
+    inputs:                      # paths produced by earlier stages
+      corpus: DIR                # `data` output        (tokenize)
+      tokens: DIR                # `tokenize` output    (pretrain, midtrain, posttrain, eval, repro)
+      checkpoint: DIR            # a training stage out  (midtrain, posttrain, eval)
+    data:                        # stage `data`
+      domains: {code: "stdlib:code", prose: "stdlib:docstrings"}   # or "licenses", "path:/dir/*.txt"
+      max_bytes_per_domain: 4000000
+      heldout_fraction: 0.05
+    tokenizer: {vocab_size: 8192, min_frequency: 2}                  # stage `tokenize`
+    model:                       # architecture (pretrain/repro; later stages take it from the checkpoint)
+      d_model: 512, n_layers: 8, n_heads: 8, context: 4096, attn_window: 0,
+      n_experts: 24, top_k: 4, expert_hidden: 256, n_shared: 1, shared_hidden: 512, routed_weight_sum: 2.5
+    moe:                         # expert-parallel dispatch simulated in one process + balancing
+      dispatch: dropless         # dropless | fixed_all_to_all | pooled_wave | ragged | waterfilling
+      ranks: 4                   # EP degree P; whole sequences per rank; experts split across ranks
+      capacity_factor: 1.0       # cf (receiver cf for pooled_wave)
+      transport_capacity_factor: 1.05   # tcf, pooled_wave sender gate
+      waves: 3                   # W, pooled_wave
+      chunks: 2                  # ragged
+      qb: true                   # quantile-balancing bias update (TOPK estimator)
+      aux_loss_coef: 0.0         # load-balancing loss coefficient (Marin: 0)
+      z_loss_coef: 0.0           # router z-loss coefficient (Marin: 0)
+    train:                       # pretrain / midtrain / posttrain / repro
+      steps: 100, batch_size: 16, lr: 0.003, min_lr_ratio: 0.1, warmup_steps: 10,
+      weight_decay: 0.1, grad_clip: 1.0, mixture: {code: 0.5, prose: 0.5},
+      checkpoint_every: 50, stop_after: 0   # stop_after>0 simulates preemption after that step
+    eval: {batches: 8, batch_size: 16}      # stage `eval` (held-out loss per domain + routing metrics)
+    repro:                       # stage `repro`: one trained router, every arm measured every step
+      train_arm: pooled_wave_1.05_1.33    # the arm whose dispatch is in the training forward pass
+      late_window: 40                    # report the median over the last N steps
+      scale_capacity: true               # arms give Marin's cf; scaled so (cf-1)*sqrt(mu) is kept
+      arms: [{name, dispatch, capacity_factor, transport_capacity_factor, waves, chunks, marin_drop}]
+    wandb: {id, project, entity, group, job_type, tags, config, resume: allow}   # absent = disabled
+
+Why a single schema: the stages form one chain and the flows layer can write the same `model`/`moe`
+sections everywhere; the training stages fail fast if a `model` section disagrees with the checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+STAGES = ("data", "tokenize", "pretrain", "midtrain", "posttrain", "eval", "repro")
+DISPATCH_NAMES = ("dropless", "fixed_all_to_all", "pooled_wave", "ragged", "waterfilling")
+
+
+class WorkloadError(Exception):
+    """A user-facing error (bad config or input). The CLI prints it as one line and exits 2."""
+
+
+class ConfigError(WorkloadError):
+    """The config file is malformed or inconsistent; raised before any compute."""
+
+
+@dataclass
+class InputsConfig:
+    corpus: str | None = None
+    tokens: str | None = None
+    checkpoint: str | None = None
+
+
+@dataclass
+class DataConfig:
+    domains: dict[str, str] = field(
+        default_factory=lambda: {"code": "stdlib:code", "prose": "stdlib:docstrings"}
+    )
+    max_bytes_per_domain: int = 4_000_000
+    heldout_fraction: float = 0.05
+    min_doc_chars: int = 64
+    max_sft_examples: int = 20_000
+
+
+@dataclass
+class TokenizerConfig:
+    vocab_size: int = 8192
+    min_frequency: int = 2
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 0  # 0 = take it from the tokenizer
+    d_model: int = 512
+    n_layers: int = 8
+    n_heads: int = 8
+    context: int = 4096
+    attn_window: int = 0  # 0 = full causal attention; >0 = sliding window (Marin: 2048)
+    n_experts: int = 24
+    top_k: int = 4
+    expert_hidden: int = 256
+    n_shared: int = 1
+    shared_hidden: int = 512
+    routed_weight_sum: float = 2.5
+    rope_theta: float = 10_000.0
+
+
+@dataclass
+class MoEConfig:
+    dispatch: str = "dropless"
+    ranks: int = 4
+    capacity_factor: float = 1.0
+    transport_capacity_factor: float = 1.05
+    waves: int = 3
+    chunks: int = 2
+    qb: bool = True
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    batch_size: int = 16
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    mixture: dict[str, float] = field(default_factory=dict)  # empty = uniform over domains
+    checkpoint_every: int = 50
+    stop_after: int = 0
+
+
+@dataclass
+class EvalConfig:
+    batches: int = 8
+    batch_size: int = 16
+
+
+@dataclass
+class ArmConfig:
+    name: str = ""
+    dispatch: str = "fixed_all_to_all"
+    capacity_factor: float = 1.0
+    transport_capacity_factor: float = 1.05
+    waves: int = 3
+    chunks: int = 2
+    marin_drop: float | None = None  # Marin's published drop fraction (for the report table)
+
+
+@dataclass
+class ReproConfig:
+    train_arm: str = ""
+    late_window: int = 40
+    scale_capacity: bool = True
+    arms: list[ArmConfig] = field(default_factory=list)
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    device: str = "auto"
+    threads: int = 0
+    inputs: InputsConfig = field(default_factory=InputsConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    repro: ReproConfig = field(default_factory=ReproConfig)
+    wandb: dict[str, Any] | None = None
+    # Which top-level sections the file actually gave (so stages can tell "absent" from "default").
+    given: tuple[str, ...] = field(default=(), repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d.pop("given")
+        return d
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    """Convert a parsed YAML/JSON value to the annotated type, or raise ConfigError naming the path."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, path)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"config: '{path}' must be a mapping, got {type(value).__name__}")
+        return _build(tp, value, path)
+    if origin is dict:
+        kt, vt = typing.get_args(tp)
+        if not isinstance(value, dict):
+            raise ConfigError(f"config: '{path}' must be a mapping, got {type(value).__name__}")
+        return {_coerce(kt, k, f"{path}.{k}"): _coerce(vt, v, f"{path}.{k}") for k, v in value.items()}
+    if origin is list:
+        (it,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"config: '{path}' must be a list, got {type(value).__name__}")
+        return [_coerce(it, v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"config: '{path}' must be true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"config: '{path}' must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"config: '{path}' must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"config: '{path}' must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"config: '{path}': unsupported type {_type_name(tp)}")  # pragma: no cover
+
+
+def _build(cls: type, data: dict[str, Any], path: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.name != "given"]
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        full = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            raise ConfigError(f"config: unknown key '{full}' (known: {', '.join(names)})")
+        kwargs[key] = _coerce(hints[key], value, full)
+    return cls(**kwargs)
+
+
+def parse_config(data: dict[str, Any]) -> Config:
+    """Build a Config from a plain dict; raises ConfigError on unknown keys or wrong types."""
+    if not isinstance(data, dict):
+        raise ConfigError("config: the top level must be a mapping")
+    cfg = _build(Config, data, "")
+    cfg.given = tuple(data.keys())
+    return cfg
+
+
+def load_config(path: str | Path) -> Config:
+    """Read a YAML or JSON config file (by suffix; YAML is tried for anything but .json)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    text = p.read_text()
+    try:
+        if p.suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as exc:  # parse errors become one line
+        msg = str(exc).replace("\n", " ")
+        raise ConfigError(f"config: cannot parse {p}: {msg}") from None
+    return parse_config(data or {})
+
+
+# --------------------------------------------------------------------------- validation
+
+_STAGE_INPUTS = {
+    "data": (),
+    "tokenize": ("corpus",),
+    "pretrain": ("tokens",),
+    "midtrain": ("tokens", "checkpoint"),
+    "posttrain": ("tokens", "checkpoint"),
+    "eval": ("tokens", "checkpoint"),
+    "repro": ("tokens",),
+}
+
+
+def validate_dispatch(dispatch: str, cf: float, tcf: float, waves: int, chunks: int, where: str) -> None:
+    if dispatch not in DISPATCH_NAMES:
+        raise ConfigError(
+            f"config: {where}.dispatch: unknown dispatch '{dispatch}' (choose one of {', '.join(DISPATCH_NAMES)})"
+        )
+    if cf <= 0 or tcf <= 0:
+        raise ConfigError(f"config: {where}: capacity factors must be > 0")
+    if waves < 1 or chunks < 1:
+        raise ConfigError(f"config: {where}: waves and chunks must be >= 1")
+
+
+def validate_model(m: ModelConfig, ranks: int) -> None:
+    """Architecture checks shared by pretrain and checkpoint-loading stages."""
+    for name in ("d_model", "n_layers", "n_heads", "context", "n_experts", "top_k", "expert_hidden"):
+        if getattr(m, name) < 1:
+            raise ConfigError(f"config: model.{name} must be >= 1, got {getattr(m, name)}")
+    if m.top_k >= m.n_experts:
+        raise ConfigError(
+            f"config: model.top_k={m.top_k} must be < model.n_experts={m.n_experts} "
+            "(routing takes the top-(K+1) biased scores)"
+        )
+    if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
+        raise ConfigError(
+            f"config: model.d_model={m.d_model} must split into n_heads={m.n_heads} heads of even width"
+        )
+    if ranks < 1 or m.n_experts % ranks:
+        raise ConfigError(
+            f"config: model.n_experts={m.n_experts} is not divisible by moe.ranks={ranks} "
+            "(experts are split evenly across EP ranks)"
+        )
+    if m.n_shared < 0 or (m.n_shared and m.shared_hidden < 1):
+        raise ConfigError("config: model.n_shared must be >= 0 and model.shared_hidden >= 1")
+
+
+def validate(cfg: Config, stage: str) -> None:
+    """Check everything that can be checked without touching data; raise ConfigError with one line."""
+    if stage not in STAGES:
+        raise ConfigError(f"unknown stage '{stage}' (choose one of {', '.join(STAGES)})")
+    for name in _STAGE_INPUTS[stage]:
+        if not getattr(cfg.inputs, name):
+            raise ConfigError(f"config: stage '{stage}' needs inputs.{name}")
+    if cfg.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"config: device must be auto, cpu or cuda, got '{cfg.device}'")
+    mo = cfg.moe
+    validate_dispatch(mo.dispatch, mo.capacity_factor, mo.transport_capacity_factor, mo.waves, mo.chunks, "moe")
+    if stage in ("pretrain", "repro") or "model" in cfg.given:
+        validate_model(cfg.model, mo.ranks)
+    if cfg.train.batch_size < 1 or cfg.train.batch_size % mo.ranks:
+        raise ConfigError(
+            f"config: train.batch_size={cfg.train.batch_size} must be a positive multiple of "
+            f"moe.ranks={mo.ranks} (each rank holds whole sequences)"
+        )
+    if cfg.eval.batch_size < 1 or cfg.eval.batch_size % mo.ranks:
+        raise ConfigError(
+            f"config: eval.batch_size={cfg.eval.batch_size} must be a positive multiple of moe.ranks={mo.ranks}"
+        )
+    if cfg.train.steps < 1 or cfg.train.checkpoint_every < 1:
+        raise ConfigError("config: train.steps and train.checkpoint_every must be >= 1")
+    if any(w < 0 for w in cfg.train.mixture.values()) or (
+        cfg.train.mixture and sum(cfg.train.mixture.values()) <= 0
+    ):
+        raise ConfigError("config: train.mixture weights must be >= 0 and not all zero")
+    if not 0 < cfg.data.heldout_fraction < 1:
+        raise ConfigError("config: data.heldout_fraction must be in (0, 1)")
+    if cfg.tokenizer.vocab_size < 300:
+        raise ConfigError("config: tokenizer.vocab_size must be >= 300 (256 bytes + merges + specials)")
+    if stage == "repro":
+        rp = cfg.repro
+        if not rp.arms:
+            raise ConfigError("config: stage 'repro' needs repro.arms")
+        names = [a.name for a in rp.arms]
+        if len(set(names)) != len(names) or not all(names):
+            raise ConfigError("config: repro.arms need unique, non-empty names")
+        for i, a in enumerate(rp.arms):
+            validate_dispatch(a.dispatch, a.capacity_factor, a.transport_capacity_factor, a.waves, a.chunks,
+                              f"repro.arms[{i}]")
+        if rp.train_arm and rp.train_arm not in names:
+            raise ConfigError(f"config: repro.train_arm '{rp.train_arm}' is not one of repro.arms ({names})")
+        if rp.late_window < 1 or rp.late_window > cfg.train.steps:
+            raise ConfigError("config: repro.late_window must be in [1, train.steps]")

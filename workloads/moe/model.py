@@ -1,0 +1,248 @@
+"""Decoder-only MoE language model with Marin's grug routing (marin-moe.md section 1).
+
+Routing, per layer:
+  s = x W_r in fp32; selection = top-(K+1) of s + stopgrad(b); alpha_t = the (K+1)-th biased score;
+  weights = sigmoid(s) on the *unbiased* logits of the K chosen experts, rescaled to sum to 2.5;
+  y = sum_{kept k} w_k Expert_k(x) + Shared(x). A dropped assignment contributes 0 (no renormalization).
+Quantile balancing (QB, TOPK estimator): margins m = s - alpha; on each rank beta_e is the q-th largest
+margin, q = max(1, floor(T*K/E)); ranks are averaged; the *next* step uses b <- -(beta - mean beta).
+The bias is a buffer (not a parameter): it only moves selection and never receives gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .dispatch import DispatchSpec, dispatch
+from .metrics import LayerStats, load_balancing_loss, router_z_loss, routing_entropy
+
+
+@dataclass
+class RoutingRuntime:
+    """Per-forward knobs that are not architecture: dispatch, EP degree, what to record."""
+
+    spec: DispatchSpec
+    qb: bool = True
+    collect_metrics: bool = True
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    record_routing: bool = False  # keep per-layer expert ids (repro measurement arms)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(d, hidden, bias=False)
+        self.w3 = nn.Linear(d, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def rope_tables(seq: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, ...]:
+    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    ang = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.h = cfg.n_heads
+        self.window = cfg.attn_window
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.o = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, S, D = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.h, D // self.h).permute(2, 0, 3, 1, 4)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.window and self.window < S:
+            i = torch.arange(S, device=x.device)
+            mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < self.window)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(B, S, D))
+
+
+class MoEFeedForward(nn.Module):
+    """Routed SwiGLU experts + always-on shared SwiGLU experts, with QB-biased selection."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        D, E, H = cfg.d_model, cfg.n_experts, cfg.expert_hidden
+        self.E, self.K, self.weight_sum = E, cfg.top_k, cfg.routed_weight_sum
+        self.router = nn.Linear(D, E, bias=False)
+        std = 1.0 / math.sqrt(D)
+        self.w1 = nn.Parameter(torch.randn(E, D, H) * std)
+        self.w3 = nn.Parameter(torch.randn(E, D, H) * std)
+        self.w2 = nn.Parameter(torch.randn(E, H, D) / math.sqrt(H))
+        self.shared = SwiGLU(D, cfg.n_shared * cfg.shared_hidden) if cfg.n_shared else None
+        self.register_buffer("qb_bias", torch.zeros(E))
+        self.register_buffer("qb_pending", torch.zeros(E))
+        self.register_buffer("qb_has_pending", torch.zeros((), dtype=torch.bool))
+        self.last_stats: LayerStats | None = None
+        self.last_experts: torch.Tensor | None = None
+        self.last_aux: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def apply_pending_qb(self) -> None:
+        """b <- -(beta - mean beta), the beta measured in the previous forward (a fixed-point step)."""
+        if bool(self.qb_has_pending):
+            self.qb_bias.copy_(-(self.qb_pending - self.qb_pending.mean()))
+            self.qb_has_pending.fill_(False)
+
+    @torch.no_grad()
+    def _qb_beta(self, s: torch.Tensor, alpha: torch.Tensor, ranks: int) -> torch.Tensor:
+        """TOPK estimator: per rank the q-th largest margin of each expert, averaged over ranks."""
+        N = s.shape[0]
+        T = N // ranks
+        q = max(1, (T * self.K) // self.E)
+        m = (s - alpha[:, None]).view(ranks, T, self.E)
+        beta = torch.kthvalue(m, T - q + 1, dim=1).values  # q-th largest == (T-q+1)-th smallest
+        return beta.mean(0)
+
+    def forward(self, x: torch.Tensor, rt: RoutingRuntime) -> torch.Tensor:
+        N, D = x.shape
+        s = F.linear(x.float(), self.router.weight.float())  # fp32 logits
+        top_vals, top_idx = torch.topk(s.detach() + self.qb_bias, self.K + 1, dim=-1)
+        experts = top_idx[:, : self.K]
+        alpha = top_vals[:, self.K]
+        w = torch.sigmoid(s.gather(1, experts))
+        w = w * (self.weight_sum / w.sum(-1, keepdim=True))
+        if self.training and rt.qb:
+            self.qb_pending.copy_(self._qb_beta(s.detach(), alpha, rt.spec.ranks))
+            self.qb_has_pending.fill_(True)
+
+        res = dispatch(experts, rt.spec)
+        flat_e = experts.reshape(-1)
+        flat_w = w.reshape(-1).to(x.dtype)
+        tok = torch.arange(N, device=x.device).repeat_interleave(self.K)
+        if rt.spec.name != "dropless":
+            kept = res.keep.reshape(-1)
+            flat_e, flat_w, tok = flat_e[kept], flat_w[kept], tok[kept]
+        order = torch.argsort(flat_e, stable=True)
+        e_sorted, tok_sorted = flat_e[order], tok[order]
+        counts = torch.bincount(e_sorted, minlength=self.E).tolist()
+        xs = x[tok_sorted]
+        outs = []
+        start = 0
+        for e, c in enumerate(counts):  # a loop over experts, never over tokens
+            if c:
+                h = xs[start : start + c]
+                outs.append((F.silu(h @ self.w1[e]) * (h @ self.w3[e])) @ self.w2[e])
+                start += c
+        y = torch.zeros_like(x)
+        if outs:
+            y = y.index_add(0, tok_sorted, torch.cat(outs) * flat_w[order, None])
+        if self.shared is not None:
+            y = y + self.shared(x)
+
+        c_all = torch.bincount(experts.reshape(-1), minlength=self.E)
+        aux = s.new_zeros(())
+        if rt.aux_loss_coef:
+            aux = aux + rt.aux_loss_coef * load_balancing_loss(c_all, s, self.K)
+        if rt.z_loss_coef:
+            aux = aux + rt.z_loss_coef * router_z_loss(s)
+        self.last_aux = aux
+        self.last_experts = experts.detach() if rt.record_routing else None
+        if rt.collect_metrics:
+            with torch.no_grad():
+                sd = s.detach()
+                self.last_stats = LayerStats(
+                    counts=c_all.tolist(),
+                    sender_dropped=res.sender_dropped,
+                    receiver_dropped=res.receiver_dropped,
+                    entropy=float(routing_entropy(c_all)),
+                    load_balancing_loss=float(load_balancing_loss(c_all, sd, self.K)),
+                    router_z_loss=float(router_z_loss(sd)),
+                )
+        else:
+            self.last_stats = None
+        return y
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, dense_hidden: int = 0) -> None:
+        super().__init__()
+        self.n1 = nn.RMSNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.n2 = nn.RMSNorm(cfg.d_model)
+        self.ffn: nn.Module = SwiGLU(cfg.d_model, dense_hidden) if dense_hidden else MoEFeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rt: RoutingRuntime) -> torch.Tensor:
+        x = x + self.attn(self.n1(x), cos, sin)
+        h = self.n2(x)
+        if isinstance(self.ffn, MoEFeedForward):
+            f = self.ffn(h.reshape(-1, h.shape[-1]), rt).view_as(h)
+        else:
+            f = self.ffn(h)
+        return x + f
+
+
+class MoELM(nn.Module):
+    """The language model. `dense=True` swaps every MoE block for a SwiGLU with the same active width
+    (K*expert_hidden + n_shared*shared_hidden), which is the benchmark's baseline."""
+
+    def __init__(self, cfg: ModelConfig, dense: bool = False) -> None:
+        super().__init__()
+        if cfg.vocab_size < 1:
+            raise ValueError("model.vocab_size must be set (from the tokenizer) before building the model")
+        self.cfg = cfg
+        dense_hidden = cfg.top_k * cfg.expert_hidden + cfg.n_shared * cfg.shared_hidden if dense else 0
+        self.emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg, dense_hidden) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        nn.init.normal_(self.emb.weight, std=0.02)
+        nn.init.normal_(self.head.weight, std=0.02)
+
+    def moe_layers(self) -> list[MoEFeedForward]:
+        return [b.ffn for b in self.blocks if isinstance(b.ffn, MoEFeedForward)]
+
+    def apply_pending_qb(self) -> None:
+        for m in self.moe_layers():
+            m.apply_pending_qb()
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor,
+        rt: RoutingRuntime,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return (total loss incl. aux terms, LM loss). targets == -100 are masked out of the loss."""
+        B, S = idx.shape
+        if B % rt.spec.ranks:
+            raise ValueError(f"batch of {B} sequences cannot be split into {rt.spec.ranks} ranks")
+        cos, sin = rope_tables(S, self.cfg.d_model // self.cfg.n_heads, self.cfg.rope_theta, idx.device)
+        x = self.emb(idx)
+        for b in self.blocks:
+            x = b(x, cos, sin, rt)
+        logits = self.head(self.norm(x)).float()
+        lm = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+        aux = sum((m.last_aux for m in self.moe_layers() if m.last_aux is not None), lm.new_zeros(()))
+        return lm + aux, lm
+
+    def layer_stats(self) -> list[LayerStats]:
+        return [m.last_stats for m in self.moe_layers() if m.last_stats is not None]
+
+    def config_dict(self) -> dict[str, object]:
+        return asdict(self.cfg)
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
