@@ -9,9 +9,10 @@ Two deployments, built the same way for ``openlab deploy`` (register only) and
 - ``nightly-replica/nightly``: a replica of the current main commit on a cron schedule
   (default ``0 2 * * *`` UTC; ``[prefect] nightly_cron`` or a flag changes it).
 
-Served deployments run flows in subprocesses of the serving process, loaded by file
-path relative to the working directory; :func:`repo_root` is where ``flows/`` lives
-and callers serve from there, so the entrypoints resolve wherever openlab is started.
+Entrypoints are module paths (``flows.pipeline.replica_pipeline``), so a served run or a
+work-pool worker finds the flow wherever openlab is installed. Callers still serve from
+:func:`repo_root` (:func:`in_repo_root`), so flow runs start in the repository and
+relative paths a person types into the UI (``recipes/x.yaml``) mean the same as in a terminal.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ def build_deployments(
     paused_nightly: bool = False,
 ) -> list[RunnerDeployment]:
     """The pipeline and nightly deployments (not yet registered). Call inside :func:`in_repo_root`."""
+    from prefect.deployments.runner import EntrypointType
     from prefect.schedules import Cron
 
     from flows.nightly import nightly_replica
@@ -93,6 +95,7 @@ def build_deployments(
             "the rest on the chosen backend, and record lineage. Pick recipe, replica and backend, then Run."
         ),
         tags=TAGS,
+        entrypoint_type=EntrypointType.MODULE_PATH,
     )
     nightly = nightly_replica.to_deployment(
         name=NIGHTLY_DEPLOYMENT,
@@ -104,6 +107,7 @@ def build_deployments(
         parameters=nightly_parameters or None,
         paused=paused_nightly,
         tags=[*TAGS, "nightly"],
+        entrypoint_type=EntrypointType.MODULE_PATH,
     )
     return [pipeline, nightly]
 

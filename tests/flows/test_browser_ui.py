@@ -1,0 +1,94 @@
+"""A person's path through the real Prefect UI: open the deployment, Custom run, Submit.
+
+Playwright's sync API drives Debian's Chromium (``/usr/bin/chromium``; no ``playwright
+install``). Every request that leaves 127.0.0.1 is aborted: the UI calls an outside
+analytics host on load, and tests must neither leak nor depend on the network.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.lineage import LineageStore, PipelineRun, StageRun
+from tests.flows.conftest import Served, unavailable, wait_flow_run
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+RECIPE_PATH = "recipes/marin-535b-a23b.yaml"
+
+pytestmark = [pytest.mark.prefect, pytest.mark.browser, pytest.mark.slow]
+
+
+def _local_only(route: Any) -> None:
+    url = route.request.url
+    if url.startswith(("http://127.0.0.1", "http://localhost", "data:", "blob:")):
+        route.continue_()
+    else:
+        route.abort()
+
+
+def test_custom_run_from_the_ui_completes_with_its_parameters(served: Served, tmp_path: Path) -> None:
+    if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
+        unavailable("Debian chromium is not installed (infra/browser/install.sh)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        unavailable("the playwright package is not installed")
+    from prefect import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("replica-pipeline/replica")
+    ui = served.server.ui_url
+    submitted_at = time.time()
+    with sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS
+        )
+        try:
+            page = context.new_page()
+            page.route("**/*", _local_only)
+            page.goto(f"{ui}/deployments/deployment/{deployment.id}", wait_until="domcontentloaded")
+            page.get_by_role("button", name="Run", exact=True).click()
+            page.get_by_text("Custom run").click()
+            page.get_by_label("recipe (Optional)").fill(RECIPE_PATH)
+            page.get_by_label("replica (Optional)").fill("tiny")
+            page.get_by_role("button", name="Submit").click()
+            page.get_by_text("scheduled to start now").first.wait_for(timeout=30_000)
+        except Exception:
+            page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
+            raise
+        finally:
+            context.close()
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])),
+            sort=FlowRunSort.EXPECTED_START_TIME_DESC,
+            limit=20,
+        )
+    mine = [r for r in runs if r.parameters.get("recipe") == RECIPE_PATH and r.created.timestamp() >= submitted_at - 5]
+    assert mine, [r.parameters for r in runs]
+    final = wait_flow_run(mine[0].id, 480)
+    assert final.state.is_completed(), final.state.message
+    assert final.parameters["recipe"] == RECIPE_PATH and final.parameters["replica"] == "tiny"
+    with LineageStore(served.db_url) as store:
+        (run,) = store.list(PipelineRun, flow_run_id=str(final.id))
+        assert run.state == "COMPLETED" and run.trigger == "ui"
+        assert run.params["prefect"]["recipe"] == RECIPE_PATH and run.replica == "tiny"
+        assert len(store.list(StageRun, pipeline_run_id=run.id)) == 6

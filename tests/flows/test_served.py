@@ -1,0 +1,152 @@
+"""Served deployments against a real Prefect server: runs from the API, the nightly verdict, cancellation."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from typing import Any
+
+import pytest
+
+from orchestrator.lineage import Attempt, Commit, LineageStore, PipelineRun, StageRun
+from tests.flows.conftest import Served, require_service, wait_flow_run
+
+pytestmark = [pytest.mark.prefect, pytest.mark.slow]
+
+TINY = {"recipe": "marin-535b-a23b", "replica": "tiny", "backend": "local"}
+
+
+def start_run(name: str, parameters: dict[str, Any]) -> Any:
+    """Create a flow run of deployment ``name`` (as the UI's Run button does) and return its id."""
+    from prefect.deployments import run_deployment
+
+    run = run_deployment(name, parameters=parameters, timeout=0)
+    return run.id
+
+
+def test_replica_deployment_runs_tiny_then_reuses(served: Served) -> None:
+    """The served pipeline deployment runs the tiny replica; a second run reuses every stage."""
+    first = wait_flow_run(start_run("replica-pipeline/replica", TINY), 480)
+    assert first.state.is_completed(), first.state.message
+    again = wait_flow_run(start_run("replica-pipeline/replica", {**TINY, "issue": None}), 120)
+    assert again.state.is_completed(), again.state.message
+    with LineageStore(served.db_url) as store:
+        for flow_run, expected in ((first, None), (again, "REUSED")):
+            (run,) = store.list(PipelineRun, flow_run_id=str(flow_run.id))
+            assert run.state == "COMPLETED" and run.trigger == "ui"
+            states = {s.stage: s.state for s in store.list(StageRun, pipeline_run_id=run.id)}
+            assert len(states) == 6
+            if expected:
+                assert set(states.values()) == {expected}
+
+
+def _plant_better_nightly(store: LineageStore, loss_factor: float) -> PipelineRun:
+    """A fake earlier good nightly whose eval loss is ``loss_factor`` times the real tiny one."""
+    (real_eval,) = [
+        s for s in store.list(StageRun, stage="eval", state="COMPLETED") if s.metrics.get("eval/loss") is not None
+    ][:1]
+    metrics = dict(real_eval.metrics)
+    metrics["eval/loss"] = float(metrics["eval/loss"]) * loss_factor
+    with store.transaction() as tx:
+        run = tx.add(
+            PipelineRun(
+                recipe="marin-535b-a23b",
+                replica="tiny",
+                state="COMPLETED",
+                started_at=dt.datetime.now(dt.UTC) - dt.timedelta(days=1),
+                verdict={"status": "baseline"},
+            )
+        )
+        sha = "0123456789abcdef0123456789abcdef01234567"
+        commit = tx.ensure(Commit(id=sha, sha=sha))
+        tx.relate("wasAssociatedWith", run, commit, role="code")
+        tx.add(StageRun(pipeline_run_id=run.id, stage="eval", identity="planted", state="COMPLETED", metrics=metrics))
+    return run
+
+
+def test_nightly_flow_fails_on_planted_regression_and_records_verdict(served: Served) -> None:
+    """The nightly deployment fails naming metric, values and commits when the last good nightly was better."""
+    with LineageStore(served.db_url) as store:
+        if not store.list(StageRun, stage="eval", state="COMPLETED"):
+            first = wait_flow_run(start_run("replica-pipeline/replica", TINY), 480)
+            assert first.state.is_completed(), first.state.message
+        planted = _plant_better_nightly(store, 0.5)
+    params = {"recipe": "marin-535b-a23b", "replica": "tiny", "backend": "local", "git_ref": "HEAD"}
+    bad = wait_flow_run(start_run("nightly-replica/nightly", params), 240)
+    assert bad.state.is_failed()
+    message = bad.state.message or ""
+    assert "eval/loss" in message and "0123456789ab" in message, message
+    with LineageStore(served.db_url) as store:
+        (run,) = store.list(PipelineRun, flow_run_id=str(bad.id))
+        assert run.verdict["status"] == "regressed" and run.verdict["previous_run_id"] == planted.id
+        # An unchanged nightly against an equal baseline passes, and is recorded too.
+        with store.transaction() as tx:
+            tx.update(store.require(PipelineRun, planted.id), verdict={"status": "regressed"})
+        _plant_better_nightly(store, 1.0)
+    good = wait_flow_run(start_run("nightly-replica/nightly", params), 240)
+    assert good.state.is_completed(), good.state.message
+    with LineageStore(served.db_url) as store:
+        (run,) = store.list(PipelineRun, flow_run_id=str(good.id))
+        assert run.verdict["status"] == "passed"
+
+
+def _job_alive(backend: str, job_id: str) -> bool:
+    if backend == "local":
+        from orchestrator.launchers import JobHandle, get_launcher
+
+        return not get_launcher("local").status(JobHandle("local", job_id)).state.terminal
+    if backend == "docker":
+        import docker
+
+        try:
+            container = docker.from_env().containers.get(job_id)
+        except docker.errors.NotFound:
+            return False
+        return container.status in ("running", "created", "restarting")
+    if backend == "slurm":
+        import subprocess
+
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True).stdout
+        return out.strip() in ("RUNNING", "PENDING", "CONFIGURING", "COMPLETING")
+    raise AssertionError(backend)
+
+
+@pytest.mark.parametrize("backend", ["local", "docker", "slurm"])
+def test_cancel_through_api_stops_backend_job(served: Served, backend: str) -> None:
+    """Cancelling the flow run via the API ends its running job and records CANCELLED in lineage."""
+    if backend != "local":
+        require_service(backend)
+    from prefect import get_client
+    from prefect.states import Cancelling
+
+    # `small` runs long enough to be caught mid-job and shares no outputs with the tiny runs.
+    params = {"recipe": "marin-535b-a23b", "replica": "small", "backend": backend}
+    flow_run_id = start_run("replica-pipeline/replica", params)
+    deadline = time.monotonic() + 240
+    running: Attempt | None = None
+    with LineageStore(served.db_url) as store:
+        while running is None:
+            assert time.monotonic() < deadline, f"no job started:\n{served.log()[-3000:]}"
+            runs = store.list(PipelineRun, flow_run_id=str(flow_run_id))
+            for srun in store.list(StageRun, pipeline_run_id=runs[0].id) if runs else []:
+                for att in store.list(Attempt, stage_run_id=srun.id, state="RUNNING"):
+                    if att.job_id:
+                        running = att
+            time.sleep(0.3)
+    assert _job_alive(backend, running.job_id)
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(flow_run_id, Cancelling(message="test cancels"), force=True)
+    final = wait_flow_run(flow_run_id, 90)
+    assert final.state.is_cancelled(), final.state
+    deadline = time.monotonic() + 30
+    while _job_alive(backend, running.job_id) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _job_alive(backend, running.job_id), f"{backend} job {running.job_id} still running"
+    with LineageStore(served.db_url) as store:
+        attempt = store.require(Attempt, running.id)
+        assert attempt.state == "CANCELLED", (attempt.state, attempt.reason)
+        stage = store.require(StageRun, attempt.stage_run_id)
+        assert stage.state == "CANCELLED", (stage.state, stage.error)
+        (run,) = store.list(PipelineRun, flow_run_id=str(flow_run_id))
+        assert run.state == "CANCELLED"
+        assert not store.list(Attempt, where=[Attempt.stage_run_id == stage.id, Attempt.state == "RUNNING"])

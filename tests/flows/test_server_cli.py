@@ -1,0 +1,126 @@
+"""``openlab server`` and ``openlab deploy`` as a user runs them, against real Prefect servers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.prefect_server import PrefectServer, free_port, health_ok
+from tests.flows.conftest import REPO_ROOT, runner_env, stop_process, wait_for_deployments
+
+pytestmark = [pytest.mark.prefect]
+
+PIPELINE = "replica-pipeline/replica"
+NIGHTLY = "nightly-replica/nightly"
+
+
+def _cli(module: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(  # noqa: S603
+        [sys.executable, "-m", f"orchestrator.cli.{module}", *args],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_deploy_registers_parameter_schema_and_nightly_cron(prefect_server: PrefectServer, tmp_path: Path) -> None:
+    from prefect import get_client
+
+    env = runner_env(prefect_server, tmp_path)
+    done = _cli("deploy", "--api-url", prefect_server.api_url, "--nightly-cron", "30 3 * * *", env=env)
+    assert done.returncode == 0, done.stderr
+    assert PIPELINE in done.stdout and NIGHTLY in done.stdout and "30 3 * * *" in done.stdout
+    with get_client(sync_client=True) as client:
+        pipeline = client.read_deployment_by_name(PIPELINE)
+        nightly = client.read_deployment_by_name(NIGHTLY)
+    props = pipeline.parameter_openapi_schema["properties"]
+    assert {"recipe", "replica", "backend", "issue", "git_ref", "force", "dry_run"} <= set(props)
+    assert props["backend"]["enum"] == ["local", "docker", "slurm", "kubernetes"]
+    assert props["force"]["type"] == "boolean" and props["dry_run"]["default"] is False
+    assert "description" in props["replica"]  # from the flow's docstring, shown in the UI form
+    (schedule,) = nightly.schedules
+    assert schedule.schedule.cron == "30 3 * * *" and schedule.schedule.timezone == "UTC"
+    assert nightly.parameter_openapi_schema["properties"]["git_ref"]["default"] == "main"
+
+    # Registering again updates in place; the default cron is 02:00 UTC.
+    again = _cli("deploy", "--api-url", prefect_server.api_url, env=env)
+    assert again.returncode == 0, again.stderr
+    with get_client(sync_client=True) as client:
+        (schedule,) = client.read_deployment_by_name(NIGHTLY).schedules
+        assert client.read_deployment_by_name(PIPELINE).id == pipeline.id
+    assert schedule.schedule.cron == "0 2 * * *"
+
+
+def test_deploy_errors_are_one_clear_line(prefect_server: PrefectServer, tmp_path: Path) -> None:
+    env = runner_env(prefect_server, tmp_path)
+    bad_cron = _cli("deploy", "--api-url", prefect_server.api_url, "--nightly-cron", "every night", env=env)
+    assert bad_cron.returncode == 2 and "invalid nightly cron 'every night'" in bad_cron.stderr
+    assert "Traceback" not in bad_cron.stderr
+    nobody = f"http://127.0.0.1:{free_port()}/api"
+    down = _cli("deploy", "--api-url", nobody, env=env)
+    assert down.returncode == 2 and "openlab server" in down.stderr and "Traceback" not in down.stderr
+
+
+@pytest.mark.slow
+def test_openlab_server_starts_serves_and_stops_on_ctrl_c(prefect_server: PrefectServer, tmp_path: Path) -> None:
+    """Own SQLite server under $OPENLAB_HOME/prefect, telemetry off, both deployments served, Ctrl-C stops all."""
+    port = free_port()
+    env = runner_env(prefect_server, tmp_path)
+    env.pop("PREFECT_API_URL")
+    log_path = tmp_path / "server-cli.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(  # noqa: S603
+            [sys.executable, "-m", "orchestrator.cli.server", "--port", str(port)],
+            cwd=tmp_path,  # entrypoints must resolve wherever openlab is started
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    api = f"http://127.0.0.1:{port}/api"
+    try:
+        deadline = time.monotonic() + 120
+        while not health_ok(api):
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.5)
+        from orchestrator.prefect_server import use_api
+
+        with use_api(api):
+            wait_for_deployments([PIPELINE, NIGHTLY], 90, proc, log_path)
+        text = log_path.read_text()
+        assert f"Prefect UI: http://127.0.0.1:{port}" in text
+        assert (tmp_path / "prefect" / "prefect.db").exists(), "SQLite under $OPENLAB_HOME/prefect"
+        server_pids = _children(proc.pid)
+        assert server_pids, "the Prefect server runs as a child process"
+    finally:
+        code = stop_process(proc, timeout=45)
+    assert code == 0, log_path.read_text()[-2000:]
+    assert not health_ok(api), "the Prefect server stopped with openlab server"
+    for pid in server_pids:
+        assert not _alive(pid), f"process {pid} survived Ctrl-C"
+    assert "stopped" in log_path.read_text()
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split()[2] != "Z"
+    except OSError:
+        return False
