@@ -1,0 +1,387 @@
+"""Bad input and faults: clear errors quoting the backend, bounded retries, interrupted runs recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from pytest_httpserver import HTTPServer
+
+from orchestrator.errors import OpenlabError
+from orchestrator.launchers import (
+    BackendUnavailable,
+    ImageNotFound,
+    JobHandle,
+    JobSpec,
+    JobState,
+    JobTimeout,
+    LauncherError,
+    get_launcher,
+    parse_duration,
+    parse_memory,
+)
+from orchestrator.launchers.attempts import handle_from_attempt, run_job
+from orchestrator.launchers.local import group_members
+from orchestrator.lineage.models import Attempt, StageRun
+from orchestrator.lineage.store import LineageStore
+from tests.launchers.harness import Harness
+
+CLI = [sys.executable, str(Path(__file__).with_name("cli_entry.py"))]
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, *args], capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=timeout, check=False
+    )
+
+
+# -- parsing ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("90", 90), (45, 45), ("05:00", 300), ("1:02:03", 3723), ("1-00:00:01", 86401), ("1h", 3600), ("30m", 1800),
+     ("1h30m", 5400), ("45s", 45)],
+)
+def test_time_limits_parse(text: str | int, seconds: int) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["abc", "0", "1:2:3:4", "-5", "", "1d"])
+def test_bad_time_limits_are_user_errors(text: str) -> None:
+    with pytest.raises(OpenlabError, match="time limit"):
+        parse_duration(text)
+
+
+def test_memory_parses_and_rejects() -> None:
+    assert parse_memory("512M") == 512 * 2**20
+    assert parse_memory("2G") == 2 * 2**30
+    assert parse_memory("1.5Gi") == int(1.5 * 2**30)
+    with pytest.raises(OpenlabError, match="invalid memory"):
+        JobSpec(name="x", command=["true"], memory="lots")
+
+
+def test_handle_round_trips_through_a_dict() -> None:
+    handle = JobHandle("slurm", "123", "/tmp/x.log", {"array": True})
+    assert JobHandle.from_dict(json.loads(json.dumps(handle.to_dict()))) == handle
+
+
+# -- unknown backend, docker faults ---------------------------------------------------------------
+
+
+def test_unknown_backend_lists_the_known_ones() -> None:
+    known = r"unknown backend 'nomad'; known backends: local, docker, slurm, kubernetes"
+    with pytest.raises(OpenlabError, match=known):
+        get_launcher("nomad")
+    proc = cli("job", "run", "--backend", "nomad", "--", "true")
+    assert proc.returncode == 2
+    assert "unknown backend 'nomad'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_docker_engine_down_is_one_clear_line(tmp_path: Path) -> None:
+    dead = f"unix://{tmp_path}/no-docker.sock"
+    with pytest.raises(BackendUnavailable, match="docker engine not reachable at unix://"):
+        get_launcher("docker", base_url=dead).submit(JobSpec(name="x", command=["true"]))
+    proc = cli("job", "run", "--backend", "docker", "--", "true", env={"DOCKER_HOST": dead})
+    assert proc.returncode == 2, proc.stderr
+    assert f"docker engine not reachable at {dead}" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    ok, why = get_launcher("docker", base_url=dead).check()
+    assert not ok and "not reachable" in why
+
+
+@pytest.mark.docker
+def test_docker_missing_image(docker_harness: Harness, store: LineageStore) -> None:
+    with pytest.raises(ImageNotFound, match="image openlab/no-such:1 not found: run infra/docker/build-job-image.sh"):
+        run_job(store, docker_harness.launcher, JobSpec(name="x", command=["true"], image="openlab/no-such:1"))
+    (attempt,) = store.list(Attempt)
+    assert attempt.state == "FAILED" and "submit failed" in (attempt.reason or "")
+    proc = cli("job", "run", "--backend", "docker", "--image", "openlab/no-such:1", "--", "true")
+    assert proc.returncode == 2 and "image openlab/no-such:1 not found" in proc.stderr
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_docker_out_of_memory(docker_harness: Harness, store: LineageStore) -> None:
+    job = JobSpec(
+        name="oom",
+        command=["python3", "-c", "x = bytearray(400 * 1024 * 1024); print(len(x))"],
+        image=docker_harness.image,
+        memory="64M",
+    )
+    attempt, status = run_job(store, docker_harness.launcher, job, timeout=120)
+    assert status.state is JobState.FAILED
+    assert status.reason and status.reason.startswith("out of memory"), status.reason
+    assert status.exit_code == 137
+    assert store.get(Attempt, attempt.id).reason.startswith("out of memory")  # type: ignore[union-attr]
+
+
+# -- slurm faults ----------------------------------------------------------------------------------
+
+
+@pytest.mark.slurm
+def test_sbatch_refusal_is_quoted(slurm_harness: Harness) -> None:
+    with pytest.raises(LauncherError, match="sbatch refused the job: .*invalid partition name specified") as info:
+        slurm_harness.launcher.submit(JobSpec(name="x", command=["true"], options={"partition": "no-such-partition"}))
+    assert "Invalid partition name specified" in str(info.value)
+    proc = cli("job", "run", "--backend", "slurm", "-o", "partition=no-such-partition", "--", "true")
+    assert proc.returncode == 2 and "Invalid partition name specified" in proc.stderr
+
+
+def _fake_slurm(tmp_path: Path, sbatch_body: str) -> Path:
+    """A bin dir whose sbatch is a script: the retry logic needs no cluster to be tested."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "sbatch"
+    script.write_text("#!/bin/sh\n" + sbatch_body)
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return bin_dir
+
+
+def test_sbatch_transient_errors_are_retried_a_bounded_number_of_times(tmp_path: Path) -> None:
+    calls = tmp_path / "calls"
+    body = (
+        f'echo x >> {calls}\n'
+        f'if [ "$(wc -l < {calls})" -lt 3 ]; then\n'
+        '  echo "sbatch: error: Batch job submission failed: Socket timed out on send/recv operation" >&2; exit 1\n'
+        "fi\n"
+        "echo 4242\n"
+    )
+    launcher = get_launcher("slurm", bin_dir=str(_fake_slurm(tmp_path, body)), retries=3)
+    handle = launcher.submit(JobSpec(name="x", command=["true"]))
+    assert handle.job_id == "4242" and calls.read_text().count("x") == 3
+
+    calls.unlink()
+    always = (
+        f"echo x >> {calls}\n"
+        'echo "sbatch: error: Unable to contact slurm controller (connect failure)" >&2\nexit 1\n'
+    )
+    (tmp_path / "bin" / "sbatch").write_text("#!/bin/sh\n" + always)
+    with pytest.raises(BackendUnavailable, match="Unable to contact slurm controller"):
+        get_launcher("slurm", bin_dir=str(tmp_path / "bin"), retries=2).submit(JobSpec(name="x", command=["true"]))
+    assert calls.read_text().count("x") == 3  # 1 try + 2 retries, then a clear error
+
+
+def test_batch_script_carries_every_resource() -> None:
+    launcher = get_launcher("slurm", partition="debug", account="proj")
+    job = JobSpec(
+        name="train",
+        command=["python", "-c", "print('a b')"],
+        cpus=2.5,
+        memory="1G",
+        gpus=2,
+        time_limit=90,
+        workdir="/tmp",
+        options={"array": "0-3", "qos": "high"},
+    )
+    script = launcher.batch_script(job, "/logs/slurm-%A_%a.log")
+    for line in (
+        "#SBATCH --job-name=train",
+        "#SBATCH --output=/logs/slurm-%A_%a.log",
+        "#SBATCH --time=00:01:30",
+        "#SBATCH --cpus-per-task=3",
+        "#SBATCH --mem=1024M",
+        "#SBATCH --gres=gpu:2",
+        "#SBATCH --partition=debug",
+        "#SBATCH --account=proj",
+        "#SBATCH --qos=high",
+        "#SBATCH --array=0-3",
+        "#SBATCH --chdir=/tmp",
+        "python -c 'print('\"'\"'a b'\"'\"')'",
+    ):
+        assert line in script.splitlines(), (line, script)
+
+
+# -- kubernetes faults --------------------------------------------------------------------------------
+
+
+def _status(code: int, message: str, reason: str) -> str:
+    return json.dumps({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message,
+                       "reason": reason, "code": code})
+
+
+def test_kubernetes_4xx_quotes_the_api_message(httpserver: HTTPServer) -> None:
+    message = 'jobs.batch is forbidden: User "ci" cannot create resource "jobs" in API group "batch" in namespace "ml"'
+    httpserver.expect_request("/apis/batch/v1/namespaces/ml/jobs", method="POST").respond_with_data(
+        _status(403, message, "Forbidden"), status=403, content_type="application/json"
+    )
+    launcher = get_launcher("kubernetes", host=httpserver.url_for("/").rstrip("/"), namespace="ml")
+    expected = "kubernetes API refused to create Job ml/openlab-x-.*: jobs.batch is forbidden"
+    with pytest.raises(LauncherError, match=expected):
+        launcher.submit(JobSpec(name="x", command=["true"]))
+    assert len(httpserver.log) == 1  # a 4xx is not retried
+
+
+def test_kubernetes_5xx_is_retried_then_reported(httpserver: HTTPServer) -> None:
+    for _ in range(2):
+        httpserver.expect_ordered_request("/apis/batch/v1/namespaces/default/jobs", method="POST").respond_with_data(
+            _status(503, "etcdserver: leader changed", "ServiceUnavailable"), status=503,
+            content_type="application/json",
+        )
+    httpserver.expect_ordered_request("/apis/batch/v1/namespaces/default/jobs", method="POST").respond_with_data(
+        json.dumps({"kind": "Job", "apiVersion": "batch/v1", "metadata": {"name": "x"}}), status=201,
+        content_type="application/json",
+    )
+    url = httpserver.url_for("/").rstrip("/")
+    handle = get_launcher("kubernetes", host=url, retries=3).submit(JobSpec(name="x", command=["true"]))
+    assert handle.job_id.startswith("default/openlab-x-")
+
+    httpserver.clear()
+    httpserver.expect_request("/apis/batch/v1/namespaces/default/jobs", method="POST").respond_with_data(
+        _status(500, "internal error: etcd is down", "InternalError"), status=500, content_type="application/json"
+    )
+    with pytest.raises(LauncherError, match="etcd is down"):
+        get_launcher("kubernetes", host=url, retries=2).submit(JobSpec(name="x", command=["true"]))
+    assert len(httpserver.log) == 3
+
+
+def test_kubernetes_unreachable_api(tmp_path: Path) -> None:
+    launcher = get_launcher("kubernetes", host="http://127.0.0.1:9", retries=1)
+    with pytest.raises(BackendUnavailable, match="kubernetes API at http://127.0.0.1:9 not reachable"):
+        launcher.submit(JobSpec(name="x", command=["true"]))
+    ok, why = launcher.check()
+    assert not ok and "not reachable" in why
+
+
+def test_every_manifest_is_validated_strictly(tmp_path: Path) -> None:
+    import yaml
+
+    from orchestrator.launchers.kubernetes import DEFAULT_TEMPLATE
+
+    launcher = get_launcher("kubernetes", host="http://127.0.0.1:9")
+    job = JobSpec(name="Train Big!", command=["python", "train.py"], cpus=1.5, memory="1G", gpus=1, time_limit=600,
+                  env={"A": "1"}, labels={"openlab.io/stage-run": "srun_1", "openlab.io/note": "has spaces"},
+                  artifact_root=tmp_path, workdir="/work")
+    manifest = launcher.manifest(job, "openlab-train-big-12345678")
+    container = manifest["spec"]["template"]["spec"]["containers"][0]
+    assert manifest["spec"]["activeDeadlineSeconds"] == 600 and manifest["spec"]["backoffLimit"] == 0
+    assert manifest["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+    assert "ttlSecondsAfterFinished" in manifest["spec"]
+    assert container["resources"]["limits"] == {"cpu": "1500m", "memory": "1024Mi", "nvidia.com/gpu": "1"}
+    assert {"name": "A", "value": "1"} in container["env"]
+    assert container["volumeMounts"] == [{"name": "openlab-artifacts", "mountPath": str(tmp_path.resolve())}]
+    assert manifest["metadata"]["labels"]["openlab.io/stage-run"] == "srun_1"
+    assert "openlab.io/note" not in manifest["metadata"]["labels"]  # not a valid label value...
+    assert manifest["metadata"]["annotations"]["openlab.io/note"] == "has spaces"  # ...so kept as an annotation
+
+    broken = yaml.safe_load(DEFAULT_TEMPLATE.read_text())
+    broken["spec"]["template"]["spec"]["containers"][0]["imagePullPolicey"] = "Always"  # a typo
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(broken))
+    bad = get_launcher("kubernetes", host="http://127.0.0.1:9", template=str(path))
+    with pytest.raises(LauncherError, match="job manifest is invalid for Kubernetes 1.33: .*imagePullPolicey"):
+        bad.submit(JobSpec(name="x", command=["true"]))
+
+
+# -- interrupted and timed-out runs are still recorded -----------------------------------------------
+
+
+def test_interrupt_cancels_the_job_and_records_it(store: LineageStore) -> None:
+    launcher = get_launcher("local", grace=1)
+    lines: list[str] = []
+
+    def interrupt() -> bool:
+        if "started" in lines:
+            raise KeyboardInterrupt
+        return False
+
+    with pytest.raises(KeyboardInterrupt):
+        run_job(store, launcher, JobSpec(name="x", command=["sh", "-c", "echo started; sleep 60"]),
+                on_log=lines.append, should_cancel=interrupt)
+    (attempt,) = store.list(Attempt)
+    assert attempt.state == "CANCELLED" and attempt.reason == "interrupted" and attempt.ended_at
+    assert group_members(launcher.process_group(handle_from_attempt(attempt))) == []
+
+
+def test_a_crash_in_the_caller_fails_the_attempt(store: LineageStore) -> None:
+    launcher = get_launcher("local", grace=1)
+
+    def broken() -> bool:
+        raise RuntimeError("flow crashed")
+
+    with pytest.raises(RuntimeError):
+        run_job(store, launcher, JobSpec(name="x", command=["sleep", "60"]), should_cancel=broken)
+    (attempt,) = store.list(Attempt)
+    assert attempt.state == "FAILED" and attempt.reason == "RuntimeError: flow crashed"
+    assert group_members(launcher.process_group(handle_from_attempt(attempt))) == []
+
+
+def test_timeout_cancels_and_raises(store: LineageStore) -> None:
+    launcher = get_launcher("local", grace=1)
+    started = time.monotonic()
+    with pytest.raises(JobTimeout):
+        run_job(store, launcher, JobSpec(name="x", command=["sleep", "60"]), timeout=0.5)
+    assert time.monotonic() - started < 10
+    (attempt,) = store.list(Attempt)
+    assert attempt.state == "CANCELLED" and "did not finish within" in (attempt.reason or "")
+
+
+def test_attempt_numbers_count_per_stage_run(store: LineageStore) -> None:
+    with store.transaction() as tx:
+        srun = tx.add(StageRun(stage="s", identity="i"))
+    launcher = get_launcher("local")
+    numbers = [run_job(store, launcher, JobSpec(name="x", command=["true"]), stage_run_id=srun.id)[0].number
+               for _ in range(3)]
+    assert numbers == [1, 2, 3]
+
+
+def test_secret_values_never_reach_lineage_or_streamed_logs(store: LineageStore) -> None:
+    secret = "s3cr3t-value-123"
+    lines: list[str] = []
+    attempt, status = run_job(
+        store, get_launcher("local"),
+        JobSpec(name="x", command=["sh", "-c", 'echo "token is $API_TOKEN"'], env={"API_TOKEN": secret}),
+        on_log=lines.append,
+    )
+    assert status.state is JobState.SUCCEEDED
+    assert lines == ["token is ***"]
+    dumped = json.dumps([e.payload for e in store.events()])
+    assert secret not in dumped  # the command keeps "$API_TOKEN" unexpanded; the env is never recorded
+
+
+# -- the CLI end to end (local backend: another process revives the handle from lineage) ------------
+
+
+def test_cli_job_run_status_logs_cancel(store: LineageStore) -> None:
+    proc = cli("job", "run", "--backend", "local", "-e", "FOO=bar", "--time-limit", "1m", "--",
+               "sh", "-c", "echo hi $FOO; exit 4")
+    assert proc.returncode == 4, proc.stderr
+    assert proc.stdout == "hi bar\n"
+    (attempt,) = store.list(Attempt)
+    assert attempt.state == "FAILED" and attempt.exit_code == 4 and attempt.job_id in proc.stderr
+
+    status = json.loads(cli("job", "status", attempt.job_id, "--json").stdout)  # type: ignore[arg-type]
+    assert status["state"] == "FAILED" and status["exit_code"] == 4 and status["attempt"] == attempt.id
+    assert cli("job", "logs", attempt.id).stdout == "hi bar\n"
+
+    runner = subprocess.Popen([*CLI, "job", "run", "-q", "--backend", "local", "--", "sleep", "60"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        running = [a for a in store.list(Attempt) if a.state == "RUNNING"]
+        if running:
+            break
+        time.sleep(0.2)
+    assert running, "the second job never showed up as RUNNING in lineage"
+    cancelled = cli("job", "cancel", running[0].id)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert runner.wait(30) == 143  # the runner exits with the job's code: 128 + SIGTERM
+    assert store.get(Attempt, running[0].id).state == "CANCELLED"  # type: ignore[union-attr]
+
+    assert cli("job", "status", "att_nope").returncode == 2
+
+
+def test_cli_backends_check_json(tmp_path: Path) -> None:
+    proc = cli("backends", "check", "--json", "local", "kubernetes",
+               env={"OPENLAB_BACKENDS__KUBERNETES__HOST": "http://127.0.0.1:9",
+                    "OPENLAB_BACKENDS__KUBERNETES__RETRIES": "0"})
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["backend"]: r for r in json.loads(proc.stdout)}
+    assert rows["local"]["reachable"] is True
+    assert rows["kubernetes"]["reachable"] is False and "not reachable" in rows["kubernetes"]["detail"]
