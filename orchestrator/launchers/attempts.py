@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import func
 from sqlmodel import select
 
-from orchestrator.launchers.base import JobHandle, JobSpec, JobState, JobStatus, JobTimeout, Launcher
+from orchestrator.launchers.base import Backoff, JobHandle, JobSpec, JobState, JobStatus, JobTimeout, Launcher
 from orchestrator.lineage.models import Attempt, utcnow
 from orchestrator.secrets import scrub
 
@@ -171,7 +171,7 @@ def run_job(
 
     attempt, handle = submit_attempt(store, launcher, spec, stage_run_id=stage_run_id)
     pump = _LogPump(launcher, handle, on_log, spec.secret_values()) if on_log is not None else None
-    interval = launcher.poll_interval if poll is None else poll
+    backoff = Backoff(launcher.poll_interval if poll is None else poll)
     deadline = None if timeout is None else time.monotonic() + timeout
     cancelled_by_caller = False
     try:
@@ -188,7 +188,7 @@ def run_job(
                 launcher.cancel(handle)
             if deadline is not None and time.monotonic() >= deadline:
                 raise JobTimeout(f"{launcher.name} job {handle.job_id} did not finish within {timeout:g}s")
-            time.sleep(interval)
+            backoff.sleep(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if pump is not None:
             pump.join(LOG_DRAIN_TIMEOUT)
             if pump.error is not None:

@@ -204,7 +204,7 @@ class Launcher(ABC):
 
     def wait(self, handle: JobHandle, timeout: float | None = None, poll: float | None = None) -> JobStatus:
         """Poll :meth:`status` until the job ends; :class:`JobTimeout` after ``timeout`` s."""
-        interval = self.poll_interval if poll is None else poll
+        backoff = Backoff(self.poll_interval if poll is None else poll)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             status = self.status(handle)
@@ -212,10 +212,30 @@ class Launcher(ABC):
                 return status
             if deadline is not None and time.monotonic() >= deadline:
                 raise JobTimeout(f"{self.name} job {handle.job_id} still {status.state} after {timeout:g}s")
-            time.sleep(interval if deadline is None else max(0.0, min(interval, deadline - time.monotonic())))
+            backoff.sleep(None if deadline is None else deadline - time.monotonic())
 
     def cleanup(self, handle: JobHandle) -> None:  # noqa: B027 - optional hook
         """Release what a finished job still holds (containers, Job objects) once logs are read."""
+
+
+class Backoff:
+    """Poll fast first, then every ``cap`` seconds: short jobs end sooner, long ones cost no more.
+
+    Most of a trivial job's overhead is waiting for the next poll, so the first polls come
+    after 10, 20, 40 ... ms; :meth:`reset` starts over (e.g. when a log produced output).
+    """
+
+    def __init__(self, cap: float, first: float = 0.01) -> None:
+        self.cap, self.first = max(cap, 0.0), first
+        self.current = min(first, self.cap)
+
+    def reset(self) -> None:
+        self.current = min(self.first, self.cap)
+
+    def sleep(self, limit: float | None = None) -> None:
+        delay = self.current if limit is None else max(0.0, min(self.current, limit))
+        time.sleep(delay)
+        self.current = min(self.current * 2, self.cap)
 
 
 # -- parsing helpers shared by backends and the CLI -----------------------------------
@@ -304,6 +324,7 @@ def configured_backends(settings: Settings | None = None) -> list[str]:
 
 __all__ = [
     "BACKENDS",
+    "Backoff",
     "BackendUnavailable",
     "ImageNotFound",
     "JobHandle",

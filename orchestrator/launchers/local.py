@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.launchers.base import (
+    Backoff,
     JobHandle,
     JobNotFound,
     JobSpec,
@@ -107,9 +108,11 @@ def follow_file(path: Path, done: Any, *, follow: bool, tail: int | None, poll: 
                 yield line.rstrip("\n")
             return
         partial = ""
+        backoff = Backoff(poll)
         while True:
             chunk = fh.readline()
             if chunk:
+                backoff.reset()
                 partial += chunk
                 if partial.endswith("\n"):
                     yield partial[:-1]
@@ -121,7 +124,7 @@ def follow_file(path: Path, done: Any, *, follow: bool, tail: int | None, poll: 
                 for line in text.splitlines():
                     yield line
                 return
-            time.sleep(poll)
+            backoff.sleep()
 
 
 class LocalLauncher(Launcher):
