@@ -6,6 +6,7 @@ See :mod:`orchestrator.launchers.base` for the interface and
 
 from orchestrator.launchers.base import (
     BACKENDS,
+    Backoff,
     BackendUnavailable,
     ImageNotFound,
     JobHandle,
@@ -24,6 +25,7 @@ from orchestrator.launchers.base import (
 
 __all__ = [
     "BACKENDS",
+    "Backoff",
     "BackendUnavailable",
     "ImageNotFound",
     "JobHandle",
