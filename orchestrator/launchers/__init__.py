@@ -6,8 +6,8 @@ See :mod:`orchestrator.launchers.base` for the interface and
 
 from orchestrator.launchers.base import (
     BACKENDS,
-    Backoff,
     BackendUnavailable,
+    Backoff,
     ImageNotFound,
     JobHandle,
     JobNotFound,
