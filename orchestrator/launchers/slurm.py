@@ -153,7 +153,7 @@ class SlurmLauncher(Launcher):
                     delay *= 2
                     continue
                 raise BackendUnavailable(f"{tool} did not answer within {timeout:g}s") from None
-            message = (proc.stderr or proc.stdout).strip()
+            message = "; ".join(line.strip() for line in (proc.stderr or proc.stdout).strip().splitlines())
             if proc.returncode != 0 and any(t in message for t in TRANSIENT) and attempt < self.retries:
                 time.sleep(delay)
                 delay *= 2
@@ -211,7 +211,7 @@ class SlurmLauncher(Launcher):
             args.append("--comment=" + json.dumps(dict(spec.labels), sort_keys=True, separators=(",", ":")))
         proc = self._run("sbatch", *args, str(script_path), env=self._env(env_extra), check=False)
         if proc.returncode != 0:
-            message = (proc.stderr or proc.stdout).strip()
+            message = "; ".join(line.strip() for line in (proc.stderr or proc.stdout).strip().splitlines())
             if any(t in message for t in TRANSIENT):
                 raise BackendUnavailable(f"sbatch failed after {self.retries + 1} tries: {message}")
             raise LauncherError(f"sbatch refused the job: {message}")

@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -127,7 +128,24 @@ def docker_image() -> str:
     raise AssertionError("unreachable")
 
 
+def find_slurm_conf() -> str | None:
+    """SLURM_CONF from the environment, else from the infra scripts' state (services.env or its default path)."""
+    if os.environ.get("SLURM_CONF"):
+        return os.environ["SLURM_CONF"]
+    state = Path(os.environ.get("OPENLAB_INFRA_STATE", "/var/tmp/openlab-infra"))
+    env_file = state / "services.env"
+    if env_file.exists():
+        for line in env_file.read_text().splitlines():
+            if line.startswith(("SLURM_CONF=", "export SLURM_CONF=")):
+                return line.split("=", 1)[1].strip().strip("'\"")
+    default = state / "slurm" / "etc" / "slurm.conf"
+    return str(default) if default.exists() else None
+
+
 def slurm_ready() -> None:
+    conf = find_slurm_conf()
+    if conf:
+        os.environ["SLURM_CONF"] = conf  # the CLI tools, the launcher and CLI subprocesses all need it
     try:
         out = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=15, check=False)
     except (FileNotFoundError, subprocess.TimeoutExpired) as exc:

@@ -127,7 +127,7 @@ def test_docker_out_of_memory(docker_harness: Harness, store: LineageStore) -> N
 
 @pytest.mark.slurm
 def test_sbatch_refusal_is_quoted(slurm_harness: Harness) -> None:
-    with pytest.raises(LauncherError, match="sbatch refused the job: .*invalid partition name specified") as info:
+    with pytest.raises(LauncherError, match="sbatch refused the job: .*Invalid partition name specified") as info:
         slurm_harness.launcher.submit(JobSpec(name="x", command=["true"], options={"partition": "no-such-partition"}))
     assert "Invalid partition name specified" in str(info.value)
     proc = cli("job", "run", "--backend", "slurm", "-o", "partition=no-such-partition", "--", "true")
