@@ -385,3 +385,33 @@ def test_cli_backends_check_json(tmp_path: Path) -> None:
     rows = {r["backend"]: r for r in json.loads(proc.stdout)}
     assert rows["local"]["reachable"] is True
     assert rows["kubernetes"]["reachable"] is False and "not reachable" in rows["kubernetes"]["detail"]
+
+
+def test_slurm_status_falls_back_to_jobcomp_when_scontrol_forgot_the_job(tmp_path: Path) -> None:
+    """After MinJobAge scontrol no longer knows a job; without slurmdbd sacct fails; jobcomp/filetxt remains."""
+    jobcomp = tmp_path / "jobcomp.log"
+    jobcomp.write_text(
+        "JobId=77 UserId=root(0) GroupId=root(0) Name=train JobState=TIMEOUT Partition=debug TimeLimit=1 "
+        "StartTime=2026-12-02T19:06:52 EndTime=2026-12-02T19:08:01 NodeList=node7 NodeCnt=1 ProcCnt=1 "
+        "WorkDir=/work ReservationName= Tres=cpu=1,mem=100M,node=1,billing=1 Account= QOS= WcKey= Cluster=unknown "
+        "SubmitTime=2026-12-02T19:06:50 EligibleTime=2026-12-02T19:06:50 DerivedExitCode=0:0 ExitCode=0:15 \n"
+    )
+    bin_dir = _fake_slurm(tmp_path, "exit 99\n")
+    for tool, body in {
+        "scontrol": (
+            'if [ "$1" = show ] && [ "$2" = config ]; then\n'
+            f"  echo 'JobCompLoc              = {jobcomp}'\n"
+            "  echo 'JobCompType             = jobcomp/filetxt'\n  exit 0\nfi\n"
+            'echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1\n'
+        ),
+        "sacct": 'echo "Slurm accounting storage is disabled" >&2; exit 1\n',
+    }.items():
+        path = bin_dir / tool
+        path.write_text("#!/bin/sh\n" + body)
+        path.chmod(0o755)
+    launcher = get_launcher("slurm", bin_dir=str(bin_dir))
+    status = launcher.status(JobHandle("slurm", "77"))
+    assert status.state is JobState.FAILED and status.reason == "time limit exceeded"
+    assert status.host == "node7" and status.exit_code == 128 + 15
+    assert status.started_at is not None and status.ended_at is not None
+    assert launcher.status(JobHandle("slurm", "78")).state is JobState.LOST
