@@ -181,6 +181,7 @@ class PipelineRun(LineageRecord, table=True):
     params: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))
     state: str = "RUNNING"
     verdict: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    error: str | None = None
     started_at: dt.datetime = Field(default_factory=utcnow)
     ended_at: dt.datetime | None = None
 

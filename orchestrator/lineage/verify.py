@@ -78,8 +78,14 @@ def _check_records(store: LineageStore, latest: dict[tuple[str, str], dict]) -> 
                     problems.append(Problem(f"{kind}:{key[1]}", "has no event: written outside openlab"))
                     continue
                 current = record_payload(row)
-                if current != recorded:
-                    fields = sorted(k for k in current.keys() | recorded.keys() if current.get(k) != recorded.get(k))
+                # A column added by a later migration is absent from older events; it
+                # holds its default (None) until an event records a value for it.
+                fields = sorted(
+                    k
+                    for k in current.keys() | recorded.keys()
+                    if (k in recorded or current[k] is not None) and current.get(k) != recorded.get(k)
+                )
+                if fields:
                     problems.append(
                         Problem(f"{kind}:{key[1]}", f"edited outside openlab: {', '.join(fields)} differ from its log")
                     )

@@ -390,14 +390,8 @@ def pipeline_state(ctx: PipelineContext) -> str:
 def finish_pipeline(ctx: PipelineContext, state: str | None = None, error: str | None = None) -> PipelineRun:
     """Close the pipeline run (COMPLETED / FAILED / CANCELLED) and refresh its card."""
     final = state or pipeline_state(ctx)
-    params = dict(ctx.pipeline_run.params or {})
-    if error:
-        params["error"] = error
-    params["stages"] = {
-        s: {"state": r.state, "stage_run_id": r.stage_run_id, "identity": r.identity} for s, r in ctx.results.items()
-    }
     with ctx.store.transaction() as tx:
-        ctx.pipeline_run = tx.update(ctx.pipeline_run, state=final, ended_at=utcnow(), params=params)
+        ctx.pipeline_run = tx.update(ctx.pipeline_run, state=final, ended_at=utcnow(), error=error)
     log.info("pipeline run %s %s", ctx.id, final)
     if ctx.issue_id:
         publish_issue_card(ctx)

@@ -151,3 +151,56 @@ def test_sqlite_uses_wal(openlab_home: Path) -> None:
     _populate(store)
     conn = sqlite3.connect(openlab_home / "lineage.db")
     assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_records_written_before_a_migration_still_verify(tmp_path: Path) -> None:
+    """A column added later is absent from old events: verify must not call old rows tampered."""
+    import datetime as dt
+
+    from alembic import command
+
+    from orchestrator.lineage.migrations import _alembic_config
+    from orchestrator.lineage.store import GENESIS_HASH, event_hash
+
+    url = f"sqlite:///{tmp_path / 'old.db'}"
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        command.upgrade(_alembic_config(conn), "0002")
+    at = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    # The row and its event exactly as openlab at schema 0002 wrote them (no `error` field yet).
+    payload = {
+        "id": "prun_old",
+        "experiment_id": None,
+        "name": "",
+        "recipe": "r",
+        "replica": "tiny",
+        "backend": "local",
+        "trigger": None,
+        "flow_run_id": None,
+        "params": {},
+        "state": "COMPLETED",
+        "verdict": None,
+        "started_at": "2026-01-01T00:00:00Z",
+        "ended_at": None,
+    }
+    digest = event_hash(1, at, "pipeline_run", "prun_old", "create", payload, GENESIS_HASH)
+    with engine.begin() as conn:
+        conn.execute(
+            sa.text(
+                "INSERT INTO pipelinerun (id, name, recipe, replica, backend, params, state, started_at) "
+                "VALUES ('prun_old', '', 'r', 'tiny', 'local', '{}', 'COMPLETED', '2026-01-01 00:00:00.000000')"
+            )
+        )
+        conn.execute(
+            sa.text(
+                "INSERT INTO event (seq, at, record_kind, record_id, action, payload, prev_hash, hash) "
+                "VALUES (1, '2026-01-01 00:00:00.000000', 'pipeline_run', 'prun_old', 'create', :p, :prev, :h)"
+            ),
+            {"p": __import__("json").dumps(payload), "prev": GENESIS_HASH, "h": digest},
+        )
+    engine.dispose()
+    store = LineageStore(url)  # migrates 0002 -> head, adding pipelinerun.error
+    assert verify(store, load_settings()) == []
+    with store.engine.begin() as conn:
+        conn.execute(sa.text("UPDATE pipelinerun SET error = 'forged' WHERE id = 'prun_old'"))
+    assert [p.record for p in verify(store, load_settings())] == ["pipeline_run:prun_old"]
