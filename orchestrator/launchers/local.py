@@ -265,9 +265,9 @@ class LocalLauncher(Launcher):
             deadline = time.monotonic() + grace + 3
             while time.monotonic() < deadline:
                 self._reap(handle.job_id)
-                if JobState(self._read(handle.job_id).get("state", "PENDING")).terminal:
-                    break
-                time.sleep(0.05)
+                if JobState(self._read(handle.job_id).get("state", "PENDING")).terminal or not _alive(sup):
+                    break  # recorded, or the supervisor died before it could (killed while starting)
+                time.sleep(0.02)
         # the supervisor is gone or stuck, or members linger: end the group ourselves
         state = self._read(handle.job_id)
         pgid = int(state.get("pgid") or 0)
