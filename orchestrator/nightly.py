@@ -139,7 +139,8 @@ def parse_tolerances(spec: Any, where: str = "tracked_metrics") -> list[Toleranc
             out.append(Tolerance(metric=str(metric), rel=_number(value, key)))
         else:
             data = value if isinstance(value, Mapping) else _attrs(value)
-            unknown = sorted(set(data) - {"rel", "abs", "worse", "relative", "absolute", "direction", "stage"})
+            known = {"rel", "abs", "worse", "relative", "absolute", "direction", "stage", "description"}
+            unknown = sorted(set(data) - known)
             if unknown:
                 raise ConfigError(f"{key}: unknown keys {unknown}; use rel, abs, worse and stage")
             stage = data.get("stage")
@@ -236,10 +237,12 @@ def _short_commit(commit: str | None) -> str:
 
 def check_metric(tol: Tolerance, previous: float | None, current: float | None) -> MetricCheck:
     """Compare one metric; a metric that vanished or became NaN is a regression."""
+    if current is None:
+        # A nightly that cannot measure a tracked metric guards nothing: fail loudly, never pass.
+        note = "no longer reported" if previous is not None else "not reported by this run"
+        return MetricCheck(tol.metric, previous, None, None, True, note)
     if previous is None:
         return MetricCheck(tol.metric, None, current, None, False, "not in the previous nightly; not compared")
-    if current is None:
-        return MetricCheck(tol.metric, previous, None, None, True, "no longer reported")
     if not math.isfinite(current):
         return MetricCheck(tol.metric, previous, current, None, True, "not a finite number")
     allowed = tol.allowance(previous)
@@ -409,13 +412,13 @@ def evaluate_nightly(
     current = pipeline_metrics(store, run.id)
     before = previous_nightly(store, run)
     if before is None:
+        checks = [check_metric(t, None, t.lookup(current)) for t in tolerances]
+        missing = [c.metric for c in checks if c.regressed]
         verdict = Verdict(
-            status="baseline",
+            status="regressed" if missing else "baseline",
             pipeline_run_id=run.id,
             commit=commit,
-            checks=[
-                MetricCheck(t.metric, None, t.lookup(current), None, False, "baseline") for t in tolerances
-            ],
+            checks=checks,
             message=(
                 f"nightly baseline: no earlier successful nightly of {run.recipe}/{run.replica}; "
                 f"this run {run.id} at commit {_short_commit(commit)} is the reference from now on"
@@ -430,6 +433,14 @@ def evaluate_nightly(
             commit=commit,
             previous_run_id=before.id,
             previous_commit=pipeline_commit(store, before),
+        )
+    unreported = [c.metric for c in verdict.checks if c.current is None]
+    if unreported:
+        reported = ", ".join(sorted(k for k in current if "/" in k)[:12]) or "none"
+        verdict.message = (
+            f"nightly cannot judge: tracked metric(s) {', '.join(unreported)} not reported by run {run.id} at commit "
+            f"{_short_commit(commit)} (reported: {reported}); fix the recipe's tracked_metrics or the stage. "
+            + verdict.message
         )
     if record:
         record_verdict(store, run.id, verdict)

@@ -50,6 +50,26 @@ def require_service(name: str) -> Any:
     return check()
 
 
+#: Flow tests that share the served runner's lineage run in this order: the first full tiny
+#: run makes the later ones (browser, nightly) reuse every stage instead of re-running it.
+_ORDER = ("test_server_cli", "test_served.py::test_replica_deployment", "test_browser_ui", "test_served")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Order this folder's tests (others keep their order); correctness never depends on it, time does."""
+
+    def rank(item: pytest.Item) -> int:
+        for i, prefix in enumerate(_ORDER):
+            if prefix in item.nodeid:
+                return i
+        return len(_ORDER)
+
+    slots = [i for i, item in enumerate(items) if "tests/flows/" in item.nodeid]
+    ordered = sorted((items[i] for i in slots), key=rank)
+    for slot, item in zip(slots, ordered, strict=True):
+        items[slot] = item
+
+
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
     """A running Prefect server; this process's Prefect client points at it."""

@@ -41,6 +41,11 @@ def _local_only(route: Any) -> None:
         route.abort()
 
 
+def _param_input(page: Any, name: str) -> Any:
+    """The text box under the form label ``<name> (Optional)`` (the labels carry no ``for=``)."""
+    return page.locator(f"xpath=//*[normalize-space(text())='{name} (Optional)']/following::textarea[1]")
+
+
 def test_custom_run_from_the_ui_completes_with_its_parameters(served: Served, tmp_path: Path) -> None:
     if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
         unavailable("Debian chromium is not installed (infra/browser/install.sh)")
@@ -66,8 +71,8 @@ def test_custom_run_from_the_ui_completes_with_its_parameters(served: Served, tm
             page.goto(f"{ui}/deployments/deployment/{deployment.id}", wait_until="domcontentloaded")
             page.get_by_role("button", name="Run", exact=True).click()
             page.get_by_text("Custom run").click()
-            page.get_by_label("recipe (Optional)").fill(RECIPE_PATH)
-            page.get_by_label("replica (Optional)").fill("tiny")
+            _param_input(page, "recipe").fill(RECIPE_PATH)
+            _param_input(page, "replica").fill("tiny")
             page.get_by_role("button", name="Submit").click()
             page.get_by_text("scheduled to start now").first.wait_for(timeout=30_000)
         except Exception:

@@ -139,8 +139,16 @@ def test_reused_stages_carry_the_metrics_of_the_run_they_reuse(store: LineageSto
     assert evaluate_nightly(store, run.id, TOLERANCES).status == "passed"
 
 
+def test_baseline_without_a_tracked_metric_fails_and_says_what_is_reported(store: LineageStore) -> None:
+    run = plant_run(store, "a" * 40, 3.0, 0.10, minutes=0)
+    verdict = evaluate_nightly(store, run.id, [*TOLERANCES, Tolerance("eval/accuracy", abs=0.01, stage="eval")])
+    assert verdict.status == "regressed" and not verdict.passed
+    assert "eval/accuracy" in verdict.message and "eval/loss" in verdict.message  # what *is* reported
+
+
 def test_vanished_metric_is_a_regression() -> None:
     assert check_metric(Tolerance("eval/loss", rel=0.1), 3.0, None).regressed
+    assert check_metric(Tolerance("eval/loss", rel=0.1), None, None).regressed  # never measured: never passes
     assert check_metric(Tolerance("eval/loss", rel=0.1), 3.0, float("nan")).regressed
     assert not check_metric(Tolerance("eval/loss", rel=0.1), None, 3.0).regressed
     assert not check_metric(Tolerance("acc", abs=0.01, worse="lower"), 0.5, 0.9).regressed
@@ -158,11 +166,11 @@ def test_parse_tolerances_shapes_and_errors() -> None:
     # What orchestrator.recipes resolves from the real recipe file.
     from orchestrator.recipes import resolve
 
-    tracked = parse_tolerances(resolve("marin-535b-a23b", "tiny", validate=False).tracked_metrics)
-    assert {t.metric: (t.stage, t.rel, t.abs) for t in tracked} == {
-        "eval/loss": ("eval", 0.02, None),
-        "moe/drop_fraction": ("eval", None, 0.005),
-    }
+    recipe = resolve("marin-535b-a23b", "tiny", validate=False)
+    tracked = parse_tolerances(recipe.tracked_metrics)
+    assert [t.metric for t in tracked] == [m.name for m in recipe.tracked_metrics] and tracked
+    for tol, metric in zip(tracked, recipe.tracked_metrics, strict=True):
+        assert (tol.stage, tol.rel, tol.abs) == (metric.stage, metric.relative, metric.absolute)
     assert Tolerance("x", rel=0.1, abs=0.01).allowance(1.0) == 0.01  # both must hold
     with pytest.raises(ConfigError, match=r"tracked_metrics.x: unknown keys \['tol'\]"):
         parse_tolerances({"x": {"tol": 1}})

@@ -14,6 +14,7 @@ from tests.flows.conftest import Served, require_service, wait_flow_run
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 
 TINY = {"recipe": "marin-535b-a23b", "replica": "tiny", "backend": "local"}
+STAGES = ["data", "tokenize", "pretrain", "midtrain", "posttrain", "eval"]
 
 
 def start_run(name: str, parameters: dict[str, Any]) -> Any:
@@ -25,28 +26,63 @@ def start_run(name: str, parameters: dict[str, Any]) -> Any:
 
 
 def test_replica_deployment_runs_tiny_then_reuses(served: Served) -> None:
-    """The served pipeline deployment runs the tiny replica; a second run reuses every stage."""
+    """Tiny replica via the served deployment: six stage tasks, job logs and lineage cards in Prefect,
+    lineage in the store; a second run reuses every stage."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        LogFilter,
+        LogFilterFlowRunId,
+        TaskRunFilter,
+        TaskRunFilterFlowRunId,
+    )
+
+    started = time.monotonic()
     first = wait_flow_run(start_run("replica-pipeline/replica", TINY), 480)
-    assert first.state.is_completed(), first.state.message
-    again = wait_flow_run(start_run("replica-pipeline/replica", {**TINY, "issue": None}), 120)
+    first_seconds = time.monotonic() - started
+    assert first.state.is_completed(), f"{first.state.message}\n{served.log()[-3000:]}"
+    with LineageStore(served.db_url) as store:
+        (run,) = store.list(PipelineRun, flow_run_id=str(first.id))
+        assert run.state == "COMPLETED" and run.trigger == "ui" and run.replica == "tiny"
+        assert run.params["prefect"]["backend"] == "local"
+        stages = {s.stage: s for s in store.list(StageRun, pipeline_run_id=run.id)}
+        assert sorted(stages) == sorted(STAGES) and {s.state for s in stages.values()} == {"COMPLETED"}
+        assert stages["eval"].metrics, "eval recorded its metrics"
+        for srun in stages.values():
+            (attempt,) = store.list(Attempt, stage_run_id=srun.id)
+            assert attempt.state == "COMPLETED" and attempt.job_id
+
+    with get_client(sync_client=True) as client:
+        by_run = TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[first.id]))
+        tasks = client.read_task_runs(task_run_filter=by_run)
+        assert sorted(t.name.rsplit("-", 1)[0] for t in tasks) == sorted(STAGES)
+        of_run = ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[first.id]))
+        artifacts = {a.key: a for a in client.read_artifacts(artifact_filter=of_run)}
+        assert {f"lineage-{s}" for s in STAGES} | {"lineage-pipeline"} <= set(artifacts)
+        assert stages["pretrain"].id in str(artifacts["lineage-pretrain"].data)
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[first.id])), limit=200)
+        text = "\n".join(log.message for log in logs)
+        assert "[pretrain]" in text, "job log lines reached Prefect's run logs"
+        assert "pretrain COMPLETED" in text, "stage transitions reached Prefect's run logs"
+
+    started = time.monotonic()
+    again = wait_flow_run(start_run("replica-pipeline/replica", TINY), 120)
+    again_seconds = time.monotonic() - started
     assert again.state.is_completed(), again.state.message
     with LineageStore(served.db_url) as store:
-        for flow_run, expected in ((first, None), (again, "REUSED")):
-            (run,) = store.list(PipelineRun, flow_run_id=str(flow_run.id))
-            assert run.state == "COMPLETED" and run.trigger == "ui"
-            states = {s.stage: s.state for s in store.list(StageRun, pipeline_run_id=run.id)}
-            assert len(states) == 6
-            if expected:
-                assert set(states.values()) == {expected}
+        (run,) = store.list(PipelineRun, flow_run_id=str(again.id))
+        assert [s.state for s in store.list(StageRun, pipeline_run_id=run.id)] == ["REUSED"] * 6
+    print(f"tiny replica via deployment: first {first_seconds:.0f}s, all reused {again_seconds:.0f}s")
 
 
 def _plant_better_nightly(store: LineageStore, loss_factor: float) -> PipelineRun:
-    """A fake earlier good nightly whose eval loss is ``loss_factor`` times the real tiny one."""
-    (real_eval,) = [
-        s for s in store.list(StageRun, stage="eval", state="COMPLETED") if s.metrics.get("eval/loss") is not None
-    ][:1]
-    metrics = dict(real_eval.metrics)
-    metrics["eval/loss"] = float(metrics["eval/loss"]) * loss_factor
+    """A fake earlier good nightly whose eval losses are ``loss_factor`` times the real tiny ones."""
+    real_eval = next(s for s in store.list(StageRun, stage="eval", state="COMPLETED") if s.metrics)
+    metrics = {
+        k: (v * loss_factor if k.endswith("/loss") and isinstance(v, float) else v)
+        for k, v in real_eval.metrics.items()
+    }
     with store.transaction() as tx:
         run = tx.add(
             PipelineRun(
@@ -75,7 +111,7 @@ def test_nightly_flow_fails_on_planted_regression_and_records_verdict(served: Se
     bad = wait_flow_run(start_run("nightly-replica/nightly", params), 240)
     assert bad.state.is_failed()
     message = bad.state.message or ""
-    assert "eval/loss" in message and "0123456789ab" in message, message
+    assert "/loss" in message and "0123456789ab" in message and "regression" in message, message
     with LineageStore(served.db_url) as store:
         (run,) = store.list(PipelineRun, flow_run_id=str(bad.id))
         assert run.verdict["status"] == "regressed" and run.verdict["previous_run_id"] == planted.id
@@ -90,11 +126,13 @@ def test_nightly_flow_fails_on_planted_regression_and_records_verdict(served: Se
         assert run.verdict["status"] == "passed"
 
 
-def _job_alive(backend: str, job_id: str) -> bool:
+def _job_alive(served: Served, backend: str, job_id: str) -> bool:
     if backend == "local":
         from orchestrator.launchers import JobHandle, get_launcher
+        from orchestrator.settings import load_settings
 
-        return not get_launcher("local").status(JobHandle("local", job_id)).state.terminal
+        settings = load_settings(environ={"OPENLAB_HOME": str(served.home)})
+        return not get_launcher("local", settings).status(JobHandle("local", job_id)).state.terminal
     if backend == "docker":
         import docker
 
@@ -133,15 +171,15 @@ def test_cancel_through_api_stops_backend_job(served: Served, backend: str) -> N
                     if att.job_id:
                         running = att
             time.sleep(0.3)
-    assert _job_alive(backend, running.job_id)
+    assert _job_alive(served, backend, running.job_id)
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(flow_run_id, Cancelling(message="test cancels"), force=True)
     final = wait_flow_run(flow_run_id, 90)
     assert final.state.is_cancelled(), final.state
     deadline = time.monotonic() + 30
-    while _job_alive(backend, running.job_id) and time.monotonic() < deadline:
+    while _job_alive(served, backend, running.job_id) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not _job_alive(backend, running.job_id), f"{backend} job {running.job_id} still running"
+    assert not _job_alive(served, backend, running.job_id), f"{backend} job {running.job_id} still running"
     with LineageStore(served.db_url) as store:
         attempt = store.require(Attempt, running.id)
         assert attempt.state == "CANCELLED", (attempt.state, attempt.reason)
