@@ -32,7 +32,7 @@ apt_install() {
   export DEBIAN_FRONTEND=noninteractive
   local apt_opts=(-o DPkg::Lock::Timeout=600 -y --no-install-recommends)
   # refresh the package lists once if they are missing or the install fails
-  if ! ls /var/lib/apt/lists/*_Packages >/dev/null 2>&1; then
+  if ! ls /var/lib/apt/lists/*_Packages* >/dev/null 2>&1; then
     run apt-get -o DPkg::Lock::Timeout=600 update -q || die "apt-get update failed"
   fi
   if ! run apt-get install "${apt_opts[@]}" "${missing[@]}"; then

@@ -105,8 +105,6 @@ else
   chmod 644 "$SLURM_CONF"
   log "wrote $SLURM_CONF ($NODE_LINE)"
 fi
-# cgroup.conf is read by slurmd even with proctrack/linuxproc on some builds; keep it harmless
-[ -f "$ETC/cgroup.conf" ] || echo "CgroupPlugin=disabled" >"$ETC/cgroup.conf" 2>/dev/null || true
 
 if [ "$RESTART" = 1 ] && { pid_alive "$S/slurmctld.pid" || pid_alive "$S/slurmd.pid"; }; then
   log "config changed; restarting the slurm daemons"
