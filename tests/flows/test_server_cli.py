@@ -124,3 +124,26 @@ def _alive(pid: int) -> bool:
             return fh.read().split()[2] != "Z"
     except OSError:
         return False
+
+
+def test_prefect_database_and_cron_come_from_openlab_settings(tmp_path: Path) -> None:
+    """SQLite under $OPENLAB_HOME/prefect by default; [prefect] database_url switches to PostgreSQL (asyncpg)."""
+    from flows.deployments import nightly_cron
+    from orchestrator.errors import ConfigError
+    from orchestrator.settings import load_settings
+
+    env = {"OPENLAB_HOME": str(tmp_path), "OPENLAB_CONFIG": str(tmp_path / "none.toml")}
+    (tmp_path / "none.toml").write_text("")
+    server = PrefectServer.from_settings(load_settings(environ=env))
+    assert server.database_url == f"sqlite+aiosqlite:///{tmp_path / 'prefect' / 'prefect.db'}"
+    assert server.env()["PREFECT_SERVER_ANALYTICS_ENABLED"] == "false" and server.env()["DO_NOT_TRACK"] == "1"
+    assert "PREFECT_API_URL" not in server.env()
+    pg = load_settings(
+        environ={**env, "OPENLAB_PREFECT__DATABASE_URL": "postgresql://u:p@db/prefect", "OPENLAB_PREFECT__PORT": "4300"}
+    )
+    server = PrefectServer.from_settings(pg)
+    assert server.database_url == "postgresql+asyncpg://u:p@db/prefect" and server.port == 4300
+    assert nightly_cron(load_settings(environ=env)) == "0 2 * * *"
+    assert nightly_cron(load_settings(environ={**env, "OPENLAB_PREFECT__NIGHTLY_CRON": "15 4 * * 1"})) == "15 4 * * 1"
+    with pytest.raises(ConfigError, match="invalid nightly cron"):
+        nightly_cron(load_settings(environ=env), "99 99 * * *")
