@@ -129,6 +129,15 @@ def runner_env(server: PrefectServer, home: Path) -> dict[str, str]:
         }
     )
     env.pop("OPENLAB_DB_URL", None)
+    try:  # the runner starts before any test calls require_slurm(): hand it the test cluster's config now
+        from tests.services import setting
+
+        conf = setting("SLURM_CONF")
+        if conf:
+            env.setdefault("SLURM_CONF", conf)
+            env.pop("SLURM_JWT", None)
+    except ImportError:
+        pass
     return env
 
 

@@ -7,7 +7,6 @@ analytics host on load, and tests must neither leak nor depend on the network.
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -15,9 +14,8 @@ from typing import Any
 import pytest
 
 from orchestrator.lineage import LineageStore, PipelineRun, StageRun
-from tests.flows.conftest import Served, unavailable, wait_flow_run
+from tests.flows.conftest import Served, require_service, unavailable, wait_flow_run
 
-CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
     "--headless",
     "--no-sandbox",
@@ -47,8 +45,7 @@ def _param_input(page: Any, name: str) -> Any:
 
 
 def test_custom_run_from_the_ui_completes_with_its_parameters(served: Served, tmp_path: Path) -> None:
-    if not Path(CHROMIUM).exists() and not shutil.which("chromium"):
-        unavailable("Debian chromium is not installed (infra/browser/install.sh)")
+    chromium = require_service("chromium")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
@@ -63,7 +60,7 @@ def test_custom_run_from_the_ui_completes_with_its_parameters(served: Served, tm
     submitted_at = time.time()
     with sync_playwright() as pw:
         context = pw.chromium.launch_persistent_context(
-            str(tmp_path / "profile"), executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS
+            str(tmp_path / "profile"), executable_path=chromium, headless=True, args=CHROMIUM_ARGS
         )
         try:
             page = context.new_page()
