@@ -190,7 +190,8 @@ def _postgres_probe(url: str) -> str:
         import psycopg
     except ImportError as exc:
         return f"psycopg is not installed ({exc})"
-    conninfo = url.replace("postgresql+psycopg://", "postgresql://", 1).replace("postgresql+psycopg2://", "postgresql://", 1)
+    scheme, sep, rest = url.partition("://")
+    conninfo = "postgresql" + sep + rest if scheme.startswith("postgresql+") else url
     try:
         with psycopg.connect(conninfo, connect_timeout=5) as conn:
             conn.execute("select 1")
@@ -206,8 +207,10 @@ def postgres_url() -> str:
     if up is False or (not url and up is not None):
         unavailable(_down_reason("postgres", reason))
     if not url:
-        unavailable("postgres: OPENLAB_TEST_POSTGRES_URL is not set and services.env does not exist; "
-                    "run: sudo infra/services.sh up")
+        unavailable(
+            "postgres: OPENLAB_TEST_POSTGRES_URL is not set and services.env does not exist; "
+            "run: sudo infra/services.sh up"
+        )
     problem = _postgres_probe(url)
     if problem:
         unavailable(f"postgres: {problem}")

@@ -144,6 +144,11 @@ if ! wait_for "$TIMEOUT" "node $HOST idle" node_idle; then
   fi
 fi
 
+if [ "$ACCT" = 1 ]; then
+  sacctmgr -i -n list cluster format=cluster 2>/dev/null | grep -qw openlab \
+    || sacctmgr -i add cluster openlab >/dev/null || log "WARNING: could not register cluster openlab with slurmdbd"
+fi
+
 # ---- self test: a batch job completes and its output file is readable -------------------------
 start=$SECONDS
 OUT="$S/jobs/selftest-%j.out"

@@ -36,9 +36,25 @@ def test_slurm_batch_job_completes_and_its_output_is_readable(tmp_path: Path) ->
     marker = uuid.uuid4().hex
     output = target / f"test-{marker}-%j.out"
     submitted = subprocess.run(
-        ["sbatch", "--parsable", "--wait", "-J", "openlab-infra-test", "-t", "1", "-o", str(output),
-         "--chdir", str(target), "--wrap", f"echo {marker}; echo host=$(hostname)"],
-        capture_output=True, text=True, timeout=120, check=False,
+        [
+            "sbatch",
+            "--parsable",
+            "--wait",
+            "-J",
+            "openlab-infra-test",
+            "-t",
+            "1",
+            "-o",
+            str(output),
+            "--chdir",
+            str(target),
+            "--wrap",
+            f"echo {marker}; echo host=$(hostname)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip().split(";")[0]
@@ -55,7 +71,10 @@ def test_slurm_failed_job_reports_its_exit_code() -> None:
     services.require_slurm()
     submitted = subprocess.run(
         ["sbatch", "--parsable", "--wait", "-t", "1", "-o", "/dev/null", "--wrap", "exit 3"],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     job_id = submitted.stdout.strip().split(";")[0]
     assert job_id, submitted.stderr
@@ -83,9 +102,21 @@ def test_postgres_accepts_a_connection() -> None:
 def test_chromium_renders_headless(tmp_path: Path) -> None:
     chromium = services.require_chromium()
     done = subprocess.run(
-        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-         f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", "data:text/html,<p>openlab-ok</p>"],
-        capture_output=True, text=True, timeout=90, check=False,
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--no-first-run",
+            "--disable-background-networking",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--dump-dom",
+            "data:text/html,<p>openlab-ok</p>",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
     )
     assert "openlab-ok" in done.stdout, done.stderr[-2000:]
 
@@ -94,7 +125,7 @@ def test_services_env_skip_and_ci_rules(tmp_path: Path, monkeypatch: pytest.Monk
     """The helpers' contract, without any service: recorded 0 -> skip locally, fail under CI."""
     (tmp_path / "services.env").write_text(
         "# comment\nOPENLAB_TEST_SLURM=0\nOPENLAB_TEST_SLURM_REASON='slurmctld did not start'\n"
-        "export SLURM_CONF=\"/x/slurm.conf\"\n"
+        'export SLURM_CONF="/x/slurm.conf"\n'
     )
     monkeypatch.setenv("OPENLAB_INFRA_STATE", str(tmp_path))
     for key in ("OPENLAB_TEST_SLURM", "OPENLAB_TEST_SLURM_REASON", "SLURM_CONF"):
