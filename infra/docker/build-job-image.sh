@@ -99,10 +99,15 @@ if [ "$WITH_TORCH" = 1 ]; then
 fi
 
 # --- build ----------------------------------------------------------------------------------
+OLD_ID="$(docker image inspect -f '{{.Id}}' "$IMAGE" 2>/dev/null || true)"
 log "building $IMAGE (base $BASE, torch=$WITH_TORCH)"
 start=$SECONDS
 DOCKER_BUILDKIT=0 run docker build --network host --force-rm "${ARGS[@]}" "${EXTRA[@]}" -t "$IMAGE" "$CTX" \
   || die "docker build of $IMAGE failed"
+NEW_ID="$(docker image inspect -f '{{.Id}}' "$IMAGE")"
+if [ -n "$OLD_ID" ] && [ "$OLD_ID" != "$NEW_ID" ] && [ -z "$(docker image inspect -f '{{join .RepoTags ","}}' "$OLD_ID" 2>/dev/null)" ]; then
+  docker rmi "$OLD_ID" >/dev/null 2>&1 && log "removed the previous, now untagged image ${OLD_ID:7:12}" || true
+fi
 SIZE="$(docker image inspect -f '{{.Size}}' "$IMAGE" | numfmt --to=iec)"
 log "built $IMAGE in $((SECONDS - start))s, size $SIZE"
 log "smoke test: $(docker run --rm --network none "$IMAGE" python -c 'import orchestrator, workloads, flows, sys; print("ok python", sys.version.split()[0])')"
