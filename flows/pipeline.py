@@ -185,10 +185,9 @@ def run_replica(
     trigger: str | None = None,
 ) -> dict[str, Any]:
     """The body of the pipeline flows (also used by the nightly): start, run each stage as a task, finish."""
-    from prefect.exceptions import ExternalSignal
 
     from flows.gitref import checkout_ref
-    from orchestrator.pipeline.execute import RunOptions, StageCancelled, StageFailed, finish_pipeline, start_recipe
+    from orchestrator.pipeline.execute import RunOptions, start_recipe
     from orchestrator.settings import load_settings
 
     logger = get_run_logger()
@@ -220,11 +219,31 @@ def run_replica(
         repo_root=repo_root,
     )
     run_ids.append(ctx.id)
-    _CONTEXTS[ctx.id] = ctx
     logger.info("pipeline run %s: %s on %s (commit %s)", ctx.id, ctx.pipeline_run.name, backend, ctx.commit.id[:12])
+    run_stages_as_tasks(ctx, retries=_stage_retries(), watcher=watcher)
+    summary = {
+        "pipeline_run_id": ctx.id,
+        "state": ctx.pipeline_run.state,
+        "commit": ctx.commit.id,
+        "stages": {s: r.to_dict() for s, r in ctx.results.items()},
+    }
+    logger.info("pipeline run %s %s; `openlab lineage show %s`", ctx.id, ctx.pipeline_run.state, ctx.id)
+    return summary
+
+
+def run_stages_as_tasks(ctx: PipelineContext, *, retries: int = 1, watcher: CancelWatcher | None = None) -> None:
+    """Run every stage of a started pipeline as a Prefect task (in order), then close the pipeline run.
+
+    A failed stage is retried ``retries`` times by Prefect; the library keeps the stage run
+    id in ``ctx``, so each retry is a new attempt of the same stage run.
+    """
+    from prefect.exceptions import ExternalSignal
+
+    from orchestrator.pipeline.execute import StageCancelled, StageFailed, finish_pipeline
+
+    _CONTEXTS[ctx.id] = ctx
     if watcher is not None:
         watcher.start()
-    retries = _stage_retries()
     state: str | None = None
     error: str | None = None
     try:
@@ -251,14 +270,6 @@ def run_replica(
         finally:
             _CONTEXTS.pop(ctx.id, None)
             _LOGGERS.pop(ctx.id, None)
-    summary = {
-        "pipeline_run_id": ctx.id,
-        "state": ctx.pipeline_run.state,
-        "commit": ctx.commit.id,
-        "stages": {s: r.to_dict() for s, r in ctx.results.items()},
-    }
-    logger.info("pipeline run %s %s; `openlab lineage show %s`", ctx.id, ctx.pipeline_run.state, ctx.id)
-    return summary
 
 
 def _trigger(flow_run: Any) -> str:
@@ -331,4 +342,4 @@ def replica_pipeline(
     )
 
 
-__all__ = ["Backend", "CancelWatcher", "replica_pipeline", "run_replica", "run_stage"]
+__all__ = ["Backend", "CancelWatcher", "replica_pipeline", "run_replica", "run_stage", "run_stages_as_tasks"]
