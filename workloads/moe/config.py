@@ -152,6 +152,7 @@ class ArmConfig:
     waves: int = 3
     chunks: int = 2
     marin_drop: float | None = None  # Marin's published drop fraction (for the report table)
+    scale: bool | None = None  # override repro.scale_capacity for this arm (false = Marin's cf as is)
 
 
 @dataclass

@@ -1,0 +1,64 @@
+"""Metric definitions (marin-moe.md section 3) against hand-computed values, and the QB update."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from workloads.moe.config import ModelConfig
+from workloads.moe.dispatch import DispatchSpec
+from workloads.moe.metrics import (
+    LayerStats,
+    load_balancing_loss,
+    max_load_ratio,
+    router_z_loss,
+    routing_entropy,
+    routing_hist,
+    summarize,
+)
+from workloads.moe.model import MoEFeedForward, RoutingRuntime
+
+
+def test_drop_fractions_and_overflow_rates() -> None:
+    layers = [LayerStats(counts=[3, 1], sender_dropped=1), LayerStats(counts=[2, 2], receiver_dropped=1)]
+    m = summarize(layers)
+    assert m["moe/drop_fraction"] == 2 / 8
+    assert m["moe/sender_drop_fraction"] == 1 / 8
+    assert m["moe/receiver_drop_fraction"] == 1 / 8
+    assert m["moe/receiver_drop_fraction_of_received"] == 1 / 7
+    assert m["train/router/capacity_overflow_rate_mean"] == (1 / 4 + 1 / 4) / 2
+    assert m["train/router/layer_1/capacity_overflow_rate"] == 1 / 4
+    assert m["layer_0/routing_hist"]["counts"] == [3, 1]
+
+
+def test_entropy_lbl_zloss_hist() -> None:
+    ent = float(routing_entropy(torch.tensor([3, 1])))
+    assert math.isclose(ent, -(0.75 * math.log(0.75 + 1e-6) + 0.25 * math.log(0.25 + 1e-6)), rel_tol=1e-9)
+    # Uniform routing gives K: E=2, K=1, f = [.5, .5], softmax(0) = [.5, .5] -> 2 * (.25 + .25) = 1.
+    assert math.isclose(float(load_balancing_loss(torch.tensor([1, 1]), torch.zeros(5, 2), 1)), 1.0)
+    # Skewed: counts [3,1], K=1, logits give softmax [0.9, 0.1] -> 2 * (0.75*0.9 + 0.25*0.1) = 1.4
+    logits = torch.log(torch.tensor([[0.9, 0.1]]))
+    assert math.isclose(float(load_balancing_loss(torch.tensor([3, 1]), logits, 1)), 1.4, rel_tol=1e-6)
+    assert math.isclose(float(router_z_loss(torch.zeros(3, 2))), math.log(2) ** 2, rel_tol=1e-6)
+    h = routing_hist([0, 3, 1])
+    assert (h["min"], h["max"], h["num"], h["sum"], h["sum_squares"]) == (1.0, 2.0, 4.0, 5.0, 7.0)
+
+
+def test_qb_update_drives_skewed_router_towards_balance() -> None:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=10, d_model=16, n_heads=2, n_experts=8, top_k=2, expert_hidden=8, n_shared=0)
+    layer = MoEFeedForward(cfg)
+    with torch.no_grad():
+        layer.router.weight[0] += 4.0  # expert 0 wins for most inputs
+        layer.router.weight[1] += 1.0
+    rt = RoutingRuntime(DispatchSpec("dropless", 4, 8))
+    x = torch.randn(4096, 16)
+    ratios = []
+    for _ in range(8):
+        layer(x, rt)
+        ratios.append(max_load_ratio(layer.last_stats.counts))
+        layer.apply_pending_qb()
+    assert ratios[0] > 1.8  # skewed at the start (uniform = 1.0)
+    assert ratios[-1] < 1.15, ratios
+    assert abs(float(layer.qb_bias.mean())) < 1e-5  # b = -(beta - mean beta) is centred

@@ -1,0 +1,79 @@
+"""Training behaviour: loss falls, resume is exact, bad configs fail before compute."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from workloads.moe.__main__ import main
+from workloads.moe.config import parse_config
+from workloads.moe.train import run_train
+
+from .conftest import train_cfg
+
+
+def _losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+    return {r["step"]: r["train/loss"] for r in rows}
+
+
+def test_tiny_training_loss_falls(tiny_tokens: Path, tmp_path: Path) -> None:
+    cfg = parse_config(train_cfg(tiny_tokens, steps=30, lr=0.01))
+    res = run_train(cfg, tmp_path, "pretrain")
+    losses = _losses(tmp_path)
+    first = sum(losses[s] for s in (1, 2, 3)) / 3
+    last = sum(losses[s] for s in (28, 29, 30)) / 3
+    assert last < first - 0.5, (first, last)
+    assert res["tokens_seen"] == 30 * 4 * 32
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    for key in ("moe/drop_fraction", "moe/sender_drop_fraction", "moe/receiver_drop_fraction",
+                "train/router/capacity_overflow_rate_mean", "routing_entropy", "layer_1/routing_hist"):
+        assert key in row
+
+
+def test_resume_gives_the_same_next_step_loss(tiny_tokens: Path, tmp_path: Path) -> None:
+    straight = tmp_path / "straight"
+    run_train(parse_config(train_cfg(tiny_tokens, steps=6)), straight, "pretrain")
+    resumed = tmp_path / "resumed"
+    first = run_train(parse_config(train_cfg(tiny_tokens, steps=6, stop_after=3)), resumed, "pretrain")
+    assert first["stopped_after"] == 3
+    assert max(_losses(resumed)) == 3
+    second = run_train(parse_config(train_cfg(tiny_tokens, steps=6)), resumed, "pretrain")
+    assert second["resumed_from_step"] == 3
+    a, b = _losses(straight), _losses(resumed)
+    assert sorted(b) == [1, 2, 3, 4, 5, 6]  # no duplicated or missing steps in metrics.jsonl
+    for step in (4, 5, 6):
+        assert abs(a[step] - b[step]) <= 1e-6, (step, a[step], b[step])
+
+
+def _write(tmp_path: Path, cfg: dict) -> str:
+    p = tmp_path / "cfg.json"
+    p.write_text(json.dumps(cfg))
+    return str(p)
+
+
+@pytest.mark.parametrize(
+    ("patch", "needle"),
+    [
+        ({"moe": {"dispatch": "ring_magic"}}, "unknown dispatch 'ring_magic'"),
+        ({"model": {"top_k": 4, "n_experts": 4}}, "model.top_k=4 must be < model.n_experts=4"),
+        ({"model": {"n_experts": 6}, "moe": {"ranks": 4}}, "n_experts=6 is not divisible by moe.ranks=4"),
+        ({"model": {"context": 10_000_000}}, "context=10000000 is longer than the data"),
+        ({"model": {"n_expert": 4}}, "unknown key 'model.n_expert'"),
+        ({"train": {"steps": "ten"}}, "'train.steps' must be an integer"),
+    ],
+)
+def test_bad_config_one_line_error_before_compute(
+    tiny_tokens: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], patch: dict, needle: str
+) -> None:
+    cfg = train_cfg(tiny_tokens)
+    for section, values in patch.items():
+        cfg[section] = {**cfg.get(section, {}), **values}
+    out = tmp_path / "out"
+    rc = main(["pretrain", "--config", _write(tmp_path, cfg), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1 and err.startswith("error: ") and needle in err, err
+    assert not (out / "checkpoint").exists() and not (out / "metrics.jsonl").exists()
