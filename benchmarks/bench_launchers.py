@@ -78,7 +78,20 @@ def raw_docker_s2r(image: str) -> float:
     return elapsed
 
 
+def slurm_settle() -> None:
+    """Wait until the node is idle again: a job submitted while the last one is still completing waits
+    for the next scheduling pass (seconds), which would measure the cluster, not the launcher."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        states = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True).stdout.split()
+        queue = subprocess.run(["squeue", "-h"], capture_output=True, text=True).stdout.strip()
+        if states and all(s == "idle" for s in states) and not queue:
+            return
+        time.sleep(0.1)
+
+
 def raw_slurm_total(poll: float) -> float:
+    slurm_settle()
     start = time.perf_counter()
     job = subprocess.run(["sbatch", "--parsable", "--output=/dev/null", "--wrap", "true"],
                          check=True, capture_output=True, text=True).stdout.strip().split(";")[0]
@@ -91,6 +104,7 @@ def raw_slurm_total(poll: float) -> float:
 
 
 def raw_slurm_s2r(poll: float) -> float:
+    slurm_settle()
     start = time.perf_counter()
     job = subprocess.run(["sbatch", "--parsable", "--output=/dev/null", "--wrap", "sleep 2"],
                          check=True, capture_output=True, text=True).stdout.strip().split(";")[0]
@@ -110,6 +124,8 @@ def raw_slurm_s2r(poll: float) -> float:
 def launcher_total(store: LineageStore, name: str, image: str | None, poll: float) -> float:
     launcher = get_launcher(name, image=image) if image else get_launcher(name)
     lines: list[str] = []
+    if name == "slurm":
+        slurm_settle()
     start = time.perf_counter()
     _, status = run_job(store, launcher, JobSpec(name="bench", command=["true"], image=image), on_log=lines.append,
                         poll=poll)
@@ -120,6 +136,8 @@ def launcher_total(store: LineageStore, name: str, image: str | None, poll: floa
 
 def launcher_s2r(name: str, image: str | None, poll: float) -> float:
     launcher = get_launcher(name, image=image) if image else get_launcher(name)
+    if name == "slurm":
+        slurm_settle()
     start = time.perf_counter()
     handle = launcher.submit(JobSpec(name="bench", command=["sleep", "2"], image=image))
     backoff = Backoff(poll)
