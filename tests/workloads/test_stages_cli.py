@@ -1,0 +1,72 @@
+"""The six stages as subprocesses, chained end to end on tiny data, as `make demo` runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "workloads" / "moe" / "examples"
+SHRINK = {
+    "data": {"data": {"max_bytes_per_domain": 120_000, "max_sft_examples": 200}},
+    "tokenize": {"tokenizer": {"vocab_size": 400}},
+    "pretrain": {"train": {"steps": 4, "checkpoint_every": 2}},
+    "midtrain": {"train": {"steps": 3, "checkpoint_every": 2}},
+    "posttrain": {"train": {"steps": 2, "checkpoint_every": 2}},
+    "eval": {"eval": {"batches": 1}},
+}
+
+
+def _stage(stage: str, tmp: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    cfg = yaml.safe_load((EXAMPLES / f"{stage}.yaml").read_text())
+    for section, values in SHRINK[stage].items():
+        cfg[section] = {**cfg.get(section, {}), **values}
+    if "model" in cfg:
+        cfg["model"]["context"] = 64
+    cfg["inputs"] = {k: str(tmp / v.replace("runs/tiny/", "")) for k, v in cfg.get("inputs", {}).items()}
+    path = tmp / f"{stage}.json"
+    path.write_text(json.dumps(cfg))
+    out = tmp / {"tokenize": "tokens"}.get(stage, stage)
+    return subprocess.run(
+        [sys.executable, "-m", "workloads.moe", stage, "--config", str(path), "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_six_stage_chain_end_to_end(tmp_path: Path) -> None:
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    env.pop("WANDB_API_KEY", None)
+    for stage in ("data", "tokenize", "pretrain", "midtrain", "posttrain", "eval"):
+        proc = _stage(stage, tmp_path, env)
+        assert proc.returncode == 0, (stage, proc.stderr[-2000:])
+        out = tmp_path / {"tokenize": "tokens"}.get(stage, stage)
+        assert (out / "metrics.json").is_file(), stage
+    assert (tmp_path / "tokens" / "tokenizer.json").is_file()
+    pre = json.loads((tmp_path / "pretrain" / "checkpoint" / "meta.json").read_text())
+    mid = json.loads((tmp_path / "midtrain" / "checkpoint" / "meta.json").read_text())
+    assert mid["tokens_seen"] > pre["tokens_seen"]  # mid-train continues the count
+    assert mid["lineage"]["checkpoint"].startswith(str(tmp_path / "pretrain"))
+    ev = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert {"eval/code/loss", "eval/prose/loss", "eval/moe/drop_fraction"} <= set(ev)
+    assert ev["wandb_run_id"] and list((tmp_path / "eval" / "wandb").glob("offline-run-*"))
+    # Restarting a finished stage resumes from its checkpoint instead of training again.
+    proc = _stage("midtrain", tmp_path, env)
+    assert proc.returncode == 0 and json.loads((tmp_path / "midtrain" / "metrics.json").read_text())[
+        "resumed_from_step"] == 3
+
+
+def test_cli_bad_input_is_one_line_exit_2(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("inputs: {tokens: /nonexistent}\nmoe: {dispatch: pooled_wave}\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "workloads.moe", "pretrain", "--config", str(cfg), "--out", str(tmp_path / "o")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: inputs.tokens") and proc.stderr.count("\n") == 1
+    assert "Traceback" not in proc.stderr
