@@ -62,3 +62,19 @@ def test_qb_update_drives_skewed_router_towards_balance() -> None:
     assert ratios[0] > 1.8  # skewed at the start (uniform = 1.0)
     assert ratios[-1] < 1.15, ratios
     assert abs(float(layer.qb_bias.mean())) < 1e-5  # b = -(beta - mean beta) is centred
+
+
+def test_in_model_metrics_match_the_definitions() -> None:
+    torch.manual_seed(1)
+    cfg = ModelConfig(vocab_size=10, d_model=16, n_heads=2, n_experts=6, top_k=2, expert_hidden=8, n_shared=1,
+                      shared_hidden=8)
+    layer = MoEFeedForward(cfg).eval()
+    x = torch.randn(64, 16)
+    layer(x, RoutingRuntime(DispatchSpec("fixed_all_to_all", 2, 6, 1.0)))
+    st = layer.last_stats
+    s = x @ layer.router.weight.T
+    counts = torch.tensor(st.counts)
+    assert sum(st.counts) == 64 * 2
+    assert math.isclose(st.load_balancing_loss, float(load_balancing_loss(counts, s, 2)), rel_tol=1e-5)
+    assert math.isclose(st.router_z_loss, float(router_z_loss(s)), rel_tol=1e-5)
+    assert math.isclose(st.entropy, float(routing_entropy(counts)), rel_tol=1e-6)

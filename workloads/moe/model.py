@@ -162,14 +162,21 @@ class MoEFeedForward(nn.Module):
         self.last_experts = experts.detach() if rt.record_routing else None
         if rt.collect_metrics:
             with torch.no_grad():
+                # One logsumexp pass feeds both the z-loss and the softmax mean of the balancing
+                # statistic (same definitions as metrics.py, half the passes over [N, E]).
                 sd = s.detach()
+                lse = torch.logsumexp(sd, dim=-1)
+                p_mean = torch.exp(sd - lse[:, None]).mean(0)
+                f = c_all.to(sd.dtype) / max(1, N * self.K)
+                vals = torch.stack([self.E * (self.K * f * p_mean).sum(), lse.pow(2).mean(),
+                                    routing_entropy(c_all).to(sd.dtype)]).tolist()
                 self.last_stats = LayerStats(
                     counts=c_all.tolist(),
                     sender_dropped=res.sender_dropped,
                     receiver_dropped=res.receiver_dropped,
-                    entropy=float(routing_entropy(c_all)),
-                    load_balancing_loss=float(load_balancing_loss(c_all, sd, self.K)),
-                    router_z_loss=float(router_z_loss(sd)),
+                    entropy=vals[2],
+                    load_balancing_loss=vals[0],
+                    router_z_loss=vals[1],
                 )
         else:
             self.last_stats = None
