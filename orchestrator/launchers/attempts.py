@@ -100,7 +100,7 @@ def mark_running(store: LineageStore, attempt: Attempt, status: JobStatus) -> At
         return tx.update(
             attempt,
             state="RUNNING",
-            started_at=status.started_at or utcnow(),
+            started_at=max(status.started_at or utcnow(), attempt.submitted_at),
             host=status.host or attempt.host,
             image_digest=status.image_digest or attempt.image_digest,
         )
@@ -108,14 +108,18 @@ def mark_running(store: LineageStore, attempt: Attempt, status: JobStatus) -> At
 
 def finish_attempt(store: LineageStore, attempt: Attempt, status: JobStatus) -> Attempt:
     """Record the end of an attempt: state, exit code, reason, host, image digest, times."""
+    # Slurm and Kubernetes report whole seconds: never let a job end (or start) before it was submitted
+    floor = attempt.submitted_at
+    started = attempt.started_at or status.started_at
+    ended = status.ended_at or utcnow()
     changes: dict[str, Any] = {
         "state": lineage_state(status.state),
         "exit_code": status.exit_code,
         "reason": status.reason,
         "host": status.host or attempt.host,
         "image_digest": status.image_digest or attempt.image_digest,
-        "started_at": attempt.started_at or status.started_at,
-        "ended_at": status.ended_at or utcnow(),
+        "started_at": max(started, floor) if started and floor else started,
+        "ended_at": max(ended, floor) if floor else ended,
     }
     with store.transaction() as tx:
         return tx.update(attempt, **changes)
