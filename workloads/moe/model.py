@@ -12,6 +12,7 @@ The bias is a buffer (not a parameter): it only moves selection and never receiv
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -98,6 +99,7 @@ class MoEFeedForward(nn.Module):
         self.last_stats: LayerStats | None = None
         self.last_experts: torch.Tensor | None = None
         self.last_aux: torch.Tensor | None = None
+        self.metrics_time_s = 0.0
 
     @torch.no_grad()
     def apply_pending_qb(self) -> None:
@@ -161,6 +163,7 @@ class MoEFeedForward(nn.Module):
         self.last_aux = aux
         self.last_experts = experts.detach() if rt.record_routing else None
         if rt.collect_metrics:
+            t_metrics = time.perf_counter()
             with torch.no_grad():
                 # One logsumexp pass feeds both the z-loss and the softmax mean of the balancing
                 # statistic (same definitions as metrics.py, half the passes over [N, E]).
@@ -178,6 +181,7 @@ class MoEFeedForward(nn.Module):
                     load_balancing_loss=vals[0],
                     router_z_loss=vals[1],
                 )
+            self.metrics_time_s += time.perf_counter() - t_metrics  # for the benchmark's cost report
         else:
             self.last_stats = None
         return y
