@@ -40,7 +40,8 @@ falls back to a default.
       train_arm: pooled_wave_1.05_1.33    # the arm whose dispatch is in the training forward pass
       late_window: 40                    # report the median over the last N steps
       scale_capacity: true               # arms give Marin's cf; scaled so (cf-1)*sqrt(mu) is kept
-      arms: [{name, dispatch, capacity_factor, transport_capacity_factor, waves, chunks, marin_drop}]
+      arms: [{name, dispatch, capacity_factor, transport_capacity_factor, waves, chunks, marin_drop,
+              scale}]   # scale: per-arm override of scale_capacity (false = Marin's cf as is)
     wandb: {id, project, entity, group, job_type, tags, config, resume: allow}   # absent = disabled
 
 Why a single schema: the stages form one chain and the flows layer can write the same `model`/`moe`
