@@ -1,0 +1,89 @@
+"""``make demo``: the scaled-down replica pipeline end to end on the embedded defaults.
+
+Starts (or reuses) a local Prefect server, registers the openlab deployments so they
+appear in the UI, runs the ``tiny`` replica of the Marin recipe as a Prefect flow on
+the local backend with the SQLite lineage store, then prints where to look. The
+Prefect server is left running so the UI can be opened afterwards; the demo prints
+how to stop it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from orchestrator.errors import OpenlabError
+
+console = Console()
+
+RECIPE = os.environ.get("OPENLAB_DEMO_RECIPE", "marin-535b-a23b")
+REPLICA = os.environ.get("OPENLAB_DEMO_REPLICA", "tiny")
+
+
+def _server(home: Path):  # type: ignore[no-untyped-def]
+    """A healthy local Prefect server: the one already up on the configured port, or a new one."""
+    from orchestrator.prefect_server import PrefectServer, free_port, health_ok, port_in_use
+
+    server = PrefectServer.from_settings()
+    if health_ok(server.api_url):
+        console.print(f"[green]✓[/] reusing the Prefect server at {server.ui_url}")
+        return server, False
+    if port_in_use(server.host, server.port):
+        server.port = free_port(server.host)
+    with console.status(f"starting a local Prefect server on {server.ui_url} (telemetry off)…"):
+        server.start()
+    (home / "prefect").mkdir(parents=True, exist_ok=True)
+    (home / "prefect" / "server.pid").write_text(f"{server.process.pid}\n")  # type: ignore[union-attr]
+    console.print(f"[green]✓[/] Prefect server at {server.ui_url} (log: {server.log_path})")
+    return server, True
+
+
+def main() -> int:
+    from orchestrator.lineage.store import open_store
+    from orchestrator.prefect_server import use_api
+    from orchestrator.settings import load_settings
+
+    settings = load_settings()
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("WANDB_SILENT", "true")
+    console.rule(f"openlab demo: {RECIPE} / {REPLICA} replica, local backend")
+    store = open_store(settings)
+    console.print(f"[green]✓[/] lineage store {store.url}")
+    server, started = _server(settings.home)
+    with use_api(server.api_url):
+        from flows.deployments import apply_deployments, build_deployments, in_repo_root
+        from flows.pipeline import replica_pipeline
+
+        with in_repo_root():
+            names = apply_deployments(build_deployments(settings, paused_nightly=True))
+        console.print(f"[green]✓[/] deployments registered: {', '.join(sorted(names))}")
+        console.print(f"running the {REPLICA} replica (six stages; a few minutes on 2 CPU cores)…")
+        state = replica_pipeline(recipe=RECIPE, replica=REPLICA, backend="local", return_state=True)
+    result = state.result(raise_on_failure=False) if state.is_completed() else None
+    pipeline_run_id = (result or {}).get("pipeline_run_id") if isinstance(result, dict) else None
+    console.rule("where to look")
+    console.print(f"Prefect UI            {server.ui_url}  (flow runs, stage logs, lineage cards as artifacts)")
+    if pipeline_run_id:
+        console.print(f"this run's lineage    openlab lineage show {pipeline_run_id}")
+    console.print("all runs              openlab lineage list")
+    console.print("prove nothing changed openlab lineage verify")
+    console.print("what would re-run     openlab explain marin-535b-a23b --replica tiny")
+    console.print(f"lineage store         {store.url}")
+    if started:
+        console.print(f"stop the Prefect server with: kill {server.process.pid}  (trigger runs from the UI: openlab server)")
+    if not state.is_completed():
+        console.print(f"[bold red]the pipeline ended {state.type.value}: {state.message}[/]")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except OpenlabError as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        sys.exit(exc.exit_code)
