@@ -74,7 +74,8 @@ def main() -> int:
     console.print("what would re-run     openlab explain marin-535b-a23b --replica tiny")
     console.print(f"lineage store         {store.url}")
     if started:
-        console.print(f"stop the Prefect server with: kill {server.process.pid}  (trigger runs from the UI: openlab server)")
+        pid = server.process.pid  # type: ignore[union-attr]
+        console.print(f"stop the Prefect server with: kill {pid}  (trigger runs from the UI: openlab server)")
     if not state.is_completed():
         console.print(f"[bold red]the pipeline ended {state.type.value}: {state.message}[/]")
         return 1
