@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> None:
     except OpenlabError as exc:
         from orchestrator.cli.output import err_console
 
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        from rich.markup import escape
+
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
