@@ -10,6 +10,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.openlab-installed
 INFRA_STATE ?= $(or $(OPENLAB_INFRA_STATE),/var/tmp/openlab-infra)
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 export DO_NOT_TRACK := 1
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
@@ -45,8 +46,10 @@ test-fast: install
 lint: install
 	$(VENV)/bin/ruff check .
 
-bench: install
-	$(PY) benchmarks/run_all.py
+# Benchmarks compare against docker and sbatch, so the same services as the tests are started.
+bench: install services-up
+	set -a; [ -f $(INFRA_STATE)/services.env ] && . $(INFRA_STATE)/services.env; set +a; \
+	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
