@@ -45,3 +45,57 @@ def scrub(text: str, values: Iterable[str] | None = None) -> str:
         if value and value in text:
             text = text.replace(value, MASK)
     return text
+
+
+#: Words that make a record key a credential (``wandb_api_key``, ``githubToken``, ``db-password``).
+#: Whole words, not substrings: a training config's ``tokenizer`` or ``max_tokens`` is no secret.
+CREDENTIAL_WORDS = frozenset({"token", "key", "apikey", "secret", "password", "passwd", "credential", "credentials"})
+_WORDS = re.compile(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])")
+
+
+def is_credential_key(name: str) -> bool:
+    """Whether a key in recorded data (params, configs, metadata) names a credential."""
+    return any(word.lower() in CREDENTIAL_WORDS for word in _WORDS.findall(name))
+
+
+def redact_value(value: object, values: Iterable[str] | None = None) -> object:
+    """``value`` made safe to record: credential-named string entries masked, secret values scrubbed.
+
+    Applied by the lineage store to every record it writes, so a secret passed as a flow
+    parameter or left in a config never reaches lineage (and so never an export).
+    Non-string values under credential-like keys (``key_dim: 64``) are kept: they are shapes, not secrets.
+    """
+    found = secret_values() if values is None else list(values)
+    return _redact(value, found)
+
+
+def credential_values(value: object) -> list[str]:
+    """String values found under credential-named keys anywhere in ``value``.
+
+    A token given as ``params["github_token"]`` may also appear in another field's text
+    (a command line, an error); scrubbing these too closes that path.
+    """
+    found: list[str] = []
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(v, str) and len(v) >= MIN_SECRET_LENGTH and is_credential_key(str(k)):
+                found.append(v)
+            else:
+                found.extend(credential_values(v))
+    elif isinstance(value, list):
+        for v in value:
+            found.extend(credential_values(v))
+    return found
+
+
+def _redact(value: object, found: list[str]) -> object:
+    if isinstance(value, str):
+        return scrub(value, found) if found else value
+    if isinstance(value, dict):
+        return {
+            k: (MASK if isinstance(v, str) and v and is_credential_key(str(k)) else _redact(v, found))
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_redact(v, found) for v in value]
+    return value

@@ -375,7 +375,7 @@ def _load_cache(path: Path, root: Path) -> tuple[dict[str, list[Any]], dict[str,
     )
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a unique temp file and ``os.replace``.
 
     Two processes writing the same path each replace it whole; readers see one
@@ -514,7 +514,7 @@ def snapshot(
             "bytes": total,
             "entries": [e.to_dict() for e in entries],
         }
-        _atomic_write(manifest_path, json.dumps(manifest, separators=(",", ":")).encode())
+        atomic_write(manifest_path, json.dumps(manifest, separators=(",", ":")).encode())
     if not unchanged or last_manifest != snap_id:
         body = {
             "version": CACHE_VERSION,
@@ -523,7 +523,7 @@ def snapshot(
             "links": links,
             "entries": new_cache,
         }
-        _atomic_write(cache_file, json.dumps(body, separators=(",", ":")).encode())
+        atomic_write(cache_file, json.dumps(body, separators=(",", ":")).encode())
     return Snapshot(
         id=snap_id,
         path=root,

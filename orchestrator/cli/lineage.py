@@ -239,3 +239,28 @@ def verify_cmd(json_out: JsonFlag = False) -> None:
             "[green]lineage verified: event chain intact, records match their log, data and commits present[/]"
         )
     raise typer.Exit(1 if problems else 0)
+
+
+@app.command("export")
+def export_cmd(
+    runs: Annotated[
+        list[str] | None, typer.Argument(help="Pipeline run ids (or unique prefixes); none exports everything.")
+    ] = None,
+    fmt: Annotated[
+        str, typer.Option("--format", "-f", help="prov (W3C PROV-JSON) or openlineage (JSON lines).")
+    ] = "prov",
+    output: Annotated[str | None, typer.Option("--output", "-o", help="Write to this file instead of stdout.")] = None,
+    namespace: Annotated[str, typer.Option(help="OpenLineage job namespace.")] = "openlab",
+) -> None:
+    """Export lineage as W3C PROV-JSON or OpenLineage RunEvents, secrets masked, for other tools to read."""
+    from pathlib import Path
+
+    from orchestrator.lineage.export import export
+    from orchestrator.snapshots import atomic_write
+
+    text = export(_open(), fmt, runs or (), namespace=namespace)
+    if output is None:
+        print(text, end="")
+        return
+    atomic_write(Path(output), text.encode())  # a reader never sees half an export
+    console.print(f"wrote {fmt} export to {output}", highlight=False)

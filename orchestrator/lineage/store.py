@@ -39,6 +39,7 @@ from orchestrator.lineage.models import (
     new_id,
     utcnow,
 )
+from orchestrator.secrets import credential_values, redact_value, secret_values
 from orchestrator.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
@@ -166,10 +167,29 @@ class Transaction:
         return entry
 
     # -- writes --------------------------------------------------------------------
+    @staticmethod
+    def _redact(record: LineageRecord) -> None:
+        """Mask credentials and scrub secret values in place before anything is written.
+
+        The one gate every record passes, so no caller can leak a token into lineage.
+        """
+        fields = type(record).model_fields
+        found = secret_values()
+        for name in fields:
+            found.extend(credential_values(getattr(record, name)))
+        found.sort(key=len, reverse=True)
+        for name in fields:
+            value = getattr(record, name)
+            if isinstance(value, str | dict | list):
+                clean = redact_value(value, found)
+                if clean != value:
+                    setattr(record, name, clean)
+
     def add(self, record: R) -> R:
         """Insert a new record (an id is assigned when it has none)."""
         if not getattr(record, "id", None):
             record.id = new_id(record.id_prefix)  # type: ignore[attr-defined]
+        self._redact(record)
         self.session.add(record)
         self._append(record, "create")
         return record
@@ -192,6 +212,7 @@ class Transaction:
             if name not in type(stored).model_fields:
                 raise AttributeError(f"{type(stored).__name__} has no field {name!r}")
             setattr(stored, name, value)
+        self._redact(stored)
         self.session.add(stored)
         self._append(stored, "update")
         return stored

@@ -51,7 +51,7 @@ from git.exc import (  # noqa: E402
 from orchestrator.errors import OpenlabError  # noqa: E402
 from orchestrator.hashing import hash_bytes  # noqa: E402
 from orchestrator.settings import Settings, load_settings  # noqa: E402
-from orchestrator.snapshots import _atomic_write  # noqa: E402
+from orchestrator.snapshots import atomic_write  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +325,7 @@ def _capture(
         patch_hash = hash_bytes(patch)
         blob = settings.blobs_dir / patch_hash
         if not blob.exists():
-            _atomic_write(blob, patch)
+            atomic_write(blob, patch)
         patch_path = str(blob)
     return GitInfo(
         available=True,

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from orchestrator.secrets import redact_mapping, scrub, secret_values
+import json
+
+import pytest
+
+from orchestrator.lineage.models import PipelineRun
+from orchestrator.lineage.store import LineageStore
+from orchestrator.secrets import is_credential_key, redact_mapping, redact_value, scrub, secret_values
+from orchestrator.settings import load_settings
 
 
 def test_secret_named_values_are_masked() -> None:
@@ -21,3 +28,48 @@ def test_scrub_removes_secret_values_from_text() -> None:
 def test_scrub_defaults_to_this_process(monkeypatch) -> None:
     monkeypatch.setenv("MY_SECRET", "s3cr3t-value")
     assert scrub("value=s3cr3t-value") == "value=***"
+
+
+@pytest.mark.parametrize(
+    ("key", "credential"),
+    [
+        ("wandb_api_key", True),
+        ("GITHUB_TOKEN", True),
+        ("githubToken", True),
+        ("db-password", True),
+        ("AWS_SECRET_ACCESS_KEY", True),
+        ("tokenizer", False),  # a training config's words are not credentials
+        ("max_tokens", False),
+        ("n_keys", False),
+        ("monkey", False),
+    ],
+)
+def test_credential_keys_are_whole_words(key: str, credential: bool) -> None:
+    assert is_credential_key(key) is credential
+
+
+def test_redact_value_masks_credential_strings_but_keeps_shapes() -> None:
+    config = {"model": {"key_dim": 64, "tokenizer": "bpe-4096"}, "auth": [{"api_key": "abcdef123456"}]}
+    assert redact_value(config, []) == {"model": {"key_dim": 64, "tokenizer": "bpe-4096"}, "auth": [{"api_key": "***"}]}
+
+
+def test_the_store_never_writes_a_secret_into_records_or_events(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPENLAB_DB_PASSWORD", "env-secret-999")
+    with LineageStore.open(load_settings()) as store:
+        with store.transaction() as tx:
+            run = tx.add(
+                PipelineRun(
+                    name="leaky",
+                    params={"github_token": "ghp_param_secret_1", "note": "cloned with ghp_param_secret_1"},
+                    error="connect failed: password env-secret-999 rejected",
+                )
+            )
+        with store.transaction() as tx:
+            tx.update(tx.get(PipelineRun, run.id), params={"nested": {"WANDB_API_KEY": "wandb-secret-22"}})
+        stored = store.require(PipelineRun, run.id)
+        written = json.dumps([e.payload for e in store.events(run.id)]) + stored.model_dump_json()
+    assert stored.error == "connect failed: password *** rejected"
+    assert stored.params == {"nested": {"WANDB_API_KEY": "***"}}
+    for secret in ("ghp_param_secret_1", "env-secret-999", "wandb-secret-22"):
+        assert secret not in written
+    assert "cloned with ***" in written  # the param's value was also scrubbed from the other field

@@ -1,0 +1,421 @@
+"""Export lineage in the two open formats other tools read: W3C PROV-JSON and OpenLineage.
+
+Why both: PROV is the archival answer to "what produced this, from what, by whom" and maps
+one to one onto the store (every record is an entity, activity or agent; every
+:class:`~orchestrator.lineage.models.Relation` is the PROV relation of the same name).
+OpenLineage is what lineage servers such as Marquez ingest: one ``RunEvent`` per run
+transition, with the job's inputs and outputs as datasets.
+
+What is exported is a *closure*: the pipeline runs asked for, their stage runs and
+attempts, and every record one relation away from those (commits, environments, data
+snapshots, artifacts, issues, W&B runs). With no pipeline run named, the whole store.
+
+Secrets never leave: secret-named keys (``*TOKEN*``, ``*KEY*`` ...) anywhere in a record are
+masked and any secret value of this process's environment is scrubbed from every string
+(:mod:`orchestrator.secrets`) — an export is something people publish.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from sqlmodel import col
+
+from orchestrator.errors import OpenlabError
+from orchestrator.lineage.models import (
+    RECORD_TYPES,
+    Attempt,
+    LineageRecord,
+    PipelineRun,
+    Relation,
+    StageRun,
+)
+from orchestrator.lineage.store import LineageStore, record_payload
+from orchestrator.secrets import MASK, is_secret_name, scrub, secret_values
+
+FORMATS = ("prov", "openlineage")
+
+#: The PROV namespace every openlab id lives in. A URN, so it resolves nowhere and claims no domain.
+OPENLAB_NS = "urn:openlab:"
+#: Run ids in OpenLineage must be UUIDs; ours are derived from the lineage id so re-exports agree.
+RUN_ID_NAMESPACE = uuid.UUID("0b8f8f4e-6c1e-5a7b-9d64-0a5c3c1f9e21")
+
+OL_SPEC = "https://openlineage.io/spec/2-0-2/OpenLineage.json#/$defs/RunEvent"
+OL_FACETS = "https://openlineage.io/spec/facets"
+VERSION_FACET = f"{OL_FACETS}/1-0-1/DatasetVersionDatasetFacet.json#/$defs/DatasetVersionDatasetFacet"
+OPENLAB_FACET_SCHEMA = "urn:openlab:facets:OpenlabRunFacet:1"
+
+
+class ExportError(OpenlabError):
+    """An export could not be made (unknown run id, unknown format)."""
+
+
+def _producer() -> str:
+    try:
+        return f"urn:openlab:{version('openlab')}"
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "urn:openlab:dev"
+
+
+# -- the closure ----------------------------------------------------------------------
+
+
+@dataclass
+class Closure:
+    """The records and relations one export covers, keyed by lineage id."""
+
+    records: dict[str, LineageRecord] = field(default_factory=dict)
+    relations: list[Relation] = field(default_factory=list)
+
+    def of_kind(self, kind: str) -> list[Any]:
+        return [r for r in self.records.values() if r.kind == kind]
+
+
+def collect(store: LineageStore, pipeline_run_ids: Sequence[str] = ()) -> Closure:
+    """The records an export of these pipeline runs (or of everything) covers."""
+    closure = Closure()
+    if not pipeline_run_ids:
+        for kind, model in RECORD_TYPES.items():
+            if kind != "relation":
+                for record in store.list(model):
+                    closure.records[record.id] = record  # type: ignore[attr-defined]
+        closure.relations = store.list(Relation, order_by=col(Relation.created_at))
+        return closure
+
+    core: list[LineageRecord] = []
+    for run_id in pipeline_run_ids:
+        run = store.find(run_id)
+        if not isinstance(run, PipelineRun):
+            raise ExportError(f"{run_id!r} is a {run.kind}, not a pipeline run; `openlab lineage list` shows run ids")
+        core.append(run)
+        stages = store.list(StageRun, pipeline_run_id=run.id)
+        core.extend(stages)
+        for stage in stages:
+            core.extend(store.list(Attempt, stage_run_id=stage.id))
+    for record in core:
+        closure.records[record.id] = record  # type: ignore[attr-defined]
+    seen: set[str] = set()
+    for record in core:
+        for rel in store.relations(record.id):  # type: ignore[attr-defined]
+            if rel.id in seen:
+                continue
+            seen.add(rel.id)
+            closure.relations.append(rel)
+            for kind, rid in ((rel.subject_kind, rel.subject_id), (rel.object_kind, rel.object_id)):
+                if rid not in closure.records and kind in RECORD_TYPES:
+                    other = store.get(RECORD_TYPES[kind], rid)
+                    if other is not None:
+                        closure.records[rid] = other
+    for run in [r for r in closure.records.values() if isinstance(r, PipelineRun)]:
+        if run.experiment_id and run.experiment_id not in closure.records:
+            experiment = store.get(RECORD_TYPES["experiment"], run.experiment_id)
+            if experiment is not None:
+                closure.records[experiment.id] = experiment  # type: ignore[attr-defined]
+    return closure
+
+
+# -- secret-safe values -----------------------------------------------------------------
+
+
+def _clean(value: Any, secrets: Sequence[str]) -> Any:
+    """``value`` with secret-named keys masked and secret values scrubbed, recursively."""
+    if isinstance(value, str):
+        return scrub(value, secrets)
+    if isinstance(value, dict):
+        return {k: (MASK if is_secret_name(str(k)) else _clean(v, secrets)) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v, secrets) for v in value]
+    if isinstance(value, dt.datetime):
+        return _iso(value)
+    return value
+
+
+def _iso(when: dt.datetime) -> str:
+    if when.tzinfo is None:  # stored naive on an old row: the store only ever writes UTC
+        when = when.replace(tzinfo=dt.UTC)
+    return when.isoformat()
+
+
+def _payload(record: LineageRecord, secrets: Sequence[str]) -> dict[str, Any]:
+    return _clean(record_payload(record), secrets)
+
+
+# -- W3C PROV-JSON -----------------------------------------------------------------------
+
+#: Our relation name -> (PROV-JSON section, subject attribute, object attribute).
+PROV_RELATIONS: dict[str, tuple[str, str, str]] = {
+    "used": ("used", "prov:activity", "prov:entity"),
+    "wasGeneratedBy": ("wasGeneratedBy", "prov:entity", "prov:activity"),
+    "wasDerivedFrom": ("wasDerivedFrom", "prov:generatedEntity", "prov:usedEntity"),
+    "wasInformedBy": ("wasInformedBy", "prov:informed", "prov:informant"),
+    "wasStartedBy": ("wasStartedBy", "prov:activity", "prov:trigger"),
+}
+#: The software agent every activity is associated with when its plan is a commit or environment.
+ORCHESTRATOR_AGENT = "openlab:orchestrator"
+
+
+def _qn(record_id: str) -> str:
+    return f"openlab:{record_id}"
+
+
+def to_prov(closure: Closure) -> dict[str, Any]:
+    """The closure as a PROV-JSON document (https://www.w3.org/submissions/prov-json/)."""
+    secrets = secret_values()
+    doc: dict[str, Any] = {"prefix": {"openlab": OPENLAB_NS}}
+
+    def section(name: str) -> dict[str, Any]:
+        return doc.setdefault(name, {})
+
+    section("agent")[ORCHESTRATOR_AGENT] = {"prov:type": {"$": "prov:SoftwareAgent", "type": "prov:QUALIFIED_NAME"}}
+    for record in closure.records.values():
+        attrs: dict[str, Any] = {"prov:type": {"$": f"openlab:{record.kind}", "type": "prov:QUALIFIED_NAME"}}
+        for key, value in _payload(record, secrets).items():
+            if key == "id" or value is None:
+                continue
+            if record.prov_type == "activity" and key in ("started_at", "submitted_at", "ended_at"):
+                continue
+            # PROV attribute values are literals: structured fields travel as JSON text.
+            attrs[f"openlab:{key}"] = json.dumps(value, sort_keys=True) if isinstance(value, dict | list) else value
+        if record.prov_type == "activity":
+            start = getattr(record, "started_at", None) or getattr(record, "submitted_at", None)
+            end = getattr(record, "ended_at", None)
+            if start is not None:
+                attrs["prov:startTime"] = _iso(start)
+            if end is not None:
+                attrs["prov:endTime"] = _iso(end)
+        section(record.prov_type)[_qn(record.id)] = attrs  # type: ignore[attr-defined]
+
+    for rel in closure.relations:
+        subject, obj = _qn(rel.subject_id), _qn(rel.object_id)
+        extra = {"prov:role": rel.role} if rel.role else {}
+        if rel.relation == "wasAssociatedWith":
+            target = closure.records.get(rel.object_id)
+            if target is not None and target.prov_type == "agent":
+                body = {"prov:activity": subject, "prov:agent": obj, **extra}
+            else:  # a commit or environment is the plan the orchestrator followed, not an agent
+                body = {"prov:activity": subject, "prov:agent": ORCHESTRATOR_AGENT, "prov:plan": obj, **extra}
+            section("wasAssociatedWith")[_qn(rel.id)] = body
+            continue
+        kind, subject_attr, object_attr = PROV_RELATIONS[rel.relation]
+        body = {subject_attr: subject, object_attr: obj}
+        if rel.role and kind != "wasInformedBy":  # PROV has no role on communication
+            body["prov:role"] = rel.role
+        section(kind)[_qn(rel.id)] = body
+
+    # Structure the store keeps in foreign keys, said in PROV: a pipeline run started its
+    # stage runs, a stage run started its attempts, an experiment is the agent of its runs.
+    for record in closure.records.values():
+        parent = getattr(record, "pipeline_run_id", None) or getattr(record, "stage_run_id", None)
+        if parent and parent in closure.records:
+            section("wasStartedBy")[f"openlab:started-{record.id}"] = {  # type: ignore[attr-defined]
+                "prov:activity": _qn(record.id),  # type: ignore[attr-defined]
+                "prov:starter": _qn(parent),
+            }
+        experiment = getattr(record, "experiment_id", None)
+        if experiment and experiment in closure.records:
+            section("wasAssociatedWith")[f"openlab:by-{record.id}"] = {  # type: ignore[attr-defined]
+                "prov:activity": _qn(record.id),  # type: ignore[attr-defined]
+                "prov:agent": _qn(experiment),
+            }
+    return doc
+
+
+# -- OpenLineage ---------------------------------------------------------------------------
+
+
+def run_uuid(record_id: str) -> str:
+    """The OpenLineage runId of a pipeline or stage run: a UUID derived from its lineage id."""
+    return str(uuid.uuid5(RUN_ID_NAMESPACE, record_id))
+
+
+def _facet(producer: str, schema: str, **fields: Any) -> dict[str, Any]:
+    return {"_producer": producer, "_schemaURL": schema, **{k: v for k, v in fields.items() if v is not None}}
+
+
+_TERMINAL = {"COMPLETED": "COMPLETE", "REUSED": "COMPLETE", "FAILED": "FAIL", "LOST": "FAIL", "CANCELLED": "ABORT"}
+
+
+def _job_name(pipeline: PipelineRun | None, stage: StageRun | None = None) -> str:
+    base = (pipeline.recipe or pipeline.name or "pipeline") if pipeline else "pipeline"
+    if pipeline is not None and pipeline.replica:
+        base = f"{base}.{pipeline.replica}"
+    return f"{base}.{stage.stage}" if stage is not None else base
+
+
+def to_openlineage(closure: Closure, namespace: str = "openlab") -> list[dict[str, Any]]:
+    """OpenLineage RunEvents (spec 2-0-2): a START and, once ended, a terminal event per run.
+
+    Pipeline runs are parent jobs; each stage run is a child job carrying the ``parent``
+    facet. Inputs are the stage's ``used`` records, outputs its ``wasGeneratedBy`` ones,
+    each a dataset whose version facet is its content hash. Lineage ids the formats have
+    no field for (commit, issue, W&B run, backend job ids) ride in an ``openlab`` facet.
+    """
+    secrets = secret_values()
+    producer = _producer()
+    by_subject: dict[str, list[Relation]] = {}
+    by_object: dict[str, list[Relation]] = {}
+    for rel in closure.relations:
+        by_subject.setdefault(rel.subject_id, []).append(rel)
+        by_object.setdefault(rel.object_id, []).append(rel)
+
+    def dataset(record: Any) -> dict[str, Any]:
+        if record.kind == "snapshot":
+            name, ver = record.path, record.id
+        elif record.kind == "artifact":
+            name, ver = record.uri, record.content_hash
+        else:
+            name, ver = record.id, record.id
+        return {
+            "namespace": "file" if record.kind in ("snapshot", "artifact") else namespace,
+            "name": scrub(str(name), secrets),
+            "facets": {"version": _facet(producer, VERSION_FACET, datasetVersion=ver)},
+        }
+
+    def linked_ids(run_id: str) -> dict[str, list[str]]:
+        ids: dict[str, list[str]] = {}
+        for rel in by_subject.get(run_id, []) + by_object.get(run_id, []):
+            other = rel.object_id if rel.subject_id == run_id else rel.subject_id
+            other_kind = rel.object_kind if rel.subject_id == run_id else rel.subject_kind
+            if other_kind in ("commit", "environment", "github_issue", "wandb_run"):
+                ids.setdefault(other_kind, []).append(other)
+        return ids
+
+    def code_facet(run_id: str) -> dict[str, Any] | None:
+        for rel in by_subject.get(run_id, []):
+            commit = closure.records.get(rel.object_id)
+            if rel.relation == "wasAssociatedWith" and commit is not None and commit.kind == "commit":
+                url = commit.remote_url or (f"file://{commit.repo_path}" if commit.repo_path else None)  # type: ignore[attr-defined]
+                if url:
+                    return _facet(
+                        producer,
+                        f"{OL_FACETS}/1-0-1/SourceCodeLocationJobFacet.json#/$defs/SourceCodeLocationJobFacet",
+                        type="git",
+                        url=scrub(url, secrets),
+                        repoUrl=scrub(url, secrets),
+                        version=commit.sha,  # type: ignore[attr-defined]
+                        branch=commit.branch,  # type: ignore[attr-defined]
+                    )
+        return None
+
+    def openlab_facet(record: Any) -> dict[str, Any]:
+        fields: dict[str, Any] = {"lineageId": record.id, "kind": record.kind, "state": record.state}
+        fields["links"] = linked_ids(record.id)
+        if isinstance(record, StageRun):
+            attempts = sorted(
+                (r for r in closure.records.values() if isinstance(r, Attempt) and r.stage_run_id == record.id),
+                key=lambda a: a.number,
+            )
+            keep = ("id", "number", "backend", "job_id", "host", "image_digest", "state", "exit_code")
+            fields |= {
+                "identity": record.identity,
+                "reusedFrom": record.reused_from,
+                "metrics": _clean(record.metrics, secrets),
+                "attempts": [_clean({k: getattr(a, k) for k in keep}, secrets) for a in attempts],
+            }
+        else:
+            fields |= {"params": _clean(record.params, secrets), "verdict": _clean(record.verdict, secrets)}
+        return _facet(producer, OPENLAB_FACET_SCHEMA, **fields)
+
+    def events_for(record: Any, job_name: str, job_type: str, parent: PipelineRun | None) -> Iterator[dict[str, Any]]:
+        run_facets: dict[str, Any] = {
+            "processing_engine": _facet(
+                producer,
+                f"{OL_FACETS}/1-1-1/ProcessingEngineRunFacet.json#/$defs/ProcessingEngineRunFacet",
+                name="openlab",
+                version=producer.rsplit(":", 1)[-1],
+                openlineageAdapterVersion=producer.rsplit(":", 1)[-1],
+            ),
+            "openlab": openlab_facet(record),
+        }
+        if parent is not None:
+            run_facets["parent"] = _facet(
+                producer,
+                f"{OL_FACETS}/1-0-1/ParentRunFacet.json#/$defs/ParentRunFacet",
+                run={"runId": run_uuid(parent.id)},
+                job={"namespace": namespace, "name": _job_name(parent)},
+            )
+        job_facets: dict[str, Any] = {
+            "jobType": _facet(
+                producer,
+                f"{OL_FACETS}/2-0-3/JobTypeJobFacet.json#/$defs/JobTypeJobFacet",
+                processingType="BATCH",
+                integration="OPENLAB",
+                jobType=job_type,
+            )
+        }
+        code = code_facet(record.id)
+        if code is not None:
+            job_facets["sourceCodeLocation"] = code
+        inputs = [
+            dataset(closure.records[r.object_id])
+            for r in by_subject.get(record.id, [])
+            if r.relation == "used" and r.object_id in closure.records
+        ]
+        outputs = [
+            dataset(closure.records[r.subject_id])
+            for r in by_object.get(record.id, [])
+            if r.relation == "wasGeneratedBy" and r.subject_id in closure.records
+        ]
+        base = {
+            "producer": producer,
+            "schemaURL": OL_SPEC,
+            "job": {"namespace": namespace, "name": job_name, "facets": job_facets},
+            "inputs": inputs,
+        }
+        yield {
+            **base,
+            "eventType": "START",
+            "eventTime": _iso(record.started_at),
+            "run": {"runId": run_uuid(record.id), "facets": run_facets},
+            "outputs": [],
+        }
+        terminal = _TERMINAL.get(record.state)
+        if terminal is not None and record.ended_at is not None:
+            facets = dict(run_facets)
+            if record.error:
+                facets["errorMessage"] = _facet(
+                    producer,
+                    f"{OL_FACETS}/1-0-1/ErrorMessageRunFacet.json#/$defs/ErrorMessageRunFacet",
+                    message=scrub(record.error, secrets),
+                    programmingLanguage="python",
+                )
+            yield {
+                **base,
+                "eventType": terminal,
+                "eventTime": _iso(record.ended_at),
+                "run": {"runId": run_uuid(record.id), "facets": facets},
+                "outputs": outputs,
+            }
+
+    events: list[dict[str, Any]] = []
+    pipelines = {r.id: r for r in closure.records.values() if isinstance(r, PipelineRun)}
+    for pipeline in sorted(pipelines.values(), key=lambda r: r.started_at):
+        events.extend(events_for(pipeline, _job_name(pipeline), "PIPELINE", None))
+    # A stage run of another pipeline run is in the closure only as a neighbour (the run
+    # that reused it, say): it belongs to its own pipeline's events, not this export's.
+    stages = [
+        r
+        for r in closure.records.values()
+        if isinstance(r, StageRun) and (r.pipeline_run_id is None or r.pipeline_run_id in pipelines)
+    ]
+    for stage in sorted(stages, key=lambda r: r.started_at):
+        parent = pipelines.get(stage.pipeline_run_id or "")
+        events.extend(events_for(stage, _job_name(parent, stage), "STAGE", parent))
+    events.sort(key=lambda e: e["eventTime"])
+    return events
+
+
+def export(store: LineageStore, fmt: str, pipeline_run_ids: Iterable[str] = (), namespace: str = "openlab") -> str:
+    """The export as text: one PROV-JSON document, or OpenLineage events as JSON lines."""
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown export format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+    closure = collect(store, list(pipeline_run_ids))
+    if fmt == "prov":
+        return json.dumps(to_prov(closure), indent=2, sort_keys=True, default=str) + "\n"
+    return "".join(json.dumps(e, sort_keys=True, default=str) + "\n" for e in to_openlineage(closure, namespace))
