@@ -10,6 +10,7 @@ how to stop it.
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -72,7 +73,11 @@ def main() -> int:
     console.print("all runs              openlab lineage list")
     console.print("prove nothing changed openlab lineage verify")
     console.print("what would re-run     openlab explain marin-535b-a23b --replica tiny")
+    if pipeline_run_id:
+        console.print(f"export (Marquez/PROV) openlab lineage export {pipeline_run_id} --format openlineage")
     console.print(f"lineage store         {store.url}")
+    if shutil.which("openlab") is None:
+        console.print("`openlab` is .venv/bin/openlab: `source .venv/bin/activate` puts it on PATH", highlight=False)
     if started:
         pid = server.process.pid  # type: ignore[union-attr]
         console.print(f"stop the Prefect server with: kill {pid}  (trigger runs from the UI: openlab server)")
