@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.errors import ConfigError
+from orchestrator.settings import Settings
 
 #: Where this repository lives (the MoE workload's stage programs are under it).
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -163,9 +164,19 @@ def moe_pipeline(repo_root: Path | None = None, *, image: str | None = None) -> 
     return Pipeline(name="moe-replica", stages=tuple(stages), repo_root=root, image=image)
 
 
-def default_python(backend: str) -> str:
-    """The interpreter a stage command starts with: this one locally, ``python`` in images."""
-    return sys.executable if backend == "local" else "python"
+def default_python(backend: str, settings: Settings | None = None) -> str:
+    """The interpreter a stage command starts with.
+
+    ``[backends.<name>] python`` in the config wins. Otherwise: this interpreter for the
+    local backend and for Slurm (a Slurm job inherits the submitter's environment and
+    clusters share the filesystem the project's venv lives on, so the path is valid on the
+    node; a bare ``python`` there would be the node's system Python without the
+    workload's packages), and ``python`` inside the image for Docker and Kubernetes.
+    """
+    configured = settings.section(f"backends.{backend}").get("python") if settings is not None else None
+    if configured:
+        return str(configured)
+    return sys.executable if backend in ("local", "slurm") else "python"
 
 
 __all__ = ["DEFAULT_VOLATILE", "REPO_ROOT", "Pipeline", "StageSpec", "default_python", "moe_pipeline"]

@@ -1,0 +1,49 @@
+"""The real MoE workload on the ``tiny`` replica through the real Slurm cluster.
+
+Why a whole-pipeline test on Slurm and not only the launcher suite: a stage job runs on
+a node with the node's environment, so what the pipeline puts on the command line (the
+interpreter, the config path, the artifact root) must work there. A bare ``python``
+used to start the node's system Python, without the workload's packages.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator.lineage.models import Attempt, StageRun
+from orchestrator.lineage.store import LineageStore
+from orchestrator.settings import load_settings
+from tests.services import require_slurm
+
+pytestmark = pytest.mark.slow
+
+STAGES = ["data", "tokenize", "pretrain", "midtrain", "posttrain", "eval"]
+
+
+def test_tiny_replica_runs_end_to_end_on_slurm() -> None:
+    require_slurm()
+    done = subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli.main", "run", "marin-535b-a23b", "--replica", "tiny"]
+        + ["--backend", "slurm", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    assert result["state"] == "COMPLETED"
+    assert [s["stage"] for s in result["stages"]] == STAGES
+    assert 0.0 <= result["stages"][-1]["metrics"]["eval/moe/drop_fraction"] <= 1.0
+
+    with LineageStore.open(load_settings()) as store:
+        for stage in store.list(StageRun):
+            attempts = store.list(Attempt, stage_run_id=stage.id)
+            assert [a.state for a in attempts] == ["COMPLETED"], (stage.stage, attempts)
+            attempt = attempts[0]
+            assert attempt.backend == "slurm" and attempt.job_id and attempt.job_id.isdigit()
+            assert attempt.host  # the node the job ran on
+            assert attempt.command[0] == sys.executable  # the project's interpreter, not the node's `python`
