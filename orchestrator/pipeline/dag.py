@@ -50,6 +50,11 @@ class StageSpec:
     #: The stage's output folder is also recorded as a DataSnapshot (the corpus).
     snapshot_output: bool = False
     volatile: tuple[str, ...] = DEFAULT_VOLATILE
+    #: The stage's program opens a W&B run when its config has a ``wandb:`` section. Only such
+    #: stages get the section and have their W&B run read back into lineage: a stage that never
+    #: calls ``wandb.init`` (data, tokenize) has no run to record, and looking for one would
+    #: warn on every run about a failure that did not happen.
+    tracks_wandb: bool = False
     #: Job resources (local backend ignores most of them).
     cpus: float | None = None
     memory: str | None = None
@@ -109,6 +114,10 @@ class Pipeline:
         return [s for s in self.order if s in hit and s != name]
 
 
+#: MoE stages whose programs log to W&B (``workloads/moe/train.py`` opens a tracker for these).
+WANDB_STAGES = frozenset({"pretrain", "midtrain", "posttrain", "eval"})
+
+
 def _moe(path: str) -> str:
     return f"workloads/moe/{path}"
 
@@ -159,6 +168,7 @@ def moe_pipeline(repo_root: Path | None = None, *, image: str | None = None) -> 
                 code_paths=paths,
                 environment_fields=env[name],
                 snapshot_output=name == "data",
+                tracks_wandb=name in WANDB_STAGES,
             )
         )
     return Pipeline(name="moe-replica", stages=tuple(stages), repo_root=root, image=image)
@@ -179,4 +189,4 @@ def default_python(backend: str, settings: Settings | None = None) -> str:
     return sys.executable if backend in ("local", "slurm") else "python"
 
 
-__all__ = ["DEFAULT_VOLATILE", "REPO_ROOT", "Pipeline", "StageSpec", "default_python", "moe_pipeline"]
+__all__ = ["DEFAULT_VOLATILE", "REPO_ROOT", "WANDB_STAGES", "Pipeline", "StageSpec", "default_python", "moe_pipeline"]

@@ -629,10 +629,15 @@ def _cancel_requested(ctx: PipelineContext, extra: Callable[[], bool] | None) ->
 def _write_config(
     ctx: PipelineContext, spec: StageSpec, identity: str, upstream: Mapping[str, StageResult], stage_run: StageRun
 ) -> tuple[Path, bool]:
+    """Write the job's config (inputs resolved to folders, W&B section if the stage tracks); return (path, uses W&B).
+
+    The flag tells the caller whether to read a W&B run back after the job: only when the
+    stage declared that it tracks *and* a project is configured can a missing run be a failure.
+    """
     config = dict(ctx.configs[spec.name])
     if upstream:
         config["inputs"] = {key: str(res.output.get("path") or res.out_dir) for key, res in upstream.items()}
-    wandb = _wandb_section(ctx, spec, identity, stage_run)
+    wandb = _wandb_section(ctx, spec, identity, stage_run) if spec.tracks_wandb else None
     if wandb:
         config["wandb"] = wandb
     path = output_dir(ctx.settings, spec.name, identity).with_suffix(".config.json")

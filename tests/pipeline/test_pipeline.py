@@ -306,3 +306,37 @@ def test_volatile_links_leaving_the_output_are_dropped_before_hashing(repo: Path
     result = run_pipeline(toy_pipeline(repo), toy_configs(), options=fast())
     assert result.ok, result.error
     assert not (result.results["gen"].out_dir / "wandb" / "run" / "logs" / "debug-core.log").exists()
+
+
+def test_wandb_section_and_read_back_only_for_stages_that_track(
+    repo: Path, ledger: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With a W&B project configured, a stage that never opens a W&B run (tokenize in the MoE
+    pipeline) gets no ``wandb:`` section and no warning; a stage that declares it tracks but
+    leaves no run behind is a real failure and warns."""
+    import dataclasses
+    import logging
+
+    from orchestrator.pipeline import Pipeline
+
+    monkeypatch.setenv("OPENLAB_WANDB__PROJECT", "toy-project")
+    base = toy_pipeline(repo)
+    stages = tuple(dataclasses.replace(s, tracks_wandb=s.name == "count") for s in base.stages)
+    pipeline = Pipeline(name=base.name, stages=stages, repo_root=base.repo_root)
+    with caplog.at_level(logging.WARNING, logger="openlab.pipeline"):
+        result = run_pipeline(pipeline, toy_configs(), options=fast())
+    assert result.ok, result.error
+    warned = [r.getMessage() for r in caplog.records if "could not record the W&B run" in r.getMessage()]
+    assert len(warned) == 1 and "of count" in warned[0], warned
+    configs = {
+        name: json.loads(r.out_dir.with_suffix(".config.json").read_text()) for name, r in result.results.items()
+    }
+    assert "wandb" not in configs["gen"] and "wandb" not in configs["upper"]
+    assert configs["count"]["wandb"]["project"] == "toy-project"
+
+
+def test_moe_pipeline_declares_which_stages_track_wandb() -> None:
+    from orchestrator.pipeline import moe_pipeline
+
+    tracking = {s.name for s in moe_pipeline().stages if s.tracks_wandb}
+    assert tracking == {"pretrain", "midtrain", "posttrain", "eval"}  # data and tokenize never call wandb.init
