@@ -592,23 +592,65 @@ def _record_reuse(
         # One edge: the reused run points at the run that produced the outputs (whose own
         # edges say which code, environment and inputs made them). Kept minimal: reuse must stay cheap.
         tx.relate("wasInformedBy", run, original, role="reused")
-    result = StageResult(
-        stage=spec.name,
-        state="REUSED",
-        stage_run_id=run.id,
-        identity=identity.digest,
-        identity_fields=identity.fields(),
+    return _conclude(
+        ctx,
+        spec,
+        identity,
+        run.id,
+        "REUSED",
+        reason,
+        started,
         out_dir=output_dir(ctx.settings, spec.name, identity.digest),
         outputs=dict(original.outputs),
         metrics=dict(original.metrics),
-        reason=reason,
         reused_from=original.id,
+    )
+
+
+def _conclude(
+    ctx: PipelineContext,
+    spec: StageSpec,
+    identity: StageIdentity,
+    stage_run_id: str,
+    state: str,
+    reason: str,
+    started: float,
+    *,
+    out_dir: Path,
+    changes: Sequence[str] = (),
+    outputs: Mapping[str, Any] | None = None,
+    metrics: Mapping[str, Any] | None = None,
+    reused_from: str | None = None,
+    attempt: Any = None,
+) -> StageResult:
+    """The one way a stage ends in this pipeline run: build its result, keep it, announce it.
+
+    Every ending (reused, completed, failed, cancelled) must leave the same trace — a result
+    in ``ctx.results`` that downstream stages and :func:`pipeline_state` read, and one
+    transition for the hooks — so it is written once. A stage that did not complete keeps
+    its stage run id in ``ctx.stage_runs``: a retry then adds an attempt to the same run.
+    """
+    result = StageResult(
+        stage=spec.name,
+        state=state,
+        stage_run_id=stage_run_id,
+        identity=identity.digest,
+        identity_fields=identity.fields(),
+        out_dir=out_dir,
+        outputs=dict(outputs or {}),
+        metrics=dict(metrics or {}),
+        reason=reason,
+        changes=list(changes),
+        reused_from=reused_from,
+        attempt_id=getattr(attempt, "id", None),
+        job_id=getattr(attempt, "job_id", None),
         seconds=time.monotonic() - started,
     )
     with ctx.lock:
         ctx.results[spec.name] = result
-        ctx.stage_runs.pop(spec.name, None)
-    ctx.emit(spec.name, "REUSED", identity=identity.digest, stage_run_id=run.id, reason=reason, result=result)
+        if result.ok:
+            ctx.stage_runs.pop(spec.name, None)
+    ctx.emit(spec.name, state, identity=identity.digest, stage_run_id=stage_run_id, reason=reason, result=result)
     return result
 
 
@@ -947,23 +989,9 @@ def _finish_failed(
             run = tx.update(run, state=state, error=reason, ended_at=utcnow())
     except Exception:  # noqa: BLE001 - the original failure matters more
         log.exception("could not record the end of stage run %s", run.id)
-    result = StageResult(
-        stage=spec.name,
-        state=state,
-        stage_run_id=run.id,
-        identity=identity.digest,
-        identity_fields=identity.fields(),
-        out_dir=out_dir,
-        reason=reason,
-        changes=changes,
-        attempt_id=getattr(attempt, "id", None),
-        job_id=getattr(attempt, "job_id", None),
-        seconds=time.monotonic() - started,
+    return _conclude(
+        ctx, spec, identity, run.id, state, reason, started, out_dir=out_dir, changes=changes, attempt=attempt
     )
-    with ctx.lock:
-        ctx.results[spec.name] = result
-    ctx.emit(spec.name, state, identity=identity.digest, stage_run_id=run.id, reason=reason, result=result)
-    return result
 
 
 def _finish_completed(
@@ -1006,26 +1034,20 @@ def _finish_completed(
         run = tx.update(run, state="COMPLETED", outputs=outputs, metrics=metrics, error=None, ended_at=utcnow())
     if uses_wandb:
         _record_wandb(ctx, run, out_dir)
-    result = StageResult(
-        stage=spec.name,
-        state="COMPLETED",
-        stage_run_id=run.id,
-        identity=identity.digest,
-        identity_fields=identity.fields(),
+    return _conclude(
+        ctx,
+        spec,
+        identity,
+        run.id,
+        "COMPLETED",
+        why,
+        started,
         out_dir=out_dir,
+        changes=changes,
         outputs=outputs,
         metrics=metrics,
-        reason=why,
-        changes=changes,
-        attempt_id=getattr(attempt, "id", None),
-        job_id=getattr(attempt, "job_id", None),
-        seconds=time.monotonic() - started,
+        attempt=attempt,
     )
-    with ctx.lock:
-        ctx.results[spec.name] = result
-        ctx.stage_runs.pop(spec.name, None)
-    ctx.emit(spec.name, "COMPLETED", identity=identity.digest, stage_run_id=run.id, reason=why, result=result)
-    return result
 
 
 # -- whole pipelines ----------------------------------------------------------------------------------
