@@ -1,11 +1,15 @@
-"""Cancelling a flow run cancels its backend jobs and records the stage runs CANCELLED.
+"""The safety net of cancellation: jobs and records a killed flow process could not close.
 
 Prefect 3 cancels a served (or worker-run) flow run by killing its process: the runner
 sends the cancel intent over its control channel, then SIGTERM, then SIGKILL after a
 grace period, and runs the flow's ``on_cancellation`` hooks — in the flow process when
 the SIGTERM lands as ``TerminationSignal``, and again in the runner process after the
-kill. A Slurm job, a container or a Kubernetes Job does not die with that process, so
-the hook must end it by its handle.
+kill. The SIGTERM itself is handled where the job runs: ``TerminationSignal`` is a
+``BaseException``, and :func:`orchestrator.launchers.attempts.run_job` and
+:func:`orchestrator.pipeline.execute.execute_stage` cancel the job and record the
+attempt and the stage run CANCELLED on the way out. This hook is for what that cannot
+cover: a process SIGKILLed (or stuck) before it recorded anything, whose Slurm job,
+container or Kubernetes Job does not die with it and must be ended by its handle.
 
 The handle is found through lineage, not through process memory, because the hook may
 run in another process than the one that submitted the job: the flow run id is on
@@ -13,11 +17,11 @@ the :class:`PipelineRun`, its stage runs have attempts, and an attempt's ``job_i
 self-sufficient (:func:`orchestrator.launchers.attempts.handle_from_attempt`). So
 :func:`cancel_flow_run_jobs` is idempotent and safe to run from both places.
 
-What gets recorded: every unfinished attempt of the run becomes CANCELLED (also one the
-interrupted flow process already closed as FAILED because of the termination signal),
-every stage run that had not completed becomes CANCELLED, the pipeline run becomes
-CANCELLED, and the leases those stage runs held are released so the next run of the
-same identities need not wait for expiry.
+What gets recorded: every attempt still PENDING/RUNNING becomes CANCELLED, every stage
+run still PENDING/RUNNING becomes CANCELLED, a pipeline run still RUNNING becomes
+CANCELLED, and the leases those stage runs held are released so the next run of the same
+identities need not wait for expiry. What already ended keeps its state: a stage that
+really failed stays FAILED.
 """
 
 from __future__ import annotations
@@ -34,16 +38,8 @@ from orchestrator.lineage.store import LineageStore
 
 log = logging.getLogger(__name__)
 
-#: Stage-run states that are final on their own; anything else is cut short by a cancel.
-SETTLED_STAGE_STATES = frozenset({"COMPLETED", "REUSED", "CANCELLED"})
-#: Attempt states that mean the job may still be alive.
-LIVE_ATTEMPT_STATES = frozenset({"PENDING", "RUNNING"})
-#: How an interrupted flow process describes the attempt it closed (run_job's reason).
-TERMINATION_MARKERS = ("TerminationSignal", "interrupted", "CancelledError")
-
-
-def _cut_by_termination(attempt: Attempt) -> bool:
-    return attempt.state == "FAILED" and any(m in (attempt.reason or "") for m in TERMINATION_MARKERS)
+#: States of attempts and stage runs that nobody has closed yet: only these are cut short by a cancel.
+UNFINISHED_STATES = frozenset({"PENDING", "RUNNING"})
 
 
 def cancel_flow_run_jobs(
@@ -55,30 +51,18 @@ def cancel_flow_run_jobs(
     for prun in runs:
         stages = store.list(StageRun, pipeline_run_id=prun.id, order_by=col(StageRun.started_at))
         for srun in stages:
-            attempts = store.list(Attempt, stage_run_id=srun.id, order_by=col(Attempt.number))
-            for attempt in attempts:
-                if attempt.state in LIVE_ATTEMPT_STATES or _cut_by_termination(attempt):
+            for attempt in store.list(Attempt, stage_run_id=srun.id, order_by=col(Attempt.number)):
+                if attempt.state in UNFINISHED_STATES:
                     cancelled_jobs.extend(_cancel_attempt(store, attempt, reason))
-            if _cut_short(srun, attempts):
+            if srun.state in UNFINISHED_STATES:
                 with store.transaction() as tx:
                     tx.update(srun, state="CANCELLED", error=reason, ended_at=srun.ended_at or utcnow())
                 _release_leases(store, [srun.id])
-        if prun.state not in ("COMPLETED", "CANCELLED"):
+        if prun.state == "RUNNING":
             with store.transaction() as tx:
-                tx.update(prun, state="CANCELLED", ended_at=prun.ended_at or utcnow())
+                tx.update(prun, state="CANCELLED", error=reason, ended_at=prun.ended_at or utcnow())
+        _release_pipeline_lease(store, prun.id)
     return cancelled_jobs
-
-
-def _cut_short(srun: StageRun, attempts: list[Attempt]) -> bool:
-    """Whether the cancel cut this stage run short (a stage that really failed stays FAILED)."""
-    if srun.state in SETTLED_STAGE_STATES:
-        return False
-    if srun.state != "FAILED":
-        return True
-    if any(m in (srun.error or "") for m in TERMINATION_MARKERS):
-        return True
-    last = attempts[-1] if attempts else None
-    return last is not None and (last.state in LIVE_ATTEMPT_STATES | {"CANCELLED"} or _cut_by_termination(last))
 
 
 def _cancel_attempt(store: LineageStore, attempt: Attempt, reason: str) -> list[str]:
@@ -103,6 +87,17 @@ def _release_leases(store: LineageStore, stage_run_ids: list[str]) -> None:
 
     for lease in store.list(Lease, where=[col(Lease.stage_run_id).in_(stage_run_ids)]):
         leases.release(store, lease.identity, lease.holder)
+
+
+def _release_pipeline_lease(store: LineageStore, pipeline_run_id: str) -> None:
+    """Drop the pipeline run's own lease: the run is closed, nobody looks after it any more."""
+    from orchestrator.lineage import leases
+    from orchestrator.pipeline.reconcile import pipeline_lease_key
+
+    key = pipeline_lease_key(pipeline_run_id)
+    lease = leases.current(store, key)
+    if lease is not None:
+        leases.release(store, key, lease.holder)
 
 
 def on_cancellation_hook(flow: Any, flow_run: Any, state: Any) -> None:

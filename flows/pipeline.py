@@ -11,11 +11,13 @@ and lineage (the same code ``openlab run`` uses); this module only maps it onto 
   ``lineage-pipeline``;
 - a Prefect task retry calls the library again with the same pipeline context, which
   keeps the stage run id, so the retry is a new *attempt* of the same stage run;
-- cancellation: Prefect kills the flow-run process; the ``on_cancellation`` hook
-  (:mod:`flows.cancel`) cancels the backend job through lineage and records CANCELLED.
-  While the process lives, a watcher thread also polls the flow run's state and feeds
-  the library's ``should_cancel``, which covers deployments whose infrastructure does
-  not kill the process;
+- cancellation: Prefect stops the flow-run process with SIGTERM, which arrives as
+  ``TerminationSignal`` (a ``BaseException``); the library cancels the running backend
+  job and records the attempt, the stage run and the pipeline run CANCELLED on its way
+  out. A watcher thread also polls the flow run's state and feeds the library's
+  ``should_cancel``, for deployments whose infrastructure does not signal the process.
+  The ``on_cancellation`` hook (:mod:`flows.cancel`) remains as a safety net for a
+  process killed before it could record anything;
 - the library's reconcile runs when the pipeline starts (:func:`start_recipe`), so a
   crashed earlier run leaves no stage run RUNNING forever.
 """
@@ -204,8 +206,16 @@ def run_replica(
         logger.info("running git ref %s from worktree %s", git_ref, repo_root)
     watcher = CancelWatcher(flow_run_id) if flow_run_id else None
     run_ids: list[str] = []
-    params = {"recipe": recipe, "replica": replica, "backend": backend, "issue": issue, "git_ref": git_ref,
-              "force": force, "dry_run": dry_run, "flow_run_id": flow_run_id}
+    params = {
+        "recipe": recipe,
+        "replica": replica,
+        "backend": backend,
+        "issue": issue,
+        "git_ref": git_ref,
+        "force": force,
+        "dry_run": dry_run,
+        "flow_run_id": flow_run_id,
+    }
     options = RunOptions(
         backend=backend,
         issue=issue or None,
@@ -215,7 +225,11 @@ def run_replica(
         params={"prefect": params},
     )
     ctx = start_recipe(
-        recipe, replica, options=options, hooks=_hooks(run_ids, watcher, logger), settings=settings,
+        recipe,
+        replica,
+        options=options,
+        hooks=_hooks(run_ids, watcher, logger),
+        settings=settings,
         repo_root=repo_root,
     )
     run_ids.append(ctx.id)
@@ -237,8 +251,7 @@ def run_stages_as_tasks(ctx: PipelineContext, *, retries: int = 1, watcher: Canc
     A failed stage is retried ``retries`` times by Prefect; the library keeps the stage run
     id in ``ctx``, so each retry is a new attempt of the same stage run.
     """
-    from prefect.exceptions import ExternalSignal
-
+    from orchestrator.launchers.attempts import interruption_reason
     from orchestrator.pipeline.execute import StageCancelled, StageFailed, finish_pipeline
 
     _CONTEXTS[ctx.id] = ctx
@@ -255,11 +268,13 @@ def run_stages_as_tasks(ctx: PipelineContext, *, retries: int = 1, watcher: Canc
     except StageFailed as exc:
         state, error = "FAILED", str(exc)
         raise
-    except ExternalSignal as exc:  # Prefect's SIGTERM: a cancel (the hook then cancels the jobs) or a stop
-        state, error = "CANCELLED", f"flow-run process terminated ({type(exc).__name__})"
+    except Exception as exc:
+        state, error = "FAILED", f"{type(exc).__name__}: {exc}"
         raise
     except BaseException as exc:
-        state, error = "FAILED", f"{type(exc).__name__}: {exc}"
+        # Prefect's TerminationSignal (the flow run was cancelled), Ctrl-C, SystemExit: the stage
+        # that was running already cancelled its job and recorded CANCELLED (run_job, execute_stage)
+        state, error = "CANCELLED", f"flow-run process stopped: {interruption_reason(exc)}"
         raise
     finally:
         if watcher is not None:

@@ -80,8 +80,9 @@ def submit_attempt(
         handle = launcher.submit(spec)
     except BaseException as exc:
         with store.transaction() as tx:
-            attempt.state = "CANCELLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
-            attempt.reason = f"submit failed: {_one_line(exc)}"
+            stopped = interruption_reason(exc)
+            attempt.state = "CANCELLED" if stopped else "FAILED"
+            attempt.reason = f"submit {stopped}" if stopped else f"submit failed: {_one_line(exc)}"
             attempt.ended_at = utcnow()
             attempt = tx.add(attempt)
         raise
@@ -125,6 +126,23 @@ def finish_attempt(store: LineageStore, attempt: Attempt, status: JobStatus) -> 
         return tx.update(attempt, **changes)
 
 
+def interruption_reason(exc: BaseException) -> str | None:
+    """Why the caller was stopped from outside, or None when ``exc`` is an ordinary error.
+
+    A ``BaseException`` that is not an ``Exception`` — Ctrl-C (``KeyboardInterrupt``),
+    ``SystemExit``, Prefect's ``TerminationSignal`` when a flow run is cancelled, asyncio's
+    ``CancelledError`` — means someone stopped the run, not that the job failed. Recording
+    it FAILED would make lineage (and the nightly's "last good run") lie, and would leave a
+    cancel hook to guess afterwards which failures were really cancels; so such a stop is
+    recorded CANCELLED, with this reason, where it happens.
+    """
+    if isinstance(exc, Exception):
+        return None
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    return f"interrupted ({type(exc).__name__})"
+
+
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
@@ -166,10 +184,11 @@ def run_job(
 
     ``should_cancel`` is polled with the status; when it returns True the job is cancelled
     and the attempt recorded CANCELLED. After ``timeout`` seconds the job is cancelled and
-    :class:`JobTimeout` raised. On any exception (Ctrl-C included) the job is cancelled,
-    the attempt recorded CANCELLED (Ctrl-C) or FAILED with the reason, and the exception
-    re-raised. The finished job's leftovers (container, Job object) are cleaned up once its
-    logs are read.
+    :class:`JobTimeout` raised. On any exception the job is cancelled and the attempt
+    recorded with the reason, then the exception re-raised: CANCELLED for a timeout and for
+    a stop from outside (Ctrl-C, SystemExit, Prefect's TerminationSignal, asyncio
+    cancellation: see :func:`interruption_reason`), FAILED for anything else. The finished
+    job's leftovers (container, Job object) are cleaned up once its logs are read.
     """
     import time
 
@@ -201,14 +220,14 @@ def run_job(
             status.reason = "cancelled by request"
         attempt = finish_attempt(store, attempt, status)
     except BaseException as exc:
-        interrupted = isinstance(exc, (KeyboardInterrupt, JobTimeout))
+        stopped = interruption_reason(exc)
         try:
             launcher.cancel(handle)
         except Exception as cancel_exc:  # noqa: BLE001 - the original error matters more
             log.warning("could not cancel %s job %s: %s", launcher.name, handle.job_id, _one_line(cancel_exc))
         end = JobStatus(
-            state=JobState.CANCELLED if interrupted else JobState.FAILED,
-            reason=("interrupted" if isinstance(exc, KeyboardInterrupt) else _one_line(exc)),
+            state=JobState.CANCELLED if stopped or isinstance(exc, JobTimeout) else JobState.FAILED,
+            reason=stopped or _one_line(exc),
         )
         try:
             finish_attempt(store, attempt, end)
@@ -228,6 +247,7 @@ def run_job(
 __all__ = [
     "finish_attempt",
     "handle_from_attempt",
+    "interruption_reason",
     "lineage_state",
     "mark_running",
     "next_attempt_number",

@@ -229,6 +229,9 @@ class PipelineContext:
     stage_runs: dict[str, str] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
     owns_store: bool = False
+    #: The pipeline run's own lease (:func:`orchestrator.pipeline.reconcile.pipeline_lease_key`): its
+    #: heartbeat says this process still looks after the run; released when the run is closed.
+    lease: leases.HeldLease | None = None
 
     @property
     def id(self) -> str:
@@ -302,9 +305,14 @@ def start_pipeline(
     store: LineageStore | None = None,
     reconcile_first: bool = True,
 ) -> PipelineContext:
-    """Reconcile stale stage runs, capture provenance, record the pipeline run; return its context."""
+    """Reconcile stale runs, capture provenance, record the pipeline run; return its context.
+
+    The run holds a lease of its own from before its row exists until :func:`finish_pipeline`
+    closes it, so a reconciler in another process can tell a run whose orchestrator is alive
+    (live lease) from one whose orchestrator crashed (expired lease), even between stages.
+    """
     from orchestrator.lineage.record import record_environment, record_git
-    from orchestrator.pipeline.reconcile import reconcile
+    from orchestrator.pipeline.reconcile import pipeline_lease_key, reconcile, reconcile_pipeline_runs
     from orchestrator.provenance import capture
 
     options = options or RunOptions()
@@ -321,6 +329,7 @@ def start_pipeline(
         raise ConfigError(f"unknown backend {options.backend!r}; known backends: {', '.join(BACKENDS)}")
     if reconcile_first:
         reconcile(store, settings=settings)
+        reconcile_pipeline_runs(store)
     prov = capture(pipeline.repo_root, pipeline.code_paths(), settings=settings)
     all_env_fields = sorted({f for s in pipeline.stages for f in s.environment_fields})
     env_values = environment_values(prov, all_env_fields)
@@ -333,24 +342,37 @@ def start_pipeline(
     }
     if recipe is not None:
         params["recipe"] = recipe.lineage()
-    with store.transaction() as tx:
-        commit = record_git(tx, prov.git)
-        environment = record_environment(tx, prov.environment)
-        run = tx.add(
-            PipelineRun(
-                id=new_id(PipelineRun.id_prefix),
-                name=recipe.name if recipe is not None else pipeline.name,
-                recipe=recipe.recipe.name if recipe is not None else None,
-                replica=recipe.replica if recipe is not None else None,
-                backend=options.backend,
-                trigger=options.trigger,
-                flow_run_id=options.flow_run_id,
-                params=params,
-                state="RUNNING",
+    run_id = new_id(PipelineRun.id_prefix)
+    lease = leases.try_hold(
+        store,
+        pipeline_lease_key(run_id),
+        leases.new_holder(run_id),
+        ttl=options.lease_ttl,
+        heartbeat_interval=options.heartbeat_interval,
+    )
+    try:
+        with store.transaction() as tx:
+            commit = record_git(tx, prov.git)
+            environment = record_environment(tx, prov.environment)
+            run = tx.add(
+                PipelineRun(
+                    id=run_id,
+                    name=recipe.name if recipe is not None else pipeline.name,
+                    recipe=recipe.recipe.name if recipe is not None else None,
+                    replica=recipe.replica if recipe is not None else None,
+                    backend=options.backend,
+                    trigger=options.trigger,
+                    flow_run_id=options.flow_run_id,
+                    params=params,
+                    state="RUNNING",
+                )
             )
-        )
-        tx.relate("wasAssociatedWith", run, commit, role="code")
-        tx.relate("wasAssociatedWith", run, environment, role="environment")
+            tx.relate("wasAssociatedWith", run, commit, role="code")
+            tx.relate("wasAssociatedWith", run, environment, role="environment")
+    except BaseException:
+        if lease is not None:
+            lease.release()
+        raise
     ctx = PipelineContext(
         pipeline=pipeline,
         configs={k: dict(v) for k, v in configs.items()},
@@ -366,11 +388,16 @@ def start_pipeline(
         env_values=env_values,
         recipe=recipe,
         owns_store=owns,
+        lease=lease,
     )
     if options.issue:
         from orchestrator.links.github import resolve_issue
 
-        issue = resolve_issue(store, options.issue, run, required=options.issue_required, settings=settings)
+        try:
+            issue = resolve_issue(store, options.issue, run, required=options.issue_required, settings=settings)
+        except BaseException as exc:  # a required issue that cannot be linked: close the run, do not strand it
+            finish_pipeline(ctx, "FAILED", f"{type(exc).__name__}: {exc}")
+            raise
         ctx.issue_id = issue.id
         publish_issue_card(ctx)
     log.info("pipeline run %s started (%s, backend %s)", run.id, run.name, options.backend)
@@ -388,10 +415,19 @@ def pipeline_state(ctx: PipelineContext) -> str:
 
 
 def finish_pipeline(ctx: PipelineContext, state: str | None = None, error: str | None = None) -> PipelineRun:
-    """Close the pipeline run (COMPLETED / FAILED / CANCELLED) and refresh its card."""
+    """Close the pipeline run (COMPLETED / FAILED / CANCELLED), give up its lease, refresh its card.
+
+    The state is written before the lease is released, so a reconciler never sees this run
+    RUNNING without a live lease while this process still looks after it.
+    """
     final = state or pipeline_state(ctx)
-    with ctx.store.transaction() as tx:
-        ctx.pipeline_run = tx.update(ctx.pipeline_run, state=final, ended_at=utcnow(), error=error)
+    try:
+        with ctx.store.transaction() as tx:
+            ctx.pipeline_run = tx.update(ctx.pipeline_run, state=final, ended_at=utcnow(), error=error)
+    finally:
+        if ctx.lease is not None:
+            ctx.lease.release()
+            ctx.lease = None
     log.info("pipeline run %s %s", ctx.id, final)
     if ctx.issue_id:
         publish_issue_card(ctx)
@@ -840,7 +876,7 @@ def _run_stage(
     forced: bool,
     started: float,
 ) -> StageResult:
-    from orchestrator.launchers.attempts import run_job
+    from orchestrator.launchers.attempts import interruption_reason, run_job
     from orchestrator.launchers.base import JobSpec, JobState, get_launcher
 
     digest = identity.digest
@@ -941,8 +977,10 @@ def _run_stage(
             poll=ctx.options.poll,
         )
     except BaseException as exc:
-        state = "CANCELLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
-        reason = "interrupted" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"
+        # run_job already cancelled the job and closed the attempt; close the stage run the same way
+        stopped = interruption_reason(exc)
+        state = "CANCELLED" if stopped else "FAILED"
+        reason = stopped or f"{type(exc).__name__}: {exc}"
         result = _finish_failed(ctx, spec, run, identity, out_dir, state, reason, None, started, changes)
         if isinstance(exc, OpenlabError) and not isinstance(exc, StageFailed):
             raise StageFailed(f"stage {spec.name}: {reason}", result) from exc
@@ -953,9 +991,16 @@ def _run_stage(
             return _finish_completed(
                 ctx, spec, run, identity, inputs, out_dir, attempt, started, changes, why, uses_wandb=uses_wandb
             )
-        except Exception as exc:  # noqa: BLE001 - the stage run must not stay RUNNING
-            reason = f"job succeeded but its outputs could not be recorded: {type(exc).__name__}: {exc}"
-            result = _finish_failed(ctx, spec, run, identity, out_dir, "FAILED", reason, attempt, started, changes)
+        except BaseException as exc:  # the stage run must not stay RUNNING, whatever stops us
+            stopped = interruption_reason(exc)
+            if stopped:
+                reason = f"{stopped} while recording the outputs of job {attempt.job_id}"
+            else:
+                reason = f"job succeeded but its outputs could not be recorded: {type(exc).__name__}: {exc}"
+            state = "CANCELLED" if stopped else "FAILED"
+            result = _finish_failed(ctx, spec, run, identity, out_dir, state, reason, attempt, started, changes)
+            if stopped:
+                raise
             raise StageFailed(f"stage {spec.name} failed: {reason}", result) from exc
     if status.state is JobState.CANCELLED or cancel_reason:
         reason = cancel_reason[0] if cancel_reason else (status.reason or "job cancelled")
@@ -1091,12 +1136,14 @@ def run_stages(ctx: PipelineContext, stages: Sequence[str] | None = None) -> Pip
         state, error = "CANCELLED", str(exc)
     except StageFailed as exc:
         state, error = "FAILED", str(exc)
-    except KeyboardInterrupt:
-        state, error = "CANCELLED", "interrupted"
-        run = finish_pipeline(ctx, state, error)
-        raise
     except Exception as exc:
         state, error = "FAILED", f"{type(exc).__name__}: {exc}"
+        finish_pipeline(ctx, state, error)
+        raise
+    except BaseException as exc:  # stopped from outside (Ctrl-C, SIGTERM, cancellation): see interruption_reason
+        from orchestrator.launchers.attempts import interruption_reason
+
+        state, error = "CANCELLED", interruption_reason(exc)
         finish_pipeline(ctx, state, error)
         raise
     for name in ctx.pipeline.order:

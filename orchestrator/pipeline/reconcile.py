@@ -13,10 +13,19 @@ backend, and closes the stage run accordingly:
 - job SUCCEEDED: LOST — the job finished but its outputs were never recorded, so the
   next run re-executes (or resumes from checkpoints in the same output folder);
 - no attempt, or the backend no longer knows the job: LOST.
+
+Pipeline runs get the same treatment (:func:`reconcile_pipeline_runs`): a pipeline run
+holds a lease of its own (:func:`pipeline_lease_key`) for as long as its orchestrator
+looks after it. A RUNNING pipeline run whose lease has expired (or is gone) and whose
+stage runs have all ended was abandoned by a crashed process between or after its
+stages; it is closed FAILED with an error naming the expired lease and each stage's end,
+so the run list, the nightly's "previous successful run" and exports stop showing it
+as in progress.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +33,7 @@ from typing import Any
 from sqlmodel import col
 
 from orchestrator.lineage import leases
-from orchestrator.lineage.models import Attempt, StageRun, utcnow
+from orchestrator.lineage.models import Attempt, Lease, PipelineRun, StageRun, utcnow
 from orchestrator.lineage.store import LineageStore
 from orchestrator.settings import Settings, load_settings
 
@@ -49,6 +58,27 @@ class Reconciled:
             "reason": self.reason,
             "job_id": self.job_id,
         }
+
+
+@dataclass(frozen=True)
+class ReconciledPipeline:
+    """One abandoned pipeline run and what it was closed as."""
+
+    pipeline_run_id: str
+    state: str
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pipeline_run_id": self.pipeline_run_id, "state": self.state, "reason": self.reason}
+
+
+#: Stage-run states nobody has closed yet; a pipeline run with such a stage is not judged here.
+UNFINISHED_STAGE_STATES = frozenset({"PENDING", "RUNNING"})
+
+
+def pipeline_lease_key(pipeline_run_id: str) -> str:
+    """The lease row a pipeline run's orchestrator heartbeats (stage leases are keyed by hex identities)."""
+    return f"pipeline-run:{pipeline_run_id}"
 
 
 def is_stale(store: LineageStore, run: StageRun) -> bool:
@@ -127,4 +157,65 @@ def reconcile(store: LineageStore, *, settings: Settings | None = None) -> list[
     return done
 
 
-__all__ = ["Reconciled", "is_stale", "reconcile"]
+def _abandoned_since(lease: Lease | None, run: PipelineRun, grace: float) -> str | None:
+    """Why nobody looks after ``run`` any more, or None while its orchestrator may still be alive.
+
+    A run with no lease row at all is given ``grace`` seconds from its start: its orchestrator
+    may be an older openlab that took no pipeline lease, or one that is about to.
+    """
+    if lease is not None:
+        if leases.is_live(lease):
+            return None
+        expired = lease.expires_at if lease.expires_at.tzinfo else lease.expires_at.replace(tzinfo=dt.UTC)
+        return f"its orchestrator {lease.holder} stopped heartbeating (lease expired {expired:%Y-%m-%d %H:%M:%S} UTC)"
+    started = run.started_at if run.started_at.tzinfo else run.started_at.replace(tzinfo=dt.UTC)
+    if (utcnow() - started).total_seconds() < grace:
+        return None
+    return f"no orchestrator holds its lease (started {started:%Y-%m-%d %H:%M:%S} UTC)"
+
+
+def reconcile_pipeline_runs(store: LineageStore, *, grace: float = leases.DEFAULT_TTL) -> list[ReconciledPipeline]:
+    """Close RUNNING pipeline runs whose lease expired and whose stages have all ended; return them.
+
+    Run after :func:`reconcile`, which closes the stale stage runs first. Each run is judged
+    again inside the closing transaction (writers serialise on it), so a run its orchestrator
+    closes or heartbeats meanwhile is left alone.
+    """
+    from sqlmodel import select
+
+    done: list[ReconciledPipeline] = []
+    for run in store.list(PipelineRun, state="RUNNING"):
+        key = pipeline_lease_key(run.id)
+        if _abandoned_since(leases.current(store, key), run, grace) is None:
+            continue
+        with store.transaction() as tx:
+            current = tx.get(PipelineRun, run.id)
+            if current is None or current.state != "RUNNING":
+                continue
+            lease = tx.session.get(Lease, key)
+            why = _abandoned_since(lease, current, grace)
+            stages = list(
+                tx.session.exec(
+                    select(StageRun).where(StageRun.pipeline_run_id == run.id).order_by(col(StageRun.started_at))
+                ).all()
+            )
+            if why is None or any(s.state in UNFINISHED_STAGE_STATES for s in stages):
+                continue  # alive again, or a stage is still being looked after
+            ended = ", ".join(f"{s.stage} {s.state}" for s in stages) or "none had started"
+            reason = f"reconciled: {why} before it closed the run (stages: {ended})"
+            tx.update(current, state="FAILED", error=reason, ended_at=utcnow())
+            if lease is not None:  # coordination state, not lineage: dropped with the run's closing
+                tx.session.delete(lease)
+        log.warning("reconciled abandoned pipeline run %s: FAILED - %s", run.id, reason)
+        done.append(ReconciledPipeline(run.id, "FAILED", reason))
+    return done
+
+
+__all__ = [
+    "Reconciled",
+    "ReconciledPipeline",
+    "is_stale",
+    "pipeline_lease_key",
+    "reconcile",
+    "reconcile_pipeline_runs",
+]
