@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from prefect import flow, get_run_logger, task
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from prefect.tasks import Task
 
     from orchestrator.pipeline.execute import PipelineContext, StageResult, StageTransition
+    from orchestrator.settings import Settings
 
 Backend = Literal["local", "docker", "slurm", "kubernetes"]
 
@@ -197,13 +199,21 @@ def run_replica(
     flow_run = getattr(run_ctx, "flow_run", None)
     flow_run_id = str(flow_run.id) if flow_run is not None else None
     settings = load_settings()
-    if dry_run:
-        return _dry_run(recipe=recipe, replica=replica, backend=backend, git_ref=git_ref, force=force)
     from orchestrator.pipeline.dag import REPO_ROOT
 
     repo_root = checkout_ref(REPO_ROOT, git_ref, settings)
     if repo_root != REPO_ROOT:
         logger.info("running git ref %s from worktree %s", git_ref, repo_root)
+    if dry_run:
+        return _dry_run(
+            recipe=recipe,
+            replica=replica,
+            backend=backend,
+            git_ref=git_ref,
+            force=force,
+            repo_root=repo_root,
+            settings=settings,
+        )
     watcher = CancelWatcher(flow_run_id) if flow_run_id else None
     run_ids: list[str] = []
     params = {
@@ -311,19 +321,41 @@ def _publish_pipeline_card(ctx: PipelineContext) -> None:
         get_run_logger().warning("could not publish the pipeline card: %s", exc)
 
 
-def _dry_run(*, recipe: str, replica: str, backend: str, git_ref: str, force: bool) -> dict[str, Any]:
-    """Resolve and validate the recipe replica without running anything.
+def _dry_run(
+    *, recipe: str, replica: str, backend: str, git_ref: str, force: bool, repo_root: Path, settings: Settings
+) -> dict[str, Any]:
+    """``openlab explain`` inside the flow: per stage run or reuse and which identity fields changed.
 
-    Per-stage run/reuse decisions need the library's explain (see NOTES-flows.md); until
-    it exists a dry run checks that the recipe and replica resolve and lists the stages.
+    The same library call as the terminal (:func:`orchestrator.pipeline.explain_recipe`), at
+    the same git ref the real run would use, so pressing *dry run* in the UI answers "what
+    would this run redo, and why" before any GPU time is spent. Published as the markdown
+    artifact ``explain`` and logged one line per stage; nothing is launched or recorded.
     """
+    from prefect.artifacts import create_markdown_artifact
+
+    from orchestrator.pipeline.plan import explain_recipe, plan_markdown
     from orchestrator.recipes import resolve
 
     logger = get_run_logger()
     resolved = resolve(recipe, replica)
-    stages = list(resolved.stage_configs)
-    logger.info("dry run of %s on %s at %s: stages %s (nothing launched)", resolved.name, backend, git_ref, stages)
-    return {"dry_run": True, "recipe": resolved.name, "stages": stages, "force": force, "lineage": resolved.lineage()}
+    plans = explain_recipe(resolved, settings=settings, force=force, repo_root=repo_root)
+    title = f"openlab explain {resolved.name} (backend {backend}, git ref {git_ref}{', forced' if force else ''})"
+    for p in plans:
+        changed = f"; changed: {'; '.join(p.changes)}" if p.changes else ""
+        logger.info("dry run: %s would %s - %s%s", p.stage, p.action, p.reason, changed)
+    try:
+        create_markdown_artifact(key="explain", markdown=plan_markdown(title, plans), description=title)
+    except Exception as exc:  # noqa: BLE001 - the plan is in the logs and the return value either way
+        logger.warning("could not publish the dry-run artifact: %s", exc)
+    return {
+        "dry_run": True,
+        "recipe": resolved.name,
+        "backend": backend,
+        "git_ref": git_ref,
+        "force": force,
+        "lineage": resolved.lineage(),
+        "stages": [p.to_dict() for p in plans],
+    }
 
 
 @flow(
@@ -350,7 +382,8 @@ def replica_pipeline(
         issue: Experiment issue owner/repo#N whose card shows this run's lineage.
         git_ref: Commit to run; HEAD runs the working tree as it is, anything else a clean checkout.
         force: Re-run every stage even when a completed identical one exists.
-        dry_run: Resolve and validate the recipe replica, launch nothing.
+        dry_run: Launch nothing; say for each stage whether it would run or be reused, and which
+            identity fields changed since its last completed run (what `openlab explain` prints).
     """
     return run_replica(
         recipe=recipe, replica=replica, backend=backend, issue=issue, git_ref=git_ref, force=force, dry_run=dry_run

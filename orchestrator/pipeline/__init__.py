@@ -12,7 +12,8 @@ flows in ``flows/`` alike, so both behave the same. Typical use from a flow::
     finish_pipeline(ctx)                   # COMPLETED / FAILED / CANCELLED from the stage results
 
 or everything at once: ``run_recipe(...)`` / ``run_pipeline(...)``; the dry run is
-``explain_recipe(...)`` / ``plan(...)``; ``reconcile(store)`` closes stale stage runs.
+``explain_recipe(...)`` / ``plan(...)`` (``plan_markdown`` renders it); ``reconcile(store)`` closes
+stale stage runs and ``reconcile_pipeline_runs(store)`` pipeline runs a crashed process left RUNNING.
 """
 
 from orchestrator.pipeline.dag import DEFAULT_VOLATILE, REPO_ROOT, Pipeline, StageSpec, moe_pipeline
@@ -38,8 +39,8 @@ from orchestrator.pipeline.execute import (
     start_recipe,
     verify_outputs,
 )
-from orchestrator.pipeline.plan import StagePlan, explain_recipe, plan
-from orchestrator.pipeline.reconcile import Reconciled, reconcile
+from orchestrator.pipeline.plan import StagePlan, explain_recipe, plan, plan_markdown
+from orchestrator.pipeline.reconcile import Reconciled, ReconciledPipeline, reconcile, reconcile_pipeline_runs
 
 __all__ = [
     "DEFAULT_VOLATILE",
@@ -49,6 +50,7 @@ __all__ = [
     "PipelineHooks",
     "PipelineResult",
     "Reconciled",
+    "ReconciledPipeline",
     "RunOptions",
     "StageCancelled",
     "StageFailed",
@@ -64,7 +66,9 @@ __all__ = [
     "output_dir",
     "pipeline_state",
     "plan",
+    "plan_markdown",
     "reconcile",
+    "reconcile_pipeline_runs",
     "run_pipeline",
     "run_recipe",
     "run_stages",

@@ -187,4 +187,29 @@ def explain_recipe(
     )
 
 
-__all__ = ["ACTIONS", "StagePlan", "explain_recipe", "plan"]
+def _cell(text: str) -> str:
+    """Text safe inside a markdown table cell (a ``|`` or a newline would break the row)."""
+    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+
+
+def plan_markdown(title: str, plans: list[StagePlan]) -> str:
+    """The dry run as markdown (a Prefect artifact): the table ``openlab explain`` prints, plus a tally.
+
+    Same columns as the terminal — stage, action, identity, why, changed fields — so a person
+    who pressed *dry run* in the UI reads what a person at a terminal reads.
+    """
+    tally = ", ".join(f"{sum(p.action == a for p in plans)} {a}" for a in ACTIONS if any(p.action == a for p in plans))
+    lines = [
+        f"**{_cell(title)}** — nothing launched: {tally or 'no stages'}",
+        "",
+        "| stage | action | identity | why | changed fields |",
+        "|---|---|---|---|---|",
+    ]
+    for p in plans:
+        changed = "<br>".join(_cell(c) for c in p.changes) or "-"
+        identity = f"`{p.identity[:16]}`" if p.identity else "(after upstream)"
+        lines.append(f"| {p.stage} | **{p.action}** | {identity} | {_cell(p.reason)} | {changed} |")
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["ACTIONS", "StagePlan", "explain_recipe", "plan", "plan_markdown"]
