@@ -19,7 +19,9 @@ and lineage (the same code ``openlab run`` uses); this module only maps it onto 
   The ``on_cancellation`` hook (:mod:`flows.cancel`) remains as a safety net for a
   process killed before it could record anything;
 - the library's reconcile runs when the pipeline starts (:func:`start_recipe`), so a
-  crashed earlier run leaves no stage run RUNNING forever.
+  crashed earlier run leaves neither a stage run nor its pipeline run RUNNING forever;
+- ``dry_run`` is ``openlab explain``: per stage run or reuse and which identity fields
+  changed, as the markdown artifact ``explain`` and one log line per stage.
 """
 
 from __future__ import annotations
