@@ -185,6 +185,10 @@ def test_cancel_through_api_stops_backend_job(served: Served, backend: str) -> N
         assert attempt.state == "CANCELLED", (attempt.state, attempt.reason)
         stage = store.require(StageRun, attempt.stage_run_id)
         assert stage.state == "CANCELLED", (stage.state, stage.error)
+        # recorded by the flow process as it stopped (TerminationSignal or the cancel watcher), not left
+        # to the on_cancellation hook's safety net, whose reasons start with "cancelled: "
+        assert not (attempt.reason or "").startswith("cancelled: "), attempt.reason
+        assert not (stage.error or "").startswith("cancelled: "), stage.error
         (run,) = store.list(PipelineRun, flow_run_id=str(flow_run_id))
         assert run.state == "CANCELLED"
         assert not store.list(Attempt, where=[Attempt.stage_run_id == stage.id, Attempt.state == "RUNNING"])

@@ -1,0 +1,53 @@
+"""The on_cancellation safety net: what a flow process killed before it could record anything left behind.
+
+Real local job, real SQLite lineage; the records are those a SIGKILLed flow process leaves
+(attempt and stage run RUNNING, pipeline run RUNNING, leases held).
+"""
+
+from __future__ import annotations
+
+import time
+
+from flows.cancel import cancel_flow_run_jobs
+from orchestrator.launchers import JobSpec, get_launcher
+from orchestrator.launchers.attempts import mark_running, submit_attempt
+from orchestrator.lineage import leases
+from orchestrator.lineage.models import Attempt, PipelineRun, StageRun
+from orchestrator.lineage.store import LineageStore
+from orchestrator.pipeline.reconcile import pipeline_lease_key
+from orchestrator.settings import load_settings
+
+
+def test_safety_net_cancels_the_orphaned_job_and_leaves_real_failures_alone() -> None:
+    settings = load_settings()
+    launcher = get_launcher("local", settings)
+    with LineageStore.open(settings) as store:
+        with store.transaction() as tx:
+            run = tx.add(PipelineRun(name="killed", flow_run_id="fr-killed", state="RUNNING"))
+            failed = tx.add(
+                StageRun(pipeline_run_id=run.id, stage="data", identity="i-data", state="FAILED", error="exit 3")
+            )
+            running = tx.add(StageRun(pipeline_run_id=run.id, stage="tokenize", identity="i-tok", state="RUNNING"))
+        with store.transaction() as tx:
+            tx.add(Attempt(stage_run_id=failed.id, backend="local", job_id="gone", state="FAILED", reason="exit 3"))
+        attempt, handle = submit_attempt(
+            store, launcher, JobSpec(name="orphan", command=["sleep", "60"]), stage_run_id=running.id
+        )
+        attempt = mark_running(store, attempt, launcher.status(handle))
+        assert leases.acquire(store, "i-tok", "killed-process", ttl=600, stage_run_id=running.id)
+        assert leases.acquire(store, pipeline_lease_key(run.id), "killed-process", ttl=600)
+
+        jobs = cancel_flow_run_jobs(store, "fr-killed", reason="cancelled: test")
+
+        assert jobs == [f"local:{handle.job_id}"]
+        deadline = time.monotonic() + 15
+        while not launcher.status(handle).state.terminal and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert launcher.status(handle).state.terminal, "the orphaned job still runs"
+        assert store.require(Attempt, attempt.id).state == "CANCELLED"
+        assert store.require(StageRun, running.id).state == "CANCELLED"
+        assert store.require(StageRun, failed.id).state == "FAILED"  # a stage that really failed stays FAILED
+        closed = store.require(PipelineRun, run.id)
+        assert closed.state == "CANCELLED" and closed.error == "cancelled: test"
+        assert store.list(leases.Lease) == []  # the next run of these identities need not wait for expiry
+        assert cancel_flow_run_jobs(store, "fr-killed") == []  # the flow process and the runner may both call it
