@@ -8,6 +8,10 @@
   is reported as ``FAILED`` with reason "out of memory"), ``pids_limit`` (default 4096).
 - ``network_mode`` defaults to ``"none"``: a job reads its inputs from the artifact root,
   which is bind-mounted at the same path, so lineage paths mean the same inside and out.
+- The spec's working directory, when it is a folder on this host, is bind-mounted
+  read-only at the same path (``mount_workdir = false`` turns this off), so a pipeline
+  stage runs the working tree its identity hashed rather than the code the image was
+  built with; ``mounts = {HOST = "TARGET[:ro]"}`` adds more.
 - The time limit is enforced in the container by GNU ``timeout`` (so it holds with nobody
   watching; set ``time_limit_wrapper = false`` for images without coreutils) and by
   :meth:`DockerLauncher.status` as a backstop.
@@ -184,8 +188,14 @@ class DockerLauncher(Launcher):
             Path(root).mkdir(parents=True, exist_ok=True)
             volumes[root] = {"bind": root, "mode": "rw"}
             env["OPENLAB_ARTIFACT_ROOT"] = root
+        if spec.workdir and opts.get("mount_workdir", True) and Path(spec.workdir).is_dir():
+            # The job runs the code in the host's working tree — the code lineage hashed —
+            # not whatever copy was baked into the image when it was last built.
+            workdir = str(Path(spec.workdir).resolve())
+            volumes.setdefault(workdir, {"bind": workdir, "mode": "ro"})
         for host_path, target in (opts.get("mounts") or {}).items():
-            volumes[str(host_path)] = {"bind": str(target), "mode": "rw"}
+            bind, _, mode = str(target).partition(":")
+            volumes[str(host_path)] = {"bind": bind, "mode": mode or "rw"}
         kwargs: dict[str, Any] = {
             "name": job_id,
             "detach": True,

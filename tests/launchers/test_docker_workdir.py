@@ -1,0 +1,65 @@
+"""A docker job runs the host's working tree, read-only — the code lineage hashed, not the image's copy.
+
+Against the real engine: the job image has its own copy of the project baked in at build
+time; a stage's identity hashes the working tree. If the container ran the image's copy,
+an edited stage would re-run with the old code under the new identity.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.launchers import JobSpec, get_launcher
+from tests.services import docker_image, require_docker
+
+pytestmark = [pytest.mark.docker]
+
+
+def _run(spec: JobSpec, **options: object) -> tuple[str, list[str]]:
+    launcher = get_launcher("docker", **options)
+    handle = launcher.submit(spec)
+    try:
+        status = launcher.wait(handle, timeout=120)
+        return status.state.value, list(launcher.logs(handle))
+    finally:
+        launcher.cleanup(handle)
+
+
+def test_job_runs_the_hosts_working_tree_read_only(tmp_path: Path) -> None:
+    require_docker()
+    image = docker_image("job")
+    tree = tmp_path / "tree"
+    (tree / "workloads").mkdir(parents=True)
+    (tree / "workloads" / "__init__.py").write_text("")
+    (tree / "workloads" / "probe.py").write_text(
+        "import pathlib\n"
+        "print('probe from the working tree', pathlib.Path(__file__).resolve())\n"
+        "try:\n"
+        "    pathlib.Path('written-by-job').write_text('x')\n"
+        "    print('workdir writable')\n"
+        "except OSError as exc:\n"
+        "    print('workdir read-only', exc.errno)\n"
+    )
+    spec = JobSpec(name="workdir-probe", command=["python", "-m", "workloads.probe"], image=image, workdir=str(tree))
+    state, lines = _run(spec, image=image)
+    text = "\n".join(lines)
+    assert state == "SUCCEEDED", text
+    assert f"probe from the working tree {tree.resolve()}/workloads/probe.py" in text
+    assert "workdir read-only 30" in text  # EROFS: a job cannot change the code it was identified by
+    assert not (tree / "written-by-job").exists()
+
+
+@pytest.mark.parametrize("mount", [True, False], ids=["mounted", "mount_workdir=false"])
+def test_mount_workdir_can_be_turned_off(tmp_path: Path, mount: bool) -> None:
+    """Images that ship their code on purpose can opt out; then the host's folder is not there."""
+    require_docker()
+    image = docker_image("job")
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "only-on-host.txt").write_text("host")
+    spec = JobSpec(name="workdir-opt", command=["ls", "-1", str(tree)], image=image, workdir=str(tree))
+    state, lines = _run(spec, image=image, mount_workdir=mount)
+    assert state == "SUCCEEDED", lines
+    assert ("only-on-host.txt" in lines) is mount
