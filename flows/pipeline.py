@@ -189,6 +189,7 @@ def run_replica(
     force: bool,
     dry_run: bool,
     trigger: str | None = None,
+    require_issue: bool = False,
 ) -> dict[str, Any]:
     """The body of the pipeline flows (also used by the nightly): start, run each stage as a task, finish."""
 
@@ -223,6 +224,7 @@ def run_replica(
         "replica": replica,
         "backend": backend,
         "issue": issue,
+        "require_issue": require_issue,
         "git_ref": git_ref,
         "force": force,
         "dry_run": dry_run,
@@ -231,6 +233,7 @@ def run_replica(
     options = RunOptions(
         backend=backend,
         issue=issue or None,
+        issue_required=require_issue,
         force=force,
         trigger=trigger or _trigger(flow_run),
         flow_run_id=flow_run_id,
@@ -371,6 +374,7 @@ def replica_pipeline(
     replica: str = "tiny",
     backend: Backend = "local",
     issue: str | None = None,
+    require_issue: bool = False,
     git_ref: str = "HEAD",
     force: bool = False,
     dry_run: bool = False,
@@ -382,13 +386,21 @@ def replica_pipeline(
         replica: Scaled-down replica of the recipe (tiny runs in minutes on 2 CPU cores).
         backend: Where the stage jobs run.
         issue: Experiment issue owner/repo#N whose card shows this run's lineage.
+        require_issue: Fail before any job starts when the issue cannot be resolved (no token, 404, 401).
         git_ref: Commit to run; HEAD runs the working tree as it is, anything else a clean checkout.
         force: Re-run every stage even when a completed identical one exists.
         dry_run: Launch nothing; say for each stage whether it would run or be reused, and which
             identity fields changed since its last completed run (what `openlab explain` prints).
     """
     return run_replica(
-        recipe=recipe, replica=replica, backend=backend, issue=issue, git_ref=git_ref, force=force, dry_run=dry_run
+        recipe=recipe,
+        replica=replica,
+        backend=backend,
+        issue=issue,
+        require_issue=require_issue,
+        git_ref=git_ref,
+        force=force,
+        dry_run=dry_run,
     )
 
 

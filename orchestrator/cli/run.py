@@ -121,6 +121,9 @@ def run(
     replica: ReplicaOpt = None,
     backend: Annotated[str, typer.Option("--backend", "-b", help="local, docker, slurm or kubernetes.")] = "local",
     issue: Annotated[str | None, typer.Option("--issue", help="Experiment issue owner/repo#N (or #N).")] = None,
+    require_issue: Annotated[
+        bool, typer.Option("--require-issue", help="Stop before any job starts if the issue cannot be linked.")
+    ] = False,
     force: Annotated[bool, typer.Option("--force", help="Re-run every stage, even reusable ones.")] = False,
     force_stage: Annotated[
         list[str] | None, typer.Option("--force-stage", help="Re-run this stage (repeatable).")
@@ -133,7 +136,13 @@ def run(
     from orchestrator.recipes import resolve
 
     resolved = resolve(recipe, replica)
-    options = RunOptions(backend=backend, issue=issue, force=_force_value(force, force_stage), trigger="terminal")
+    options = RunOptions(
+        backend=backend,
+        issue=issue,
+        issue_required=require_issue,
+        force=_force_value(force, force_stage),
+        trigger="terminal",
+    )
     if json_out or not console.is_terminal:
         hooks = PipelineHooks(
             on_transition=(None if json_out else lambda e: err_console.print(f"{e.stage}: {e.state} {e.reason}")),

@@ -93,6 +93,7 @@ class RunOptions:
     backend: str = "local"
     #: Experiment issue ``owner/repo#N`` (or ``#N`` with a configured default repo).
     issue: str | None = None
+    #: Stop before any job starts when the issue cannot be linked (also ``[github] required = true``).
     issue_required: bool = False
     #: True re-runs every stage; a collection of stage names re-runs those.
     force: bool | frozenset[str] = False
@@ -394,7 +395,8 @@ def start_pipeline(
         from orchestrator.links.github import resolve_issue
 
         try:
-            issue = resolve_issue(store, options.issue, run, required=options.issue_required, settings=settings)
+            required = options.issue_required or bool(settings.section("github").get("required", False))
+            issue = resolve_issue(store, options.issue, run, required=required, settings=settings)
         except BaseException as exc:  # a required issue that cannot be linked: close the run, do not strand it
             finish_pipeline(ctx, "FAILED", f"{type(exc).__name__}: {exc}")
             raise
