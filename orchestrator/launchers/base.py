@@ -11,7 +11,9 @@ Every backend (``local``, ``docker``, ``slurm``, ``kubernetes``) implements
   reason, host, start/end, image digest).
 - :meth:`Launcher.logs` yields log lines (``tail`` the last N, or ``follow`` until the
   job ends); :meth:`Launcher.cancel` ends the job and everything it started;
-  :meth:`Launcher.wait` polls until a terminal state or raises :class:`JobTimeout`.
+  :meth:`Launcher.wait` polls until a terminal state or raises :class:`JobTimeout`;
+  between polls it calls :meth:`Launcher.pause`, which a backend that can see a job end
+  (local: a pidfd on the supervisor) overrides to wake at once.
 - :meth:`Launcher.check` says whether the backend is reachable and, if not, why.
 
 :func:`get_launcher` builds a launcher by name from settings
@@ -212,7 +214,17 @@ class Launcher(ABC):
                 return status
             if deadline is not None and time.monotonic() >= deadline:
                 raise JobTimeout(f"{self.name} job {handle.job_id} still {status.state} after {timeout:g}s")
-            backoff.sleep(None if deadline is None else deadline - time.monotonic())
+            self.pause(handle, backoff.next_delay(None if deadline is None else deadline - time.monotonic()))
+
+    def pause(self, handle: JobHandle, seconds: float) -> None:
+        """Sleep up to ``seconds`` between two looks at a job; return early if the job may have ended.
+
+        Pollers (:meth:`wait`, log followers, ``run_job``) call this instead of ``time.sleep``
+        so a backend that can *see* a job end waits on that instead of sleeping past it: for a
+        short job the time to the next poll is most of the overhead. The default just sleeps.
+        """
+        if seconds > 0:
+            time.sleep(seconds)
 
     def cleanup(self, handle: JobHandle) -> None:  # noqa: B027 - optional hook
         """Release what a finished job still holds (containers, Job objects) once logs are read."""
@@ -232,10 +244,14 @@ class Backoff:
     def reset(self) -> None:
         self.current = min(self.first, self.cap)
 
-    def sleep(self, limit: float | None = None) -> None:
+    def next_delay(self, limit: float | None = None) -> float:
+        """The next delay (at most ``limit``), advancing the backoff; for callers that wait their own way."""
         delay = self.current if limit is None else max(0.0, min(self.current, limit))
-        time.sleep(delay)
         self.current = min(self.current * 2, self.cap)
+        return delay
+
+    def sleep(self, limit: float | None = None) -> None:
+        time.sleep(self.next_delay(limit))
 
 
 # -- parsing helpers shared by backends and the CLI -----------------------------------
