@@ -119,3 +119,42 @@ def test_pooled_wave_stripes_alias_with_a_periodic_expert_pattern() -> None:
 def test_unknown_dispatch_rejected() -> None:
     with pytest.raises(ValueError, match="unknown dispatch"):
         DispatchSpec("ring_magic", 2, 4)
+
+
+def test_rank_within_group_large_ids_take_the_general_path() -> None:
+    # Group ids above the element count skip the bincount shortcut; both paths must agree.
+    g = torch.tensor([7, 3, 7, 3, 7])
+    big = g * 1000
+    order = torch.tensor([2, 2, 1, 0, 1])
+    assert rank_within_group(big).tolist() == rank_within_group(g).tolist() == [0, 0, 1, 1, 2]
+    assert rank_within_group(big, order).tolist() == rank_within_group(g, order).tolist() == [2, 1, 0, 0, 1]
+
+
+def test_pooled_wave_sender_gate_is_one_pool_of_s_times_w() -> None:
+    # The waves are a fixed stripe of the (sender, destination) pool: slot = r // W < S <=> r < S*W, so
+    # the sender-side unit is the whole pool (mu = A/P, capacity S*W), whatever the experts' order.
+    # P=2, E=4 (E_l=2), W=3, T=12, K=1: A=12, S = ceil(1.0*12/(2*3)) = 2 -> the pool keeps 6.
+    spec = DispatchSpec("pooled_wave", 2, 4, capacity_factor=4.0, transport_capacity_factor=1.0, waves=3)
+    assert capacities(spec, 12, 1)["sender_slots"] == 2
+    # rank 0 sends 8 to destination 0 (experts 0/1, in any mix) and 4 to destination 1; rank 1 sends
+    # 12 to destination 1 (experts 2/3).
+    rows = [0, 1, 1, 0, 2, 0, 3, 1, 1, 2, 0, 3] + [2, 3, 3, 3, 2, 2, 3, 2, 3, 3, 2, 2]
+    res = dispatch(_ids(rows), spec)
+    # rank 0 -> dest 0: tokens 0,1,2,3,5,7,8,10 (r = 0..7): r = 6, 7 (tokens 8, 10) drop.
+    # rank 0 -> dest 1: tokens 4,6,9,11 (r = 0..3): all kept. rank 1 -> dest 1: r >= 6 (tokens 18..23) drop.
+    assert res.sender_dropped == 2 + 6 and res.receiver_dropped == 0
+    assert _kept(res) == [0, 1, 2, 3, 4, 5, 6, 7, 9, 11, 12, 13, 14, 15, 16, 17]
+
+
+def test_shared_cache_gives_the_same_result_as_separate_dispatches() -> None:
+    torch.manual_seed(0)
+    experts = torch.stack([torch.randperm(12)[:3] for _ in range(96)])  # P=4, E=12, K=3, T=24
+    specs = [DispatchSpec("fixed_all_to_all", 4, 12, cf) for cf in (1.0, 1.1)]
+    specs += [DispatchSpec("pooled_wave", 4, 12, cf, tcf) for cf, tcf in ((1.33, 1.05), (1.15, 1.15))]
+    specs += [DispatchSpec("ragged", 4, 12, 1.15), DispatchSpec("waterfilling", 4, 12, 1.0)]
+    cache: dict[str, torch.Tensor] = {}
+    for spec in specs:
+        a, b = dispatch(experts, spec), dispatch(experts, spec, cache)
+        assert torch.equal(a.keep, b.keep) and (a.sender_dropped, a.receiver_dropped) == (
+            b.sender_dropped, b.receiver_dropped)
+    assert set(cache) == {"cell4", "pool4", "expert"}
