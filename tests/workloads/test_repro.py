@@ -6,8 +6,15 @@ import json
 import math
 from pathlib import Path
 
-from workloads.moe.config import ArmConfig, parse_config
-from workloads.moe.repro import arm_spec, our_mu, run_repro, scaled
+import numpy as np
+import pytest
+import torch
+
+from workloads.moe.config import ArmConfig, ConfigError, ModelConfig, WorkloadError, parse_config, validate
+from workloads.moe.dispatch import DispatchSpec
+from workloads.moe.model import MoELM, RoutingRuntime
+from workloads.moe.repro import arm_spec, demand_cv, demand_units, our_mu, run_repro, scaled
+from workloads.moe.train import TokenData
 
 from .conftest import TINY_MODEL
 
@@ -45,3 +52,65 @@ def test_short_repro_run_reports_every_arm(tiny_tokens: Path, tmp_path: Path) ->
     late = sorted(r["repro/fixed1/moe/drop_fraction"] for r in rows[-2:])
     assert math.isclose(res["table"][0]["median_drop"], sum(late) / 2)
     assert "| fixed1 |" in (tmp_path / "repro_table.md").read_text()
+
+
+def test_demand_units_hand_computed() -> None:
+    # P=2, E=4 (E_l=2), K=1, T=4: A=4. Rank 0 routes to experts 0,0,1,2; rank 1 to 3,3,3,0.
+    ex = torch.tensor([0, 0, 1, 2, 3, 3, 3, 0]).view(-1, 1)
+    u = demand_units(ex, P=2, E=4, chunks=2)
+    assert u["cell"][0].tolist() == [2, 1, 1, 0, 1, 0, 0, 3] and u["cell"][1] == 1.0  # A/E
+    assert u["pool"][0].tolist() == [3, 1, 1, 3] and u["pool"][1] == 2.0  # A/P
+    assert u["expert"][0].tolist() == [3, 1, 1, 3] and u["expert"][1] == 2.0  # P*A/E
+    assert u["chunk"][0].tolist() == [3, 1, 1, 3] and u["chunk"][1] == 2.0  # A/chunks
+    assert u["group"][0].tolist() == [4, 4] and u["group"][1] == 4.0  # A
+    cv = demand_cv([ex], P=2, E=4, chunks=2)
+    # cell: (n/mu - 1)^2 = 1,0,0,1,0,1,1,4 -> mean 1; pool: 0.25 each; group: 0.
+    assert math.isclose(cv["cell/cv"], 1.0) and math.isclose(cv["pool/cv"], 0.5) and cv["group/cv"] == 0.0
+    assert math.isclose(cv["group/poisson_cv"], 0.5)
+
+
+def test_distinct_batch_windows_never_overlap() -> None:
+    data = TokenData.__new__(TokenData)
+    data.shards = {("a", "train"): np.arange(1000), ("b", "train"): np.arange(5000, 5300)}
+    x = data.distinct_batch(np.random.default_rng(0), 9, 32, {"a": 0.5, "b": 0.5}, "train")
+    assert x.shape == (9, 32)
+    assert all(bool((row[1:] - row[:-1] == 1).all()) for row in x)  # contiguous windows
+    assert len(set(x.reshape(-1).tolist())) == 9 * 32  # no token shared by two sequences
+    with pytest.raises(WorkloadError, match="distinct windows"):
+        data.distinct_batch(np.random.default_rng(0), 12, 32, {"b": 1.0}, "train")  # b holds 9 windows
+
+
+def test_route_records_the_same_routing_as_forward(tiny_tokens: Path) -> None:
+    mc = ModelConfig(**{**TINY_MODEL, "vocab_size": 512, "n_layers": 3})
+    torch.manual_seed(0)
+    model = MoELM(mc).train()
+    rt = RoutingRuntime(DispatchSpec("pooled_wave", 2, 4, 1.0, 1.0), record_routing=True)
+    x = torch.randint(0, 512, (4, 32))
+    with torch.no_grad():
+        model(x, x, rt)
+        fwd = [(m.last_experts.clone(), m.qb_pending.clone(), m.last_stats) for m in model.moe_layers()]
+        model.route(x, rt)
+        for m, (ex, beta, st) in zip(model.moe_layers(), fwd, strict=True):
+            assert torch.equal(m.last_experts, ex) and torch.equal(m.qb_pending, beta)
+            assert (m.last_stats.counts, m.last_stats.sender_dropped) == (st.counts, st.sender_dropped)
+
+
+def test_separate_measurement_batch(tiny_tokens: Path, tmp_path: Path) -> None:
+    arms = [{"name": "pw", "dispatch": "pooled_wave", "capacity_factor": 1.0, "transport_capacity_factor": 1.0},
+            {"name": "fixed1", "dispatch": "fixed_all_to_all", "capacity_factor": 1.0}]
+    base = {
+        "threads": 1, "inputs": {"tokens": str(tiny_tokens)},
+        "model": {**TINY_MODEL, "n_experts": 8}, "moe": {"ranks": 2},
+        "train": {"steps": 5, "batch_size": 2, "checkpoint_every": 5},
+        "repro": {"train_arm": "pw", "late_window": 2, "measure_batch_size": 6, "arms": arms},
+    }
+    res = run_repro(parse_config(base), tmp_path)
+    rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # Measured: the window (steps 4, 5) and the step before it (QB bias from a measurement batch).
+    assert [("repro/pw/moe/drop_fraction" in r) for r in rows] == [False, False, True, True, True]
+    for r in rows[2:]:  # the measurement pass ran the train arm: its own stats equal the arm's
+        assert math.isclose(r["repro/measure/moe/drop_fraction"], r["repro/pw/moe/drop_fraction"])
+    assert (res["sequences_per_rank"], res["tokens_per_rank"], res["train_batch_size"]) == (3, 3 * 32, 2)
+    assert set(res["demand"]) == {"cell", "pool", "expert", "chunk", "group"}
+    with pytest.raises(ConfigError, match="measure_batch_size=5 must be 0 or a positive multiple"):
+        validate(parse_config({**base, "repro": {**base["repro"], "measure_batch_size": 5}}), "repro")

@@ -39,6 +39,8 @@ falls back to a default.
     repro:                       # stage `repro`: one trained router, every arm measured every step
       train_arm: pooled_wave_1.05_1.33    # the arm whose dispatch is in the training forward pass
       late_window: 40                    # report the median over the last N steps
+      measure_batch_size: 0              # sequences per measured batch (0 = the training batch); >0 = a
+                                         # separate batch of distinct windows, forward-only, in the window
       scale_capacity: true               # arms give Marin's cf; scaled so (cf-1)*sqrt(mu) is kept
       arms: [{name, dispatch, capacity_factor, transport_capacity_factor, waves, chunks, marin_drop,
               scale}]   # scale: per-arm override of scale_capacity (false = Marin's cf as is)
@@ -160,6 +162,12 @@ class ArmConfig:
 class ReproConfig:
     train_arm: str = ""
     late_window: int = 40
+    # Sequences in each measured step's batch, split evenly over moe.ranks (whole sequences). 0 = measure
+    # on the training batch at every step. >0 = in the late window (and the step before it, so the QB bias
+    # of the first reported step already comes from a batch of this size) a separate batch of
+    # non-overlapping windows goes through a forward pass without gradients, with the current weights and
+    # QB bias; its routing is what every arm dispatches and its QB beta is the next step's bias.
+    measure_batch_size: int = 0
     scale_capacity: bool = True
     arms: list[ArmConfig] = field(default_factory=list)
 
@@ -371,3 +379,8 @@ def validate(cfg: Config, stage: str) -> None:
             raise ConfigError(f"config: repro.train_arm '{rp.train_arm}' is not one of repro.arms ({names})")
         if rp.late_window < 1 or rp.late_window > cfg.train.steps:
             raise ConfigError("config: repro.late_window must be in [1, train.steps]")
+        if rp.measure_batch_size < 0 or rp.measure_batch_size % mo.ranks:
+            raise ConfigError(
+                f"config: repro.measure_batch_size={rp.measure_batch_size} must be 0 or a positive multiple of "
+                f"moe.ranks={mo.ranks} (each rank holds whole sequences)"
+            )

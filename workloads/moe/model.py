@@ -118,24 +118,15 @@ class MoEFeedForward(nn.Module):
         beta = torch.kthvalue(m, T - q + 1, dim=1).values  # q-th largest == (T-q+1)-th smallest
         return beta.mean(0)
 
-    def forward(self, x: torch.Tensor, rt: RoutingRuntime) -> torch.Tensor:
-        N, D = x.shape
-        s = F.linear(x.float(), self.router.weight.float())  # fp32 logits
-        top_vals, top_idx = torch.topk(s.detach() + self.qb_bias, self.K + 1, dim=-1)
-        experts = top_idx[:, : self.K]
-        alpha = top_vals[:, self.K]
-        w = torch.sigmoid(s.gather(1, experts))
-        w = w * (self.weight_sum / w.sum(-1, keepdim=True))
-        if self.training and rt.qb:
-            self.qb_pending.copy_(self._qb_beta(s.detach(), alpha, rt.spec.ranks))
-            self.qb_has_pending.fill_(True)
-
-        res = dispatch(experts, rt.spec)
+    def _experts(self, x: torch.Tensor, experts: torch.Tensor, w: torch.Tensor,
+                 keep: torch.Tensor | None) -> torch.Tensor:
+        """sum over kept assignments of w * Expert(x) (dropped ones contribute 0), plus shared experts."""
+        N = x.shape[0]
         flat_e = experts.reshape(-1)
         flat_w = w.reshape(-1).to(x.dtype)
         tok = torch.arange(N, device=x.device).repeat_interleave(self.K)
-        if rt.spec.name != "dropless":
-            kept = res.keep.reshape(-1)
+        if keep is not None:
+            kept = keep.reshape(-1)
             flat_e, flat_w, tok = flat_e[kept], flat_w[kept], tok[kept]
         order = torch.argsort(flat_e, stable=True)
         e_sorted, tok_sorted = flat_e[order], tok[order]
@@ -153,6 +144,24 @@ class MoEFeedForward(nn.Module):
             y = y.index_add(0, tok_sorted, torch.cat(outs) * flat_w[order, None])
         if self.shared is not None:
             y = y + self.shared(x)
+
+        return y
+
+    def forward(self, x: torch.Tensor, rt: RoutingRuntime, compute: bool = True) -> torch.Tensor:
+        """Route, dispatch, record; with compute=False stop before the experts (routing only)."""
+        N, D = x.shape
+        s = F.linear(x.float(), self.router.weight.float())  # fp32 logits
+        top_vals, top_idx = torch.topk(s.detach() + self.qb_bias, self.K + 1, dim=-1)
+        experts = top_idx[:, : self.K]
+        alpha = top_vals[:, self.K]
+        w = torch.sigmoid(s.gather(1, experts))
+        w = w * (self.weight_sum / w.sum(-1, keepdim=True))
+        if self.training and rt.qb:
+            self.qb_pending.copy_(self._qb_beta(s.detach(), alpha, rt.spec.ranks))
+            self.qb_has_pending.fill_(True)
+
+        res = dispatch(experts, rt.spec)
+        y = self._experts(x, experts, w, res.keep if rt.spec.name != "dropless" else None) if compute else x
 
         c_all = torch.bincount(experts.reshape(-1), minlength=self.E)
         aux = s.new_zeros(())
@@ -247,6 +256,24 @@ class MoELM(nn.Module):
         lm = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
         aux = sum((m.last_aux for m in self.moe_layers() if m.last_aux is not None), lm.new_zeros(()))
         return lm + aux, lm
+
+    def route(self, idx: torch.Tensor, rt: RoutingRuntime) -> None:
+        """Run the blocks (routing, dispatch, QB beta in train mode) without the LM head or a loss.
+
+        The measurement pass of the repro stage: every layer's routing and stats are recorded as in
+        `forward`, and drops under `rt.spec` change the hidden states of later layers exactly as there.
+        """
+        B, S = idx.shape
+        if B % rt.spec.ranks:
+            raise ValueError(f"batch of {B} sequences cannot be split into {rt.spec.ranks} ranks")
+        cos, sin = rope_tables(S, self.cfg.d_model // self.cfg.n_heads, self.cfg.rope_theta, idx.device)
+        x = self.emb(idx)
+        for i, b in enumerate(self.blocks):
+            if i + 1 < len(self.blocks):
+                x = b(x, cos, sin, rt)
+            elif isinstance(b.ffn, MoEFeedForward):  # the last layer's experts feed no later routing
+                x = x + b.attn(b.n1(x), cos, sin)
+                b.ffn(b.n2(x).reshape(-1, x.shape[-1]), rt, compute=False)
 
     def layer_stats(self) -> list[LayerStats]:
         return [m.last_stats for m in self.moe_layers() if m.last_stats is not None]

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .config import ArmConfig, Config
+from .config import ArmConfig, Config, ConfigError
 from .dispatch import DispatchSpec, dispatch
 from .metrics import summarize
 from .model import MoELM, RoutingRuntime
@@ -85,17 +85,87 @@ def arm_spec(arm: ArmConfig, P: int, E: int, K: int, T: int, scale: bool) -> tup
     return DispatchSpec(arm.dispatch, P, E, cf, tcf, arm.waves, arm.chunks), info
 
 
+UNITS = ("cell", "pool", "expert", "chunk", "group")
+
+
+def demand_units(experts: torch.Tensor, P: int, E: int, chunks: int) -> dict[str, tuple[torch.Tensor, float]]:
+    """Demand on every capacity unit of one layer's routing, with its mean mu (before any gate).
+
+    cell   (sender, expert)          fixed all-to-all           mu = A/E
+    pool   (sender, destination)     pooled-wave sender gate    mu = A/P  (= W * A/(P*W): the W waves are a
+                                                                 fixed stripe of the pool, slot < S <=> r < S*W)
+    expert global expert             pooled-wave receiver       mu = P*A/E (per wave: P*A/(E*W))
+    chunk  (destination, chunk)      ragged                     mu = A/chunks
+    group  destination               water-filling              mu = A
+    """
+    N, K = experts.shape
+    T, El = N // P, E // P
+    A = T * K
+    e = experts.reshape(-1).long()
+    sender = torch.arange(N * K, device=e.device) // A
+    dest = e // El
+    ch = chunks if El % chunks == 0 else 1
+    cell = torch.bincount(sender * E + e, minlength=P * E).double()
+    pool = torch.bincount(sender * P + dest, minlength=P * P).double()
+    expert = torch.bincount(e, minlength=E).double()
+    chunk = torch.bincount(dest * ch + (e % El) // (El // ch), minlength=P * ch).double()
+    group = torch.bincount(dest, minlength=P).double()
+    return {"cell": (cell, A / E), "pool": (pool, A / P), "expert": (expert, P * A / E),
+            "chunk": (chunk, A / ch), "group": (group, float(A))}
+
+
+def demand_cv(layers_experts: list[torch.Tensor], P: int, E: int, chunks: int) -> dict[str, float]:
+    """Relative spread of demand per unit type, sqrt(mean over units and layers of (n/mu - 1)^2).
+
+    Poisson noise alone gives about 1/sqrt(mu); anything above that is content (which sequences a rank
+    holds) and persistent imbalance, the part a cf scaled by (cf - 1) * sqrt(mu) does not follow.
+    """
+    acc: dict[str, list[float]] = {u: [] for u in UNITS}
+    mus: dict[str, float] = {}
+    for ex in layers_experts:
+        for u, (n, mu) in demand_units(ex, P, E, chunks).items():
+            acc[u].append(float(((n / mu - 1.0) ** 2).mean()))
+            mus[u] = mu
+    out = {}
+    for u in UNITS:
+        out[f"{u}/cv"] = math.sqrt(sum(acc[u]) / len(acc[u]))
+        out[f"{u}/poisson_cv"] = 1.0 / math.sqrt(mus[u])
+    return out
+
+
+def check_measure_data(data: Any, mixture: dict[str, float], n: int, context: int) -> None:
+    """A measurement batch of n distinct windows must fit in every domain it may draw from."""
+    for d, w in mixture.items():
+        if w <= 0:
+            continue
+        slots = data.shards[(d, "train")].size // context
+        if slots < n:
+            raise ConfigError(
+                f"config: repro.measure_batch_size={n} distinct windows of {context} tokens do not fit in "
+                f"domain '{d}' (train split: {slots}); use more data or a smaller measurement batch"
+            )
+
+
 def run_repro(cfg: Config, out: Path) -> dict[str, Any]:
     set_threads(cfg.threads)
     data, mc, _, lineage = prepare(cfg, "repro")
     mixture = mixture_of(cfg, data)
     data.check(mixture, mc.context, "train")
+    rp = cfg.repro
+    separate = rp.measure_batch_size > 0
+    if separate:
+        check_measure_data(data, mixture, rp.measure_batch_size, mc.context)
     device = pick_device(cfg.device)
     P, E, K = cfg.moe.ranks, mc.n_experts, mc.top_k
     B = cfg.train.batch_size
-    T = (B // P) * mc.context
-    arms = {a.name: arm_spec(a, P, E, K, T, cfg.repro.scale_capacity) for a in cfg.repro.arms}
-    train_spec = arms[cfg.repro.train_arm][0] if cfg.repro.train_arm else DispatchSpec("dropless", P, E)
+    MB = rp.measure_batch_size or B
+    T = (MB // P) * mc.context  # tokens per rank in a measured batch
+    # With a separate measurement batch, the step before the window is measured too (not reported), so
+    # the QB bias of the first reported step comes from a measurement-size batch as at every later step.
+    first_measured = max(0, cfg.train.steps - rp.late_window - 1) if separate else 0
+    chunks = max((a.chunks for a in rp.arms if a.dispatch == "ragged"), default=2)
+    arms = {a.name: arm_spec(a, P, E, K, T, rp.scale_capacity) for a in rp.arms}
+    train_spec = arms[rp.train_arm][0] if rp.train_arm else DispatchSpec("dropless", P, E)
 
     torch.manual_seed(cfg.seed)
     model = MoELM(mc).to(device)
@@ -121,41 +191,65 @@ def run_repro(cfg: Config, out: Path) -> dict[str, Any]:
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
-            opt.step()
-            model.apply_pending_qb()
             tokens_seen += int(x.numel())
             m: dict[str, Any] = {"train/loss": float(lm.detach()), "train/tokens_seen": tokens_seen}
             m.update(summarize(model.layer_stats()))
             t1 = time.perf_counter()
-            for name, (spec, _) in arms.items():
-                S = R = V = 0
-                for layer in model.moe_layers():
-                    assert layer.last_experts is not None
-                    res = dispatch(layer.last_experts, spec)
-                    S, R, V = S + res.sender_dropped, R + res.receiver_dropped, V + layer.last_experts.numel()
-                m[f"repro/{name}/moe/drop_fraction"] = (S + R) / V
-                m[f"repro/{name}/moe/sender_drop_fraction"] = S / V
-                m[f"repro/{name}/moe/receiver_drop_fraction"] = R / V
-            m["repro/measure_time_s"] = time.perf_counter() - t1
+            if separate and step >= first_measured:
+                # Same weights and bias as this step's training forward (before the optimizer step);
+                # in train mode the pass also sets the QB beta that becomes the next step's bias.
+                xm = data.distinct_batch(step_rng(cfg.seed, step, 4), MB, mc.context, mixture, "train")
+                with torch.no_grad():
+                    model.route(xm.to(device), rt)
+                m.update(summarize(model.layer_stats(), prefix="repro/measure/", hist=False))
+            t2 = time.perf_counter()
+            opt.step()
+            model.apply_pending_qb()
+            if step >= first_measured:
+                routing = [layer.last_experts for layer in model.moe_layers()]
+                assert all(r is not None for r in routing)
+                caches: list[dict[str, torch.Tensor]] = [{} for _ in routing]  # shared sorts, per layer
+                for name, (spec, _) in arms.items():
+                    S = R = V = 0
+                    for ex, cache in zip(routing, caches, strict=True):
+                        res = dispatch(ex, spec, cache)
+                        S, R, V = S + res.sender_dropped, R + res.receiver_dropped, V + ex.numel()
+                    m[f"repro/{name}/moe/drop_fraction"] = (S + R) / V
+                    m[f"repro/{name}/moe/sender_drop_fraction"] = S / V
+                    m[f"repro/{name}/moe/receiver_drop_fraction"] = R / V
+                m.update({f"repro/demand/{k}": v for k, v in demand_cv(routing, P, E, chunks).items()})  # type: ignore[arg-type]
+            m["repro/measure_forward_s"] = t2 - t1
+            m["repro/measure_dispatch_s"] = time.perf_counter() - t2
             m["train/step_time_s"] = t1 - t0
             tr.log(m, step + 1)
             done = step + 1 == cfg.train.steps
             if (step + 1) % cfg.train.checkpoint_every == 0 or done:
                 save_checkpoint(out, model, opt, step + 1, tokens_seen, "repro", cfg, lineage)
         rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-        late = rows[-cfg.repro.late_window:]
+        late = rows[-rp.late_window:]
         table = []
-        for a in cfg.repro.arms:
+        for a in rp.arms:
             vals = [r[f"repro/{a.name}/moe/drop_fraction"] for r in late]
+            svals = [r[f"repro/{a.name}/moe/sender_drop_fraction"] for r in late]
+            rvals = [r[f"repro/{a.name}/moe/receiver_drop_fraction"] for r in late]
             spec, info = arms[a.name]
             table.append({"arm": a.name, "dispatch": a.dispatch, "median_drop": statistics.median(vals),
-                          "min": min(vals), "max": max(vals), "marin_drop": a.marin_drop,
-                          "in_training_forward": a.name == cfg.repro.train_arm, **info})
+                          "min": min(vals), "max": max(vals), "median_sender": statistics.median(svals),
+                          "median_receiver": statistics.median(rvals), "marin_drop": a.marin_drop,
+                          "in_training_forward": a.name == rp.train_arm, **info})
+        demand = {}
+        for u in UNITS:
+            mu = {"cell": T * K / E, "pool": T * K / P, "expert": P * T * K / E, "chunk": T * K / chunks,
+                  "group": T * K}[u]
+            demand[u] = {"mu": mu, "cv": statistics.median(r[f"repro/demand/{u}/cv"] for r in late),
+                         "poisson_cv": 1.0 / math.sqrt(mu)}
         summary = {
-            "train_arm": cfg.repro.train_arm, "late_window": [late[0]["step"], late[-1]["step"]],
-            "tokens_per_rank": T, "sequences_per_rank": B // P, "ranks": P, "experts": E, "top_k": K,
-            "experts_per_rank": E // P, "layers": mc.n_layers, "context": mc.context,
+            "train_arm": rp.train_arm, "late_window": [late[0]["step"], late[-1]["step"]],
+            "measure_batch_size": MB, "separate_measure_batch": separate, "train_batch_size": B,
+            "tokens_per_rank": T, "assignments_per_rank": T * K, "sequences_per_rank": MB // P, "ranks": P,
+            "experts": E, "top_k": K, "experts_per_rank": E // P, "layers": mc.n_layers, "context": mc.context,
             "final_train_loss": rows[-1]["train/loss"], "first_train_loss": rows[0]["train/loss"],
+            "train_tokens_seen": tokens_seen, "demand": demand,
             "model_config": dataclasses.asdict(mc), "wandb_run_id": tr.run_id, "table": table,
         }
         tr.summary({f"repro/{r['arm']}/late_median_drop": r["median_drop"] for r in table})
@@ -166,8 +260,9 @@ def run_repro(cfg: Config, out: Path) -> dict[str, Any]:
 
 def markdown_table(s: dict[str, Any]) -> str:
     lines = [
-        "| arm | dispatch | Marin cf (tcf) | our cf' (tcf') | ours: late median drop [min, max] | Marin | ratio |",
-        "|---|---|---|---|---|---|---|",
+        "| arm | dispatch | Marin cf (tcf) | our cf' (tcf') | ours: late median drop [min, max] "
+        "| sender / receiver | Marin | ratio |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in s["table"]:
         mc = f"{r['marin_cf']}" + (f" ({r['marin_tcf']})" if r["marin_tcf"] else "")
@@ -177,6 +272,18 @@ def markdown_table(s: dict[str, Any]) -> str:
         mark = " (train fwd)" if r["in_training_forward"] else ""
         lines.append(
             f"| {r['arm']}{mark} | {r['dispatch']} | {mc} | {oc} | {100 * r['median_drop']:.3f}% "
-            f"[{100 * r['min']:.3f}, {100 * r['max']:.3f}] | {'' if md is None else f'{100 * md:.3f}%'} | {ratio} |"
+            f"[{100 * r['min']:.3f}, {100 * r['max']:.3f}] "
+            f"| {100 * r['median_sender']:.3f} / {100 * r['median_receiver']:.3f} "
+            f"| {'' if md is None else f'{100 * md:.3f}%'} | {ratio} |"
         )
+    lines += [
+        "",
+        f"Demand per capacity unit over the late window (steps {s['late_window'][0]}-{s['late_window'][1]}; "
+        f"{s['sequences_per_rank']} sequences x {s['context']} tokens per rank, {s['ranks']} ranks):",
+        "",
+        "| unit | mu (mean assignments) | relative spread of demand | Poisson alone 1/sqrt(mu) |",
+        "|---|---|---|---|",
+    ]
+    for u, d in s["demand"].items():
+        lines.append(f"| {u} | {d['mu']:,.0f} | {100 * d['cv']:.2f}% | {100 * d['poisson_cv']:.2f}% |")
     return "\n".join(lines) + "\n"

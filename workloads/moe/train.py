@@ -90,6 +90,37 @@ class TokenData:
         t = torch.from_numpy(np.stack(rows))
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()
 
+    def distinct_batch(
+        self, rng: np.random.Generator, n: int, context: int, mixture: dict[str, float], split: str
+    ) -> torch.Tensor:
+        """n whole windows of `context` tokens that never overlap one another (a measurement batch).
+
+        Each sequence's domain is drawn from `mixture` as in `batch`; within a domain the windows are
+        distinct slots of a grid with stride `context` and a random shift, so no two sequences of the
+        batch share a token (random offsets would make sequences on different ranks share content).
+        """
+        names = sorted(mixture)
+        p = np.array([mixture[k] for k in names], dtype=np.float64)
+        doms = rng.choice(len(names), size=n, p=p / p.sum())
+        rows: list[np.ndarray] = [np.empty(0)] * n
+        for di, name in enumerate(names):
+            where = np.flatnonzero(doms == di)
+            if not where.size:
+                continue
+            arr = self.shards[(name, split)]
+            slots = arr.size // context
+            if slots < where.size:
+                raise WorkloadError(
+                    f"domain '{name}' {split} split holds {slots} distinct windows of {context} tokens; "
+                    f"a measurement batch needs {where.size}"
+                )
+            shift = int(rng.integers(0, arr.size - slots * context + 1))
+            picks = rng.choice(slots, size=where.size, replace=False)
+            for i, s in zip(where, picks, strict=True):
+                o = shift + int(s) * context
+                rows[i] = np.asarray(arr[o : o + context], dtype=np.int64)
+        return torch.from_numpy(np.stack(rows))
+
     def sft_batch(self, rng: np.random.Generator, n: int, context: int, split: str) -> tuple[torch.Tensor, ...]:
         ids, mask = self.sft[split]
         xs, ys = [], []
