@@ -34,7 +34,7 @@ import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -153,7 +153,13 @@ class JobHandle:
 
 @dataclass
 class JobStatus:
-    """A job's state as the backend reports it."""
+    """A job's state as the backend reports it.
+
+    ``tasks`` is set for a job made of several tasks (a Slurm job array): each task's own
+    status by task id, ordered by id, while the fields above aggregate them (see
+    :func:`orchestrator.launchers.slurm.aggregate_tasks`). A user who ran 8 shards needs
+    to know *which* shard failed, not just that the job did. None for a single job.
+    """
 
     state: JobState
     exit_code: int | None = None
@@ -162,12 +168,15 @@ class JobStatus:
     started_at: dt.datetime | None = None
     ended_at: dt.datetime | None = None
     image_digest: str | None = None
+    tasks: dict[str, JobStatus] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tasks"}
         out["state"] = str(self.state)
         for key in ("started_at", "ended_at"):
             out[key] = out[key].isoformat() if out[key] else None
+        if self.tasks is not None:
+            out["tasks"] = {task: status.to_dict() for task, status in self.tasks.items()}
         return out
 
 

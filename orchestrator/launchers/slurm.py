@@ -8,6 +8,14 @@
 - Status comes from ``scontrol show job -o`` while slurmctld remembers the job, then
   ``sacct`` where accounting works, then the jobcomp/filetxt log (``JobCompLoc``) where it
   does not; a job none of them knows is ``LOST``.
+- Job arrays (``options={"array": "0-7%2"}``): the handle is the array job; its status
+  has one entry per task in :attr:`JobStatus.tasks` (pending tasks Slurm still keeps in one
+  compressed record, ``2,4-7%2``, are expanded) and aggregates them: RUNNING while any
+  task has not ended, then FAILED naming the failed task ids if any failed, CANCELLED if
+  any was cancelled, else SUCCEEDED. Logs are one file per task (``slurm-%A_%a.log``),
+  merged with a ``[task]`` prefix, or one task's alone through :meth:`SlurmLauncher.task_handle`
+  (job id ``ARRAY_TASK``, which Slurm's own tools accept too). Cancelling the array
+  handle cancels every task, pending ones included.
 - ``scancel`` cancels; :meth:`SlurmLauncher.cancel` waits until the job has left the
   queue, so nothing of it is running when it returns.
 - sbatch/scontrol errors are quoted verbatim; "Socket timed out" and "Unable to contact
@@ -19,6 +27,7 @@ SLURM_CONF), bin_dir, extra_args (list of sbatch flags), retries, log_dir.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import glob
 import json
@@ -96,6 +105,82 @@ def _parse_dt(text: str | None) -> dt.datetime | None:
         return dt.datetime.fromisoformat(text).astimezone(dt.UTC)
     except ValueError:
         return None
+
+
+def expand_task_ids(text: str | None) -> list[str]:
+    """Slurm's compressed array task list as task ids: ``"0-3"``, ``"2,4%1"``, ``"1-7:2"``, ``"[0-3]"``.
+
+    Pending tasks stay in one record until they start (``ArrayTaskId=2,4-7%2`` in scontrol,
+    ``123_[2,4-7%2]`` in sacct), so a status that did not expand them would miss tasks.
+    Returns ``[]`` for anything it cannot read (a non-array job has no task list).
+    """
+    body = (text or "").strip().strip("[]").split("%", 1)[0]
+    ids: list[str] = []
+    try:
+        for part in filter(None, body.split(",")):
+            span, _, step = part.partition(":")
+            if "-" in span:
+                low, high = span.split("-", 1)
+                ids.extend(str(i) for i in range(int(low), int(high) + 1, int(step or 1)))
+            else:
+                ids.append(str(int(span)))
+    except ValueError:
+        return []
+    return ids
+
+
+def _task_sort_key(task: str) -> tuple[int, str]:
+    return (int(task), "") if task.isdigit() else (1 << 62, task)
+
+
+def aggregate_tasks(tasks: dict[str, JobStatus]) -> JobStatus:
+    """One status for a whole array, with ``tasks`` kept for per-task detail.
+
+    Not finished while any task has not ended (a FAILED aggregate would make callers
+    record the end and clean up while other tasks still run); once all have ended, any
+    failed task makes the array FAILED with the failed ids in the reason and the first
+    failed task's exit code, else any cancelled task CANCELLED, any lost LOST, else SUCCEEDED.
+    """
+    ordered = dict(sorted(tasks.items(), key=lambda item: _task_sort_key(item[0])))
+    statuses = list(ordered.values())
+
+    def named(state: JobState) -> list[str]:
+        return [task for task, st in ordered.items() if st.state is state]
+
+    failed, cancelled, lost = named(JobState.FAILED), named(JobState.CANCELLED), named(JobState.LOST)
+    total = len(ordered)
+    exit_code: int | None = None
+    if any(not st.state.terminal for st in statuses):
+        started = any(st.state is JobState.RUNNING or st.state.terminal for st in statuses)
+        state = JobState.RUNNING if started else JobState.PENDING
+        done = sum(1 for st in statuses if st.state.terminal)
+        pending_reason = next((st.reason for st in statuses if st.reason), None)
+        reason = f"{done} of {total} tasks ended" if started else pending_reason
+        if failed:
+            reason = f"{reason}; failed so far: task {', '.join(failed)}"
+    elif failed:
+        state = JobState.FAILED
+        exit_code = ordered[failed[0]].exit_code
+        detail = ", ".join(f"{task} ({ordered[task].reason or 'failed'})" for task in failed)
+        reason = f"{len(failed)} of {total} tasks failed: task {detail}"
+    elif cancelled:
+        state, reason = JobState.CANCELLED, f"{len(cancelled)} of {total} tasks cancelled: task {', '.join(cancelled)}"
+    elif lost:
+        state, reason = JobState.LOST, f"{len(lost)} of {total} tasks lost: task {', '.join(lost)}"
+    else:
+        state, reason, exit_code = JobState.SUCCEEDED, None, 0
+    hosts = sorted({st.host for st in statuses if st.host})
+    starts = [st.started_at for st in statuses if st.started_at]
+    ends = [st.ended_at for st in statuses if st.ended_at]
+    return JobStatus(
+        state=state,
+        exit_code=exit_code,
+        reason=reason,
+        host=",".join(hosts) or None,
+        started_at=min(starts) if starts else None,
+        ended_at=max(ends) if ends and state.terminal else None,
+        tasks=ordered,
+    )
 
 
 def _exit_code(text: str | None) -> tuple[int | None, int]:
@@ -241,8 +326,10 @@ class SlurmLauncher(Launcher):
         rows = []
         for line in proc.stdout.splitlines():
             values = dict(zip(fields, line.split("|"), strict=False))
+            array_job, sep, task = values.get("JobID", "").partition("_")  # 123_4, or 123_[5-7%2] still pending
             rows.append(
                 {
+                    **({"ArrayJobId": array_job, "ArrayTaskId": task} if sep else {}),
                     "JobState": values.get("State", "").split(" ")[0],
                     "ExitCode": values.get("ExitCode", ""),
                     "NodeList": values.get("NodeList", ""),
@@ -262,20 +349,29 @@ class SlurmLauncher(Launcher):
         return self.config["jobcomp_loc"]
 
     def _jobcomp(self, job_id: str) -> list[dict[str, str]] | None:
+        """Records of ``job_id`` (a job, an array, or one task ``ARRAY_TASK``) in the jobcomp log.
+
+        Later lines win: a cluster whose state was wiped hands out the same job ids again,
+        and the log outlives it.
+        """
         path = self._jobcomp_path()
         if not path or not os.path.exists(path):
             return None
-        rows = []
+        array_id, _, task = job_id.partition("_")
+        latest: dict[str, dict[str, str]] = {}
         with open(path, errors="replace") as fh:
             for line in fh:
-                if f"JobId={job_id} " in line or f"ArrayJobId={job_id} " in line:
-                    rows.append(parse_scontrol(line))
-        if not rows:
-            return None
-        for row in rows:  # filetxt names its fields a little differently
-            row.setdefault("NodeList", row.get("NodeList", ""))
-            row.setdefault("ExitCode", row.get("ExitCode", ""))
-        return rows
+                if f"JobId={array_id} " not in line:  # also matches ArrayJobId=...
+                    continue
+                row = parse_scontrol(line)
+                if row.get("ArrayJobId") == array_id and row.get("ArrayTaskId"):
+                    if task and task not in expand_task_ids(row["ArrayTaskId"]):
+                        continue
+                    latest[f"task {row['ArrayTaskId']}"] = row
+                elif row.get("JobId") == array_id and not task:
+                    latest.pop("job", None)
+                    latest["job"] = row
+        return list(latest.values()) or None
 
     def _rows(self, job_id: str) -> tuple[list[dict[str, str]] | None, str]:
         rows = self._scontrol(job_id)
@@ -291,8 +387,11 @@ class SlurmLauncher(Launcher):
         if not rows:
             reason = f"slurm no longer knows job {handle.job_id} (scontrol, sacct, jobcomp)"
             return JobStatus(JobState.LOST, reason=reason)
+        tasks = self._tasks(handle.job_id, rows)
+        if tasks:
+            return aggregate_tasks(tasks)
         states = [self._row_status(r) for r in rows]
-        # an array: running while any task runs; failed if any failed; else the first
+        # several records of one job (a heterogeneous job): running while any part runs; failed if any failed
         for wanted in (JobState.RUNNING, JobState.PENDING, JobState.FAILED, JobState.CANCELLED, JobState.LOST):
             match = [s for s in states if s.state is wanted]
             if match:
@@ -305,6 +404,25 @@ class SlurmLauncher(Launcher):
         chosen.started_at = min(starts) if starts else None
         chosen.ended_at = max(ends) if ends and chosen.state.terminal else None
         return chosen
+
+    def _tasks(self, job_id: str, rows: list[dict[str, str]]) -> dict[str, JobStatus] | None:
+        """Per-task statuses when ``job_id`` is an array job (not one task of it), else None."""
+        if "_" in job_id:
+            return None
+        tasks: dict[str, JobStatus] = {}
+        for row in rows:
+            if row.get("ArrayJobId") != job_id:
+                continue
+            status = self._row_status(row)
+            for task in expand_task_ids(row.get("ArrayTaskId")):
+                tasks[task] = dataclasses.replace(status)
+        return tasks or None
+
+    def task_handle(self, handle: JobHandle, task: str | int) -> JobHandle:
+        """A handle on one task of an array: its own status, log (with follow) and cancel."""
+        task_id = f"{handle.job_id.partition('_')[0]}_{task}"
+        log_path = handle.log_path.replace("%a", str(task)) if handle.log_path else None
+        return JobHandle(self.name, task_id, log_path, {"script": handle.extra.get("script"), "array_task": str(task)})
 
     @staticmethod
     def _row_status(row: dict[str, str]) -> JobStatus:
@@ -341,28 +459,82 @@ class SlurmLauncher(Launcher):
         return follow_file(Path(log_path), lambda: self.status(handle).state.terminal, follow=follow, tail=tail)
 
     def _array_logs(self, handle: JobHandle, pattern: str, *, follow: bool, tail: int | None) -> Iterator[str]:
+        """Every task's log, each line prefixed ``[task]``; ``tail`` counts per task.
+
+        Without ``follow``: task by task, in task order. With ``follow``: lines as they are
+        written, from whichever task wrote them, until the whole array has ended and every
+        file is drained (tasks start at different times, so new files are picked up as
+        they appear).
+        """
+        from orchestrator.launchers.base import Backoff
         from orchestrator.launchers.local import follow_file
 
-        if follow:
-            self.wait(handle)
-        for path in sorted(glob.glob(pattern.replace("%a", "*"))):
-            task = Path(path).stem.rsplit("_", 1)[-1]
-            for line in follow_file(Path(path), lambda: True, follow=False, tail=tail):
-                yield f"[{task}] {line}"
+        prefix, _, suffix = pattern.partition("%a")
+
+        def task_files() -> list[tuple[str, Path]]:
+            found = []
+            for path in glob.glob(glob.escape(prefix) + "*" + glob.escape(suffix)):
+                task = path[len(prefix) : len(path) - len(suffix)]
+                if task.isdigit():
+                    found.append((task, Path(path)))
+            return sorted(found, key=lambda item: int(item[0]))
+
+        if not follow:
+            for task, path in task_files():
+                for line in follow_file(path, lambda: True, follow=False, tail=tail):
+                    yield f"[{task}] {line}"
+            return
+        readers: dict[str, tuple[Any, list[str]]] = {}  # task -> (open file, [partial line])
+        backoff = Backoff(self.poll_interval)
+        try:
+            while True:
+                done = self.status(handle).state.terminal  # before reading: what a finished array wrote is read below
+                for task, path in task_files():
+                    if task not in readers:
+                        fh = path.open("r", encoding="utf-8", errors="replace")
+                        readers[task] = (fh, [""])
+                        if tail is not None:
+                            lines = fh.read().splitlines(keepends=True)
+                            keep = lines[-tail:] if tail > 0 else []
+                            if keep and not keep[-1].endswith("\n"):
+                                readers[task][1][0] = keep.pop()
+                            for line in keep:
+                                yield f"[{task}] {line.rstrip(chr(10))}"
+                got = False
+                for task, (fh, partial) in readers.items():
+                    chunk = fh.read()
+                    if not chunk:
+                        continue
+                    got = True
+                    *complete, partial[0] = (partial[0] + chunk).split("\n")
+                    for line in complete:
+                        yield f"[{task}] {line}"
+                if done:
+                    for task, (_fh, partial) in readers.items():
+                        if partial[0]:
+                            yield f"[{task}] {partial[0]}"
+                    return
+                if got:
+                    backoff.reset()
+                self.pause(handle, backoff.next_delay())
+        finally:
+            for fh, _partial in readers.values():
+                fh.close()
 
     def cancel(self, handle: JobHandle) -> None:
         status = self.status(handle)
         if status.state.terminal:
             return
-        self._run("scancel", handle.job_id)
-        deadline = time.monotonic() + float(self.config.get("cancel_timeout", 30))
+        self._run("scancel", handle.job_id)  # an array's id cancels every task, pending ones too
+        timeout = float(self.config.get("cancel_timeout", 30))
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             proc = self._run("squeue", "-h", "-j", handle.job_id, "-o", "%T", check=False)
             remaining = [s for s in proc.stdout.split() if s]
             if proc.returncode != 0 or not remaining:
                 return
             time.sleep(0.2)
-        raise LauncherError(f"slurm job {handle.job_id} is still in the queue 30s after scancel")
+        raise LauncherError(f"slurm job {handle.job_id} is still in the queue {timeout:g}s after scancel")
 
     def check(self) -> tuple[bool, str]:
         try:

@@ -1,0 +1,202 @@
+"""Slurm job arrays: one handle, per-task status, per-task logs, cancel of every task.
+
+A user who shards a stage into N array tasks needs to know which shard failed, read that
+shard's log, and cancel all of them — pending ones included — with one cancel. Against the
+real single-node cluster (``require_slurm``), plus the parsing that needs no cluster.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.launchers import JobHandle, JobSpec, JobState, JobStatus, get_launcher
+from orchestrator.launchers.attempts import run_job
+from orchestrator.launchers.slurm import SlurmLauncher, aggregate_tasks, expand_task_ids
+from orchestrator.lineage.models import Attempt
+from orchestrator.lineage.store import LineageStore
+from tests.launchers.harness import Harness
+
+SHARD = 'echo "shard $SLURM_ARRAY_TASK_ID of $SLURM_ARRAY_TASK_COUNT"; '
+
+
+def _queue(job_id: str) -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%i %T"], capture_output=True, text=True, check=False)
+    return [line for line in out.stdout.splitlines() if line.strip()]
+
+
+# -- against the real cluster ------------------------------------------------------------------
+
+
+@pytest.mark.slurm
+def test_array_that_succeeds_reports_every_task_and_keeps_each_log(
+    slurm_harness: Harness, store: LineageStore
+) -> None:
+    launcher = slurm_harness.launcher
+    assert isinstance(launcher, SlurmLauncher)
+    lines: list[str] = []
+    attempt, status = run_job(
+        store,
+        launcher,
+        JobSpec(name="shards", command=["sh", "-c", SHARD + "true"], options={"array": "0-2"}),
+        on_log=lines.append,
+        timeout=slurm_harness.wait_timeout,
+    )
+    assert status.state is JobState.SUCCEEDED and status.exit_code == 0, status
+    assert status.tasks is not None and list(status.tasks) == ["0", "1", "2"]
+    assert all(t.state is JobState.SUCCEEDED and t.exit_code == 0 and t.host for t in status.tasks.values())
+    assert sorted(lines) == ["[0] shard 0 of 3", "[1] shard 1 of 3", "[2] shard 2 of 3"]
+
+    stored = store.get(Attempt, attempt.id)
+    assert stored is not None and stored.state == "COMPLETED" and stored.job_id == attempt.job_id
+    handle = JobHandle("slurm", str(stored.job_id), stored.log_path)  # revived from lineage alone
+    assert list(launcher.logs(handle)) == ["[0] shard 0 of 3", "[1] shard 1 of 3", "[2] shard 2 of 3"]
+    one = launcher.task_handle(handle, 1)
+    assert one.job_id == f"{stored.job_id}_1"
+    assert list(launcher.logs(one)) == ["shard 1 of 3"]
+    assert launcher.status(one).state is JobState.SUCCEEDED and launcher.status(one).tasks is None
+    assert status.to_dict()["tasks"]["2"]["state"] == "SUCCEEDED"
+
+
+@pytest.mark.slurm
+def test_array_with_a_failed_task_is_failed_and_names_it(slurm_harness: Harness, store: LineageStore) -> None:
+    launcher = slurm_harness.launcher
+    assert isinstance(launcher, SlurmLauncher)
+    command = ["sh", "-c", SHARD + '[ "$SLURM_ARRAY_TASK_ID" = 3 ] && { echo broken >&2; exit 7; }; exit 0']
+    attempt, status = run_job(
+        store, launcher, JobSpec(name="shards-fail", command=command, options={"array": "1-4"}),
+        timeout=slurm_harness.wait_timeout,
+    )
+    assert status.state is JobState.FAILED, status
+    assert status.exit_code == 7
+    assert status.reason == "1 of 4 tasks failed: task 3 (exit code 7)"
+    assert status.tasks is not None
+    assert {t: s.state for t, s in status.tasks.items()} == {
+        "1": JobState.SUCCEEDED, "2": JobState.SUCCEEDED, "3": JobState.FAILED, "4": JobState.SUCCEEDED,
+    }
+    stored = store.get(Attempt, attempt.id)
+    assert stored is not None and stored.state == "FAILED" and stored.exit_code == 7
+    assert "task 3" in (stored.reason or "")
+    failed = launcher.task_handle(JobHandle("slurm", str(stored.job_id), stored.log_path), 3)
+    assert list(launcher.logs(failed)) == ["shard 3 of 4", "broken"]
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_cancel_of_the_array_cancels_running_and_pending_tasks(slurm_harness: Harness) -> None:
+    launcher = slurm_harness.launcher
+    # %1: one task at a time, so tasks 1-3 are still pending (one compressed record) when we cancel
+    handle = launcher.submit(
+        JobSpec(name="shards-cancel", command=["sh", "-c", SHARD + "sleep 300"], options={"array": "0-3%1"})
+    )
+    try:
+        deadline = time.monotonic() + slurm_harness.wait_timeout
+        status = launcher.status(handle)
+        while status.state is not JobState.RUNNING and time.monotonic() < deadline:
+            time.sleep(0.2)
+            status = launcher.status(handle)
+        assert status.state is JobState.RUNNING, status
+        assert status.tasks is not None and list(status.tasks) == ["0", "1", "2", "3"]
+        assert status.tasks["0"].state is JobState.RUNNING
+        assert {status.tasks[t].state for t in ("1", "2", "3")} == {JobState.PENDING}
+        assert status.reason == "0 of 4 tasks ended"
+
+        launcher.cancel(handle)
+        assert _queue(handle.job_id) == []  # nothing of the array is left, pending tasks included
+        final = launcher.status(handle)
+        assert final.state is JobState.CANCELLED, final
+        assert final.tasks is not None
+        assert {t: s.state for t, s in final.tasks.items()} == dict.fromkeys("0123", JobState.CANCELLED)
+    finally:
+        subprocess.run(["scancel", handle.job_id], capture_output=True, check=False)
+
+
+# -- no cluster needed ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "ids"),
+    [
+        ("0-3", ["0", "1", "2", "3"]),
+        ("2,4%1", ["2", "4"]),  # scontrol's pending record, with the throttle
+        ("[5-7%2]", ["5", "6", "7"]),  # sacct's 123_[5-7%2]
+        ("1-7:3", ["1", "4", "7"]),
+        ("0,3-4", ["0", "3", "4"]),
+        ("", []),
+        ("N/A", []),
+    ],
+)
+def test_task_lists_expand_like_slurm_writes_them(text: str, ids: list[str]) -> None:
+    assert expand_task_ids(text) == ids
+
+
+def _at(minute: int) -> dt.datetime:
+    return dt.datetime(2026, 12, 2, 18, minute, tzinfo=dt.UTC)
+
+
+def test_an_array_is_not_finished_while_any_task_runs_even_after_a_failure() -> None:
+    """A FAILED aggregate before the end would make callers record the end while tasks still run."""
+    tasks = {
+        "0": JobStatus(JobState.FAILED, 2, "exit code 2", "n1", _at(0), _at(1)),
+        "1": JobStatus(JobState.RUNNING, None, None, "n2", _at(0)),
+        "10": JobStatus(JobState.PENDING, reason="JobArrayTaskLimit"),
+    }
+    status = aggregate_tasks(tasks)
+    assert status.state is JobState.RUNNING and status.exit_code is None and status.ended_at is None
+    assert status.reason == "1 of 3 tasks ended; failed so far: task 0"
+    assert status.host == "n1,n2" and status.started_at == _at(0)
+
+    pending = aggregate_tasks({"1": JobStatus(JobState.PENDING, reason="Resources"), "0": JobStatus(JobState.PENDING)})
+    assert pending.state is JobState.PENDING and pending.reason == "Resources"
+    assert list(pending.tasks or {}) == ["0", "1"]  # in task order, not the order Slurm printed
+
+    tasks["1"] = JobStatus(JobState.FAILED, 128 + 9, "killed by signal 9", "n2", _at(0), _at(3))
+    tasks["10"] = JobStatus(JobState.CANCELLED, None, "cancelled")
+    done = aggregate_tasks(tasks)
+    assert done.state is JobState.FAILED and done.exit_code == 2 and done.ended_at == _at(3)
+    assert done.reason == "2 of 3 tasks failed: task 0 (exit code 2), 1 (killed by signal 9)"
+
+
+def test_array_status_falls_back_to_jobcomp_with_one_record_per_task(tmp_path: Path) -> None:
+    """After MinJobAge without accounting: jobcomp has a line per task; a stale line of a wiped cluster loses."""
+    jobcomp = tmp_path / "jobcomp.log"
+    common = "UserId=root(0) GroupId=root(0) Name=shards Partition=debug TimeLimit=1 NodeCnt=1 ProcCnt=1 WorkDir=/w"
+    jobcomp.write_text(
+        # a job 90 of an earlier cluster (same id, state wiped since): must not count
+        f"JobId=90 {common} JobState=FAILED StartTime=2026-12-01T10:00:00 EndTime=2026-12-01T10:00:01 "
+        "NodeList=old ExitCode=1:0 \n"
+        f"JobId=91 {common} JobState=COMPLETED StartTime=2026-12-02T19:00:00 EndTime=2026-12-02T19:00:02 "
+        "NodeList=node7 ArrayJobId=90 ArrayTaskId=0 DerivedExitCode=0:0 ExitCode=0:0 \n"
+        f"JobId=90 {common} JobState=FAILED StartTime=2026-12-02T19:00:00 EndTime=2026-12-02T19:00:03 "
+        "NodeList=node7 ArrayJobId=90 ArrayTaskId=1 DerivedExitCode=0:0 ExitCode=5:0 \n"
+        f"JobId=900 {common} JobState=COMPLETED StartTime=2026-12-02T19:00:00 EndTime=2026-12-02T19:00:03 "
+        "NodeList=node7 ExitCode=0:0 \n"
+    )
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool, body in {
+        "scontrol": (
+            'if [ "$1" = show ] && [ "$2" = config ]; then\n'
+            f"  echo 'JobCompLoc              = {jobcomp}'\n"
+            "  echo 'JobCompType             = jobcomp/filetxt'\n  exit 0\nfi\n"
+            'echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1\n'
+        ),
+        "sacct": 'echo "Slurm accounting storage is disabled" >&2; exit 1\n',
+    }.items():
+        path = bin_dir / tool
+        path.write_text("#!/bin/sh\n" + body)
+        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    launcher = get_launcher("slurm", bin_dir=str(bin_dir))
+    assert isinstance(launcher, SlurmLauncher)
+    status = launcher.status(JobHandle("slurm", "90"))
+    assert status.state is JobState.FAILED and status.exit_code == 5, status
+    assert status.reason == "1 of 2 tasks failed: task 1 (exit code 5)"
+    assert status.tasks is not None and list(status.tasks) == ["0", "1"] and status.host == "node7"
+    one = launcher.status(launcher.task_handle(JobHandle("slurm", "90", "/l/slurm-90_%a.log"), 0))
+    assert one.state is JobState.SUCCEEDED and one.tasks is None
+    assert launcher.task_handle(JobHandle("slurm", "90", "/l/slurm-90_%a.log"), 0).log_path == "/l/slurm-90_0.log"
