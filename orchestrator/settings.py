@@ -134,6 +134,11 @@ class Settings:
     def is_sqlite(self) -> bool:
         return self.db_url.startswith("sqlite")
 
+    @property
+    def default_backend(self) -> str:
+        """Where jobs run when no ``--backend`` is given: ``[backends] default``, else local."""
+        return str(self.section("backends").get("default") or "local")
+
     def section(self, dotted: str) -> dict[str, Any]:
         """Return a config section (``"backends.slurm"``) as a dict, empty when absent."""
         node: Any = self.config

@@ -37,7 +37,7 @@ def _pairs(values: list[str] | None, what: str) -> dict[str, str]:
 def _default_backend() -> str:
     from orchestrator.settings import load_settings
 
-    return str(load_settings().section("backends").get("default") or "local")
+    return load_settings().default_backend
 
 
 def _exit_code(status: Any) -> int:

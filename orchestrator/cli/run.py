@@ -119,7 +119,12 @@ def _summary_table(result: Any) -> Table:
 def run(
     recipe: RecipeArg,
     replica: ReplicaOpt = None,
-    backend: Annotated[str, typer.Option("--backend", "-b", help="local, docker, slurm or kubernetes.")] = "local",
+    backend: Annotated[
+        str | None,
+        typer.Option(
+            "--backend", "-b", help="local, docker, slurm or kubernetes; default: [backends] default, else local."
+        ),
+    ] = None,
     issue: Annotated[str | None, typer.Option("--issue", help="Experiment issue owner/repo#N (or #N).")] = None,
     require_issue: Annotated[
         bool, typer.Option("--require-issue", help="Stop before any job starts if the issue cannot be linked.")
@@ -136,8 +141,10 @@ def run(
     from orchestrator.recipes import resolve
 
     resolved = resolve(recipe, replica)
+    from orchestrator.settings import load_settings
+
     options = RunOptions(
-        backend=backend,
+        backend=backend or load_settings().default_backend,
         issue=issue,
         issue_required=require_issue,
         force=_force_value(force, force_stage),
