@@ -13,6 +13,7 @@ from tests.launchers.harness import BACKENDS, Harness, make_harness
 
 @pytest.fixture(scope="session")
 def k8s_cluster() -> Iterator[Any]:
+    """The emulated API server and controller; pods are Docker containers when the engine is up."""
     from tests.launchers.k8s_emulator import EmulatedCluster
 
     cluster = EmulatedCluster().start()

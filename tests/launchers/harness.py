@@ -5,7 +5,8 @@
   fail when CI=true). The image is ``OPENLAB_TEST_IMAGE``, else the small locally built
   ``openlab/python-base:bookworm``, else ``openlab/job:latest``.
 - slurm: the real single-node cluster (``require_slurm()``).
-- kubernetes: kmock's emulator on 127.0.0.1 plus the controller in ``k8s_emulator``.
+- kubernetes: kmock's emulator on 127.0.0.1 plus the controller in ``k8s_emulator``, whose
+  pods are Docker containers of the test job image when the engine is up, else local processes.
 
 A harness knows how to tell, in the backend's own terms, that nothing of a job is left
 running and which labels the backend attached to it.
@@ -75,8 +76,8 @@ class Harness:
         if self.name == "kubernetes":
             cluster = self.options["cluster"]
             left = []
-            if cluster.process_alive(handle.job_id):
-                left.append("pod process")
+            if cluster.workload_alive(handle.job_id):
+                left.append(f"pod {cluster.runtime} workload")
             ns, name = handle.job_id.split("/", 1)
             job = cluster.jobs().get((ns, name))
             if job is not None and (job.get("status") or {}).get("active"):
@@ -171,8 +172,9 @@ def make_harness(name: str, request: pytest.FixtureRequest) -> Harness:
         cluster = request.getfixturevalue("k8s_cluster")
         launcher = get_launcher("kubernetes", host=cluster.url)
         launcher.poll_interval = 0.1
-        return Harness("kubernetes", launcher, image="openlab/job:latest", options={"cluster": cluster},
-                       time_limit=1, wait_timeout=20)
+        # pods are containers of the test job image when the engine is up (see k8s_emulator): slower to start
+        return Harness("kubernetes", launcher, image=cluster.image, options={"cluster": cluster},
+                       time_limit=1, wait_timeout=60 if cluster.runtime == "docker" else 20)
     raise AssertionError(name)
 
 

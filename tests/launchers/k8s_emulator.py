@@ -3,10 +3,19 @@
 kmock stores and serves objects over real HTTP but runs no controller: nothing creates
 pods, runs them or writes status. :class:`EmulatedCluster` adds the part the launcher
 needs to be tested for real: for every new batch/v1 Job it creates a pod object, runs the
-pod's container command as a local process (own process group, env and workingDir from
-the manifest), serves its output as the pod log, enforces ``activeDeadlineSeconds`` and
+pod's container, serves its output as the pod log, enforces ``activeDeadlineSeconds`` and
 writes Job/pod status back (active/succeeded/failed, conditions, start/completion time,
-exit code, node). Deleting the Job kills the process group and deletes its pods.
+exit code, node, image id). Deleting the Job kills the pod's workload and deletes its pods.
+
+Where the pod runs (``runtime``), as a kubelet would as far as the launcher can tell:
+
+- ``docker`` (chosen when the engine is up and the test job image exists): a real
+  container of the pod's image, ``command``/``args`` as entrypoint/cmd, env, workingDir,
+  hostPath volumes as bind mounts, cpu/memory limits (so an OOM kill is ``OOMKilled``),
+  the image's real id as ``imageID``. Manifests are then exercised the way a cluster
+  would run them, not just accepted.
+- ``process`` (otherwise): the command as a local process in its own process group, with
+  the manifest's env and workingDir and this machine's PATH.
 
 The emulator's event loop runs in one thread and the controller in another; every read
 or write of the emulator's objects is done on the loop thread.
@@ -41,25 +50,231 @@ def _now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def _quantity(text: str, *, cpu: bool = False) -> float | None:
+    """A Kubernetes quantity (``1500m``, ``2``, ``1024Mi``, ``1G``) as cores or bytes; None if unreadable."""
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+    raw = str(text).strip()
+    try:
+        if raw.endswith("m"):
+            return float(raw[:-1]) / 1000
+        for suffix in sorted(units, key=len, reverse=True):
+            if raw.endswith(suffix) and not cpu:
+                return float(raw[: -len(suffix)]) * units[suffix]
+        return float(raw)
+    except ValueError:
+        return None
+
+
+class _Workload:
+    """The running part of a pod: a local process or a Docker container."""
+
+    image_id: str | None = None
+    oom_killed = False
+
+    def poll(self) -> int | None:
+        """Exit code once it has ended (128+N when killed by signal N), else None."""
+        raise NotImplementedError
+
+    def kill(self) -> None:
+        """SIGKILL everything of it and wait until it is gone."""
+        raise NotImplementedError
+
+    def alive(self) -> bool:
+        """Whether anything of it still runs, asked of the OS or the engine, not of our own bookkeeping."""
+        raise NotImplementedError
+
+
+class _Process(_Workload):
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: str | None, log: Path) -> None:
+        full_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **env}
+        with log.open("wb") as fh:
+            try:
+                self.proc = subprocess.Popen(
+                    argv, stdout=fh, stderr=subprocess.STDOUT, env=full_env, cwd=cwd, start_new_session=True
+                )
+            except OSError as exc:
+                fh.write(f"exec failed: {exc}\n".encode())
+                self.proc = subprocess.Popen(["false"])
+
+    def poll(self) -> int | None:
+        code = self.proc.poll()
+        return None if code is None else (128 - code if code < 0 else code)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(5)
+
+    def alive(self) -> bool:
+        try:
+            os.killpg(self.proc.pid, 0)
+            return self.proc.poll() is None
+        except ProcessLookupError:
+            return False
+
+
+class _Container(_Workload):
+    """A pod's container on the real engine; its output is copied into the pod log file as it comes."""
+
+    def __init__(self, client: Any, pod: str, container: dict[str, Any], pod_spec: dict[str, Any], log: Path,
+                 labels: dict[str, str]) -> None:
+        import docker.errors
+
+        self.client, self.log, self.code = client, log, None
+        self._done = threading.Event()
+        self.container: Any = None
+        volumes = {v["name"]: v["hostPath"]["path"] for v in pod_spec.get("volumes") or [] if v.get("hostPath")}
+        binds = {
+            volumes[m["name"]]: {"bind": m["mountPath"], "mode": "ro" if m.get("readOnly") else "rw"}
+            for m in container.get("volumeMounts") or []
+            if m.get("name") in volumes
+        }
+        limits = (container.get("resources") or {}).get("limits") or {}
+        kwargs: dict[str, Any] = {}
+        if limits.get("memory") and _quantity(limits["memory"]):
+            kwargs["mem_limit"] = int(_quantity(limits["memory"]) or 0)
+            kwargs["memswap_limit"] = kwargs["mem_limit"]  # no swap: over the limit is an OOM kill, as on a node
+        if limits.get("cpu") and _quantity(limits["cpu"], cpu=True):
+            kwargs["nano_cpus"] = int((_quantity(limits["cpu"], cpu=True) or 0) * 1e9)
+        try:
+            image = client.images.get(container["image"])
+            self.image_id = image.id
+            self.container = client.containers.run(
+                container["image"],
+                entrypoint=container.get("command") or None,  # Kubernetes' command replaces the ENTRYPOINT...
+                command=container.get("args") or None,  # ...and args the CMD
+                environment={e["name"]: e.get("value", "") for e in container.get("env") or []},
+                working_dir=container.get("workingDir"),
+                volumes=binds,
+                name=pod,
+                labels=labels,
+                detach=True,
+                **kwargs,
+            )
+        except (docker.errors.ImageNotFound, docker.errors.APIError) as exc:
+            log.write_bytes(f"container failed to start: {getattr(exc, 'explanation', None) or exc}\n".encode())
+            try:  # created but not started (e.g. no such executable): do not leave it behind
+                client.containers.get(pod).remove(force=True)
+            except docker.errors.APIError:
+                pass
+            self.code = 128  # what a kubelet reports for a StartError
+            self._done.set()
+            return
+        log.touch()
+        threading.Thread(target=self._follow, name=f"pod-{pod}", daemon=True).start()
+
+    def _follow(self) -> None:
+        """Copy the output into the log file, then record the exit: logs are complete when the pod ends."""
+        try:
+            with self.log.open("ab") as fh:
+                for chunk in self.container.logs(stream=True, follow=True, stdout=True, stderr=True):
+                    fh.write(chunk)
+                    fh.flush()
+            code = int(self.container.wait(timeout=30).get("StatusCode", 1))
+            self.container.reload()
+            self.oom_killed = bool(self.container.attrs.get("State", {}).get("OOMKilled"))
+            self.code = code
+        except Exception as exc:  # noqa: BLE001 - the engine went away: a failed pod, said in its log
+            with self.log.open("ab") as fh:
+                fh.write(f"lost the container: {exc}\n".encode())
+            self.code = 128 + signal.SIGKILL
+        finally:
+            self._remove()  # before done: once the pod has ended, the engine has nothing of it left
+            self._done.set()
+
+    def _remove(self) -> None:
+        if self.container is not None:
+            try:
+                self.container.remove(force=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
+    def poll(self) -> int | None:
+        return self.code if self._done.is_set() else None
+
+    def kill(self) -> None:
+        if self.container is not None and not self._done.is_set():
+            try:
+                self.container.kill()
+            except Exception:  # noqa: BLE001 - it ended meanwhile
+                pass
+        self._done.wait(30)
+        self._remove()
+
+    def alive(self) -> bool:
+        if self.container is None:
+            return False
+        try:
+            self.container.reload()
+        except Exception:  # noqa: BLE001 - removed: nothing runs
+            return False
+        return self.container.status in ("created", "running", "restarting", "paused")
+
+
 class _Run:
-    def __init__(self, proc: subprocess.Popen[bytes], log: Path, pod: str, deadline: float | None) -> None:
-        self.proc, self.log, self.pod, self.deadline = proc, log, pod, deadline
+    def __init__(self, workload: _Workload, log: Path, pod: str, deadline: float | None) -> None:
+        self.workload, self.log, self.pod, self.deadline = workload, log, pod, deadline
+        self.image_id = ""
         self.started = _now()
         self.started_mono = time.monotonic()
         self.finished = False
         self.deadline_hit = False
 
 
-class EmulatedCluster:
-    """Start with :meth:`start`, stop with :meth:`stop`; :attr:`url` is the API server."""
+def docker_runtime() -> tuple[Any, str | None, str]:
+    """``(client, job image, why not)``: the engine and image pods run on, or why they cannot.
 
-    def __init__(self) -> None:
+    Uses the services helpers' view (services.env, then a live probe), so the emulator
+    agrees with the docker tests about whether the engine is up.
+    """
+    from tests import services
+
+    declared = services.setting("OPENLAB_TEST_DOCKER")
+    if declared in ("0", "false", "no"):
+        return None, None, f"docker marked down: {services.setting('OPENLAB_TEST_DOCKER_REASON') or 'no reason'}"
+    client, problem = services._docker_probe()
+    if client is None:
+        return None, None, problem
+    image = services.setting("OPENLAB_TEST_DOCKER_JOB_IMAGE") or "openlab/job:latest"
+    try:
+        client.images.get(image)
+    except Exception as exc:  # noqa: BLE001
+        return None, None, f"job image {image} missing: {exc}"
+    return client, image, ""
+
+
+class EmulatedCluster:
+    """Start with :meth:`start`, stop with :meth:`stop`; :attr:`url` is the API server.
+
+    ``runtime`` is ``"auto"`` (docker when :func:`docker_runtime` finds the engine and job
+    image, else process), ``"docker"`` or ``"process"``; :attr:`runtime` says which one
+    runs, :attr:`runtime_reason` why docker was not used, and :attr:`image` is the image
+    jobs should name (the test job image under docker).
+    """
+
+    def __init__(self, runtime: str = "auto") -> None:
+        self.docker: Any = None
+        self.image = "openlab/job:latest"
+        self.runtime_reason = ""
+        if runtime in ("auto", "docker"):
+            self.docker, image, self.runtime_reason = docker_runtime()
+            if self.docker is None and runtime == "docker":
+                raise RuntimeError(f"docker runtime requested but unavailable: {self.runtime_reason}")
+            self.image = image or self.image
+        elif runtime != "process":
+            raise ValueError(f"runtime must be auto, docker or process, not {runtime!r}")
+        self.runtime = "docker" if self.docker is not None else "process"
+        self.id = uuid.uuid4().hex[:8]  # labels this cluster's containers, so stop() finds every one
         self.url = ""
         self.km: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._runs: dict[tuple[str, str], _Run] = {}
+        self._ended: dict[tuple[str, str], _Run] = {}  # runs of deleted Jobs, still asked whether anything lives
         self._logdir = Path(tempfile.mkdtemp(prefix="k8s-emulator-"))
         self.errors: list[BaseException] = []
 
@@ -74,10 +289,12 @@ class EmulatedCluster:
 
     def stop(self) -> None:
         self._stop.set()
-        for run in self._runs.values():
-            self._kill(run)
         if hasattr(self, "_controller"):
             self._controller.join(5)
+        for run in list(self._runs.values()):
+            run.workload.kill()
+        for container in self.containers():  # anything that slipped past the bookkeeping
+            container.remove(force=True)
 
     def _serve(self) -> None:
         async def main() -> None:
@@ -169,36 +386,32 @@ class EmulatedCluster:
                 self._watch(key, job)
         for key in [k for k in self._runs if k not in jobs]:  # deleted Jobs
             run = self._runs.pop(key)
-            self._kill(run)
+            self._ended[key] = run
+            run.workload.kill()
             self.on_loop(lambda k=key, r=run: self.km.objects.__delitem__((PODS, k[0], r.pod)))
 
     def _start(self, key: tuple[str, str], job: dict[str, Any]) -> None:
         ns, name = key
         pod_spec = job["spec"]["template"]["spec"]
         container = pod_spec["containers"][0]
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
-        env.update({e["name"]: e.get("value", "") for e in container.get("env") or []})
         for volume in pod_spec.get("volumes") or []:  # the kubelet's part for hostPath volumes
             host_path = volume.get("hostPath") or {}
             if host_path.get("type") == "DirectoryOrCreate":
                 Path(host_path["path"]).mkdir(parents=True, exist_ok=True)
         pod = f"{name}-{uuid.uuid4().hex[:5]}"
         log = self._logdir / f"{ns}-{pod}.log"
-        with log.open("wb") as fh:
-            try:
-                proc = subprocess.Popen(
-                    container.get("command", []) + container.get("args", []),
-                    stdout=fh,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    cwd=container.get("workingDir"),
-                    start_new_session=True,
-                )
-            except OSError as exc:
-                fh.write(f"exec failed: {exc}\n".encode())
-                proc = subprocess.Popen(["false"])
+        workload: _Workload
+        if self.docker is not None:
+            labels = {"openlab-test.emulator": self.id, "openlab-test.pod": f"{ns}/{pod}"}
+            workload = _Container(self.docker, pod, container, pod_spec, log, labels)
+        else:
+            env = {e["name"]: e.get("value", "") for e in container.get("env") or []}
+            argv = container.get("command", []) + container.get("args", [])
+            workload = _Process(argv, env, container.get("workingDir"), log)
+        image_id = f"docker://{workload.image_id}" if workload.image_id else f"docker-pullable://x@sha256:{'0' * 64}"
         deadline = job["spec"].get("activeDeadlineSeconds")
-        run = _Run(proc, log, pod, float(deadline) if deadline else None)
+        run = _Run(workload, log, pod, float(deadline) if deadline else None)
+        run.image_id = image_id
         self._runs[key] = run
         labels = {"job-name": name, "batch.kubernetes.io/job-name": name}
         pod_obj = {
@@ -212,7 +425,7 @@ class EmulatedCluster:
                     {
                         "name": container["name"],
                         "image": container["image"],
-                        "imageID": f"docker-pullable://{container['image']}@sha256:{'0' * 64}",
+                        "imageID": image_id,
                         "ready": True,
                         "restartCount": 0,
                         "state": {"running": {"startedAt": run.started}},
@@ -228,30 +441,23 @@ class EmulatedCluster:
         self._serve_log(ns, pod, log)
         self._patch(JOBS, ns, name, {"active": 1, "ready": 1, "startTime": run.started})
 
-    def _kill(self, run: _Run) -> None:
-        if run.proc.poll() is None:
-            try:
-                os.killpg(run.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            run.proc.wait(5)
-
     def _watch(self, key: tuple[str, str], job: dict[str, Any]) -> None:
         run = self._runs[key]
         if run.finished:
             return
         ns, name = key
-        if run.deadline and time.monotonic() - run.started_mono > run.deadline and run.proc.poll() is None:
+        if run.deadline and time.monotonic() - run.started_mono > run.deadline and run.workload.poll() is None:
             run.deadline_hit = True
-            self._kill(run)
-        code = run.proc.poll()
+            run.workload.kill()
+        code = run.workload.poll()
         if code is None:
             return
         run.finished = True
-        code = 128 - code if code < 0 else code
         now = _now()
         terminated = {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
                       "startedAt": run.started, "finishedAt": now}
+        if run.workload.oom_killed:
+            terminated["reason"] = "OOMKilled"
         if run.deadline_hit:
             terminated["reason"] = "DeadlineExceeded"
         pod_status = {
@@ -260,7 +466,7 @@ class EmulatedCluster:
                 {
                     "name": job["spec"]["template"]["spec"]["containers"][0]["name"],
                     "image": job["spec"]["template"]["spec"]["containers"][0]["image"],
-                    "imageID": f"docker-pullable://x@sha256:{'0' * 64}",
+                    "imageID": run.image_id,
                     "ready": False,
                     "restartCount": 0,
                     "state": {"terminated": terminated},
@@ -278,14 +484,24 @@ class EmulatedCluster:
                     "lastTransitionTime": now}
             self._patch(JOBS, ns, name, {"active": 0, "ready": 0, "failed": 1, "conditions": [cond]})
 
-    def process_alive(self, job_id: str) -> bool:
-        """Whether the local process of a Job (``namespace/name``) still runs."""
+    def workload_alive(self, job_id: str) -> bool:
+        """Whether anything of a Job's (``namespace/name``) pod still runs: its process group or container.
+
+        Asked of the OS or the engine even after the Job is gone from the API, since a
+        cancel that deleted the Job but left the container running is exactly the bug to catch.
+        """
         ns, name = job_id.split("/", 1)
-        run = self._runs.get((ns, name))
-        if run is None:
-            return False
-        try:
-            os.killpg(run.proc.pid, 0)
-            return run.proc.poll() is None
-        except ProcessLookupError:
-            return False
+        run = self._runs.get((ns, name)) or self._ended.get((ns, name))
+        return run is not None and run.workload.alive()
+
+    def containers(self, job_id: str | None = None) -> list[Any]:
+        """This cluster's containers (of one Job's pods) the engine still has, running or not.
+
+        Always [] under the process runtime.
+        """
+        if self.docker is None:
+            return []
+        found = self.docker.containers.list(all=True, filters={"label": f"openlab-test.emulator={self.id}"})
+        if job_id is not None:
+            found = [c for c in found if c.labels.get("openlab-test.pod", "").startswith(job_id + "-")]
+        return found

@@ -1,0 +1,112 @@
+"""Where the emulated cluster runs pods: Docker containers when the engine is up, local processes otherwise.
+
+Running the pod as a container of its image makes the Kubernetes tests exercise what a
+cluster would do with the manifest (image, command, env, hostPath mounts, memory limit),
+not only what the API accepts; the launcher's watch/poll, logs and cancel still go over
+HTTP to the emulator. The process fallback keeps the suite useful on machines without an
+engine, so it is tested too, even where the engine is up.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.launchers import JobSpec, JobState, get_launcher
+from tests.launchers.k8s_emulator import EmulatedCluster
+from tests.services import require_docker
+
+
+def _launcher(cluster: EmulatedCluster) -> Any:
+    launcher = get_launcher("kubernetes", host=cluster.url)
+    launcher.poll_interval = 0.1
+    return launcher
+
+
+def _wait_for_line(launcher: Any, handle: Any, wanted: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if wanted in list(launcher.logs(handle)):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{wanted!r} never appeared in the log of {handle.job_id}")
+
+
+@pytest.fixture(scope="module")
+def process_cluster() -> Iterator[EmulatedCluster]:
+    cluster = EmulatedCluster(runtime="process").start()
+    yield cluster
+    cluster.stop()
+    assert not cluster.errors, cluster.errors
+
+
+@pytest.mark.docker
+def test_pods_are_containers_of_their_image_when_the_engine_is_up(k8s_cluster: EmulatedCluster, tmp_path: Path) -> None:
+    client = require_docker()
+    assert k8s_cluster.runtime == "docker", k8s_cluster.runtime_reason
+    launcher = _launcher(k8s_cluster)
+    root = tmp_path / "artifacts"
+    handle = launcher.submit(
+        JobSpec(
+            name="in-a-container",
+            command=["sh", "-c", f'test -f /.dockerenv && echo "in a container as $WHO"; echo out > {root}/x; '
+                                 "echo started; sleep 300"],
+            image=k8s_cluster.image,
+            env={"WHO": "the pod"},
+            artifact_root=root,
+        )
+    )
+    try:
+        _wait_for_line(launcher, handle, "started")
+        assert list(launcher.logs(handle))[:1] == ["in a container as the pod"]
+        assert (root / "x").read_text() == "out\n"  # the hostPath volume is a real bind mount
+        (container,) = k8s_cluster.containers(handle.job_id)
+        assert container.status == "running" and container.image.id == client.images.get(k8s_cluster.image).id
+
+        launcher.cancel(handle)  # over HTTP: delete the Job; the controller kills the container
+        assert not k8s_cluster.workload_alive(handle.job_id)
+        assert k8s_cluster.containers(handle.job_id) == []
+        assert launcher.status(handle).state is JobState.CANCELLED
+    finally:
+        launcher.cleanup(handle)
+
+
+@pytest.mark.docker
+def test_the_image_digest_and_an_oom_kill_come_from_the_engine(k8s_cluster: EmulatedCluster) -> None:
+    client = require_docker()
+    assert k8s_cluster.runtime == "docker", k8s_cluster.runtime_reason
+    launcher = _launcher(k8s_cluster)
+    handle = launcher.submit(
+        JobSpec(name="oom", command=["python3", "-c", "x = bytearray(400 * 1024 * 1024); print(len(x))"],
+                image=k8s_cluster.image, memory="64M")
+    )
+    try:
+        status = launcher.wait(handle, timeout=60)
+        assert status.state is JobState.FAILED and status.reason == "out of memory", status
+        assert status.exit_code == 137
+        assert status.image_digest == f"docker://{client.images.get(k8s_cluster.image).id}"
+    finally:
+        launcher.cleanup(handle)
+
+
+def test_without_the_engine_pods_are_local_processes(process_cluster: EmulatedCluster, tmp_path: Path) -> None:
+    assert process_cluster.runtime == "process" and process_cluster.containers() == []
+    launcher = _launcher(process_cluster)
+    ok = launcher.submit(JobSpec(name="proc", command=["sh", "-c", "echo $$ > /dev/null; echo hello"]))
+    try:
+        assert launcher.wait(ok, timeout=20).state is JobState.SUCCEEDED
+        assert list(launcher.logs(ok)) == ["hello"]
+    finally:
+        launcher.cleanup(ok)
+    running = launcher.submit(JobSpec(name="proc-cancel", command=["sh", "-c", "sleep 300 & echo started; sleep 300"]))
+    try:
+        _wait_for_line(launcher, running, "started", timeout=20)
+        assert process_cluster.workload_alive(running.job_id)
+        launcher.cancel(running)
+        assert not process_cluster.workload_alive(running.job_id)  # the whole process group, background child too
+    finally:
+        launcher.cleanup(running)
