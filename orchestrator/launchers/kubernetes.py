@@ -269,11 +269,23 @@ class KubernetesLauncher(Launcher):
             mounts.append({"name": "openlab-artifacts", "mountPath": root})
             main["volumeMounts"] = mounts
         main["env"] = env
-        self.validate(job)
+        self.validate(job, source=self.template_source())
         return job
 
-    def validate(self, manifest: dict[str, Any]) -> None:
-        """Strict schema validation for the configured Kubernetes version."""
+    def template_source(self) -> str:
+        """Where the base manifest comes from, for error messages: the user's file or the built-in one."""
+        path = self.config.get("template")
+        if path:
+            return str(Path(path).expanduser())
+        return str(DEFAULT_TEMPLATE) if DEFAULT_TEMPLATE.exists() else "the built-in job template"
+
+    def validate(self, manifest: dict[str, Any], *, source: str | None = None) -> None:
+        """Strict schema validation for the configured Kubernetes version; one line naming the field and template.
+
+        Strict means unknown fields are errors, so a typo in a user-edited template
+        (``imagePullPolicey``) is refused here instead of being dropped silently by the API
+        server, and a field newer than the configured version is refused too.
+        """
         import kubernetes_validate
 
         try:
@@ -281,7 +293,9 @@ class KubernetesLauncher(Launcher):
         except kubernetes_validate.ValidationError as exc:
             where = "/".join(str(p) for p in getattr(exc, "path", []) or [])
             at = f" (at {where})" if where else ""
-            raise LauncherError(f"job manifest is invalid for Kubernetes {self.version}: {exc.message}{at}") from None
+            origin = f" (from template {source})" if source else ""
+            message = " ".join(f"{exc.message}{at}".split())  # one line, whatever the schema says
+            raise LauncherError(f"job manifest is invalid for Kubernetes {self.version}{origin}: {message}") from None
         except kubernetes_validate.utils.VersionNotSupportedError:
             raise LauncherError(f"kubernetes-validate has no schema for Kubernetes {self.version}") from None
         except kubernetes_validate.utils.SchemaNotFoundError as exc:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pytest_httpserver import HTTPServer
@@ -249,11 +250,7 @@ def test_kubernetes_unreachable_api(tmp_path: Path) -> None:
     assert not ok and "not reachable" in why
 
 
-def test_every_manifest_is_validated_strictly(tmp_path: Path) -> None:
-    import yaml
-
-    from orchestrator.launchers.kubernetes import DEFAULT_TEMPLATE
-
+def test_the_manifest_carries_the_spec_and_passes_strict_validation(tmp_path: Path) -> None:
     launcher = get_launcher("kubernetes", host="http://127.0.0.1:9")
     job = JobSpec(name="Train Big!", command=["python", "train.py"], cpus=1.5, memory="1G", gpus=1, time_limit=600,
                   env={"A": "1"}, labels={"openlab.io/stage-run": "srun_1", "openlab.io/note": "has spaces"},
@@ -270,13 +267,96 @@ def test_every_manifest_is_validated_strictly(tmp_path: Path) -> None:
     assert "openlab.io/note" not in manifest["metadata"]["labels"]  # not a valid label value...
     assert manifest["metadata"]["annotations"]["openlab.io/note"] == "has spaces"  # ...so kept as an annotation
 
-    broken = yaml.safe_load(DEFAULT_TEMPLATE.read_text())
-    broken["spec"]["template"]["spec"]["containers"][0]["imagePullPolicey"] = "Always"  # a typo
+
+def _edited_template(tmp_path: Path, edit: Any) -> Path:
+    """The shipped template after a user's edit, as a file ``template = ...`` can point at."""
+    import yaml
+
+    from orchestrator.launchers.kubernetes import DEFAULT_TEMPLATE
+
+    manifest = yaml.safe_load(DEFAULT_TEMPLATE.read_text())
+    edit(manifest)
     path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(broken))
-    bad = get_launcher("kubernetes", host="http://127.0.0.1:9", template=str(path))
-    with pytest.raises(LauncherError, match="job manifest is invalid for Kubernetes 1.33: .*imagePullPolicey"):
-        bad.submit(JobSpec(name="x", command=["true"]))
+    path.write_text(yaml.safe_dump(manifest))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda m: m["spec"]["template"]["spec"]["containers"][0].update(imagePullPolicey="Always"),
+         "Additional properties are not allowed ('imagePullPolicey' was unexpected) "
+         "(at spec/template/spec/containers/0)"),
+        (lambda m: m["spec"]["template"]["spec"].update(tolerations=[{"key": "gpu", "operater": "Exists"}]),
+         "Additional properties are not allowed ('operater' was unexpected) (at spec/template/spec/tolerations/0)"),
+        (lambda m: m["spec"].update(backoffLimit="none"),
+         "'none' is not of type 'integer', 'null' (at spec/backoffLimit)"),
+    ],
+    ids=["typo-in-container", "typo-in-a-list-item", "wrong-type"],
+)
+def test_an_edited_template_with_a_bad_field_is_refused_before_anything_is_sent(
+    tmp_path: Path, httpserver: HTTPServer, edit: Any, expected: str
+) -> None:
+    """Strict: the API server would drop an unknown field silently, so the job would run without it."""
+    path = _edited_template(tmp_path, edit)
+    url = httpserver.url_for("/").rstrip("/")
+    launcher = get_launcher("kubernetes", host=url, template=str(path))
+    with pytest.raises(LauncherError) as info:
+        launcher.submit(JobSpec(name="x", command=["true"]))
+    assert str(info.value) == f"job manifest is invalid for Kubernetes 1.33 (from template {path}): {expected}"
+    assert len(httpserver.log) == 0  # refused here: the API server never saw it
+
+    proc = cli("job", "run", "--backend", "kubernetes", "--", "true",
+               env={"OPENLAB_BACKENDS__KUBERNETES__HOST": url, "OPENLAB_BACKENDS__KUBERNETES__TEMPLATE": str(path),
+                    "OPENLAB_BACKENDS__KUBERNETES__RETRIES": "0"})
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert expected in proc.stderr and str(path) in proc.stderr
+    assert len(httpserver.log) == 0
+
+
+def test_manifests_are_validated_for_the_configured_kubernetes_version(tmp_path: Path) -> None:
+    """``successPolicy`` exists from Kubernetes 1.30: a template using it is refused for an older cluster."""
+
+    def indexed(m: dict[str, Any]) -> None:
+        m["spec"].update(completionMode="Indexed", completions=2, parallelism=2,
+                         successPolicy={"rules": [{"succeededIndexes": "0"}]})
+
+    path = _edited_template(tmp_path, indexed)
+    job = JobSpec(name="x", command=["true"])
+    manifest = get_launcher("kubernetes", host="http://127.0.0.1:9", template=str(path), version="1.31").manifest(
+        job, "openlab-x-12345678"
+    )
+    assert manifest["spec"]["successPolicy"] == {"rules": [{"succeededIndexes": "0"}]}  # kept, as the template says
+    old = get_launcher("kubernetes", host="http://127.0.0.1:9", template=str(path), version="1.29")
+    with pytest.raises(LauncherError, match=r"invalid for Kubernetes 1\.29 .*'successPolicy' was unexpected"):
+        old.manifest(job, "openlab-x-12345678")
+    unknown = get_launcher("kubernetes", host="http://127.0.0.1:9", version="1.99")
+    with pytest.raises(LauncherError, match=r"^kubernetes-validate has no schema for Kubernetes 1\.99$"):
+        unknown.submit(job)
+
+
+def test_every_manifest_sent_was_validated(tmp_path: Path, httpserver: HTTPServer, monkeypatch: Any) -> None:
+    """The one create call the launcher makes carries exactly the manifest that passed strict validation."""
+    import kubernetes_validate
+
+    validated: list[dict[str, Any]] = []
+    real = kubernetes_validate.validate
+
+    def spy(manifest: dict[str, Any], version: str, strict: bool = False, *args: Any, **kwargs: Any) -> Any:
+        assert strict is True and version == "1.32"
+        validated.append(json.loads(json.dumps(manifest)))
+        return real(manifest, version, strict, *args, **kwargs)
+
+    monkeypatch.setattr(kubernetes_validate, "validate", spy)
+    httpserver.expect_request("/apis/batch/v1/namespaces/default/jobs", method="POST").respond_with_data(
+        json.dumps({"kind": "Job", "apiVersion": "batch/v1", "metadata": {"name": "x"}}), status=201,
+        content_type="application/json",
+    )
+    launcher = get_launcher("kubernetes", host=httpserver.url_for("/").rstrip("/"), version="1.32")
+    launcher.submit(JobSpec(name="x", command=["echo", "hi"], env={"A": "1"}, artifact_root=tmp_path, cpus=1))
+    (request, _response), = httpserver.log
+    assert validated == [json.loads(request.get_data())]
 
 
 # -- interrupted and timed-out runs are still recorded -----------------------------------------------
