@@ -453,7 +453,9 @@ class SlurmLauncher(Launcher):
     def logs(self, handle: JobHandle, *, follow: bool = False, tail: int | None = None) -> Iterator[str]:
         from orchestrator.launchers.local import follow_file
 
-        log_path = handle.log_path or str(self.settings.logs_dir / f"slurm-{handle.job_id}.log")
+        # a job id of openlab's own pattern (slurm-%j.log, or slurm-%A_%a.log for ARRAY_TASK) when none was kept
+        log_dir = Path(self.config.get("log_dir") or self.settings.logs_dir)
+        log_path = handle.log_path or str(log_dir / f"slurm-{handle.job_id}.log")
         if "%a" in log_path:
             return self._array_logs(handle, log_path, follow=follow, tail=tail)
         return follow_file(Path(log_path), lambda: self.status(handle).state.terminal, follow=follow, tail=tail)

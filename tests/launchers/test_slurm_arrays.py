@@ -59,6 +59,8 @@ def test_array_that_succeeds_reports_every_task_and_keeps_each_log(
     one = launcher.task_handle(handle, 1)
     assert one.job_id == f"{stored.job_id}_1"
     assert list(launcher.logs(one)) == ["shard 1 of 3"]
+    # `openlab job logs 123_1 --backend slurm`: nothing but Slurm's own task id
+    assert list(launcher.logs(JobHandle("slurm", f"{stored.job_id}_1"))) == ["shard 1 of 3"]
     assert launcher.status(one).state is JobState.SUCCEEDED and launcher.status(one).tasks is None
     assert status.to_dict()["tasks"]["2"]["state"] == "SUCCEEDED"
 
