@@ -1,10 +1,14 @@
 """Stage `repro`: Marin's drop-fraction measurements on a small, trained MoE router.
 
 One model is trained for real on the corpus with the `repro.train_arm` dispatch in its forward pass.
-At every step, every layer's routing (the expert ids the trained router chose) is also dispatched
-under every arm in `repro.arms` (measurement arms; they do not touch the forward pass), so all arms
-see the same routing. Each arm's per-step `moe/drop_fraction` is logged and the report is the median
-over the last `repro.late_window` steps.
+Every layer's routing (the expert ids the trained router chose) is also dispatched under every arm in
+`repro.arms` (measurement arms; they do not touch the forward pass), so all arms see the same routing.
+With `repro.measure_batch_size` = 0 that is the training batch at every step. With > 0, in the late
+window (and the step before it) a separate batch of that many distinct whole sequences goes through a
+gradient-free forward with the step's weights and QB bias; its routing is measured and its QB beta is
+the next step's bias (Marin's beta comes from the batch whose drops it logs). Each arm's per-step
+`moe/drop_fraction` is logged and the report is the median over the last `repro.late_window` steps,
+with the spread of demand on every capacity unit (`demand_cv`) beside it.
 
 Capacity scaling: this machine cannot keep Marin's mean demand mu per capacity unit (its ranks hold
 524,288 assignments), so with `scale_capacity` each arm's cf is replaced by cf' such that
