@@ -182,9 +182,24 @@ def status_cmd(
     if as_json:
         print_json(data)
         return
+    tasks = data.pop("tasks", None)
     for key, value in data.items():
         if value is not None:
             console.print(f"{key:>12}: {value}", highlight=False)
+    if tasks:  # a job array: one line per task, so a failed shard is easy to spot
+        console.print(f"{'tasks':>12}: {len(tasks)}", highlight=False)
+        for task, task_status in sorted(tasks.items(), key=lambda kv: (len(kv[0]), kv[0])):
+            exit_code = task_status.get("exit_code")
+            extra = " ".join(
+                str(part)
+                for part in (
+                    f"exit {exit_code}" if exit_code is not None else None,
+                    task_status.get("host"),
+                    task_status.get("reason"),
+                )
+                if part
+            )
+            console.print(f"{task:>12}  {task_status.get('state')} {extra}".rstrip(), highlight=False)
 
 
 @app.command("logs")
