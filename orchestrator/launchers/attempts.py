@@ -211,7 +211,8 @@ def run_job(
                 launcher.cancel(handle)
             if deadline is not None and time.monotonic() >= deadline:
                 raise JobTimeout(f"{launcher.name} job {handle.job_id} did not finish within {timeout:g}s")
-            backoff.sleep(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            launcher.pause(handle, backoff.next_delay(left))  # the local launcher wakes when the job ends
         if pump is not None:
             pump.join(LOG_DRAIN_TIMEOUT)
             if pump.error is not None:
