@@ -114,3 +114,27 @@ def test_separate_measurement_batch(tiny_tokens: Path, tmp_path: Path) -> None:
     assert set(res["demand"]) == {"cell", "pool", "expert", "chunk", "group"}
     with pytest.raises(ConfigError, match="measure_batch_size=5 must be 0 or a positive multiple"):
         validate(parse_config({**base, "repro": {**base["repro"], "measure_batch_size": 5}}), "repro")
+
+
+def test_early_window_measured_like_the_late_one(tiny_tokens: Path, tmp_path: Path) -> None:
+    arms = [{"name": "pw", "dispatch": "pooled_wave", "capacity_factor": 1.0, "transport_capacity_factor": 1.0},
+            {"name": "wf", "dispatch": "waterfilling", "capacity_factor": 1.0, "marin_early_drop": 0.0074}]
+    base = {
+        "threads": 1, "inputs": {"tokens": str(tiny_tokens)},
+        "model": {**TINY_MODEL, "n_experts": 8}, "moe": {"ranks": 2},
+        "train": {"steps": 8, "batch_size": 2, "checkpoint_every": 8},
+        "repro": {"train_arm": "pw", "late_window": 2, "measure_batch_size": 6, "early_steps": [3],
+                  "arms": arms},
+    }
+    res = run_repro(parse_config(base), tmp_path)
+    rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    # Measured: early step 3 and the step before it (2, unreported), the late window (7, 8) and step 6.
+    measured = [r["step"] for r in rows if "repro/pw/moe/drop_fraction" in r]
+    assert measured == [2, 3, 6, 7, 8]
+    assert res["early_steps"] == [3]
+    wf = res["table"][1]
+    assert wf["early_median_drop"] == rows[2]["repro/wf/moe/drop_fraction"]
+    assert wf["marin_early_drop"] == 0.0074 and res["table"][0]["marin_early_drop"] is None
+    assert "Early window" in (tmp_path / "repro_table.md").read_text()
+    with pytest.raises(ConfigError, match="early_steps"):
+        validate(parse_config({**base, "repro": {**base["repro"], "early_steps": [9]}}), "repro")

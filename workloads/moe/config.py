@@ -39,11 +39,13 @@ falls back to a default.
     repro:                       # stage `repro`: one trained router, every arm measured every step
       train_arm: pooled_wave_1.05_1.33    # the arm whose dispatch is in the training forward pass
       late_window: 40                    # report the median over the last N steps
+      early_steps: []                    # also report the median over these steps (1-based, as logged;
+                                         # e.g. [25], Marin's step-25 scoring point); [] = none
       measure_batch_size: 0              # sequences per measured batch (0 = the training batch); >0 = a
                                          # separate batch of distinct windows, forward-only, in the window
       scale_capacity: true               # arms give Marin's cf; scaled so (cf-1)*sqrt(mu) is kept
       arms: [{name, dispatch, capacity_factor, transport_capacity_factor, waves, chunks, marin_drop,
-              scale}]   # scale: per-arm override of scale_capacity (false = Marin's cf as is)
+              marin_early_drop, scale}]   # scale: per-arm override of scale_capacity (false = Marin's cf as is)
     wandb: {id, project, entity, group, job_type, tags, config, resume: allow}   # absent = disabled
 
 Why a single schema: the stages form one chain and the flows layer can write the same `model`/`moe`
@@ -155,6 +157,7 @@ class ArmConfig:
     waves: int = 3
     chunks: int = 2
     marin_drop: float | None = None  # Marin's published drop fraction (for the report table)
+    marin_early_drop: float | None = None  # Marin's figure at its early scoring point (step 25), if any
     scale: bool | None = None  # override repro.scale_capacity for this arm (false = Marin's cf as is)
 
 
@@ -168,6 +171,11 @@ class ReproConfig:
     # non-overlapping windows goes through a forward pass without gradients, with the current weights and
     # QB bias; its routing is what every arm dispatches and its QB beta is the next step's bias.
     measure_batch_size: int = 0
+    # Steps (1-based, as logged) whose median is reported as the early window, beside the late window;
+    # e.g. [25], the final step of Marin's 25-step gates (#7279, #8320). Each is measured like the late
+    # window, and so is the step before each (not reported), so its QB bias comes from a batch of
+    # measure_batch_size sequences. [] = no early window.
+    early_steps: list[int] = field(default_factory=list)
     scale_capacity: bool = True
     arms: list[ArmConfig] = field(default_factory=list)
 
@@ -379,6 +387,10 @@ def validate(cfg: Config, stage: str) -> None:
             raise ConfigError(f"config: repro.train_arm '{rp.train_arm}' is not one of repro.arms ({names})")
         if rp.late_window < 1 or rp.late_window > cfg.train.steps:
             raise ConfigError("config: repro.late_window must be in [1, train.steps]")
+        if any(s < 1 or s > cfg.train.steps for s in rp.early_steps) or len(set(rp.early_steps)) != len(
+            rp.early_steps
+        ):
+            raise ConfigError("config: repro.early_steps must be distinct steps in [1, train.steps]")
         if rp.measure_batch_size < 0 or rp.measure_batch_size % mo.ranks:
             raise ConfigError(
                 f"config: repro.measure_batch_size={rp.measure_batch_size} must be 0 or a positive multiple of "

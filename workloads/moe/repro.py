@@ -8,7 +8,9 @@ window (and the step before it) a separate batch of that many distinct whole seq
 gradient-free forward with the step's weights and QB bias; its routing is measured and its QB beta is
 the next step's bias (Marin's beta comes from the batch whose drops it logs). Each arm's per-step
 `moe/drop_fraction` is logged and the report is the median over the last `repro.late_window` steps,
-with the spread of demand on every capacity unit (`demand_cv`) beside it.
+with the spread of demand on every capacity unit (`demand_cv`) beside it. With `repro.early_steps`
+(e.g. [25], the final step of Marin's 25-step gates) those steps are measured the same way (each with
+the step before it, unreported) and their median is reported as the early window beside the late one.
 
 Capacity scaling: this machine cannot keep Marin's mean demand mu per capacity unit (its ranks hold
 524,288 assignments), so with `scale_capacity` each arm's cf is replaced by cf' such that
@@ -166,7 +168,9 @@ def run_repro(cfg: Config, out: Path) -> dict[str, Any]:
     T = (MB // P) * mc.context  # tokens per rank in a measured batch
     # With a separate measurement batch, the step before the window is measured too (not reported), so
     # the QB bias of the first reported step comes from a measurement-size batch as at every later step.
+    # Early steps likewise: each is measured with the step before it (0-based loop indices below).
     first_measured = max(0, cfg.train.steps - rp.late_window - 1) if separate else 0
+    early_measured = {i for s in rp.early_steps for i in (s - 2, s - 1) if i >= 0}
     chunks = max((a.chunks for a in rp.arms if a.dispatch == "ragged"), default=2)
     arms = {a.name: arm_spec(a, P, E, K, T, rp.scale_capacity) for a in rp.arms}
     train_spec = arms[rp.train_arm][0] if rp.train_arm else DispatchSpec("dropless", P, E)
@@ -199,7 +203,8 @@ def run_repro(cfg: Config, out: Path) -> dict[str, Any]:
             m: dict[str, Any] = {"train/loss": float(lm.detach()), "train/tokens_seen": tokens_seen}
             m.update(summarize(model.layer_stats()))
             t1 = time.perf_counter()
-            if separate and step >= first_measured:
+            measured = step >= first_measured or step in early_measured
+            if separate and measured:
                 # Same weights and bias as this step's training forward (before the optimizer step);
                 # in train mode the pass also sets the QB beta that becomes the next step's bias.
                 xm = data.distinct_batch(step_rng(cfg.seed, step, 4), MB, mc.context, mixture, "train")
@@ -209,7 +214,7 @@ def run_repro(cfg: Config, out: Path) -> dict[str, Any]:
             t2 = time.perf_counter()
             opt.step()
             model.apply_pending_qb()
-            if step >= first_measured:
+            if measured:
                 routing = [layer.last_experts for layer in model.moe_layers()]
                 assert all(r is not None for r in routing)
                 caches: list[dict[str, torch.Tensor]] = [{} for _ in routing]  # shared sorts, per layer
@@ -231,9 +236,11 @@ def run_repro(cfg: Config, out: Path) -> dict[str, Any]:
                 save_checkpoint(out, model, opt, step + 1, tokens_seen, "repro", cfg, lineage)
         rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
         late = rows[-rp.late_window:]
+        early = [r for r in rows if r["step"] in set(rp.early_steps)]
         table = []
         for a in rp.arms:
             vals = [r[f"repro/{a.name}/moe/drop_fraction"] for r in late]
+            evals = [r[f"repro/{a.name}/moe/drop_fraction"] for r in early]
             svals = [r[f"repro/{a.name}/moe/sender_drop_fraction"] for r in late]
             rvals = [r[f"repro/{a.name}/moe/receiver_drop_fraction"] for r in late]
             spec, info = arms[a.name]
@@ -241,22 +248,30 @@ def run_repro(cfg: Config, out: Path) -> dict[str, Any]:
                           "min": min(vals), "max": max(vals), "median_sender": statistics.median(svals),
                           "median_receiver": statistics.median(rvals), "marin_drop": a.marin_drop,
                           "in_training_forward": a.name == rp.train_arm, **info})
+            if evals:
+                table[-1].update({"early_median_drop": statistics.median(evals), "early_min": min(evals),
+                                  "early_max": max(evals), "marin_early_drop": a.marin_early_drop})
         demand = {}
         for u in UNITS:
             mu = {"cell": T * K / E, "pool": T * K / P, "expert": P * T * K / E, "chunk": T * K / chunks,
                   "group": T * K}[u]
             demand[u] = {"mu": mu, "cv": statistics.median(r[f"repro/demand/{u}/cv"] for r in late),
                          "poisson_cv": 1.0 / math.sqrt(mu)}
+        early_demand = {u: statistics.median(r[f"repro/demand/{u}/cv"] for r in early) for u in UNITS} if early else {}
         summary = {
             "train_arm": rp.train_arm, "late_window": [late[0]["step"], late[-1]["step"]],
+            "early_steps": [r["step"] for r in early],
+            "early_train_loss": {r["step"]: r["train/loss"] for r in early},
             "measure_batch_size": MB, "separate_measure_batch": separate, "train_batch_size": B,
             "tokens_per_rank": T, "assignments_per_rank": T * K, "sequences_per_rank": MB // P, "ranks": P,
             "experts": E, "top_k": K, "experts_per_rank": E // P, "layers": mc.n_layers, "context": mc.context,
             "final_train_loss": rows[-1]["train/loss"], "first_train_loss": rows[0]["train/loss"],
-            "train_tokens_seen": tokens_seen, "demand": demand,
+            "train_tokens_seen": tokens_seen, "demand": demand, "early_demand_cv": early_demand,
             "model_config": dataclasses.asdict(mc), "wandb_run_id": tr.run_id, "table": table,
         }
         tr.summary({f"repro/{r['arm']}/late_median_drop": r["median_drop"] for r in table})
+        tr.summary({f"repro/{r['arm']}/early_median_drop": r["early_median_drop"] for r in table
+                    if "early_median_drop" in r})
     atomic_write_text(out / "metrics.json", json.dumps(summary, indent=2, default=str))
     atomic_write_text(out / "repro_table.md", markdown_table(summary))
     return summary
@@ -280,6 +295,23 @@ def markdown_table(s: dict[str, Any]) -> str:
             f"| {100 * r['median_sender']:.3f} / {100 * r['median_receiver']:.3f} "
             f"| {'' if md is None else f'{100 * md:.3f}%'} | {ratio} |"
         )
+    if s.get("early_steps"):
+        lines += [
+            "",
+            f"Early window: median drop over steps {s['early_steps']} (Marin's early figures are the final "
+            "step of 25-step gates):",
+            "",
+            "| arm | ours: early median drop [min, max] | Marin (early) | ratio | ours: late median |",
+            "|---|---|---|---|---|",
+        ]
+        for r in s["table"]:
+            md = r.get("marin_early_drop")
+            ratio = f"{r['early_median_drop'] / md:.2f}" if md else "-"
+            lines.append(
+                f"| {r['arm']} | {100 * r['early_median_drop']:.3f}% [{100 * r['early_min']:.3f}, "
+                f"{100 * r['early_max']:.3f}] | {'-' if md is None else f'{100 * md:.3f}%'} | {ratio} "
+                f"| {100 * r['median_drop']:.3f}% |"
+            )
     lines += [
         "",
         f"Demand per capacity unit over the late window (steps {s['late_window'][0]}-{s['late_window'][1]}; "
