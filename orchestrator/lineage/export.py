@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 from typing import Any
 
 from sqlmodel import col
@@ -37,7 +39,7 @@ from orchestrator.lineage.models import (
     StageRun,
 )
 from orchestrator.lineage.store import LineageStore, record_payload
-from orchestrator.secrets import MASK, is_secret_name, scrub, secret_values
+from orchestrator.secrets import redact_value, scrub, secret_values
 
 FORMATS = ("prov", "openlineage")
 
@@ -124,16 +126,17 @@ def collect(store: LineageStore, pipeline_run_ids: Sequence[str] = ()) -> Closur
 
 
 def _clean(value: Any, secrets: Sequence[str]) -> Any:
-    """``value`` with secret-named keys masked and secret values scrubbed, recursively."""
-    if isinstance(value, str):
-        return scrub(value, secrets)
-    if isinstance(value, dict):
-        return {k: (MASK if is_secret_name(str(k)) else _clean(v, secrets)) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_clean(v, secrets) for v in value]
+    """``value`` with credentials masked and secret values scrubbed, recursively.
+
+    The same rule as the store's write gate (:func:`orchestrator.secrets.redact_value`),
+    applied again because a database written by an older openlab, or edited by hand,
+    may hold what today's gate would have masked.
+    """
     if isinstance(value, dt.datetime):
         return _iso(value)
-    return value
+    if isinstance(value, tuple):
+        value = list(value)
+    return redact_value(value, secrets)
 
 
 def _iso(when: dt.datetime) -> str:
@@ -229,6 +232,25 @@ def to_prov(closure: Closure) -> dict[str, Any]:
 # -- OpenLineage ---------------------------------------------------------------------------
 
 
+_SCP_LIKE = re.compile(r"^(?P<user>[\w.-]+@)?(?P<host>[\w.-]+):(?!//)(?P<path>.+)$")
+
+
+def _repo_uri(location: str | None) -> str | None:
+    """A repository location as a URI (the facet's ``url`` must be one).
+
+    ``https://``/``ssh://`` remotes stay as they are, scp-like ``git@host:org/repo.git``
+    becomes ``ssh://git@host/org/repo.git`` and a local path a ``file://`` URI.
+    """
+    if not location:
+        return None
+    if "://" in location:
+        return location
+    scp = _SCP_LIKE.match(location)
+    if scp and not location.startswith("/"):
+        return f"ssh://{scp['user'] or ''}{scp['host']}/{scp['path'].lstrip('/')}"
+    return Path(location).resolve().as_uri()
+
+
 def run_uuid(record_id: str) -> str:
     """The OpenLineage runId of a pipeline or stage run: a UUID derived from its lineage id."""
     return str(uuid.uuid5(RUN_ID_NAMESPACE, record_id))
@@ -290,14 +312,15 @@ def to_openlineage(closure: Closure, namespace: str = "openlab") -> list[dict[st
         for rel in by_subject.get(run_id, []):
             commit = closure.records.get(rel.object_id)
             if rel.relation == "wasAssociatedWith" and commit is not None and commit.kind == "commit":
-                url = commit.remote_url or (f"file://{commit.repo_path}" if commit.repo_path else None)  # type: ignore[attr-defined]
+                where = commit.remote_url or commit.repo_path  # type: ignore[attr-defined]
+                url = _repo_uri(where)
                 if url:
                     return _facet(
                         producer,
                         f"{OL_FACETS}/1-0-1/SourceCodeLocationJobFacet.json#/$defs/SourceCodeLocationJobFacet",
                         type="git",
                         url=scrub(url, secrets),
-                        repoUrl=scrub(url, secrets),
+                        repoUrl=scrub(where if "@" in where and "://" not in where else url, secrets),
                         version=commit.sha,  # type: ignore[attr-defined]
                         branch=commit.branch,  # type: ignore[attr-defined]
                     )

@@ -39,7 +39,8 @@ def recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     monkeypatch.setenv("TOY_LEDGER", str(tmp_path / "ledger.txt"))
     monkeypatch.setenv("OPENLAB_TEST_API_TOKEN", SECRET)
     repo = make_repo(tmp_path)
-    options = RunOptions(wait_poll=0.05, lease_ttl=10, params={"wandb_api_key": SECRET, "note": "nightly"})
+    params = {"wandb_api_key": SECRET, "note": "nightly", "max_tokens": "4096", "tokenizer": "bpe-4096"}
+    options = RunOptions(wait_poll=0.05, lease_ttl=10, params=params)
     first = run_pipeline(toy_pipeline(repo), toy_configs(), options=options)
     second = run_pipeline(toy_pipeline(repo), toy_configs(), options=RunOptions(wait_poll=0.05, lease_ttl=10))
     assert first.ok and second.ok, (first.error, second.error)
@@ -128,7 +129,11 @@ def test_openlineage_events_pair_start_and_end_and_link_stages_through_datasets(
     assert upper["run"]["facets"]["parent"]["run"]["runId"] == pipeline_uuid
     assert upper["run"]["facets"]["openlab"]["identity"] == stages["upper"].identity
     assert upper["run"]["facets"]["openlab"]["attempts"][0]["backend"] == "local"
-    assert upper["job"]["facets"]["sourceCodeLocation"]["version"]  # the commit sha
+    code = upper["job"]["facets"]["sourceCodeLocation"]
+    assert code["version"] and code["url"].startswith("file:///")  # the commit sha; a URI, as the spec says
+    params = done["toy"]["run"]["facets"]["openlab"]["params"]
+    assert params["max_tokens"] == "4096" and params["tokenizer"] == "bpe-4096"  # shapes are not secrets
+    assert params["wandb_api_key"] == "***"
     # A lineage server joins jobs on dataset (namespace, name): gen's output is upper's input.
     gen_out = {(d["namespace"], d["name"], d["facets"]["version"]["datasetVersion"]) for d in done["gen"]["outputs"]}
     upper_in = {(d["namespace"], d["name"], d["facets"]["version"]["datasetVersion"]) for d in upper["inputs"]}
