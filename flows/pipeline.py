@@ -343,7 +343,7 @@ def _dry_run(
 
     logger = get_run_logger()
     resolved = resolve(recipe, replica)
-    plans = explain_recipe(resolved, settings=settings, force=force, repo_root=repo_root)
+    plans = explain_recipe(resolved, settings=settings, force=force, repo_root=repo_root, backend=backend)
     title = f"openlab explain {resolved.name} (backend {backend}, git ref {git_ref}{', forced' if force else ''})"
     for p in plans:
         changed = f"; changed: {'; '.join(p.changes)}" if p.changes else ""

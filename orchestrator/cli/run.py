@@ -189,14 +189,21 @@ def explain(
     replica: ReplicaOpt = None,
     force: Annotated[bool, typer.Option("--force", help="Plan as if every stage were forced.")] = False,
     force_stage: Annotated[list[str] | None, typer.Option("--force-stage", help="Plan this stage as forced.")] = None,
+    backend: Annotated[
+        str | None,
+        typer.Option("--backend", "-b", help="Plan for this backend (containers: the image is the environment)."),
+    ] = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Dry run: for each stage, run or reuse, and which identity fields changed since its last completed run."""
     from orchestrator.pipeline import explain_recipe
     from orchestrator.recipes import resolve
+    from orchestrator.settings import load_settings
 
     resolved = resolve(recipe, replica)
-    plans = explain_recipe(resolved, force=_force_value(force, force_stage))
+    plans = explain_recipe(
+        resolved, force=_force_value(force, force_stage), backend=backend or load_settings().default_backend
+    )
     if json_out:
         print_json({"recipe": resolved.lineage(), "stages": [p.to_dict() for p in plans]})
         return

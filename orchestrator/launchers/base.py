@@ -193,6 +193,15 @@ class Launcher(ABC):
         self.settings = settings or load_settings()
         self.config: dict[str, Any] = dict(config or {})
 
+    def environment_image(self, image: str | None = None) -> str | None:
+        """What a job's environment *is* on this backend, for stage identities; None: this host's.
+
+        Container backends answer with the image (by digest where it can be known before
+        the job runs): the interpreter and packages a job sees are the image's, not the
+        orchestrating process's, so a rebuilt image must change what a stage is.
+        """
+        return None
+
     @abstractmethod
     def submit(self, spec: JobSpec) -> JobHandle:
         """Start the job; return once the backend has accepted it."""

@@ -140,6 +140,10 @@ class DockerLauncher(Launcher):
         except errors.APIError as exc:
             raise LauncherError(f"docker could not inspect image {name}: {_api_message(exc)}") from None
 
+    def environment_image(self, image: str | None = None) -> str | None:
+        """The digest of the image a job would run (raises ImageNotFound before any job starts)."""
+        return self.image_digest(self._image(JobSpec(name="identity", command=["true"], image=image)))
+
     @staticmethod
     def image_digest(image: Any) -> str | None:
         digests = image.attrs.get("RepoDigests") or []

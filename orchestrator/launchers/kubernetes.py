@@ -201,6 +201,23 @@ class KubernetesLauncher(Launcher):
             raise LauncherError(f"kubernetes job template {path} must be one batch/v1 Job manifest")
         return data
 
+    def environment_image(self, image: str | None = None) -> str | None:
+        """The image a Job would run: pinned by digest when the reference is, or when a local
+        Docker engine holds it (clusters that load local images); else the reference itself,
+        whose tag may move — pin images by ``@sha256:`` for identities that cannot drift."""
+        containers = self.template().get("spec", {}).get("template", {}).get("spec", {}).get("containers") or [{}]
+        name = image or self.config.get("image") or containers[0].get("image") or "openlab/job:latest"
+        if "@sha256:" in name:
+            return str(name)
+        try:
+            import docker
+
+            found = docker.from_env(timeout=5).images.get(name)
+            digests = found.attrs.get("RepoDigests") or []
+            return str(digests[0]) if digests else str(found.id)
+        except Exception:  # noqa: BLE001 - no engine, or not there: the reference is all we know
+            return str(name)
+
     def manifest(self, spec: JobSpec, name: str) -> dict[str, Any]:
         """The Job manifest for ``spec`` (validated; public so users can see what is sent)."""
         opts = {**self.config, **spec.options}

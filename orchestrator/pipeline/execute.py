@@ -233,6 +233,9 @@ class PipelineContext:
     #: The pipeline run's own lease (:func:`orchestrator.pipeline.reconcile.pipeline_lease_key`): its
     #: heartbeat says this process still looks after the run; released when the run is closed.
     lease: leases.HeldLease | None = None
+    #: The image every job runs in (by digest where known) on container backends: then a stage's
+    #: environment identity is the image, not this process's packages. None on local and Slurm.
+    environment_image: str | None = None
 
     @property
     def id(self) -> str:
@@ -331,6 +334,13 @@ def start_pipeline(
     if reconcile_first:
         reconcile(store, settings=settings)
         reconcile_pipeline_runs(store)
+    from orchestrator.launchers import get_launcher
+
+    # Resolved before anything is recorded: a missing image or a stopped engine is a clear
+    # error now, not a failed stage later.
+    environment_image = get_launcher(options.backend, settings, **options.launcher_overrides).environment_image(
+        pipeline.image
+    )
     prov = capture(pipeline.repo_root, pipeline.code_paths(), settings=settings)
     all_env_fields = sorted({f for s in pipeline.stages for f in s.environment_fields})
     env_values = environment_values(prov, all_env_fields)
@@ -390,6 +400,7 @@ def start_pipeline(
         recipe=recipe,
         owns_store=owns,
         lease=lease,
+        environment_image=environment_image,
     )
     if options.issue:
         from orchestrator.links.github import resolve_issue
@@ -458,7 +469,11 @@ def stage_identity(ctx: PipelineContext, spec: StageSpec, upstream: Mapping[str,
         identity_config(ctx.configs[spec.name]),
         inputs={key: str(res.input_hash) for key, res in upstream.items()},
         code={p: ctx.tree_hashes[p] for p in spec.code_paths},
-        environment={f: ctx.env_values[f] for f in spec.environment_fields},
+        environment=(
+            {"image": ctx.environment_image}
+            if ctx.environment_image
+            else {f: ctx.env_values[f] for f in spec.environment_fields}
+        ),
     )
 
 

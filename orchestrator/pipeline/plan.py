@@ -65,8 +65,13 @@ def plan(
     force: bool | frozenset[str] = False,
     recipe: str | None = None,
     replica: str | None = None,
+    backend: str = "local",
 ) -> list[StagePlan]:
-    """Say, for every stage, reuse / run / wait / depends and which identity fields changed."""
+    """Say, for every stage, reuse / run / wait / depends and which identity fields changed.
+
+    ``backend`` matters: on a container backend a stage's environment is its image.
+    """
+    from orchestrator.launchers import get_launcher
     from orchestrator.provenance import capture
 
     settings = settings or load_settings()
@@ -76,6 +81,7 @@ def plan(
         prov = capture(pipeline.repo_root, pipeline.code_paths(), settings=settings)
         env_fields = sorted({f for s in pipeline.stages for f in s.environment_fields})
         env_values = environment_values(prov, env_fields)
+        image = get_launcher(backend, settings).environment_image(pipeline.image)
         tree = dict(prov.git.tree_hashes)
         known: dict[str, str | None] = {}  # stage -> input hash of its output (None: unknown until it runs)
         plans: list[StagePlan] = []
@@ -87,7 +93,7 @@ def plan(
                 identity_config(configs[spec.name]),
                 inputs=inputs,
                 code={p: tree[p] for p in spec.code_paths},
-                environment={f: env_values[f] for f in spec.environment_fields},
+                environment=({"image": image} if image else {f: env_values[f] for f in spec.environment_fields}),
             )
             forced = force is True or (not isinstance(force, bool) and spec.name in force)
             previous = last_completed(
@@ -171,8 +177,9 @@ def explain_recipe(
     store: LineageStore | None = None,
     force: bool | frozenset[str] = False,
     repo_root: Path | None = None,
+    backend: str = "local",
 ) -> list[StagePlan]:
-    """The dry run of ``openlab run RECIPE --replica R``."""
+    """The dry run of ``openlab run RECIPE --replica R --backend B``."""
     from orchestrator.recipes import resolve
 
     resolved = recipe if isinstance(recipe, ResolvedRecipe) else resolve(recipe, replica)
@@ -184,6 +191,7 @@ def explain_recipe(
         force=force,
         recipe=resolved.recipe.name,
         replica=resolved.replica,
+        backend=backend,
     )
 
 
