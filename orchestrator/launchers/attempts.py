@@ -72,7 +72,7 @@ def submit_attempt(
         number=number,
         backend=launcher.name,
         job_name=spec.name,
-        image=spec.image,
+        image=launcher.image_name(spec),  # the image that runs, also when it is the backend's default
         command=list(spec.command),
         state="PENDING",
     )

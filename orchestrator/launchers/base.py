@@ -193,6 +193,10 @@ class Launcher(ABC):
         self.settings = settings or load_settings()
         self.config: dict[str, Any] = dict(config or {})
 
+    def image_name(self, spec: JobSpec) -> str | None:
+        """The image reference a job of ``spec`` runs in (None where jobs run on the host)."""
+        return spec.image
+
     def environment_image(self, image: str | None = None) -> str | None:
         """What a job's environment *is* on this backend, for stage identities; None: this host's.
 

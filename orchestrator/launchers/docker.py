@@ -125,8 +125,11 @@ class DockerLauncher(Launcher):
                 self._engine_host = None
         return self._engine_host
 
+    def image_name(self, spec: JobSpec) -> str | None:
+        return spec.image or self.config.get("image") or DEFAULT_IMAGE
+
     def _image(self, spec: JobSpec) -> Any:
-        name = spec.image or self.config.get("image") or DEFAULT_IMAGE
+        name = self.image_name(spec)
         errors = self._errors()
         try:
             return self.client.images.get(name)

@@ -201,12 +201,17 @@ class KubernetesLauncher(Launcher):
             raise LauncherError(f"kubernetes job template {path} must be one batch/v1 Job manifest")
         return data
 
+    def image_name(self, spec: JobSpec) -> str | None:
+        """The image the Job's main container gets: the spec's, the configured one, the template's."""
+        opts = {**self.config, **spec.options}
+        containers = self.template().get("spec", {}).get("template", {}).get("spec", {}).get("containers") or [{}]
+        return str(spec.image or opts.get("image") or containers[0].get("image") or "openlab/job:latest")
+
     def environment_image(self, image: str | None = None) -> str | None:
         """The image a Job would run: pinned by digest when the reference is, or when a local
         Docker engine holds it (clusters that load local images); else the reference itself,
         whose tag may move — pin images by ``@sha256:`` for identities that cannot drift."""
-        containers = self.template().get("spec", {}).get("template", {}).get("spec", {}).get("containers") or [{}]
-        name = image or self.config.get("image") or containers[0].get("image") or "openlab/job:latest"
+        name = self.image_name(JobSpec(name="identity", command=["true"], image=image)) or "openlab/job:latest"
         if "@sha256:" in name:
             return str(name)
         try:

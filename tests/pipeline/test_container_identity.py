@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.lineage.models import StageRun
+from orchestrator.lineage.models import Attempt, StageRun
 from orchestrator.lineage.store import LineageStore
 from orchestrator.pipeline import RunOptions, explain_recipe, plan, run_pipeline
 from orchestrator.settings import load_settings
@@ -45,6 +45,8 @@ def test_the_image_is_the_environment_of_a_docker_stage(tmp_path: Path) -> None:
     with LineageStore.open(load_settings()) as store:
         for stage in store.list(StageRun, pipeline_run_id=first.pipeline_run.id):
             assert stage.identity_fields["environment"] == {"image": digest[job]}, stage.identity_fields
+            [attempt] = store.list(Attempt, stage_run_id=stage.id)
+            assert attempt.image == job  # the reference that ran, though the pipeline named none
 
     again = _run(repo, job)
     assert {r.state for r in again.results.values()} == {"REUSED"}
