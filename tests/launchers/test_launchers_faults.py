@@ -31,7 +31,7 @@ from orchestrator.launchers.attempts import handle_from_attempt, run_job
 from orchestrator.launchers.local import group_members
 from orchestrator.lineage.models import Attempt, StageRun
 from orchestrator.lineage.store import LineageStore
-from tests.launchers.harness import Harness
+from tests.launchers.harness import Harness, jobcomp_only_slurm
 
 CLI = [sys.executable, str(Path(__file__).with_name("cli_entry.py"))]
 
@@ -477,18 +477,7 @@ def test_slurm_status_falls_back_to_jobcomp_when_scontrol_forgot_the_job(tmp_pat
         "SubmitTime=2026-12-02T19:06:50 EligibleTime=2026-12-02T19:06:50 DerivedExitCode=0:0 ExitCode=0:15 \n"
     )
     bin_dir = _fake_slurm(tmp_path, "exit 99\n")
-    for tool, body in {
-        "scontrol": (
-            'if [ "$1" = show ] && [ "$2" = config ]; then\n'
-            f"  echo 'JobCompLoc              = {jobcomp}'\n"
-            "  echo 'JobCompType             = jobcomp/filetxt'\n  exit 0\nfi\n"
-            'echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1\n'
-        ),
-        "sacct": 'echo "Slurm accounting storage is disabled" >&2; exit 1\n',
-    }.items():
-        path = bin_dir / tool
-        path.write_text("#!/bin/sh\n" + body)
-        path.chmod(0o755)
+    jobcomp_only_slurm(bin_dir, jobcomp)
     launcher = get_launcher("slurm", bin_dir=str(bin_dir))
     status = launcher.status(JobHandle("slurm", "77"))
     assert status.state is JobState.FAILED and status.reason == "time limit exceeded"

@@ -8,7 +8,6 @@ real single-node cluster (``require_slurm``), plus the parsing that needs no clu
 from __future__ import annotations
 
 import datetime as dt
-import stat
 import subprocess
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from orchestrator.launchers.attempts import run_job
 from orchestrator.launchers.slurm import SlurmLauncher, aggregate_tasks, expand_task_ids
 from orchestrator.lineage.models import Attempt
 from orchestrator.lineage.store import LineageStore
-from tests.launchers.harness import Harness
+from tests.launchers.harness import Harness, jobcomp_only_slurm
 
 SHARD = 'echo "shard $SLURM_ARRAY_TASK_ID of $SLURM_ARRAY_TASK_COUNT"; '
 
@@ -180,19 +179,7 @@ def test_array_status_falls_back_to_jobcomp_with_one_record_per_task(tmp_path: P
         "NodeList=node7 ExitCode=0:0 \n"
     )
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for tool, body in {
-        "scontrol": (
-            'if [ "$1" = show ] && [ "$2" = config ]; then\n'
-            f"  echo 'JobCompLoc              = {jobcomp}'\n"
-            "  echo 'JobCompType             = jobcomp/filetxt'\n  exit 0\nfi\n"
-            'echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1\n'
-        ),
-        "sacct": 'echo "Slurm accounting storage is disabled" >&2; exit 1\n',
-    }.items():
-        path = bin_dir / tool
-        path.write_text("#!/bin/sh\n" + body)
-        path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    jobcomp_only_slurm(bin_dir, jobcomp)
     launcher = get_launcher("slurm", bin_dir=str(bin_dir))
     assert isinstance(launcher, SlurmLauncher)
     status = launcher.status(JobHandle("slurm", "90"))
