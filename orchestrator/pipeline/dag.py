@@ -174,19 +174,21 @@ def moe_pipeline(repo_root: Path | None = None, *, image: str | None = None) -> 
     return Pipeline(name="moe-replica", stages=tuple(stages), repo_root=root, image=image)
 
 
-def default_python(backend: str, settings: Settings | None = None) -> str:
+def default_python(backend: str, settings: Settings | None = None, *, in_image: bool = False) -> str:
     """The interpreter a stage command starts with.
 
-    ``[backends.<name>] python`` in the config wins. Otherwise: this interpreter for the
-    local backend and for Slurm (a Slurm job inherits the submitter's environment and
-    clusters share the filesystem the project's venv lives on, so the path is valid on the
-    node; a bare ``python`` there would be the node's system Python without the
-    workload's packages), and ``python`` inside the image for Docker and Kubernetes.
+    ``[backends.<name>] python`` in the config wins. Otherwise ``python`` inside the image when
+    the job runs in one (``in_image``: the launcher's ``environment_image()`` answered, so the
+    stage identity is the image's and the command must use the image's interpreter too), else
+    this interpreter: on the local backend and on Slurm a job inherits the submitter's
+    environment, and clusters share the filesystem the project's venv lives on, so the path is
+    valid on the node; a bare ``python`` there would be the node's system Python without the
+    workload's packages.
     """
     configured = settings.section(f"backends.{backend}").get("python") if settings is not None else None
     if configured:
         return str(configured)
-    return sys.executable if backend in ("local", "slurm") else "python"
+    return "python" if in_image else sys.executable
 
 
 __all__ = ["DEFAULT_VOLATILE", "REPO_ROOT", "WANDB_STAGES", "Pipeline", "StageSpec", "default_python", "moe_pipeline"]

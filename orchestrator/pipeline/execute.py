@@ -941,7 +941,11 @@ def _run_stage(
     backend = ctx.options.backend
     job = JobSpec(
         name=f"openlab-{spec.name}-{digest[:12]}",
-        command=spec.render_command(python=default_python(backend, ctx.settings), config=config_path, out=out_dir),
+        command=spec.render_command(
+            python=default_python(backend, ctx.settings, in_image=ctx.environment_image is not None),
+            config=config_path,
+            out=out_dir,
+        ),
         image=ctx.pipeline.image,
         env={
             "OPENLAB_STAGE": spec.name,

@@ -340,3 +340,18 @@ def test_moe_pipeline_declares_which_stages_track_wandb() -> None:
 
     tracking = {s.name for s in moe_pipeline().stages if s.tracks_wandb}
     assert tracking == {"pretrain", "midtrain", "posttrain", "eval"}  # data and tokenize never call wandb.init
+
+
+def test_stage_interpreter_follows_where_the_job_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job in an image starts the image's `python`; on the host (local, Slurm) this venv's, so a
+    node's bare system Python never runs a stage; `[backends.<name>] python` overrides either."""
+    from orchestrator.pipeline.dag import default_python
+
+    assert default_python("docker", None, in_image=True) == "python"
+    assert default_python("slurm", None) == sys.executable
+    cfg = tmp_path / "openlab.toml"
+    cfg.write_text('[backends.kubernetes]\npython = "/opt/py/bin/python3"\n')
+    monkeypatch.setenv("OPENLAB_CONFIG", str(cfg))
+    settings = load_settings(tmp_path)
+    assert default_python("kubernetes", settings, in_image=True) == "/opt/py/bin/python3"
+    assert default_python("local", settings) == sys.executable
