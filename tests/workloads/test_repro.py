@@ -138,3 +138,27 @@ def test_early_window_measured_like_the_late_one(tiny_tokens: Path, tmp_path: Pa
     assert "Early window" in (tmp_path / "repro_table.md").read_text()
     with pytest.raises(ConfigError, match="early_steps"):
         validate(parse_config({**base, "repro": {**base["repro"], "early_steps": [9]}}), "repro")
+
+
+def test_transient_steps_reported_one_by_one(tiny_tokens: Path, tmp_path: Path) -> None:
+    arms = [{"name": "pw", "dispatch": "pooled_wave", "capacity_factor": 1.0, "transport_capacity_factor": 1.0},
+            {"name": "rg", "dispatch": "ragged", "capacity_factor": 1.0}]
+    base = {
+        "threads": 1, "inputs": {"tokens": str(tiny_tokens)},
+        "model": {**TINY_MODEL, "n_experts": 8}, "moe": {"ranks": 2},
+        "train": {"steps": 8, "batch_size": 2, "checkpoint_every": 8},
+        "repro": {"train_arm": "pw", "late_window": 1, "measure_batch_size": 6, "transient_steps": [2, 4],
+                  "arms": arms},
+    }
+    res = run_repro(parse_config(base), tmp_path)
+    rows = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    # Each transient step is measured with the step before it; the late window (8) with step 7.
+    assert [s for s, r in rows.items() if "repro/rg/moe/drop_fraction" in r] == [1, 2, 3, 4, 7, 8]
+    assert [t["step"] for t in res["transient"]] == [2, 4]
+    for t in res["transient"]:  # each step's own value, not a median over the list
+        assert t["drop"] == {a: rows[t["step"]][f"repro/{a}/moe/drop_fraction"] for a in ("pw", "rg")}
+        assert t["demand_cv"]["group"] == rows[t["step"]]["repro/demand/group/cv"]
+    text = (tmp_path / "repro_table.md").read_text()
+    assert "Transient" in text and "| 4 |" in text
+    with pytest.raises(ConfigError, match="transient_steps"):
+        validate(parse_config({**base, "repro": {**base["repro"], "transient_steps": [0]}}), "repro")

@@ -41,6 +41,8 @@ falls back to a default.
       late_window: 40                    # report the median over the last N steps
       early_steps: []                    # also report the median over these steps (1-based, as logged;
                                          # e.g. [25], Marin's step-25 scoring point); [] = none
+      transient_steps: []                # also measure these steps, each reported on its own (how drops
+                                         # fall from init; Marin #8317's ragged transient); [] = none
       measure_batch_size: 0              # sequences per measured batch (0 = the training batch); >0 = a
                                          # separate batch of distinct windows, forward-only, in the window
       scale_capacity: true               # arms give Marin's cf; scaled so (cf-1)*sqrt(mu) is kept
@@ -176,6 +178,10 @@ class ReproConfig:
     # window, and so is the step before each (not reported), so its QB bias comes from a batch of
     # measure_batch_size sequences. [] = no early window.
     early_steps: list[int] = field(default_factory=list)
+    # Steps measured the same way (each with the step before it) and reported one by one, not as a
+    # median: the balancing transient from init, to set beside Marin's (#8317: a ragged cf 1.15 run
+    # peaks near 24% at step ~11 and is under 2% by step ~54). [] = none.
+    transient_steps: list[int] = field(default_factory=list)
     scale_capacity: bool = True
     arms: list[ArmConfig] = field(default_factory=list)
 
@@ -387,10 +393,10 @@ def validate(cfg: Config, stage: str) -> None:
             raise ConfigError(f"config: repro.train_arm '{rp.train_arm}' is not one of repro.arms ({names})")
         if rp.late_window < 1 or rp.late_window > cfg.train.steps:
             raise ConfigError("config: repro.late_window must be in [1, train.steps]")
-        if any(s < 1 or s > cfg.train.steps for s in rp.early_steps) or len(set(rp.early_steps)) != len(
-            rp.early_steps
-        ):
-            raise ConfigError("config: repro.early_steps must be distinct steps in [1, train.steps]")
+        for key in ("early_steps", "transient_steps"):
+            steps = getattr(rp, key)
+            if any(s < 1 or s > cfg.train.steps for s in steps) or len(set(steps)) != len(steps):
+                raise ConfigError(f"config: repro.{key} must be distinct steps in [1, train.steps]")
         if rp.measure_batch_size < 0 or rp.measure_batch_size % mo.ranks:
             raise ConfigError(
                 f"config: repro.measure_batch_size={rp.measure_batch_size} must be 0 or a positive multiple of "

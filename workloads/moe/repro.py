@@ -10,7 +10,8 @@ the next step's bias (Marin's beta comes from the batch whose drops it logs). Ea
 `moe/drop_fraction` is logged and the report is the median over the last `repro.late_window` steps,
 with the spread of demand on every capacity unit (`demand_cv`) beside it. With `repro.early_steps`
 (e.g. [25], the final step of Marin's 25-step gates) those steps are measured the same way (each with
-the step before it, unreported) and their median is reported as the early window beside the late one.
+the step before it, unreported) and their median is reported as the early window beside the late one;
+`repro.transient_steps` are measured the same way and reported step by step (the balancing transient).
 
 Capacity scaling: this machine cannot keep Marin's mean demand mu per capacity unit (its ranks hold
 524,288 assignments), so with `scale_capacity` each arm's cf is replaced by cf' such that
@@ -170,7 +171,7 @@ def run_repro(cfg: Config, out: Path) -> dict[str, Any]:
     # the QB bias of the first reported step comes from a measurement-size batch as at every later step.
     # Early steps likewise: each is measured with the step before it (0-based loop indices below).
     first_measured = max(0, cfg.train.steps - rp.late_window - 1) if separate else 0
-    early_measured = {i for s in rp.early_steps for i in (s - 2, s - 1) if i >= 0}
+    early_measured = {i for s in [*rp.early_steps, *rp.transient_steps] for i in (s - 2, s - 1) if i >= 0}
     chunks = max((a.chunks for a in rp.arms if a.dispatch == "ragged"), default=2)
     arms = {a.name: arm_spec(a, P, E, K, T, rp.scale_capacity) for a in rp.arms}
     train_spec = arms[rp.train_arm][0] if rp.train_arm else DispatchSpec("dropless", P, E)
@@ -258,6 +259,12 @@ def run_repro(cfg: Config, out: Path) -> dict[str, Any]:
             demand[u] = {"mu": mu, "cv": statistics.median(r[f"repro/demand/{u}/cv"] for r in late),
                          "poisson_cv": 1.0 / math.sqrt(mu)}
         early_demand = {u: statistics.median(r[f"repro/demand/{u}/cv"] for r in early) for u in UNITS} if early else {}
+        transient = [
+            {"step": r["step"], "train_loss": r["train/loss"],
+             "drop": {a.name: r[f"repro/{a.name}/moe/drop_fraction"] for a in rp.arms},
+             "demand_cv": {u: r[f"repro/demand/{u}/cv"] for u in UNITS}}
+            for r in rows if r["step"] in set(rp.transient_steps)
+        ]
         summary = {
             "train_arm": rp.train_arm, "late_window": [late[0]["step"], late[-1]["step"]],
             "early_steps": [r["step"] for r in early],
@@ -267,6 +274,7 @@ def run_repro(cfg: Config, out: Path) -> dict[str, Any]:
             "experts": E, "top_k": K, "experts_per_rank": E // P, "layers": mc.n_layers, "context": mc.context,
             "final_train_loss": rows[-1]["train/loss"], "first_train_loss": rows[0]["train/loss"],
             "train_tokens_seen": tokens_seen, "demand": demand, "early_demand_cv": early_demand,
+            "transient": transient,
             "model_config": dataclasses.asdict(mc), "wandb_run_id": tr.run_id, "table": table,
         }
         tr.summary({f"repro/{r['arm']}/late_median_drop": r["median_drop"] for r in table})
@@ -311,6 +319,22 @@ def markdown_table(s: dict[str, Any]) -> str:
                 f"| {r['arm']} | {100 * r['early_median_drop']:.3f}% [{100 * r['early_min']:.3f}, "
                 f"{100 * r['early_max']:.3f}] | {'-' if md is None else f'{100 * md:.3f}%'} | {ratio} "
                 f"| {100 * r['median_drop']:.3f}% |"
+            )
+    if s.get("transient"):
+        names = list(s["transient"][0]["drop"])
+        lines += [
+            "",
+            "Transient: drop fraction at single steps (each measured like the late window), with the "
+            "relative spread of demand per expert and per water-filling group:",
+            "",
+            "| step | train loss | " + " | ".join(names) + " | expert spread | group spread |",
+            "|---|---|" + "---|" * len(names) + "---|---|",
+        ]
+        for t in s["transient"]:
+            lines.append(
+                f"| {t['step']} | {t['train_loss']:.3f} | "
+                + " | ".join(f"{100 * t['drop'][n]:.2f}%" for n in names)
+                + f" | {100 * t['demand_cv']['expert']:.1f}% | {100 * t['demand_cv']['group']:.1f}% |"
             )
     lines += [
         "",
