@@ -63,11 +63,13 @@ def init_run(
 
     ``config`` (the stage's own config) is merged under the section's ``config``, which
     carries ``{"openlab": {...lineage ids...}}`` so a W&B run always leads back to lineage.
+    Console capture is off: the launcher already keeps the job's stdout and stderr, and a
+    second copy in W&B would send whatever a job prints to W&B's servers.
     """
     import wandb
 
     kwargs = init_kwargs(section, dir=dir, config=config)
-    kwargs.setdefault("settings", wandb.Settings(silent=True))
+    kwargs.setdefault("settings", wandb.Settings(silent=True, console="off"))
     return wandb.init(**kwargs)
 
 

@@ -4,19 +4,16 @@
 DIR/metrics.jsonl (the record that survives without any service), and mirrors it to Weights & Biases
 when the stage config has a `wandb:` section: mode comes from the environment (offline when
 WANDB_API_KEY is unset or WANDB_MODE=offline, else online), and run id/project/entity/group/job_type/
-tags/config/resume come from that section. Without a section W&B is disabled. The links engineer can
-swap the body of `_wandb_run` for their helper without touching any stage.
+tags/config/resume come from that section, through the Links helper `orchestrator.links.wandb_init`.
+Without a section W&B is disabled.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import secrets
 from pathlib import Path
 from typing import Any
-
-_WANDB_KEYS = ("id", "project", "entity", "group", "job_type", "tags", "config", "resume", "name", "notes")
 
 
 class Tracker:
@@ -67,32 +64,21 @@ def _to_wandb(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def _wandb_run(section: dict[str, Any], out: Path, stage: str, config: dict[str, Any]) -> Any:
-    import wandb
+    """Start the stage's W&B run through the Links helper (`orchestrator.links.wandb_init`, which
+    imports only the standard library and wandb): the same keys, mode rule and lineage config merge
+    as every other openlab job. Here only the defaults a bare config needs are added: a project, the
+    stage as job type, and a run id kept in DIR/wandb_run_id so a restarted stage resumes its run."""
+    from orchestrator.links.wandb_init import SECTION_KEYS, init_run
 
-    unknown = set(section) - set(_WANDB_KEYS)
+    unknown = set(section) - set(SECTION_KEYS)
     if unknown:
         from .config import ConfigError
 
-        raise ConfigError(f"config: unknown key 'wandb.{sorted(unknown)[0]}' (known: {', '.join(_WANDB_KEYS)})")
-    offline = not os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_MODE") == "offline"
+        raise ConfigError(f"config: unknown key 'wandb.{sorted(unknown)[0]}' (known: {', '.join(SECTION_KEYS)})")
     id_file = out / "wandb_run_id"
     run_id = section.get("id") or (id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4))
     id_file.write_text(run_id)  # a restarted stage resumes the same run
-    return wandb.init(
-        id=run_id,
-        project=section.get("project", "openlab-moe"),
-        entity=section.get("entity"),
-        group=section.get("group"),
-        job_type=section.get("job_type", stage),
-        tags=section.get("tags"),
-        name=section.get("name"),
-        notes=section.get("notes"),
-        config={**config, **(section.get("config") or {})},
-        resume=section.get("resume", "allow"),
-        mode="offline" if offline else "online",
-        dir=str(out),
-        settings=wandb.Settings(console="off", silent=True),
-    )
+    return init_run({"project": "openlab-moe", "job_type": stage, **section, "id": run_id}, dir=out, config=config)
 
 
 def open_tracker(out: Path, stage: str, config: dict[str, Any], section: dict[str, Any] | None) -> Tracker:
