@@ -124,7 +124,14 @@ def show_cmd(
         return
     console.print(f"[bold]{record.kind}[/] {record.id}")
     for key, value in record_payload(record).items():
-        if key != "id" and value not in (None, {}, []):
+        if key == "tasks" and isinstance(value, dict) and value:
+            console.print(f"  {'tasks':<16}{len(value)}")
+            for task, end in value.items():  # one line per array task: which shard failed, where
+                exit_code = "" if end.get("exit_code") is None else f" exit {end['exit_code']}"
+                where = f" on {end['host']}" if end.get("host") else ""
+                why = f" ({end['reason']})" if end.get("reason") else ""
+                console.print(f"    {task:<14}{end.get('state')}{exit_code}{where}{why}", highlight=False)
+        elif key != "id" and value not in (None, {}, []):
             console.print(f"  {key:<16}{value}", highlight=False, soft_wrap=True)
     if linked:
         console.print("[bold]links[/]")

@@ -122,8 +122,22 @@ def finish_attempt(store: LineageStore, attempt: Attempt, status: JobStatus) -> 
         "started_at": max(started, floor) if started and floor else started,
         "ended_at": max(ended, floor) if floor else ended,
     }
+    if status.tasks:
+        changes["tasks"] = {task: _task_record(t) for task, t in status.tasks.items()}
     with store.transaction() as tx:
         return tx.update(attempt, **changes)
+
+
+def _task_record(status: JobStatus) -> dict[str, Any]:
+    """One task's end as lineage keeps it (lineage state names, ISO times)."""
+    return {
+        "state": lineage_state(status.state),
+        "exit_code": status.exit_code,
+        "host": status.host,
+        "reason": status.reason,
+        "started_at": status.started_at.isoformat() if status.started_at else None,
+        "ended_at": status.ended_at.isoformat() if status.ended_at else None,
+    }
 
 
 def interruption_reason(exc: BaseException) -> str | None:

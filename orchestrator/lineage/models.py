@@ -231,6 +231,9 @@ class Attempt(LineageRecord, table=True):
     submitted_at: dt.datetime = Field(default_factory=utcnow)
     started_at: dt.datetime | None = None
     ended_at: dt.datetime | None = None
+    #: A job made of several tasks (a Slurm job array): each task's end by task id — state,
+    #: exit code, host, times, reason — so lineage says which shard failed, not just that one did.
+    tasks: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
 
 
 class Relation(LineageRecord, table=True):

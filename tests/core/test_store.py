@@ -204,3 +204,17 @@ def test_records_written_before_a_migration_still_verify(tmp_path: Path) -> None
     with store.engine.begin() as conn:
         conn.execute(sa.text("UPDATE pipelinerun SET error = 'forged' WHERE id = 'prun_old'"))
     assert [p.record for p in verify(store, load_settings())] == ["pipeline_run:prun_old"]
+
+
+def test_migrations_build_the_schema_the_models_declare(tmp_path: Path) -> None:
+    """A model field without a migration (or the reverse) would break every existing store."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+    from sqlmodel import SQLModel
+
+    import orchestrator.lineage.models  # noqa: F401 - registers every table on SQLModel.metadata
+
+    store = LineageStore(f"sqlite:///{tmp_path / 'fresh.db'}")
+    with store.engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn), SQLModel.metadata)
+    assert diff == []

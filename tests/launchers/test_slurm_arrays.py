@@ -8,9 +8,11 @@ real single-node cluster (``require_slurm``), plus the parsing that needs no clu
 from __future__ import annotations
 
 import datetime as dt
+import re
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,6 +55,8 @@ def test_array_that_succeeds_reports_every_task_and_keeps_each_log(
 
     stored = store.get(Attempt, attempt.id)
     assert stored is not None and stored.state == "COMPLETED" and stored.job_id == attempt.job_id
+    assert stored.tasks is not None and list(stored.tasks) == ["0", "1", "2"]
+    assert all(t["state"] == "COMPLETED" and t["exit_code"] == 0 and t["host"] for t in stored.tasks.values())
     handle = JobHandle("slurm", str(stored.job_id), stored.log_path)  # revived from lineage alone
     assert list(launcher.logs(handle)) == ["[0] shard 0 of 3", "[1] shard 1 of 3", "[2] shard 2 of 3"]
     one = launcher.task_handle(handle, 1)
@@ -65,7 +69,9 @@ def test_array_that_succeeds_reports_every_task_and_keeps_each_log(
 
 
 @pytest.mark.slurm
-def test_array_with_a_failed_task_is_failed_and_names_it(slurm_harness: Harness, store: LineageStore) -> None:
+def test_array_with_a_failed_task_is_failed_and_names_it(
+    slurm_harness: Harness, store: LineageStore, run_cli: Any
+) -> None:
     launcher = slurm_harness.launcher
     assert isinstance(launcher, SlurmLauncher)
     command = ["sh", "-c", SHARD + '[ "$SLURM_ARRAY_TASK_ID" = 3 ] && { echo broken >&2; exit 7; }; exit 0']
@@ -83,6 +89,14 @@ def test_array_with_a_failed_task_is_failed_and_names_it(slurm_harness: Harness,
     stored = store.get(Attempt, attempt.id)
     assert stored is not None and stored.state == "FAILED" and stored.exit_code == 7
     assert "task 3" in (stored.reason or "")
+    # lineage keeps every task's end, so the failed shard is known after the cluster forgets the job
+    assert stored.tasks is not None
+    assert {t: (e["state"], e["exit_code"]) for t, e in stored.tasks.items()} == {
+        "1": ("COMPLETED", 0), "2": ("COMPLETED", 0), "3": ("FAILED", 7), "4": ("COMPLETED", 0),
+    }
+    shown = run_cli("lineage", "show", attempt.id)
+    assert shown.returncode == 0, shown.stderr
+    assert re.search(r"^\s+3\s+FAILED exit 7 on \S+", shown.stdout, re.M), shown.stdout
     failed = launcher.task_handle(JobHandle("slurm", str(stored.job_id), stored.log_path), 3)
     assert list(launcher.logs(failed)) == ["shard 3 of 4", "broken"]
 
