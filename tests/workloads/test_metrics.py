@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from workloads.moe.config import ModelConfig
@@ -17,7 +18,7 @@ from workloads.moe.metrics import (
     routing_hist,
     summarize,
 )
-from workloads.moe.model import MoEFeedForward, RoutingRuntime
+from workloads.moe.model import MoEFeedForward, RoutingRuntime, hist_quantile_from_top
 
 
 def test_drop_fractions_and_overflow_rates() -> None:
@@ -45,14 +46,15 @@ def test_entropy_lbl_zloss_hist() -> None:
     assert (h["min"], h["max"], h["num"], h["sum"], h["sum_squares"]) == (1.0, 2.0, 4.0, 5.0, 7.0)
 
 
-def test_qb_update_drives_skewed_router_towards_balance() -> None:
+@pytest.mark.parametrize("estimator", ["topk", "hist"])
+def test_qb_update_drives_skewed_router_towards_balance(estimator: str) -> None:
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=10, d_model=16, n_heads=2, n_experts=8, top_k=2, expert_hidden=8, n_shared=0)
     layer = MoEFeedForward(cfg)
     with torch.no_grad():
         layer.router.weight[0] += 4.0  # expert 0 wins for most inputs
         layer.router.weight[1] += 1.0
-    rt = RoutingRuntime(DispatchSpec("dropless", 4, 8))
+    rt = RoutingRuntime(DispatchSpec("dropless", 4, 8), qb_estimator=estimator)
     x = torch.randn(4096, 16)
     ratios = []
     for _ in range(8):
@@ -78,3 +80,25 @@ def test_in_model_metrics_match_the_definitions() -> None:
     assert math.isclose(st.load_balancing_loss, load_balancing_loss(counts, s, 2).item(), rel_tol=1e-5)
     assert math.isclose(st.router_z_loss, router_z_loss(s).item(), rel_tol=1e-5)
     assert math.isclose(st.entropy, routing_entropy(counts).item(), rel_tol=1e-6)
+
+
+def test_hist_estimator_reads_the_rank_from_the_top_by_hand() -> None:
+    # Global [0.5, 3.5] in 3 bins of width 1: [0.5,1.5) [1.5,2.5) [2.5,3.5]; both columns share it.
+    m = torch.tensor([[0.5, 0.5], [1.5, 0.5], [2.5, 0.5], [3.5, 3.5]])
+    # column 0 counts [1, 1, 2]: rank 1 is half-way into the top bin (its 2 elements spread evenly)
+    # column 1 counts [3, 0, 1]: rank 1 is the top bin's lower edge
+    assert hist_quantile_from_top(m, 1.0, 3).tolist() == [3.0, 2.5]
+    # rank 3 in column 0: 2 above bin 1, all of bin 1 needed -> its lower edge; rank 2.5 -> its middle
+    assert hist_quantile_from_top(m, 3.0, 3)[0].item() == 1.5
+    assert hist_quantile_from_top(m, 2.5, 3)[0].item() == 2.0
+    # rank 4 in column 1: its 3 elements at 0.5 fill bin 0 -> its lower edge
+    assert hist_quantile_from_top(m, 4.0, 3)[1].item() == 0.5
+
+
+def test_hist_estimator_matches_the_exact_global_quantile_within_a_bin() -> None:
+    torch.manual_seed(3)
+    m = torch.randn(20_000, 5) * torch.tensor([1.0, 2.0, 0.5, 1.0, 3.0]) + torch.arange(5.0)
+    rank = 20_000 * 2 / 5
+    exact = torch.sort(m, dim=0, descending=True).values[int(rank) - 1]
+    width = float(m.max() - m.min()) / 10_000
+    assert torch.allclose(hist_quantile_from_top(m, rank, 10_000), exact, atol=2 * width)

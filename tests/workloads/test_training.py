@@ -63,6 +63,7 @@ def _write(tmp_path: Path, cfg: dict) -> str:
         ({"model": {"context": 10_000_000}}, "context=10000000 is longer than the data"),
         ({"model": {"n_expert": 4}}, "unknown key 'model.n_expert'"),
         ({"train": {"steps": "ten"}}, "'train.steps' must be an integer"),
+        ({"moe": {"qb_estimator": "median"}}, "moe.qb_estimator 'median' is not one of topk, hist"),
     ],
 )
 def test_bad_config_one_line_error_before_compute(

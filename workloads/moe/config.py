@@ -28,7 +28,9 @@ falls back to a default.
       transport_capacity_factor: 1.05   # tcf, pooled_wave sender gate
       waves: 3                   # W, pooled_wave
       chunks: 2                  # ragged
-      qb: true                   # quantile-balancing bias update (TOPK estimator)
+      qb: true                   # quantile-balancing bias update
+      qb_estimator: topk         # topk (per rank q-th largest margin, averaged; Marin's default) | hist
+      qb_hist_bins: 10000        # hist: global histogram bins (the hero's estimator, 10,000 bins)
       aux_loss_coef: 0.0         # load-balancing loss coefficient (Marin: 0)
       z_loss_coef: 0.0           # router z-loss coefficient (Marin: 0)
     train:                       # pretrain / midtrain / posttrain / repro
@@ -66,6 +68,8 @@ from typing import Any
 
 STAGES = ("data", "tokenize", "pretrain", "midtrain", "posttrain", "eval", "repro")
 DISPATCH_NAMES = ("dropless", "fixed_all_to_all", "pooled_wave", "ragged", "waterfilling")
+# QB beta estimators (marin-moe.md section 1): per-rank top-k averaged (model default), global histogram (hero)
+QB_ESTIMATORS = ("topk", "hist")
 
 
 class WorkloadError(Exception):
@@ -126,6 +130,8 @@ class MoEConfig:
     waves: int = 3
     chunks: int = 2
     qb: bool = True
+    qb_estimator: str = "topk"
+    qb_hist_bins: int = 10000
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
 
@@ -358,6 +364,12 @@ def validate(cfg: Config, stage: str) -> None:
         raise ConfigError(f"config: device must be auto, cpu or cuda, got '{cfg.device}'")
     mo = cfg.moe
     validate_dispatch(mo.dispatch, mo.capacity_factor, mo.transport_capacity_factor, mo.waves, mo.chunks, "moe")
+    if mo.qb_estimator not in QB_ESTIMATORS:
+        raise ConfigError(
+            f"config: moe.qb_estimator '{mo.qb_estimator}' is not one of {', '.join(QB_ESTIMATORS)}"
+        )
+    if mo.qb_hist_bins < 2:
+        raise ConfigError(f"config: moe.qb_hist_bins={mo.qb_hist_bins} must be at least 2")
     if stage in ("pretrain", "repro") or "model" in cfg.given:
         validate_model(cfg.model, mo.ranks)
     if cfg.train.batch_size < 1 or cfg.train.batch_size % mo.ranks:

@@ -30,6 +30,8 @@ class RoutingRuntime:
 
     spec: DispatchSpec
     qb: bool = True
+    qb_estimator: str = "topk"  # "topk" | "hist" (see MoEFeedForward._qb_beta)
+    qb_hist_bins: int = 10000
     collect_metrics: bool = True
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
@@ -57,6 +59,35 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x[..., ::2], x[..., 1::2]
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return out.flatten(-2).type_as(x)
+
+
+def hist_quantile_from_top(m: torch.Tensor, rank: float, bins: int) -> torch.Tensor:
+    """Per column e of m [N, E]: the value with `rank` elements of the column above it, read off a
+    histogram (Marin's HIST QB estimator, marin-moe.md section 1).
+
+    Every column is binned over the same global [min, max] into `bins` equal bins; counting from
+    the top bin down, the bin where the running count reaches `rank` is found and the value is
+    interpolated linearly inside it, as if its elements were spread evenly. On a real EP group the
+    per-expert histograms are summed over devices before this read; here all tokens are in one
+    process, so the sum is the histogram of all of them.
+    """
+    N, E = m.shape
+    lo, hi = float(m.min()), float(m.max())
+    width = (hi - lo) / bins
+    if width <= 0:  # every margin equal
+        return m.new_full((E,), lo)
+    b = ((m - lo) / width).long().clamp_(0, bins - 1)
+    counts = torch.bincount((b + torch.arange(E, device=m.device) * bins).reshape(-1), minlength=E * bins)
+    counts = counts.view(E, bins).to(torch.float64)
+    from_top = counts.flip(1).cumsum(1).flip(1)  # from_top[e, j] = elements in bins j..bins-1
+    target = min(max(rank, 0.0), float(N))
+    # the highest bin whose count-from-top reaches the target (bin 0 always does: its count is N)
+    j = (from_top >= target).to(torch.int64).cumsum(1).argmax(1)
+    above = torch.where(j + 1 < bins, from_top.gather(1, (j + 1).clamp(max=bins - 1)[:, None])[:, 0], 0.0)
+    inside = counts.gather(1, j[:, None])[:, 0]
+    frac = ((target - above) / inside.clamp(min=1.0)).clamp(0.0, 1.0)
+    upper = lo + (j + 1).to(torch.float64) * width
+    return (upper - frac * width).to(m.dtype)
 
 
 class Attention(nn.Module):
@@ -109,13 +140,21 @@ class MoEFeedForward(nn.Module):
             self.qb_has_pending.fill_(False)
 
     @torch.no_grad()
-    def _qb_beta(self, s: torch.Tensor, alpha: torch.Tensor, ranks: int) -> torch.Tensor:
-        """TOPK estimator: per rank the q-th largest margin of each expert, averaged over ranks."""
+    def _qb_beta(self, s: torch.Tensor, alpha: torch.Tensor, rt: RoutingRuntime) -> torch.Tensor:
+        """beta_e: the margin m = s - alpha above which about N*K/E tokens would pick expert e.
+
+        TOPK (Marin's model default): per rank the q-th largest margin of each expert, q =
+        max(1, floor(T*K/E)), averaged over ranks. HIST (the hero's): one global histogram per
+        expert, read at the same rank (see `hist_quantile_from_top`).
+        """
         N = s.shape[0]
+        m = s - alpha[:, None]
+        if rt.qb_estimator == "hist":
+            return hist_quantile_from_top(m, N * self.K / self.E, rt.qb_hist_bins)
+        ranks = rt.spec.ranks
         T = N // ranks
         q = max(1, (T * self.K) // self.E)
-        m = (s - alpha[:, None]).view(ranks, T, self.E)
-        beta = torch.kthvalue(m, T - q + 1, dim=1).values  # q-th largest == (T-q+1)-th smallest
+        beta = torch.kthvalue(m.view(ranks, T, self.E), T - q + 1, dim=1).values  # q-th largest
         return beta.mean(0)
 
     def _experts(self, x: torch.Tensor, experts: torch.Tensor, w: torch.Tensor,
@@ -157,7 +196,7 @@ class MoEFeedForward(nn.Module):
         w = torch.sigmoid(s.gather(1, experts))
         w = w * (self.weight_sum / w.sum(-1, keepdim=True))
         if self.training and rt.qb:
-            self.qb_pending.copy_(self._qb_beta(s.detach(), alpha, rt.spec.ranks))
+            self.qb_pending.copy_(self._qb_beta(s.detach(), alpha, rt))
             self.qb_has_pending.fill_(True)
 
         res = dispatch(experts, rt.spec)

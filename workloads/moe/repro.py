@@ -187,7 +187,8 @@ def run_repro(cfg: Config, out: Path) -> dict[str, Any]:
         start, tokens_seen = int(st["step"]), int(st["tokens_seen"])
         torch.set_rng_state(st["rng"]["torch"])
     truncate_jsonl(out / "metrics.jsonl", start)
-    rt = RoutingRuntime(train_spec, qb=cfg.moe.qb, aux_loss_coef=cfg.moe.aux_loss_coef,
+    rt = RoutingRuntime(train_spec, qb=cfg.moe.qb, qb_estimator=cfg.moe.qb_estimator,
+                        qb_hist_bins=cfg.moe.qb_hist_bins, aux_loss_coef=cfg.moe.aux_loss_coef,
                         z_loss_coef=cfg.moe.z_loss_coef, record_routing=True)
     model.train()
     with open_tracker(out, "repro", cfg.to_dict(), cfg.wandb) as tr:

@@ -216,7 +216,8 @@ def runtime(cfg: Config, mc: ModelConfig, collect: bool = True) -> RoutingRuntim
     mo = cfg.moe
     spec = DispatchSpec(mo.dispatch, mo.ranks, mc.n_experts, mo.capacity_factor, mo.transport_capacity_factor,
                         mo.waves, mo.chunks)
-    return RoutingRuntime(spec, qb=mo.qb, collect_metrics=collect, aux_loss_coef=mo.aux_loss_coef,
+    return RoutingRuntime(spec, qb=mo.qb, qb_estimator=mo.qb_estimator, qb_hist_bins=mo.qb_hist_bins,
+                          collect_metrics=collect, aux_loss_coef=mo.aux_loss_coef,
                           z_loss_coef=mo.z_loss_coef)
 
 
