@@ -382,7 +382,10 @@ class LocalLauncher(Launcher):
         while _group_alive(pgid) and time.monotonic() < deadline:
             time.sleep(0.02)
         if sup is not None and _alive(sup):
-            os.kill(sup, signal.SIGKILL)
+            try:
+                os.kill(sup, signal.SIGKILL)
+            except ProcessLookupError:  # it finished between the check and the kill
+                pass
         if not JobState(state.get("state", "PENDING")).terminal:
             # the supervisor is dead by now, so its file is ours to finish
             run = self._load(self._run_path(handle.job_id)) or {}

@@ -1,8 +1,15 @@
-"""The workload's tracker starts W&B runs through the Links helper, with the real wandb library offline."""
+"""The workload's tracker starts W&B runs through the Links helper, with the real wandb library offline.
+
+Each stage runs in its own process, as a job does (wandb keeps process-wide state), and the test reads
+the run back from the files wandb wrote.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,15 +18,31 @@ from orchestrator.links.wandb import find_run_dirs, read_run_dir
 from workloads.moe.config import ConfigError
 from workloads.moe.tracking import open_tracker
 
+ROOT = Path(__file__).resolve().parents[2]
+STAGE = r"""
+import json, sys
+from workloads.moe.tracking import open_tracker
+out, config, section = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+with open_tracker(__import__("pathlib").Path(out), "eval", config, section) as tr:
+    tr.log({"eval/loss": 2.5}, step=1)
+    print("stage output a job prints", file=sys.stderr)  # the launcher keeps this; W&B must not
+    print(tr.run_id)
+"""
 
-def test_tracker_run_carries_lineage_config_and_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.delenv("WANDB_MODE", raising=False)
+
+def _stage(out: Path, config: dict, section: dict) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    proc = subprocess.run(
+        [sys.executable, "-c", STAGE, str(out), json.dumps(config), json.dumps(section)],
+        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_tracker_run_carries_lineage_config_and_resumes(tmp_path: Path) -> None:
     section = {"project": "replica", "config": {"openlab": {"stage_run": "sr-1"}, "seed": 7}}
-    with open_tracker(tmp_path, "eval", {"seed": 0, "train": {"steps": 3}}, section) as tr:
-        tr.log({"eval/loss": 2.5}, step=1)
-        print("stage output a job prints")  # the launcher keeps this; W&B does not capture it
-        first_id = tr.run_id
+    first_id = _stage(tmp_path, {"seed": 0, "train": {"steps": 3}}, section)
     assert first_id and (tmp_path / "wandb_run_id").read_text() == first_id
     # metrics.jsonl is the record that survives without any service
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0]) == {"step": 1, "eval/loss": 2.5}
@@ -30,11 +53,10 @@ def test_tracker_run_carries_lineage_config_and_resumes(tmp_path: Path, monkeypa
     # the stage's config under the section's: lineage ids (and anything the orchestrator set) win
     assert back.config["openlab"] == {"stage_run": "sr-1"} and back.config["seed"] == 7
     assert back.config["train"] == {"steps": 3}
-    assert not list(run_dir.rglob("output.log"))
+    assert not list(run_dir.rglob("output.log"))  # no console capture
 
     # a restarted stage (same DIR) continues the same W&B run
-    with open_tracker(tmp_path, "eval", {"seed": 0}, {"project": "replica"}) as tr:
-        assert tr.run_id == first_id
+    assert _stage(tmp_path, {"seed": 0}, {"project": "replica"}) == first_id
 
 
 def test_unknown_wandb_key_is_a_config_error(tmp_path: Path) -> None:
