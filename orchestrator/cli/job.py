@@ -164,7 +164,7 @@ def status_cmd(
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
     """Show a job's state, exit code, reason, host and times (and update its attempt)."""
-    from orchestrator.cli.output import console, print_json
+    from orchestrator.cli.output import console, describe_task, print_json
     from orchestrator.launchers import get_launcher
     from orchestrator.lineage.store import open_store
 
@@ -189,17 +189,7 @@ def status_cmd(
     if tasks:  # a job array: one line per task, so a failed shard is easy to spot
         console.print(f"{'tasks':>12}: {len(tasks)}", highlight=False)
         for task, task_status in sorted(tasks.items(), key=lambda kv: (len(kv[0]), kv[0])):
-            exit_code = task_status.get("exit_code")
-            extra = " ".join(
-                str(part)
-                for part in (
-                    f"exit {exit_code}" if exit_code is not None else None,
-                    task_status.get("host"),
-                    task_status.get("reason"),
-                )
-                if part
-            )
-            console.print(f"{task:>12}  {task_status.get('state')} {extra}".rstrip(), highlight=False)
+            console.print(f"{task:>12}  {describe_task(task_status)}", highlight=False)
 
 
 @app.command("logs")

@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 from sqlmodel import col
 
-from orchestrator.cli.output import console, print_json
+from orchestrator.cli.output import console, describe_task, print_json
 from orchestrator.errors import OpenlabError
 
 app = typer.Typer(help="Audit lineage: which commit, data, environment and job produced what.", no_args_is_help=True)
@@ -127,10 +127,7 @@ def show_cmd(
         if key == "tasks" and isinstance(value, dict) and value:
             console.print(f"  {'tasks':<16}{len(value)}")
             for task, end in value.items():  # one line per array task: which shard failed, where
-                exit_code = "" if end.get("exit_code") is None else f" exit {end['exit_code']}"
-                where = f" on {end['host']}" if end.get("host") else ""
-                why = f" ({end['reason']})" if end.get("reason") else ""
-                console.print(f"    {task:<14}{end.get('state')}{exit_code}{where}{why}", highlight=False)
+                console.print(f"    {task:<14}{describe_task(end)}", highlight=False)
         elif key != "id" and value not in (None, {}, []):
             console.print(f"  {key:<16}{value}", highlight=False, soft_wrap=True)
     if linked:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from rich.console import Console
@@ -24,3 +25,12 @@ def fail(message: str, code: int = 2) -> None:
 
     err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def describe_task(end: Mapping[str, Any]) -> str:
+    """One array task in a few words, ``FAILED exit 7 on node1 (reason)``: the same line for a live
+    ``openlab job status`` and for the attempt's record in ``openlab lineage show``."""
+    exit_code = "" if end.get("exit_code") is None else f" exit {end['exit_code']}"
+    where = f" on {end['host']}" if end.get("host") else ""
+    why = f" ({end['reason']})" if end.get("reason") else ""
+    return f"{end.get('state')}{exit_code}{where}{why}"

@@ -129,15 +129,11 @@ def finish_attempt(store: LineageStore, attempt: Attempt, status: JobStatus) -> 
 
 
 def _task_record(status: JobStatus) -> dict[str, Any]:
-    """One task's end as lineage keeps it (lineage state names, ISO times)."""
-    return {
-        "state": lineage_state(status.state),
-        "exit_code": status.exit_code,
-        "host": status.host,
-        "reason": status.reason,
-        "started_at": status.started_at.isoformat() if status.started_at else None,
-        "ended_at": status.ended_at.isoformat() if status.ended_at else None,
-    }
+    """One task's end as lineage keeps it: the status as the CLI shows it, in lineage state names."""
+    record = status.to_dict()
+    record["state"] = lineage_state(status.state)
+    record.pop("image_digest", None)  # a property of the job, kept on the attempt itself
+    return record
 
 
 def interruption_reason(exc: BaseException) -> str | None:

@@ -217,9 +217,9 @@ class KubernetesLauncher(Launcher):
         try:
             import docker
 
-            found = docker.from_env(timeout=5).images.get(name)
-            digests = found.attrs.get("RepoDigests") or []
-            return str(digests[0]) if digests else str(found.id)
+            from orchestrator.launchers.docker import DockerLauncher
+
+            return str(DockerLauncher.image_digest(docker.from_env(timeout=5).images.get(name)))
         except Exception:  # noqa: BLE001 - no engine, or not there: the reference is all we know
             return str(name)
 

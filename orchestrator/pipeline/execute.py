@@ -275,6 +275,13 @@ def publish_issue_card(ctx: PipelineContext) -> None:
 # -- environment fields --------------------------------------------------------------------------
 
 
+def stage_environment(spec: StageSpec, image: str | None, values: Mapping[str, str]) -> dict[str, str]:
+    """The environment part of a stage's identity: the job image where jobs run in one (its
+    interpreter and packages are what the job sees), else the stage's declared fields of this host.
+    One rule for the run and for its dry run, so `openlab explain` predicts what a run will do."""
+    return {"image": image} if image else {f: values[f] for f in spec.environment_fields}
+
+
 def environment_values(provenance: Provenance, fields: Sequence[str]) -> dict[str, str]:
     """Values of declared environment fields: captured ones by name, ``pkg:NAME`` by version."""
     import importlib.metadata as md
@@ -469,11 +476,7 @@ def stage_identity(ctx: PipelineContext, spec: StageSpec, upstream: Mapping[str,
         identity_config(ctx.configs[spec.name]),
         inputs={key: str(res.input_hash) for key, res in upstream.items()},
         code={p: ctx.tree_hashes[p] for p in spec.code_paths},
-        environment=(
-            {"image": ctx.environment_image}
-            if ctx.environment_image
-            else {f: ctx.env_values[f] for f in spec.environment_fields}
-        ),
+        environment=stage_environment(spec, ctx.environment_image, ctx.env_values),
     )
 
 

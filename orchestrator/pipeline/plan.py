@@ -18,7 +18,13 @@ from orchestrator.identity import compute_identity, diff_identities
 from orchestrator.lineage import leases
 from orchestrator.lineage.store import LineageStore
 from orchestrator.pipeline.dag import Pipeline, moe_pipeline
-from orchestrator.pipeline.execute import describe_changes, environment_values, find_reusable, last_completed
+from orchestrator.pipeline.execute import (
+    describe_changes,
+    environment_values,
+    find_reusable,
+    last_completed,
+    stage_environment,
+)
 from orchestrator.recipes import ResolvedRecipe, identity_config
 from orchestrator.settings import Settings, load_settings
 
@@ -93,7 +99,7 @@ def plan(
                 identity_config(configs[spec.name]),
                 inputs=inputs,
                 code={p: tree[p] for p in spec.code_paths},
-                environment=({"image": image} if image else {f: env_values[f] for f in spec.environment_fields}),
+                environment=stage_environment(spec, image, env_values),
             )
             forced = force is True or (not isinstance(force, bool) and spec.name in force)
             previous = last_completed(

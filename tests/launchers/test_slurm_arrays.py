@@ -97,6 +97,10 @@ def test_array_with_a_failed_task_is_failed_and_names_it(
     shown = run_cli("lineage", "show", attempt.id)
     assert shown.returncode == 0, shown.stderr
     assert re.search(r"^\s+3\s+FAILED exit 7 on \S+", shown.stdout, re.M), shown.stdout
+    live = run_cli("job", "status", attempt.id)  # the same line, asked of the cluster
+    assert live.returncode == 0, live.stderr
+    assert re.search(r"^\s+3\s+FAILED exit 7 on \S+", live.stdout, re.M), live.stdout
+    assert re.search(r"^\s+2\s+SUCCEEDED exit 0 on \S+", live.stdout, re.M), live.stdout
     failed = launcher.task_handle(JobHandle("slurm", str(stored.job_id), stored.log_path), 3)
     assert list(launcher.logs(failed)) == ["shard 3 of 4", "broken"]
 
