@@ -1,4 +1,5 @@
 # openlab job image: Python + the project's runtime deps + orchestrator/ workloads/ flows/.
+# build-job-image.sh adds --label openlab.io/code={path: git id} of the tree it copies (see orchestrator/provenance/image.py).
 #
 #   infra/docker/build-job-image.sh            # prepares wheels/certs, builds openlab/job:latest
 #   DOCKER_BUILDKIT=0 docker build --network host -t openlab/job:latest .     # by hand

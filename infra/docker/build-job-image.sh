@@ -60,7 +60,41 @@ if ls "$CA_DIR"/*.crt >/dev/null 2>&1; then
   log "extra CA certificates: $(cd "$CA_DIR" && ls ./*.crt | xargs -n1 basename | tr '\n' ' ')"
 fi
 
+# --- which code the image holds -------------------------------------------------------------
+# The label openlab.io/code maps each copied path (relative to the git top level) to its git id in
+# the working tree, uncommitted edits included: computed like orchestrator.provenance.git.path_hashes,
+# with a throwaway index and object directory so nothing is written into the repository. Pipeline
+# stages that run the image's code (Kubernetes; Docker with mount_workdir = false) compare it with
+# the run's tree and refuse a mismatch (orchestrator/provenance/image.py).
+code_label() {
+  local top prefix common tmp tree
+  top="$(git -C "$REPO_ROOT" rev-parse --show-toplevel 2>/dev/null)" || return 1
+  prefix="$(git -C "$REPO_ROOT" rev-parse --show-prefix)"
+  common="$(git -C "$top" rev-parse --path-format=absolute --git-common-dir)"
+  tmp="$(mktemp -d)"
+  mkdir "$tmp/objects"
+  [ -f "$(git -C "$top" rev-parse --path-format=absolute --git-dir)/index" ] \
+    && cp -p "$(git -C "$top" rev-parse --path-format=absolute --git-dir)/index" "$tmp/index"
+  tree="$(cd "$top" && GIT_INDEX_FILE="$tmp/index" GIT_OBJECT_DIRECTORY="$tmp/objects" \
+    GIT_ALTERNATE_OBJECT_DIRECTORIES="$common/objects" sh -c 'git add -A -- . && git write-tree')" \
+    || { rm -rf "$tmp"; return 1; }
+  local pairs=() p id
+  for p in orchestrator workloads flows pyproject.toml; do
+    id="$(cd "$top" && GIT_INDEX_FILE="$tmp/index" GIT_OBJECT_DIRECTORY="$tmp/objects" \
+      GIT_ALTERNATE_OBJECT_DIRECTORIES="$common/objects" git rev-parse --verify --quiet "$tree:$prefix$p")" || continue
+    pairs+=("$prefix$p=$id")
+  done
+  rm -rf "$tmp"
+  python3 -c 'import json, sys; print(json.dumps(dict(a.split("=", 1) for a in sys.argv[1:]), sort_keys=True, separators=(",", ":")))' "${pairs[@]}"
+}
+
 ARGS=(--build-arg "BASE=$BASE" --build-arg "WITH_TORCH=$WITH_TORCH")
+if CODE="$(code_label)"; then
+  ARGS+=(--label "openlab.io/code=$CODE")
+  log "code label: $CODE"
+else
+  log "WARNING: $REPO_ROOT is not a git working tree: the image gets no openlab.io/code label, and pipeline stages that run its code will refuse it unless image_code_check = \"warn\" or \"off\""
+fi
 [ -n "${TORCH_INDEX_URL:-}" ] && ARGS+=(--build-arg "TORCH_INDEX_URL=$TORCH_INDEX_URL")
 [ -n "${PIP_INDEX:-}" ] && ARGS+=(--build-arg "PIP_INDEX=$PIP_INDEX")
 [ -n "${PIP_EXTRA_INDEX:-}" ] && ARGS+=(--build-arg "PIP_EXTRA_INDEX=$PIP_EXTRA_INDEX")

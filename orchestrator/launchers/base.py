@@ -206,6 +206,18 @@ class Launcher(ABC):
         """
         return None
 
+    def runs_image_code(self) -> bool:
+        """Whether jobs run the code baked into their image rather than the host's working tree.
+
+        Where they do, the run's recorded tree is only true of what ran if the image was built
+        from it, which :func:`orchestrator.provenance.image.check_image_code` checks.
+        """
+        return False
+
+    def image_labels(self, image: str | None = None) -> dict[str, str] | None:
+        """The labels of the image a job would run; None where they cannot be read here."""
+        return None
+
     @abstractmethod
     def submit(self, spec: JobSpec) -> JobHandle:
         """Start the job; return once the backend has accepted it."""

@@ -11,7 +11,9 @@
 - The spec's working directory, when it is a folder on this host, is bind-mounted
   read-only at the same path (``mount_workdir = false`` turns this off), so a pipeline
   stage runs the working tree its identity hashed rather than the code the image was
-  built with; ``mounts = {HOST = "TARGET[:ro]"}`` adds more.
+  built with; ``mounts = {HOST = "TARGET[:ro]"}`` adds more. With ``mount_workdir = false``
+  the image's code runs, and pipeline stages first check the image was built from the
+  run's tree (``image_code_check``, see :mod:`orchestrator.provenance.image`).
 - The time limit is enforced in the container by GNU ``timeout`` (so it holds with nobody
   watching; set ``time_limit_wrapper = false`` for images without coreutils) and by
   :meth:`DockerLauncher.status` as a backstop.
@@ -146,6 +148,13 @@ class DockerLauncher(Launcher):
     def environment_image(self, image: str | None = None) -> str | None:
         """The digest of the image a job would run (raises ImageNotFound before any job starts)."""
         return self.image_digest(self._image(JobSpec(name="identity", command=["true"], image=image)))
+
+    def runs_image_code(self) -> bool:
+        return not self.config.get("mount_workdir", True)
+
+    def image_labels(self, image: str | None = None) -> dict[str, str] | None:
+        found = self._image(JobSpec(name="identity", command=["true"], image=image))
+        return dict(found.labels or {})
 
     @staticmethod
     def image_digest(image: Any) -> str | None:

@@ -20,7 +20,9 @@
 
 Config (``[backends.kubernetes]``): namespace (default "default"), version, template,
 image, host (API URL, e.g. an emulator), kubeconfig, context, verify_ssl, token_env (name
-of the variable holding a bearer token), backoff_limit, ttl_seconds, retries.
+of the variable holding a bearer token), backoff_limit, ttl_seconds, retries,
+image_code_check (require | warn | off: pipeline stages refuse an image not built from the
+run's tree, see :mod:`orchestrator.provenance.image`).
 The job id is ``namespace/name``.
 """
 
@@ -214,14 +216,28 @@ class KubernetesLauncher(Launcher):
         name = self.image_name(JobSpec(name="identity", command=["true"], image=image)) or "openlab/job:latest"
         if "@sha256:" in name:
             return str(name)
+        from orchestrator.launchers.docker import DockerLauncher
+
+        local = self._local_image(name)
+        return str(DockerLauncher.image_digest(local)) if local is not None else str(name)
+
+    def runs_image_code(self) -> bool:
+        return True  # a pod runs the image's copy of the code; nothing of this host is mounted
+
+    def image_labels(self, image: str | None = None) -> dict[str, str] | None:
+        name = self.image_name(JobSpec(name="identity", command=["true"], image=image)) or "openlab/job:latest"
+        local = self._local_image(name)
+        return dict(local.labels or {}) if local is not None else None
+
+    @staticmethod
+    def _local_image(name: str) -> Any | None:
+        """The image as a local Docker engine holds it (clusters that load local images), or None."""
         try:
             import docker
 
-            from orchestrator.launchers.docker import DockerLauncher
-
-            return str(DockerLauncher.image_digest(docker.from_env(timeout=5).images.get(name)))
+            return docker.from_env(timeout=5).images.get(name)
         except Exception:  # noqa: BLE001 - no engine, or not there: the reference is all we know
-            return str(name)
+            return None
 
     def manifest(self, spec: JobSpec, name: str) -> dict[str, Any]:
         """The Job manifest for ``spec`` (validated; public so users can see what is sent)."""

@@ -59,6 +59,7 @@ from orchestrator.recipes import ResolvedRecipe, identity_config
 from orchestrator.settings import Settings, load_settings
 
 if TYPE_CHECKING:
+    from orchestrator.launchers.base import Launcher
     from orchestrator.provenance import Provenance
 
 log = logging.getLogger("openlab.pipeline")
@@ -282,6 +283,20 @@ def stage_environment(spec: StageSpec, image: str | None, values: Mapping[str, s
     return {"image": image} if image else {f: values[f] for f in spec.environment_fields}
 
 
+def image_code_record(launcher: Launcher, image: str | None, repo_root: Path) -> dict[str, Any] | None:
+    """Where jobs run the code inside their image, check that it is this tree's code (else raise
+    before anything is recorded) and return the finding for the run's lineage; None elsewhere.
+    Shared by the run and its dry run, which must refuse alike."""
+    if not launcher.runs_image_code():
+        return None
+    from orchestrator.launchers.base import JobSpec
+    from orchestrator.provenance.image import check_image_code
+
+    ref = launcher.image_name(JobSpec(name="identity", command=["true"], image=image)) or ""
+    mode = str(launcher.config.get("image_code_check", "require"))
+    return check_image_code(launcher.name, ref, launcher.image_labels(image), repo_root, mode)
+
+
 def environment_values(provenance: Provenance, fields: Sequence[str]) -> dict[str, str]:
     """Values of declared environment fields: captured ones by name, ``pkg:NAME`` by version."""
     import importlib.metadata as md
@@ -345,9 +360,9 @@ def start_pipeline(
 
     # Resolved before anything is recorded: a missing image or a stopped engine is a clear
     # error now, not a failed stage later.
-    environment_image = get_launcher(options.backend, settings, **options.launcher_overrides).environment_image(
-        pipeline.image
-    )
+    launcher = get_launcher(options.backend, settings, **options.launcher_overrides)
+    environment_image = launcher.environment_image(pipeline.image)
+    image_code = image_code_record(launcher, pipeline.image, pipeline.repo_root)
     prov = capture(pipeline.repo_root, pipeline.code_paths(), settings=settings)
     all_env_fields = sorted({f for s in pipeline.stages for f in s.environment_fields})
     env_values = environment_values(prov, all_env_fields)
@@ -358,6 +373,8 @@ def start_pipeline(
         "issue": options.issue,
         "repo_root": str(pipeline.repo_root),
     }
+    if image_code is not None:
+        params["image_code"] = image_code
     if recipe is not None:
         params["recipe"] = recipe.lineage()
     run_id = new_id(PipelineRun.id_prefix)

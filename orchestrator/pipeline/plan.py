@@ -22,6 +22,7 @@ from orchestrator.pipeline.execute import (
     describe_changes,
     environment_values,
     find_reusable,
+    image_code_record,
     last_completed,
     stage_environment,
 )
@@ -87,7 +88,9 @@ def plan(
         prov = capture(pipeline.repo_root, pipeline.code_paths(), settings=settings)
         env_fields = sorted({f for s in pipeline.stages for f in s.environment_fields})
         env_values = environment_values(prov, env_fields)
-        image = get_launcher(backend, settings).environment_image(pipeline.image)
+        launcher = get_launcher(backend, settings)
+        image = launcher.environment_image(pipeline.image)
+        image_code_record(launcher, pipeline.image, pipeline.repo_root)  # refuses as the run would
         tree = dict(prov.git.tree_hashes)
         known: dict[str, str | None] = {}  # stage -> input hash of its output (None: unknown until it runs)
         plans: list[StagePlan] = []

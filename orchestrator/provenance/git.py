@@ -343,6 +343,26 @@ def _capture(
     )
 
 
+def path_hashes(path: Path, paths: Sequence[str]) -> dict[str, str | None]:
+    """The working-tree git ids of ``paths`` (relative to the repository root), None where absent.
+
+    The same ids :func:`capture_git` records in ``tree_hashes``, for paths that need not exist:
+    comparing a job image's code label with a run's tree must name what differs, not raise.
+    """
+    repo = _open_repo(Path(path).expanduser().resolve())
+    try:
+        with _TempTree(repo) as work:
+            out: dict[str, str | None] = {}
+            for rel in paths:
+                try:
+                    out[rel] = work.run("rev-parse", "--verify", "--quiet", f"{work.tree}:{rel}").strip() or None
+                except GitCommandError:
+                    out[rel] = None
+            return out
+    finally:
+        repo.close()
+
+
 def commit_exists(repo_path: Path, sha: str) -> bool:
     """Whether ``sha`` names a commit in the repository at ``repo_path`` (for verify)."""
     if not sha or not re.fullmatch(r"[0-9a-fA-F]{4,64}", sha):
