@@ -153,6 +153,17 @@ def interruption_reason(exc: BaseException) -> str | None:
     return f"interrupted ({type(exc).__name__})"
 
 
+def _tasks_after_cancel(launcher: Launcher, handle: JobHandle) -> dict[str, JobStatus] | None:
+    """Each array task's end as the backend reports it once cancelled, so an interrupted array's
+    attempt still says which shards had finished (and how) and which were cut short; None for a
+    single job or when the backend cannot answer (the interruption is recorded regardless)."""
+    try:
+        return launcher.status(handle).tasks
+    except Exception as exc:  # noqa: BLE001 - best effort while already handling an interruption
+        log.warning("could not read the tasks of %s job %s: %s", launcher.name, handle.job_id, _one_line(exc))
+        return None
+
+
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
@@ -239,6 +250,7 @@ def run_job(
         end = JobStatus(
             state=JobState.CANCELLED if stopped or isinstance(exc, JobTimeout) else JobState.FAILED,
             reason=stopped or _one_line(exc),
+            tasks=_tasks_after_cancel(launcher, handle),
         )
         try:
             finish_attempt(store, attempt, end)

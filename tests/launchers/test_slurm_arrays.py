@@ -135,6 +135,23 @@ def test_cancel_of_the_array_cancels_running_and_pending_tasks(slurm_harness: Ha
         subprocess.run(["scancel", handle.job_id], capture_output=True, check=False)
 
 
+@pytest.mark.slurm
+def test_an_interrupted_array_keeps_each_tasks_end(slurm_harness: Harness, store: LineageStore) -> None:
+    """A run stopped from outside (here: its timeout) cancels the array and still records, per
+    task, what the cluster saw, so `lineage show` says which shards were cut short."""
+    from orchestrator.launchers.base import JobTimeout
+
+    launcher = slurm_harness.launcher
+    spec = JobSpec(name="shards-stopped", command=["sh", "-c", SHARD + "sleep 300"], options={"array": "0-2%1"})
+    with pytest.raises(JobTimeout):
+        run_job(store, launcher, spec, timeout=3)
+    [attempt] = [a for a in store.list(Attempt) if a.job_name == "shards-stopped"]
+    assert _queue(str(attempt.job_id)) == []
+    assert attempt.state == "CANCELLED" and "did not finish within 3s" in (attempt.reason or "")
+    assert attempt.tasks is not None, "an interrupted array lost its per-task ends"
+    assert {t: e["state"] for t, e in attempt.tasks.items()} == dict.fromkeys("012", "CANCELLED")
+
+
 # -- no cluster needed ---------------------------------------------------------------------------
 
 
