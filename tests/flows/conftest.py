@@ -85,6 +85,12 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
         with use_api(server.api_url):
             yield server
     finally:
+        # Send the log records still queued in this process while the server can take them:
+        # otherwise Prefect's log worker posts them to a stopped server at exit and prints
+        # "--- Error logging to API ---" under an otherwise green run.
+        from prefect.logging.handlers import APILogWorker
+
+        APILogWorker.drain_all(timeout=10, at_exit=False)
         server.stop()
         if saved_home is None:
             os.environ.pop("PREFECT_HOME", None)

@@ -162,3 +162,19 @@ def test_transient_steps_reported_one_by_one(tiny_tokens: Path, tmp_path: Path) 
     assert "Transient" in text and "| 4 |" in text
     with pytest.raises(ConfigError, match="transient_steps"):
         validate(parse_config({**base, "repro": {**base["repro"], "transient_steps": [0]}}), "repro")
+
+
+RECIPES = Path(__file__).parents[2] / "recipes"
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("moe-repro*.yaml")))
+def test_shipped_reproduction_recipes_validate(recipe: str) -> None:
+    """Every reproduction recipe the docs tell people to run passes the checks made before compute,
+    for each of its three commands, and names the domains its mixture draws from."""
+    from workloads.moe.config import load_config
+
+    cfg = load_config(RECIPES / recipe)
+    for stage in ("data", "tokenize", "repro"):
+        validate(cfg, stage)
+    assert set(cfg.train.mixture) <= set(cfg.data.domains), (cfg.train.mixture, cfg.data.domains)
+    assert cfg.repro.arms and cfg.repro.measure_batch_size % cfg.moe.ranks == 0
