@@ -16,6 +16,7 @@ its ``job_id`` self-sufficient (a Kubernetes id is ``namespace/name``), so
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -153,6 +154,10 @@ def interruption_reason(exc: BaseException) -> str | None:
     return f"interrupted ({type(exc).__name__})"
 
 
+def _any_cancelled(status: JobStatus) -> bool:
+    return any(t.state is JobState.CANCELLED for t in (status.tasks or {}).values())
+
+
 def _tasks_after_cancel(launcher: Launcher, handle: JobHandle) -> dict[str, JobStatus] | None:
     """Each array task's end as the backend reports it once cancelled, so an interrupted array's
     attempt still says which shards had finished (and how) and which were cut short; None for a
@@ -240,6 +245,12 @@ def run_job(
                 log.warning("log streaming of %s failed: %s", handle.job_id, _one_line(pump.error))
         if cancelled_by_caller and status.state is JobState.CANCELLED and not status.reason:
             status.reason = "cancelled by request"
+        elif cancelled_by_caller and status.state is JobState.FAILED and _any_cancelled(status):
+            # An array cancelled after one of its tasks failed: the cancel is what ended the job,
+            # so the attempt is CANCELLED; the failure stays in the reason and in that task's record.
+            status = dataclasses.replace(
+                status, state=JobState.CANCELLED, reason=f"cancelled by request after {status.reason}"
+            )
         attempt = finish_attempt(store, attempt, status)
     except BaseException as exc:
         stopped = interruption_reason(exc)

@@ -152,6 +152,34 @@ def test_an_interrupted_array_keeps_each_tasks_end(slurm_harness: Harness, store
     assert {t: e["state"] for t, e in attempt.tasks.items()} == dict.fromkeys("012", "CANCELLED")
 
 
+@pytest.mark.slurm
+def test_an_array_cancelled_after_a_task_failed_is_cancelled_and_keeps_the_failure(
+    slurm_harness: Harness, store: LineageStore
+) -> None:
+    """The user's cancel ended the job, so the attempt is CANCELLED, not FAILED (which would read as
+    "the array failed on its own"); the failed shard stays named in the reason and its task record."""
+    launcher = slurm_harness.launcher
+    command = ["sh", "-c", SHARD + '[ "$SLURM_ARRAY_TASK_ID" = 0 ] && exit 7; sleep 300']
+    spec = JobSpec(name="shards-fail-cancel", command=command, options={"array": "0-1"})
+
+    def task_0_failed() -> bool:
+        [attempt] = [a for a in store.list(Attempt) if a.job_name == spec.name]
+        tasks = launcher.status(JobHandle("slurm", str(attempt.job_id))).tasks or {}
+        return "0" in tasks and tasks["0"].state is JobState.FAILED
+
+    attempt, status = run_job(
+        store, launcher, spec, should_cancel=task_0_failed, timeout=slurm_harness.wait_timeout
+    )
+    assert status.state is JobState.CANCELLED, status
+    assert status.reason == "cancelled by request after 1 of 2 tasks failed: task 0 (exit code 7)"
+    stored = store.get(Attempt, attempt.id)
+    assert stored is not None and stored.state == "CANCELLED" and "task 0 (exit code 7)" in (stored.reason or "")
+    assert stored.tasks is not None
+    assert {t: (e["state"], e["exit_code"]) for t, e in stored.tasks.items()} == {
+        "0": ("FAILED", 7), "1": ("CANCELLED", stored.tasks["1"]["exit_code"]),
+    }
+
+
 # -- no cluster needed ---------------------------------------------------------------------------
 
 
