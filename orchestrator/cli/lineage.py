@@ -9,7 +9,7 @@ from rich.table import Table
 from sqlmodel import col
 
 from orchestrator.cli.output import console, describe_task, print_json
-from orchestrator.errors import OpenlabError
+from orchestrator.errors import ConfigError, OpenlabError
 
 app = typer.Typer(help="Audit lineage: which commit, data, environment and job produced what.", no_args_is_help=True)
 
@@ -251,17 +251,30 @@ def export_cmd(
         list[str] | None, typer.Argument(help="Pipeline run ids (or unique prefixes); none exports everything.")
     ] = None,
     fmt: Annotated[
-        str, typer.Option("--format", "-f", help="prov (W3C PROV-JSON) or openlineage (JSON lines).")
+        str,
+        typer.Option(
+            "--format", "-f", help="prov (W3C PROV-JSON), openlineage (JSON lines) or ro-crate (a directory)."
+        ),
     ] = "prov",
-    output: Annotated[str | None, typer.Option("--output", "-o", help="Write to this file instead of stdout.")] = None,
+    output: Annotated[
+        str | None, typer.Option("--output", "-o", help="Write to this file (ro-crate: this new directory).")
+    ] = None,
     namespace: Annotated[str, typer.Option(help="OpenLineage job namespace.")] = "openlab",
 ) -> None:
-    """Export lineage as W3C PROV-JSON or OpenLineage RunEvents, secrets masked, for other tools to read."""
+    """Export lineage as W3C PROV-JSON, OpenLineage RunEvents or a Workflow Run RO-Crate, secrets masked."""
     from pathlib import Path
 
     from orchestrator.lineage.export import export
     from orchestrator.snapshots import atomic_write
 
+    if fmt == "ro-crate":
+        from orchestrator.lineage.rocrate import write_rocrate
+
+        if output is None:
+            raise ConfigError("--format ro-crate writes a directory: add --output DIR")
+        crate = write_rocrate(_open(), runs or (), Path(output))
+        console.print(f"wrote RO-Crate to {crate}/ (ro-crate-metadata.json)", highlight=False)
+        return
     text = export(_open(), fmt, runs or (), namespace=namespace)
     if output is None:
         print(text, end="")

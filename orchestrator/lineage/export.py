@@ -1,4 +1,5 @@
-"""Export lineage in the two open formats other tools read: W3C PROV-JSON and OpenLineage.
+"""Export lineage in the open formats other tools read: W3C PROV-JSON and OpenLineage (here), and
+Workflow Run RO-Crate (:mod:`orchestrator.lineage.rocrate`, built on this module's closure).
 
 Why both: PROV is the archival answer to "what produced this, from what, by whom" and maps
 one to one onto the store (every record is an entity, activity or agent; every
@@ -41,7 +42,7 @@ from orchestrator.lineage.models import (
 from orchestrator.lineage.store import LineageStore, record_payload
 from orchestrator.secrets import redact_value, scrub, secret_values
 
-FORMATS = ("prov", "openlineage")
+FORMATS = ("prov", "openlineage", "ro-crate")
 
 #: The PROV namespace every openlab id lives in. A URN, so it resolves nowhere and claims no domain.
 OPENLAB_NS = "urn:openlab:"
@@ -438,6 +439,8 @@ def export(store: LineageStore, fmt: str, pipeline_run_ids: Iterable[str] = (), 
     """The export as text: one PROV-JSON document, or OpenLineage events as JSON lines."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+    if fmt == "ro-crate":
+        raise ExportError("an RO-Crate is a directory: write it with --output DIR (orchestrator.lineage.rocrate)")
     closure = collect(store, list(pipeline_run_ids))
     if fmt == "prov":
         return json.dumps(to_prov(closure), indent=2, sort_keys=True, default=str) + "\n"
