@@ -137,8 +137,14 @@ def follow_file(
     """
     deadline_missing = time.monotonic() + 30
     while not path.exists():
-        if not follow or done() or time.monotonic() > deadline_missing:
+        if not follow or time.monotonic() > deadline_missing:
             return
+        if done():
+            # A short job can start, write its log and end while done() asks (a Slurm query
+            # takes long under load): look once more before concluding it wrote nothing.
+            if not path.exists():
+                return
+            break
         time.sleep(poll)
     with path.open("r", encoding="utf-8", errors="replace") as fh:
         if tail is not None:
