@@ -70,3 +70,27 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: inputs.tokens") and proc.stderr.count("\n") == 1
     assert "Traceback" not in proc.stderr
+
+
+def test_set_overrides_one_key_of_the_config(tmp_path: Path) -> None:
+    """`--set KEY=VALUE` changes one key (value read as YAML) without a copy of the file; a malformed
+    one is a one-line error before anything runs."""
+    cfg = tmp_path / "data.yaml"
+    cfg.write_text(yaml.safe_dump({"seed": 0, "data": {"max_bytes_per_domain": 50_000, "max_sft_examples": 20}}))
+
+    def data(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "workloads.moe", "data", "--config", str(cfg), *extra],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )
+
+    proc = data("--out", str(tmp_path / "d"), "--set", "seed=7", "--set", "data.max_sft_examples=5")
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    assert manifest["seed"] == 7 and manifest["sft"]["train"]["examples"] == 5
+
+    for bad, said in (("seed", "expected KEY=VALUE"), ("seed.x=1", "'seed' is a value, not a section"),
+                      ("data..x=1", "expected KEY=VALUE")):
+        proc = data("--out", str(tmp_path / "bad"), "--set", bad)
+        assert proc.returncode == 2 and said in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+        assert not (tmp_path / "bad").exists()

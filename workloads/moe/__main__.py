@@ -1,4 +1,4 @@
-"""CLI: `python -m workloads.moe <stage> --config FILE --out DIR`.
+"""CLI: `python -m workloads.moe <stage> --config FILE --out DIR [--set KEY=VALUE ...]`.
 
 Stages: data, tokenize, pretrain, midtrain, posttrain, eval, repro. The config schema is documented
 in workloads/moe/config.py; example configs for the `tiny` scale are in workloads/moe/examples/.
@@ -27,10 +27,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("stage", choices=STAGES)
     ap.add_argument("--config", required=True, help="YAML or JSON stage config")
     ap.add_argument("--out", required=True, help="output directory (also the resume point)")
+    ap.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override one config key (dotted, value read as YAML), e.g. --set seed=1; repeatable",
+    )
     args = ap.parse_args(argv)
     out = Path(args.out)
     try:
-        cfg = load_config(args.config)
+        cfg = load_config(args.config, args.set)
         validate(cfg, args.stage)
         out.mkdir(parents=True, exist_ok=True)
         if args.stage == "data":
