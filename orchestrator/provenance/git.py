@@ -349,7 +349,10 @@ def path_hashes(path: Path, paths: Sequence[str]) -> dict[str, str | None]:
     The same ids :func:`capture_git` records in ``tree_hashes``, for paths that need not exist:
     comparing a job image's code label with a run's tree must name what differs, not raise.
     """
-    repo = _open_repo(Path(path).expanduser().resolve())
+    try:
+        repo = _open_repo(Path(path).expanduser().resolve())
+    except (InvalidGitRepositoryError, NoSuchPathError, GitCommandNotFound):
+        raise ProvenanceError(f"{path} is not in a git working tree, so its code has no git ids") from None
     try:
         with _TempTree(repo) as work:
             out: dict[str, str | None] = {}

@@ -54,7 +54,7 @@ def image_code(labels: Mapping[str, str] | None) -> dict[str, str] | None:
 
 def _finding(image: str, labels: Mapping[str, str] | None, repo_root: Path) -> tuple[str | None, dict[str, Any]]:
     """(problem or None, record) for ``image`` against the tree at ``repo_root``."""
-    from orchestrator.provenance.git import path_hashes
+    from orchestrator.provenance.git import ProvenanceError, path_hashes
 
     if labels is None:
         return (
@@ -68,7 +68,12 @@ def _finding(image: str, labels: Mapping[str, str] | None, repo_root: Path) -> t
             "(build it with infra/docker/build-job-image.sh)",
             {"image": image, "verified": False, "reason": "no code label"},
         )
-    tree = path_hashes(repo_root, sorted(declared))
+    try:
+        tree = path_hashes(repo_root, sorted(declared))
+    except ProvenanceError as exc:
+        return f"cannot compare job image {image} with this run: {exc}", {
+            "image": image, "code": declared, "verified": False, "reason": "no git tree",
+        }
     differ = [p for p in sorted(declared) if tree.get(p) != declared[p]]
     record: dict[str, Any] = {"image": image, "code": declared, "verified": not differ}
     if not differ:

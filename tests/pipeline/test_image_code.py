@@ -164,3 +164,11 @@ def test_kubernetes_reads_the_label_through_the_local_engine() -> None:
     assert k8s.runs_image_code()
     assert image_code(k8s.image_labels()) == path_hashes(REPO_ROOT, list(CODE))
     assert KubernetesLauncher(config={"image": "registry.invalid/openlab/job:none"}).image_labels() is None
+
+
+def test_a_run_outside_git_cannot_be_compared_and_says_so(tmp_path: Path) -> None:
+    label = {CODE_LABEL: json.dumps({"workloads": "0" * 40})}
+    refused = r"cannot compare job image x:1 with this run: .* not in a git working tree"
+    with pytest.raises(ImageCodeMismatch, match=refused):
+        check_image_code("kubernetes", "x:1", label, tmp_path)
+    assert check_image_code("kubernetes", "x:1", label, tmp_path, "warn")["reason"] == "no git tree"
