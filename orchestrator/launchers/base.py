@@ -197,6 +197,11 @@ class Launcher(ABC):
         """The image reference a job of ``spec`` runs in (None where jobs run on the host)."""
         return spec.image
 
+    def image_ref(self, image: str | None = None) -> str | None:
+        """The image reference a job asking for ``image`` (None: the backend's default) would run in,
+        before any job exists: what identities, labels and checks are read from."""
+        return self.image_name(JobSpec(name="identity", command=["true"], image=image))
+
     def environment_image(self, image: str | None = None) -> str | None:
         """What a job's environment *is* on this backend, for stage identities; None: this host's.
 

@@ -130,8 +130,7 @@ class DockerLauncher(Launcher):
     def image_name(self, spec: JobSpec) -> str | None:
         return spec.image or self.config.get("image") or DEFAULT_IMAGE
 
-    def _image(self, spec: JobSpec) -> Any:
-        name = self.image_name(spec)
+    def _image(self, name: str) -> Any:
         errors = self._errors()
         try:
             return self.client.images.get(name)
@@ -147,14 +146,13 @@ class DockerLauncher(Launcher):
 
     def environment_image(self, image: str | None = None) -> str | None:
         """The digest of the image a job would run (raises ImageNotFound before any job starts)."""
-        return self.image_digest(self._image(JobSpec(name="identity", command=["true"], image=image)))
+        return self.image_digest(self._image(str(self.image_ref(image))))
 
     def runs_image_code(self) -> bool:
         return not self.config.get("mount_workdir", True)
 
     def image_labels(self, image: str | None = None) -> dict[str, str] | None:
-        found = self._image(JobSpec(name="identity", command=["true"], image=image))
-        return dict(found.labels or {})
+        return dict(self._image(str(self.image_ref(image))).labels or {})
 
     @staticmethod
     def image_digest(image: Any) -> str | None:
@@ -180,7 +178,7 @@ class DockerLauncher(Launcher):
     # -- interface -------------------------------------------------------------------
     def submit(self, spec: JobSpec) -> JobHandle:
         errors = self._errors()
-        image = self._image(spec)
+        image = self._image(str(self.image_name(spec)))
         job_id = f"openlab-{_slug(spec.name)}-{uuid.uuid4().hex[:8]}"
         opts = {**self.config, **spec.options}
         labels = {str(k): str(v) for k, v in spec.labels.items()}

@@ -213,7 +213,7 @@ class KubernetesLauncher(Launcher):
         """The image a Job would run: pinned by digest when the reference is, or when a local
         Docker engine holds it (clusters that load local images); else the reference itself,
         whose tag may move — pin images by ``@sha256:`` for identities that cannot drift."""
-        name = self.image_name(JobSpec(name="identity", command=["true"], image=image)) or "openlab/job:latest"
+        name = str(self.image_ref(image))
         if "@sha256:" in name:
             return str(name)
         from orchestrator.launchers.docker import DockerLauncher
@@ -225,7 +225,7 @@ class KubernetesLauncher(Launcher):
         return True  # a pod runs the image's copy of the code; nothing of this host is mounted
 
     def image_labels(self, image: str | None = None) -> dict[str, str] | None:
-        name = self.image_name(JobSpec(name="identity", command=["true"], image=image)) or "openlab/job:latest"
+        name = str(self.image_ref(image))
         local = self._local_image(name)
         return dict(local.labels or {}) if local is not None else None
 

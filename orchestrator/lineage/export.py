@@ -59,7 +59,7 @@ class ExportError(OpenlabError):
     """An export could not be made (unknown run id, unknown format)."""
 
 
-def _producer() -> str:
+def producer_uri() -> str:
     try:
         return f"urn:openlab:{version('openlab')}"
     except PackageNotFoundError:  # running from a source tree that was never installed
@@ -126,7 +126,7 @@ def collect(store: LineageStore, pipeline_run_ids: Sequence[str] = ()) -> Closur
 # -- secret-safe values -----------------------------------------------------------------
 
 
-def _clean(value: Any, secrets: Sequence[str]) -> Any:
+def clean_value(value: Any, secrets: Sequence[str]) -> Any:
     """``value`` with credentials masked and secret values scrubbed, recursively.
 
     The same rule as the store's write gate (:func:`orchestrator.secrets.redact_value`),
@@ -134,20 +134,20 @@ def _clean(value: Any, secrets: Sequence[str]) -> Any:
     may hold what today's gate would have masked.
     """
     if isinstance(value, dt.datetime):
-        return _iso(value)
+        return iso_time(value)
     if isinstance(value, tuple):
         value = list(value)
     return redact_value(value, secrets)
 
 
-def _iso(when: dt.datetime) -> str:
+def iso_time(when: dt.datetime) -> str:
     if when.tzinfo is None:  # stored naive on an old row: the store only ever writes UTC
         when = when.replace(tzinfo=dt.UTC)
     return when.isoformat()
 
 
 def _payload(record: LineageRecord, secrets: Sequence[str]) -> dict[str, Any]:
-    return _clean(record_payload(record), secrets)
+    return clean_value(record_payload(record), secrets)
 
 
 # -- W3C PROV-JSON -----------------------------------------------------------------------
@@ -190,9 +190,9 @@ def to_prov(closure: Closure) -> dict[str, Any]:
             start = getattr(record, "started_at", None) or getattr(record, "submitted_at", None)
             end = getattr(record, "ended_at", None)
             if start is not None:
-                attrs["prov:startTime"] = _iso(start)
+                attrs["prov:startTime"] = iso_time(start)
             if end is not None:
-                attrs["prov:endTime"] = _iso(end)
+                attrs["prov:endTime"] = iso_time(end)
         section(record.prov_type)[_qn(record.id)] = attrs  # type: ignore[attr-defined]
 
     for rel in closure.relations:
@@ -280,7 +280,7 @@ def to_openlineage(closure: Closure, namespace: str = "openlab") -> list[dict[st
     no field for (commit, issue, W&B run, backend job ids) ride in an ``openlab`` facet.
     """
     secrets = secret_values()
-    producer = _producer()
+    producer = producer_uri()
     by_subject: dict[str, list[Relation]] = {}
     by_object: dict[str, list[Relation]] = {}
     for rel in closure.relations:
@@ -339,11 +339,11 @@ def to_openlineage(closure: Closure, namespace: str = "openlab") -> list[dict[st
             fields |= {
                 "identity": record.identity,
                 "reusedFrom": record.reused_from,
-                "metrics": _clean(record.metrics, secrets),
-                "attempts": [_clean({k: getattr(a, k) for k in keep}, secrets) for a in attempts],
+                "metrics": clean_value(record.metrics, secrets),
+                "attempts": [clean_value({k: getattr(a, k) for k in keep}, secrets) for a in attempts],
             }
         else:
-            fields |= {"params": _clean(record.params, secrets), "verdict": _clean(record.verdict, secrets)}
+            fields |= {"params": clean_value(record.params, secrets), "verdict": clean_value(record.verdict, secrets)}
         return _facet(producer, OPENLAB_FACET_SCHEMA, **fields)
 
     def events_for(record: Any, job_name: str, job_type: str, parent: PipelineRun | None) -> Iterator[dict[str, Any]]:
@@ -395,7 +395,7 @@ def to_openlineage(closure: Closure, namespace: str = "openlab") -> list[dict[st
         yield {
             **base,
             "eventType": "START",
-            "eventTime": _iso(record.started_at),
+            "eventTime": iso_time(record.started_at),
             "run": {"runId": run_uuid(record.id), "facets": run_facets},
             "outputs": [],
         }
@@ -412,7 +412,7 @@ def to_openlineage(closure: Closure, namespace: str = "openlab") -> list[dict[st
             yield {
                 **base,
                 "eventType": terminal,
-                "eventTime": _iso(record.ended_at),
+                "eventTime": iso_time(record.ended_at),
                 "run": {"runId": run_uuid(record.id), "facets": facets},
                 "outputs": outputs,
             }

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator.lineage.export import Closure, ExportError, _clean, _iso, _producer, collect
+from orchestrator.lineage.export import Closure, ExportError, clean_value, collect, iso_time, producer_uri
 from orchestrator.lineage.models import Attempt, PipelineRun, StageRun
 from orchestrator.lineage.store import LineageStore
 from orchestrator.secrets import scrub, secret_values
@@ -104,7 +104,7 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
         fields = stage.identity_fields or {}
         upstream.setdefault(stage.stage, sorted((fields.get("inputs") or {}).keys()))
         code_paths.setdefault(stage.stage, sorted((fields.get("code") or {}).keys()))
-    recipe = _clean((pipelines[-1].params or {}).get("recipe"), secrets)
+    recipe = clean_value((pipelines[-1].params or {}).get("recipe"), secrets)
     workflow_path = f"workflow/{name}.json"
     workflow_text = json.dumps(
         {
@@ -116,7 +116,7 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
         sort_keys=True,
     ) + "\n"
     language = add({"@id": "#openlab-pipeline", "@type": "ComputerLanguage", "name": "openlab pipeline"})
-    engine_version = _producer().rsplit(":", 1)[-1]
+    engine_version = producer_uri().rsplit(":", 1)[-1]
     engine = add(
         {"@id": "#openlab", "@type": "SoftwareApplication", "name": "openlab", "softwareVersion": engine_version}
     )
@@ -147,8 +147,8 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
         }
     )
 
-    # -- data: snapshots and artifacts as file URIs, their content hash as identifier ----------
-    def data_entity(record_id: str) -> dict[str, str] | None:
+    # -- entities: snapshots and artifacts as file URIs (content hash as identifier); commit, issue, W&B run
+    def entity_for(record_id: str) -> dict[str, str] | None:
         record = closure.records.get(record_id)
         if record is None:
             return None
@@ -214,9 +214,9 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
             if rel.relation != relation:
                 continue
             if as_subject and rel.subject_id == record_id:
-                entity = data_entity(rel.object_id)
+                entity = entity_for(rel.object_id)
             elif not as_subject and rel.object_id == record_id:
-                entity = data_entity(rel.subject_id)
+                entity = entity_for(rel.subject_id)
             else:
                 continue
             if entity is not None and entity not in out:
@@ -229,15 +229,15 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
             for mine, other, kind in ((rel.subject_id, rel.object_id, rel.object_kind),
                                       (rel.object_id, rel.subject_id, rel.subject_kind)):
                 if mine == record_id and kind in ("github_issue", "wandb_run"):
-                    entity = data_entity(other)
+                    entity = entity_for(other)
                     if entity is not None and entity not in out:
                         out.append(entity)
         return out
 
     def timing(record: Any) -> dict[str, Any]:
         return {
-            "startTime": _iso(record.started_at) if record.started_at else None,
-            "endTime": _iso(record.ended_at) if record.ended_at else None,
+            "startTime": iso_time(record.started_at) if record.started_at else None,
+            "endTime": iso_time(record.ended_at) if record.ended_at else None,
             "actionStatus": _ref(_STATUS.get(record.state, "http://schema.org/PotentialActionStatus")),
             "error": scrub(record.error, secrets) if getattr(record, "error", None) else None,
         }
@@ -321,8 +321,8 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
                 "instrument": engine,
                 "object": controls,
                 "result": run_action,
-                "startTime": _iso(run.started_at),
-                "endTime": _iso(run.ended_at) if run.ended_at else None,
+                "startTime": iso_time(run.started_at),
+                "endTime": iso_time(run.ended_at) if run.ended_at else None,
             }
         )
 

@@ -289,10 +289,9 @@ def image_code_record(launcher: Launcher, image: str | None, repo_root: Path) ->
     Shared by the run and its dry run, which must refuse alike."""
     if not launcher.runs_image_code():
         return None
-    from orchestrator.launchers.base import JobSpec
     from orchestrator.provenance.image import check_image_code
 
-    ref = launcher.image_name(JobSpec(name="identity", command=["true"], image=image)) or ""
+    ref = launcher.image_ref(image) or ""
     mode = str(launcher.config.get("image_code_check", "require"))
     return check_image_code(launcher.name, ref, launcher.image_labels(image), repo_root, mode)
 

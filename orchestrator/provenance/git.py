@@ -197,6 +197,14 @@ class _TempTree:
             ["git", *args], env=self.env, stdout_as_string=not binary, strip_newline_in_stdout=not binary
         )
 
+    def path_id(self, rel: str) -> str | None:
+        """The git id of ``rel`` (relative to the root; "" or "." the root) in this tree, None if absent."""
+        spec = self.tree if rel in ("", ".") else f"{self.tree}:{rel}"
+        try:
+            return self.run("rev-parse", "--verify", "--quiet", spec).strip() or None
+        except GitCommandError:
+            return None
+
     def __enter__(self) -> _TempTree:
         try:
             self.run("add", "-A", "--", ".")
@@ -307,10 +315,10 @@ def _capture(
         tree_hashes: dict[str, str] = {}
         for declared in code_paths:
             rel = _relative_code_path(declared, path, root)
-            spec = work.tree if rel in ("", ".") else f"{work.tree}:{rel}"
-            try:
-                tree_hashes[declared] = work.run("rev-parse", "--verify", "--quiet", spec).strip()
-            except GitCommandError:
+            found = work.path_id(rel)
+            if found is not None:
+                tree_hashes[declared] = found
+            else:
                 ignored = bool(repo.git.check_ignore(rel, with_exceptions=False)) if (root / rel).exists() else False
                 why = "is ignored by git" if ignored else "does not exist in the working tree"
                 raise ProvenanceError(
@@ -355,13 +363,7 @@ def path_hashes(path: Path, paths: Sequence[str]) -> dict[str, str | None]:
         raise ProvenanceError(f"{path} is not in a git working tree, so its code has no git ids") from None
     try:
         with _TempTree(repo) as work:
-            out: dict[str, str | None] = {}
-            for rel in paths:
-                try:
-                    out[rel] = work.run("rev-parse", "--verify", "--quiet", f"{work.tree}:{rel}").strip() or None
-                except GitCommandError:
-                    out[rel] = None
-            return out
+            return {rel: work.path_id(rel) for rel in paths}
     finally:
         repo.close()
 

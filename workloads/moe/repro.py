@@ -33,7 +33,7 @@ import torch
 from .config import ArmConfig, Config, ConfigError
 from .dispatch import DispatchSpec, dispatch
 from .metrics import summarize
-from .model import MoELM, RoutingRuntime
+from .model import MoELM
 from .tracking import open_tracker
 from .train import (
     CKPT,
@@ -42,6 +42,7 @@ from .train import (
     make_optimizer,
     mixture_of,
     prepare,
+    runtime,
     save_checkpoint,
     step_rng,
     truncate_jsonl,
@@ -187,9 +188,7 @@ def run_repro(cfg: Config, out: Path) -> dict[str, Any]:
         start, tokens_seen = int(st["step"]), int(st["tokens_seen"])
         torch.set_rng_state(st["rng"]["torch"])
     truncate_jsonl(out / "metrics.jsonl", start)
-    rt = RoutingRuntime(train_spec, qb=cfg.moe.qb, qb_estimator=cfg.moe.qb_estimator,
-                        qb_hist_bins=cfg.moe.qb_hist_bins, aux_loss_coef=cfg.moe.aux_loss_coef,
-                        z_loss_coef=cfg.moe.z_loss_coef, record_routing=True)
+    rt = runtime(cfg, mc, spec=train_spec, record_routing=True)
     model.train()
     with open_tracker(out, "repro", cfg.to_dict(), cfg.wandb) as tr:
         for step in range(start, cfg.train.steps):

@@ -212,13 +212,18 @@ def lr_at(step: int, cfg: Config) -> float:
     return tc.lr * (tc.min_lr_ratio + (1 - tc.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
-def runtime(cfg: Config, mc: ModelConfig, collect: bool = True) -> RoutingRuntime:
+def runtime(
+    cfg: Config, mc: ModelConfig, collect: bool = True, spec: DispatchSpec | None = None, record_routing: bool = False
+) -> RoutingRuntime:
+    """The routing settings of `moe:` as the model reads them; `spec` replaces the dispatch (repro trains
+    with one arm's), so every `moe:` option reaches every stage from this one place."""
     mo = cfg.moe
-    spec = DispatchSpec(mo.dispatch, mo.ranks, mc.n_experts, mo.capacity_factor, mo.transport_capacity_factor,
-                        mo.waves, mo.chunks)
+    if spec is None:
+        spec = DispatchSpec(mo.dispatch, mo.ranks, mc.n_experts, mo.capacity_factor, mo.transport_capacity_factor,
+                            mo.waves, mo.chunks)
     return RoutingRuntime(spec, qb=mo.qb, qb_estimator=mo.qb_estimator, qb_hist_bins=mo.qb_hist_bins,
                           collect_metrics=collect, aux_loss_coef=mo.aux_loss_coef,
-                          z_loss_coef=mo.z_loss_coef)
+                          z_loss_coef=mo.z_loss_coef, record_routing=record_routing)
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:
