@@ -1,13 +1,17 @@
 """openlab's Prefect deployments: the replica pipeline (run from the UI) and the nightly.
 
-Two deployments, built the same way for ``openlab deploy`` (register only) and
+Three deployments, built the same way for ``openlab deploy`` (register only) and
 ``openlab server`` (register and serve):
 
 - ``replica-pipeline/replica``: parameters recipe, replica, backend, issue, git ref,
   force and dry run, with the schema Prefect derives from the flow's type hints, so
   the UI renders a form with a dropdown for the backend;
 - ``nightly-replica/nightly``: a replica of the current main commit on a cron schedule
-  (default ``0 2 * * *`` UTC; ``[prefect] nightly_cron`` or a flag changes it).
+  (default ``0 2 * * *`` UTC; ``[prefect] nightly_cron`` or a flag changes it);
+- ``nightly-replica/nightly-drops``: the same nightly on the ``drops`` replica, the token-dropping
+  reproduction, whose verdict compares each dispatch arm's drop fraction (default ``0 4 * * *``
+  UTC, after the training nightly; ``[prefect] nightly_drops_cron`` changes it). A dispatch or
+  routing change that moves drops is caught the next morning, before a full-scale run pays for it.
 
 Entrypoints are module paths (``flows.pipeline.replica_pipeline``), so a served run or a
 work-pool worker finds the flow wherever openlab is installed. Callers still serve from
@@ -31,7 +35,10 @@ if TYPE_CHECKING:
 
 PIPELINE_DEPLOYMENT = "replica"
 NIGHTLY_DEPLOYMENT = "nightly"
+DROPS_NIGHTLY_DEPLOYMENT = "nightly-drops"
+DROPS_NIGHTLY_REPLICA = "drops"
 DEFAULT_NIGHTLY_CRON = "0 2 * * *"
+DEFAULT_DROPS_NIGHTLY_CRON = "0 4 * * *"
 DEFAULT_NIGHTLY_TIMEZONE = "UTC"
 TAGS = ["openlab"]
 
@@ -53,16 +60,25 @@ def in_repo_root() -> Iterator[Path]:
         os.chdir(before)
 
 
-def nightly_cron(settings: Settings | None = None, override: str | None = None) -> str:
-    """The nightly's cron: the flag, else ``[prefect] nightly_cron``, else 02:00 every day."""
+def nightly_cron(
+    settings: Settings | None = None,
+    override: str | None = None,
+    *,
+    key: str = "nightly_cron",
+    default: str = DEFAULT_NIGHTLY_CRON,
+) -> str:
+    """A nightly's cron: the flag, else ``[prefect] <key>``, else ``default`` (02:00 every day for the
+    training nightly; ``key="nightly_drops_cron"``, 04:00, for the drop-fraction one)."""
     settings = settings or load_settings()
-    cron = (override or settings.section("prefect").get("nightly_cron") or DEFAULT_NIGHTLY_CRON).strip()
+    cron = str(override or settings.section("prefect").get(key) or default).strip()
     from prefect.client.schemas.schedules import CronSchedule
 
     try:
         CronSchedule(cron=cron, timezone=DEFAULT_NIGHTLY_TIMEZONE)
     except ValueError:
-        raise ConfigError(f"invalid nightly cron {cron!r}: use five fields, e.g. '0 2 * * *' (02:00 daily)") from None
+        raise ConfigError(
+            f"invalid nightly cron {cron!r} ([prefect] {key}): use five fields, e.g. '0 2 * * *' (02:00 daily)"
+        ) from None
     return cron
 
 
@@ -79,7 +95,7 @@ def build_deployments(
     nightly_parameters: dict[str, Any] | None = None,
     paused_nightly: bool = False,
 ) -> list[RunnerDeployment]:
-    """The pipeline and nightly deployments (not yet registered). Call inside :func:`in_repo_root`."""
+    """The pipeline and the two nightly deployments (not yet registered). Call inside :func:`in_repo_root`."""
     from prefect.deployments.runner import EntrypointType
     from prefect.schedules import Cron
 
@@ -87,7 +103,9 @@ def build_deployments(
     from flows.pipeline import replica_pipeline
 
     settings = settings or load_settings()
-    schedule = Cron(nightly_cron(settings, cron), timezone=nightly_timezone(settings))
+    timezone = nightly_timezone(settings)
+    schedule = Cron(nightly_cron(settings, cron), timezone=timezone)
+    drops_cron = nightly_cron(settings, key="nightly_drops_cron", default=DEFAULT_DROPS_NIGHTLY_CRON)
     pipeline = replica_pipeline.to_deployment(
         name=PIPELINE_DEPLOYMENT,
         description=(
@@ -109,7 +127,19 @@ def build_deployments(
         tags=[*TAGS, "nightly"],
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
-    return [pipeline, nightly]
+    drops = nightly_replica.to_deployment(
+        name=DROPS_NIGHTLY_DEPLOYMENT,
+        description=(
+            "Nightly token-dropping reproduction (replica drops: data, tokenize, repro) of the current main "
+            "commit; fails when an arm's late-window drop fraction moved beyond the recipe's tolerance."
+        ),
+        schedules=[Cron(drops_cron, timezone=timezone)],
+        parameters={**(nightly_parameters or {}), "replica": DROPS_NIGHTLY_REPLICA},
+        paused=paused_nightly,
+        tags=[*TAGS, "nightly", "drops"],
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )
+    return [pipeline, nightly, drops]
 
 
 def apply_deployments(deployments: Iterable[RunnerDeployment], *, work_pool: str | None = None) -> dict[str, str]:
@@ -129,7 +159,9 @@ def serve_deployments(deployments: Iterable[RunnerDeployment], *, limit: int | N
 
 
 __all__ = [
+    "DEFAULT_DROPS_NIGHTLY_CRON",
     "DEFAULT_NIGHTLY_CRON",
+    "DROPS_NIGHTLY_DEPLOYMENT",
     "NIGHTLY_DEPLOYMENT",
     "PIPELINE_DEPLOYMENT",
     "apply_deployments",

@@ -4,8 +4,10 @@ Thin on purpose: :mod:`orchestrator.pipeline.execute` decides reuse, leases, lau
 and lineage (the same code ``openlab run`` uses); this module only maps it onto Prefect:
 
 - each stage is a task (``data`` → ``tokenize`` → ``pretrain`` → ``midtrain`` →
-  ``posttrain`` → ``eval``); the job's log lines go to that task's run logger, and each
-  transition (checking, waiting for a lease, reused and why, running, done) is logged;
+  ``posttrain`` → ``eval``, or the stages the replica names, e.g. ``data`` → ``tokenize`` →
+  ``repro`` for the token-dropping reproduction); the job's log lines go to that task's run
+  logger, and each transition (checking, waiting for a lease, reused and why, running, done)
+  is logged;
 - each stage publishes its lineage card (:func:`orchestrator.cards.stage_card`) as a
   markdown artifact keyed ``lineage-<stage>``, and the run its pipeline card as
   ``lineage-pipeline``;

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -36,8 +36,10 @@ from orchestrator.hashing import hash_json
 #: Where recipe names (``marin-535b-a23b``) are looked up: ``recipes/`` at the repo root.
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
-#: The workload stages a recipe resolves to, in pipeline order.
-STAGES = ("data", "tokenize", "pretrain", "midtrain", "posttrain", "eval")
+#: The workload stages a recipe can resolve to, in pipeline order (a replica picks some with
+#: ``stages``; the default is the training chain without ``repro``).
+STAGES = ("data", "tokenize", "pretrain", "midtrain", "posttrain", "eval", "repro")
+DEFAULT_STAGES = STAGES[:-1]
 
 #: Config keys that say where a stage runs; they go into stage configs but never into identities.
 RUNTIME_KEYS = ("device", "threads")
@@ -62,6 +64,13 @@ class Opt:
 @dataclass(frozen=True)
 class MapOf:
     """Schema marker: a mapping from free-form string keys to values of ``spec``."""
+
+    spec: Any
+
+
+@dataclass(frozen=True)
+class ListOf:
+    """Schema marker: a list whose items are each ``spec``."""
 
     spec: Any
 
@@ -141,6 +150,7 @@ RECIPE_SCHEMA: dict[str, Any] = {
         "domains": MapOf(str),
         "heldout_fraction": NUMBER,
         "max_bytes_per_domain": Opt(int, nullable=True),
+        "max_sft_examples": Opt(int),
     },
     "tokenizer": {"vocab_size": int, "min_frequency": Opt(int)},
     "tokens": {
@@ -173,6 +183,28 @@ RECIPE_SCHEMA: dict[str, Any] = {
                 "scale": Opt({key: Opt(RATIO) for key in SCALE_RULES}),
                 "set": Opt(MapOf(object)),
                 "runtime": Opt({"device": Opt(OneOf(("auto", "cpu", "cuda"))), "threads": Opt(int)}),
+                # Which stages this replica runs (default: the training chain, data .. eval).
+                "stages": Opt(ListOf(OneOf(STAGES))),
+                # The drop-fraction reproduction (stage ``repro``): how its one router is trained
+                # (replica scale, not scaled from the reference) and what is measured. ``measure``
+                # is the workload's ``repro:`` section (arms, windows, measurement batch), checked
+                # by the workload's own validation before any job starts.
+                "repro": Opt(
+                    {
+                        "train": {
+                            "steps": int,
+                            "batch_sequences": int,
+                            "lr": NUMBER,
+                            "min_lr_ratio": Opt(NUMBER),
+                            "warmup_steps": Opt(int),
+                            "weight_decay": Opt(NUMBER),
+                            "grad_clip": Opt(NUMBER),
+                            "mixture": Opt(MapOf(NUMBER)),
+                            "checkpoint_every": Opt(int),
+                        },
+                        "measure": MapOf(object),
+                    }
+                ),
             }
         )
     ),
@@ -198,6 +230,8 @@ def _spec_name(spec: Any) -> str:
         return "one of " + ", ".join(spec.choices)
     if isinstance(spec, (dict, MapOf)):
         return "mapping"
+    if isinstance(spec, ListOf):
+        return "list"
     return getattr(spec, "__name__", str(spec))
 
 
@@ -257,6 +291,12 @@ def _check(value: Any, spec: Any, path: str, where: str) -> None:
             if not isinstance(key, str):
                 raise ConfigError(f"{label}: keys must be strings, got {key!r}")
             _check(item, spec.spec, f"{path}.{key}" if path else key, where)
+        return
+    if isinstance(spec, ListOf):
+        if not isinstance(value, list):
+            raise ConfigError(f"{label}: expected list, got {_type_name(value)}")
+        for i, item in enumerate(value):
+            _check(item, spec.spec, f"{path}[{i}]", where)
         return
     if isinstance(spec, OneOf):
         if not isinstance(value, str) or value not in spec.choices:
@@ -368,6 +408,8 @@ class ResolvedRecipe:
     stage_configs: dict[str, dict[str, Any]]
     tracked_metrics: tuple[TrackedMetric, ...] = ()
     derived: dict[str, Any] = field(default_factory=dict)
+    #: The stages this replica runs, in pipeline order (the keys of ``stage_configs``).
+    stages: tuple[str, ...] = DEFAULT_STAGES
 
     @property
     def name(self) -> str:
@@ -390,6 +432,7 @@ class ResolvedRecipe:
             "set": dict(self.overrides),
             "runtime": dict(self.runtime),
             "derived": dict(self.derived),
+            "stages": list(self.stages),
         }
 
 
@@ -458,6 +501,8 @@ def resolve(recipe: Recipe | str | Path, replica: str | None = None, *, validate
     scale: dict[str, str] = {}
     overrides: dict[str, Any] = {}
     runtime: dict[str, Any] = {"device": "auto", "threads": 0}
+    stages: Sequence[str] = DEFAULT_STAGES
+    repro: Mapping[str, Any] | None = None
     if replica is not None:
         replicas = recipe.replicas
         if replica not in replicas:
@@ -475,10 +520,23 @@ def resolve(recipe: Recipe | str | Path, replica: str | None = None, *, validate
             overrides[dotted] = value
             _put(values, dotted, value)
         runtime.update(spec.get("runtime") or {})
-    configs, derived = _stage_configs(values, runtime)
+        repro = spec.get("repro")
+        stages = spec.get("stages") or DEFAULT_STAGES
+        from orchestrator.pipeline.dag import check_stage_selection  # not at import: the pipeline imports recipes
+
+        stages = check_stage_selection(stages, f"{where}: replicas.{replica}.stages")
+        if "repro" in stages and repro is None:
+            raise ConfigError(
+                f"{where}: replicas.{replica}: stage repro needs a repro section (train, measure) in the replica"
+            )
+        if repro is not None and "repro" not in stages:
+            raise ConfigError(f"{where}: replicas.{replica}: has a repro section but its stages do not include repro")
+    configs, derived = _stage_configs(values, runtime, stages, repro)
+    # A metric of a stage this replica does not run cannot be compared: it is not tracked here.
     tracked = tuple(
         TrackedMetric(name=n, stage=m["stage"], relative=m.get("relative"), absolute=m.get("absolute"))
         for n, m in (values.get("tracked_metrics") or {}).items()
+        if m["stage"] in stages
     )
     resolved = ResolvedRecipe(
         recipe=recipe,
@@ -490,6 +548,7 @@ def resolve(recipe: Recipe | str | Path, replica: str | None = None, *, validate
         stage_configs=configs,
         tracked_metrics=tracked,
         derived=derived,
+        stages=tuple(stages),
     )
     if validate:
         validate_workload_configs(resolved)
@@ -512,10 +571,22 @@ def _train_section(section: Mapping[str, Any], steps: int, batch: int) -> dict[s
     return out
 
 
+def _repro_train(section: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``train:`` section of the repro stage: the replica's values as given (the workload's
+    defaults fill the rest), with ``batch_sequences`` under the workload's name."""
+    out = {"batch_size" if k == "batch_sequences" else k: v for k, v in section.items()}
+    if "mixture" in out:
+        out["mixture"] = dict(out["mixture"])
+    return out
+
+
 def _stage_configs(
-    v: Mapping[str, Any], runtime: Mapping[str, Any]
+    v: Mapping[str, Any],
+    runtime: Mapping[str, Any],
+    stages: Sequence[str] = DEFAULT_STAGES,
+    repro: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """Map recipe values onto the workload's per-stage config schema.
+    """Map recipe values onto the workload's per-stage config schema, for ``stages``.
 
     Each stage gets only the sections it reads, so its identity changes only when
     something it depends on changes (a new model shape does not re-run ``data``).
@@ -561,6 +632,8 @@ def _stage_configs(
     }
     if v["data"].get("max_bytes_per_domain") is not None:
         data_cfg["max_bytes_per_domain"] = v["data"]["max_bytes_per_domain"]
+    if "max_sft_examples" in v["data"]:
+        data_cfg["max_sft_examples"] = v["data"]["max_sft_examples"]
     tok_cfg = {"vocab_size": v["tokenizer"]["vocab_size"]}
     if "min_frequency" in v["tokenizer"]:
         tok_cfg["min_frequency"] = v["tokenizer"]["min_frequency"]
@@ -578,15 +651,31 @@ def _stage_configs(
         "posttrain": {"seed": seed, **rt, "moe": moe, "train": _train_section(v["posttrain"], post_steps, batch)},
         "eval": {"seed": seed, **rt, "moe": moe, "eval": {"batches": v["eval"]["batches"], "batch_size": batch}},
     }
-    derived = {
-        "tokens_per_step": per_step,
-        "pretrain_steps": pre_steps,
-        "midtrain_steps": mid_steps,
-        "posttrain_steps": post_steps,
-        "pretrain_tokens": pre_steps * per_step,
-        "midtrain_tokens": mid_steps * per_step,
-    }
-    return configs, derived
+    derived: dict[str, Any] = {}
+    if any(s in stages for s in ("pretrain", "midtrain", "posttrain", "eval")):
+        derived = {
+            "tokens_per_step": per_step,
+            "pretrain_steps": pre_steps,
+            "midtrain_steps": mid_steps,
+            "posttrain_steps": post_steps,
+            "pretrain_tokens": pre_steps * per_step,
+            "midtrain_tokens": mid_steps * per_step,
+        }
+    if repro is not None:
+        train = _repro_train(repro["train"])
+        configs["repro"] = {
+            "seed": seed,
+            **rt,
+            "model": model_cfg,
+            # Every arm brings its own dispatch and capacities; the recipe's gate scheme is not read,
+            # so it stays out of the stage's identity.
+            "moe": {k: moe[k] for k in ("ranks", "qb", "aux_loss_coef", "z_loss_coef")},
+            "train": train,
+            "repro": copy.deepcopy(dict(repro["measure"])),
+        }
+        derived["repro_steps"] = train["steps"]
+        derived["repro_tokens"] = train["steps"] * train["batch_size"] * context
+    return {s: configs[s] for s in stages}, derived
 
 
 _PLACEHOLDER_INPUTS = {
@@ -603,9 +692,12 @@ def validate_workload_configs(resolved: ResolvedRecipe) -> None:
     except ImportError:  # the workload is optional for the orchestrator itself
         return
     label = f"{resolved.recipe.label}" + (f" replica {resolved.replica}" if resolved.replica else "")
+    # The stage that builds the model (pretrain, or repro in a drop-fraction replica) carries its shape
+    # and batch; the others are checked against them.
+    builder = next((resolved.stage_configs[s] for s in ("pretrain", "repro") if s in resolved.stage_configs), None)
     for stage, cfg in resolved.stage_configs.items():
         # The workload checks batch sizes of sections a stage does not read; give those the run's batch.
-        batch = resolved.stage_configs["pretrain"]["train"]["batch_size"]
+        batch = builder["train"]["batch_size"] if builder is not None else 1
         full = {
             "train": {"batch_size": batch},
             "eval": {"batch_size": batch},
@@ -615,11 +707,9 @@ def validate_workload_configs(resolved: ResolvedRecipe) -> None:
         try:
             parsed = wcfg.parse_config(full)
             wcfg.validate(parsed, stage)
-            if stage != "pretrain":
+            if builder is not None and "model" not in cfg and "moe" in cfg:
                 # later stages take the model from the checkpoint; check the shape once against their moe
-                wcfg.validate_model(
-                    wcfg.parse_config({"model": resolved.stage_configs["pretrain"]["model"]}).model, parsed.moe.ranks
-                )
+                wcfg.validate_model(wcfg.parse_config({"model": builder["model"]}).model, parsed.moe.ranks)
         except wcfg.WorkloadError as exc:
             raise ConfigError(f"{label}: stage {stage}: {exc}") from None
 
@@ -633,6 +723,7 @@ def identity_config(config: Mapping[str, Any]) -> dict[str, Any]:
 __all__ = [
     "RECIPES_DIR",
     "RECIPE_SCHEMA",
+    "DEFAULT_STAGES",
     "SCALE_RULES",
     "STAGES",
     "Recipe",

@@ -46,8 +46,9 @@ def deploy(
     ),
     paused_nightly: bool = typer.Option(False, "--paused-nightly", help="Register the nightly schedule paused."),
 ) -> None:
-    """Create or update the ``replica-pipeline/replica`` and ``nightly-replica/nightly`` deployments."""
-    from flows.deployments import apply_deployments, build_deployments, in_repo_root
+    """Create or update the ``replica-pipeline/replica``, ``nightly-replica/nightly`` and
+    ``nightly-replica/nightly-drops`` deployments."""
+    from flows.deployments import DEFAULT_DROPS_NIGHTLY_CRON, apply_deployments, build_deployments, in_repo_root
     from flows.deployments import nightly_cron as resolve_cron
 
     settings = load_settings()
@@ -62,7 +63,10 @@ def deploy(
     ui = url.removesuffix("/api")
     for name, deployment_id in ids.items():
         console.print(f"deployed {name}  {ui}/deployments/deployment/{deployment_id}", highlight=False)
-    console.print(f"nightly schedule: {cron} (UTC){' paused' if paused_nightly else ''}", highlight=False)
+    paused = " paused" if paused_nightly else ""
+    console.print(f"nightly schedule: {cron} (UTC){paused}", highlight=False)
+    drops_cron = resolve_cron(settings, key="nightly_drops_cron", default=DEFAULT_DROPS_NIGHTLY_CRON)
+    console.print(f"drop-fraction nightly schedule: {drops_cron} (UTC){paused}", highlight=False)
     if work_pool is None:
         console.print("runs execute where the deployments are served: keep `openlab server` running", highlight=False)
 

@@ -136,7 +136,8 @@ def run(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print every job log line.")] = False,
     json_out: JsonFlag = False,
 ) -> None:
-    """Run RECIPE's pipeline (data, tokenize, pretrain, midtrain, posttrain, eval) here, reusing what is done."""
+    """Run RECIPE's pipeline here (data, tokenize, pretrain, midtrain, posttrain, eval, or the stages its
+    replica names), reusing what is done."""
     from orchestrator.pipeline import PipelineHooks, RunOptions, run_stages, start_recipe
     from orchestrator.recipes import resolve
 
@@ -158,9 +159,7 @@ def run(
         ctx = start_recipe(resolved, options=options, hooks=hooks)
         result = run_stages(ctx)
     else:
-        from orchestrator.pipeline.dag import moe_pipeline
-
-        display = _Display(moe_pipeline().order, verbose)
+        display = _Display(list(resolved.stages), verbose)
         hooks = PipelineHooks(on_transition=display.transition, on_log=display.log, on_progress=display.advance)
         with display.progress:
             ctx = start_recipe(resolved, options=options, hooks=hooks)

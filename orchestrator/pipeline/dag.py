@@ -114,20 +114,63 @@ class Pipeline:
         return [s for s in self.order if s in hit and s != name]
 
 
-#: MoE stages whose programs log to W&B (``workloads/moe/train.py`` opens a tracker for these).
-WANDB_STAGES = frozenset({"pretrain", "midtrain", "posttrain", "eval"})
+#: MoE stages whose programs log to W&B (``workloads/moe/train.py`` and ``repro.py`` open a tracker).
+WANDB_STAGES = frozenset({"pretrain", "midtrain", "posttrain", "eval", "repro"})
+
+#: Every MoE stage in pipeline order, and the upstream stage behind each input it reads.
+#: ``repro`` (the token-dropping reproduction: one router trained while every dispatch arm is
+#: measured) reads only the token shards, so a drop-fraction replica is data -> tokenize -> repro.
+MOE_STAGE_INPUTS: dict[str, dict[str, str]] = {
+    "data": {},
+    "tokenize": {"corpus": "data"},
+    "pretrain": {"tokens": "tokenize"},
+    "midtrain": {"tokens": "tokenize", "checkpoint": "pretrain"},
+    "posttrain": {"tokens": "tokenize", "checkpoint": "midtrain"},
+    "eval": {"tokens": "tokenize", "checkpoint": "posttrain"},
+    "repro": {"tokens": "tokenize"},
+}
+
+#: The replica chain a recipe runs unless its replica names other stages.
+DEFAULT_STAGES = ("data", "tokenize", "pretrain", "midtrain", "posttrain", "eval")
+
+
+def check_stage_selection(stages: Sequence[str], where: str = "stages") -> tuple[str, ...]:
+    """``stages`` in pipeline order, after checking each is known, named once, and has its inputs.
+
+    Why here: which stage feeds which is the DAG's knowledge; a recipe that asks for ``repro``
+    without ``tokenize`` gets one line naming the missing stage before anything is recorded.
+    """
+    known = tuple(MOE_STAGE_INPUTS)
+    if not stages:
+        raise ConfigError(f"{where}: no stages given (known: {', '.join(known)})")
+    for name in stages:
+        if name not in MOE_STAGE_INPUTS:
+            raise ConfigError(f"{where}: unknown stage {name!r} (known: {', '.join(known)})")
+    if len(set(stages)) != len(stages):
+        raise ConfigError(f"{where}: a stage is named twice in {list(stages)}")
+    for name in stages:
+        for key, upstream in MOE_STAGE_INPUTS[name].items():
+            if upstream not in stages:
+                raise ConfigError(
+                    f"{where}: stage {name!r} reads {key!r} from stage {upstream!r}; add {upstream!r} to the stages"
+                )
+    return tuple(s for s in known if s in stages)
 
 
 def _moe(path: str) -> str:
     return f"workloads/moe/{path}"
 
 
-def moe_pipeline(repo_root: Path | None = None, *, image: str | None = None) -> Pipeline:
-    """The MoE replica pipeline: data -> tokenize -> pretrain -> midtrain -> posttrain -> eval.
+def moe_pipeline(
+    repo_root: Path | None = None, *, image: str | None = None, stages: Sequence[str] | None = None
+) -> Pipeline:
+    """The MoE replica pipeline: data -> tokenize -> pretrain -> midtrain -> posttrain -> eval by
+    default, or the ``stages`` a recipe's replica names (e.g. data -> tokenize -> repro).
 
     Code paths are the workload modules each stage executes; the W&B helper
     (``tracking.py``) is deliberately left out: logging does not change results.
     """
+    selected = check_stage_selection(DEFAULT_STAGES if stages is None else stages)
     root = (repo_root or REPO_ROOT).resolve()
     common = [_moe("__init__.py"), _moe("__main__.py"), _moe("config.py"), _moe("util.py")]
     # training and eval read token shards through tokenizing.py
@@ -139,6 +182,7 @@ def moe_pipeline(repo_root: Path | None = None, *, image: str | None = None) -> 
         "midtrain": [*common, *model],
         "posttrain": [*common, *model],
         "eval": [*common, *model],
+        "repro": [*common, *model, _moe("repro.py")],
     }
     torch_env = ("python_version", "pkg:torch", "pkg:numpy")
     env: dict[str, tuple[str, ...]] = {
@@ -149,29 +193,22 @@ def moe_pipeline(repo_root: Path | None = None, *, image: str | None = None) -> 
         "midtrain": torch_env,
         "posttrain": torch_env,
         "eval": torch_env,
+        "repro": torch_env,
     }
-    inputs: dict[str, dict[str, str]] = {
-        "data": {},
-        "tokenize": {"corpus": "data"},
-        "pretrain": {"tokens": "tokenize"},
-        "midtrain": {"tokens": "tokenize", "checkpoint": "pretrain"},
-        "posttrain": {"tokens": "tokenize", "checkpoint": "midtrain"},
-        "eval": {"tokens": "tokenize", "checkpoint": "posttrain"},
-    }
-    stages = []
-    for name in ("data", "tokenize", "pretrain", "midtrain", "posttrain", "eval"):
+    specs = []
+    for name in selected:
         paths = tuple(p for p in declared[name] if (root / p).exists())
-        stages.append(
+        specs.append(
             StageSpec(
                 name=name,
-                inputs=inputs[name],
+                inputs=MOE_STAGE_INPUTS[name],
                 code_paths=paths,
                 environment_fields=env[name],
                 snapshot_output=name == "data",
                 tracks_wandb=name in WANDB_STAGES,
             )
         )
-    return Pipeline(name="moe-replica", stages=tuple(stages), repo_root=root, image=image)
+    return Pipeline(name="moe-replica", stages=tuple(specs), repo_root=root, image=image)
 
 
 def default_python(backend: str, settings: Settings | None = None, *, in_image: bool = False) -> str:
@@ -191,4 +228,15 @@ def default_python(backend: str, settings: Settings | None = None, *, in_image: 
     return "python" if in_image else sys.executable
 
 
-__all__ = ["DEFAULT_VOLATILE", "REPO_ROOT", "WANDB_STAGES", "Pipeline", "StageSpec", "default_python", "moe_pipeline"]
+__all__ = [
+    "DEFAULT_STAGES",
+    "DEFAULT_VOLATILE",
+    "MOE_STAGE_INPUTS",
+    "REPO_ROOT",
+    "WANDB_STAGES",
+    "Pipeline",
+    "StageSpec",
+    "check_stage_selection",
+    "default_python",
+    "moe_pipeline",
+]

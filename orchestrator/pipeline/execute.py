@@ -1218,11 +1218,12 @@ def start_recipe(
     store: LineageStore | None = None,
     repo_root: Path | None = None,
 ) -> PipelineContext:
-    """Resolve a recipe replica and start the MoE pipeline for it (the flows layer's entry point)."""
+    """Resolve a recipe replica and start the MoE pipeline for it (the flows layer's entry point):
+    the replica's stages, by default the training chain data .. eval."""
     from orchestrator.recipes import resolve
 
     resolved = recipe if isinstance(recipe, ResolvedRecipe) else resolve(recipe, replica)
-    pipeline = moe_pipeline(repo_root)
+    pipeline = moe_pipeline(repo_root, stages=resolved.stages)
     return start_pipeline(
         pipeline, resolved.stage_configs, options=options, hooks=hooks, recipe=resolved, settings=settings, store=store
     )

@@ -193,7 +193,7 @@ def explain_recipe(
 
     resolved = recipe if isinstance(recipe, ResolvedRecipe) else resolve(recipe, replica)
     return plan(
-        moe_pipeline(repo_root),
+        moe_pipeline(repo_root, stages=resolved.stages),
         resolved.stage_configs,
         settings=settings,
         store=store,

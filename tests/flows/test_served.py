@@ -192,3 +192,34 @@ def test_cancel_through_api_stops_backend_job(served: Served, backend: str) -> N
         (run,) = store.list(PipelineRun, flow_run_id=str(flow_run_id))
         assert run.state == "CANCELLED"
         assert not store.list(Attempt, where=[Attempt.stage_run_id == stage.id, Attempt.state == "RUNNING"])
+
+
+def test_nightly_deployment_runs_the_drop_fraction_reproduction_and_judges_its_arms(served: Served) -> None:
+    """The reproduction through the flows, as the UI or a schedule starts it: the nightly deployment on
+    the `drops-tiny` replica runs data -> tokenize -> repro as tasks; the first run is the baseline and the
+    next one (all reused) passes, comparing each tracked arm's late-window median drop fraction."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
+
+    params = {"recipe": "marin-535b-a23b", "replica": "drops-tiny", "backend": "local", "git_ref": "HEAD"}
+    first = wait_flow_run(start_run("nightly-replica/nightly", params), 300)
+    assert first.state.is_completed(), f"{first.state.message}\n{served.log()[-3000:]}"
+    with get_client(sync_client=True) as client:
+        of_run = TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[first.id]))
+        tasks = client.read_task_runs(task_run_filter=of_run)
+        assert sorted(t.name.rsplit("-", 1)[0] for t in tasks) == ["data", "nightly-verdict", "repro", "tokenize"]
+    arms = {"pooled_wave_1.15_1.15", "pooled_wave_1.05_1.33", "waterfilling_cf1.05", "ragged_cf1.15"}
+    tracked = {f"repro/{arm}/late_median_drop" for arm in arms}
+    with LineageStore(served.db_url) as store:
+        (run,) = store.list(PipelineRun, flow_run_id=str(first.id))
+        assert run.state == "COMPLETED" and run.verdict["status"] == "baseline", run.verdict
+        assert {c["metric"] for c in run.verdict["checks"]} == tracked
+        assert all(c["current"] is not None for c in run.verdict["checks"])
+    again = wait_flow_run(start_run("nightly-replica/nightly", params), 180)
+    assert again.state.is_completed(), again.state.message
+    with LineageStore(served.db_url) as store:
+        (run,) = store.list(PipelineRun, flow_run_id=str(again.id))
+        assert [s.state for s in store.list(StageRun, pipeline_run_id=run.id)] == ["REUSED"] * 3
+        assert run.verdict["status"] == "passed", run.verdict
+        assert {c["metric"] for c in run.verdict["checks"]} == tracked
+        assert all(c["previous"] == c["current"] for c in run.verdict["checks"])

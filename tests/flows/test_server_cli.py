@@ -17,6 +17,7 @@ pytestmark = [pytest.mark.prefect]
 
 PIPELINE = "replica-pipeline/replica"
 NIGHTLY = "nightly-replica/nightly"
+DROPS_NIGHTLY = "nightly-replica/nightly-drops"
 
 
 def _cli(module: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -48,6 +49,13 @@ def test_deploy_registers_parameter_schema_and_nightly_cron(prefect_server: Pref
     (schedule,) = nightly.schedules
     assert schedule.schedule.cron == "30 3 * * *" and schedule.schedule.timezone == "UTC"
     assert nightly.parameter_openapi_schema["properties"]["git_ref"]["default"] == "main"
+    # the drop-fraction nightly: the same flow on the reproduction replica, on its own schedule
+    assert DROPS_NIGHTLY in done.stdout and "drop-fraction nightly schedule: 0 4 * * *" in done.stdout
+    with get_client(sync_client=True) as client:
+        drops = client.read_deployment_by_name(DROPS_NIGHTLY)
+    assert drops.parameters["replica"] == "drops" and drops.flow_id == nightly.flow_id
+    (drops_schedule,) = drops.schedules
+    assert drops_schedule.schedule.cron == "0 4 * * *" and drops_schedule.schedule.timezone == "UTC"
 
     # Registering again updates in place; the default cron is 02:00 UTC.
     again = _cli("deploy", "--api-url", prefect_server.api_url, env=env)
@@ -147,3 +155,9 @@ def test_prefect_database_and_cron_come_from_openlab_settings(tmp_path: Path) ->
     assert nightly_cron(load_settings(environ={**env, "OPENLAB_PREFECT__NIGHTLY_CRON": "15 4 * * 1"})) == "15 4 * * 1"
     with pytest.raises(ConfigError, match="invalid nightly cron"):
         nightly_cron(load_settings(environ=env), "99 99 * * *")
+    drops = {"key": "nightly_drops_cron", "default": "0 4 * * *"}
+    assert nightly_cron(load_settings(environ=env), **drops) == "0 4 * * *"
+    set_drops = {**env, "OPENLAB_PREFECT__NIGHTLY_DROPS_CRON": "30 5 * * *"}
+    assert nightly_cron(load_settings(environ=set_drops), **drops) == "30 5 * * *"
+    with pytest.raises(ConfigError, match=r"invalid nightly cron 'weekly' \(\[prefect\] nightly_drops_cron\)"):
+        nightly_cron(load_settings(environ={**env, "OPENLAB_PREFECT__NIGHTLY_DROPS_CRON": "weekly"}), **drops)

@@ -165,3 +165,65 @@ def test_explain_cli_json(tmp_path: Path) -> None:
     doc = json.loads(out.stdout)
     assert [s["stage"] for s in doc["stages"]] == ["data", "tokenize", "pretrain", "midtrain", "posttrain", "eval"]
     assert doc["stages"][0]["action"] == "run" and doc["recipe"]["replica"] == "tiny"
+
+
+# -- the drop-fraction reproduction as a replica (issue 6: runnable on its own and through the flows) ----
+
+
+def test_drops_replica_is_the_shipped_reproduction_config() -> None:
+    """`marin-535b-a23b --replica drops` resolves, stage by stage, to what `recipes/moe-repro.yaml` gives the
+    workload on its own, so the documented runs and a run through the flows measure the same experiment."""
+    from workloads.moe.config import load_config, parse_config
+
+    r = resolve("marin-535b-a23b", "drops")
+    assert r.stages == ("data", "tokenize", "repro") and list(r.stage_configs) == list(r.stages)
+    alone = load_config(RECIPES_DIR / "moe-repro.yaml")
+    read = {"data": ("seed", "data"), "tokenize": ("seed", "tokenizer"),
+            "repro": ("seed", "device", "threads", "model", "moe", "train", "repro")}
+    for stage, sections in read.items():
+        piped = parse_config({**r.stage_configs[stage], "inputs": {}})
+        for section in sections:
+            assert getattr(piped, section) == getattr(alone, section), (stage, section)
+    # the scale factors land on Marin's per-rank shape: 6 experts per rank, top-8, 4096 tokens
+    model = r.stage_configs["repro"]["model"]
+    assert model["n_experts"] // r.stage_configs["repro"]["moe"]["ranks"] == 6 and model["top_k"] == 8
+    assert r.lineage()["stages"] == ["data", "tokenize", "repro"] and r.derived["repro_steps"] == 150
+    # only the reproduction's tracked metrics apply to it; the training chain keeps its own
+    assert {m.stage for m in r.tracked_metrics} == {"repro"}
+    assert "repro/pooled_wave_1.15_1.15/late_median_drop" in {m.name for m in r.tracked_metrics}
+    assert {m.stage for m in resolve("marin-535b-a23b", "tiny").tracked_metrics} == {"eval"}
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"stages": ["data", "repro"]}, "stage 'repro' reads 'tokens' from stage 'tokenize'; add 'tokenize'"),
+        ({"stages": ["data", "tokenize", "finetune"]}, "stages[2]: expected one of data, tokenize"),
+        ({"stages": ["data", "tokenize", "tokenize"]}, "a stage is named twice"),
+        ({"stages": ["data", "tokenize", "pretrain"]}, "has a repro section but its stages do not include repro"),
+        ({"repro": None}, "stage repro needs a repro section"),
+        ({"repro": {"train": {"steps": 10}, "measure": {}}}, "repro.train.batch_sequences: missing"),
+        ({"repro": {"train": {"steps": 5, "batch_sequences": 4, "lr": 0.01},
+                    "measure": {"train_arm": "nope", "arms": []}}}, "stage repro: "),
+    ],
+)
+def test_bad_replica_stages_or_repro_section_is_one_line_before_any_job(
+    tmp_path: Path, edit: dict, message: str
+) -> None:
+    data = base()
+    replica = data["replicas"]["drops-tiny"]
+    for key, value in edit.items():
+        if value is None:
+            del replica[key]
+        else:
+            replica[key] = value
+    with pytest.raises(ConfigError) as err:
+        resolve(load_recipe(write(tmp_path, data)), "drops-tiny")
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_explain_lists_the_replicas_own_stages() -> None:
+    from orchestrator.pipeline import explain_recipe
+
+    plans = explain_recipe("marin-535b-a23b", "drops-tiny")
+    assert [p.stage for p in plans] == ["data", "tokenize", "repro"]

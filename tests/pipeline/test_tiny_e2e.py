@@ -37,3 +37,29 @@ def test_tiny_replica_runs_end_to_end_then_reuses_everything() -> None:
     assert [s["state"] for s in second["stages"]] == ["REUSED"] * 6, [
         (s["stage"], s["reason"]) for s in second["stages"]
     ]
+
+
+def test_drops_replica_runs_the_reproduction_stage_with_lineage_then_reuses() -> None:
+    """The token-dropping reproduction through the pipeline: data -> tokenize -> repro, the headline
+    late-window medians recorded on the repro stage run (what the nightly verdict compares), its W&B
+    run linked; a second run reuses all three stages."""
+    from orchestrator.lineage import LineageStore, StageRun
+    from orchestrator.settings import load_settings
+
+    first = openlab_run("--replica", "drops-tiny", "--json")
+    assert first["state"] == "COMPLETED", first["error"]
+    assert [s["stage"] for s in first["stages"]] == ["data", "tokenize", "repro"]
+    repro = first["stages"][-1]
+    headline = repro["metrics"]["repro"]
+    assert set(headline) == {"pooled_wave_1.05_1.33", "pooled_wave_1.15_1.15", "ragged_cf1.15", "waterfilling_cf1.05"}
+    assert all(0.0 <= v["late_median_drop"] <= 1.0 for v in headline.values())
+    assert repro["metrics"]["late_window"] == [9, 12] and repro["metrics"]["measure_batch_size"] == 16
+    assert first["recipe_lineage"]["stages"] == ["data", "tokenize", "repro"]
+    with LineageStore.open(load_settings()) as store:
+        srun = store.require(StageRun, repro["stage_run_id"])
+        assert srun.state == "COMPLETED" and srun.metrics["repro"] == headline
+        linked = {r.object_kind for r in store.relations(srun.id) if r.subject_id == srun.id}
+    assert {"wandb_run", "artifact"} <= linked, linked  # its W&B run and the token shards it used
+    second = openlab_run("--replica", "drops-tiny", "--json")
+    states = [(s["stage"], s["state"], s["reason"]) for s in second["stages"]]
+    assert [s[1] for s in states] == ["REUSED"] * 3, states
