@@ -94,3 +94,43 @@ def test_set_overrides_one_key_of_the_config(tmp_path: Path) -> None:
         proc = data("--out", str(tmp_path / "bad"), "--set", bad)
         assert proc.returncode == 2 and said in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
         assert not (tmp_path / "bad").exists()
+
+
+def test_extends_starts_from_another_config_and_lays_this_files_keys_on_top(tmp_path: Path) -> None:
+    """A variant file holds only its differences (`extends: base.yaml`, relative to the file): mappings
+    merge key by key, lists are replaced whole, `--set` still applies last; a missing base or a loop is a
+    one-line error before anything is written."""
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(
+        {"seed": 3, "data": {"max_bytes_per_domain": 50_000, "max_sft_examples": 20, "heldout_fraction": 0.1},
+         "repro": {"early_steps": [5, 6], "late_window": 9}}))
+    sub = tmp_path / "variants"
+    sub.mkdir()
+    (sub / "v.yaml").write_text("extends: ../base.yaml\ndata: {max_sft_examples: 7}\nrepro: {early_steps: [4]}\n")
+    from workloads.moe.config import load_config
+
+    cfg = load_config(sub / "v.yaml", ["seed=5"])
+    assert (cfg.seed, cfg.data.max_bytes_per_domain, cfg.data.max_sft_examples, cfg.data.heldout_fraction) == (
+        5, 50_000, 7, 0.1)
+    assert cfg.repro.early_steps == [4] and cfg.repro.late_window == 9
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "workloads.moe", "data", "--config", str(sub / "v.yaml"), "--out", str(tmp_path / "d")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    assert manifest["seed"] == 3 and manifest["sft"]["train"]["examples"] <= 7
+
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+    (tmp_path / "lost.yaml").write_text("extends: nowhere.yaml\n")
+    (tmp_path / "odd.yaml").write_text("extends: [base.yaml]\n")
+    for name, said in (("a.yaml", "extends loops back on itself: a.yaml -> b.yaml -> a.yaml"),
+                       ("lost.yaml", "nowhere.yaml (extended by"), ("odd.yaml", "extends: expected the path")):
+        proc = subprocess.run(
+            [sys.executable, "-m", "workloads.moe", "data", "--config", str(tmp_path / name),
+             "--out", str(tmp_path / "bad")],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )
+        assert proc.returncode == 2 and said in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+        assert not (tmp_path / "bad").exists()

@@ -51,6 +51,8 @@ falls back to a default.
       arms: [{name, dispatch, capacity_factor, transport_capacity_factor, waves, chunks, marin_drop,
               marin_early_drop, scale}]   # scale: per-arm override of scale_capacity (false = Marin's cf as is)
     wandb: {id, project, entity, group, job_type, tags, config, resume: allow}   # absent = disabled
+    extends: OTHER.yaml          # optional: start from that file (relative to this one), then merge
+                                 # this file's keys on top (mappings key by key, lists replaced whole)
 
 Why a single schema: the stages form one chain and the flows layer can write the same `model`/`moe`
 sections everywhere; the training stages fail fast if a `model` section disagrees with the checkpoint.
@@ -316,12 +318,31 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     return out
 
 
-def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
-    """Read a YAML or JSON config file (by suffix; YAML is tried for anything but .json), then apply
-    ``overrides`` (``dotted.key=VALUE``, see :func:`apply_overrides`)."""
+def merge_config(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``over`` laid on top: mappings merge key by key, anything else (a list of arms, a
+    number) is replaced whole."""
+    out = json.loads(json.dumps(base))
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_config(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def read_config_file(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The plain data of a config file, with ``extends: OTHER.yaml`` (a path relative to the file)
+    resolved: the other file first, then this one's keys on top (:func:`merge_config`).
+
+    Why: a variant of a recipe (another corpus, another P) is then its differences and nothing
+    else, so it cannot drift from the recipe it varies when that recipe changes.
+    """
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"config file not found: {p}")
+        raise ConfigError(f"config file not found: {p}" + (f" (extended by {_chain[-1]})" if _chain else ""))
+    if p.resolve() in _chain:
+        loop = " -> ".join(str(c.name) for c in (*_chain, p.resolve()))
+        raise ConfigError(f"config: extends loops back on itself: {loop}")
     text = p.read_text()
     try:
         if p.suffix == ".json":
@@ -333,7 +354,21 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
     except Exception as exc:  # parse errors become one line
         msg = str(exc).replace("\n", " ")
         raise ConfigError(f"config: cannot parse {p}: {msg}") from None
-    return parse_config(apply_overrides(data or {}, overrides))
+    data = data or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: {p}: the top level must be a mapping")
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    if not isinstance(parent, str) or not parent:
+        raise ConfigError(f"config: {p}: extends: expected the path of another config file, got {parent!r}")
+    return merge_config(read_config_file(p.parent / parent, (*_chain, p.resolve())), data)
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """Read a YAML or JSON config file (by suffix; YAML is tried for anything but .json) and the files
+    it ``extends``, then apply ``overrides`` (``dotted.key=VALUE``, see :func:`apply_overrides`)."""
+    return parse_config(apply_overrides(read_config_file(path), overrides))
 
 
 # --------------------------------------------------------------------------- validation
