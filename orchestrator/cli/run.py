@@ -136,8 +136,7 @@ def run(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print every job log line.")] = False,
     json_out: JsonFlag = False,
 ) -> None:
-    """Run RECIPE's pipeline here (data, tokenize, pretrain, midtrain, posttrain, eval, or the stages its
-    replica names), reusing what is done."""
+    """Run RECIPE's pipeline here (data .. eval, or the stages the replica names), reusing what is done."""
     from orchestrator.pipeline import PipelineHooks, RunOptions, run_stages, start_recipe
     from orchestrator.recipes import resolve
 
