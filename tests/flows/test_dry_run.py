@@ -6,12 +6,12 @@ stage executed first so there is something to reuse and something to compare aga
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from orchestrator.lineage import Attempt, LineageStore, PipelineRun, StageRun
 from orchestrator.prefect_server import PrefectServer
@@ -74,9 +74,10 @@ def test_dry_run_explains_reuse_and_changed_fields_and_launches_nothing(
 
     # 2. One recipe value changed: data would run, and the dry run names the identity field that changed.
     edited = tmp_path / "marin-535b-a23b.yaml"
-    text, n = re.subn(r"data\.max_bytes_per_domain: 200000\b", "data.max_bytes_per_domain: 150000", RECIPE.read_text())
-    assert n == 1, "the tiny replica's data.max_bytes_per_domain moved; update this test"
-    edited.write_text(text)
+    recipe = yaml.safe_load(RECIPE.read_text())
+    assert recipe["replicas"]["tiny"]["set"]["data.max_bytes_per_domain"] == 200000
+    recipe["replicas"]["tiny"]["set"]["data.max_bytes_per_domain"] = 150000
+    edited.write_text(yaml.safe_dump(recipe))
     state = replica_pipeline(recipe=str(edited), replica="tiny", dry_run=True, return_state=True)
     assert state.is_completed(), state.message
     data = state.result()["stages"][0]
