@@ -71,7 +71,8 @@ def test_custom_run_from_the_ui_completes_with_its_parameters(served: Served, tm
             _param_input(page, "recipe").fill(RECIPE_PATH)
             _param_input(page, "replica").fill("tiny")
             page.get_by_role("button", name="Submit").click()
-            page.get_by_text("scheduled to start now").first.wait_for(timeout=30_000)
+            # One CI run (2 cores) did not see the toast within 30 s; the same test passed on a rerun.
+            page.get_by_text("scheduled to start now").first.wait_for(timeout=60_000)
         except Exception:
             page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
             raise
