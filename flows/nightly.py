@@ -31,11 +31,18 @@ def nightly_verdict(pipeline_run_id: str, recipe: str, replica: str) -> dict[str
     tolerances = parse_tolerances(resolve(recipe, replica).tracked_metrics)
     with LineageStore.open() as store:
         verdict = evaluate_nightly(store, pipeline_run_id, tolerances)
-    lines = [f"**Nightly verdict: {verdict.status}**", "", verdict.message, "", "| metric | previous | now | allowed |"]
-    lines.append("|---|---|---|---|")
+    lines = [
+        f"**Nightly verdict: {verdict.status}**",
+        "",
+        verdict.message,
+        "",
+        "| metric | previous | now | allowed | s.e. of the difference |",
+        "|---|---|---|---|---|",
+    ]
     for check in verdict.checks:
         flag = " ❌" if check.regressed else ""
-        lines.append(f"| {check.metric}{flag} | {check.previous} | {check.current} | {check.allowed} |")
+        noise = "" if check.noise is None else f"{check.noise:.4g}"
+        lines.append(f"| {check.metric}{flag} | {check.previous} | {check.current} | {check.allowed} | {noise} |")
     try:
         create_markdown_artifact(key="nightly-verdict", markdown="\n".join(lines), description=verdict.message[:500])
     except Exception as exc:  # noqa: BLE001 - the verdict is in lineage either way

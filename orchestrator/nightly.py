@@ -17,6 +17,14 @@ that completed, carries a verdict (so it was a nightly) and whose verdict was no
 regression. A regressed nightly never becomes the baseline; the next run is again
 compared with the last good one, so a regression keeps failing until it is fixed or
 the tolerance is changed on purpose.
+
+Noisy metrics carry their own noise. A metric that is one draw of a noisy quantity (a
+late-window median of per-step drop fractions) moves between two runs whose training
+differs only in float rounding; a fixed tolerance is then either too tight (it fails on
+a re-draw) or too loose everywhere. Such a metric names its standard error (``stderr``,
+another metric the same stage reports) and the allowance becomes ``sigmas`` times the
+standard error of the difference, sqrt(se_prev^2 + se_now^2), never less than the fixed
+tolerance.
 """
 
 from __future__ import annotations
@@ -66,6 +74,16 @@ class Tolerance:
     worse: Direction = "either"
     #: The stage that reports the metric; without it, the first stage reporting it counts.
     stage: str | None = None
+    #: The metric holding this one's standard error (same stage); see the module docstring.
+    stderr: str | None = None
+    #: How many standard errors of the difference a change may be (with ``stderr``).
+    sigmas: float = 3.0
+
+    def lookup_stderr(self, metrics: Mapping[str, Any]) -> float | None:
+        """This metric's standard error in ``metrics``, when the tolerance names one."""
+        if self.stderr is None:
+            return None
+        return Tolerance(self.stderr, stage=self.stage).lookup(metrics)
 
     def lookup(self, metrics: Mapping[str, Any]) -> float | None:
         """This metric's value in :func:`pipeline_metrics` output (stage-qualified when a stage is named)."""
@@ -75,14 +93,19 @@ class Tolerance:
                 return found
         return _get(metrics, self.metric)
 
-    def allowance(self, previous: float) -> float:
-        """The largest change allowed; with both tolerances set, both must hold (as in recipes.TrackedMetric)."""
+    def allowance(self, previous: float, noise: float | None = None) -> float:
+        """The largest change allowed.
+
+        With both fixed tolerances set, both must hold; ``noise`` (the standard error of the
+        difference) widens the allowance to ``sigmas * noise`` where that is larger.
+        """
         bounds = []
         if self.rel is not None:
             bounds.append(self.rel * abs(previous))
         if self.abs is not None:
             bounds.append(self.abs)
-        return min(bounds) if bounds else 0.0
+        fixed = min(bounds) if bounds else 0.0
+        return fixed if noise is None else max(fixed, self.sigmas * noise)
 
     def describe(self) -> str:
         parts = []
@@ -91,6 +114,8 @@ class Tolerance:
         if self.abs is not None:
             parts.append(f"{self.abs:.4g} absolute")
         text = " and ".join(parts) or "exact"
+        if self.stderr is not None:
+            text += f", or {self.sigmas:g} standard errors of the difference ({self.stderr}) if larger"
         return text if self.worse == "either" else f"{text}, {self.worse} is worse"
 
 
@@ -139,10 +164,16 @@ def parse_tolerances(spec: Any, where: str = "tracked_metrics") -> list[Toleranc
             out.append(Tolerance(metric=str(metric), rel=_number(value, key)))
         else:
             data = value if isinstance(value, Mapping) else _attrs(value)
-            known = {"rel", "abs", "worse", "relative", "absolute", "direction", "stage", "description"}
+            known = {
+                "rel", "abs", "worse", "relative", "absolute", "direction", "stage", "description", "stderr", "sigmas"
+            }
             unknown = sorted(set(data) - known)
             if unknown:
-                raise ConfigError(f"{key}: unknown keys {unknown}; use rel, abs, worse and stage")
+                raise ConfigError(f"{key}: unknown keys {unknown}; use rel, abs, worse, stage, stderr and sigmas")
+            stderr = data.get("stderr")
+            sigmas = data.get("sigmas")
+            if sigmas is not None and stderr is None:
+                raise ConfigError(f"{key}.sigmas: needs stderr, the metric holding this one's standard error")
             stage = data.get("stage")
             rel = data.get("rel", data.get("relative"))
             absolute = data.get("abs", data.get("absolute"))
@@ -158,6 +189,8 @@ def parse_tolerances(spec: Any, where: str = "tracked_metrics") -> list[Toleranc
                     abs=None if absolute is None else _number(absolute, f"{key}.abs"),
                     worse=worse,  # type: ignore[arg-type]
                     stage=None if stage is None else str(stage),
+                    stderr=None if stderr is None else str(stderr),
+                    sigmas=3.0 if sigmas is None else _number(sigmas, f"{key}.sigmas"),
                 )
             )
     return out
@@ -183,6 +216,8 @@ class MetricCheck:
     allowed: float | None
     regressed: bool
     note: str = ""
+    #: Standard error of the difference, when the tolerance is noise-scaled and both runs report it.
+    noise: float | None = None
 
     @property
     def delta(self) -> float | None:
@@ -235,8 +270,18 @@ def _short_commit(commit: str | None) -> str:
     return f"{sha[:12]}{'+dirty' if dirty else ''}"
 
 
-def check_metric(tol: Tolerance, previous: float | None, current: float | None) -> MetricCheck:
-    """Compare one metric; a metric that vanished or became NaN is a regression."""
+def check_metric(
+    tol: Tolerance,
+    previous: float | None,
+    current: float | None,
+    previous_se: float | None = None,
+    current_se: float | None = None,
+) -> MetricCheck:
+    """Compare one metric; a metric that vanished or became NaN is a regression.
+
+    A noise-scaled tolerance whose standard error is missing from either run falls back to the
+    fixed tolerance (stricter, never looser), and the note says so.
+    """
     if current is None:
         # A nightly that cannot measure a tracked metric guards nothing: fail loudly, never pass.
         note = "no longer reported" if previous is not None else "not reported by this run"
@@ -245,7 +290,16 @@ def check_metric(tol: Tolerance, previous: float | None, current: float | None) 
         return MetricCheck(tol.metric, None, current, None, False, "not in the previous nightly; not compared")
     if not math.isfinite(current):
         return MetricCheck(tol.metric, previous, current, None, True, "not a finite number")
-    allowed = tol.allowance(previous)
+    noise = None
+    note = f"tolerance {tol.describe()}"
+    if tol.stderr is not None:
+        ses = (previous_se, current_se)
+        if all(se is not None and math.isfinite(se) for se in ses):
+            noise = math.hypot(*ses)  # type: ignore[arg-type]
+            note += f"; standard error of the difference {noise:.4g}"
+        else:
+            note += f"; {tol.stderr} not reported by both runs, so the fixed tolerance applies"
+    allowed = tol.allowance(previous, noise)
     delta = current - previous
     if tol.worse == "higher":
         regressed = delta > allowed
@@ -253,7 +307,7 @@ def check_metric(tol: Tolerance, previous: float | None, current: float | None) 
         regressed = -delta > allowed
     else:
         regressed = abs(delta) > allowed
-    return MetricCheck(tol.metric, previous, current, allowed, regressed, f"tolerance {tol.describe()}")
+    return MetricCheck(tol.metric, previous, current, allowed, regressed, note, noise)
 
 
 def compare_metrics(
@@ -267,7 +321,10 @@ def compare_metrics(
     previous_commit: str | None,
 ) -> Verdict:
     """The verdict for ``current`` against ``previous`` (pure: no lineage access)."""
-    checks = [check_metric(t, t.lookup(previous), t.lookup(current)) for t in tolerances]
+    checks = [
+        check_metric(t, t.lookup(previous), t.lookup(current), t.lookup_stderr(previous), t.lookup_stderr(current))
+        for t in tolerances
+    ]
     bad = [c for c in checks if c.regressed]
     status: Status = "regressed" if bad else "passed"
     verdict = Verdict(

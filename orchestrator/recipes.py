@@ -174,7 +174,18 @@ RECIPE_SCHEMA: dict[str, Any] = {
     ),
     "wandb": Opt({"project": str, "entity": Opt(str, nullable=True)}),
     "tracked_metrics": Opt(
-        MapOf({"stage": OneOf(STAGES), "relative": Opt(NUMBER), "absolute": Opt(NUMBER), "description": Opt(str)})
+        MapOf(
+            {
+                "stage": OneOf(STAGES),
+                "relative": Opt(NUMBER),
+                "absolute": Opt(NUMBER),
+                # A noisy metric's standard error (another metric of the same stage) and how many
+                # standard errors of the difference a change may be (orchestrator.nightly).
+                "stderr": Opt(str),
+                "sigmas": Opt(NUMBER),
+                "description": Opt(str),
+            }
+        )
     ),
     "replicas": Opt(
         MapOf(
@@ -380,15 +391,16 @@ class TrackedMetric:
     stage: str
     relative: float | None = None
     absolute: float | None = None
+    #: The metric holding this one's standard error, and the allowed change in standard errors.
+    stderr: str | None = None
+    sigmas: float | None = None
 
-    def within(self, old: float, new: float) -> bool:
-        """Whether ``new`` is within tolerance of ``old`` (both tolerances must hold when both are set)."""
-        ok = True
-        if self.relative is not None:
-            ok = ok and abs(new - old) <= self.relative * abs(old)
-        if self.absolute is not None:
-            ok = ok and abs(new - old) <= self.absolute
-        return ok
+    def within(self, old: float, new: float, old_se: float | None = None, new_se: float | None = None) -> bool:
+        """Whether ``new`` is within tolerance of ``old``, as the nightly verdict decides it."""
+        from orchestrator.nightly import check_metric, parse_tolerances  # lazily: it loads the lineage store
+
+        (tol,) = parse_tolerances([self])
+        return not check_metric(tol, old, new, old_se, new_se).regressed
 
 
 @dataclass(frozen=True)
@@ -475,6 +487,10 @@ def parse_recipe(data: Any, path: Path) -> Recipe:
     for name, metric in (data.get("tracked_metrics") or {}).items():
         if metric.get("relative") is None and metric.get("absolute") is None:
             raise ConfigError(f"{where}: tracked_metrics.{name}: give a relative or an absolute tolerance")
+        if metric.get("sigmas") is not None and metric.get("stderr") is None:
+            raise ConfigError(
+                f"{where}: tracked_metrics.{name}: sigmas needs stderr, the metric holding this one's standard error"
+            )
     for rname, replica in (data.get("replicas") or {}).items():
         for dotted, value in (replica.get("set") or {}).items():
             spec = _schema_at(dotted)
@@ -534,7 +550,14 @@ def resolve(recipe: Recipe | str | Path, replica: str | None = None, *, validate
     configs, derived = _stage_configs(values, runtime, stages, repro)
     # A metric of a stage this replica does not run cannot be compared: it is not tracked here.
     tracked = tuple(
-        TrackedMetric(name=n, stage=m["stage"], relative=m.get("relative"), absolute=m.get("absolute"))
+        TrackedMetric(
+            name=n,
+            stage=m["stage"],
+            relative=m.get("relative"),
+            absolute=m.get("absolute"),
+            stderr=m.get("stderr"),
+            sigmas=m.get("sigmas"),
+        )
         for n, m in (values.get("tracked_metrics") or {}).items()
         if m["stage"] in stages
     )

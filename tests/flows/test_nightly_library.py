@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -170,7 +171,8 @@ def test_parse_tolerances_shapes_and_errors() -> None:
     tracked = parse_tolerances(recipe.tracked_metrics)
     assert [t.metric for t in tracked] == [m.name for m in recipe.tracked_metrics] and tracked
     for tol, metric in zip(tracked, recipe.tracked_metrics, strict=True):
-        assert (tol.stage, tol.rel, tol.abs) == (metric.stage, metric.relative, metric.absolute)
+        want = (metric.stage, metric.relative, metric.absolute, metric.stderr)
+        assert (tol.stage, tol.rel, tol.abs, tol.stderr) == want
     assert Tolerance("x", rel=0.1, abs=0.01).allowance(1.0) == 0.01  # both must hold
     with pytest.raises(ConfigError, match=r"tracked_metrics.x: unknown keys \['tol'\]"):
         parse_tolerances({"x": {"tol": 1}})
@@ -178,3 +180,82 @@ def test_parse_tolerances_shapes_and_errors() -> None:
         parse_tolerances({"x": {"rel": "lots"}})
     with pytest.raises(ConfigError, match="worse"):
         parse_tolerances({"x": {"rel": 0.1, "worse": "sideways"}})
+
+
+NOISY = Tolerance(
+    "repro/pooled_wave_1.15_1.15/late_median_drop",
+    abs=0.005,
+    stage="repro",
+    stderr="repro/pooled_wave_1.15_1.15/late_median_drop_se",
+    sigmas=3,
+)
+
+
+def plant_repro_run(store: LineageStore, sha: str, median: float, se: float | None, *, minutes: int) -> PipelineRun:
+    """A finished drops-replica nightly: the repro stage's headline as the workload reports it."""
+    start = dt.datetime(2026, 1, 1, 4, tzinfo=dt.UTC) + dt.timedelta(minutes=minutes)
+    headline: dict[str, float] = {"late_median_drop": median}
+    if se is not None:
+        headline["late_median_drop_se"] = se
+    with store.transaction() as tx:
+        run = tx.add(PipelineRun(recipe="marin-535b-a23b", replica="drops", state="COMPLETED", started_at=start))
+        tx.relate("wasAssociatedWith", run, tx.ensure(Commit(id=sha, sha=sha)), role="code")
+        tx.add(
+            StageRun(
+                pipeline_run_id=run.id,
+                stage="repro",
+                identity=f"r-{sha}",
+                state="COMPLETED",
+                metrics={"repro": {"pooled_wave_1.15_1.15": headline}},
+                started_at=start,
+            )
+        )
+    return run
+
+
+def test_noisy_metric_is_judged_against_its_own_standard_error(store: LineageStore) -> None:
+    """Two 4-layer runs of the same seed whose training differed only in float rounding gave 4.82% and
+    5.35% on pooled-wave 1.15/1.15, each median with a standard error of about 0.7 points: a re-draw,
+    which a fixed ±0.5-point tolerance would fail. A move of several standard errors still fails, and
+    the message says what the allowance was made of."""
+    base = plant_repro_run(store, "a" * 40, 0.0482, 0.0072, minutes=0)
+    assert evaluate_nightly(store, base.id, [NOISY]).status == "baseline"
+    redraw = plant_repro_run(store, "b" * 40, 0.0535, 0.0075, minutes=1440)
+    verdict = evaluate_nightly(store, redraw.id, [NOISY])
+    assert verdict.status == "passed", verdict.message
+    (check,) = verdict.checks
+    assert math.isclose(check.noise, math.hypot(0.0072, 0.0075))
+    assert math.isclose(check.allowed, 3 * math.hypot(0.0072, 0.0075))
+    # The same change against the fixed tolerance alone is a failure: the reason the stderr exists.
+    assert check_metric(Tolerance(NOISY.metric, abs=0.005), 0.0482, 0.0535).regressed
+
+    broken = plant_repro_run(store, "c" * 40, 0.0982, 0.0080, minutes=2880)
+    verdict = evaluate_nightly(store, broken.id, [NOISY])
+    assert verdict.status == "regressed"
+    assert "standard error of the difference" in verdict.message and "b" * 12 in verdict.message
+
+
+def test_noisy_metric_without_its_standard_error_falls_back_to_the_fixed_tolerance() -> None:
+    """A run that does not report the standard error (an older workload) gets the stricter fixed
+    tolerance, never a looser one, and the note says why."""
+    check = check_metric(NOISY, 0.0482, 0.0535, 0.0072, None)
+    assert check.regressed and check.noise is None
+    assert "late_median_drop_se not reported by both runs" in check.note
+    assert not check_metric(NOISY, 0.0482, 0.0512, 0.0072, None).regressed  # within the 0.5-point floor
+    # A tiny standard error never narrows the allowance below the fixed floor.
+    assert check_metric(NOISY, 0.0482, 0.0512, 0.0001, 0.0001).allowed == 0.005
+
+
+def test_parse_noise_scaled_tolerances() -> None:
+    parsed = parse_tolerances({"m": {"abs": 0.005, "stderr": "m_se", "sigmas": 2.5, "stage": "repro"}})
+    assert parsed == [Tolerance("m", abs=0.005, stage="repro", stderr="m_se", sigmas=2.5)]
+    assert parse_tolerances({"m": {"abs": 0.005, "stderr": "m_se"}})[0].sigmas == 3.0
+    with pytest.raises(ConfigError, match=r"tracked_metrics.m.sigmas: needs stderr"):
+        parse_tolerances({"m": {"abs": 0.005, "sigmas": 3}})
+    with pytest.raises(ConfigError, match=r"tracked_metrics.m.sigmas"):
+        parse_tolerances({"m": {"abs": 0.005, "stderr": "m_se", "sigmas": -1}})
+    # The drops replica's tracked arms, as the recipe resolves them, are all noise-scaled.
+    from orchestrator.recipes import resolve
+
+    tracked = parse_tolerances(resolve("marin-535b-a23b", "drops", validate=False).tracked_metrics)
+    assert tracked and all(t.stderr == f"{t.metric}_se" and t.sigmas == 3 for t in tracked)

@@ -223,3 +223,5 @@ def test_nightly_deployment_runs_the_drop_fraction_reproduction_and_judges_its_a
         assert run.verdict["status"] == "passed", run.verdict
         assert {c["metric"] for c in run.verdict["checks"]} == tracked
         assert all(c["previous"] == c["current"] for c in run.verdict["checks"])
+        # each arm judged against its own noise (the run's standard error of the late-window median)
+        assert all(c["noise"] is not None for c in run.verdict["checks"]), run.verdict["checks"]

@@ -100,6 +100,11 @@ def test_small_replica_resolves_and_passes_the_workload_checks() -> None:
             "nightly",
             "tracked_metrics.eval/code/loss.stage: expected one of",
         ),
+        (
+            ("tracked_metrics", "eval/code/loss", "sigmas"),
+            3,
+            "tracked_metrics.eval/code/loss: sigmas needs stderr",
+        ),
     ],
 )
 def test_validation_errors_name_the_key_path(
@@ -191,6 +196,11 @@ def test_drops_replica_is_the_shipped_reproduction_config() -> None:
     # only the reproduction's tracked metrics apply to it; the training chain keeps its own
     assert {m.stage for m in r.tracked_metrics} == {"repro"}
     assert "repro/pooled_wave_1.15_1.15/late_median_drop" in {m.name for m in r.tracked_metrics}
+    # The reproduction's medians are noise-scaled: 3 standard errors of the difference, 0.5 points at least.
+    pw = {m.name: m for m in r.tracked_metrics}["repro/pooled_wave_1.15_1.15/late_median_drop"]
+    assert (pw.stderr, pw.sigmas) == ("repro/pooled_wave_1.15_1.15/late_median_drop_se", 3)
+    assert not pw.within(0.0482, 0.0535) and pw.within(0.0482, 0.0535, 0.0072, 0.0075)
+    assert not pw.within(0.0482, 0.0982, 0.0072, 0.0080)
     assert {m.stage for m in resolve("marin-535b-a23b", "tiny").tracked_metrics} == {"eval"}
 
 

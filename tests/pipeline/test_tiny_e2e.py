@@ -52,7 +52,7 @@ def test_drops_replica_runs_the_reproduction_stage_with_lineage_then_reuses() ->
     repro = first["stages"][-1]
     headline = repro["metrics"]["repro"]
     assert set(headline) == {"pooled_wave_1.05_1.33", "pooled_wave_1.15_1.15", "ragged_cf1.15", "waterfilling_cf1.05"}
-    assert all(0.0 <= v["late_median_drop"] <= 1.0 for v in headline.values())
+    assert all(0.0 <= v["late_median_drop"] <= 1.0 and v["late_median_drop_se"] >= 0.0 for v in headline.values())
     assert repro["metrics"]["late_window"] == [9, 12] and repro["metrics"]["measure_batch_size"] == 16
     assert first["recipe_lineage"]["stages"] == ["data", "tokenize", "repro"]
     with LineageStore.open(load_settings()) as store:
