@@ -62,9 +62,20 @@ def pick_device(name: str) -> torch.device:
 
 
 def set_threads(n: int) -> int:
-    """Use the cores this process may run on (not the host's count, which lies inside containers)."""
+    """Use the cores this process may run on (not the host's count, which lies inside containers),
+    with deterministic kernels.
+
+    Determinism is what lets a rerun confirm a result: with torch's default kernels the scatter-adds
+    of the MoE combine (and their backward) accumulate in thread-scheduling order, so two 2-thread
+    runs of one config differed from step 2, and the QB fixed-point iteration carried the difference
+    into every drop figure. Deterministic mode makes one config on one thread count repeat to the bit
+    (a different thread count still sums in another order). ``warn_only``: an op without a
+    deterministic kernel (some CUDA ones) warns instead of stopping a run.
+    """
     import torch
 
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition for repeatable GEMMs
+    torch.use_deterministic_algorithms(True, warn_only=True)
     if n <= 0:
         try:
             n = len(os.sched_getaffinity(0))
