@@ -37,31 +37,29 @@ def plant_run(
     store: LineageStore, sha: str, loss: float, drop: float, *, minutes: int, state: str = "COMPLETED"
 ) -> PipelineRun:
     """A finished nightly-shaped pipeline run with an eval and a pretrain stage and a commit."""
+    stages = {"pretrain": {"moe": {"drop_fraction": drop}}, "eval": {"eval/loss": loss}}
+    return _plant(store, sha, "tiny", stages, minutes=minutes, state=state)
+
+
+def _plant(
+    store: LineageStore, sha: str, replica: str, stages: dict[str, dict], *, minutes: int, state: str = "COMPLETED"
+) -> PipelineRun:
+    """A pipeline run at commit ``sha`` whose stages (in order, a second apart) recorded ``stages``' metrics."""
     start = dt.datetime(2026, 1, 1, 2, tzinfo=dt.UTC) + dt.timedelta(minutes=minutes)
     with store.transaction() as tx:
-        run = tx.add(PipelineRun(recipe="marin-535b-a23b", replica="tiny", state=state, started_at=start))
-        commit = tx.ensure(Commit(id=sha, sha=sha))
-        tx.relate("wasAssociatedWith", run, commit, role="code")
-        tx.add(
-            StageRun(
-                pipeline_run_id=run.id,
-                stage="pretrain",
-                identity=f"p-{sha}",
-                state="COMPLETED",
-                metrics={"moe": {"drop_fraction": drop}},
-                started_at=start,
+        run = tx.add(PipelineRun(recipe="marin-535b-a23b", replica=replica, state=state, started_at=start))
+        tx.relate("wasAssociatedWith", run, tx.ensure(Commit(id=sha, sha=sha)), role="code")
+        for i, (stage, metrics) in enumerate(stages.items()):
+            tx.add(
+                StageRun(
+                    pipeline_run_id=run.id,
+                    stage=stage,
+                    identity=f"{stage[0]}-{sha}",
+                    state="COMPLETED",
+                    metrics=metrics,
+                    started_at=start + dt.timedelta(seconds=i),
+                )
             )
-        )
-        tx.add(
-            StageRun(
-                pipeline_run_id=run.id,
-                stage="eval",
-                identity=f"e-{sha}",
-                state="COMPLETED",
-                metrics={"eval/loss": loss},
-                started_at=start + dt.timedelta(seconds=1),
-            )
-        )
     return run
 
 
@@ -193,24 +191,10 @@ NOISY = Tolerance(
 
 def plant_repro_run(store: LineageStore, sha: str, median: float, se: float | None, *, minutes: int) -> PipelineRun:
     """A finished drops-replica nightly: the repro stage's headline as the workload reports it."""
-    start = dt.datetime(2026, 1, 1, 4, tzinfo=dt.UTC) + dt.timedelta(minutes=minutes)
     headline: dict[str, float] = {"late_median_drop": median}
     if se is not None:
         headline["late_median_drop_se"] = se
-    with store.transaction() as tx:
-        run = tx.add(PipelineRun(recipe="marin-535b-a23b", replica="drops", state="COMPLETED", started_at=start))
-        tx.relate("wasAssociatedWith", run, tx.ensure(Commit(id=sha, sha=sha)), role="code")
-        tx.add(
-            StageRun(
-                pipeline_run_id=run.id,
-                stage="repro",
-                identity=f"r-{sha}",
-                state="COMPLETED",
-                metrics={"repro": {"pooled_wave_1.15_1.15": headline}},
-                started_at=start,
-            )
-        )
-    return run
+    return _plant(store, sha, "drops", {"repro": {"repro": {"pooled_wave_1.15_1.15": headline}}}, minutes=minutes)
 
 
 def test_noisy_metric_is_judged_against_its_own_standard_error(store: LineageStore) -> None:
