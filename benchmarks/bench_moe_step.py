@@ -36,9 +36,9 @@ def _setup(name: str, threads: int):  # noqa: ANN202 - returns a closure over to
     from workloads.moe.dispatch import DispatchSpec
     from workloads.moe.metrics import summarize
     from workloads.moe.model import MoELM, RoutingRuntime, count_params
-    from workloads.moe.util import set_threads
+    from workloads.moe.util import setup_torch
 
-    set_threads(threads)  # as the stages run: this many threads, deterministic kernels
+    setup_torch(threads)  # as the stages run: this many threads, deterministic kernels
     torch.manual_seed(0)
     cfg = ModelConfig(**MODEL)
     model = MoELM(cfg, dense=name == "dense")

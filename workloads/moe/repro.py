@@ -47,7 +47,7 @@ from .train import (
     step_rng,
     truncate_jsonl,
 )
-from .util import atomic_write_text, pick_device, set_threads
+from .util import atomic_write_text, pick_device, setup_torch
 
 # Marin's mean demand per capacity unit (marin-moe.md, section 4): EP 64, T = 65,536, K = 8.
 MARIN_MU = {
@@ -177,7 +177,7 @@ def check_measure_data(data: Any, mixture: dict[str, float], n: int, context: in
 
 
 def run_repro(cfg: Config, out: Path) -> dict[str, Any]:
-    set_threads(cfg.threads)
+    setup_torch(cfg.threads)
     data, mc, _, lineage = prepare(cfg, "repro")
     mixture = mixture_of(cfg, data)
     data.check(mixture, mc.context, "train")

@@ -31,7 +31,7 @@ from .metrics import summarize
 from .model import MoELM, RoutingRuntime, count_params
 from .tokenizing import load_manifest, open_shard
 from .tracking import open_tracker
-from .util import atomic_torch_save, atomic_write_text, pick_device, set_threads
+from .util import atomic_torch_save, atomic_write_text, pick_device, setup_torch
 
 CKPT = "checkpoint/state.pt"
 
@@ -264,7 +264,7 @@ def mixture_of(cfg: Config, data: TokenData) -> dict[str, float]:
 
 
 def run_train(cfg: Config, out: Path, stage: str) -> dict[str, Any]:
-    set_threads(cfg.threads)
+    setup_torch(cfg.threads)
     data, mc, init_state, lineage = prepare(cfg, stage)
     sft = stage == "posttrain"
     mixture = mixture_of(cfg, data)
@@ -395,7 +395,7 @@ def heldout_metrics(
 
 
 def run_eval(cfg: Config, out: Path) -> dict[str, Any]:
-    set_threads(cfg.threads)
+    setup_torch(cfg.threads)
     data, mc, state, lineage = prepare(cfg, "eval")
     for d in data.domains:
         data.check({d: 1.0}, mc.context, "heldout")

@@ -61,7 +61,7 @@ def pick_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
-def set_threads(n: int) -> int:
+def setup_torch(n: int) -> int:
     """Use the cores this process may run on (not the host's count, which lies inside containers),
     with deterministic kernels.
 
