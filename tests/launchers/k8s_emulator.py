@@ -437,8 +437,11 @@ class EmulatedCluster:
         def create() -> None:
             self.km.objects[(PODS, ns, pod)] = pod_obj
 
-        self.on_loop(create)
+        # The log endpoint first: a pod the launcher can see must already have its log, as with a
+        # kubelet. The other order left a window (wide on a loaded machine) in which GET .../log
+        # fell through to kmock's pod handler and the launcher read the Pod's JSON as log text.
         self._serve_log(ns, pod, log)
+        self.on_loop(create)
         self._patch(JOBS, ns, name, {"active": 1, "ready": 1, "startTime": run.started})
 
     def _watch(self, key: tuple[str, str], job: dict[str, Any]) -> None:
