@@ -264,9 +264,11 @@ def export_cmd(
     """Export lineage as W3C PROV-JSON, OpenLineage RunEvents or a Workflow Run RO-Crate, secrets masked."""
     from pathlib import Path
 
-    from orchestrator.lineage.export import export
+    from orchestrator.lineage.export import FORMATS, export
     from orchestrator.snapshots import atomic_write
 
+    if fmt not in (*FORMATS, "ro-crate"):
+        raise ConfigError(f"unknown export format {fmt!r}; choose one of: {', '.join(FORMATS)}, ro-crate")
     if fmt == "ro-crate":
         from orchestrator.lineage.rocrate import write_rocrate
 

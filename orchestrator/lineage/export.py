@@ -42,7 +42,9 @@ from orchestrator.lineage.models import (
 from orchestrator.lineage.store import LineageStore, record_payload
 from orchestrator.secrets import redact_value, scrub, secret_values
 
-FORMATS = ("prov", "openlineage", "ro-crate")
+#: Formats :func:`export` writes as text. An RO-Crate is a directory, written by
+#: :func:`orchestrator.lineage.rocrate.write_rocrate`.
+FORMATS = ("prov", "openlineage")
 
 #: The PROV namespace every openlab id lives in. A URN, so it resolves nowhere and claims no domain.
 OPENLAB_NS = "urn:openlab:"
@@ -439,8 +441,6 @@ def export(store: LineageStore, fmt: str, pipeline_run_ids: Iterable[str] = (), 
     """The export as text: one PROV-JSON document, or OpenLineage events as JSON lines."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown export format {fmt!r}; choose one of: {', '.join(FORMATS)}")
-    if fmt == "ro-crate":
-        raise ExportError("an RO-Crate is a directory: write it with --output DIR (orchestrator.lineage.rocrate)")
     closure = collect(store, list(pipeline_run_ids))
     if fmt == "prov":
         return json.dumps(to_prov(closure), indent=2, sort_keys=True, default=str) + "\n"

@@ -166,6 +166,7 @@ def test_cli_export_writes_file_and_rejects_bad_input(recorded: dict[str, str], 
     done = run_cli("lineage", "export", "--format", "rdf")
     assert done.returncode == 2
     assert "unknown export format 'rdf'" in done.stderr and "Traceback" not in done.stderr
+    assert "prov, openlineage, ro-crate" in done.stderr  # every format the command writes is offered
 
     with _store() as store:
         stage_id = store.list(StageRun, pipeline_run_id=recorded["first"])[0].id
