@@ -13,7 +13,8 @@ Every backend (``local``, ``docker``, ``slurm``, ``kubernetes``) implements
   job ends); :meth:`Launcher.cancel` ends the job and everything it started;
   :meth:`Launcher.wait` polls until a terminal state or raises :class:`JobTimeout`;
   between polls it calls :meth:`Launcher.pause`, which a backend that can see a job end
-  (local: a pidfd on the supervisor) overrides to wake at once.
+  (local: a pidfd on the supervisor; docker: the engine's wait endpoint) overrides to wake
+  at once. ``[backends.<name>] poll_interval`` sets the longest gap between two looks.
 - :meth:`Launcher.check` says whether the backend is reachable and, if not, why.
 
 :func:`get_launcher` builds a launcher by name from settings
@@ -39,7 +40,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.errors import OpenlabError
+from orchestrator.errors import ConfigError, OpenlabError
 from orchestrator.secrets import SECRET_NAME, redact_mapping, secret_values
 
 if TYPE_CHECKING:
@@ -192,6 +193,16 @@ class Launcher(ABC):
 
         self.settings = settings or load_settings()
         self.config: dict[str, Any] = dict(config or {})
+        if "poll_interval" in self.config:  # ``[backends.NAME] poll_interval = 5``: gentler on a busy controller
+            try:
+                self.poll_interval = float(self.config["poll_interval"])
+            except (TypeError, ValueError):
+                self.poll_interval = -1.0
+            if not self.poll_interval > 0:
+                raise ConfigError(
+                    f"[backends.{self.name}] poll_interval must be a positive number of seconds, "
+                    f"got {self.config['poll_interval']!r}"
+                )
 
     def image_name(self, spec: JobSpec) -> str | None:
         """The image reference a job of ``spec`` runs in (None where jobs run on the host)."""

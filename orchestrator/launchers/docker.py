@@ -82,12 +82,14 @@ class DockerLauncher(Launcher):
     """Runs jobs as Docker containers (see the module docstring)."""
 
     name = "docker"
-    poll_interval = 0.2
+    #: Seconds between status looks while a job runs; :meth:`pause` wakes as soon as it ends.
+    poll_interval = 2.0
 
     def __init__(self, settings: Any = None, config: Any = None) -> None:
         super().__init__(settings, config)
         self._client: Any = None
         self._engine_host: str | None = None
+        self._waited: set[str] = set()  # containers whose end the engine already reported to pause()
         self.state_dir = self.settings.home / "jobs" / "docker"
 
     # -- connection ---------------------------------------------------------------
@@ -321,6 +323,36 @@ class DockerLauncher(Launcher):
                 )
             return JobStatus(JobState.LOST, reason=f"container {handle.job_id} no longer exists")
         return self._status_of(container, handle.job_id)
+
+    def pause(self, handle: JobHandle, seconds: float) -> None:
+        """Wait up to ``seconds`` on the engine's ``wait`` endpoint, which answers when the container stops.
+
+        So a waiter sees a job end as the engine does, and :attr:`poll_interval` can be long
+        without delaying anyone: a long job costs one status look every few seconds instead of
+        several engine calls per 0.2 s. Once the engine has answered for a container, later
+        pauses for it just sleep: a container that is "not running" without having ended
+        (created, never started) would otherwise make its poller spin.
+        """
+        if seconds <= 0:
+            return
+        if handle.job_id in self._waited:
+            time.sleep(seconds)
+            return
+        import requests
+
+        errors = self._errors()
+        try:
+            self.client.api.wait(handle.job_id, timeout=seconds, condition="not-running")
+        except errors.NotFound:
+            self._waited.add(handle.job_id)  # gone: the next look reads the saved final status
+        except errors.DockerException:
+            time.sleep(seconds)  # the engine refused the wait
+        except requests.exceptions.Timeout:
+            pass  # still running after ``seconds``
+        except requests.exceptions.RequestException:
+            time.sleep(seconds)  # the engine is unreachable: sleep, so a poller does not spin
+        else:
+            self._waited.add(handle.job_id)
 
     def logs(self, handle: JobHandle, *, follow: bool = False, tail: int | None = None) -> Iterator[str]:
         container = self._get(handle.job_id)
