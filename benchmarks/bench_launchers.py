@@ -12,6 +12,13 @@ For each reachable backend, in one run, side by side, median of ``--reps`` runs:
   polling ``squeue`` until RUNNING. Launcher: ``submit()`` + polling ``status()``.
 
 Both sides poll the same way: after 10, 20, 40 ... ms, then every ``--poll`` seconds.
+
+- **watching a job** (``--watch`` s, default 10, a ``sleep`` job): what waiting out a running
+  job costs and how late its end is seen, the launcher at its own cadence (``poll=None``,
+  what pipelines use) against the tool's own blocking wait: ``subprocess.run``;
+  ``docker run -d`` + ``docker wait``; ``sbatch --wait``. Reported: wall time past the
+  job's length, status looks, and CPU seconds of this process and its children (scontrol,
+  the docker CLI). Engine and controller CPU is not in it; the looks are its proxy.
 Kubernetes is left out: no real API server runs on these machines, and against the test
 emulator there is no raw tool to compare.
 
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -118,6 +126,52 @@ def raw_slurm_s2r(poll: float) -> float:
         backoff.sleep()
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and its reaped children so far."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def watched(fn: Callable[[], int]) -> tuple[float, int, float]:
+    """(wall s, status looks, CPU s) of ``fn``, which waits out one job and returns its looks."""
+    cpu, start = cpu_seconds(), time.perf_counter()
+    looks = fn()
+    return time.perf_counter() - start, looks, cpu_seconds() - cpu
+
+
+def raw_watch(name: str, image: str | None, seconds: float) -> int:
+    job = f"sleep {seconds:g}"
+    if name == "local":
+        subprocess.run(job.split(), check=True)
+    elif name == "docker":
+        cid = subprocess.run(["docker", "run", "-d", "--network", "none", str(image), *job.split()],
+                             check=True, capture_output=True, text=True).stdout.strip()
+        subprocess.run(["docker", "wait", cid], check=True, capture_output=True)
+        subprocess.run(["docker", "rm", cid], check=True, capture_output=True)
+    else:
+        slurm_settle()
+        subprocess.run(["sbatch", "--wait", "--output=/dev/null", "--wrap", job], check=True, capture_output=True)
+    return 1
+
+
+def launcher_watch(store: LineageStore, name: str, image: str | None, seconds: float) -> int:
+    launcher = get_launcher(name, image=image) if image else get_launcher(name)
+    if name == "slurm":
+        slurm_settle()
+    looks = 0
+    status = launcher.status
+
+    def counted(handle: object) -> object:
+        nonlocal looks
+        looks += 1
+        return status(handle)  # type: ignore[arg-type]
+
+    launcher.status = counted  # type: ignore[method-assign]
+    _, final = run_job(store, launcher, JobSpec(name="bench", command=["sleep", f"{seconds:g}"], image=image))
+    assert final.state is JobState.SUCCEEDED, final
+    return looks
+
+
 # -- launchers -------------------------------------------------------------------------------------------
 
 
@@ -166,12 +220,14 @@ def main() -> None:
     parser.add_argument("--backends", default="local,docker,slurm")
     parser.add_argument("--image", default=os.environ.get("OPENLAB_TEST_IMAGE", "openlab/python-base:bookworm"))
     parser.add_argument("--poll", type=float, default=0.1, help="status poll interval, both sides")
+    parser.add_argument("--watch", type=float, default=10.0, help="length of the watched job, s (0: skip)")
+    parser.add_argument("--watch-reps", type=int, default=3)
     args = parser.parse_args()
 
     home = Path(tempfile.mkdtemp(prefix="openlab-bench-"))
     os.environ["OPENLAB_HOME"] = str(home)
     os.environ.pop("OPENLAB_DB_URL", None)
-    rows = []
+    rows, watch_rows = [], []
     with LineageStore(f"sqlite:///{home / 'lineage.db'}") as store:
         for name in args.backends.split(","):
             image = args.image if name == "docker" else None
@@ -200,6 +256,20 @@ def main() -> None:
                 f"| {name} | {tool} | {rt:.3f} | {lt:.3f} | {lt / rt:.2f}x (+{(lt - rt) * 1000:.0f} ms) "
                 f"| {rs:.3f} | {ls:.3f} | {ls / rs:.2f}x (+{(ls - rs) * 1000:.0f} ms) |"
             )
+            if args.watch > 0:
+                raw = [watched(lambda: raw_watch(name, image, args.watch)) for _ in range(args.watch_reps)]  # noqa: B023
+                ours = [
+                    watched(lambda: launcher_watch(store, name, image, args.watch))  # noqa: B023
+                    for _ in range(args.watch_reps)
+                ]
+                wait_tool = {"local": "subprocess.run", "docker": "docker wait", "slurm": "sbatch --wait"}[name]
+                (rw, _, rc), (lw, looks, lc) = (
+                    [statistics.median(x[i] for x in sample) for i in range(3)] for sample in (raw, ours)
+                )
+                watch_rows.append(
+                    f"| {name} | {wait_tool} | +{rw - args.watch:.2f} | +{lw - args.watch:.2f} | {looks:.0f} "
+                    f"| {rc:.2f} | {lc:.2f} | {lc / rc:.2f}x |"
+                )
     print(f"median of {args.reps} runs, poll {args.poll}s, times in seconds\n")
     print(
         "| backend | raw tool | raw total | launcher total | ratio "
@@ -207,6 +277,14 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
+    if watch_rows:
+        print(f"\nwatching a {args.watch:g} s job, median of {args.watch_reps}; launcher at its own cadence\n")
+        print(
+            "| backend | raw wait | raw late (s) | launcher late (s) | launcher looks "
+            "| raw CPU (s) | launcher CPU (s) | CPU ratio |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        print("\n".join(watch_rows))
 
 
 if __name__ == "__main__":
