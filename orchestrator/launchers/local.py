@@ -182,7 +182,9 @@ class LocalLauncher(Launcher):
     """Runs jobs as local processes (see the module docstring)."""
 
     name = "local"
-    poll_interval = 0.1
+    #: Longest gap between status looks; :meth:`pause` wakes on the job's end (a pidfd), so this
+    #: bounds only how soon a cancel request is acted on, and the lateness where pidfds are missing.
+    poll_interval = 0.5
 
     def __init__(self, settings: Any = None, config: Any = None) -> None:
         super().__init__(settings, config)
