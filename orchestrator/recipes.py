@@ -32,6 +32,7 @@ import yaml
 
 from orchestrator.errors import ConfigError
 from orchestrator.hashing import hash_json
+from orchestrator.tolerances import check_metric, parse_tolerances
 
 #: Where recipe names (``marin-535b-a23b``) are looked up: ``recipes/`` at the repo root.
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -397,8 +398,6 @@ class TrackedMetric:
 
     def within(self, old: float, new: float, old_se: float | None = None, new_se: float | None = None) -> bool:
         """Whether ``new`` is within tolerance of ``old``, as the nightly verdict decides it."""
-        from orchestrator.nightly import check_metric, parse_tolerances  # lazily: it loads the lineage store
-
         (tol,) = parse_tolerances([self])
         return not check_metric(tol, old, new, old_se, new_se).regressed
 
@@ -484,13 +483,7 @@ def parse_recipe(data: Any, path: Path) -> Recipe:
     total = data["tokens"]["pretrain_fraction"] + data["tokens"]["midtrain_fraction"]
     if abs(total - 1.0) > 1e-9:
         raise ConfigError(f"{where}: tokens: pretrain_fraction + midtrain_fraction must be 1, got {total:g}")
-    for name, metric in (data.get("tracked_metrics") or {}).items():
-        if metric.get("relative") is None and metric.get("absolute") is None:
-            raise ConfigError(f"{where}: tracked_metrics.{name}: give a relative or an absolute tolerance")
-        if metric.get("sigmas") is not None and metric.get("stderr") is None:
-            raise ConfigError(
-                f"{where}: tracked_metrics.{name}: sigmas needs stderr, the metric holding this one's standard error"
-            )
+    parse_tolerances(data.get("tracked_metrics") or {}, f"{where}: tracked_metrics")  # the verdict's own rules
     for rname, replica in (data.get("replicas") or {}).items():
         for dotted, value in (replica.get("set") or {}).items():
             spec = _schema_at(dotted)

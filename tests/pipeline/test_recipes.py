@@ -103,7 +103,7 @@ def test_small_replica_resolves_and_passes_the_workload_checks() -> None:
         (
             ("tracked_metrics", "eval/code/loss", "sigmas"),
             3,
-            "tracked_metrics.eval/code/loss: sigmas needs stderr",
+            "recipe r.yaml: tracked_metrics.eval/code/loss.sigmas: needs stderr",
         ),
     ],
 )
@@ -118,6 +118,17 @@ def test_validation_errors_name_the_key_path(
     with pytest.raises(ConfigError) as err:
         load_recipe(write(tmp_path, data))
     assert message in str(err.value)
+
+
+def test_a_tracked_metric_without_a_tolerance_is_refused_by_the_verdicts_rule(tmp_path: Path) -> None:
+    """Recipe loading applies the nightly verdict's own tolerance rules, so the two cannot disagree."""
+    data = base()
+    del data["tracked_metrics"]["eval/code/loss"]["relative"]
+    with pytest.raises(ConfigError) as err:
+        load_recipe(write(tmp_path, data))
+    assert str(err.value) == (
+        "recipe r.yaml: tracked_metrics.eval/code/loss: give a tolerance: rel (relative) and/or abs (absolute)"
+    )
 
 
 def test_missing_key_and_bad_split_and_unknown_replica(tmp_path: Path) -> None:
