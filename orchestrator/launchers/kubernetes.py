@@ -528,12 +528,16 @@ class KubernetesLauncher(Launcher):
             ),
             not_found=lambda: None,
         )
-        deadline = time.monotonic() + float(self.config.get("cancel_timeout", 30))
+        timeout = float(self.config.get("cancel_timeout", 30))
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.pods(handle.job_id):
                 return
             time.sleep(0.2)
-        raise LauncherError(f"pods of {handle.job_id} still exist 30s after the Job was deleted")
+        raise LauncherError(
+            f"pods of {handle.job_id} still exist {timeout:g}s after the Job was deleted "
+            "([backends.kubernetes] cancel_timeout)"
+        )
 
     def _save_logs(self, handle: JobHandle) -> None:
         if not handle.log_path:
