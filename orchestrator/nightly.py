@@ -36,8 +36,7 @@ from orchestrator.lineage.store import LineageStore
 from orchestrator.tolerances import (
     MetricCheck,
     Tolerance,
-    _fmt,
-    _get,
+    as_number,
     check_metric,
     parse_tolerances,
 )
@@ -89,6 +88,10 @@ class Verdict:
         checks = [MetricCheck(**c) for c in data.get("checks", [])]
         fields = {k: data.get(k) for k in ("status", "pipeline_run_id", "commit", "previous_run_id", "previous_commit")}
         return cls(**fields, checks=checks, message=data.get("message", ""), decided_at=data.get("decided_at", ""))
+
+
+def _fmt(value: float | None) -> str:
+    return "missing" if value is None else f"{value:.6g}"
 
 
 def _short_commit(commit: str | None) -> str:
@@ -166,7 +169,7 @@ def pipeline_metrics(store: LineageStore, pipeline_run_id: str) -> dict[str, flo
                 break
             source, metrics = found, dict(found.metrics or {})
         for name, value in _flatten_metrics(metrics).items():
-            number = _get({"v": value}, "v")
+            number = as_number(value)
             if number is None:
                 continue
             out.setdefault(name, number)

@@ -55,12 +55,15 @@ class Tolerance:
         return Tolerance(self.stderr, stage=self.stage).lookup(metrics)
 
     def lookup(self, metrics: Mapping[str, Any]) -> float | None:
-        """This metric's value in :func:`pipeline_metrics` output (stage-qualified when a stage is named)."""
+        """This metric's value in :func:`orchestrator.nightly.pipeline_metrics` output.
+
+        Stage-qualified (``stage/metric``) when a stage is named, else the first stage reporting it.
+        """
         if self.stage is not None:
-            found = _get(metrics, f"{self.stage}/{self.metric}")
+            found = as_number(metrics.get(f"{self.stage}/{self.metric}"))
             if found is not None:
                 return found
-        return _get(metrics, self.metric)
+        return as_number(metrics.get(self.metric))
 
     def allowance(self, previous: float, noise: float | None = None) -> float:
         """The largest change allowed.
@@ -195,10 +198,6 @@ class MetricCheck:
         return self.current - self.previous
 
 
-def _fmt(value: float | None) -> str:
-    return "missing" if value is None else f"{value:.6g}"
-
-
 def check_metric(
     tol: Tolerance,
     previous: float | None,
@@ -239,8 +238,8 @@ def check_metric(
     return MetricCheck(tol.metric, previous, current, allowed, regressed, note, noise)
 
 
-def _get(metrics: Mapping[str, Any], name: str) -> float | None:
-    value = metrics.get(name)
+def as_number(value: Any) -> float | None:
+    """A metric value as a float; None for what is not a number (missing, a bool, a string, a table)."""
     if value is None or isinstance(value, bool):
         return None
     try:
@@ -249,4 +248,4 @@ def _get(metrics: Mapping[str, Any], name: str) -> float | None:
         return None
 
 
-__all__ = ["Direction", "MetricCheck", "Tolerance", "check_metric", "parse_tolerances"]
+__all__ = ["Direction", "MetricCheck", "Tolerance", "as_number", "check_metric", "parse_tolerances"]

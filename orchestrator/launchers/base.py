@@ -30,6 +30,7 @@ laptop, a Slurm cluster or Kubernetes with the same provenance.
 from __future__ import annotations
 
 import datetime as dt
+import math
 import os
 import re
 import time
@@ -194,15 +195,16 @@ class Launcher(ABC):
         self.settings = settings or load_settings()
         self.config: dict[str, Any] = dict(config or {})
         if "poll_interval" in self.config:  # ``[backends.NAME] poll_interval = 5``: gentler on a busy controller
+            raw = self.config["poll_interval"]
             try:
-                self.poll_interval = float(self.config["poll_interval"])
+                value = float(raw)
             except (TypeError, ValueError):
-                self.poll_interval = -1.0
-            if not self.poll_interval > 0:
+                value = math.nan
+            if not value > 0:
                 raise ConfigError(
-                    f"[backends.{self.name}] poll_interval must be a positive number of seconds, "
-                    f"got {self.config['poll_interval']!r}"
+                    f"[backends.{self.name}] poll_interval must be a positive number of seconds, got {raw!r}"
                 )
+            self.poll_interval = value
 
     def image_name(self, spec: JobSpec) -> str | None:
         """The image reference a job of ``spec`` runs in (None where jobs run on the host)."""
