@@ -108,10 +108,11 @@ class RunOptions:
     wait_poll: float = 1.0
     wait_timeout: float | None = None
     job_timeout: float | None = None
-    #: Longest gap between job status looks (None: the launcher's ``poll_interval``). Looks
-    #: start 10 ms apart and double, and local and Docker jobs wake their waiter when they end,
-    #: so a small value here only adds load: at 0.05 a Slurm stage ran ``scontrol`` 16 times a second.
-    poll: float | None = None
+    #: Longest gap between job status looks (None: the launcher's ``poll_interval``). Kept short
+    #: because ``run_job`` checks for a cancel request once per look: at Docker's 2 s a stage
+    #: finished after its flow run was cancelled (one CI failure). The cost is load: a Slurm stage
+    #: runs ``scontrol`` ~16 times a second. Checking cancels between looks would lift this.
+    poll: float | None = 0.05
     #: Re-read every output byte when checking reuse (default: trust the snapshot stat cache).
     deep_verify: bool = False
     launcher_overrides: dict[str, Any] = field(default_factory=dict)
