@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 
 #: How long to keep draining logs after the job ended before recording the end anyway.
 LOG_DRAIN_TIMEOUT = 10.0
+#: Longest a cancel request waits to be acted on while :func:`run_job` waits between status looks.
+CANCEL_CHECK_SECONDS = 0.25
 
 
 def lineage_state(state: JobState) -> str:
@@ -192,6 +195,27 @@ class _LogPump(threading.Thread):
             self.error = exc
 
 
+def _pause(
+    launcher: Launcher, handle: JobHandle, seconds: float, should_cancel: Callable[[], bool] | None
+) -> None:
+    """``launcher.pause`` for up to ``seconds``, in slices of :data:`CANCEL_CHECK_SECONDS` with a
+    cancel check between them; returns as soon as a cancel is requested or a slice ends early.
+
+    A slice that ends before its time means the backend saw the job end (the local pidfd, the
+    Docker engine's wait), so the caller should look now rather than finish the interval.
+    """
+    if should_cancel is None:
+        launcher.pause(handle, seconds)
+        return
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        piece = min(CANCEL_CHECK_SECONDS, left)
+        began = time.monotonic()
+        launcher.pause(handle, piece)
+        if time.monotonic() - began < 0.9 * piece or should_cancel():
+            return
+
+
 def run_job(
     store: LineageStore,
     launcher: Launcher,
@@ -208,16 +232,17 @@ def run_job(
     Lines passed to ``on_log`` have secret values (from the spec's and this process's
     secret-named variables) replaced by ``***``.
 
-    ``should_cancel`` is polled with the status; when it returns True the job is cancelled
-    and the attempt recorded CANCELLED. After ``timeout`` seconds the job is cancelled and
+    Status looks come at the launcher's cadence (``poll``, else its ``poll_interval``);
+    ``should_cancel`` is asked between them at least every :data:`CANCEL_CHECK_SECONDS`, so a
+    backend polled gently (Docker every 2 s, a busy Slurm controller every 30 s) still stops
+    a cancelled job at once. When it returns True the job is cancelled and the attempt
+    recorded CANCELLED. After ``timeout`` seconds the job is cancelled and
     :class:`JobTimeout` raised. On any exception the job is cancelled and the attempt
     recorded with the reason, then the exception re-raised: CANCELLED for a timeout and for
     a stop from outside (Ctrl-C, SystemExit, Prefect's TerminationSignal, asyncio
     cancellation: see :func:`interruption_reason`), FAILED for anything else. The finished
     job's leftovers (container, Job object) are cleaned up once its logs are read.
     """
-    import time
-
     attempt, handle = submit_attempt(store, launcher, spec, stage_run_id=stage_run_id)
     pump = _LogPump(launcher, handle, on_log, spec.secret_values()) if on_log is not None else None
     backoff = Backoff(launcher.poll_interval if poll is None else poll)
@@ -235,10 +260,11 @@ def run_job(
             if should_cancel is not None and not cancelled_by_caller and should_cancel():
                 cancelled_by_caller = True
                 launcher.cancel(handle)
+                backoff.reset()  # the end is expected now: look again soon, not a whole interval later
             if deadline is not None and time.monotonic() >= deadline:
                 raise JobTimeout(f"{launcher.name} job {handle.job_id} did not finish within {timeout:g}s")
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            launcher.pause(handle, backoff.next_delay(left))  # the local launcher wakes when the job ends
+            _pause(launcher, handle, backoff.next_delay(left), None if cancelled_by_caller else should_cancel)
         if pump is not None:
             pump.join(LOG_DRAIN_TIMEOUT)
             if pump.error is not None:

@@ -108,11 +108,10 @@ class RunOptions:
     wait_poll: float = 1.0
     wait_timeout: float | None = None
     job_timeout: float | None = None
-    #: Longest gap between job status looks (None: the launcher's ``poll_interval``). Kept short
-    #: because ``run_job`` checks for a cancel request once per look: at Docker's 2 s a stage
-    #: finished after its flow run was cancelled (one CI failure). The cost is load: a Slurm stage
-    #: runs ``scontrol`` ~16 times a second. Checking cancels between looks would lift this.
-    poll: float | None = 0.05
+    #: Longest gap between job status looks (None: the launcher's ``poll_interval``, which
+    #: ``[backends.<name>] poll_interval`` sets). Cancel requests do not wait for a look:
+    #: ``run_job`` checks them every quarter second in between.
+    poll: float | None = None
     #: Re-read every output byte when checking reuse (default: trust the snapshot stat cache).
     deep_verify: bool = False
     launcher_overrides: dict[str, Any] = field(default_factory=dict)

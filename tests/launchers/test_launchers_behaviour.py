@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from orchestrator.launchers import JobSpec, JobState
+from orchestrator.launchers import JobHandle, JobSpec, JobState, JobStatus
 from orchestrator.launchers.attempts import handle_from_attempt, run_job
 from orchestrator.lineage.models import Attempt, StageRun
 from orchestrator.lineage.store import LineageStore
@@ -106,6 +108,45 @@ def test_cancel_while_running_leaves_nothing_running(harness: Harness, store: Li
     assert status.state is JobState.CANCELLED, status
     stored = store.get(Attempt, attempt.id)
     assert stored is not None and stored.state == "CANCELLED" and stored.reason
+    assert harness.nothing_running(handle_from_attempt(stored)) == []
+
+
+def test_a_cancel_is_acted_on_between_gentle_status_looks(harness: Harness, store: LineageStore) -> None:
+    """With status looks a minute apart (``[backends.X] poll_interval = 60``, kind to a busy Slurm
+    controller), a cancel request still stops the job within a second: ``run_job`` asks between looks.
+
+    The request comes 7.5 s in, between looks backed off to ~5 s and ~10 s after the submit, so a
+    waiter that only checked for cancels at its looks would act seconds late.
+    """
+    harness.launcher.poll_interval = 60
+    cancels: list[float] = []
+    looks, caller = 0, threading.current_thread()
+    cancel, status_of = harness.launcher.cancel, harness.launcher.status
+
+    def counted_status(handle: JobHandle) -> JobStatus:
+        nonlocal looks
+        looks += threading.current_thread() is caller  # not a log follower's own looks
+        return status_of(handle)
+
+    def timed_cancel(handle: JobHandle) -> None:
+        cancels.append(time.monotonic())
+        cancel(handle)
+
+    harness.launcher.status = counted_status  # type: ignore[method-assign]
+    harness.launcher.cancel = timed_cancel  # type: ignore[method-assign]
+    requested_at = time.monotonic() + 7.5
+    attempt, status = run_job(
+        store,
+        harness.launcher,
+        spec(harness, "gentle", ["sleep", "300"]),
+        should_cancel=lambda: time.monotonic() >= requested_at,
+        timeout=harness.wait_timeout,
+    )
+    assert status.state is JobState.CANCELLED, status
+    assert cancels and cancels[0] - requested_at < 1.0, f"cancelled {cancels[0] - requested_at:.2f}s after the request"
+    assert looks < 20, f"{looks} status looks in ~8 s at a 60 s cadence"
+    stored = store.get(Attempt, attempt.id)
+    assert stored is not None and stored.state == "CANCELLED"
     assert harness.nothing_running(handle_from_attempt(stored)) == []
 
 
