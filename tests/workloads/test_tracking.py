@@ -18,6 +18,8 @@ from orchestrator.links.wandb import find_run_dirs, read_run_dir
 from workloads.moe.config import ConfigError
 from workloads.moe.tracking import open_tracker
 
+from .conftest import train_cfg
+
 ROOT = Path(__file__).resolve().parents[2]
 STAGE = r"""
 import json, sys
@@ -63,3 +65,31 @@ def test_unknown_wandb_key_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"unknown key 'wandb.projekt'"):
         open_tracker(tmp_path, "eval", {}, {"projekt": "x"})
     assert not (tmp_path / "wandb").exists()
+
+
+WITHOUT_WANDB = r"""
+import runpy, sys
+sys.modules["wandb"] = None  # this Python has no wandb (as on an accelerator image with its own packages)
+sys.argv = ["workloads.moe", *sys.argv[1:]]
+runpy.run_module("workloads.moe", run_name="__main__")
+"""
+
+
+def test_a_wandb_section_without_the_library_is_one_line_not_a_traceback(tmp_path: Path, tiny_tokens: Path) -> None:
+    """On a machine whose Python lacks wandb, a stage asked to log to W&B stops before its first step with
+    one line saying what to do (install it, or drop the section), and writes no checkpoint or metrics."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(json.dumps({**train_cfg(tiny_tokens), "wandb": {"project": "p"}}))
+    out = tmp_path / "pretrain"
+    argv = ["pretrain", "--config", str(cfg), "--out", str(out)]
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_WANDB, *argv], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("error: the config has a wandb: section but the wandb library is not installed")
+    assert "--set wandb=null" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert not (out / "checkpoint").exists() and not (out / "metrics.jsonl").exists()
+    # The way out the message names works in that same Python.
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_WANDB, *argv, "--set", "wandb=null"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "checkpoint").is_dir() and (out / "metrics.jsonl").is_file()

@@ -68,8 +68,17 @@ def _wandb_run(section: dict[str, Any], out: Path, stage: str, config: dict[str,
     imports only the standard library and wandb): the same keys, mode rule and lineage config merge
     as every other openlab job. Here only the defaults a bare config needs are added: a project, the
     stage as job type, and a run id kept in DIR/wandb_run_id so a restarted stage resumes its run."""
+    import importlib.util
+
     from orchestrator.links.wandb_init import SECTION_KEYS, init_run
 
+    if importlib.util.find_spec("wandb") is None:  # e.g. a GPU box's own Python image, without wandb
+        from .config import WorkloadError
+
+        raise WorkloadError(
+            "the config has a wandb: section but the wandb library is not installed in this Python; "
+            "install it (pip install wandb) or run without W&B (--set wandb=null); metrics.jsonl is kept either way"
+        )
     unknown = set(section) - set(SECTION_KEYS)
     if unknown:
         from .config import ConfigError
