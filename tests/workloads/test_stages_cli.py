@@ -134,3 +134,32 @@ def test_extends_starts_from_another_config_and_lays_this_files_keys_on_top(tmp_
         )
         assert proc.returncode == 2 and said in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
         assert not (tmp_path / "bad").exists()
+
+
+def test_a_training_stage_reports_progress_on_stderr(tmp_path: Path, tiny_tokens: Path) -> None:
+    """A training stage says how far it is (step, loss, drop, time per step, time left) on stderr, which a
+    launcher streams into the Prefect logs: at its first step, at most every 10 s, and at its last;
+    stdout stays the one-line JSON result. A resumed stage counts from where it resumed."""
+    from .conftest import train_cfg
+
+    cfg = tmp_path / "c.json"
+
+    def pretrain(steps: int) -> subprocess.CompletedProcess[str]:
+        cfg.write_text(json.dumps(train_cfg(tiny_tokens, steps=steps, checkpoint_every=3)))
+        return subprocess.run(
+            [sys.executable, "-m", "workloads.moe", "pretrain", "--config", str(cfg), "--out", str(tmp_path / "p")],
+            cwd=ROOT, capture_output=True, text=True, timeout=300,
+        )
+
+    proc = pretrain(6)
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("[pretrain] step ")]
+    assert lines[0].startswith("[pretrain] step 1/6 (16%) | loss ") and " | drop " in lines[0], lines
+    assert "s/step | about " in lines[0] and lines[0].endswith(" left"), lines
+    assert lines[-1].startswith("[pretrain] step 6/6 (100%)") and lines[-1].endswith(" | done"), lines
+    assert len(lines) <= 6 and json.loads(proc.stdout.strip().splitlines()[-1])["stage"] == "pretrain"
+
+    proc = pretrain(9)  # resumes from the step-6 checkpoint
+    assert proc.returncode == 0, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("[pretrain] step ")]
+    assert lines[0].startswith("[pretrain] step 7/9 (77%)") and lines[-1].startswith("[pretrain] step 9/9"), lines

@@ -212,7 +212,7 @@ def run_repro(cfg: Config, out: Path) -> dict[str, Any]:
     truncate_jsonl(out / "metrics.jsonl", start)
     rt = runtime(cfg, mc, spec=train_spec, record_routing=True)
     model.train()
-    with open_tracker(out, "repro", cfg.to_dict(), cfg.wandb) as tr:
+    with open_tracker(out, "repro", cfg.to_dict(), cfg.wandb, total_steps=cfg.train.steps) as tr:
         for step in range(start, cfg.train.steps):
             t0 = time.perf_counter()
             x, y = data.batch(step_rng(cfg.seed, step, 1), B, mc.context, mixture, "train")

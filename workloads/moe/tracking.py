@@ -6,23 +6,36 @@ when the stage config has a `wandb:` section: mode comes from the environment (o
 WANDB_API_KEY is unset or WANDB_MODE=offline, else online), and run id/project/entity/group/job_type/
 tags/config/resume come from that section, through the Links helper `orchestrator.links.wandb_init`.
 Without a section W&B is disabled.
+
+Given the stage's step count, it also prints a progress line to stderr (step, loss, drop fraction,
+time per step, time left) at the first step, at most every PROGRESS_EVERY_S after, and at the last:
+a 20-minute `repro` is otherwise silent, and stderr is what a launcher streams into the Prefect logs.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
+PROGRESS_EVERY_S = 10.0
+
 
 class Tracker:
-    """Appends metrics to metrics.jsonl and (optionally) a W&B run. Use as a context manager."""
+    """Appends metrics to metrics.jsonl and (optionally) a W&B run, and reports progress on stderr when
+    it knows the step count. Use as a context manager."""
 
-    def __init__(self, out: Path, run: Any | None) -> None:
+    def __init__(self, out: Path, run: Any | None, stage: str = "", total_steps: int | None = None) -> None:
         self.path = out / "metrics.jsonl"
         self.run = run
         self.run_id: str | None = getattr(run, "id", None)
+        self.stage, self.total_steps = stage, total_steps
+        self._started = time.monotonic()
+        self._first_step: int | None = None  # the step this process started at (a resumed stage starts late)
+        self._printed_at: float | None = None
         out.mkdir(parents=True, exist_ok=True)
         self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
@@ -31,6 +44,25 @@ class Tracker:
         self._fh.flush()
         if self.run is not None:
             self.run.log(_to_wandb(metrics), step=step)
+        if self.total_steps:
+            self._progress(metrics, step, self.total_steps)
+
+    def _progress(self, metrics: dict[str, Any], step: int, total: int) -> None:
+        now = time.monotonic()
+        if self._first_step is None:
+            self._first_step = step - 1
+        last = step >= total
+        if self._printed_at is not None and now - self._printed_at < PROGRESS_EVERY_S and not last:
+            return
+        self._printed_at = now
+        per_step = (now - self._started) / max(1, step - self._first_step)
+        parts = [f"[{self.stage}] step {step}/{total} ({100 * step // total}%)"]
+        for key, label, fmt in (("train/loss", "loss", "{:.4f}"), ("moe/drop_fraction", "drop", "{:.2%}")):
+            if isinstance(metrics.get(key), int | float):
+                parts.append(f"{label} {fmt.format(metrics[key])}")
+        parts.append(f"{per_step:.2f} s/step")
+        parts.append("done" if last else f"about {_duration(per_step * (total - step))} left")
+        print(" | ".join(parts), file=sys.stderr, flush=True)
 
     def summary(self, values: dict[str, Any]) -> None:
         if self.run is not None:
@@ -48,6 +80,12 @@ class Tracker:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(round(seconds), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 def _to_wandb(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -90,7 +128,10 @@ def _wandb_run(section: dict[str, Any], out: Path, stage: str, config: dict[str,
     return init_run({"project": "openlab-moe", "job_type": stage, **section, "id": run_id}, dir=out, config=config)
 
 
-def open_tracker(out: Path, stage: str, config: dict[str, Any], section: dict[str, Any] | None) -> Tracker:
-    """Start tracking a stage run; `section` is the config's `wandb:` mapping (None = W&B disabled)."""
+def open_tracker(
+    out: Path, stage: str, config: dict[str, Any], section: dict[str, Any] | None, total_steps: int | None = None
+) -> Tracker:
+    """Start tracking a stage run; `section` is the config's `wandb:` mapping (None = W&B disabled);
+    `total_steps`, for a training loop, turns on the progress lines."""
     run = _wandb_run(section, out, stage, config) if section is not None else None
-    return Tracker(out, run)
+    return Tracker(out, run, stage, total_steps)

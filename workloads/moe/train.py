@@ -299,7 +299,7 @@ def run_train(cfg: Config, out: Path, stage: str) -> dict[str, Any]:
     n_params = count_params(model)
     summary: dict[str, Any] = {"stage": stage, "params": n_params, "resumed_from_step": start if resume else None}
     cfg_dict = cfg.to_dict()
-    with open_tracker(out, stage, cfg_dict, cfg.wandb) as tr:
+    with open_tracker(out, stage, cfg_dict, cfg.wandb, total_steps=cfg.train.steps) as tr:
         model.train()
         t_last = time.perf_counter()
         for step in range(start, cfg.train.steps):
