@@ -153,13 +153,13 @@ def test_a_training_stage_reports_progress_on_stderr(tmp_path: Path, tiny_tokens
 
     proc = pretrain(6)
     assert proc.returncode == 0, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("[pretrain] step ")]
-    assert lines[0].startswith("[pretrain] step 1/6 (16%) | loss ") and " | drop " in lines[0], lines
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("step ")]
+    assert lines[0].startswith("step 1/6 (16%) | loss ") and " | drop " in lines[0], lines
     assert "s/step | about " in lines[0] and lines[0].endswith(" left"), lines
-    assert lines[-1].startswith("[pretrain] step 6/6 (100%)") and lines[-1].endswith(" | done"), lines
+    assert lines[-1].startswith("step 6/6 (100%)") and lines[-1].endswith(" | done"), lines
     assert len(lines) <= 6 and json.loads(proc.stdout.strip().splitlines()[-1])["stage"] == "pretrain"
 
     proc = pretrain(9)  # resumes from the step-6 checkpoint
     assert proc.returncode == 0, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("[pretrain] step ")]
-    assert lines[0].startswith("[pretrain] step 7/9 (77%)") and lines[-1].startswith("[pretrain] step 9/9"), lines
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("step ")]
+    assert lines[0].startswith("step 7/9 (77%)") and lines[-1].startswith("step 9/9"), lines

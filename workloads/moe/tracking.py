@@ -28,11 +28,11 @@ class Tracker:
     """Appends metrics to metrics.jsonl and (optionally) a W&B run, and reports progress on stderr when
     it knows the step count. Use as a context manager."""
 
-    def __init__(self, out: Path, run: Any | None, stage: str = "", total_steps: int | None = None) -> None:
+    def __init__(self, out: Path, run: Any | None, total_steps: int | None = None) -> None:
         self.path = out / "metrics.jsonl"
         self.run = run
         self.run_id: str | None = getattr(run, "id", None)
-        self.stage, self.total_steps = stage, total_steps
+        self.total_steps = total_steps
         self._started = time.monotonic()
         self._first_step: int | None = None  # the step this process started at (a resumed stage starts late)
         self._printed_at: float | None = None
@@ -56,7 +56,7 @@ class Tracker:
             return
         self._printed_at = now
         per_step = (now - self._started) / max(1, step - self._first_step)
-        parts = [f"[{self.stage}] step {step}/{total} ({100 * step // total}%)"]
+        parts = [f"step {step}/{total} ({100 * step // total}%)"]  # no stage name: the pipeline's log prefixes it
         for key, label, fmt in (("train/loss", "loss", "{:.4f}"), ("moe/drop_fraction", "drop", "{:.2%}")):
             if isinstance(metrics.get(key), int | float):
                 parts.append(f"{label} {fmt.format(metrics[key])}")
@@ -134,4 +134,4 @@ def open_tracker(
     """Start tracking a stage run; `section` is the config's `wandb:` mapping (None = W&B disabled);
     `total_steps`, for a training loop, turns on the progress lines."""
     run = _wandb_run(section, out, stage, config) if section is not None else None
-    return Tracker(out, run, stage, total_steps)
+    return Tracker(out, run, total_steps)
