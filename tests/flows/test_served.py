@@ -164,18 +164,22 @@ def test_cancel_through_api_stops_backend_job(served: Served, backend: str) -> N
     flow_run_id = start_run("replica-pipeline/replica", params)
     deadline = time.monotonic() + 240
     running: Attempt | None = None
-    with LineageStore(served.db_url) as store:
-        while running is None:
-            assert time.monotonic() < deadline, f"no job started:\n{served.log()[-3000:]}"
-            runs = store.list(PipelineRun, flow_run_id=str(flow_run_id))
-            for srun in store.list(StageRun, pipeline_run_id=runs[0].id, stage="pretrain") if runs else []:
-                for att in store.list(Attempt, stage_run_id=srun.id, state="RUNNING"):
-                    if att.job_id and _job_alive(served, backend, att.job_id):
-                        running = att
-            time.sleep(0.3)
-    assert _job_alive(served, backend, running.job_id)
-    with get_client(sync_client=True) as client:
-        client.set_flow_run_state(flow_run_id, Cancelling(message="test cancels"), force=True)
+    try:
+        with LineageStore(served.db_url) as store:
+            while running is None:
+                assert time.monotonic() < deadline, f"no job started:\n{served.log()[-3000:]}"
+                runs = store.list(PipelineRun, flow_run_id=str(flow_run_id))
+                for srun in store.list(StageRun, pipeline_run_id=runs[0].id, stage="pretrain") if runs else []:
+                    for att in store.list(Attempt, stage_run_id=srun.id, state="RUNNING"):
+                        if att.job_id and _job_alive(served, backend, att.job_id):
+                            running = att
+                time.sleep(0.3)
+        assert _job_alive(served, backend, running.job_id)
+    finally:
+        # Cancel even when the test failed above: a `small` pretrain left running loads the cores for
+        # half an hour and slowed every later test of one CI run until a browser test timed out.
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(flow_run_id, Cancelling(message="test cancels"), force=True)
     final = wait_flow_run(flow_run_id, 90)
     assert final.state.is_cancelled(), final.state
     deadline = time.monotonic() + 30
