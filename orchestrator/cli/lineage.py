@@ -245,6 +245,52 @@ def verify_cmd(json_out: JsonFlag = False) -> None:
     raise typer.Exit(1 if problems else 0)
 
 
+@app.command("reconcile")
+def reconcile_cmd(
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Only say what would be closed and cancelled; change nothing.")
+    ] = False,
+    json_out: JsonFlag = False,
+) -> None:
+    """Close runs a dead orchestrator left RUNNING and cancel their orphaned jobs, now.
+
+    Every pipeline start does this too; run it after a crash to free a cluster's GPUs at once.
+    Only runs whose lease has expired are touched, so a live orchestrator's runs are safe.
+    """
+    from orchestrator.pipeline.reconcile import reconcile, reconcile_pipeline_runs
+    from orchestrator.settings import load_settings
+
+    settings = load_settings()
+    store = _open()
+    stages = reconcile(store, settings=settings, dry_run=dry_run)
+    closing = {r.stage_run_id: r.state for r in stages}
+    pipelines = reconcile_pipeline_runs(store, dry_run=dry_run, closing=closing)
+    if json_out:
+        print_json(
+            {
+                "dry_run": dry_run,
+                "stage_runs": [r.to_dict() for r in stages],
+                "pipeline_runs": [r.to_dict() for r in pipelines],
+            }
+        )
+        return
+    if not stages and not pipelines:
+        console.print("[green]nothing to reconcile: every RUNNING run has a live orchestrator[/]")
+        return
+    verb = "would close" if dry_run else "closed"
+    for r in stages:
+        job = f" job {r.job_id}" if r.job_id else ""
+        console.print(
+            f"{verb} stage run {r.stage_run_id} ({r.stage}{job}) as {r.state}: {r.reason}",
+            highlight=False,
+            soft_wrap=True,
+        )
+    for p in pipelines:
+        console.print(
+            f"{verb} pipeline run {p.pipeline_run_id} as {p.state}: {p.reason}", highlight=False, soft_wrap=True
+        )
+
+
 @app.command("export")
 def export_cmd(
     runs: Annotated[

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,8 +90,10 @@ def is_stale(store: LineageStore, run: StageRun) -> bool:
     return lease is not None and lease.stage_run_id is not None and lease.stage_run_id != run.id
 
 
-def _judge(store: LineageStore, run: StageRun, settings: Settings) -> tuple[str, str, Attempt | None, Any]:
-    """(state, reason, last attempt, backend status) for a stale stage run."""
+def _judge(
+    store: LineageStore, run: StageRun, settings: Settings, *, cancel: bool = True
+) -> tuple[str, str, Attempt | None, Any]:
+    """(state, reason, last attempt, backend status) for a stale stage run; ``cancel=False`` only asks."""
     from orchestrator.launchers.attempts import handle_from_attempt, lineage_state
     from orchestrator.launchers.base import JobState, LauncherError, get_launcher
 
@@ -107,6 +110,9 @@ def _judge(store: LineageStore, run: StageRun, settings: Settings) -> tuple[str,
     except LauncherError as exc:
         return "LOST", f"backend {attempt.backend} cannot report job {attempt.job_id}: {exc}", attempt, None
     if not status.state.terminal:
+        if not cancel:
+            why = f"orphaned: lease expired while job {attempt.job_id} runs; it would be cancelled"
+            return "CANCELLED", why, attempt, status
         try:
             launcher.cancel(handle)
         except LauncherError as exc:
@@ -128,8 +134,12 @@ def _judge(store: LineageStore, run: StageRun, settings: Settings) -> tuple[str,
     )
 
 
-def reconcile(store: LineageStore, *, settings: Settings | None = None) -> list[Reconciled]:
-    """Close every RUNNING stage run whose lease has expired; return what was done."""
+def reconcile(store: LineageStore, *, settings: Settings | None = None, dry_run: bool = False) -> list[Reconciled]:
+    """Close every RUNNING stage run whose lease has expired; return what was done.
+
+    With ``dry_run`` nothing is cancelled or written: each stale run's job is only asked for
+    its state, and the result says what a real reconcile would record.
+    """
     from orchestrator.launchers.attempts import finish_attempt
     from orchestrator.launchers.base import JobState, JobStatus
 
@@ -138,7 +148,10 @@ def reconcile(store: LineageStore, *, settings: Settings | None = None) -> list[
     for run in store.list(StageRun, state="RUNNING"):
         if not is_stale(store, run):
             continue
-        state, reason, attempt, status = _judge(store, run, settings)
+        state, reason, attempt, status = _judge(store, run, settings, cancel=not dry_run)
+        if dry_run:
+            done.append(Reconciled(run.id, run.stage, state, reason, attempt.job_id if attempt else None))
+            continue
         current = store.get(StageRun, run.id)
         if current is None or current.state != "RUNNING" or not is_stale(store, current):
             continue  # its holder came back or another reconciler got there first
@@ -174,19 +187,38 @@ def _abandoned_since(lease: Lease | None, run: PipelineRun, grace: float) -> str
     return f"no orchestrator holds its lease (started {started:%Y-%m-%d %H:%M:%S} UTC)"
 
 
-def reconcile_pipeline_runs(store: LineageStore, *, grace: float = leases.DEFAULT_TTL) -> list[ReconciledPipeline]:
+def _closing_reason(why: str, ends: list[tuple[str, str]]) -> str:
+    ended = ", ".join(f"{stage} {state}" for stage, state in ends) or "none had started"
+    return f"reconciled: {why} before it closed the run (stages: {ended})"
+
+
+def reconcile_pipeline_runs(
+    store: LineageStore,
+    *,
+    grace: float = leases.DEFAULT_TTL,
+    dry_run: bool = False,
+    closing: Mapping[str, str] | None = None,
+) -> list[ReconciledPipeline]:
     """Close RUNNING pipeline runs whose lease expired and whose stages have all ended; return them.
 
     Run after :func:`reconcile`, which closes the stale stage runs first. Each run is judged
     again inside the closing transaction (writers serialise on it), so a run its orchestrator
-    closes or heartbeats meanwhile is left alone.
+    closes or heartbeats meanwhile is left alone. ``dry_run`` writes nothing; ``closing``
+    maps the stage runs a dry-run :func:`reconcile` would close to the state it would give them.
     """
     from sqlmodel import select
 
     done: list[ReconciledPipeline] = []
     for run in store.list(PipelineRun, state="RUNNING"):
         key = pipeline_lease_key(run.id)
-        if _abandoned_since(leases.current(store, key), run, grace) is None:
+        why = _abandoned_since(leases.current(store, key), run, grace)
+        if why is None:
+            continue
+        if dry_run:
+            stages = store.list(StageRun, pipeline_run_id=run.id, order_by=col(StageRun.started_at))
+            ends = [(s.stage, (closing or {}).get(s.id, s.state)) for s in stages]
+            if not any(state in UNFINISHED_STAGE_STATES for _, state in ends):
+                done.append(ReconciledPipeline(run.id, "FAILED", _closing_reason(why, ends)))
             continue
         with store.transaction() as tx:
             current = tx.get(PipelineRun, run.id)
@@ -201,8 +233,7 @@ def reconcile_pipeline_runs(store: LineageStore, *, grace: float = leases.DEFAUL
             )
             if why is None or any(s.state in UNFINISHED_STAGE_STATES for s in stages):
                 continue  # alive again, or a stage is still being looked after
-            ended = ", ".join(f"{s.stage} {s.state}" for s in stages) or "none had started"
-            reason = f"reconciled: {why} before it closed the run (stages: {ended})"
+            reason = _closing_reason(why, [(s.stage, s.state) for s in stages])
             tx.update(current, state="FAILED", error=reason, ended_at=utcnow())
             if lease is not None:  # coordination state, not lineage: dropped with the run's closing
                 tx.session.delete(lease)

@@ -7,6 +7,7 @@ pipeline of tests/pipeline/toy.py.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -143,3 +144,82 @@ def test_reconcile_pipeline_runs_waits_for_unfinished_stages_and_for_runs_withou
         assert "no orchestrator holds its lease" in done.reason and "none had started" in done.reason
         assert store.require(PipelineRun, busy.id).state == "RUNNING"
         assert store.require(PipelineRun, fresh.id).error == done.reason
+
+
+#: Starts the toy pipeline's first stage (a long job) with a short lease and waits to be killed.
+KILLED_MID_STAGE = """
+import sys
+from pathlib import Path
+from orchestrator.pipeline import RunOptions, execute_stage, start_pipeline
+from tests.pipeline.toy import toy_configs, toy_pipeline
+ctx = start_pipeline(toy_pipeline(Path(sys.argv[1])), toy_configs(), options=RunOptions(lease_ttl=2.0, poll=0.05))
+print(ctx.id, flush=True)
+execute_stage(ctx, "gen")
+"""
+
+
+def test_lineage_reconcile_frees_the_job_of_a_killed_orchestrator_now(
+    repo: Path, tmp_path: Path, run_cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGKILL the process that runs a stage: its job lives on (it is its own session, as a Slurm job would
+    be). `openlab lineage reconcile --dry-run` names it and changes nothing; `openlab lineage reconcile`
+    cancels the job and closes stage, attempt and pipeline run at once, without a new pipeline start."""
+    ledger = tmp_path / "ledger.txt"
+    monkeypatch.setenv("TOY_LEDGER", str(ledger))
+    monkeypatch.setenv("TOY_SLEEP", "120")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLED_MID_STAGE, str(repo)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=HERE.parents[1],
+        env={**os.environ, "PYTHONPATH": str(HERE.parents[1])},
+    )
+    try:
+        assert proc.stdout is not None
+        prun_id = proc.stdout.readline().strip()
+        deadline = time.monotonic() + 60
+        while not (ledger.exists() and ledger.read_text().strip()):
+            assert time.monotonic() < deadline and proc.poll() is None, "the stage's job never started"
+            time.sleep(0.05)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    job_pid = int(ledger.read_text().split()[1])
+    assert not _pid_gone(job_pid), "the job died with its orchestrator; nothing would be orphaned"
+
+    with LineageStore.open() as store:
+        (stage,) = store.list(StageRun, pipeline_run_id=prun_id)
+        (attempt,) = store.list(Attempt, stage_run_id=stage.id)
+        deadline = time.monotonic() + 15
+        while leases.is_live(leases.current(store, stage.identity)):
+            assert time.monotonic() < deadline, "the killed holder's 2 s lease never expired"
+            time.sleep(0.1)
+
+    dry = run_cli("lineage", "reconcile", "--dry-run", "--json")
+    assert dry.returncode == 0, dry.stderr
+    planned = json.loads(dry.stdout)
+    assert [(r["stage_run_id"], r["state"], r["job_id"]) for r in planned["stage_runs"]] == [
+        (stage.id, "CANCELLED", attempt.job_id)
+    ]
+    assert [(r["pipeline_run_id"], r["state"]) for r in planned["pipeline_runs"]] == [(prun_id, "FAILED")]
+    assert "gen CANCELLED" in planned["pipeline_runs"][0]["reason"]
+    assert not _pid_gone(job_pid), "--dry-run cancelled the job"
+    with LineageStore.open() as store:
+        assert store.require(StageRun, stage.id).state == "RUNNING"
+        assert store.require(PipelineRun, prun_id).state == "RUNNING"
+
+    real = run_cli("lineage", "reconcile")
+    assert real.returncode == 0, real.stderr
+    assert f"closed stage run {stage.id} (gen job {attempt.job_id}) as CANCELLED" in real.stdout, real.stdout
+    assert f"closed pipeline run {prun_id} as FAILED" in real.stdout, real.stdout
+    deadline = time.monotonic() + 15
+    while not _pid_gone(job_pid):
+        assert time.monotonic() < deadline, "the orphaned job kept running after reconcile"
+        time.sleep(0.05)
+    with LineageStore.open() as store:
+        assert store.require(StageRun, stage.id).state == "CANCELLED"
+        assert store.require(Attempt, attempt.id).state == "CANCELLED"
+        closed = store.require(PipelineRun, prun_id)
+        assert closed.state == "FAILED" and "gen CANCELLED" in closed.error
+    again = run_cli("lineage", "reconcile")
+    assert again.returncode == 0 and "nothing to reconcile" in again.stdout, again.stdout
