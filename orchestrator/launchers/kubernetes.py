@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 
 from orchestrator.launchers.base import (
     BackendUnavailable,
+    Backoff,
     JobHandle,
     JobNotFound,
     JobSpec,
@@ -51,6 +52,8 @@ from orchestrator.launchers.base import (
 )
 
 DEFAULT_VERSION = "1.33"
+#: Longest wait before re-reading a pod log whose follow stream ended while the pod still runs.
+FOLLOW_RETRY_S = 1.0
 DEFAULT_TEMPLATE = Path(__file__).resolve().parents[2] / "infra" / "k8s" / "job-template.yaml"
 FALLBACK_TEMPLATE: dict[str, Any] = {
     "apiVersion": "batch/v1",
@@ -480,8 +483,12 @@ class KubernetesLauncher(Launcher):
     def _follow(self, handle: JobHandle, tail: int | None) -> Iterator[str]:
         """Stream with ``follow=true``; when a stream ends early (API restart, an emulator), read again.
 
-        Logs only grow, so each new read skips the lines already yielded.
+        Logs only grow, so each new read skips the lines already yielded. The re-reads back off
+        from 50 ms to at most FOLLOW_RETRY_S, not ``poll_interval``: that is how often status is
+        looked at (a minute, for a gentle user), and lines must not wait for it, nor be cut off
+        when the job ends while the follower sleeps.
         """
+        backoff = Backoff(min(self.poll_interval, FOLLOW_RETRY_S), first=0.05)
         seen = 0
         if tail is not None:
             resp = self._read_log(handle)
@@ -505,10 +512,12 @@ class KubernetesLauncher(Launcher):
                     if index > seen:
                         yield partial.decode("utf-8", "replace")
                 resp.release_conn()
+                if index > seen:
+                    backoff.reset()
                 seen = max(seen, index)
             if done:
                 return
-            time.sleep(self.poll_interval)
+            backoff.sleep()
 
     def cancel(self, handle: JobHandle) -> None:
         from kubernetes import client

@@ -189,3 +189,23 @@ def test_env_labels_and_artifact_root(harness: Harness, tmp_path: Path) -> None:
         assert (root / "out.txt").read_text() == "result\n"
     finally:
         harness.launcher.cleanup(handle)
+
+
+def test_log_lines_arrive_while_the_job_runs_even_with_gentle_status_looks(
+    harness: Harness, store: LineageStore
+) -> None:
+    """A line the job prints reaches ``on_log`` while the job still runs, not at the next status look:
+    with ``poll_interval = 60`` the first line must arrive seconds before the job's last line."""
+    harness.launcher.poll_interval = 60
+    arrived: dict[str, float] = {}
+    attempt, status = run_job(
+        store,
+        harness.launcher,
+        spec(harness, "live-log", ["sh", "-c", "echo first; sleep 6; echo second"]),
+        on_log=lambda line: arrived.setdefault(line, time.monotonic()),
+        timeout=harness.wait_timeout + 60,
+    )
+    assert status.state is JobState.SUCCEEDED, status
+    assert set(arrived) == {"first", "second"}, arrived
+    lead = arrived["second"] - arrived["first"]
+    assert lead > 3, f"'first' reached the log only {lead:.1f}s before 'second': streamed at a status look"
