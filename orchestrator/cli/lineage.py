@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any
 
 import typer
@@ -254,17 +255,23 @@ def reconcile_cmd(
 ) -> None:
     """Close runs a dead orchestrator left RUNNING and cancel their orphaned jobs, now.
 
-    Every pipeline start does this too; run it after a crash to free a cluster's GPUs at once.
-    Only runs whose lease has expired are touched, so a live orchestrator's runs are safe.
+    Every pipeline start does this too; run it after a crash to free a cluster's GPUs without
+    starting another pipeline. Only runs whose lease has expired (90 s after their orchestrator's
+    last heartbeat) are touched, so a live orchestrator's runs are safe.
     """
     from orchestrator.pipeline.reconcile import reconcile, reconcile_pipeline_runs
     from orchestrator.settings import load_settings
 
     settings = load_settings()
     store = _open()
-    stages = reconcile(store, settings=settings, dry_run=dry_run)
-    closing = {r.stage_run_id: r.state for r in stages}
-    pipelines = reconcile_pipeline_runs(store, dry_run=dry_run, closing=closing)
+    quiet = logging.getLogger("openlab.pipeline")  # its warnings say what is printed below, a second time
+    level, quiet.level = quiet.level, logging.ERROR
+    try:
+        stages = reconcile(store, settings=settings, dry_run=dry_run)
+        closing = {r.stage_run_id: r.state for r in stages}
+        pipelines = reconcile_pipeline_runs(store, dry_run=dry_run, closing=closing)
+    finally:
+        quiet.level = level
     if json_out:
         print_json(
             {

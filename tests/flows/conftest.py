@@ -201,7 +201,43 @@ def served(prefect_server: PrefectServer, tmp_path_factory: pytest.TempPathFacto
         wait_for_deployments(["replica-pipeline/replica", "nightly-replica/nightly"], 90, proc, log_path)
         yield Served(server=prefect_server, home=home, process=proc, log_path=log_path)
     finally:
-        stop_process(proc)
+        try:
+            cancel_unfinished_flow_runs(timeout=60)
+        finally:
+            stop_process(proc)
+
+
+def cancel_unfinished_flow_runs(timeout: float) -> None:
+    """Cancel every flow run in flight (pending or running), through the API, and wait for them to end.
+
+    A test that fails or times out can leave a replica running; stopping the runner would
+    kill its flow process, and its Docker or Slurm job would run on (a 30-minute pretrain
+    once slowed the next CI run until a browser test timed out). A Prefect cancel runs the
+    flows' on-cancellation path, which ends their jobs.
+    """
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Cancelling
+
+    unfinished = FlowRunFilter(
+        state=FlowRunFilterState(
+            type=FlowRunFilterStateType(any_=[StateType.PENDING, StateType.RUNNING, StateType.CANCELLING])
+        )
+    )
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=unfinished)
+        for run in runs:
+            if run.state is not None and run.state.type is not StateType.CANCELLING:
+                with contextlib.suppress(Exception):
+                    client.set_flow_run_state(run.id, Cancelling(message="test session ends"), force=True)
+        deadline = time.monotonic() + timeout
+        for run in runs:
+            while time.monotonic() < deadline:
+                state = client.read_flow_run(run.id).state
+                if state is None or state.is_final():
+                    break
+                time.sleep(0.5)
 
 
 def wait_flow_run(flow_run_id: Any, timeout: float, *, final: bool = True) -> Any:
