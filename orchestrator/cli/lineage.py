@@ -51,9 +51,10 @@ def _summary(record: Any) -> str:
 
 
 def _open() -> Any:
+    """The store to audit: an existing one only (a mistyped path must not read as an empty history)."""
     from orchestrator.lineage.store import open_store
 
-    return open_store()
+    return open_store(create=False)
 
 
 @app.command("list")
@@ -227,7 +228,7 @@ def verify_cmd(json_out: JsonFlag = False) -> None:
     settings = load_settings()
     from orchestrator.lineage.store import LineageStore
 
-    store = LineageStore.open(settings)
+    store = LineageStore.open(settings, create=False)
     if json_out or not console.is_terminal:
         problems = verify(store, settings)
     else:

@@ -86,6 +86,18 @@ def _normalise_url(url: str) -> str:
     return url
 
 
+def _require_sqlite_file(url: str) -> None:
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
+        return
+    path = Path(parsed.database).expanduser()
+    if not path.is_file():
+        raise StoreError(
+            f"no lineage database at {path}: nothing has been recorded there; "
+            "check OPENLAB_HOME or OPENLAB_DB_URL (a first run or snapshot creates it)"
+        )
+
+
 def _make_engine(url: str) -> Engine:
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
@@ -250,8 +262,13 @@ class Transaction:
 class LineageStore:
     """Access to one lineage database (SQLite by default, PostgreSQL by URL)."""
 
-    def __init__(self, url: str, *, migrate: bool = True) -> None:
+    def __init__(self, url: str, *, migrate: bool = True, create: bool = True) -> None:
+        """``create=False`` is for readers: a SQLite file that does not exist is an error, not a new
+        empty database, so a mistyped ``OPENLAB_DB_URL`` cannot make an audit report "nothing" (or
+        `verify` report "intact") about a database nobody wrote."""
         self.url = _normalise_url(url)
+        if not create:
+            _require_sqlite_file(self.url)
         self.engine = _make_engine(self.url)
         try:
             from orchestrator.lineage.migrations import ensure_schema
@@ -262,10 +279,10 @@ class LineageStore:
             raise StoreError(_explain_db_error(self.url, exc)) from None
 
     @classmethod
-    def open(cls, settings: Settings | None = None, *, migrate: bool = True) -> LineageStore:
+    def open(cls, settings: Settings | None = None, *, migrate: bool = True, create: bool = True) -> LineageStore:
         """Open the configured store: ``OPENLAB_DB_URL`` or ``$OPENLAB_HOME/lineage.db``."""
         settings = settings or load_settings()
-        return cls(settings.db_url, migrate=migrate)
+        return cls(settings.db_url, migrate=migrate, create=create)
 
     @property
     def is_sqlite(self) -> bool:
@@ -378,9 +395,9 @@ class LineageStore:
             return list(session.exec(stmt).all())
 
 
-def open_store(settings: Settings | None = None) -> LineageStore:
-    """Open the configured lineage store, migrating it to this code's schema."""
-    return LineageStore.open(settings)
+def open_store(settings: Settings | None = None, *, create: bool = True) -> LineageStore:
+    """Open the configured lineage store, migrating it to this code's schema (see LineageStore for create)."""
+    return LineageStore.open(settings, create=create)
 
 
 __all__ = [

@@ -146,6 +146,21 @@ def test_unreachable_database_url_hides_password(run_cli) -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("command", [("lineage", "list"), ("lineage", "verify"), ("lineage", "export")])
+def test_auditing_a_database_that_does_not_exist_is_an_error_not_an_empty_history(
+    run_cli, tmp_path: Path, command: tuple[str, ...]
+) -> None:
+    """A mistyped OPENLAB_DB_URL must not make `verify` say "intact" about a database it just created."""
+    typo = tmp_path / "lineagee" / "lineage.db"
+    result = run_cli(*command, env={"OPENLAB_DB_URL": f"sqlite:///{typo}"})
+    assert result.returncode == 2, result.stdout
+    assert result.stderr.strip() == (
+        f"error: no lineage database at {typo}: nothing has been recorded there; "
+        "check OPENLAB_HOME or OPENLAB_DB_URL (a first run or snapshot creates it)"
+    )
+    assert not typo.parent.exists(), "a reader created the database it was asked to read"
+
+
 def test_sqlite_uses_wal(openlab_home: Path) -> None:
     store = LineageStore.open()
     _populate(store)
