@@ -5,7 +5,8 @@
 Each variant runs in its own subprocess (so peak RSS is per variant) for the same number of
 fwd+bwd+AdamW steps on the same random batch; the median step time is reported. Variants:
   dense            SwiGLU FFN of width K*expert_hidden + shared_hidden (same active parameters)
-  moe_dropless     the MoE with no capacity limits (routing + gather/scatter + per-expert matmuls)
+  moe_dropless     the MoE with no capacity limits (routing + gather/scatter + batched expert matmuls)
+  moe_dropless_loop  the same with the per-expert Python loop the batched path replaced (for comparison)
   moe_pooled_wave  pooled-wave dispatch (tcf 1.05 / cf 1.33, W 3, P 4) in the forward, no metrics
   moe_pw_metrics   the same + every drop/routing metric computed (the per-step logging cost)
 Targets (issue 6): moe / dense <= 1.5x; metrics <= 5% of a step. Prints a markdown table.
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-VARIANTS = ("dense", "moe_dropless", "moe_pooled_wave", "moe_pw_metrics")
+VARIANTS = ("dense", "moe_dropless", "moe_dropless_loop", "moe_pooled_wave", "moe_pw_metrics")
 MODEL = {"vocab_size": 4096, "d_model": 128, "n_layers": 4, "n_heads": 4, "context": 256, "n_experts": 24,
          "top_k": 4, "expert_hidden": 64, "n_shared": 1, "shared_hidden": 128}
 BATCH = 16  # sequences (4 per rank); --batch changes it, e.g. to fill a GPU
@@ -45,8 +46,11 @@ def _setup(name: str, threads: int, device_name: str, batch: int = BATCH):  # no
     cfg = ModelConfig(**MODEL)
     device = pick_device(device_name)
     model = MoELM(cfg, dense=name == "dense").to(device)
-    spec = DispatchSpec("dropless" if name in ("dense", "moe_dropless") else "pooled_wave", 4, cfg.n_experts,
-                        1.33, 1.05, 3, 2)
+    spec = DispatchSpec("dropless" if name in ("dense", "moe_dropless", "moe_dropless_loop") else "pooled_wave", 4,
+                        cfg.n_experts, 1.33, 1.05, 3, 2)
+    if name == "moe_dropless_loop":
+        for layer in model.moe_layers():
+            layer.grouped_max_padding = 0
     rt = RoutingRuntime(spec, collect_metrics=name == "moe_pw_metrics")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.context + 1)).to(device)

@@ -23,6 +23,11 @@ from .config import ModelConfig
 from .dispatch import DispatchSpec, dispatch
 from .metrics import LayerStats, load_balancing_loss, router_z_loss, routing_entropy
 
+#: The batched expert path pads every expert to the busiest one's load; beyond this many padded rows
+#: per real assignment (a routing collapse: one expert takes most tokens) the per-expert loop is used,
+#: so memory stays within twice the gathered activations.
+GROUPED_MAX_PADDING = 2
+
 
 @dataclass
 class RoutingRuntime:
@@ -131,6 +136,7 @@ class MoEFeedForward(nn.Module):
         self.last_experts: torch.Tensor | None = None
         self.last_aux: torch.Tensor | None = None
         self.metrics_time_s = 0.0
+        self.grouped_max_padding: float = GROUPED_MAX_PADDING  # 0: always the per-expert loop
 
     @torch.no_grad()
     def apply_pending_qb(self) -> None:
@@ -169,8 +175,38 @@ class MoEFeedForward(nn.Module):
             flat_e, flat_w, tok = flat_e[kept], flat_w[kept], tok[kept]
         order = torch.argsort(flat_e, stable=True)
         e_sorted, tok_sorted = flat_e[order], tok[order]
-        counts = torch.bincount(e_sorted, minlength=self.E).tolist()
+        counts = torch.bincount(e_sorted, minlength=self.E)
         xs = x[tok_sorted]
+        y = torch.zeros_like(x)
+        n = e_sorted.numel()
+        if n:
+            widest = int(counts.max())  # the one host read of the step's expert loads
+            if widest * self.E <= self.grouped_max_padding * n:
+                out = self._grouped(xs, e_sorted, counts, widest)
+            else:
+                out = self._looped(xs, counts.tolist())
+            y = y.index_add(0, tok_sorted, out * flat_w[order, None])
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y
+
+    def _grouped(self, xs: torch.Tensor, e_sorted: torch.Tensor, counts: torch.Tensor, widest: int) -> torch.Tensor:
+        """All experts in three batched matmuls over [E, widest, D], zero-padded per expert.
+
+        A Python loop of three matmuls per expert costs 3E kernel launches a layer, which bounds
+        the step on a GPU (and costs on a CPU too). The padding rows are computed and thrown away:
+        only real rows are gathered back, so they reach neither the output nor any gradient.
+        """
+        n = e_sorted.numel()
+        start = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(n, device=xs.device) - start[e_sorted]
+        padded = xs.new_zeros(self.E, widest, xs.shape[1])
+        padded = padded.index_put((e_sorted, slot), xs)
+        h = F.silu(torch.bmm(padded, self.w1)) * torch.bmm(padded, self.w3)
+        return torch.bmm(h, self.w2)[e_sorted, slot]
+
+    def _looped(self, xs: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """One expert at a time over its contiguous rows: for loads too uneven to pad (a collapse)."""
         outs = []
         start = 0
         for e, c in enumerate(counts):  # a loop over experts, never over tokens
@@ -178,13 +214,7 @@ class MoEFeedForward(nn.Module):
                 h = xs[start : start + c]
                 outs.append((F.silu(h @ self.w1[e]) * (h @ self.w3[e])) @ self.w2[e])
                 start += c
-        y = torch.zeros_like(x)
-        if outs:
-            y = y.index_add(0, tok_sorted, torch.cat(outs) * flat_w[order, None])
-        if self.shared is not None:
-            y = y + self.shared(x)
-
-        return y
+        return torch.cat(outs)
 
     def forward(self, x: torch.Tensor, rt: RoutingRuntime, compute: bool = True) -> torch.Tensor:
         """Route, dispatch, record; with compute=False stop before the experts (routing only)."""
