@@ -40,6 +40,8 @@ DROPS_NIGHTLY_REPLICA = "drops"
 DEFAULT_NIGHTLY_CRON = "0 2 * * *"
 DEFAULT_DROPS_NIGHTLY_CRON = "0 4 * * *"
 DEFAULT_NIGHTLY_TIMEZONE = "UTC"
+RECONCILE_DEPLOYMENT = "reconcile"
+DEFAULT_RECONCILE_EVERY_S = 600
 TAGS = ["openlab"]
 
 
@@ -82,6 +84,21 @@ def nightly_cron(
     return cron
 
 
+def reconcile_every(settings: Settings | None = None) -> float:
+    """Seconds between scheduled reconcile passes: ``[prefect] reconcile_every_s`` (0: no schedule)."""
+    settings = settings or load_settings()
+    raw = settings.section("prefect").get("reconcile_every_s", DEFAULT_RECONCILE_EVERY_S)
+    try:
+        every = float(raw)
+    except (TypeError, ValueError):
+        every = -1.0
+    if every < 0 or (0 < every < 60):
+        raise ConfigError(
+            f"invalid [prefect] reconcile_every_s {raw!r}: use seconds, at least 60 (e.g. 600), or 0 for no schedule"
+        )
+    return every
+
+
 def nightly_timezone(settings: Settings | None = None) -> str:
     """The nightly schedule's time zone (``[prefect] nightly_timezone``, UTC by default)."""
     settings = settings or load_settings()
@@ -95,12 +112,16 @@ def build_deployments(
     nightly_parameters: dict[str, Any] | None = None,
     paused_nightly: bool = False,
 ) -> list[RunnerDeployment]:
-    """The pipeline and the two nightly deployments (not yet registered). Call inside :func:`in_repo_root`."""
+    """The pipeline, the two nightlies and the reaper (not yet registered). Call inside :func:`in_repo_root`.
+
+    ``paused_nightly`` registers every schedule paused (``make demo`` runs no runner to take them).
+    """
     from prefect.deployments.runner import EntrypointType
-    from prefect.schedules import Cron
+    from prefect.schedules import Cron, Interval
 
     from flows.nightly import nightly_replica
     from flows.pipeline import replica_pipeline
+    from flows.reconcile import reconcile_lineage
 
     settings = settings or load_settings()
     timezone = nightly_timezone(settings)
@@ -139,7 +160,19 @@ def build_deployments(
         tags=[*TAGS, "nightly", "drops"],
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
-    return [pipeline, nightly, drops]
+    every = reconcile_every(settings)
+    reaper = reconcile_lineage.to_deployment(
+        name=RECONCILE_DEPLOYMENT,
+        description=(
+            "Close runs whose orchestrator died (lease expired) and cancel their orphaned Slurm jobs, "
+            "containers or Kubernetes Jobs; the same pass every pipeline start makes. dry_run only reports."
+        ),
+        schedules=[Interval(every)] if every else None,
+        paused=paused_nightly,
+        tags=[*TAGS, "maintenance"],
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )
+    return [pipeline, nightly, drops, reaper]
 
 
 def apply_deployments(deployments: Iterable[RunnerDeployment], *, work_pool: str | None = None) -> dict[str, str]:
@@ -164,10 +197,12 @@ __all__ = [
     "DROPS_NIGHTLY_DEPLOYMENT",
     "NIGHTLY_DEPLOYMENT",
     "PIPELINE_DEPLOYMENT",
+    "RECONCILE_DEPLOYMENT",
     "apply_deployments",
     "build_deployments",
     "in_repo_root",
     "nightly_cron",
+    "reconcile_every",
     "repo_root",
     "serve_deployments",
 ]

@@ -44,11 +44,17 @@ def deploy(
     work_pool: str = typer.Option(
         None, "--work-pool", help="Work pool whose workers run the flows (default: none, `openlab server` serves)."
     ),
-    paused_nightly: bool = typer.Option(False, "--paused-nightly", help="Register the nightly schedule paused."),
+    paused_nightly: bool = typer.Option(False, "--paused-nightly", help="Register every schedule paused."),
 ) -> None:
-    """Create or update the ``replica-pipeline/replica``, ``nightly-replica/nightly`` and
-    ``nightly-replica/nightly-drops`` deployments."""
-    from flows.deployments import DEFAULT_DROPS_NIGHTLY_CRON, apply_deployments, build_deployments, in_repo_root
+    """Create or update the ``replica-pipeline/replica``, ``nightly-replica/nightly``,
+    ``nightly-replica/nightly-drops`` and ``lineage-reconcile/reconcile`` deployments."""
+    from flows.deployments import (
+        DEFAULT_DROPS_NIGHTLY_CRON,
+        apply_deployments,
+        build_deployments,
+        in_repo_root,
+        reconcile_every,
+    )
     from flows.deployments import nightly_cron as resolve_cron
 
     settings = load_settings()
@@ -67,6 +73,9 @@ def deploy(
     console.print(f"nightly schedule: {cron} (UTC){paused}", highlight=False)
     drops_cron = resolve_cron(settings, key="nightly_drops_cron", default=DEFAULT_DROPS_NIGHTLY_CRON)
     console.print(f"drop-fraction nightly schedule: {drops_cron} (UTC){paused}", highlight=False)
+    every = reconcile_every(settings)
+    reaper = f"every {every:g} s{paused}" if every else "none (run it from the UI or `openlab lineage reconcile`)"
+    console.print(f"reconcile schedule: {reaper}", highlight=False)
     if work_pool is None:
         console.print("runs execute where the deployments are served: keep `openlab server` running", highlight=False)
 
@@ -74,10 +83,10 @@ def deploy(
 if __name__ == "__main__":  # `python -m orchestrator.cli.deploy`: usable before it is mounted
     import sys
 
-    from orchestrator.cli.output import err_console
+    from orchestrator.cli.output import print_error
 
     try:
         app(prog_name="openlab deploy")
     except OpenlabError as exc:
-        err_console.print(f"error: {exc}", highlight=False)
+        print_error(exc)
         sys.exit(exc.exit_code)

@@ -260,7 +260,7 @@ def reconcile_cmd(
     starting another pipeline. Only runs whose lease has expired (90 s after their orchestrator's
     last heartbeat) are touched, so a live orchestrator's runs are safe.
     """
-    from orchestrator.pipeline.reconcile import reconcile, reconcile_pipeline_runs
+    from orchestrator.pipeline.reconcile import reconcile_all
     from orchestrator.settings import load_settings
 
     settings = load_settings()
@@ -268,35 +268,17 @@ def reconcile_cmd(
     quiet = logging.getLogger("openlab.pipeline")  # its warnings say what is printed below, a second time
     level, quiet.level = quiet.level, logging.ERROR
     try:
-        stages = reconcile(store, settings=settings, dry_run=dry_run)
-        closing = {r.stage_run_id: r.state for r in stages}
-        pipelines = reconcile_pipeline_runs(store, dry_run=dry_run, closing=closing)
+        report = reconcile_all(store, settings=settings, dry_run=dry_run)
     finally:
         quiet.level = level
     if json_out:
-        print_json(
-            {
-                "dry_run": dry_run,
-                "stage_runs": [r.to_dict() for r in stages],
-                "pipeline_runs": [r.to_dict() for r in pipelines],
-            }
-        )
+        print_json(report.to_dict())
         return
-    if not stages and not pipelines:
+    if not report:
         console.print("[green]nothing to reconcile: every RUNNING run has a live orchestrator[/]")
         return
-    verb = "would close" if dry_run else "closed"
-    for r in stages:
-        job = f" job {r.job_id}" if r.job_id else ""
-        console.print(
-            f"{verb} stage run {r.stage_run_id} ({r.stage}{job}) as {r.state}: {r.reason}",
-            highlight=False,
-            soft_wrap=True,
-        )
-    for p in pipelines:
-        console.print(
-            f"{verb} pipeline run {p.pipeline_run_id} as {p.state}: {p.reason}", highlight=False, soft_wrap=True
-        )
+    for line in report.lines():
+        console.print(line, highlight=False, soft_wrap=True)
 
 
 @app.command("export")

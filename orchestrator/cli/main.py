@@ -39,11 +39,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, prog_name="openlab", standalone_mode=True)
     except OpenlabError as exc:
-        from rich.markup import escape
+        from orchestrator.cli.output import print_error
 
-        from orchestrator.cli.output import err_console
-
-        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        print_error(exc)
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")

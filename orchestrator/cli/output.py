@@ -19,12 +19,12 @@ def print_json(data: Any) -> None:
     sys.stdout.flush()
 
 
-def fail(message: str, code: int = 2) -> None:
-    """Print one clear error line on stderr and exit with ``code``."""
-    import typer
+def print_error(message: object) -> None:
+    """One ``error: ...`` line on stderr: never wrapped at the terminal's width, and the text is not
+    read as rich markup (``[prefect] nightly_cron`` in a message must print as written)."""
+    from rich.markup import escape
 
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
+    err_console.print(f"[bold red]error:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
 
 
 def describe_task(end: Mapping[str, Any]) -> str:

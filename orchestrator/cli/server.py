@@ -19,7 +19,7 @@ from types import FrameType
 
 import typer
 
-from orchestrator.cli.output import console, err_console
+from orchestrator.cli.output import console, err_console, print_error
 from orchestrator.prefect_server import PrefectServer, health_ok, use_api
 from orchestrator.settings import load_settings
 
@@ -97,5 +97,5 @@ if __name__ == "__main__":  # `python -m orchestrator.cli.server`: usable before
     try:
         app(prog_name="openlab server")
     except OpenlabError as exc:
-        err_console.print(f"error: {exc}", highlight=False)
+        print_error(exc)
         sys.exit(exc.exit_code)

@@ -339,7 +339,7 @@ def start_pipeline(
     (live lease) from one whose orchestrator crashed (expired lease), even between stages.
     """
     from orchestrator.lineage.record import record_environment, record_git
-    from orchestrator.pipeline.reconcile import pipeline_lease_key, reconcile, reconcile_pipeline_runs
+    from orchestrator.pipeline.reconcile import pipeline_lease_key, reconcile_all
     from orchestrator.provenance import capture
 
     options = options or RunOptions()
@@ -355,8 +355,7 @@ def start_pipeline(
     if options.backend not in BACKENDS:
         raise ConfigError(f"unknown backend {options.backend!r}; known backends: {', '.join(BACKENDS)}")
     if reconcile_first:
-        reconcile(store, settings=settings)
-        reconcile_pipeline_runs(store)
+        reconcile_all(store, settings=settings)
     from orchestrator.launchers import get_launcher
 
     # Resolved before anything is recorded: a missing image or a stopped engine is a clear

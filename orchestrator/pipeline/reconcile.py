@@ -242,11 +242,51 @@ def reconcile_pipeline_runs(
     return done
 
 
+@dataclass(frozen=True)
+class ReconcileReport:
+    """What one reconcile pass closed (or, on a dry run, would close)."""
+
+    stage_runs: list[Reconciled]
+    pipeline_runs: list[ReconciledPipeline]
+    dry_run: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.stage_runs or self.pipeline_runs)
+
+    def lines(self) -> list[str]:
+        """One sentence per closed run, for a terminal or a Prefect log."""
+        verb = "would close" if self.dry_run else "closed"
+        out = []
+        for r in self.stage_runs:
+            job = f" job {r.job_id}" if r.job_id else ""
+            out.append(f"{verb} stage run {r.stage_run_id} ({r.stage}{job}) as {r.state}: {r.reason}")
+        for p in self.pipeline_runs:
+            out.append(f"{verb} pipeline run {p.pipeline_run_id} as {p.state}: {p.reason}")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dry_run": self.dry_run,
+            "stage_runs": [r.to_dict() for r in self.stage_runs],
+            "pipeline_runs": [r.to_dict() for r in self.pipeline_runs],
+        }
+
+
+def reconcile_all(store: LineageStore, *, settings: Settings | None = None, dry_run: bool = False) -> ReconcileReport:
+    """Stale stage runs first (cancelling their orphaned jobs), then the pipeline runs they leave abandoned."""
+    stages = reconcile(store, settings=settings, dry_run=dry_run)
+    closing = {r.stage_run_id: r.state for r in stages}
+    pipelines = reconcile_pipeline_runs(store, dry_run=dry_run, closing=closing)
+    return ReconcileReport(stages, pipelines, dry_run)
+
+
 __all__ = [
+    "ReconcileReport",
     "Reconciled",
     "ReconciledPipeline",
     "is_stale",
     "pipeline_lease_key",
     "reconcile",
+    "reconcile_all",
     "reconcile_pipeline_runs",
 ]

@@ -198,7 +198,9 @@ def served(prefect_server: PrefectServer, tmp_path_factory: pytest.TempPathFacto
             start_new_session=True,
         )
     try:
-        wait_for_deployments(["replica-pipeline/replica", "nightly-replica/nightly"], 90, proc, log_path)
+        wait_for_deployments(
+            ["replica-pipeline/replica", "nightly-replica/nightly", "lineage-reconcile/reconcile"], 90, proc, log_path
+        )
         yield Served(server=prefect_server, home=home, process=proc, log_path=log_path)
     finally:
         try:

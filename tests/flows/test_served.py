@@ -231,3 +231,65 @@ def test_nightly_deployment_runs_the_drop_fraction_reproduction_and_judges_its_a
         assert all(c["previous"] == c["current"] for c in run.verdict["checks"])
         # each arm judged against its own noise (the run's standard error of the late-window median)
         assert all(c["noise"] is not None for c in run.verdict["checks"]), run.verdict["checks"]
+
+
+def test_reconcile_deployment_cancels_the_job_of_a_dead_orchestrator(served: Served) -> None:
+    """`lineage-reconcile/reconcile` from the API: a dry run reports and leaves the orphaned job running;
+    the real run cancels it, closes stage, attempt and pipeline run, and says so in its log and an artifact."""
+    import os
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, LogFilter, LogFilterFlowRunId
+
+    from orchestrator.launchers import JobSpec, get_launcher
+    from orchestrator.launchers.attempts import mark_running, submit_attempt
+    from orchestrator.lineage import leases
+    from orchestrator.pipeline.reconcile import pipeline_lease_key
+    from orchestrator.settings import load_settings
+
+    env = {k: v for k, v in os.environ.items() if k != "OPENLAB_DB_URL"}
+    settings = load_settings(environ={**env, "OPENLAB_HOME": str(served.home)})  # where the served flows look
+    launcher = get_launcher("local", settings)
+    with LineageStore(served.db_url) as store:
+        with store.transaction() as tx:
+            prun = tx.add(PipelineRun(name="killed", state="RUNNING"))
+            srun = tx.add(StageRun(pipeline_run_id=prun.id, stage="pretrain", identity="i-reaped", state="RUNNING"))
+        attempt, handle = submit_attempt(
+            store, launcher, JobSpec(name="orphan", command=["sleep", "300"]), stage_run_id=srun.id
+        )
+        mark_running(store, attempt, launcher.status(handle))
+        assert leases.acquire(store, "i-reaped", "a-killed-flow", ttl=0.01, stage_run_id=srun.id)
+        assert leases.acquire(store, pipeline_lease_key(prun.id), "a-killed-flow", ttl=0.01)
+    time.sleep(0.05)
+    try:
+        dry = wait_flow_run(start_run("lineage-reconcile/reconcile", {"dry_run": True}), 120)
+        assert dry.state.is_completed(), (dry.state, served.log()[-3000:])
+        assert not launcher.status(handle).state.terminal, "the dry run cancelled the job"
+        with LineageStore(served.db_url) as store:
+            assert store.require(StageRun, srun.id).state == "RUNNING"
+
+        real = wait_flow_run(start_run("lineage-reconcile/reconcile", {}), 120)
+        assert real.state.is_completed(), (real.state, served.log()[-3000:])
+        deadline = time.monotonic() + 15
+        while not launcher.status(handle).state.terminal:
+            assert time.monotonic() < deadline, "the orphaned job still runs after the reconcile flow"
+            time.sleep(0.1)
+        with LineageStore(served.db_url) as store:
+            assert store.require(StageRun, srun.id).state == "CANCELLED"
+            assert store.require(Attempt, attempt.id).state == "CANCELLED"
+            assert store.require(PipelineRun, prun.id).state == "FAILED"
+        said = f"closed stage run {srun.id} (pretrain job {handle.job_id}) as CANCELLED"
+        deadline = time.monotonic() + 30  # run logs reach the API in batches, after the state
+        with get_client(sync_client=True) as client:
+            while True:
+                logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[real.id])))
+                if any(said in log.message for log in logs):
+                    break
+                assert time.monotonic() < deadline, [log.message for log in logs]
+                time.sleep(0.5)
+            (artifact,) = client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[real.id]))
+            )
+        assert artifact.key == "lineage-reconcile" and srun.id in str(artifact.data)
+    finally:
+        launcher.cancel(handle)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import subprocess
 import sys
@@ -18,6 +19,7 @@ pytestmark = [pytest.mark.prefect]
 PIPELINE = "replica-pipeline/replica"
 NIGHTLY = "nightly-replica/nightly"
 DROPS_NIGHTLY = "nightly-replica/nightly-drops"
+RECONCILE = "lineage-reconcile/reconcile"
 
 
 def _cli(module: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -57,6 +59,14 @@ def test_deploy_registers_parameter_schema_and_nightly_cron(prefect_server: Pref
     (drops_schedule,) = drops.schedules
     assert drops_schedule.schedule.cron == "0 4 * * *" and drops_schedule.schedule.timezone == "UTC"
 
+    # the reaper: registered for the UI, on its 10-minute schedule (the runs of dead orchestrators)
+    assert "reconcile schedule: every 600 s" in done.stdout
+    with get_client(sync_client=True) as client:
+        reaper = client.read_deployment_by_name(RECONCILE)
+    (reaper_schedule,) = reaper.schedules
+    assert reaper_schedule.schedule.interval == dt.timedelta(seconds=600)
+    assert reaper.parameter_openapi_schema["properties"]["dry_run"]["default"] is False
+
     # Registering again updates in place; the default cron is 02:00 UTC.
     again = _cli("deploy", "--api-url", prefect_server.api_url, env=env)
     assert again.returncode == 0, again.stderr
@@ -71,6 +81,12 @@ def test_deploy_errors_are_one_clear_line(prefect_server: PrefectServer, tmp_pat
     bad_cron = _cli("deploy", "--api-url", prefect_server.api_url, "--nightly-cron", "every night", env=env)
     assert bad_cron.returncode == 2 and "invalid nightly cron 'every night'" in bad_cron.stderr
     assert "Traceback" not in bad_cron.stderr
+    (tmp_path / "openlab.toml").write_text("[prefect]\nreconcile_every_s = 5\n")
+    too_often = _cli("deploy", "--api-url", prefect_server.api_url, env=env)
+    assert too_often.returncode == 2 and "Traceback" not in too_often.stderr
+    assert too_often.stderr.strip() == (
+        "error: invalid [prefect] reconcile_every_s 5: use seconds, at least 60 (e.g. 600), or 0 for no schedule"
+    )
     nobody = f"http://127.0.0.1:{free_port()}/api"
     down = _cli("deploy", "--api-url", nobody, env=env)
     assert down.returncode == 2 and "openlab server" in down.stderr and "Traceback" not in down.stderr

@@ -1,0 +1,58 @@
+"""The reaper as a deployment: close what dead orchestrators left RUNNING, on a schedule or from the UI.
+
+A flow process killed outright (SIGKILL, OOM, a lost node) cannot cancel its Slurm job,
+container or Kubernetes Job, and nothing records its runs' end. Every pipeline start
+reconciles (:func:`orchestrator.pipeline.reconcile.reconcile_all`), but a lab that starts
+nothing for a day would keep paying for an orphaned job until then; this flow runs the
+same pass on its own schedule (``[prefect] reconcile_every_s``, 10 min by default) and
+can be triggered from the UI, with ``dry_run`` to see first. It only touches runs whose
+lease has expired, so the runs of live orchestrators are never cut short.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+
+@flow(
+    name="lineage-reconcile",
+    description="Close runs whose orchestrator died (lease expired) and cancel their orphaned backend jobs.",
+)
+def reconcile_lineage(dry_run: bool = False) -> dict[str, Any]:
+    """Close stale stage and pipeline runs and cancel their jobs; report each in the log and an artifact.
+
+    Args:
+        dry_run: Only ask the backends and say what would be closed; change nothing.
+    """
+    from prefect.artifacts import create_markdown_artifact
+
+    from orchestrator.lineage.store import LineageStore
+    from orchestrator.pipeline.reconcile import reconcile_all
+
+    logger = get_run_logger()
+    with LineageStore.open() as store:
+        report = reconcile_all(store, dry_run=dry_run)
+    if not report:
+        logger.info("nothing to reconcile: every RUNNING run has a live orchestrator")
+        return report.to_dict()
+    for line in report.lines():
+        logger.warning(line)
+    rows = [
+        f"| stage run `{r.stage_run_id}` ({r.stage}) | {r.job_id or ''} | {r.state} | {r.reason} |"
+        for r in report.stage_runs
+    ]
+    rows += [f"| pipeline run `{p.pipeline_run_id}` | | {p.state} | {p.reason} |" for p in report.pipeline_runs]
+    title = "Would close (dry run)" if dry_run else "Closed"
+    create_markdown_artifact(
+        key="lineage-reconcile",
+        markdown="\n".join(
+            [f"**{title}: {len(rows)} run(s)**", "", "| run | job | state | why |", "|---|---|---|---|", *rows]
+        ),
+        description=f"{title} {len(rows)} run(s) left RUNNING by dead orchestrators",
+    )
+    return report.to_dict()
+
+
+__all__ = ["reconcile_lineage"]
