@@ -11,6 +11,7 @@ from sqlmodel import col
 
 from orchestrator.cli.output import console, describe_task, print_json
 from orchestrator.errors import ConfigError, OpenlabError
+from orchestrator.lineage.trace import describe
 
 app = typer.Typer(help="Audit lineage: which commit, data, environment and job produced what.", no_args_is_help=True)
 
@@ -26,28 +27,6 @@ def _when(record: Any) -> Any:
         if value is not None:
             return value
     return None
-
-
-def _summary(record: Any) -> str:
-    kind = record.kind
-    if kind == "pipeline_run":
-        return f"{record.recipe or record.name} replica={record.replica} backend={record.backend} {record.state}"
-    if kind == "stage_run":
-        reused = f" (reused {record.reused_from})" if record.reused_from else ""
-        return f"{record.stage} {record.state} identity={record.identity[:12]}{reused}"
-    if kind == "attempt":
-        return f"#{record.number} {record.backend} job={record.job_id} {record.state} exit={record.exit_code}"
-    if kind == "snapshot":
-        return f"{record.path} files={record.files} bytes={record.bytes}"
-    if kind == "commit":
-        return f"{record.sha} {'dirty' if record.dirty else 'clean'} {record.remote_url or ''}"
-    if kind == "artifact":
-        return f"{record.name} {record.content_hash[:12]} {record.uri}"
-    if kind == "github_issue":
-        return f"{record.title or ''} ({record.state or 'unresolved'})"
-    if kind == "wandb_run":
-        return f"{record.mode} {record.url or record.local_dir or ''}"
-    return ""
 
 
 def _open() -> Any:
@@ -97,7 +76,7 @@ def list_cmd(
         table.add_column(header, overflow="fold")
     for r in rows:
         when = _when(r)
-        table.add_row(r.kind, r.id, when.strftime("%Y-%m-%d %H:%M:%S") if when else "", _summary(r))
+        table.add_row(r.kind, r.id, when.strftime("%Y-%m-%d %H:%M:%S") if when else "", describe(r))
     console.print(table)
 
 
@@ -144,6 +123,50 @@ def show_cmd(
             else:
                 console.print(f"  {rel.subject_kind}:{rel.subject_id} {rel.relation} -> this {rel.role}".rstrip())
     console.print(f"[bold]history[/] {len(events)} event(s), last {events[-1].hash[:16] if events else '-'}")
+
+
+@app.command("trace")
+def trace_cmd(
+    record_id: Annotated[str, typer.Argument(help="Record id (or a unique prefix): an artifact, snapshot, run...")],
+    down: Annotated[bool, typer.Option("--down", help="What came from it (default: what it came from).")] = False,
+    depth: Annotated[int | None, typer.Option("--depth", min=1, help="At most this many hops (default: all).")] = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Everything a record came from (data, commit, environment, issue, W&B run, jobs), or with --down
+    everything made from it: e.g. every checkpoint trained on a data snapshot."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.text import Text
+    from rich.tree import Tree
+
+    from orchestrator.lineage.trace import TraceNode, trace
+
+    root = trace(_open(), record_id, direction="down" if down else "up", depth=depth)
+    if json_out:
+        print_json(root.to_dict())
+        return
+
+    def label(node: TraceNode) -> str:
+        how = f"[dim]{node.relation}{f' ({node.role})' if node.role else ''}[/] " if node.relation else ""
+        text = f"{how}[bold]{node.kind}[/] {node.id} {escape(describe(node.record))}"
+        if node.repeated:
+            text += " [dim](shown above)[/]"
+        if node.truncated:
+            text += " [dim]…[/]"
+        return text
+
+    def text(node: TraceNode) -> Text:
+        return Text.from_markup(label(node), overflow="fold")  # ids and paths are never cut short
+
+    def add(branch: Tree, node: TraceNode) -> None:
+        for child in node.children:
+            add(branch.add(text(child)), child)
+
+    tree = Tree(text(root))
+    add(tree, root)
+    # In a terminal long lines fold under their branch; piped, each record stays on one line for grep.
+    out = console if console.is_terminal else Console(width=100_000, no_color=True, highlight=False)
+    out.print(tree)
 
 
 def _linked(store: Any, record: Any) -> dict[str, str]:

@@ -96,6 +96,8 @@ class GitInfo:
     untracked: tuple[str, ...] = ()
     tree_hashes: Mapping[str, str] = field(default_factory=dict)
     submodules: tuple[SubmoduleInfo, ...] = ()
+    message: str | None = None  # the commit's subject line: what a person reads in an audit
+    authored_at: str | None = None  # ISO 8601, with the author's offset
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -112,6 +114,8 @@ class GitInfo:
             "untracked": list(self.untracked),
             "tree_hashes": dict(self.tree_hashes),
             "submodules": [s.to_dict() for s in self.submodules],
+            "message": self.message,
+            "authored_at": self.authored_at,
         }
 
 
@@ -299,6 +303,8 @@ def _capture(
     root = Path(repo.working_tree_dir or path).resolve()
     has_commit = repo.head.is_valid()
     commit = repo.head.commit.hexsha if has_commit else None
+    subject = str(repo.head.commit.summary) if has_commit else None
+    authored = repo.head.commit.authored_datetime.isoformat() if has_commit else None
     try:
         branch = None if repo.head.is_detached else repo.head.reference.name
     except (TypeError, ValueError):
@@ -348,6 +354,8 @@ def _capture(
         untracked=untracked,
         tree_hashes=tree_hashes,
         submodules=submodules,
+        message=subject,
+        authored_at=authored,
     )
 
 

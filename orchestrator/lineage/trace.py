@@ -1,0 +1,153 @@
+"""Lineage queries: everything a record came from, or everything that came from it, transitively.
+
+``openlab lineage show`` answers one hop. An audit asks the transitive question:
+*which data, commit, issue, W&B run and job produced this checkpoint?* (upstream), or
+*which checkpoints were trained on this data snapshot, or at this commit?* (downstream,
+e.g. when a snapshot turns out to hold data it must not). Marquez answers it with
+``GET /lineage?nodeId&depth``; this is the same walk over our own PROV graph.
+
+Every relation we record points from the later record to the earlier one, as PROV's do
+(``wasGeneratedBy`` entity -> activity, ``used`` activity -> entity, ``wasAssociatedWith``
+activity -> agent, ``wasInformedBy`` activity -> activity, ``wasDerivedFrom`` entity ->
+entity). So *up* follows relations from subject to object and *down* from object to
+subject, whatever their name. Two structural links are walked too, because they are
+columns rather than relation rows: a stage run's attempts (the jobs that ran it, with
+backend, job id and host) and its pipeline run (whose issue and trigger it shares).
+A record reached twice is shown again but expanded once, so a diamond (two stages that
+used one snapshot) cannot loop or repeat a whole subtree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from orchestrator.errors import NotFoundError
+from orchestrator.lineage.models import Attempt, LineageRecord, PipelineRun, StageRun
+from orchestrator.lineage.store import LineageStore
+
+Direction = Literal["up", "down"]
+
+#: Relations that are bookkeeping of the GitHub mirror, not provenance of the work.
+SKIPPED_RELATIONS = frozenset({"comment-on"})
+
+
+def describe(record: Any) -> str:
+    """One line that says what a record is, for lists and trees."""
+    kind = record.kind
+    if kind == "pipeline_run":
+        return f"{record.recipe or record.name} replica={record.replica} backend={record.backend} {record.state}"
+    if kind == "stage_run":
+        reused = f" (reused {record.reused_from})" if record.reused_from else ""
+        return f"{record.stage} {record.state} identity={record.identity[:12]}{reused}"
+    if kind == "attempt":
+        host = f" host={record.host}" if record.host else ""
+        return f"#{record.number} {record.backend} job={record.job_id} {record.state} exit={record.exit_code}{host}"
+    if kind == "snapshot":
+        return f"{record.path} files={record.files} bytes={record.bytes}"
+    if kind == "commit":  # the id is the sha (plus the patch hash when dirty): say what it does not
+        where = " ".join(x for x in (record.branch, record.remote_url) if x)
+        first_line = (record.message or "").strip().splitlines()[:1]
+        return " ".join(x for x in ("dirty" if record.dirty else "clean", where, *first_line) if x)
+    if kind == "environment":
+        image = f" image={record.image_digest[:19]}" if record.image_digest else ""
+        gpu = f" gpu={record.gpu}" if record.gpu else ""
+        return f"python {record.python} on {record.hostname} ({record.platform}){gpu}{image}"
+    if kind == "artifact":
+        return f"{record.name} {record.content_hash[:12]} {record.uri}"
+    if kind == "github_issue":
+        return f"{record.title or ''} ({record.state or 'unresolved'})"
+    if kind == "wandb_run":
+        return f"{record.mode} {record.url or record.local_dir or ''}".rstrip()
+    return ""
+
+
+@dataclass
+class TraceNode:
+    """One record in a trace, with how it was reached from its parent."""
+
+    record: LineageRecord
+    relation: str = ""  # how the parent reaches this record ("wasGeneratedBy", "used", "attempt", ...)
+    role: str = ""
+    repeated: bool = False  # already expanded elsewhere in the tree
+    truncated: bool = False  # has further lineage beyond --depth
+    children: list[TraceNode] = field(default_factory=list)
+
+    @property
+    def kind(self) -> str:
+        return self.record.kind
+
+    @property
+    def id(self) -> str:
+        return self.record.id  # type: ignore[attr-defined,no-any-return]
+
+    def walk(self) -> Iterator[TraceNode]:
+        yield self
+        for child in self.children:
+            yield from child.walk()
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind, "id": self.id, "summary": describe(self.record)}
+        if self.relation:
+            out["relation"] = self.relation
+        if self.role:
+            out["role"] = self.role
+        if self.repeated:
+            out["repeated"] = True
+        if self.truncated:
+            out["truncated"] = True
+        out["children"] = [c.to_dict() for c in self.children]
+        return out
+
+
+def _neighbours(store: LineageStore, record: LineageRecord, direction: Direction) -> list[tuple[str, str, str]]:
+    """(relation, role, record id) one hop away, relations first in the order they were recorded."""
+    rid = record.id  # type: ignore[attr-defined]
+    out: list[tuple[str, str, str]] = []
+    for rel in store.relations(rid):
+        if rel.role in SKIPPED_RELATIONS:
+            continue
+        if direction == "up" and rel.subject_id == rid:
+            out.append((rel.relation, rel.role, rel.object_id))
+        elif direction == "down" and rel.object_id == rid:
+            out.append((rel.relation, rel.role, rel.subject_id))
+    if isinstance(record, StageRun):
+        if direction == "up":
+            out += [("ranAs", "job", a.id) for a in store.list(Attempt, stage_run_id=rid, order_by=Attempt.number)]
+            if record.pipeline_run_id:
+                out.append(("partOf", "pipeline", record.pipeline_run_id))
+    elif isinstance(record, PipelineRun) and direction == "down":
+        stages = store.list(StageRun, pipeline_run_id=rid, order_by=StageRun.started_at)
+        out += [("hasPart", "stage", s.id) for s in stages]
+    return out
+
+
+def trace(store: LineageStore, record_id: str, *, direction: Direction = "up", depth: int | None = None) -> TraceNode:
+    """The lineage tree of ``record_id`` (an id or unique prefix) ``depth`` hops deep (None: all of it)."""
+    root = TraceNode(store.find(record_id))
+    expanded: set[str] = set()
+
+    def grow(node: TraceNode, left: int | None) -> None:
+        if node.id in expanded:
+            node.repeated = True
+            return
+        expanded.add(node.id)
+        hops = _neighbours(store, node.record, direction)
+        if left == 0:
+            node.truncated = bool(hops)
+            return
+        for relation, role, other_id in hops:
+            try:
+                other = store.find(other_id)
+            except NotFoundError:
+                continue  # a relation to a record this store no longer has: `lineage verify` reports it
+            child = TraceNode(other, relation, role)
+            node.children.append(child)
+            grow(child, None if left is None else left - 1)
+
+    grow(root, depth)
+    return root
+
+
+__all__ = ["Direction", "TraceNode", "describe", "trace"]

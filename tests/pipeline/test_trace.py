@@ -1,0 +1,90 @@
+"""`openlab lineage trace`: the transitive lineage of a record, up (what it came from) and down (what came from it).
+
+A real toy pipeline (gen -> upper -> count, local jobs, real git, SQLite) is recorded, then traced
+through the CLI as an auditor would, from the last stage's output and from the first stage's data.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.lineage.models import StageRun
+from orchestrator.lineage.store import LineageStore
+from orchestrator.pipeline import RunOptions, run_pipeline
+from tests.pipeline.toy import git, make_repo, toy_configs, toy_pipeline
+
+
+def _nodes(tree: dict[str, Any]) -> list[dict[str, Any]]:
+    return [tree, *(n for child in tree["children"] for n in _nodes(child))]
+
+
+@pytest.fixture
+def recorded(tmp_path: Path) -> dict[str, Any]:
+    repo = make_repo(tmp_path)
+    result = run_pipeline(toy_pipeline(repo), toy_configs(), options=RunOptions(wait_poll=0.05, lease_ttl=10))
+    assert result.ok, result.error
+    with LineageStore.open() as store:
+        stages = {s.stage: s for s in store.list(StageRun, pipeline_run_id=result.pipeline_run.id)}
+    return {
+        "repo": repo,
+        "run": result.pipeline_run.id,
+        "stages": stages,
+        "sha": git(repo, "rev-parse", "HEAD").strip(),
+    }
+
+
+def test_trace_up_from_the_last_output_reaches_every_stage_its_jobs_data_and_commit(run_cli, recorded) -> None:
+    count = recorded["stages"]["count"]
+    artifact_id = count.outputs["out"]["artifact_id"]
+    done = run_cli("lineage", "trace", artifact_id, "--json")
+    assert done.returncode == 0, done.stderr
+    tree = json.loads(done.stdout)
+    nodes = _nodes(tree)
+    assert (tree["kind"], tree["id"]) == ("artifact", artifact_id)
+    assert tree["children"][0]["relation"] == "wasGeneratedBy" and tree["children"][0]["id"] == count.id
+    reached = {n["id"] for n in nodes if not n.get("repeated")}
+    assert {s.id for s in recorded["stages"].values()} <= reached, "every upstream stage run"
+    gen_output = recorded["stages"]["gen"].outputs["out"]
+    assert gen_output["artifact_id"] in reached and gen_output["snapshot_id"] in reached, (
+        "the data, as artifact and snapshot"
+    )
+    commits = [n for n in nodes if n["kind"] == "commit"]
+    assert commits and all(n["id"].startswith(recorded["sha"]) and "toy stages" in n["summary"] for n in commits)
+    assert sum(1 for n in commits if not n.get("repeated")) == 1, "one commit, expanded once"
+    jobs = [n for n in nodes if n.get("relation") == "ranAs"]
+    assert len(jobs) == 3 and all(n["kind"] == "attempt" and " local job=local-" in n["summary"] for n in jobs)
+    assert any(n.get("relation") == "partOf" and n["id"] == recorded["run"] for n in nodes)
+
+    shallow = json.loads(run_cli("lineage", "trace", artifact_id, "--json", "--depth", "1").stdout)
+    assert [c["id"] for c in shallow["children"]] == [count.id]
+    assert shallow["children"][0]["truncated"] is True and shallow["children"][0]["children"] == []
+
+    human = run_cli("lineage", "trace", artifact_id[:12])
+    assert human.returncode == 0, human.stderr
+    assert f"wasGeneratedBy stage_run {count.id} count COMPLETED" in human.stdout
+    assert "(shown above)" in human.stdout
+
+
+def test_trace_down_from_the_data_reaches_everything_made_from_it(run_cli, recorded) -> None:
+    """The question after a bad-data finding: which outputs were made from this snapshot?"""
+    snapshot_id = recorded["stages"]["gen"].outputs["out"]["snapshot_id"]
+    done = run_cli("lineage", "trace", snapshot_id, "--down", "--json")
+    assert done.returncode == 0, done.stderr
+    nodes = _nodes(json.loads(done.stdout))
+    reached = {n["id"] for n in nodes}
+    for stage in ("upper", "count"):
+        out = recorded["stages"][stage].outputs["out"]
+        assert recorded["stages"][stage].id in reached and out["artifact_id"] in reached, stage
+    assert not any(n["kind"] == "commit" for n in nodes), "down never climbs back up to the inputs' causes"
+
+
+def test_trace_of_an_unknown_id_is_one_line(run_cli, recorded) -> None:
+    done = run_cli("lineage", "trace", "art_nosuchthing")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "error: no lineage record with id 'art_nosuchthing'; `openlab lineage list` shows ids"
+    ]
