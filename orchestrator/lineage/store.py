@@ -359,13 +359,23 @@ class LineageStore:
             return list(session.exec(stmt).all())
 
     def find(self, record_id: str) -> LineageRecord:
-        """The record with this id (or unique id prefix, at least 6 characters), of any kind."""
+        """The record with this id (or unique id prefix, at least 6 characters), of any kind.
+
+        A W&B run is also found by its run id alone (``2d5eb8fa``, what the W&B UI shows),
+        not only by ``entity/project/run_id``.
+        """
+        from orchestrator.lineage.models import WandbRun
+
         matches: list[LineageRecord] = []
         with self.session() as session:
             for model in RECORD_TYPES.values():
                 exact = session.get(model, record_id)
                 if exact is not None:
                     return exact
+            runs = list(session.exec(select(WandbRun).where(WandbRun.run_id == record_id).limit(3)))
+            if len(runs) == 1:
+                return runs[0]
+            matches.extend(runs)
             if len(record_id) >= 6:
                 for model in RECORD_TYPES.values():
                     id_col = model.id  # type: ignore[attr-defined]

@@ -10,7 +10,8 @@ Every relation we record points from the later record to the earlier one, as PRO
 (``wasGeneratedBy`` entity -> activity, ``used`` activity -> entity, ``wasAssociatedWith``
 activity -> agent, ``wasInformedBy`` activity -> activity, ``wasDerivedFrom`` entity ->
 entity). So *up* follows relations from subject to object and *down* from object to
-subject, whatever their name. Two structural links are walked too, because they are
+subject, whatever their name; a W&B run, the one agent people start from, leads up to the
+stage run that logged to it ("recordOf"). Two structural links are walked too, because they are
 columns rather than relation rows: a stage run's attempts (the jobs that ran it, with
 backend, job id and host) and its pipeline run (whose issue and trigger it shares).
 A record reached twice is shown again but expanded once, so a diamond (two stages that
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from orchestrator.errors import NotFoundError
-from orchestrator.lineage.models import Attempt, LineageRecord, PipelineRun, StageRun
+from orchestrator.lineage.models import Attempt, LineageRecord, PipelineRun, StageRun, WandbRun
 from orchestrator.lineage.store import LineageStore
 
 Direction = Literal["up", "down"]
@@ -112,6 +113,13 @@ def _neighbours(store: LineageStore, record: LineageRecord, direction: Direction
             out.append((rel.relation, rel.role, rel.object_id))
         elif direction == "down" and rel.object_id == rid:
             out.append((rel.relation, rel.role, rel.subject_id))
+    if isinstance(record, WandbRun) and direction == "up":
+        # A W&B run is a record *of* the stage job that logged to it: its provenance is that stage's.
+        out += [
+            ("recordOf", "", rel.subject_id)
+            for rel in store.relations(rid)
+            if rel.object_id == rid and rel.relation == "wasAssociatedWith" and rel.subject_kind == StageRun.kind
+        ]
     if isinstance(record, StageRun):
         if direction == "up":
             out += [("ranAs", "job", a.id) for a in store.list(Attempt, stage_run_id=rid, order_by=Attempt.number)]

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.lineage.models import Attempt, GithubIssue, GithubUpdate, PipelineRun
+from orchestrator.lineage.models import Attempt, GithubIssue, GithubUpdate, PipelineRun, StageRun
 from orchestrator.lineage.store import open_store
+from orchestrator.lineage.trace import trace
 from orchestrator.links.github import GithubLinkError, marker
 from orchestrator.pipeline import RunOptions, run_pipeline
 from tests.links.links_fakes import TOKEN, FakeGitHub
@@ -55,6 +56,13 @@ def test_one_card_comment_follows_the_whole_run(fake_github: FakeGitHub, toy: tu
     with open_store() as store:
         issue = store.require(GithubIssue, ISSUE)
         assert issue.resolved and issue.title == "MoE replica: aux-loss-free routing"
+        # Everything done for the experiment: both runs, their stages and what the stages made
+        reached = {n.id for n in trace(store, ISSUE, direction="down").walk()}
+        assert {result.pipeline_run.id, second.pipeline_run.id} <= reached
+        count_out = result.results["count"]
+        assert count_out.stage_run_id in reached
+        stage = store.require(StageRun, count_out.stage_run_id)
+        assert stage.outputs["out"]["artifact_id"] in reached
 
 
 def test_optional_link_that_fails_never_stops_the_run(fake_github: FakeGitHub, toy: tuple[Path, Path]) -> None:

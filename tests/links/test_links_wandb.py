@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from orchestrator.cli.wandb import app as wandb_app
 from orchestrator.lineage.models import Relation, StageRun, WandbRun
+from orchestrator.lineage.trace import trace
 from orchestrator.links.wandb import (
     WandbLinkError,
     find_run_dirs,
@@ -151,6 +152,11 @@ def test_metrics_read_back_from_offline_files_match_what_the_job_logged(job_out,
     [rel] = store.list(Relation, relation="wasAssociatedWith", subject_id=stage.id, object_kind=WandbRun.kind)
     assert rel.object_id == run.id
     assert store.get(WandbRun, run.id).summary == run.summary
+
+    # From the id the W&B UI shows back to the stage run that logged it (and so to its data and commit)
+    traced = trace(store, first["id"])
+    assert (traced.kind, traced.id) == ("wandb_run", run.id)
+    assert [(c.relation, c.id) for c in traced.children] == [("recordOf", stage.id)]
 
 
 def test_retried_attempt_resumes_the_same_run_id(job_out) -> None:
