@@ -43,9 +43,17 @@ UNFINISHED_STATES = frozenset({"PENDING", "RUNNING"})
 
 
 def cancel_flow_run_jobs(
-    store: LineageStore, flow_run_id: str, *, reason: str = "flow run cancelled in Prefect"
+    store: LineageStore,
+    flow_run_id: str,
+    *,
+    reason: str = "flow run cancelled in Prefect",
+    run_state: str = "CANCELLED",
 ) -> list[str]:
-    """Cancel the backend jobs of ``flow_run_id``'s pipeline runs and record the cancel; returns job ids."""
+    """Cancel the backend jobs of ``flow_run_id``'s pipeline runs and record the cancel; returns job ids.
+
+    ``run_state`` is what a still-RUNNING pipeline run becomes: CANCELLED when a person
+    cancelled it, FAILED when its flow process crashed (nobody asked for the stop).
+    """
     cancelled_jobs: list[str] = []
     runs = store.list(PipelineRun, flow_run_id=str(flow_run_id))
     for prun in runs:
@@ -60,7 +68,7 @@ def cancel_flow_run_jobs(
                 _release_leases(store, [srun.id])
         if prun.state == "RUNNING":
             with store.transaction() as tx:
-                tx.update(prun, state="CANCELLED", error=reason, ended_at=prun.ended_at or utcnow())
+                tx.update(prun, state=run_state, error=reason, ended_at=prun.ended_at or utcnow())
         _release_pipeline_lease(store, prun.id)
     return cancelled_jobs
 
@@ -116,4 +124,27 @@ def on_cancellation_hook(flow: Any, flow_run: Any, state: Any) -> None:
         logger.info("openlab cancelled backend jobs of flow run %s: %s", flow_run.id, ", ".join(jobs))
 
 
-__all__ = ["cancel_flow_run_jobs", "on_cancellation_hook"]
+def on_crashed_hook(flow: Any, flow_run: Any, state: Any) -> None:
+    """Prefect ``on_crashed`` hook: the flow process died (SIGKILL, OOM); end its jobs now.
+
+    The runner that started the process sees it exit, marks the flow run Crashed and runs
+    this hook in its own process, so the orphaned Slurm job, container or Kubernetes Job is
+    cancelled at once instead of when the stage's lease expires and a reconcile finds it.
+    The jobs' attempts and stages are recorded CANCELLED (openlab stopped them) and the
+    pipeline run FAILED, each with the crash message.
+    """
+    from prefect.logging import get_logger
+
+    logger = get_logger("openlab.cancel")
+    message = getattr(state, "message", None) or "flow process crashed"
+    try:
+        with LineageStore.open() as store:
+            jobs = cancel_flow_run_jobs(store, str(flow_run.id), reason=f"crashed: {message}", run_state="FAILED")
+    except Exception as exc:  # noqa: BLE001 - the reaper (lineage-reconcile) still gets them after lease expiry
+        logger.error("openlab could not cancel the jobs of crashed flow run %s: %s", flow_run.id, exc)
+        return
+    if jobs:
+        logger.info("openlab cancelled backend jobs of crashed flow run %s: %s", flow_run.id, ", ".join(jobs))
+
+
+__all__ = ["cancel_flow_run_jobs", "on_cancellation_hook", "on_crashed_hook"]

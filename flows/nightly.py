@@ -14,7 +14,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.cancel import on_cancellation_hook
+from flows.cancel import on_cancellation_hook, on_crashed_hook
 from flows.pipeline import Backend, run_replica
 
 
@@ -56,6 +56,7 @@ def nightly_verdict(pipeline_run_id: str, recipe: str, replica: str) -> dict[str
     name="nightly-replica",
     description="Nightly replica of main with a regression verdict against the previous successful nightly.",
     on_cancellation=[on_cancellation_hook],
+    on_crashed=[on_crashed_hook],
 )
 def nightly_replica(
     recipe: str = "marin-535b-a23b",

@@ -20,8 +20,11 @@ and lineage (the same code ``openlab run`` uses); this module only maps it onto 
   ``should_cancel``, for deployments whose infrastructure does not signal the process.
   The ``on_cancellation`` hook (:mod:`flows.cancel`) remains as a safety net for a
   process killed before it could record anything;
-- the library's reconcile runs when the pipeline starts (:func:`start_recipe`), so a
-  crashed earlier run leaves neither a stage run nor its pipeline run RUNNING forever;
+- a crash (the flow process SIGKILLed or OOM-killed): the runner marks the flow run Crashed
+  and runs the ``on_crashed`` hook (:mod:`flows.cancel`), which cancels the running job at
+  once; the library's reconcile (at every pipeline start, and the ``lineage-reconcile``
+  deployment every 10 minutes) catches what no runner saw, so a crashed run leaves neither
+  a job running nor a stage run or pipeline run RUNNING forever;
 - ``dry_run`` is ``openlab explain``: per stage run or reuse and which identity fields
   changed, as the markdown artifact ``explain`` and one log line per stage.
 """
@@ -37,7 +40,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
-from flows.cancel import on_cancellation_hook
+from flows.cancel import on_cancellation_hook, on_crashed_hook
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import TaskRun
@@ -369,6 +372,7 @@ def _dry_run(
     name="replica-pipeline",
     description="Run a recipe's replica stage by stage with reuse, leases and lineage.",
     on_cancellation=[on_cancellation_hook],
+    on_crashed=[on_crashed_hook],
     validate_parameters=True,
 )
 def replica_pipeline(

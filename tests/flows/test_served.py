@@ -293,3 +293,62 @@ def test_reconcile_deployment_cancels_the_job_of_a_dead_orchestrator(served: Ser
         assert artifact.key == "lineage-reconcile" and srun.id in str(artifact.data)
     finally:
         launcher.cancel(handle)
+
+
+def _flow_process(flow_run_id: Any) -> int | None:
+    """The pid of the process running ``flow_run_id`` (the runner puts the id in its environment)."""
+    from pathlib import Path
+
+    wanted = f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if wanted in (proc / "environ").read_bytes().split(b"\0"):
+                    return int(proc.name)
+            except OSError:
+                continue
+    return None
+
+
+def test_a_killed_flow_process_has_its_job_cancelled_by_the_crash_hook(served: Served) -> None:
+    """SIGKILL the flow process mid-stage (as the OOM killer would): the runner marks the run Crashed and
+    its on_crashed hook cancels the job at once, without waiting for the lease to expire."""
+    import os
+    import signal
+
+    params = {"recipe": "marin-535b-a23b", "replica": "small", "backend": "local"}
+    flow_run_id = start_run("replica-pipeline/replica", params)
+    running: Attempt | None = None
+    try:
+        deadline = time.monotonic() + 240
+        with LineageStore(served.db_url) as store:
+            while running is None:
+                assert time.monotonic() < deadline, f"no pretrain job started:\n{served.log()[-3000:]}"
+                runs = store.list(PipelineRun, flow_run_id=str(flow_run_id))
+                for srun in store.list(StageRun, pipeline_run_id=runs[0].id, stage="pretrain") if runs else []:
+                    for att in store.list(Attempt, stage_run_id=srun.id, state="RUNNING"):
+                        if att.job_id and _job_alive(served, "local", att.job_id):
+                            running = att
+                time.sleep(0.3)
+        pid = _flow_process(flow_run_id)
+        assert pid is not None, "the flow run's process was not found"
+        killed_at = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        final = wait_flow_run(flow_run_id, 120)
+        assert final.state.is_crashed(), final.state
+        while _job_alive(served, "local", running.job_id):
+            assert time.monotonic() - killed_at < 60, f"local job {running.job_id} still runs after the crash"
+            time.sleep(0.3)
+        with LineageStore(served.db_url) as store:
+            attempt = store.require(Attempt, running.id)
+            assert attempt.state == "CANCELLED" and attempt.reason.startswith("crashed: "), attempt.reason
+            (run,) = store.list(PipelineRun, flow_run_id=str(flow_run_id))
+            assert run.state == "FAILED" and run.error.startswith("crashed: "), (run.state, run.error)
+    finally:  # a job left running would load the cores for the rest of the suite
+        if running is not None and _job_alive(served, "local", running.job_id):
+            from orchestrator.launchers import get_launcher
+            from orchestrator.launchers.attempts import handle_from_attempt
+            from orchestrator.settings import load_settings
+
+            settings = load_settings(environ={"OPENLAB_HOME": str(served.home)})
+            get_launcher("local", settings).cancel(handle_from_attempt(running))
