@@ -21,6 +21,7 @@ relative paths a person types into the UI (``recipes/x.yaml``) mean the same as 
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -92,7 +93,7 @@ def reconcile_every(settings: Settings | None = None) -> float:
         every = float(raw)
     except (TypeError, ValueError):
         every = -1.0
-    if every < 0 or (0 < every < 60):
+    if not math.isfinite(every) or every < 0 or 0 < every < 60:
         raise ConfigError(
             f"invalid [prefect] reconcile_every_s {raw!r}: use seconds, at least 60 (e.g. 600), or 0 for no schedule"
         )
