@@ -149,6 +149,20 @@ def _job_alive(served: Served, backend: str, job_id: str) -> bool:
     raise AssertionError(backend)
 
 
+def _live_pretrain_job(served: Served, flow_run_id: Any, backend: str, timeout: float = 240) -> Attempt:
+    """The running attempt of the flow run's pretrain stage, once its job is alive on ``backend``."""
+    deadline = time.monotonic() + timeout
+    with LineageStore(served.db_url) as store:
+        while True:
+            assert time.monotonic() < deadline, f"no pretrain job started:\n{served.log()[-3000:]}"
+            runs = store.list(PipelineRun, flow_run_id=str(flow_run_id))
+            for srun in store.list(StageRun, pipeline_run_id=runs[0].id, stage="pretrain") if runs else []:
+                for att in store.list(Attempt, stage_run_id=srun.id, state="RUNNING"):
+                    if att.job_id and _job_alive(served, backend, att.job_id):
+                        return att
+            time.sleep(0.3)
+
+
 @pytest.mark.parametrize("backend", ["local", "docker", "slurm"])
 def test_cancel_through_api_stops_backend_job(served: Served, backend: str) -> None:
     """Cancelling the flow run via the API ends its running job and records CANCELLED in lineage."""
@@ -162,18 +176,9 @@ def test_cancel_through_api_stops_backend_job(served: Served, backend: str) -> N
     # which failed fresh-clone CI at 7fb976b once (docker).
     params = {"recipe": "marin-535b-a23b", "replica": "small", "backend": backend}
     flow_run_id = start_run("replica-pipeline/replica", params)
-    deadline = time.monotonic() + 240
     running: Attempt | None = None
     try:
-        with LineageStore(served.db_url) as store:
-            while running is None:
-                assert time.monotonic() < deadline, f"no job started:\n{served.log()[-3000:]}"
-                runs = store.list(PipelineRun, flow_run_id=str(flow_run_id))
-                for srun in store.list(StageRun, pipeline_run_id=runs[0].id, stage="pretrain") if runs else []:
-                    for att in store.list(Attempt, stage_run_id=srun.id, state="RUNNING"):
-                        if att.job_id and _job_alive(served, backend, att.job_id):
-                            running = att
-                time.sleep(0.3)
+        running = _live_pretrain_job(served, flow_run_id, backend)
         assert _job_alive(served, backend, running.job_id)
     finally:
         # Cancel even when the test failed above: a `small` pretrain left running loads the cores for
@@ -320,16 +325,7 @@ def test_a_killed_flow_process_has_its_job_cancelled_by_the_crash_hook(served: S
     flow_run_id = start_run("replica-pipeline/replica", params)
     running: Attempt | None = None
     try:
-        deadline = time.monotonic() + 240
-        with LineageStore(served.db_url) as store:
-            while running is None:
-                assert time.monotonic() < deadline, f"no pretrain job started:\n{served.log()[-3000:]}"
-                runs = store.list(PipelineRun, flow_run_id=str(flow_run_id))
-                for srun in store.list(StageRun, pipeline_run_id=runs[0].id, stage="pretrain") if runs else []:
-                    for att in store.list(Attempt, stage_run_id=srun.id, state="RUNNING"):
-                        if att.job_id and _job_alive(served, "local", att.job_id):
-                            running = att
-                time.sleep(0.3)
+        running = _live_pretrain_job(served, flow_run_id, "local")
         pid = _flow_process(flow_run_id)
         assert pid is not None, "the flow run's process was not found"
         killed_at = time.monotonic()
