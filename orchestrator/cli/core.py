@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
 from orchestrator.cli.output import console, print_json
@@ -49,10 +50,10 @@ def snapshot_cmd(
         print_json(snap.to_dict())
         return
     console.print(f"[bold]snapshot[/] {snap.id}")
-    console.print(f"  path      {snap.path}")
+    console.print(f"  path      {snap.path}", markup=False)
     console.print(f"  files     {snap.files}")
     console.print(f"  bytes     {snap.bytes}")
-    console.print(f"  manifest  {snap.manifest_path}")
+    console.print(f"  manifest  {snap.manifest_path}", markup=False)
     console.print(f"  hashed    {snap.hashed_files} files ({snap.cache_hits} unchanged, from the stat cache)")
 
 
@@ -76,15 +77,16 @@ def provenance_cmd(
         return
     git, env = data["git"], data["environment"]
     if not git.get("available", True):
-        console.print(f"[yellow]git:[/] {git.get('reason', 'no git')}")
+        console.print(f"[yellow]git:[/] {escape(str(git.get('reason', 'no git')))}")
     else:
         state = "[red]dirty[/]" if git.get("dirty") else "[green]clean[/]"
-        console.print(f"[bold]commit[/]   {git.get('commit')} ({state}) on {git.get('branch') or 'detached HEAD'}")
-        console.print(f"  remote   {git.get('remote_url') or '-'}")
+        branch = escape(git.get("branch") or "detached HEAD")
+        console.print(f"[bold]commit[/]   {git.get('commit')} ({state}) on {branch}")
+        console.print(f"  remote   {git.get('remote_url') or '-'}", markup=False)
         if git.get("patch_hash"):
             console.print(f"  patch    {git['patch_hash']}")
         for rel, tree in (git.get("tree_hashes") or {}).items():
-            console.print(f"  code     {rel}: {tree}")
+            console.print(f"  code     {rel}: {tree}", markup=False)
     console.print(f"[bold]environment[/] {env.get('id')}")
     for key in (
         "python_version",
@@ -95,4 +97,4 @@ def provenance_cmd(
         "packages_hash",
         "container_image_digest",
     ):
-        console.print(f"  {key:<24}{env.get(key) or '-'}")
+        console.print(f"  {key:<24}{env.get(key) or '-'}", markup=False)

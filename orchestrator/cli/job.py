@@ -185,11 +185,11 @@ def status_cmd(
     tasks = data.pop("tasks", None)
     for key, value in data.items():
         if value is not None:
-            console.print(f"{key:>12}: {value}", highlight=False)
+            console.print(f"{key:>12}: {value}", highlight=False, markup=False)
     if tasks:  # a job array: one line per task, so a failed shard is easy to spot
         console.print(f"{'tasks':>12}: {len(tasks)}", highlight=False)
         for task, task_status in sorted(tasks.items(), key=lambda kv: (len(kv[0]), kv[0])):
-            console.print(f"{task:>12}  {describe_task(task_status)}", highlight=False)
+            console.print(f"{task:>12}  {describe_task(task_status)}", highlight=False, markup=False)
 
 
 @app.command("logs")

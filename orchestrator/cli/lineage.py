@@ -6,6 +6,7 @@ import logging
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 from sqlmodel import col
 
@@ -76,7 +77,7 @@ def list_cmd(
         table.add_column(header, overflow="fold")
     for r in rows:
         when = _when(r)
-        table.add_row(r.kind, r.id, when.strftime("%Y-%m-%d %H:%M:%S") if when else "", describe(r))
+        table.add_row(r.kind, r.id, when.strftime("%Y-%m-%d %H:%M:%S") if when else "", escape(describe(r)))
     console.print(table)
 
 
@@ -108,20 +109,21 @@ def show_cmd(
         if key == "tasks" and isinstance(value, dict) and value:
             console.print(f"  {'tasks':<16}{len(value)}")
             for task, end in value.items():  # one line per array task: which shard failed, where
-                console.print(f"    {task:<14}{describe_task(end)}", highlight=False)
+                console.print(f"    {task:<14}{describe_task(end)}", highlight=False, markup=False)
         elif key != "id" and value not in (None, {}, []):
-            console.print(f"  {key:<16}{value}", highlight=False, soft_wrap=True)
+            console.print(f"  {key:<16}{value}", highlight=False, soft_wrap=True, markup=False)
     if linked:
         console.print("[bold]links[/]")
         for key, value in linked.items():
-            console.print(f"  {key:<16}{value}", highlight=False, soft_wrap=True)
+            console.print(f"  {key:<16}{value}", highlight=False, soft_wrap=True, markup=False)
     if relations:
         console.print("[bold]relations[/]")
         for rel in relations:
             if rel.subject_id == record.id:
-                console.print(f"  {rel.relation} -> {rel.object_kind}:{rel.object_id} {rel.role}".rstrip())
+                line = f"  {rel.relation} -> {rel.object_kind}:{rel.object_id} {rel.role}"
             else:
-                console.print(f"  {rel.subject_kind}:{rel.subject_id} {rel.relation} -> this {rel.role}".rstrip())
+                line = f"  {rel.subject_kind}:{rel.subject_id} {rel.relation} -> this {rel.role}"
+            console.print(line.rstrip(), markup=False)
     console.print(f"[bold]history[/] {len(events)} event(s), last {events[-1].hash[:16] if events else '-'}")
 
 
@@ -238,7 +240,10 @@ def diff_cmd(
         console.print(f"[bold]{section}[/]: {len(changes)} field(s) differ")
         for change in changes:
             console.print(
-                f"  {change['path']}: {change['old']!r} -> {change['new']!r}", highlight=False, soft_wrap=True
+                f"  {change['path']}: {change['old']!r} -> {change['new']!r}",
+                highlight=False,
+                soft_wrap=True,
+                markup=False,
             )
 
 
@@ -262,7 +267,7 @@ def verify_cmd(json_out: JsonFlag = False) -> None:
     elif problems:
         console.print(f"[bold red]{len(problems)} problem(s)[/]")
         for p in problems:
-            console.print(f"  {p}", highlight=False, soft_wrap=True)
+            console.print(f"  {p}", highlight=False, soft_wrap=True, markup=False)
     else:
         console.print(
             "[green]lineage verified: event chain intact, records match their log, data and commits present[/]"
@@ -301,7 +306,7 @@ def reconcile_cmd(
         console.print("[green]nothing to reconcile: every RUNNING run has a live orchestrator[/]")
         return
     for line in report.lines():
-        console.print(line, highlight=False, soft_wrap=True)
+        console.print(line, highlight=False, soft_wrap=True, markup=False)
 
 
 @app.command("export")

@@ -152,8 +152,12 @@ def run(
     )
     if json_out or not console.is_terminal:
         hooks = PipelineHooks(
-            on_transition=(None if json_out else lambda e: err_console.print(f"{e.stage}: {e.state} {e.reason}")),
-            on_log=(lambda s, line: err_console.print(f"{s} | {line}", highlight=False)) if verbose else None,
+            on_transition=(
+                None if json_out else lambda e: err_console.print(f"{e.stage}: {e.state} {e.reason}", markup=False)
+            ),
+            on_log=(
+                (lambda s, line: err_console.print(f"{s} | {line}", highlight=False, markup=False)) if verbose else None
+            ),
         )
         ctx = start_recipe(resolved, options=options, hooks=hooks)
         result = run_stages(ctx)

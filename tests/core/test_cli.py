@@ -148,3 +148,19 @@ def test_show_list_and_diff(run_cli, openlab_home: Path) -> None:
     assert shown["relations"][0]["object_id"] == run.id
     diff = json.loads(run_cli("lineage", "diff", s1.id, s2.id, "--json").stdout)
     assert diff["changes"]["pretrain"] == [{"path": "config.steps", "old": 10, "new": 20}]
+
+
+def test_recorded_text_is_printed_as_recorded_not_as_markup(run_cli, openlab_home: Path) -> None:
+    """`[rank 3]` in an error or `[WIP]` in a commit subject is data: the audit output must not eat it."""
+    from orchestrator.lineage import Commit, StageRun, open_store
+
+    error = "[rank 3] CUDA out of memory; see [bold]log[/bold]"
+    subject = "[WIP] try [red]top-k[/red] routing"
+    with open_store() as store, store.transaction() as tx:
+        stage = tx.add(StageRun(stage="pretrain", identity="i-markup", state="FAILED", error=error))
+        tx.add(Commit(id="c0ffee" * 6 + "abcd", sha="c0ffee" * 6 + "abcd", message=subject))
+    shown = run_cli("lineage", "show", stage.id)
+    assert shown.returncode == 0, shown.stderr
+    assert error in shown.stdout
+    listed = run_cli("lineage", "list", "--kind", "commit")
+    assert "[WIP]" in listed.stdout and "[red]top-k[/red]" in listed.stdout, listed.stdout  # the table may wrap it
