@@ -70,6 +70,7 @@ def main() -> int:
     console.print(f"Prefect UI            {server.ui_url}  (flow runs, stage logs, lineage cards as artifacts)")
     if pipeline_run_id:
         console.print(f"this run's lineage    openlab lineage show {pipeline_run_id}")
+        console.print(f"everything it made    openlab lineage trace {pipeline_run_id} --down  (an output id: up)")
     console.print("all runs              openlab lineage list")
     console.print("prove nothing changed openlab lineage verify")
     console.print("what would re-run     openlab explain marin-535b-a23b --replica tiny")
