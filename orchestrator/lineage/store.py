@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -98,6 +99,30 @@ def _require_sqlite_file(url: str) -> None:
         )
 
 
+def _use_wal(cur: Any, patience_s: float = 60.0) -> None:
+    """Put the database in WAL mode (persistent: only a new file is converted), retrying while locked.
+
+    Switching the journal mode does not wait on the busy timeout: two processes creating the
+    same new database at once (two pipelines started together) saw one fail at once with
+    "database is locked". The switch is retried instead, for as long as a write would wait.
+    """
+    import sqlite3
+
+    delay, waited = 0.01, 0.0
+    while True:
+        try:
+            if str(cur.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal":
+                return
+            cur.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or waited >= patience_s:
+                raise
+            time.sleep(delay)
+            waited += delay
+            delay = min(delay * 2, 0.5)
+
+
 def _make_engine(url: str) -> Engine:
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
@@ -112,7 +137,7 @@ def _make_engine(url: str) -> Engine:
             dbapi_conn.isolation_level = None
             cur = dbapi_conn.cursor()
             cur.execute("PRAGMA busy_timeout = 60000")
-            cur.execute("PRAGMA journal_mode = WAL")
+            _use_wal(cur)
             cur.execute("PRAGMA synchronous = NORMAL")
             cur.execute("PRAGMA foreign_keys = ON")
             cur.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import sqlite3
+import threading
 from pathlib import Path
 
 import pytest
@@ -159,6 +160,24 @@ def test_auditing_a_database_that_does_not_exist_is_an_error_not_an_empty_histor
         "check OPENLAB_HOME or OPENLAB_DB_URL (a first run or snapshot creates it)"
     )
     assert not typo.parent.exists(), "a reader created the database it was asked to read"
+
+
+def test_opening_a_new_database_another_process_is_still_writing_waits_for_it(tmp_path: Path) -> None:
+    """Two pipelines started together both create the new database. Switching it to WAL does not wait
+    on SQLite's busy timeout: while the other side's first write was open, the switch failed at once
+    with "database is locked" (seen in test_two_pipeline_processes_at_once, about 1 run in 7)."""
+    path = tmp_path / "new.db"
+    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")
+    other.execute("CREATE TABLE first_write (x)")
+    release = threading.Timer(0.5, lambda: other.execute("COMMIT"))
+    release.start()
+    try:
+        with LineageStore(f"sqlite:///{path}") as store, store.engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+    finally:
+        release.join()
+        other.close()
 
 
 def test_sqlite_uses_wal(openlab_home: Path) -> None:
