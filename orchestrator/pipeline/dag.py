@@ -98,6 +98,16 @@ class Pipeline:
                 return spec
         raise ConfigError(f"pipeline {self.name}: no stage {name!r} (stages: {', '.join(self.order)})")
 
+    def check_forced(self, force: bool | frozenset[str]) -> None:
+        """Refuse a forced stage this pipeline does not have: a typo in ``--force-stage`` would
+        otherwise reuse the stage the user meant to re-run, and say nothing."""
+        if isinstance(force, bool):
+            return
+        unknown = sorted(set(force) - set(self.order))
+        if unknown:
+            stages = ", ".join(self.order)
+            raise ConfigError(f"--force-stage {unknown[0]!r}: no such stage in pipeline {self.name} (stages: {stages})")
+
     def code_paths(self) -> list[str]:
         """Every declared code path of every stage (captured once per pipeline run)."""
         out: list[str] = []

@@ -350,6 +350,7 @@ def start_pipeline(
     missing = [s for s in pipeline.order if s not in configs]
     if missing:
         raise ConfigError(f"pipeline {pipeline.name}: no config for stage(s) {', '.join(missing)}")
+    pipeline.check_forced(options.force)
     from orchestrator.launchers.base import BACKENDS
 
     if options.backend not in BACKENDS:

@@ -81,6 +81,7 @@ def plan(
     from orchestrator.launchers import get_launcher
     from orchestrator.provenance import capture
 
+    pipeline.check_forced(force)
     settings = settings or load_settings()
     owns = store is None
     store = store or LineageStore.open(settings)

@@ -82,6 +82,9 @@ def test_provenance_outside_git_warns_not_crashes(run_cli, tmp_path: Path) -> No
         ("snapshot", "/no/such/path"),
         ("lineage", "show", "srun_doesnotexist"),
         ("lineage", "list", "--kind", "bogus"),
+        # a typo in a forced stage would quietly reuse the stage meant to re-run
+        ("explain", "marin-535b-a23b", "--force-stage", "pretrian"),
+        ("run", "marin-535b-a23b", "--replica", "drops-tiny", "--force-stage", "pretrain"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(run_cli, args: tuple[str, ...]) -> None:
