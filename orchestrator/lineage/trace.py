@@ -30,8 +30,8 @@ from orchestrator.lineage.store import LineageStore
 
 Direction = Literal["up", "down"]
 
-#: Relations that are bookkeeping of the GitHub mirror, not provenance of the work.
-SKIPPED_RELATIONS = frozenset({"comment-on"})
+#: Relation roles that are bookkeeping of the GitHub mirror (a comment on its issue), not provenance of the work.
+SKIPPED_ROLES = frozenset({"comment-on"})
 
 
 def describe(record: Any) -> str:
@@ -107,7 +107,7 @@ def _neighbours(store: LineageStore, record: LineageRecord, direction: Direction
     rid = record.id  # type: ignore[attr-defined]
     out: list[tuple[str, str, str]] = []
     for rel in store.relations(rid):
-        if rel.role in SKIPPED_RELATIONS:
+        if rel.role in SKIPPED_ROLES:
             continue
         if direction == "up" and rel.subject_id == rid:
             out.append((rel.relation, rel.role, rel.object_id))
