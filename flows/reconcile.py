@@ -39,19 +39,7 @@ def reconcile_lineage(dry_run: bool = False) -> dict[str, Any]:
         return report.to_dict()
     for line in report.lines():
         logger.warning(line)
-    rows = [
-        f"| stage run `{r.stage_run_id}` ({r.stage}) | {r.job_id or ''} | {r.state} | {r.reason} |"
-        for r in report.stage_runs
-    ]
-    rows += [f"| pipeline run `{p.pipeline_run_id}` | | {p.state} | {p.reason} |" for p in report.pipeline_runs]
-    title = "Would close (dry run)" if dry_run else "Closed"
-    create_markdown_artifact(
-        key="lineage-reconcile",
-        markdown="\n".join(
-            [f"**{title}: {len(rows)} run(s)**", "", "| run | job | state | why |", "|---|---|---|---|", *rows]
-        ),
-        description=f"{title} {len(rows)} run(s) left RUNNING by dead orchestrators",
-    )
+    create_markdown_artifact(key="lineage-reconcile", markdown=report.markdown(), description=report.headline)
     return report.to_dict()
 
 

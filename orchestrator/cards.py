@@ -154,9 +154,9 @@ def commit_url(
     return f"https://{host}/{path}/commit/{sha}"
 
 
-def _cell(value: Any) -> str:
-    """Text safe inside a markdown table cell."""
-    return str(value).replace("|", "\\|").replace("\n", " ")
+def md_cell(value: Any) -> str:
+    """Text safe inside a markdown table cell (a ``|`` or a newline would break the row)."""
+    return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
 
 
 def format_metric(value: Any) -> str:
@@ -217,7 +217,7 @@ def _verdict_lines(verdict: Mapping[str, Any] | None) -> list[str]:
     for key, value in sorted(verdict.items()):
         if key in {"status", "verdict", "result"}:
             continue
-        lines.append(f"- {key}: {format_metric(value) if not isinstance(value, (dict, list)) else _cell(value)}")
+        lines.append(f"- {key}: {format_metric(value) if not isinstance(value, (dict, list)) else md_cell(value)}")
     return lines
 
 
@@ -257,7 +257,7 @@ def _stage_row(view: StageView, github_hosts: Iterable[str]) -> str:
         wandb,
         metrics,
     ]
-    return "| " + " | ".join(_cell(c) for c in cells) + " |"
+    return "| " + " | ".join(md_cell(c) for c in cells) + " |"
 
 
 _TABLE_HEAD = (
@@ -272,7 +272,7 @@ def render_pipeline(view: PipelineView, github_hosts: Iterable[str] = DEFAULT_GI
     hosts = tuple(github_hosts)
     run = view.run
     title = run.name or run.recipe or run.id
-    lines = [f"### openlab pipeline run `{run.id}`: {_cell(title)}", ""]
+    lines = [f"### openlab pipeline run `{run.id}`: {md_cell(title)}", ""]
     facts = [f"**State:** {_STATE_ICONS.get(run.state, '')} {run.state}".replace("  ", " ")]
     if run.recipe:
         facts.append(f"**Recipe:** `{run.recipe}`")
@@ -306,7 +306,7 @@ def render_pipeline(view: PipelineView, github_hosts: Iterable[str] = DEFAULT_GI
     lines += [_stage_row(sv, hosts) for sv in view.stages] or ["| _no stages yet_ |  |  |  |  |  |  |  |  |"]
     errors = [(sv.stage.stage, sv.stage.error) for sv in view.stages if sv.stage.error]
     if errors:
-        lines += ["", "**Errors:**", *(f"- `{name}`: {_cell(err)[:300]}" for name, err in errors)]
+        lines += ["", "**Errors:**", *(f"- `{name}`: {md_cell(err)[:300]}" for name, err in errors)]
     return "\n".join(lines) + "\n"
 
 
@@ -320,14 +320,14 @@ def render_stage(view: StageView, github_hosts: Iterable[str] = DEFAULT_GITHUB_H
         lines.append(f"- pipeline run: `{s.pipeline_run_id}`")
     for a in view.attempts:
         exit_text = f", exit {a.exit_code}" if a.exit_code is not None else ""
-        reason = f", {_cell(a.reason)}" if a.reason else ""
+        reason = f", {md_cell(a.reason)}" if a.reason else ""
         lines.append(f"- attempt {a.number}: `{a.backend}` job `{a.job_id or '—'}` {a.state}{exit_text}{reason}")
     metrics = key_metrics(view, limit=10_000)
     if metrics:
         lines += ["", "| metric | value |", "|---|---|"]
-        lines += [f"| {_cell(k)} | {_cell(format_metric(v))} |" for k, v in metrics.items()]
+        lines += [f"| {md_cell(k)} | {md_cell(format_metric(v))} |" for k, v in metrics.items()]
     if s.error:
-        lines += ["", f"**Error:** {_cell(s.error)[:500]}"]
+        lines += ["", f"**Error:** {md_cell(s.error)[:500]}"]
     return "\n".join(lines) + "\n"
 
 

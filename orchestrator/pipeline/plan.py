@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from orchestrator.cards import md_cell
 from orchestrator.identity import compute_identity, diff_identities
 from orchestrator.lineage import leases
 from orchestrator.lineage.store import LineageStore
@@ -205,11 +206,6 @@ def explain_recipe(
     )
 
 
-def _cell(text: str) -> str:
-    """Text safe inside a markdown table cell (a ``|`` or a newline would break the row)."""
-    return text.replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
-
-
 def plan_markdown(title: str, plans: list[StagePlan]) -> str:
     """The dry run as markdown (a Prefect artifact): the table ``openlab explain`` prints, plus a tally.
 
@@ -218,15 +214,15 @@ def plan_markdown(title: str, plans: list[StagePlan]) -> str:
     """
     tally = ", ".join(f"{sum(p.action == a for p in plans)} {a}" for a in ACTIONS if any(p.action == a for p in plans))
     lines = [
-        f"**{_cell(title)}** — nothing launched: {tally or 'no stages'}",
+        f"**{md_cell(title)}** — nothing launched: {tally or 'no stages'}",
         "",
         "| stage | action | identity | why | changed fields |",
         "|---|---|---|---|---|",
     ]
     for p in plans:
-        changed = "<br>".join(_cell(c) for c in p.changes) or "-"
+        changed = "<br>".join(md_cell(c) for c in p.changes) or "-"
         identity = f"`{p.identity[:16]}`" if p.identity else "(after upstream)"
-        lines.append(f"| {p.stage} | **{p.action}** | {identity} | {_cell(p.reason)} | {changed} |")
+        lines.append(f"| {p.stage} | **{p.action}** | {identity} | {md_cell(p.reason)} | {changed} |")
     return "\n".join(lines) + "\n"
 
 

@@ -264,6 +264,25 @@ class ReconcileReport:
             out.append(f"{verb} pipeline run {p.pipeline_run_id} as {p.state}: {p.reason}")
         return out
 
+    @property
+    def headline(self) -> str:
+        n = len(self.stage_runs) + len(self.pipeline_runs)
+        return f"{'Would close (dry run)' if self.dry_run else 'Closed'}: {n} run(s) left RUNNING by dead orchestrators"
+
+    def markdown(self) -> str:
+        """The report as a markdown table (the reaper flow's Prefect artifact)."""
+        from orchestrator.cards import md_cell
+
+        rows = [
+            f"| stage run `{r.stage_run_id}` ({md_cell(r.stage)}) | {md_cell(r.job_id or '')} | {r.state} "
+            f"| {md_cell(r.reason)} |"
+            for r in self.stage_runs
+        ]
+        rows += [
+            f"| pipeline run `{p.pipeline_run_id}` | | {p.state} | {md_cell(p.reason)} |" for p in self.pipeline_runs
+        ]
+        return "\n".join([f"**{self.headline}**", "", "| run | job | state | why |", "|---|---|---|---|", *rows])
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "dry_run": self.dry_run,
