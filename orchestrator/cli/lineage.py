@@ -137,7 +137,6 @@ def trace_cmd(
     """Everything a record came from (data, commit, environment, issue, W&B run, jobs), or with --down
     everything made from it: e.g. every checkpoint trained on a data snapshot."""
     from rich.console import Console
-    from rich.markup import escape
     from rich.text import Text
     from rich.tree import Tree
 

@@ -37,6 +37,7 @@ from orchestrator.lineage.models import (
     Event,
     LineageRecord,
     Relation,
+    WandbRun,
     new_id,
     utcnow,
 )
@@ -389,8 +390,6 @@ class LineageStore:
         A W&B run is also found by its run id alone (``2d5eb8fa``, what the W&B UI shows),
         not only by ``entity/project/run_id``.
         """
-        from orchestrator.lineage.models import WandbRun
-
         matches: list[LineageRecord] = []
         with self.session() as session:
             for model in RECORD_TYPES.values():
