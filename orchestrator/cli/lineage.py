@@ -8,7 +8,6 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 from rich.table import Table
-from sqlmodel import col
 
 from orchestrator.cli.output import console, describe_task, print_json
 from orchestrator.errors import ConfigError, OpenlabError
@@ -20,14 +19,6 @@ JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON for scripts."
 
 #: What `lineage list` shows by default: the activities people audit, newest first.
 DEFAULT_KINDS = ("pipeline_run", "stage_run", "attempt", "snapshot")
-
-
-def _when(record: Any) -> Any:
-    for name in ("started_at", "submitted_at", "created_at", "updated_at"):
-        value = getattr(record, name, None)
-        if value is not None:
-            return value
-    return None
 
 
 def _open() -> Any:
@@ -43,32 +34,44 @@ def list_cmd(
         list[str] | None,
         typer.Option("--kind", "-k", help="Record kind(s) to list (default: runs, stage runs, attempts, snapshots)."),
     ] = None,
+    state: Annotated[
+        list[str] | None,
+        typer.Option("--state", "-s", help="Only runs, stage runs and attempts in this state (FAILED, RUNNING...)."),
+    ] = None,
+    stage: Annotated[
+        list[str] | None, typer.Option("--stage", help="Only stage runs (and their attempts) of this stage.")
+    ] = None,
+    recipe: Annotated[str | None, typer.Option("--recipe", help="Only runs of this recipe (and their stages).")] = None,
+    replica: Annotated[str | None, typer.Option("--replica", help="Only runs of this replica.")] = None,
+    backend: Annotated[str | None, typer.Option("--backend", help="Only runs and jobs on this backend.")] = None,
+    since: Annotated[
+        str | None, typer.Option("--since", help="Only records from then on: 2026-12-01, 2026-12-01T14:00, 12h, 7d.")
+    ] = None,
+    until: Annotated[str | None, typer.Option("--until", help="Only records before this time (same forms).")] = None,
     limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="At most this many records.")] = 50,
     json_out: JsonFlag = False,
 ) -> None:
-    """List recorded runs, stage runs, attempts and snapshots, newest first."""
-    from orchestrator.lineage.models import RECORD_TYPES
+    """List recorded runs, stage runs, attempts and snapshots, newest first, optionally filtered.
+
+    `openlab lineage list --stage pretrain --state FAILED --since 7d` answers "which pretrain jobs
+    failed this week"; a filter reaches through a record's run (an attempt's stage, a stage run's
+    recipe), and one no listed kind can answer is an error, never an empty list.
+    """
+    from orchestrator.lineage.listing import RecordFilter, list_records, parse_when, time_field
     from orchestrator.lineage.store import record_payload
 
-    kinds = kind or list(DEFAULT_KINDS)
-    unknown = [k for k in kinds if k not in RECORD_TYPES]
-    if unknown:
-        raise OpenlabError(f"unknown record kind {unknown[0]!r}; known kinds: {', '.join(RECORD_TYPES)}")
+    flt = RecordFilter(
+        state=tuple(state or ()),
+        stage=tuple(stage or ()),
+        recipe=recipe,
+        replica=replica,
+        backend=backend,
+        since=parse_when(since) if since else None,
+        until=parse_when(until) if until else None,
+    )
     store = _open()
-    rows: list[Any] = []
-    for name in kinds:
-        model = RECORD_TYPES[name]
-        order = next(
-            (
-                getattr(model, f)
-                for f in ("started_at", "submitted_at", "created_at", "updated_at")
-                if f in model.model_fields
-            ),
-            None,
-        )
-        rows.extend(store.list(model, order_by=col(order).desc() if order is not None else None, limit=limit))
-    rows.sort(key=lambda r: (_when(r) is not None, _when(r)), reverse=True)
-    rows = rows[:limit]
+    listing = list_records(store, kind or list(DEFAULT_KINDS), flt, limit=limit, strict=bool(kind))
+    rows = listing.records
     if json_out:
         print_json([{"kind": r.kind, **record_payload(r)} for r in rows])
         return
@@ -76,9 +79,14 @@ def list_cmd(
     for header in ("kind", "id", "when", "summary"):
         table.add_column(header, overflow="fold")
     for r in rows:
-        when = _when(r)
+        field = time_field(type(r))
+        when = getattr(r, field) if field else None
         table.add_row(r.kind, r.id, when.strftime("%Y-%m-%d %H:%M:%S") if when else "", escape(describe(r)))
     console.print(table)
+    if listing.matched > len(rows):
+        console.print(f"{len(rows)} of {listing.matched} matching records shown; --limit shows more", markup=False)
+    elif not rows:
+        console.print("no records match", markup=False)
 
 
 @app.command("show")

@@ -1,0 +1,176 @@
+"""Which records to list: the filters of ``openlab lineage list``, as SQL over the store.
+
+An audit question is usually a filter, not an id: "which pretrain jobs failed this week", "every
+run of the drops replica on slurm since Monday". Each filter names a field of one record kind and,
+where the question is about a different kind, reaches it through the run it belongs to: an
+attempt's stage is its stage run's, a stage run's recipe is its pipeline run's. A filter that no
+requested kind can answer is an error rather than an empty list, so a typo never reads as "none".
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from sqlalchemy import func
+from sqlmodel import col, select
+
+from orchestrator.errors import ConfigError
+from orchestrator.lineage.models import RECORD_TYPES, Attempt, LineageRecord, PipelineRun, StageRun, utcnow
+from orchestrator.lineage.store import LineageStore
+
+#: The column each kind is ordered and time-filtered by: when the thing happened (an attempt's
+#: submission, which is always set, before its start, which a job that never started lacks).
+TIME_FIELDS = ("submitted_at", "started_at", "created_at", "updated_at")
+
+_RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_when(text: str, *, now: dt.datetime | None = None) -> dt.datetime:
+    """A point in time from ``2026-12-01``, ``2026-12-01T14:00`` (UTC unless it says otherwise)
+    or a span back from now: ``90m``, ``12h``, ``7d``, ``2w``."""
+    value = text.strip()
+    m = _RELATIVE.match(value)
+    if m:
+        return (now or utcnow()) - dt.timedelta(seconds=float(m.group(1)) * _UNIT_S[m.group(2)])
+    try:
+        when = dt.datetime.fromisoformat(value)
+    except ValueError:
+        raise ConfigError(
+            f"cannot read {text!r} as a time: give a date (2026-12-01), a date and time (2026-12-01T14:00) "
+            "or a span back from now (90m, 12h, 7d, 2w)"
+        ) from None
+    return when if when.tzinfo else when.replace(tzinfo=dt.UTC)
+
+
+@dataclass(frozen=True)
+class RecordFilter:
+    """What a listing keeps; unset fields keep everything."""
+
+    state: tuple[str, ...] = ()
+    stage: tuple[str, ...] = ()
+    recipe: str | None = None
+    replica: str | None = None
+    backend: str | None = None
+    since: dt.datetime | None = None
+    until: dt.datetime | None = None
+
+    def given(self) -> list[str]:
+        """The filters that are set, by option name."""
+        return [f.name for f in fields(self) if getattr(self, f.name) not in (None, ())]
+
+
+#: For each kind, the filters it can answer (time filters apply to every kind with a time).
+_ANSWERS: dict[str, set[str]] = {
+    "pipeline_run": {"state", "recipe", "replica", "backend"},
+    "stage_run": {"state", "stage", "recipe", "replica", "backend"},
+    "attempt": {"state", "stage", "recipe", "replica", "backend"},
+}
+
+
+def time_field(model: type[LineageRecord]) -> str | None:
+    return next((f for f in TIME_FIELDS if f in model.model_fields), None)
+
+
+def answers(kind: str, flt: RecordFilter) -> bool:
+    """Whether every filter that is set applies to records of `kind`."""
+    can = set(_ANSWERS.get(kind, set()))
+    if time_field(RECORD_TYPES[kind]) is not None:
+        can |= {"since", "until"}
+    return set(flt.given()) <= can
+
+
+def _statement(kind: str, flt: RecordFilter) -> Any:
+    model = RECORD_TYPES[kind]
+    stmt = select(model)
+    when = time_field(model)
+    if when is not None:
+        column = col(getattr(model, when))
+        if flt.since is not None:
+            stmt = stmt.where(column >= flt.since)
+        if flt.until is not None:
+            stmt = stmt.where(column < flt.until)
+    if flt.state:
+        stmt = stmt.where(func.upper(col(model.state)).in_([s.upper() for s in flt.state]))  # type: ignore[attr-defined]
+    # Reach the stage run and the pipeline run a record belongs to, once, only when a filter needs them.
+    needs_stage = kind == "attempt" and bool(flt.stage or flt.recipe or flt.replica)
+    needs_run = kind != "pipeline_run" and bool(flt.recipe or flt.replica or (flt.backend and kind == "stage_run"))
+    if needs_stage:
+        stmt = stmt.join(StageRun, col(StageRun.id) == col(Attempt.stage_run_id))
+    if needs_run:
+        stmt = stmt.join(PipelineRun, col(PipelineRun.id) == col(StageRun.pipeline_run_id))
+    if flt.stage:
+        stmt = stmt.where(col(StageRun.stage).in_(flt.stage))
+    if flt.recipe:
+        stmt = stmt.where(col(PipelineRun.recipe) == flt.recipe)
+    if flt.replica:
+        stmt = stmt.where(col(PipelineRun.replica) == flt.replica)
+    if flt.backend:
+        # An attempt names the backend its job ran on; a stage run or pipeline run, the one it asked for.
+        owner = Attempt if kind == "attempt" else PipelineRun
+        stmt = stmt.where(col(owner.backend) == flt.backend)
+    return stmt
+
+
+@dataclass
+class Listing:
+    """The records kept, newest first, and how many matched before the limit."""
+
+    records: list[Any]
+    matched: int
+
+
+def list_records(
+    store: LineageStore,
+    kinds: Sequence[str],
+    flt: RecordFilter | None = None,
+    *,
+    limit: int = 50,
+    strict: bool = False,
+) -> Listing:
+    """The newest `limit` records of `kinds` that pass `flt`, across kinds, newest first.
+
+    Kinds a set filter does not apply to are left out (``--state FAILED`` lists runs, stage runs
+    and attempts, not snapshots); with `strict` (the user named the kinds) each must apply.
+    Raises ConfigError for an unknown kind, or a filter asked of kinds that cannot answer it
+    (``--stage`` of snapshots): that would list nothing for a reason the user cannot see.
+    """
+    flt = flt or RecordFilter()
+    unknown = [k for k in kinds if k not in RECORD_TYPES]
+    if unknown:
+        raise ConfigError(f"unknown record kind {unknown[0]!r}; known kinds: {', '.join(RECORD_TYPES)}")
+    usable = [k for k in kinds if answers(k, flt)]
+    if not usable or (strict and len(usable) < len(kinds)):
+        kinds = [k for k in kinds if k not in usable]
+        given = ", ".join(f"--{name}" for name in flt.given())
+        able = sorted(k for k in RECORD_TYPES if answers(k, flt))
+        raise ConfigError(
+            f"{given} cannot be answered by {', '.join(kinds)} records; "
+            + (f"kinds that can: {', '.join(able)}" if able else "no record kind has all of these")
+        )
+    rows: list[Any] = []
+    matched = 0
+    with store.session() as session:
+        for kind in usable:
+            model = RECORD_TYPES[kind]
+            stmt = _statement(kind, flt)
+            matched += session.exec(select(func.count()).select_from(stmt.subquery())).one()
+            when = time_field(model)
+            if when is not None:
+                stmt = stmt.order_by(col(getattr(model, when)).desc())
+            rows.extend(session.exec(stmt.limit(limit)).all())
+
+    def newest(record: Any) -> tuple[bool, dt.datetime]:
+        field = time_field(type(record))
+        value = getattr(record, field) if field else None
+        return (value is not None, value or dt.datetime.min.replace(tzinfo=dt.UTC))
+
+    rows.sort(key=newest, reverse=True)
+    return Listing(records=rows[:limit], matched=matched)
+
+
+__all__ = ["Listing", "RecordFilter", "answers", "list_records", "parse_when", "time_field"]

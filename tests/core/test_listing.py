@@ -1,0 +1,157 @@
+"""`openlab lineage list` filters: the audit questions people ask of a store with many runs.
+
+The library is checked on real SQLite and PostgreSQL (the `store` fixture); the command as a
+subprocess, on the same records, for what a user types and reads.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import pytest
+
+from orchestrator.errors import ConfigError
+from orchestrator.lineage import Attempt, DataSnapshot, LineageStore, PipelineRun, StageRun, utcnow
+from orchestrator.lineage.listing import RecordFilter, list_records, parse_when
+
+NOW = utcnow()
+OLD = NOW - dt.timedelta(days=10)
+
+
+def _history(store: LineageStore) -> dict[str, str]:
+    """Two recipes' runs on two backends, ten days apart; one failed pretrain job in each week."""
+    ids: dict[str, str] = {}
+    with store.transaction() as tx:
+        old = tx.add(PipelineRun(recipe="marin", replica="tiny", backend="local", state="FAILED", started_at=OLD))
+        old_pre = tx.add(
+            StageRun(pipeline_run_id=old.id, stage="pretrain", identity="i1", state="FAILED", started_at=OLD)
+        )
+        old_job = tx.add(
+            Attempt(stage_run_id=old_pre.id, backend="local", job_id="101", state="FAILED", submitted_at=OLD)
+        )
+        new = tx.add(PipelineRun(recipe="marin", replica="drops", backend="slurm", state="FAILED", started_at=NOW))
+        new_data = tx.add(
+            StageRun(pipeline_run_id=new.id, stage="data", identity="i2", state="COMPLETED", started_at=NOW)
+        )
+        new_pre = tx.add(
+            StageRun(pipeline_run_id=new.id, stage="pretrain", identity="i3", state="FAILED", started_at=NOW)
+        )
+        retry1 = tx.add(
+            Attempt(
+                stage_run_id=new_pre.id,
+                backend="slurm",
+                job_id="7",
+                state="FAILED",
+                submitted_at=NOW - dt.timedelta(minutes=5),
+            )
+        )
+        retry2 = tx.add(
+            Attempt(stage_run_id=new_pre.id, number=2, backend="slurm", job_id="8", state="FAILED", submitted_at=NOW)
+        )
+        other = tx.add(
+            PipelineRun(
+                recipe="llama",
+                replica="tiny",
+                backend="local",
+                state="COMPLETED",
+                started_at=NOW - dt.timedelta(hours=1),
+            )
+        )
+        snap = tx.add(DataSnapshot(id="snap_" + "a" * 20, path="/data", files=1, bytes=1, manifest_path="/m.json"))
+    for name, rec in locals().items():
+        if isinstance(rec, PipelineRun | StageRun | Attempt | DataSnapshot):
+            ids[name] = rec.id
+    return ids
+
+
+def _ids(store: LineageStore, kinds: list[str], **flt: object) -> set[str]:
+    return {r.id for r in list_records(store, kinds, RecordFilter(**flt), limit=100).records}  # type: ignore[arg-type]
+
+
+KINDS = ["pipeline_run", "stage_run", "attempt", "snapshot"]
+
+
+def test_filters_reach_through_runs_on_both_databases(store: LineageStore) -> None:
+    h = _history(store)
+    # "which pretrain jobs failed": stage runs by their field, attempts through their stage run
+    assert _ids(store, KINDS, stage=("pretrain",), state=("failed",)) == {
+        h["old_pre"],
+        h["new_pre"],
+        h["old_job"],
+        h["retry1"],
+        h["retry2"],
+    }
+    # "this week": the ten-day-old failures drop out, and the state filter is case-blind
+    week = NOW - dt.timedelta(days=7)
+    assert _ids(store, KINDS, stage=("pretrain",), state=("FAILED",), since=week) == {
+        h["new_pre"],
+        h["retry1"],
+        h["retry2"],
+    }
+    # a recipe reaches stage runs and attempts through their pipeline run
+    assert _ids(store, ["stage_run", "attempt"], recipe="marin", replica="drops") == {
+        h["new_data"],
+        h["new_pre"],
+        h["retry1"],
+        h["retry2"],
+    }
+    # backend: the attempt's own, a stage run's pipeline run's
+    assert _ids(store, KINDS, backend="slurm") == {h["new"], h["new_data"], h["new_pre"], h["retry1"], h["retry2"]}
+    assert _ids(store, ["pipeline_run"], until=NOW - dt.timedelta(minutes=30)) == {h["old"], h["other"]}
+    # no filter: every kind, snapshots included
+    assert h["snap"] in _ids(store, KINDS)
+
+
+def test_newest_first_across_kinds_with_the_count_before_the_limit(store: LineageStore) -> None:
+    h = _history(store)
+    listing = list_records(store, ["attempt"], RecordFilter(state=("FAILED",)), limit=2)
+    assert [r.id for r in listing.records] == [h["retry2"], h["retry1"]]
+    assert listing.matched == 3
+
+
+def test_a_filter_no_kind_can_answer_is_an_error_not_an_empty_list(store: LineageStore) -> None:
+    _history(store)
+    with pytest.raises(ConfigError, match="--stage cannot be answered by snapshot.*stage_run"):
+        list_records(store, ["snapshot"], RecordFilter(stage=("pretrain",)))
+    # named kinds must each answer; the default kinds quietly leave out those that cannot
+    with pytest.raises(ConfigError, match="snapshot"):
+        list_records(store, ["stage_run", "snapshot"], RecordFilter(state=("FAILED",)), strict=True)
+    with pytest.raises(ConfigError, match="unknown record kind 'bogus'"):
+        list_records(store, ["bogus"])
+
+
+def test_parse_when_forms() -> None:
+    assert parse_when("7d", now=NOW) == NOW - dt.timedelta(days=7)
+    assert parse_when("90m", now=NOW) == NOW - dt.timedelta(minutes=90)
+    assert parse_when("2026-12-01") == dt.datetime(2026, 12, 1, tzinfo=dt.UTC)
+    assert parse_when("2026-12-01T14:00+01:00") == dt.datetime(2026, 12, 1, 13, tzinfo=dt.UTC)
+    with pytest.raises(ConfigError, match="12h"):
+        parse_when("yesterday")
+
+
+def test_the_command_answers_which_pretrain_jobs_failed_this_week(run_cli, openlab_home) -> None:
+    from orchestrator.lineage import open_store
+
+    with open_store() as store:
+        h = _history(store)
+    out = run_cli("lineage", "list", "--stage", "pretrain", "--state", "FAILED", "--since", "7d", "--json")
+    assert out.returncode == 0, out.stderr
+    assert {(r["kind"], r["id"]) for r in json.loads(out.stdout)} == {
+        ("stage_run", h["new_pre"]),
+        ("attempt", h["retry1"]),
+        ("attempt", h["retry2"]),
+    }
+    table = run_cli("lineage", "list", "--state", "FAILED", "-n", "2")
+    assert table.returncode == 0, table.stderr
+    assert "2 of 7 matching records shown" in table.stdout, table.stdout
+    none = run_cli("lineage", "list", "--recipe", "nope")
+    assert none.returncode == 0 and "no records match" in none.stdout
+    for args, needle in (
+        (("--since", "last tuesday"), "cannot read 'last tuesday' as a time"),
+        (("--kind", "snapshot", "--state", "FAILED"), "--state cannot be answered by snapshot"),
+    ):
+        bad = run_cli("lineage", "list", *args)
+        assert bad.returncode == 2, bad.stdout
+        assert needle in bad.stderr and "Traceback" not in bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
