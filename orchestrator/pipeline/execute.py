@@ -338,15 +338,9 @@ def start_pipeline(
     closes it, so a reconciler in another process can tell a run whose orchestrator is alive
     (live lease) from one whose orchestrator crashed (expired lease), even between stages.
     """
-    from orchestrator.lineage.record import record_environment, record_git
-    from orchestrator.pipeline.reconcile import pipeline_lease_key, reconcile_all
-    from orchestrator.provenance import capture
-
     options = options or RunOptions()
     hooks = hooks or PipelineHooks()
     settings = settings or load_settings()
-    owns = store is None
-    store = store or LineageStore.open(settings)
     missing = [s for s in pipeline.order if s not in configs]
     if missing:
         raise ConfigError(f"pipeline {pipeline.name}: no config for stage(s) {', '.join(missing)}")
@@ -355,6 +349,32 @@ def start_pipeline(
 
     if options.backend not in BACKENDS:
         raise ConfigError(f"unknown backend {options.backend!r}; known backends: {', '.join(BACKENDS)}")
+    owns = store is None
+    store = store or LineageStore.open(settings)
+    try:
+        return _open_pipeline_run(pipeline, configs, options, hooks, recipe, settings, store, owns, reconcile_first)
+    except BaseException:
+        if owns:  # refused before the context took the store: do not leave its engine open
+            store.close()
+        raise
+
+
+def _open_pipeline_run(
+    pipeline: Pipeline,
+    configs: Mapping[str, Mapping[str, Any]],
+    options: RunOptions,
+    hooks: PipelineHooks,
+    recipe: ResolvedRecipe | None,
+    settings: Settings,
+    store: LineageStore,
+    owns: bool,
+    reconcile_first: bool,
+) -> PipelineContext:
+    """start_pipeline past its config checks: everything that needs the store."""
+    from orchestrator.lineage.record import record_environment, record_git
+    from orchestrator.pipeline.reconcile import pipeline_lease_key, reconcile_all
+    from orchestrator.provenance import capture
+
     if reconcile_first:
         reconcile_all(store, settings=settings)
     from orchestrator.launchers import get_launcher

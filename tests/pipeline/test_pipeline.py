@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.errors import ConfigError
 from orchestrator.lineage import leases
 from orchestrator.lineage.models import Artifact, Attempt, DataSnapshot, PipelineRun, Relation, StageRun
 from orchestrator.lineage.store import LineageStore
@@ -261,6 +262,36 @@ def test_failed_stage_fails_the_pipeline_and_skips_the_rest(repo: Path, ledger: 
     with LineageStore.open() as store:
         assert store.require(PipelineRun, result.pipeline_run.id).state == "FAILED"
         assert store.require(StageRun, result.results["upper"].stage_run_id).state == "FAILED"
+
+
+def _open_handles(path: Path) -> list[str]:
+    """This process's open files under `path` (the SQLite database, its WAL and shared memory)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(path)):
+            found.append(target)
+    return found
+
+
+def test_a_refused_start_records_nothing_and_leaves_no_database_open(
+    repo: Path, openlab_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long-lived process (the Prefect worker, a notebook) that is refused a start keeps no engine."""
+    db = openlab_home / "lineage.db"
+    with pytest.raises(ConfigError, match="unknown backend 'nope'"):
+        start_pipeline(toy_pipeline(repo), toy_configs(), options=RunOptions(backend="nope"))
+    assert not db.exists()  # refused from its arguments alone, before the store is opened
+    monkeypatch.setenv("OPENLAB_BACKENDS__LOCAL__POLL_INTERVAL", "soon")
+    with pytest.raises(ConfigError, match=r"\[backends.local\] poll_interval"):
+        start_pipeline(toy_pipeline(repo), toy_configs(), options=fast())
+    assert db.exists()  # this one was refused by the launcher, after the reconciler read the store
+    assert _open_handles(openlab_home) == []
+    with LineageStore.open() as store:
+        assert store.list(PipelineRun) == []
 
 
 def test_force_reruns_a_stage_with_the_same_identity(repo: Path, ledger: Path) -> None:
