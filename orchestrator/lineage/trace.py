@@ -24,8 +24,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from orchestrator.errors import NotFoundError
-from orchestrator.lineage.models import Attempt, LineageRecord, PipelineRun, StageRun, WandbRun
+from sqlmodel import Session, col, select
+
+from orchestrator.lineage.models import RECORD_TYPES, Attempt, LineageRecord, PipelineRun, Relation, StageRun, WandbRun
 from orchestrator.lineage.store import LineageStore
 
 Direction = Literal["up", "down"]
@@ -102,32 +103,65 @@ class TraceNode:
         return out
 
 
-def _neighbours(store: LineageStore, record: LineageRecord, direction: Direction) -> list[tuple[str, str, str]]:
-    """(relation, role, record id) one hop away, relations first in the order they were recorded."""
+Hop = tuple[str, str, "LineageRecord | tuple[str, str]"]  # (relation, role, record or (kind, id) to load)
+
+
+def _hops(session: Session, record: LineageRecord, direction: Direction) -> list[tuple[str, str, LineageRecord]]:
+    """(relation, role, record) one hop away, relations first in the order they were recorded.
+
+    One query for the relations, one per kind for the records they name, one for a stage run's
+    attempts: a node costs a handful of indexed queries whatever the store's size.
+    """
     rid = record.id  # type: ignore[attr-defined]
-    out: list[tuple[str, str, str]] = []
-    for rel in store.relations(rid):
+    rels = session.exec(
+        select(Relation)
+        .where((Relation.subject_id == rid) | (Relation.object_id == rid))
+        .order_by(col(Relation.created_at))
+    ).all()
+    hops: list[Hop] = []
+    for rel in rels:
         if rel.role in SKIPPED_ROLES:
             continue
         if direction == "up" and rel.subject_id == rid:
-            out.append((rel.relation, rel.role, rel.object_id))
+            hops.append((rel.relation, rel.role, (rel.object_kind, rel.object_id)))
         elif direction == "down" and rel.object_id == rid:
-            out.append((rel.relation, rel.role, rel.subject_id))
+            hops.append((rel.relation, rel.role, (rel.subject_kind, rel.subject_id)))
     if isinstance(record, WandbRun) and direction == "up":
         # A W&B run is a record *of* the stage job that logged to it: its provenance is that stage's.
-        out += [
-            ("recordOf", "", rel.subject_id)
-            for rel in store.relations(rid)
+        hops += [
+            ("recordOf", "", (rel.subject_kind, rel.subject_id))
+            for rel in rels
             if rel.object_id == rid and rel.relation == "wasAssociatedWith" and rel.subject_kind == StageRun.kind
         ]
-    if isinstance(record, StageRun):
-        if direction == "up":
-            out += [("ranAs", "job", a.id) for a in store.list(Attempt, stage_run_id=rid, order_by=Attempt.number)]
-            if record.pipeline_run_id:
-                out.append(("partOf", "pipeline", record.pipeline_run_id))
+    if isinstance(record, StageRun) and direction == "up":
+        attempts = session.exec(select(Attempt).where(Attempt.stage_run_id == rid).order_by(col(Attempt.number)))
+        hops += [("ranAs", "job", a) for a in attempts]
+        if record.pipeline_run_id:
+            hops.append(("partOf", "pipeline", (PipelineRun.kind, record.pipeline_run_id)))
     elif isinstance(record, PipelineRun) and direction == "down":
-        stages = store.list(StageRun, pipeline_run_id=rid, order_by=StageRun.started_at)
-        out += [("hasPart", "stage", s.id) for s in stages]
+        stages = session.exec(
+            select(StageRun).where(StageRun.pipeline_run_id == rid).order_by(col(StageRun.started_at))
+        )
+        hops += [("hasPart", "stage", s) for s in stages]
+
+    wanted: dict[str, set[str]] = {}
+    for _, _, target in hops:
+        if isinstance(target, tuple) and target[0] in RECORD_TYPES:
+            wanted.setdefault(target[0], set()).add(target[1])
+    loaded: dict[tuple[str, str], LineageRecord] = {}
+    for kind, ids in wanted.items():
+        model = RECORD_TYPES[kind]
+        for found in session.exec(select(model).where(col(model.id).in_(ids))):  # type: ignore[attr-defined]
+            loaded[(kind, found.id)] = found  # type: ignore[attr-defined]
+    out: list[tuple[str, str, LineageRecord]] = []
+    for relation, role, target in hops:
+        if isinstance(target, tuple):
+            # A relation to a record this store no longer has is left out: `lineage verify` reports it.
+            found = loaded.get(target)
+            if found is None:
+                continue
+            target = found
+        out.append((relation, role, target))
     return out
 
 
@@ -136,25 +170,22 @@ def trace(store: LineageStore, record_id: str, *, direction: Direction = "up", d
     root = TraceNode(store.find(record_id))
     expanded: set[str] = set()
 
-    def grow(node: TraceNode, left: int | None) -> None:
+    def grow(session: Session, node: TraceNode, left: int | None) -> None:
         if node.id in expanded:
             node.repeated = True
             return
         expanded.add(node.id)
-        hops = _neighbours(store, node.record, direction)
+        hops = _hops(session, node.record, direction)
         if left == 0:
             node.truncated = bool(hops)
             return
-        for relation, role, other_id in hops:
-            try:
-                other = store.find(other_id)
-            except NotFoundError:
-                continue  # a relation to a record this store no longer has: `lineage verify` reports it
+        for relation, role, other in hops:
             child = TraceNode(other, relation, role)
             node.children.append(child)
-            grow(child, None if left is None else left - 1)
+            grow(session, child, None if left is None else left - 1)
 
-    grow(root, depth)
+    with store.session() as session:  # one session for the whole walk, not one per record
+        grow(session, root, depth)
     return root
 
 
