@@ -10,12 +10,25 @@ from rich.markup import escape
 from rich.table import Table
 
 from orchestrator.cli.output import console, describe_task, print_json
-from orchestrator.errors import ConfigError, OpenlabError
+from orchestrator.errors import ConfigError, NotFoundError, OpenlabError
 from orchestrator.lineage.trace import describe
 
 app = typer.Typer(help="Audit lineage: which commit, data, environment and job produced what.", no_args_is_help=True)
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+
+# The filters `list` and `export` share (orchestrator.lineage.listing.RecordFilter).
+StateOpt = Annotated[
+    list[str] | None,
+    typer.Option("--state", "-s", help="Only runs, stage runs and attempts in this state (FAILED, RUNNING...)."),
+]
+RecipeOpt = Annotated[str | None, typer.Option("--recipe", help="Only runs of this recipe (and their stages).")]
+ReplicaOpt = Annotated[str | None, typer.Option("--replica", help="Only runs of this replica.")]
+BackendOpt = Annotated[str | None, typer.Option("--backend", help="Only runs and jobs on this backend.")]
+SinceOpt = Annotated[
+    str | None, typer.Option("--since", help="Only records from then on: 2026-12-01, 2026-12-01T14:00, 12h, 7d.")
+]
+UntilOpt = Annotated[str | None, typer.Option("--until", help="Only records before this time (same forms).")]
 
 #: What `lineage list` shows by default: the activities people audit, newest first.
 DEFAULT_KINDS = ("pipeline_run", "stage_run", "attempt", "snapshot")
@@ -34,20 +47,15 @@ def list_cmd(
         list[str] | None,
         typer.Option("--kind", "-k", help="Record kind(s) to list (default: runs, stage runs, attempts, snapshots)."),
     ] = None,
-    state: Annotated[
-        list[str] | None,
-        typer.Option("--state", "-s", help="Only runs, stage runs and attempts in this state (FAILED, RUNNING...)."),
-    ] = None,
+    state: StateOpt = None,
     stage: Annotated[
         list[str] | None, typer.Option("--stage", help="Only stage runs (and their attempts) of this stage.")
     ] = None,
-    recipe: Annotated[str | None, typer.Option("--recipe", help="Only runs of this recipe (and their stages).")] = None,
-    replica: Annotated[str | None, typer.Option("--replica", help="Only runs of this replica.")] = None,
-    backend: Annotated[str | None, typer.Option("--backend", help="Only runs and jobs on this backend.")] = None,
-    since: Annotated[
-        str | None, typer.Option("--since", help="Only records from then on: 2026-12-01, 2026-12-01T14:00, 12h, 7d.")
-    ] = None,
-    until: Annotated[str | None, typer.Option("--until", help="Only records before this time (same forms).")] = None,
+    recipe: RecipeOpt = None,
+    replica: ReplicaOpt = None,
+    backend: BackendOpt = None,
+    since: SinceOpt = None,
+    until: UntilOpt = None,
     limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="At most this many records.")] = 50,
     json_out: JsonFlag = False,
 ) -> None:
@@ -331,15 +339,41 @@ def export_cmd(
         str | None, typer.Option("--output", "-o", help="Write to this file (ro-crate: this new directory).")
     ] = None,
     namespace: Annotated[str, typer.Option(help="OpenLineage job namespace.")] = "openlab",
+    state: StateOpt = None,
+    recipe: RecipeOpt = None,
+    replica: ReplicaOpt = None,
+    backend: BackendOpt = None,
+    since: SinceOpt = None,
+    until: UntilOpt = None,
 ) -> None:
-    """Export lineage as W3C PROV-JSON, OpenLineage RunEvents or a Workflow Run RO-Crate, secrets masked."""
+    """Export lineage as W3C PROV-JSON, OpenLineage RunEvents or a Workflow Run RO-Crate, secrets masked.
+
+    The filters pick pipeline runs as `lineage list` does (`--recipe marin --replica drops --since
+    30d`: last month's drop nightlies, for an archive); runs given by id are added to them.
+    """
     from pathlib import Path
 
     from orchestrator.lineage.export import FORMATS, export
+    from orchestrator.lineage.listing import RecordFilter, list_records, parse_when
     from orchestrator.snapshots import atomic_write
 
     if fmt not in (*FORMATS, "ro-crate"):
         raise ConfigError(f"unknown export format {fmt!r}; choose one of: {', '.join(FORMATS)}, ro-crate")
+    flt = RecordFilter(
+        state=tuple(state or ()),
+        recipe=recipe,
+        replica=replica,
+        backend=backend,
+        since=parse_when(since) if since else None,
+        until=parse_when(until) if until else None,
+    )
+    if flt.given():
+        picked = list_records(_open(), ["pipeline_run"], flt, limit=None).records
+        if not picked:  # no run is not "every run": an empty selection must not export the whole store
+            raise NotFoundError(
+                "no pipeline run matches these filters; `openlab lineage list -k pipeline_run` shows runs"
+            )
+        runs = [*(runs or ()), *(r.id for r in picked)]
     if fmt == "ro-crate":
         from orchestrator.lineage.rocrate import write_rocrate
 

@@ -129,10 +129,10 @@ def list_records(
     kinds: Sequence[str],
     flt: RecordFilter | None = None,
     *,
-    limit: int = 50,
+    limit: int | None = 50,
     strict: bool = False,
 ) -> Listing:
-    """The newest `limit` records of `kinds` that pass `flt`, across kinds, newest first.
+    """The newest `limit` records (None: all) of `kinds` that pass `flt`, across kinds, newest first.
 
     Kinds a set filter does not apply to are left out (``--state FAILED`` lists runs, stage runs
     and attempts, not snapshots); with `strict` (the user named the kinds) each must apply.
@@ -162,7 +162,7 @@ def list_records(
             when = time_field(model)
             if when is not None:
                 stmt = stmt.order_by(col(getattr(model, when)).desc())
-            rows.extend(session.exec(stmt.limit(limit)).all())
+            rows.extend(session.exec(stmt.limit(limit) if limit is not None else stmt).all())
 
     def newest(record: Any) -> tuple[bool, dt.datetime]:
         field = time_field(type(record))
@@ -170,7 +170,7 @@ def list_records(
         return (value is not None, value or dt.datetime.min.replace(tzinfo=dt.UTC))
 
     rows.sort(key=newest, reverse=True)
-    return Listing(records=rows[:limit], matched=matched)
+    return Listing(records=rows[:limit] if limit is not None else rows, matched=matched)
 
 
 __all__ = ["Listing", "RecordFilter", "answers", "list_records", "parse_when", "time_field"]

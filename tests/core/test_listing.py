@@ -155,3 +155,20 @@ def test_the_command_answers_which_pretrain_jobs_failed_this_week(run_cli, openl
         assert bad.returncode == 2, bad.stdout
         assert needle in bad.stderr and "Traceback" not in bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+def test_export_takes_the_same_filters_and_never_reads_no_match_as_everything(run_cli, openlab_home, tmp_path) -> None:
+    from orchestrator.lineage import open_store
+
+    with open_store() as store:
+        h = _history(store)
+    out = run_cli("lineage", "export", "-f", "prov", "--replica", "drops")
+    assert out.returncode == 0, out.stderr
+    assert h["new"] in out.stdout and h["new_pre"] in out.stdout
+    assert h["old"] not in out.stdout and h["other"] not in out.stdout
+    week = run_cli("lineage", "export", "-f", "prov", "--since", "7d", "--state", "completed")
+    assert h["other"] in week.stdout and h["new"] not in week.stdout and h["old"] not in week.stdout
+    target = tmp_path / "archive.json"
+    none = run_cli("lineage", "export", "--recipe", "nope", "-o", str(target))
+    assert none.returncode == 2 and "no pipeline run matches" in none.stderr, none.stderr
+    assert len(none.stderr.strip().splitlines()) == 1 and not target.exists()
