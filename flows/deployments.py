@@ -13,6 +13,9 @@ Three deployments, built the same way for ``openlab deploy`` (register only) and
   UTC, after the training nightly; ``[prefect] nightly_drops_cron`` changes it). A dispatch or
   routing change that moves drops is caught the next morning, before a full-scale run pays for it.
 
+The nightlies and the reaper carry a deployment concurrency limit of one with CANCEL_NEW: a
+scheduled run that finds the previous one still going is cancelled by the server, not queued.
+
 Entrypoints are module paths (``flows.pipeline.replica_pipeline``), so a served run or a
 work-pool worker finds the flow wherever openlab is installed. Callers still serve from
 :func:`repo_root` (:func:`in_repo_root`), so flow runs start in the repository and
@@ -117,6 +120,7 @@ def build_deployments(
 
     ``paused_nightly`` registers every schedule paused (``make demo`` runs no runner to take them).
     """
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
     from prefect.deployments.runner import EntrypointType
     from prefect.schedules import Cron, Interval
 
@@ -125,6 +129,10 @@ def build_deployments(
     from flows.reconcile import reconcile_lineage
 
     settings = settings or load_settings()
+    # One run at a time of each scheduled deployment; a run due while the last is still going is
+    # cancelled, not queued: a nightly stuck behind a full Slurm queue must not pile up a backlog
+    # that then runs back to back, and two reapers at once would race to cancel the same job.
+    one_at_a_time = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW)
     timezone = nightly_timezone(settings)
     schedule = Cron(nightly_cron(settings, cron), timezone=timezone)
     drops_cron = nightly_cron(settings, key="nightly_drops_cron", default=DEFAULT_DROPS_NIGHTLY_CRON)
@@ -147,6 +155,7 @@ def build_deployments(
         parameters=nightly_parameters or None,
         paused=paused_nightly,
         tags=[*TAGS, "nightly"],
+        concurrency_limit=one_at_a_time,
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
     drops = nightly_replica.to_deployment(
@@ -159,6 +168,7 @@ def build_deployments(
         parameters={**(nightly_parameters or {}), "replica": DROPS_NIGHTLY_REPLICA},
         paused=paused_nightly,
         tags=[*TAGS, "nightly", "drops"],
+        concurrency_limit=one_at_a_time,
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
     every = reconcile_every(settings)
@@ -171,6 +181,7 @@ def build_deployments(
         schedules=[Interval(every)] if every else None,
         paused=paused_nightly,
         tags=[*TAGS, "maintenance"],
+        concurrency_limit=one_at_a_time,
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
     return [pipeline, nightly, drops, reaper]

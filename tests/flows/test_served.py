@@ -205,6 +205,16 @@ def test_cancel_through_api_stops_backend_job(served: Served, backend: str) -> N
         assert not store.list(Attempt, where=[Attempt.stage_run_id == stage.id, Attempt.state == "RUNNING"])
 
 
+def _wait_running(flow_run_id: Any, timeout: float) -> None:
+    from prefect import get_client
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while not (state := client.read_flow_run(flow_run_id).state) or not state.is_running():
+            assert time.monotonic() < deadline and not state.is_final(), f"flow run never ran: {state}"
+            time.sleep(0.2)
+
+
 def test_nightly_deployment_runs_the_drop_fraction_reproduction_and_judges_its_arms(served: Served) -> None:
     """The reproduction through the flows, as the UI or a schedule starts it: the nightly deployment on
     the `drops-tiny` replica runs data -> tokenize -> repro as tasks; the first run is the baseline and the
@@ -213,7 +223,13 @@ def test_nightly_deployment_runs_the_drop_fraction_reproduction_and_judges_its_a
     from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
 
     params = {"recipe": "marin-535b-a23b", "replica": "drops-tiny", "backend": "local", "git_ref": "HEAD"}
-    first = wait_flow_run(start_run("nightly-replica/nightly", params), 300)
+    first_id = start_run("nightly-replica/nightly", params)
+    _wait_running(first_id, 120)
+    # A nightly due while the last one still runs is cancelled by the deployment's concurrency
+    # limit, not queued behind it, and records nothing.
+    overlapping = wait_flow_run(start_run("nightly-replica/nightly", params), 120)
+    assert overlapping.state.is_cancelled(), overlapping.state
+    first = wait_flow_run(first_id, 300)
     assert first.state.is_completed(), f"{first.state.message}\n{served.log()[-3000:]}"
     with get_client(sync_client=True) as client:
         of_run = TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[first.id]))
@@ -222,6 +238,7 @@ def test_nightly_deployment_runs_the_drop_fraction_reproduction_and_judges_its_a
     arms = {"pooled_wave_1.15_1.15", "pooled_wave_1.05_1.33", "waterfilling_cf1.05", "ragged_cf1.15"}
     tracked = {f"repro/{arm}/late_median_drop" for arm in arms}
     with LineageStore(served.db_url) as store:
+        assert store.list(PipelineRun, flow_run_id=str(overlapping.id)) == []
         (run,) = store.list(PipelineRun, flow_run_id=str(first.id))
         assert run.state == "COMPLETED" and run.verdict["status"] == "baseline", run.verdict
         assert {c["metric"] for c in run.verdict["checks"]} == tracked
