@@ -65,17 +65,11 @@ def list_cmd(
     failed this week"; a filter reaches through a record's run (an attempt's stage, a stage run's
     recipe), and one no listed kind can answer is an error, never an empty list.
     """
-    from orchestrator.lineage.listing import RecordFilter, list_records, parse_when, time_field
+    from orchestrator.lineage.listing import RecordFilter, list_records, time_field
     from orchestrator.lineage.store import record_payload
 
-    flt = RecordFilter(
-        state=tuple(state or ()),
-        stage=tuple(stage or ()),
-        recipe=recipe,
-        replica=replica,
-        backend=backend,
-        since=parse_when(since) if since else None,
-        until=parse_when(until) if until else None,
+    flt = RecordFilter.from_options(
+        state=state, stage=stage, recipe=recipe, replica=replica, backend=backend, since=since, until=until
     )
     store = _open()
     listing = list_records(store, kind or list(DEFAULT_KINDS), flt, limit=limit, strict=bool(kind))
@@ -354,18 +348,13 @@ def export_cmd(
     from pathlib import Path
 
     from orchestrator.lineage.export import FORMATS, export
-    from orchestrator.lineage.listing import RecordFilter, list_records, parse_when
+    from orchestrator.lineage.listing import RecordFilter, list_records
     from orchestrator.snapshots import atomic_write
 
     if fmt not in (*FORMATS, "ro-crate"):
         raise ConfigError(f"unknown export format {fmt!r}; choose one of: {', '.join(FORMATS)}, ro-crate")
-    flt = RecordFilter(
-        state=tuple(state or ()),
-        recipe=recipe,
-        replica=replica,
-        backend=backend,
-        since=parse_when(since) if since else None,
-        until=parse_when(until) if until else None,
+    flt = RecordFilter.from_options(
+        state=state, recipe=recipe, replica=replica, backend=backend, since=since, until=until
     )
     if flt.given():
         picked = list_records(_open(), ["pipeline_run"], flt, limit=None).records

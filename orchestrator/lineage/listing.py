@@ -59,6 +59,29 @@ class RecordFilter:
     since: dt.datetime | None = None
     until: dt.datetime | None = None
 
+    @classmethod
+    def from_options(
+        cls,
+        *,
+        state: Sequence[str] | None = None,
+        stage: Sequence[str] | None = None,
+        recipe: str | None = None,
+        replica: str | None = None,
+        backend: str | None = None,
+        since: str | None = None,
+        until: str | None = None,
+    ) -> RecordFilter:
+        """A filter from command-line text (times as :func:`parse_when` reads them)."""
+        return cls(
+            state=tuple(state or ()),
+            stage=tuple(stage or ()),
+            recipe=recipe,
+            replica=replica,
+            backend=backend,
+            since=parse_when(since) if since else None,
+            until=parse_when(until) if until else None,
+        )
+
     def given(self) -> list[str]:
         """The filters that are set, by option name."""
         return [f.name for f in fields(self) if getattr(self, f.name) not in (None, ())]
