@@ -77,6 +77,9 @@ def list_cmd(
     if json_out:
         print_json([{"kind": r.kind, **record_payload(r)} for r in rows])
         return
+    if not rows:
+        console.print("no records match", markup=False)
+        return
     table = Table(title=f"lineage ({store.url.split('://')[0]})", show_lines=False)
     for header in ("kind", "id", "when", "summary"):
         table.add_column(header, overflow="fold")
@@ -87,8 +90,6 @@ def list_cmd(
     console.print(table)
     if listing.matched > len(rows):
         console.print(f"{len(rows)} of {listing.matched} matching records shown; --limit shows more", markup=False)
-    elif not rows:
-        console.print("no records match", markup=False)
 
 
 @app.command("show")
