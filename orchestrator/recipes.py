@@ -30,8 +30,9 @@ from typing import Any
 
 import yaml
 
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, OpenlabError
 from orchestrator.hashing import hash_json
+from orchestrator.launchers.base import parse_memory
 from orchestrator.tolerances import check_metric, parse_tolerances
 
 #: Where recipe names (``marin-535b-a23b``) are looked up: ``recipes/`` at the repo root.
@@ -95,6 +96,9 @@ _TRAIN = {
     "mixture": Opt(MapOf(NUMBER)),
     "checkpoint_every": int,
 }
+
+#: What a stage's job asks its backend for (JobSpec's fields); never part of a stage's identity.
+_RESOURCES = {"cpus": Opt(NUMBER), "memory": Opt(str), "gpus": Opt(int), "time_limit": Opt(int)}
 
 #: Each scale factor and the recipe fields it multiplies.
 SCALE_RULES: dict[str, tuple[str, ...]] = {
@@ -174,6 +178,9 @@ RECIPE_SCHEMA: dict[str, Any] = {
         }
     ),
     "wandb": Opt({"project": str, "entity": Opt(str, nullable=True)}),
+    # Job resources per stage at full scale (``default``: every stage not named); a replica's own
+    # ``resources`` replace these, since a replica at 1/100 scale must not ask for the hero's GPUs.
+    "resources": Opt(MapOf(_RESOURCES)),
     "tracked_metrics": Opt(
         MapOf(
             {
@@ -195,6 +202,7 @@ RECIPE_SCHEMA: dict[str, Any] = {
                 "scale": Opt({key: Opt(RATIO) for key in SCALE_RULES}),
                 "set": Opt(MapOf(object)),
                 "runtime": Opt({"device": Opt(OneOf(("auto", "cpu", "cuda"))), "threads": Opt(int)}),
+                "resources": Opt(MapOf(_RESOURCES)),
                 # Which stages this replica runs (default: the training chain, data .. eval).
                 "stages": Opt(ListOf(OneOf(STAGES))),
                 # The drop-fraction reproduction (stage ``repro``): how its one router is trained
@@ -421,6 +429,8 @@ class ResolvedRecipe:
     derived: dict[str, Any] = field(default_factory=dict)
     #: The stages this replica runs, in pipeline order (the keys of ``stage_configs``).
     stages: tuple[str, ...] = DEFAULT_STAGES
+    #: Stage name -> the job resources it asks for (``cpus``, ``memory``, ``gpus``, ``time_limit``).
+    resources: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -444,6 +454,7 @@ class ResolvedRecipe:
             "runtime": dict(self.runtime),
             "derived": dict(self.derived),
             "stages": list(self.stages),
+            "resources": {k: dict(v) for k, v in self.resources.items()},
         }
 
 
@@ -540,6 +551,9 @@ def resolve(recipe: Recipe | str | Path, replica: str | None = None, *, validate
             )
         if repro is not None and "repro" not in stages:
             raise ConfigError(f"{where}: replicas.{replica}: has a repro section but its stages do not include repro")
+    asked = recipe.replicas[replica].get("resources") if replica is not None else recipe.data.get("resources")
+    where_resources = f"{where}: replicas.{replica}.resources" if replica is not None else f"{where}: resources"
+    resources = stage_resources(asked or {}, stages, where_resources)
     configs, derived = _stage_configs(values, runtime, stages, repro)
     # A metric of a stage this replica does not run cannot be compared: it is not tracked here.
     tracked = tuple(
@@ -565,10 +579,41 @@ def resolve(recipe: Recipe | str | Path, replica: str | None = None, *, validate
         tracked_metrics=tracked,
         derived=derived,
         stages=tuple(stages),
+        resources=resources,
     )
     if validate:
         validate_workload_configs(resolved)
     return resolved
+
+
+def stage_resources(
+    asked: Mapping[str, Mapping[str, Any]], stages: Sequence[str], where: str
+) -> dict[str, dict[str, Any]]:
+    """Each stage's job resources: its own entry over ``default``, checked as a job would check them.
+
+    A stage the replica does not run is an error (a typo would otherwise leave pretrain on the
+    cluster's default of no GPU); so is a value no backend could honour.
+    """
+    unknown = [k for k in asked if k != "default" and k not in stages]
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}: not a stage this runs (stages: {', '.join(stages)}; or default)")
+    for name, entry in asked.items():
+        label = f"{where}.{name}"
+        if "cpus" in entry and entry["cpus"] <= 0:
+            raise ConfigError(f"{label}.cpus: must be positive, got {entry['cpus']!r}")
+        if "gpus" in entry and entry["gpus"] < 0:
+            raise ConfigError(f"{label}.gpus: must be 0 or more, got {entry['gpus']!r}")
+        if "time_limit" in entry and entry["time_limit"] <= 0:
+            raise ConfigError(f"{label}.time_limit: seconds, must be positive, got {entry['time_limit']!r}")
+        if "memory" in entry:
+            try:
+                parse_memory(entry["memory"])
+            except OpenlabError:
+                raise ConfigError(
+                    f"{label}.memory: invalid {entry['memory']!r}: a number with K, M, G or T, e.g. 512M or 2G"
+                ) from None
+    default = dict(asked.get("default") or {})
+    return {stage: {**default, **dict(asked.get(stage) or {})} for stage in stages if default or stage in asked}
 
 
 def _train_section(section: Mapping[str, Any], steps: int, batch: int) -> dict[str, Any]:

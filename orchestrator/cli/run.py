@@ -210,7 +210,10 @@ def explain(
         print_json({"recipe": resolved.lineage(), "stages": [p.to_dict() for p in plans]})
         return
     table = Table(title=f"openlab explain {resolved.name}", title_justify="left")
-    for column in ("stage", "action", "identity", "why", "changed fields"):
+    columns = ["stage", "action", "identity", "why", "changed fields"]
+    if resolved.resources:  # what each job would ask its backend for, when the recipe says
+        columns.append("job asks")
+    for column in columns:
         table.add_column(column, overflow="fold")
     colours = {"reuse": "green", "run": "bold blue", "wait": "yellow", "depends": "cyan"}
     for p in plans:
@@ -220,8 +223,21 @@ def explain(
             (p.identity or "(after upstream)")[:16],
             escape(p.reason),
             escape("\n".join(p.changes)) or "-",
+            *([_asks(resolved.resources.get(p.stage) or {})] if resolved.resources else []),
         )
     console.print(table)
+
+
+def _asks(resources: dict[str, object]) -> str:
+    """``cpus=2 mem=4G gpus=1 time=30m`` for a stage's requested resources (``-``: the backend's defaults)."""
+    if not resources:
+        return "-"
+    names = {"cpus": "cpus", "memory": "mem", "gpus": "gpus"}
+    parts = [f"{names[k]}={resources[k]}" for k in names if k in resources]
+    if "time_limit" in resources:
+        minutes, seconds = divmod(int(resources["time_limit"]), 60)  # type: ignore[call-overload]
+        parts.append(f"time={minutes}m" + (f"{seconds}s" if seconds else ""))
+    return " ".join(parts)
 
 
 __all__ = ["app", "explain", "run"]

@@ -78,6 +78,7 @@ def submit_attempt(
         job_name=spec.name,
         image=launcher.image_name(spec),  # the image that runs, also when it is the backend's default
         command=list(spec.command),
+        resources=spec.resources() or None,
         state="PENDING",
     )
     try:

@@ -122,6 +122,13 @@ class JobSpec:
     def memory_bytes(self) -> int | None:
         return parse_memory(self.memory) if self.memory else None
 
+    def resources(self) -> dict[str, Any]:
+        """The resources this job asks for, only those set (what its attempt records)."""
+        asked: dict[str, Any] = {"cpus": self.cpus, "memory": self.memory, "time_limit": self.time_limit}
+        if self.gpus:
+            asked["gpus"] = self.gpus
+        return {k: v for k, v in asked.items() if v is not None}
+
     def public_env(self) -> dict[str, str]:
         """The env with secret values masked, for anything that is printed or recorded."""
         return redact_mapping(self.env)

@@ -234,6 +234,9 @@ class Attempt(LineageRecord, table=True):
     #: A job made of several tasks (a Slurm job array): each task's end by task id — state,
     #: exit code, host, times, reason — so lineage says which shard failed, not just that one did.
     tasks: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    #: What the job asked the backend for (cpus, memory, gpus, time_limit; only those set), so an
+    #: audit can say what a run was given, and a GPU-hour count needs no backend's memory.
+    resources: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
 
 
 class Relation(LineageRecord, table=True):

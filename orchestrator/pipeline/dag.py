@@ -20,6 +20,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from orchestrator.errors import ConfigError
 from orchestrator.settings import Settings
@@ -172,10 +173,15 @@ def _moe(path: str) -> str:
 
 
 def moe_pipeline(
-    repo_root: Path | None = None, *, image: str | None = None, stages: Sequence[str] | None = None
+    repo_root: Path | None = None,
+    *,
+    image: str | None = None,
+    stages: Sequence[str] | None = None,
+    resources: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Pipeline:
     """The MoE replica pipeline: data -> tokenize -> pretrain -> midtrain -> posttrain -> eval by
-    default, or the ``stages`` a recipe's replica names (e.g. data -> tokenize -> repro).
+    default, or the ``stages`` a recipe's replica names (e.g. data -> tokenize -> repro), each
+    stage's job asking for the ``resources`` the recipe gives it (cpus, memory, gpus, time_limit).
 
     Code paths are the workload modules each stage executes; the W&B helper
     (``tracking.py``) is deliberately left out: logging does not change results.
@@ -216,6 +222,7 @@ def moe_pipeline(
                 environment_fields=env[name],
                 snapshot_output=name == "data",
                 tracks_wandb=name in WANDB_STAGES,
+                **dict((resources or {}).get(name) or {}),
             )
         )
     return Pipeline(name="moe-replica", stages=tuple(specs), repo_root=root, image=image)

@@ -1245,7 +1245,7 @@ def start_recipe(
     from orchestrator.recipes import resolve
 
     resolved = recipe if isinstance(recipe, ResolvedRecipe) else resolve(recipe, replica)
-    pipeline = moe_pipeline(repo_root, stages=resolved.stages)
+    pipeline = moe_pipeline(repo_root, stages=resolved.stages, resources=resolved.resources)
     return start_pipeline(
         pipeline, resolved.stage_configs, options=options, hooks=hooks, recipe=resolved, settings=settings, store=store
     )

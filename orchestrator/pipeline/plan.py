@@ -195,7 +195,7 @@ def explain_recipe(
 
     resolved = recipe if isinstance(recipe, ResolvedRecipe) else resolve(recipe, replica)
     return plan(
-        moe_pipeline(repo_root, stages=resolved.stages),
+        moe_pipeline(repo_root, stages=resolved.stages, resources=resolved.resources),
         resolved.stage_configs,
         settings=settings,
         store=store,

@@ -248,3 +248,49 @@ def test_explain_lists_the_replicas_own_stages() -> None:
 
     plans = explain_recipe("marin-535b-a23b", "drops-tiny")
     assert [p.stage for p in plans] == ["data", "tokenize", "repro"]
+
+
+def test_stage_resources_reach_the_jobs_and_never_the_identity(tmp_path: Path) -> None:
+    """A replica's `resources` become each stage's job request (its own entry over `default`), are
+    recorded with the recipe, and asking for more does not re-run anything."""
+    from orchestrator.identity import compute_identity
+    from orchestrator.pipeline.dag import moe_pipeline
+
+    tiny = resolve("marin-535b-a23b", "tiny")
+    pipeline = moe_pipeline(stages=tiny.stages, resources=tiny.resources)
+    asked = {s.name: (s.cpus, s.memory, s.gpus, s.time_limit) for s in pipeline.stages}
+    assert asked["pretrain"] == (2, "4G", 0, 1800)  # its own memory and time over the default's
+    assert asked["eval"] == (2, "3G", 0, 900)  # the default
+    assert tiny.lineage()["resources"]["pretrain"] == {"cpus": 2, "memory": "4G", "time_limit": 1800}
+    assert resolve("marin-535b-a23b", "drops-tiny").resources == {}  # none given: the backend's defaults
+
+    data = base()
+    data["replicas"]["tiny"]["resources"]["pretrain"] = {"gpus": 8, "memory": "1T", "time_limit": 86400}
+    bigger = resolve(load_recipe(write(tmp_path, data)), "tiny")
+    assert bigger.resources["pretrain"]["gpus"] == 8
+    assert [identity_config(c) for c in bigger.stage_configs.values()] == [
+        identity_config(c) for c in tiny.stage_configs.values()
+    ]
+    assert compute_identity("pretrain", identity_config(bigger.stage_configs["pretrain"])).digest == (
+        compute_identity("pretrain", identity_config(tiny.stage_configs["pretrain"])).digest
+    )
+
+
+@pytest.mark.parametrize(
+    ("resources", "message"),
+    [
+        ({"pretrian": {"gpus": 1}}, "replicas.tiny.resources.pretrian: not a stage this runs"),
+        ({"repro": {"gpus": 1}}, "replicas.tiny.resources.repro: not a stage this runs"),
+        ({"pretrain": {"memory": "lots"}}, "replicas.tiny.resources.pretrain.memory: invalid 'lots'"),
+        ({"default": {"cpus": 0}}, "replicas.tiny.resources.default.cpus: must be positive"),
+        ({"eval": {"time_limit": -5}}, "replicas.tiny.resources.eval.time_limit: seconds, must be positive"),
+        ({"eval": {"gpu": 1}}, "replicas.tiny.resources.eval.gpu: unknown key"),
+        ({"eval": {"gpus": "one"}}, "replicas.tiny.resources.eval.gpus: expected int"),
+    ],
+)
+def test_bad_stage_resources_are_one_line_before_any_job(tmp_path: Path, resources: dict, message: str) -> None:
+    data = base()
+    data["replicas"]["tiny"]["resources"] = resources
+    with pytest.raises(ConfigError) as err:
+        resolve(load_recipe(write(tmp_path, data)), "tiny")
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)

@@ -16,6 +16,7 @@ import pytest
 
 from orchestrator.lineage.models import Attempt, StageRun
 from orchestrator.lineage.store import LineageStore
+from orchestrator.recipes import resolve
 from orchestrator.settings import load_settings
 from tests.services import require_slurm
 
@@ -39,6 +40,8 @@ def test_tiny_replica_runs_end_to_end_on_slurm() -> None:
     assert [s["stage"] for s in result["stages"]] == STAGES
     assert 0.0 <= result["stages"][-1]["metrics"]["eval/moe/drop_fraction"] <= 1.0
 
+    # What the recipe's tiny replica asks for (`resources`), recorded and given by Slurm itself.
+    asked = resolve("marin-535b-a23b", "tiny").resources
     with LineageStore.open(load_settings()) as store:
         for stage in store.list(StageRun):
             attempts = store.list(Attempt, stage_run_id=stage.id)
@@ -47,3 +50,9 @@ def test_tiny_replica_runs_end_to_end_on_slurm() -> None:
             assert attempt.backend == "slurm" and attempt.job_id and attempt.job_id.isdigit()
             assert attempt.host  # the node the job ran on
             assert attempt.command[0] == sys.executable  # the project's interpreter, not the node's `python`
+            assert attempt.resources == asked[stage.stage]
+            shown = subprocess.run(["scontrol", "show", "job", attempt.job_id], capture_output=True, text=True)
+            fields = dict(f.split("=", 1) for f in shown.stdout.split() if "=" in f)
+            assert fields["NumCPUs"] == str(asked[stage.stage]["cpus"]), shown.stdout
+            assert fields["MinMemoryNode"] == asked[stage.stage]["memory"], shown.stdout
+            assert fields["TimeLimit"] == f"00:{asked[stage.stage]['time_limit'] // 60:02d}:00", shown.stdout
