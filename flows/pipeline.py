@@ -101,9 +101,9 @@ class CancelWatcher(threading.Thread):
 
 
 def _stage_retries() -> int:
-    from orchestrator.settings import load_settings
+    from orchestrator.pipeline.execute import stage_retries
 
-    return int(load_settings().section("prefect").get("stage_retries", 1))
+    return stage_retries()
 
 
 def _retry_unless_cancelled(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:

@@ -34,6 +34,7 @@ _STYLE = {
     "REUSED": "green",
     "COMPLETED": "bold green",
     "FAILED": "bold red",
+    "RETRYING": "yellow",
     "CANCELLED": "red",
     "SKIPPED": "dim",
     "PENDING": "dim",
@@ -74,6 +75,8 @@ class _Display:
                 return
             style = _STYLE.get(event.state, "")
             detail = escape(event.reason[:90]) if event.reason else ""
+            if event.state == "RETRYING":  # the bar starts over for the new attempt
+                self.progress.reset(task, start=False)
             self.progress.update(task, state=f"[{style}]{event.state}[/]", detail=detail)
             if event.state in ("CHECKING", "RUNNING"):
                 self.progress.start_task(task)
@@ -133,18 +136,25 @@ def run(
     force_stage: Annotated[
         list[str] | None, typer.Option("--force-stage", help="Re-run this stage (repeatable).")
     ] = None,
+    retries: Annotated[
+        int | None,
+        typer.Option(
+            "--retries", min=0, help="Retry a failed stage this many times (default: [pipeline] stage_retries, 1)."
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print every job log line.")] = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Run RECIPE's pipeline here (data .. eval, or the stages the replica names), reusing what is done."""
-    from orchestrator.pipeline import PipelineHooks, RunOptions, run_stages, start_recipe
+    from orchestrator.pipeline import PipelineHooks, RunOptions, run_stages, stage_retries, start_recipe
     from orchestrator.recipes import resolve
-
-    resolved = resolve(recipe, replica)
     from orchestrator.settings import load_settings
 
+    resolved = resolve(recipe, replica)
+    settings = load_settings()
+    retries = stage_retries(settings) if retries is None else retries
     options = RunOptions(
-        backend=backend or load_settings().default_backend,
+        backend=backend or settings.default_backend,
         issue=issue,
         issue_required=require_issue,
         force=_force_value(force, force_stage),
@@ -160,13 +170,13 @@ def run(
             ),
         )
         ctx = start_recipe(resolved, options=options, hooks=hooks)
-        result = run_stages(ctx)
+        result = run_stages(ctx, retries=retries)
     else:
         display = _Display(list(resolved.stages), verbose)
         hooks = PipelineHooks(on_transition=display.transition, on_log=display.log, on_progress=display.advance)
         with display.progress:
             ctx = start_recipe(resolved, options=options, hooks=hooks)
-            result = run_stages(ctx)
+            result = run_stages(ctx, retries=retries)
     if json_out:
         data = result.to_dict()
         data["commit"] = ctx.commit.id
@@ -177,7 +187,7 @@ def run(
         console.print(_summary_table(result))
         console.print(
             f"commit {ctx.commit.id} · environment {ctx.environment.id[:16]} · "
-            f"recipe {resolved.name} · backend {backend}"
+            f"recipe {resolved.name} · backend {options.backend}"
         )
         if result.error:
             err_console.print(f"[bold red]error:[/] {escape(result.error)}")

@@ -1187,13 +1187,41 @@ class PipelineResult:
         }
 
 
-def run_stages(ctx: PipelineContext, stages: Sequence[str] | None = None) -> PipelineResult:
-    """Execute the stages of a started pipeline in order, then close the run."""
+#: Retries of a failed stage when ``[pipeline] stage_retries`` is not set (the flows' Prefect task
+#: retries and ``openlab run`` both use it, so a stage is retried the same from the UI and a terminal).
+DEFAULT_STAGE_RETRIES = 1
+
+
+def stage_retries(settings: Settings | None = None) -> int:
+    """How many times a failed stage is retried: ``[pipeline] stage_retries`` (an int, 0 or more)."""
+    raw = (settings or load_settings()).section("pipeline").get("stage_retries", DEFAULT_STAGE_RETRIES)
+    if isinstance(raw, bool) or not isinstance(raw, int | str) or not str(raw).strip().isdigit():
+        raise ConfigError(f"invalid [pipeline] stage_retries {raw!r}: use a whole number, 0 or more (e.g. 1)")
+    return int(raw)
+
+
+def _execute_with_retries(ctx: PipelineContext, name: str, retries: int) -> None:
+    """execute_stage, again after a failure, up to ``retries`` times: each retry is a new attempt of
+    the same stage run, and a training stage resumes from its last checkpoint (its output folder
+    is its identity's). A cancelled stage is never retried."""
+    for tried in range(retries + 1):
+        try:
+            execute_stage(ctx, name)
+            return
+        except StageFailed as exc:
+            if tried == retries:
+                raise
+            ctx.emit(name, "RETRYING", reason=f"retry {tried + 1} of {retries} after: {exc}")
+
+
+def run_stages(ctx: PipelineContext, stages: Sequence[str] | None = None, *, retries: int = 0) -> PipelineResult:
+    """Execute the stages of a started pipeline in order (a failed one up to ``retries`` more
+    times), then close the run."""
     error: str | None = None
     state: str | None = None
     try:
         for name in stages or ctx.pipeline.order:
-            execute_stage(ctx, name)
+            _execute_with_retries(ctx, name, retries)
     except StageCancelled as exc:
         state, error = "CANCELLED", str(exc)
     except StageFailed as exc:

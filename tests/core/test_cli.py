@@ -167,3 +167,14 @@ def test_recorded_text_is_printed_as_recorded_not_as_markup(run_cli, openlab_hom
     assert error in shown.stdout
     listed = run_cli("lineage", "list", "--kind", "commit")
     assert "[WIP]" in listed.stdout and "[red]top-k[/red]" in listed.stdout, listed.stdout  # the table may wrap it
+
+
+def test_a_bad_retry_setting_stops_a_run_before_anything_is_recorded(run_cli, openlab_home: Path) -> None:
+    bad = run_cli("run", "marin-535b-a23b", "--replica", "tiny", env={"OPENLAB_PIPELINE__STAGE_RETRIES": "lots"})
+    assert bad.returncode == 2, bad.stdout
+    assert bad.stderr.strip().splitlines() == [
+        "error: invalid [pipeline] stage_retries 'lots': use a whole number, 0 or more (e.g. 1)"
+    ]
+    assert not (openlab_home / "lineage.db").exists()
+    negative = run_cli("run", "marin-535b-a23b", "--replica", "tiny", "--retries", "-1")
+    assert negative.returncode == 2 and "Traceback" not in negative.stderr

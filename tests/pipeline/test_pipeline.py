@@ -29,6 +29,8 @@ from orchestrator.pipeline import (
     plan,
     reconcile,
     run_pipeline,
+    run_stages,
+    stage_retries,
     start_pipeline,
 )
 from orchestrator.settings import load_settings
@@ -292,6 +294,46 @@ def test_a_refused_start_records_nothing_and_leaves_no_database_open(
     assert _open_handles(openlab_home) == []
     with LineageStore.open() as store:
         assert store.list(PipelineRun) == []
+
+
+FLAKY_ONCE = (
+    "\nimport os, pathlib\n"
+    "_marker = pathlib.Path(os.environ['TOY_FLAKY_MARKER'])\n"
+    "if not _marker.exists():\n    _marker.touch()\n    raise SystemExit(3)\n"
+)
+
+
+def test_a_failed_stage_is_retried_as_a_new_attempt_of_the_same_stage_run(
+    repo: Path, ledger: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`openlab run` retries like the flows do: a transient failure costs an attempt, not the run."""
+    script = repo / "stages" / "upper.py"
+    script.write_text(script.read_text() + FLAKY_ONCE)
+    monkeypatch.setenv("TOY_FLAKY_MARKER", str(tmp_path / "failed-once"))
+    seen: list[tuple[str, str]] = []
+    hooks = PipelineHooks(on_transition=lambda e: seen.append((e.stage, e.state)))
+    ctx = start_pipeline(toy_pipeline(repo), toy_configs(), options=fast(), hooks=hooks)
+    result = run_stages(ctx, retries=1)
+    assert result.state == "COMPLETED", result.error
+    assert ("upper", "RETRYING") in seen
+    with LineageStore.open() as store:
+        (upper,) = store.list(StageRun, pipeline_run_id=result.pipeline_run.id, stage="upper")
+        attempts = store.list(Attempt, stage_run_id=upper.id, order_by=Attempt.number)
+        assert [(a.number, a.state, a.exit_code) for a in attempts] == [(1, "FAILED", 3), (2, "COMPLETED", 0)]
+        assert upper.state == "COMPLETED"
+    # without a retry the same failure fails the run
+    (tmp_path / "failed-once").unlink()
+    again = run_pipeline(toy_pipeline(repo), toy_configs(), options=RunOptions(wait_poll=0.05, force=True))
+    assert again.state == "FAILED" and again.results["upper"].state == "FAILED"
+
+
+def test_stage_retries_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert stage_retries(load_settings()) == 1
+    monkeypatch.setenv("OPENLAB_PIPELINE__STAGE_RETRIES", "3")
+    assert stage_retries(load_settings()) == 3
+    monkeypatch.setenv("OPENLAB_PIPELINE__STAGE_RETRIES", "lots")
+    with pytest.raises(ConfigError, match=r"invalid \[pipeline\] stage_retries 'lots'"):
+        stage_retries(load_settings())
 
 
 def test_force_reruns_a_stage_with_the_same_identity(repo: Path, ledger: Path) -> None:
