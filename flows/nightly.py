@@ -84,7 +84,8 @@ def nightly_replica(
         dry_run=False,
         trigger=None,
     )
-    verdict = nightly_verdict(summary["pipeline_run_id"], recipe, replica)
+    # judged by the tolerances of the recipe that ran: at git_ref, not the server's own copy
+    verdict = nightly_verdict(summary["pipeline_run_id"], summary["recipe_path"], replica)
     return {**summary, "verdict": verdict}
 
 

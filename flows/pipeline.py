@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from prefect.tasks import Task
 
     from orchestrator.pipeline.execute import PipelineContext, StageResult, StageTransition
+    from orchestrator.recipes import ResolvedRecipe
     from orchestrator.settings import Settings
 
 Backend = Literal["local", "docker", "slurm", "kubernetes"]
@@ -195,11 +196,13 @@ def run_replica(
     dry_run: bool,
     trigger: str | None = None,
     require_issue: bool = False,
+    until: str | None = None,
 ) -> dict[str, Any]:
     """The body of the pipeline flows (also used by the nightly): start, run each stage as a task, finish."""
 
     from flows.gitref import checkout_ref
     from orchestrator.pipeline.execute import RunOptions, start_recipe
+    from orchestrator.recipes import resolve
     from orchestrator.settings import load_settings
 
     logger = get_run_logger()
@@ -212,10 +215,11 @@ def run_replica(
     repo_root = checkout_ref(REPO_ROOT, git_ref, settings)
     if repo_root != REPO_ROOT:
         logger.info("running git ref %s from worktree %s", git_ref, repo_root)
+    # The recipe of the tree that runs (a checked-out ref brings its own), cut --until a stage.
+    resolved = resolve(recipe, replica, root=repo_root).until(until or None)
     if dry_run:
         return _dry_run(
-            recipe=recipe,
-            replica=replica,
+            resolved=resolved,
             backend=backend,
             git_ref=git_ref,
             force=force,
@@ -233,6 +237,7 @@ def run_replica(
         "git_ref": git_ref,
         "force": force,
         "dry_run": dry_run,
+        "until": until,
         "flow_run_id": flow_run_id,
     }
     options = RunOptions(
@@ -245,8 +250,7 @@ def run_replica(
         params={"prefect": params},
     )
     ctx = start_recipe(
-        recipe,
-        replica,
+        resolved,
         options=options,
         hooks=_hooks(run_ids, watcher, logger),
         settings=settings,
@@ -257,6 +261,7 @@ def run_replica(
     run_stages_as_tasks(ctx, retries=_stage_retries(), watcher=watcher)
     summary = {
         "pipeline_run_id": ctx.id,
+        "recipe_path": str(resolved.recipe.path),  # the file that ran (a checked-out ref's own)
         "state": ctx.pipeline_run.state,
         "commit": ctx.commit.id,
         "stages": {s: r.to_dict() for s, r in ctx.results.items()},
@@ -332,7 +337,7 @@ def _publish_pipeline_card(ctx: PipelineContext) -> None:
 
 
 def _dry_run(
-    *, recipe: str, replica: str, backend: str, git_ref: str, force: bool, repo_root: Path, settings: Settings
+    *, resolved: ResolvedRecipe, backend: str, git_ref: str, force: bool, repo_root: Path, settings: Settings
 ) -> dict[str, Any]:
     """``openlab explain`` inside the flow: per stage run or reuse and which identity fields changed.
 
@@ -344,10 +349,8 @@ def _dry_run(
     from prefect.artifacts import create_markdown_artifact
 
     from orchestrator.pipeline.plan import explain_recipe, plan_markdown
-    from orchestrator.recipes import resolve
 
     logger = get_run_logger()
-    resolved = resolve(recipe, replica)
     plans = explain_recipe(resolved, settings=settings, force=force, repo_root=repo_root, backend=backend)
     title = f"openlab explain {resolved.name} (backend {backend}, git ref {git_ref}{', forced' if force else ''})"
     for p in plans:
@@ -384,6 +387,7 @@ def replica_pipeline(
     git_ref: str = "HEAD",
     force: bool = False,
     dry_run: bool = False,
+    until: str | None = None,
 ) -> dict[str, Any]:
     """Run a recipe's scaled-down replica stage by stage, reusing what is already done.
 
@@ -397,6 +401,8 @@ def replica_pipeline(
         force: Re-run every stage even when a completed identical one exists.
         dry_run: Launch nothing; say for each stage whether it would run or be reused, and which
             identity fields changed since its last completed run (what `openlab explain` prints).
+        until: Stop after this stage (it and the stages it reads from run; e.g. tokenize to
+            prepare data now and train later); empty runs every stage of the replica.
     """
     return run_replica(
         recipe=recipe,
@@ -407,6 +413,7 @@ def replica_pipeline(
         git_ref=git_ref,
         force=force,
         dry_run=dry_run,
+        until=until,
     )
 
 

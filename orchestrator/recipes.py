@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -440,6 +440,25 @@ class ResolvedRecipe:
     def wandb(self) -> dict[str, Any]:
         return dict(self.values.get("wandb") or {})
 
+    def until(self, stage: str | None) -> ResolvedRecipe:
+        """This replica cut after ``stage`` (it and what it reads from); None: all of it.
+
+        The stages that remain are the same stages with the same configs, so their identities,
+        and what a later full run reuses, do not change.
+        """
+        if stage is None:
+            return self
+        from orchestrator.pipeline.dag import stages_until  # not at import: the pipeline imports recipes
+
+        kept = stages_until(stage, self.stages)
+        return replace(
+            self,
+            stages=kept,
+            stage_configs={k: v for k, v in self.stage_configs.items() if k in kept},
+            resources={k: v for k, v in self.resources.items() if k in kept},
+            tracked_metrics=tuple(m for m in self.tracked_metrics if m.stage in kept),
+        )
+
     def lineage(self) -> dict[str, Any]:
         """What a pipeline run records about its recipe: reference, factors, settings, derived numbers."""
         return {
@@ -458,9 +477,17 @@ class ResolvedRecipe:
         }
 
 
-def find_recipe(ref: str | Path, recipes_dir: Path | None = None) -> Path:
-    """The recipe file for a path or a bare name (looked up in ``recipes/``)."""
+def find_recipe(ref: str | Path, recipes_dir: Path | None = None, *, root: Path | None = None) -> Path:
+    """The recipe file for a path or a bare name (looked up in ``recipes/``).
+
+    ``root`` is the tree a run executes (a checked-out git ref): a relative path or a name is
+    looked up there first, so a run of an older commit uses that commit's recipe with its code.
+    """
     candidate = Path(ref).expanduser()
+    if root is not None and not candidate.is_absolute():
+        if (root / candidate).is_file():
+            return root / candidate
+        recipes_dir = recipes_dir or root / "recipes"
     if candidate.is_file():
         return candidate
     folder = recipes_dir or RECIPES_DIR
@@ -472,9 +499,9 @@ def find_recipe(ref: str | Path, recipes_dir: Path | None = None) -> Path:
     raise ConfigError(f"recipe {ref}: no such file, and no recipe of that name in {folder} (known: {known})")
 
 
-def load_recipe(ref: str | Path, recipes_dir: Path | None = None) -> Recipe:
+def load_recipe(ref: str | Path, recipes_dir: Path | None = None, *, root: Path | None = None) -> Recipe:
     """Read and validate a recipe (``yaml.safe_load``: no arbitrary objects from YAML)."""
-    path = find_recipe(ref, recipes_dir)
+    path = find_recipe(ref, recipes_dir, root=root)
     where = f"recipe {path.name}"
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -512,10 +539,13 @@ def _scaled(value: Any, factor: Fraction, path: str) -> Any:
     return float(Fraction(value).limit_denominator(10**12) * factor)
 
 
-def resolve(recipe: Recipe | str | Path, replica: str | None = None, *, validate: bool = True) -> ResolvedRecipe:
-    """Concrete per-stage workload configs for ``recipe`` at ``replica`` scale (None: full scale)."""
+def resolve(
+    recipe: Recipe | str | Path, replica: str | None = None, *, validate: bool = True, root: Path | None = None
+) -> ResolvedRecipe:
+    """Concrete per-stage workload configs for ``recipe`` at ``replica`` scale (None: full scale),
+    read from the tree ``root`` when given (see :func:`find_recipe`)."""
     if not isinstance(recipe, Recipe):
-        recipe = load_recipe(recipe)
+        recipe = load_recipe(recipe, root=root)
     where = recipe.label
     values = copy.deepcopy({k: v for k, v in recipe.data.items() if k != "replicas"})
     scale: dict[str, str] = {}

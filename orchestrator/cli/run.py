@@ -26,6 +26,10 @@ ReplicaOpt = Annotated[
     str | None, typer.Option("--replica", "-r", help="Named replica (e.g. tiny, small); default: full scale.")
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
+UntilOpt = Annotated[
+    str | None,
+    typer.Option("--until", help="Stop after this stage: it and the stages it reads from (e.g. tokenize)."),
+]
 
 _STYLE = {
     "CHECKING": "cyan",
@@ -136,6 +140,7 @@ def run(
     force_stage: Annotated[
         list[str] | None, typer.Option("--force-stage", help="Re-run this stage (repeatable).")
     ] = None,
+    until: UntilOpt = None,
     retries: Annotated[
         int | None,
         typer.Option(
@@ -150,7 +155,7 @@ def run(
     from orchestrator.recipes import resolve
     from orchestrator.settings import load_settings
 
-    resolved = resolve(recipe, replica)
+    resolved = resolve(recipe, replica).until(until)
     settings = load_settings()
     retries = stage_retries(settings) if retries is None else retries
     options = RunOptions(
@@ -205,6 +210,7 @@ def explain(
         str | None,
         typer.Option("--backend", "-b", help="Plan for this backend (containers: the image is the environment)."),
     ] = None,
+    until: UntilOpt = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Dry run: for each stage, run or reuse, and which identity fields changed since its last completed run."""
@@ -212,7 +218,7 @@ def explain(
     from orchestrator.recipes import resolve
     from orchestrator.settings import load_settings
 
-    resolved = resolve(recipe, replica)
+    resolved = resolve(recipe, replica).until(until)
     plans = explain_recipe(
         resolved, force=_force_value(force, force_stage), backend=backend or load_settings().default_backend
     )

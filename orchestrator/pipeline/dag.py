@@ -168,6 +168,18 @@ def check_stage_selection(stages: Sequence[str], where: str = "stages") -> tuple
     return tuple(s for s in known if s in stages)
 
 
+def stages_until(stage: str, stages: Sequence[str], where: str = "--until") -> tuple[str, ...]:
+    """``stage`` and every stage it (transitively) reads from, in pipeline order: what runs when a
+    user asks to stop at ``stage`` (``--until tokenize``: prepare the data, train later)."""
+    if stage not in stages:
+        raise ConfigError(f"{where} {stage!r}: not a stage of this run (stages: {', '.join(stages)})")
+    needed = {stage}
+    for name in reversed(tuple(stages)):
+        if name in needed:
+            needed.update(MOE_STAGE_INPUTS.get(name, {}).values())
+    return tuple(s for s in stages if s in needed)
+
+
 def _moe(path: str) -> str:
     return f"workloads/moe/{path}"
 
@@ -256,4 +268,5 @@ __all__ = [
     "check_stage_selection",
     "default_python",
     "moe_pipeline",
+    "stages_until",
 ]

@@ -1272,7 +1272,7 @@ def start_recipe(
     the replica's stages, by default the training chain data .. eval."""
     from orchestrator.recipes import resolve
 
-    resolved = recipe if isinstance(recipe, ResolvedRecipe) else resolve(recipe, replica)
+    resolved = recipe if isinstance(recipe, ResolvedRecipe) else resolve(recipe, replica, root=repo_root)
     pipeline = moe_pipeline(repo_root, stages=resolved.stages, resources=resolved.resources)
     return start_pipeline(
         pipeline, resolved.stage_configs, options=options, hooks=hooks, recipe=resolved, settings=settings, store=store

@@ -193,7 +193,7 @@ def explain_recipe(
     """The dry run of ``openlab run RECIPE --replica R --backend B``."""
     from orchestrator.recipes import resolve
 
-    resolved = recipe if isinstance(recipe, ResolvedRecipe) else resolve(recipe, replica)
+    resolved = recipe if isinstance(recipe, ResolvedRecipe) else resolve(recipe, replica, root=repo_root)
     return plan(
         moe_pipeline(repo_root, stages=resolved.stages, resources=resolved.resources),
         resolved.stage_configs,

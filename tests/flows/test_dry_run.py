@@ -88,5 +88,14 @@ def test_dry_run_explains_reuse_and_changed_fields_and_launches_nothing(
     assert "| data | **run** |" in markdown and change in markdown
     assert f"changed: {change}" in logs
 
+    # 3. `until` from the form: only the stage and what it reads from are planned.
+    state = replica_pipeline(
+        recipe="marin-535b-a23b", replica="tiny", dry_run=True, until="tokenize", return_state=True
+    )
+    assert state.is_completed(), state.message
+    assert [p["stage"] for p in state.result()["stages"]] == ["data", "tokenize"]
+    bad = replica_pipeline(recipe="marin-535b-a23b", replica="tiny", dry_run=True, until="repro", return_state=True)
+    assert bad.is_failed() and "--until 'repro': not a stage of this run" in (bad.message or ""), bad.message
+
     with LineageStore.open() as store:  # a dry run launches and records nothing
         assert (len(store.list(PipelineRun)), len(store.list(StageRun)), len(store.list(Attempt))) == recorded

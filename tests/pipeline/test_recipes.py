@@ -194,8 +194,11 @@ def test_drops_replica_is_the_shipped_reproduction_config() -> None:
     r = resolve("marin-535b-a23b", "drops")
     assert r.stages == ("data", "tokenize", "repro") and list(r.stage_configs) == list(r.stages)
     alone = load_config(RECIPES_DIR / "moe-repro.yaml")
-    read = {"data": ("seed", "data"), "tokenize": ("seed", "tokenizer"),
-            "repro": ("seed", "device", "threads", "model", "moe", "train", "repro")}
+    read = {
+        "data": ("seed", "data"),
+        "tokenize": ("seed", "tokenizer"),
+        "repro": ("seed", "device", "threads", "model", "moe", "train", "repro"),
+    }
     for stage, sections in read.items():
         piped = parse_config({**r.stage_configs[stage], "inputs": {}})
         for section in sections:
@@ -224,8 +227,15 @@ def test_drops_replica_is_the_shipped_reproduction_config() -> None:
         ({"stages": ["data", "tokenize", "pretrain"]}, "has a repro section but its stages do not include repro"),
         ({"repro": None}, "stage repro needs a repro section"),
         ({"repro": {"train": {"steps": 10}, "measure": {}}}, "repro.train.batch_sequences: missing"),
-        ({"repro": {"train": {"steps": 5, "batch_sequences": 4, "lr": 0.01},
-                    "measure": {"train_arm": "nope", "arms": []}}}, "stage repro: "),
+        (
+            {
+                "repro": {
+                    "train": {"steps": 5, "batch_sequences": 4, "lr": 0.01},
+                    "measure": {"train_arm": "nope", "arms": []},
+                }
+            },
+            "stage repro: ",
+        ),
     ],
 )
 def test_bad_replica_stages_or_repro_section_is_one_line_before_any_job(
@@ -294,3 +304,28 @@ def test_bad_stage_resources_are_one_line_before_any_job(tmp_path: Path, resourc
     with pytest.raises(ConfigError) as err:
         resolve(load_recipe(write(tmp_path, data)), "tiny")
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_until_keeps_a_stage_and_what_it_reads_from_with_their_configs() -> None:
+    tiny = resolve("marin-535b-a23b", "tiny")
+    assert tiny.until(None) is tiny
+    prep = tiny.until("tokenize")
+    assert prep.stages == ("data", "tokenize") and set(prep.stage_configs) == {"data", "tokenize"}
+    assert prep.stage_configs["tokenize"] == tiny.stage_configs["tokenize"]  # same identity as in a full run
+    assert set(prep.resources) == {"data", "tokenize"} and prep.tracked_metrics == ()
+    assert resolve("marin-535b-a23b", "drops").until("repro").stages == ("data", "tokenize", "repro")
+    with pytest.raises(ConfigError, match=r"--until 'repro': not a stage of this run \(stages: data, tokenize,"):
+        tiny.until("repro")
+
+
+def test_a_run_of_another_tree_reads_that_trees_recipe(tmp_path: Path) -> None:
+    """A flow run of an older git ref executes that commit's code, so it must use that commit's recipe."""
+    data = base()
+    data["replicas"]["tiny"]["set"]["data.max_bytes_per_domain"] = 123456
+    (tmp_path / "recipes").mkdir()
+    write(tmp_path / "recipes", data, "marin-535b-a23b.yaml")
+    theirs = resolve("marin-535b-a23b", "tiny", root=tmp_path)
+    assert theirs.recipe.path == (tmp_path / "recipes" / "marin-535b-a23b.yaml").resolve()
+    assert theirs.stage_configs["data"]["data"]["max_bytes_per_domain"] == 123456
+    assert resolve("recipes/marin-535b-a23b.yaml", "tiny", root=tmp_path).recipe.path == theirs.recipe.path
+    assert resolve("marin-535b-a23b", "tiny").stage_configs["data"]["data"]["max_bytes_per_domain"] == 200000

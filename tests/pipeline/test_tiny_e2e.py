@@ -46,9 +46,18 @@ def test_drops_replica_runs_the_reproduction_stage_with_lineage_then_reuses() ->
     from orchestrator.lineage import LineageStore, StageRun
     from orchestrator.settings import load_settings
 
+    # `--until tokenize` prepares the data now; the full run then reuses it and trains.
+    prep = openlab_run("--replica", "drops-tiny", "--until", "tokenize", "--json")
+    assert prep["state"] == "COMPLETED", prep["error"]
+    assert [(s["stage"], s["state"]) for s in prep["stages"]] == [("data", "COMPLETED"), ("tokenize", "COMPLETED")]
+    assert prep["recipe_lineage"]["stages"] == ["data", "tokenize"]
     first = openlab_run("--replica", "drops-tiny", "--json")
     assert first["state"] == "COMPLETED", first["error"]
-    assert [s["stage"] for s in first["stages"]] == ["data", "tokenize", "repro"]
+    assert [(s["stage"], s["state"]) for s in first["stages"]] == [
+        ("data", "REUSED"),
+        ("tokenize", "REUSED"),
+        ("repro", "COMPLETED"),
+    ]
     repro = first["stages"][-1]
     headline = repro["metrics"]["repro"]
     assert set(headline) == {"pooled_wave_1.05_1.33", "pooled_wave_1.15_1.15", "ragged_cf1.15", "waterfilling_cf1.05"}
