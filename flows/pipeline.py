@@ -52,6 +52,8 @@ if TYPE_CHECKING:
     from orchestrator.settings import Settings
 
 Backend = Literal["local", "docker", "slurm", "kubernetes"]
+#: The stages a run can stop after (a dropdown in the UI form; orchestrator.recipes.STAGES, checked by a test).
+Stage = Literal["data", "tokenize", "pretrain", "midtrain", "posttrain", "eval", "repro"]
 
 #: Pipeline contexts of the runs in this process, by pipeline run id (tasks get the id, not the object:
 #: a context holds a database engine and locks, which Prefect must not try to hash or serialize).
@@ -387,7 +389,7 @@ def replica_pipeline(
     git_ref: str = "HEAD",
     force: bool = False,
     dry_run: bool = False,
-    until: str | None = None,
+    until: Stage | None = None,
 ) -> dict[str, Any]:
     """Run a recipe's scaled-down replica stage by stage, reusing what is already done.
 
@@ -417,4 +419,4 @@ def replica_pipeline(
     )
 
 
-__all__ = ["Backend", "CancelWatcher", "replica_pipeline", "run_replica", "run_stage", "run_stages_as_tasks"]
+__all__ = ["Backend", "Stage", "CancelWatcher", "replica_pipeline", "run_replica", "run_stage", "run_stages_as_tasks"]

@@ -329,3 +329,12 @@ def test_a_run_of_another_tree_reads_that_trees_recipe(tmp_path: Path) -> None:
     assert theirs.stage_configs["data"]["data"]["max_bytes_per_domain"] == 123456
     assert resolve("recipes/marin-535b-a23b.yaml", "tiny", root=tmp_path).recipe.path == theirs.recipe.path
     assert resolve("marin-535b-a23b", "tiny").stage_configs["data"]["data"]["max_bytes_per_domain"] == 200000
+
+
+def test_the_ui_forms_stage_choices_are_the_recipe_stages() -> None:
+    from typing import get_args
+
+    from flows.pipeline import Stage
+    from orchestrator.recipes import STAGES
+
+    assert get_args(Stage) == STAGES
