@@ -157,6 +157,28 @@ def stage_wandb_settings(
 
 
 # -- finding and reading what a job wrote --------------------------------------------------------------
+def run_dir_id(run_dir: Path) -> str:
+    """The run id of a W&B run directory, from the ``run-<id>.wandb`` file inside it.
+
+    The directory name is ``<kind>-<time>-<id>``, plus ``-<n>`` when a run of the same id started
+    within the same second (a quick retry: W&B de-duplicates the name), and an id may itself hold
+    ``-``; the record file's name is the id alone.
+    """
+    for record in sorted(run_dir.glob("run-*.wandb")):
+        return record.name[len("run-") : -len(".wandb")]
+    m = _RUN_DIR.match(run_dir.name)
+    return m.group("id") if m else ""
+
+
+def _dir_order(run_dir: Path) -> tuple[str, int, str]:
+    """Oldest first: the start second, then W&B's same-second suffix as a number (-2 before -10)."""
+    m = _RUN_DIR.match(run_dir.name)
+    time = m.group("time") if m else ""
+    rest = run_dir.name.rsplit(f"-{run_dir_id(run_dir)}", 1)[-1] if m else ""
+    suffix = int(rest[1:]) if rest[1:].isdigit() else 0
+    return (time, suffix, run_dir.name)
+
+
 def find_run_dirs(path: str | Path, run_id: str | None = None) -> list[Path]:
     """W&B run directories under ``path`` (itself, ``path/wandb/*`` or deeper), oldest first.
 
@@ -170,8 +192,8 @@ def find_run_dirs(path: str | Path, run_id: str | None = None) -> list[Path]:
     else:
         candidates = sorted({p.parent for p in root.rglob("run-*.wandb") if _RUN_DIR.match(p.parent.name)})
     if run_id is not None:
-        candidates = [d for d in candidates if _RUN_DIR.match(d.name).group("id") == run_id]  # type: ignore[union-attr]
-    return sorted(candidates, key=lambda d: (_RUN_DIR.match(d.name).group("time"), d.name))  # type: ignore[union-attr]
+        candidates = [d for d in candidates if run_dir_id(d) == run_id]
+    return sorted(candidates, key=_dir_order)
 
 
 @dataclass
@@ -307,7 +329,7 @@ def read_run_dir(run_dir: str | Path, *, reader: str = "auto") -> RunReadback:
     config = data.get("config") or {}
     config.pop("_wandb", None)
     return RunReadback(
-        run_id=data.get("run_id") or m.group("id"),
+        run_id=data.get("run_id") or run_dir_id(run_dir),
         project=data.get("project") or None,
         entity=data.get("entity") or None,
         mode="offline" if m.group("kind") == "offline-run" else "online",
@@ -353,8 +375,8 @@ def record_wandb_run(
             raise WandbLinkError(
                 f"no W&B run directory (wandb/offline-run-*/ or wandb/run-*/) under {run_dir_or_out_dir}"
             )
-        latest_id = _RUN_DIR.match(found[-1].name).group("id")  # type: ignore[union-attr]
-        dirs = [d for d in found if d.name.endswith(f"-{latest_id}")]
+        latest_id = run_dir_id(found[-1])
+        dirs = [d for d in found if run_dir_id(d) == latest_id]
         if expected:
             log.warning("W&B run %s under %s is not the id derived from stage %s (%s)", latest_id,
                         run_dir_or_out_dir, stage.id, expected)

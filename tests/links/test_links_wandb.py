@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from orchestrator.links.wandb import (
     find_run_dirs,
     read_run_dir,
     record_wandb_run,
+    run_dir_id,
     stage_wandb_settings,
     sync_offline_runs,
     wandb_run_id,
@@ -164,8 +166,23 @@ def test_retried_attempt_resumes_the_same_run_id(job_out) -> None:
     assert first["id"] == second["id"] == wandb_run_id(IDENTITY)
     assert first["path"] == second["path"] == f"lab/openlab-moe/{first['id']}"
     dirs = find_run_dirs(out)
-    assert len(dirs) == 2 and all(d.name.endswith(first["id"]) for d in dirs)
+    assert len(dirs) == 2 and all(run_dir_id(d) == first["id"] for d in dirs)
     assert read_run_dir(dirs[1]).summary["_step"] == 4
+
+
+def test_attempts_started_within_one_second_are_found_in_order(job_out, tmp_path: Path) -> None:
+    """W&B names a run's directory by the second it started; a retry within the same second gets
+    ``-1``, ``-2``... appended. Those are the same run, and ``-10`` comes after ``-2``."""
+    out, (first, _) = job_out
+    [d1, _] = find_run_dirs(out, first["id"])
+    copy = tmp_path / "wandb"
+    names = [d1.name, f"{d1.name}-1", f"{d1.name}-2", f"{d1.name}-10"]
+    for name in reversed(names):
+        shutil.copytree(d1, copy / name)
+    found = find_run_dirs(tmp_path, first["id"])
+    assert [d.name for d in found] == names
+    assert {run_dir_id(d) for d in found} == {first["id"]}
+    assert read_run_dir(found[-1]).run_id == first["id"]
 
 
 def test_both_readers_agree(job_out) -> None:
