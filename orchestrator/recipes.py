@@ -97,8 +97,25 @@ _TRAIN = {
     "checkpoint_every": int,
 }
 
+#: Where a stage's Slurm job goes (``#SBATCH --partition`` ...), per stage: data prep on a CPU
+#: partition, training on a GPU one. Over ``[backends.slurm]``; used only when the run is on Slurm.
+_SLURM_STAGE_OPTIONS = {
+    "partition": Opt(str),
+    "account": Opt(str),
+    "qos": Opt(str),
+    "constraint": Opt(str),
+    "nodelist": Opt(str),
+    "extra_args": Opt(ListOf(str)),
+}
+
 #: What a stage's job asks its backend for (JobSpec's fields); never part of a stage's identity.
-_RESOURCES = {"cpus": Opt(NUMBER), "memory": Opt(str), "gpus": Opt(int), "time_limit": Opt(int)}
+_RESOURCES = {
+    "cpus": Opt(NUMBER),
+    "memory": Opt(str),
+    "gpus": Opt(int),
+    "time_limit": Opt(int),
+    "slurm": Opt(_SLURM_STAGE_OPTIONS),
+}
 
 #: Each scale factor and the recipe fields it multiplies.
 SCALE_RULES: dict[str, tuple[str, ...]] = {
@@ -643,7 +660,16 @@ def stage_resources(
                     f"{label}.memory: invalid {entry['memory']!r}: a number with K, M, G or T, e.g. 512M or 2G"
                 ) from None
     default = dict(asked.get("default") or {})
-    return {stage: {**default, **dict(asked.get(stage) or {})} for stage in stages if default or stage in asked}
+    out: dict[str, dict[str, Any]] = {}
+    for stage in stages:
+        if not default and stage not in asked:
+            continue
+        own = dict(asked.get(stage) or {})
+        merged = {**default, **own}
+        if "slurm" in default and "slurm" in own:  # a stage's partition over the default's account
+            merged["slurm"] = {**default["slurm"], **own["slurm"]}
+        out[stage] = merged
+    return out
 
 
 def _train_section(section: Mapping[str, Any], steps: int, batch: int) -> dict[str, Any]:

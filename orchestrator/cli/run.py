@@ -253,6 +253,9 @@ def _asks(resources: dict[str, object]) -> str:
     if "time_limit" in resources:
         minutes, seconds = divmod(int(resources["time_limit"]), 60)  # type: ignore[call-overload]
         parts.append(f"time={minutes}m" + (f"{seconds}s" if seconds else ""))
+    slurm = resources.get("slurm")
+    if isinstance(slurm, dict) and slurm:  # used when the run is on Slurm
+        parts.append("slurm " + " ".join(f"{k}={v}" for k, v in slurm.items()))
     return " ".join(parts)
 
 

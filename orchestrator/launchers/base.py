@@ -123,10 +123,13 @@ class JobSpec:
         return parse_memory(self.memory) if self.memory else None
 
     def resources(self) -> dict[str, Any]:
-        """The resources this job asks for, only those set (what its attempt records)."""
+        """The resources this job asks for, only those set, with its backend options (a Slurm
+        partition, a QoS): what its attempt records."""
         asked: dict[str, Any] = {"cpus": self.cpus, "memory": self.memory, "time_limit": self.time_limit}
         if self.gpus:
             asked["gpus"] = self.gpus
+        if self.options:
+            asked["options"] = dict(self.options)
         return {k: v for k, v in asked.items() if v is not None}
 
     def public_env(self) -> dict[str, str]:

@@ -61,6 +61,9 @@ class StageSpec:
     memory: str | None = None
     gpus: int = 0
     time_limit: int | None = None
+    #: Backend-specific job options by backend name (``{"slurm": {"partition": "gpu"}}``), passed
+    #: to the launcher as ``JobSpec.options`` when the stage runs on that backend.
+    backend_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def render_command(self, *, python: str, config: Path, out: Path) -> list[str]:
         values = {"python": python, "stage": self.name, "config": str(config), "out": str(out)}
@@ -180,6 +183,13 @@ def stages_until(stage: str, stages: Sequence[str], where: str = "--until") -> t
     return tuple(s for s in stages if s in needed)
 
 
+def _job_resources(asked: Mapping[str, Any]) -> dict[str, Any]:
+    """A recipe's resources entry as StageSpec fields: the generic ones, and per-backend options."""
+    generic = {k: v for k, v in asked.items() if k in ("cpus", "memory", "gpus", "time_limit")}
+    options = {k: dict(v) for k, v in asked.items() if k in ("slurm",)}
+    return {**generic, "backend_options": options} if options else generic
+
+
 def _moe(path: str) -> str:
     return f"workloads/moe/{path}"
 
@@ -234,7 +244,7 @@ def moe_pipeline(
                 environment_fields=env[name],
                 snapshot_output=name == "data",
                 tracks_wandb=name in WANDB_STAGES,
-                **dict((resources or {}).get(name) or {}),
+                **_job_resources((resources or {}).get(name) or {}),
             )
         )
     return Pipeline(name="moe-replica", stages=tuple(specs), repo_root=root, image=image)

@@ -1000,6 +1000,7 @@ def _run_stage(
         memory=spec.memory,
         gpus=spec.gpus,
         time_limit=spec.time_limit,
+        options=dict(spec.backend_options.get(backend) or {}),
         labels={
             "openlab.io/stage": spec.name,
             "openlab.io/stage-run": run.id,

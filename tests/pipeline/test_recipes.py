@@ -275,9 +275,20 @@ def test_stage_resources_reach_the_jobs_and_never_the_identity(tmp_path: Path) -
     assert resolve("marin-535b-a23b", "drops-tiny").resources == {}  # none given: the backend's defaults
 
     data = base()
-    data["replicas"]["tiny"]["resources"]["pretrain"] = {"gpus": 8, "memory": "1T", "time_limit": 86400}
+    data["replicas"]["tiny"]["resources"]["default"]["slurm"] = {"account": "marin", "partition": "cpu"}
+    data["replicas"]["tiny"]["resources"]["pretrain"] = {
+        "gpus": 8,
+        "memory": "1T",
+        "time_limit": 86400,
+        "slurm": {"partition": "gpu"},
+    }
     bigger = resolve(load_recipe(write(tmp_path, data)), "tiny")
     assert bigger.resources["pretrain"]["gpus"] == 8
+    # Slurm options merge key by key: pretrain's partition over the default's, the account kept
+    assert bigger.resources["pretrain"]["slurm"] == {"account": "marin", "partition": "gpu"}
+    specs = {s.name: s for s in moe_pipeline(stages=bigger.stages, resources=bigger.resources).stages}
+    assert specs["pretrain"].backend_options == {"slurm": {"account": "marin", "partition": "gpu"}}
+    assert specs["data"].backend_options == {"slurm": {"account": "marin", "partition": "cpu"}}
     assert [identity_config(c) for c in bigger.stage_configs.values()] == [
         identity_config(c) for c in tiny.stage_configs.values()
     ]
@@ -296,6 +307,7 @@ def test_stage_resources_reach_the_jobs_and_never_the_identity(tmp_path: Path) -
         ({"eval": {"time_limit": -5}}, "replicas.tiny.resources.eval.time_limit: seconds, must be positive"),
         ({"eval": {"gpu": 1}}, "replicas.tiny.resources.eval.gpu: unknown key"),
         ({"eval": {"gpus": "one"}}, "replicas.tiny.resources.eval.gpus: expected int"),
+        ({"eval": {"slurm": {"partiton": "gpu"}}}, "replicas.tiny.resources.eval.slurm.partiton: unknown key"),
     ],
 )
 def test_bad_stage_resources_are_one_line_before_any_job(tmp_path: Path, resources: dict, message: str) -> None:
