@@ -31,6 +31,7 @@ from orchestrator.lineage.models import (
     WandbRun,
 )
 from orchestrator.lineage.store import LineageStore
+from orchestrator.preregistration import outcome_lines
 
 #: Hosts whose remotes are turned into web commit links (GitHub Enterprise hosts can be added).
 DEFAULT_GITHUB_HOSTS: tuple[str, ...] = ("github.com",)
@@ -302,6 +303,9 @@ def render_pipeline(view: PipelineView, github_hosts: Iterable[str] = DEFAULT_GI
     verdict = _verdict_lines(run.verdict)
     if verdict:
         lines += ["", *verdict]
+    predicted = outcome_lines(run.preregistration)
+    if predicted:
+        lines += ["", "**Pre-registered:**", *(f"- {md_cell(line)}" for line in predicted)]
     lines += ["", _TABLE_HEAD]
     lines += [_stage_row(sv, hosts) for sv in view.stages] or ["| _no stages yet_ |  |  |  |  |  |  |  |  |"]
     errors = [(sv.stage.stage, sv.stage.error) for sv in view.stages if sv.stage.error]

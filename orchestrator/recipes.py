@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ import yaml
 from orchestrator.errors import ConfigError, OpenlabError
 from orchestrator.hashing import hash_json
 from orchestrator.launchers.base import parse_memory
+from orchestrator.preregistration import Prediction
 from orchestrator.tolerances import check_metric, parse_tolerances
 
 #: Where recipe names (``marin-535b-a23b``) are looked up: ``recipes/`` at the repo root.
@@ -117,6 +118,10 @@ _RESOURCES = {
     "slurm": Opt(_SLURM_STAGE_OPTIONS),
 }
 
+#: A pre-registered result: the stage that reports the metric, the value predicted, and how far
+#: off the measurement may be for the prediction to count as met.
+_PREDICTION = {"stage": OneOf(STAGES), "value": NUMBER, "tolerance": NUMBER, "description": Opt(str)}
+
 #: Each scale factor and the recipe fields it multiplies.
 SCALE_RULES: dict[str, tuple[str, ...]] = {
     "d_model": ("model.d_model",),
@@ -195,6 +200,9 @@ RECIPE_SCHEMA: dict[str, Any] = {
         }
     ),
     "wandb": Opt({"project": str, "entity": Opt(str, nullable=True)}),
+    # Predicted results (orchestrator.preregistration), checked when a run ends; a replica's own
+    # ``preregistered`` replace these (a replica is a different model: its loss is another number).
+    "preregistered": Opt(MapOf(_PREDICTION)),
     # Job resources per stage at full scale (``default``: every stage not named); a replica's own
     # ``resources`` replace these, since a replica at 1/100 scale must not ask for the hero's GPUs.
     "resources": Opt(MapOf(_RESOURCES)),
@@ -220,6 +228,7 @@ RECIPE_SCHEMA: dict[str, Any] = {
                 "set": Opt(MapOf(object)),
                 "runtime": Opt({"device": Opt(OneOf(("auto", "cpu", "cuda"))), "threads": Opt(int)}),
                 "resources": Opt(MapOf(_RESOURCES)),
+                "preregistered": Opt(MapOf(_PREDICTION)),
                 # Which stages this replica runs (default: the training chain, data .. eval).
                 "stages": Opt(ListOf(OneOf(STAGES))),
                 # The drop-fraction reproduction (stage ``repro``): how its one router is trained
@@ -448,6 +457,8 @@ class ResolvedRecipe:
     stages: tuple[str, ...] = DEFAULT_STAGES
     #: Stage name -> the job resources it asks for (``cpus``, ``memory``, ``gpus``, ``time_limit``).
     resources: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Predicted results of the stages this replica runs (orchestrator.preregistration).
+    preregistered: tuple[Prediction, ...] = ()
 
     @property
     def name(self) -> str:
@@ -474,6 +485,7 @@ class ResolvedRecipe:
             stage_configs={k: v for k, v in self.stage_configs.items() if k in kept},
             resources={k: v for k, v in self.resources.items() if k in kept},
             tracked_metrics=tuple(m for m in self.tracked_metrics if m.stage in kept),
+            preregistered=tuple(p for p in self.preregistered if p.stage in kept),
         )
 
     def lineage(self) -> dict[str, Any]:
@@ -491,6 +503,8 @@ class ResolvedRecipe:
             "derived": dict(self.derived),
             "stages": list(self.stages),
             "resources": {k: dict(v) for k, v in self.resources.items()},
+            # recorded when the run starts: the event log dates each prediction before its result
+            "preregistered": [asdict(p) for p in self.preregistered],
         }
 
 
@@ -598,6 +612,18 @@ def resolve(
             )
         if repro is not None and "repro" not in stages:
             raise ConfigError(f"{where}: replicas.{replica}: has a repro section but its stages do not include repro")
+    source = recipe.replicas[replica] if replica is not None else recipe.data
+    predicted = source.get("preregistered") or {}
+    for name, p in predicted.items():
+        if p["tolerance"] < 0:
+            raise ConfigError(f"{where}: preregistered.{name}.tolerance: must be 0 or more, got {p['tolerance']!r}")
+    # A prediction for a stage this run does not have can never be checked: it is left out, as a
+    # tracked metric is (a recipe-wide prediction for `eval` means nothing to the `drops` replica).
+    predictions = tuple(
+        Prediction(name, p["stage"], float(p["value"]), float(p["tolerance"]), p.get("description"))
+        for name, p in predicted.items()
+        if p["stage"] in stages
+    )
     asked = recipe.replicas[replica].get("resources") if replica is not None else recipe.data.get("resources")
     where_resources = f"{where}: replicas.{replica}.resources" if replica is not None else f"{where}: resources"
     resources = stage_resources(asked or {}, stages, where_resources)
@@ -627,6 +653,7 @@ def resolve(
         derived=derived,
         stages=tuple(stages),
         resources=resources,
+        preregistered=predictions,
     )
     if validate:
         validate_workload_configs(resolved)

@@ -152,6 +152,7 @@ def run(
 ) -> None:
     """Run RECIPE's pipeline here (data .. eval, or the stages the replica names), reusing what is done."""
     from orchestrator.pipeline import PipelineHooks, RunOptions, run_stages, stage_retries, start_recipe
+    from orchestrator.preregistration import outcome_lines
     from orchestrator.recipes import resolve
     from orchestrator.settings import load_settings
 
@@ -187,6 +188,7 @@ def run(
         data["commit"] = ctx.commit.id
         data["environment"] = ctx.environment.id
         data["recipe_lineage"] = resolved.lineage()
+        data["preregistration"] = result.pipeline_run.preregistration
         print_json(data)
     else:
         console.print(_summary_table(result))
@@ -194,6 +196,8 @@ def run(
             f"commit {ctx.commit.id} · environment {ctx.environment.id[:16]} · "
             f"recipe {resolved.name} · backend {options.backend}"
         )
+        for line in outcome_lines(result.pipeline_run.preregistration):
+            console.print(f"pre-registered {line}", markup=False, highlight=False)
         if result.error:
             err_console.print(f"[bold red]error:[/] {escape(result.error)}")
         console.print(f"lineage: [bold]openlab lineage show {result.pipeline_run.id}[/]")

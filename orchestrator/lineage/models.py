@@ -181,6 +181,9 @@ class PipelineRun(LineageRecord, table=True):
     params: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))
     state: str = "RUNNING"
     verdict: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    #: The recipe's pre-registered predictions checked against what the run measured
+    #: (orchestrator.preregistration); the predictions themselves are in ``params.recipe``.
+    preregistration: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
     error: str | None = None
     started_at: dt.datetime = Field(default_factory=utcnow)
     ended_at: dt.datetime | None = None

@@ -482,6 +482,12 @@ def finish_pipeline(ctx: PipelineContext, state: str | None = None, error: str |
     try:
         with ctx.store.transaction() as tx:
             ctx.pipeline_run = tx.update(ctx.pipeline_run, state=final, ended_at=utcnow(), error=error)
+        if ctx.recipe is not None and ctx.recipe.preregistered:
+            from orchestrator.preregistration import record_preregistration
+
+            for check in record_preregistration(ctx.store, ctx.id, ctx.recipe.preregistered):
+                log.info("pre-registered %s", check.line())
+            ctx.pipeline_run = ctx.store.require(PipelineRun, ctx.id)
     finally:
         if ctx.lease is not None:
             ctx.lease.release()

@@ -32,7 +32,20 @@ def test_enterprise_host_gets_links_when_named() -> None:
 def test_pipeline_card_shows_every_link(store, pipeline) -> None:
     with store.transaction() as tx:
         run = tx.get(PipelineRun, pipeline.id)
-        tx.update(run, state="COMPLETED", verdict={"status": "regressed", "loss_delta": 0.0312})
+        prereg = {
+            "checks": [
+                {
+                    "metric": "eval|loss",
+                    "stage": "eval",
+                    "predicted": 2.2,
+                    "tolerance": 0.1,
+                    "actual": 2.25,
+                    "outcome": "met",
+                    "error": 0.05,
+                }
+            ]
+        }
+        tx.update(run, state="COMPLETED", verdict={"status": "regressed", "loss_delta": 0.0312}, preregistration=prereg)
         tx.update(tx.get(StageRun, "srun_train"), state="COMPLETED", metrics={"eval|loss": 2.25})
         tx.update(tx.get(WandbRun, "/openlab/w1234567"), url="https://wandb.ai/lab/openlab/runs/w1234567")
         issue = tx.add(GithubIssue(id="lab/exp#7", repo="lab/exp", number=7, url="https://github.com/lab/exp/issues/7"))
@@ -49,6 +62,8 @@ def test_pipeline_card_shows_every_link(store, pipeline) -> None:
         "loss=2.5",
         "**Nightly verdict:** regressed",
         "- loss_delta: 0.0312",
+        "**Pre-registered:**",
+        "- eval\\|loss (eval): predicted 2.2 ± 0.1, measured 2.25 (+0.05): met",
         "[lab/exp#7](https://github.com/lab/exp/issues/7)",
     ]:
         assert needle in card, needle

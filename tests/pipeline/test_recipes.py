@@ -350,3 +350,19 @@ def test_the_ui_forms_stage_choices_are_the_recipe_stages() -> None:
     from orchestrator.recipes import STAGES
 
     assert get_args(Stage) == STAGES
+
+
+def test_preregistered_predictions_travel_with_the_recipe_and_follow_its_stages(tmp_path: Path) -> None:
+    tiny = resolve("marin-535b-a23b", "tiny")
+    (loss,) = tiny.preregistered
+    assert (loss.metric, loss.stage, loss.value, loss.tolerance) == ("eval/code/loss", "eval", 5.3, 0.4)
+    assert tiny.lineage()["preregistered"][0]["value"] == 5.3  # recorded when the run starts
+    assert tiny.until("tokenize").preregistered == ()  # a cut run cannot measure it
+    assert resolve("marin-535b-a23b", "small").preregistered == ()  # a replica's own, not inherited
+    data = base()
+    data["replicas"]["tiny"]["preregistered"]["eval/code/loss"]["tolerance"] = -1
+    with pytest.raises(ConfigError, match=r"preregistered\.eval/code/loss\.tolerance: must be 0 or more"):
+        resolve(load_recipe(write(tmp_path, data)), "tiny")
+    data["replicas"]["tiny"]["preregistered"]["eval/code/loss"] = {"stage": "evaluate", "value": 5, "tolerance": 1}
+    with pytest.raises(ConfigError, match=r"preregistered\.eval/code/loss\.stage: expected one of"):
+        load_recipe(write(tmp_path, data))

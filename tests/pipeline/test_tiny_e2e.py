@@ -32,6 +32,20 @@ def test_tiny_replica_runs_end_to_end_then_reuses_everything() -> None:
     metrics = first["stages"][-1]["metrics"]
     assert 0.0 <= metrics["eval/moe/drop_fraction"] <= 1.0
     assert first["recipe_lineage"]["scale"]["d_model"] == "1/96"
+    # The recipe's pre-registered eval loss, checked against what eval measured, and provably made
+    # before it: the pipeline run's first event (its start) already carries the prediction.
+    (check,) = first["preregistration"]["checks"]
+    assert (check["metric"], check["stage"], check["predicted"]) == ("eval/code/loss", "eval", 5.3)
+    assert check["actual"] == metrics["eval/code/loss"]
+    assert check["outcome"] == ("met" if abs(check["actual"] - 5.3) <= check["tolerance"] else "missed")
+    from orchestrator.lineage import LineageStore, StageRun
+    from orchestrator.settings import load_settings
+
+    with LineageStore.open(load_settings()) as store:
+        start = store.events(first["pipeline_run_id"])[0]
+        assert start.payload["params"]["recipe"]["preregistered"][0]["value"] == 5.3
+        (eval_run,) = store.list(StageRun, pipeline_run_id=first["pipeline_run_id"], stage="eval")
+        assert start.at < eval_run.ended_at
     second = openlab_run("--replica", "tiny", "--json")
     # (an edit to workloads/moe between the two runs legitimately re-runs a stage: the reason names it)
     assert [s["state"] for s in second["stages"]] == ["REUSED"] * 6, [
