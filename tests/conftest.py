@@ -55,3 +55,41 @@ def run_cli(openlab_home: Path) -> Iterator[object]:
         )
 
     yield _run
+
+
+@pytest.fixture
+def run_cli_tty(openlab_home: Path) -> Iterator[object]:
+    """Run ``openlab ARGS`` in a pseudo-terminal, as a person at a terminal does (rich's live
+    displays take that path only); returns (exit code, everything it wrote, escapes stripped)."""
+    import pty
+    import re
+
+    def _run(*args: str, timeout: float = 300) -> tuple[int, str]:
+        primary, secondary = pty.openpty()
+        env = {**os.environ, "COLUMNS": "200", "LINES": "50", "TERM": "xterm-256color"}
+        env.pop("NO_COLOR", None)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.cli.main", *args],
+            stdin=secondary,
+            stdout=secondary,
+            stderr=secondary,
+            env=env,
+            cwd=REPO_ROOT,
+            close_fds=True,
+        )
+        os.close(secondary)
+        chunks: list[bytes] = []
+        while True:
+            try:
+                data = os.read(primary, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        os.close(primary)
+        code = proc.wait(timeout=timeout)
+        text = b"".join(chunks).decode(errors="replace")
+        return code, re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\r", "", text)
+
+    yield _run

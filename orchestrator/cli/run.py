@@ -15,7 +15,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.table import Column, Table
 
 from orchestrator.cli.output import console, err_console, print_json
 
@@ -61,7 +61,7 @@ class _Display:
             TextColumn("{task.fields[stage]:<10}"),
             TextColumn("{task.fields[state]}"),
             BarColumn(bar_width=24),
-            TextColumn("{task.fields[detail]}", overflow="ellipsis"),
+            TextColumn("{task.fields[detail]}", table_column=Column(no_wrap=True, overflow="ellipsis")),
             TimeElapsedColumn(),
             console=console,
             transient=False,

@@ -178,3 +178,12 @@ def test_a_bad_retry_setting_stops_a_run_before_anything_is_recorded(run_cli, op
     assert not (openlab_home / "lineage.db").exists()
     negative = run_cli("run", "marin-535b-a23b", "--replica", "tiny", "--retries", "-1")
     assert negative.returncode == 2 and "Traceback" not in negative.stderr
+
+
+def test_run_at_a_terminal_shows_live_progress_and_the_summary(run_cli_tty) -> None:
+    """The display only a terminal gets (rich progress bars) must work: it is what people see first."""
+    code, out = run_cli_tty("run", "marin-535b-a23b", "--replica", "drops-tiny", "--until", "tokenize")
+    assert code == 0, out[-3000:]
+    assert "Traceback" not in out
+    assert "pipeline run prun_" in out and "COMPLETED" in out  # the summary table
+    assert "tokenize" in out and "lineage: openlab lineage show prun_" in out
