@@ -268,6 +268,11 @@ def run_replica(
         "commit": ctx.commit.id,
         "stages": {s: r.to_dict() for s, r in ctx.results.items()},
     }
+    from orchestrator.preregistration import outcome_lines
+
+    for line in outcome_lines(ctx.pipeline_run.preregistration):
+        logger.info("pre-registered %s", line)
+    summary["preregistration"] = ctx.pipeline_run.preregistration
     logger.info("pipeline run %s %s; `openlab lineage show %s`", ctx.id, ctx.pipeline_run.state, ctx.id)
     return summary
 

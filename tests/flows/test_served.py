@@ -37,6 +37,7 @@ def test_replica_deployment_runs_tiny_then_reuses(served: Served) -> None:
         TaskRunFilter,
         TaskRunFilterFlowRunId,
     )
+    from prefect.client.schemas.sorting import LogSort
 
     started = time.monotonic()
     first = wait_flow_run(start_run("replica-pipeline/replica", TINY), 480)
@@ -49,6 +50,9 @@ def test_replica_deployment_runs_tiny_then_reuses(served: Served) -> None:
         stages = {s.stage: s for s in store.list(StageRun, pipeline_run_id=run.id)}
         assert sorted(stages) == sorted(STAGES) and {s.state for s in stages.values()} == {"COMPLETED"}
         assert stages["eval"].metrics, "eval recorded its metrics"
+        # the tiny replica's pre-registered eval loss, checked at the end of the flow run
+        (check,) = run.preregistration["checks"]
+        assert check["metric"] == "eval/code/loss" and check["actual"] == stages["eval"].metrics["eval/code/loss"]
         for srun in stages.values():
             (attempt,) = store.list(Attempt, stage_run_id=srun.id)
             assert attempt.state == "COMPLETED" and attempt.job_id
@@ -65,6 +69,16 @@ def test_replica_deployment_runs_tiny_then_reuses(served: Served) -> None:
         text = "\n".join(log.message for log in logs)
         assert "[pretrain]" in text, "job log lines reached Prefect's run logs"
         assert "pretrain COMPLETED" in text, "stage transitions reached Prefect's run logs"
+        deadline = time.monotonic() + 20  # the flow's last lines reach the server in its final batch
+        while "pre-registered eval/code/loss (eval): predicted 5.3" not in text and time.monotonic() < deadline:
+            time.sleep(0.5)
+            logs = client.read_logs(
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[first.id])),
+                limit=200,
+                sort=LogSort.TIMESTAMP_DESC,  # the newest: the outcome is among the last lines
+            )
+            text = "\n".join(log.message for log in logs)
+        assert "pre-registered eval/code/loss (eval): predicted 5.3" in text, "the outcome is in the flow run's log"
 
     started = time.monotonic()
     again = wait_flow_run(start_run("replica-pipeline/replica", TINY), 120)
