@@ -29,6 +29,10 @@ SinceOpt = Annotated[
     str | None, typer.Option("--since", help="Only records from then on: 2026-12-01, 2026-12-01T14:00, 12h, 7d.")
 ]
 UntilOpt = Annotated[str | None, typer.Option("--until", help="Only records before this time (same forms).")]
+CommitOpt = Annotated[str | None, typer.Option("--commit", help="Only runs made at this commit (a sha prefix).")]
+IssueOpt = Annotated[
+    str | None, typer.Option("--issue", help="Only runs linked to this experiment issue (owner/repo#N or #N).")
+]
 
 #: What `lineage list` shows by default: the activities people audit, newest first.
 DEFAULT_KINDS = ("pipeline_run", "stage_run", "attempt", "snapshot")
@@ -56,6 +60,8 @@ def list_cmd(
     backend: BackendOpt = None,
     since: SinceOpt = None,
     until: UntilOpt = None,
+    commit: CommitOpt = None,
+    issue: IssueOpt = None,
     limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="At most this many records.")] = 50,
     json_out: JsonFlag = False,
 ) -> None:
@@ -69,7 +75,15 @@ def list_cmd(
     from orchestrator.lineage.store import record_payload
 
     flt = RecordFilter.from_options(
-        state=state, stage=stage, recipe=recipe, replica=replica, backend=backend, since=since, until=until
+        state=state,
+        stage=stage,
+        recipe=recipe,
+        replica=replica,
+        backend=backend,
+        since=since,
+        until=until,
+        commit=commit,
+        issue=issue,
     )
     store = _open()
     listing = list_records(store, kind or list(DEFAULT_KINDS), flt, limit=limit, strict=bool(kind))
@@ -340,6 +354,8 @@ def export_cmd(
     backend: BackendOpt = None,
     since: SinceOpt = None,
     until: UntilOpt = None,
+    commit: CommitOpt = None,
+    issue: IssueOpt = None,
 ) -> None:
     """Export lineage as W3C PROV-JSON, OpenLineage RunEvents or a Workflow Run RO-Crate, secrets masked.
 
@@ -355,7 +371,14 @@ def export_cmd(
     if fmt not in (*FORMATS, "ro-crate"):
         raise ConfigError(f"unknown export format {fmt!r}; choose one of: {', '.join(FORMATS)}, ro-crate")
     flt = RecordFilter.from_options(
-        state=state, recipe=recipe, replica=replica, backend=backend, since=since, until=until
+        state=state,
+        recipe=recipe,
+        replica=replica,
+        backend=backend,
+        since=since,
+        until=until,
+        commit=commit,
+        issue=issue,
     )
     if flt.given():
         picked = list_records(_open(), ["pipeline_run"], flt, limit=None).records

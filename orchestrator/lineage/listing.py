@@ -19,7 +19,15 @@ from sqlalchemy import func
 from sqlmodel import col, select
 
 from orchestrator.errors import ConfigError
-from orchestrator.lineage.models import RECORD_TYPES, Attempt, LineageRecord, PipelineRun, StageRun, utcnow
+from orchestrator.lineage.models import (
+    RECORD_TYPES,
+    Attempt,
+    LineageRecord,
+    PipelineRun,
+    Relation,
+    StageRun,
+    utcnow,
+)
 from orchestrator.lineage.store import LineageStore
 
 #: The column each kind is ordered and time-filtered by: when the thing happened (an attempt's
@@ -58,6 +66,10 @@ class RecordFilter:
     backend: str | None = None
     since: dt.datetime | None = None
     until: dt.datetime | None = None
+    #: A commit sha or its prefix (at least 7 characters): runs made at that commit.
+    commit: str | None = None
+    #: An experiment issue, ``owner/repo#N`` or ``#N``: runs linked to it.
+    issue: str | None = None
 
     @classmethod
     def from_options(
@@ -70,8 +82,12 @@ class RecordFilter:
         backend: str | None = None,
         since: str | None = None,
         until: str | None = None,
+        commit: str | None = None,
+        issue: str | None = None,
     ) -> RecordFilter:
         """A filter from command-line text (times as :func:`parse_when` reads them)."""
+        if commit is not None and len(commit.strip()) < 7:
+            raise ConfigError(f"--commit {commit!r}: give at least 7 characters of the sha")
         return cls(
             state=tuple(state or ()),
             stage=tuple(stage or ()),
@@ -80,6 +96,8 @@ class RecordFilter:
             backend=backend,
             since=parse_when(since) if since else None,
             until=parse_when(until) if until else None,
+            commit=commit.strip().lower() if commit else None,
+            issue=issue.strip() if issue else None,
         )
 
     def given(self) -> list[str]:
@@ -89,9 +107,9 @@ class RecordFilter:
 
 #: For each kind, the filters it can answer (time filters apply to every kind with a time).
 _ANSWERS: dict[str, set[str]] = {
-    "pipeline_run": {"state", "recipe", "replica", "backend"},
-    "stage_run": {"state", "stage", "recipe", "replica", "backend"},
-    "attempt": {"state", "stage", "recipe", "replica", "backend"},
+    "pipeline_run": {"state", "recipe", "replica", "backend", "commit", "issue"},
+    "stage_run": {"state", "stage", "recipe", "replica", "backend", "commit", "issue"},
+    "attempt": {"state", "stage", "recipe", "replica", "backend", "commit", "issue"},
 }
 
 
@@ -120,7 +138,8 @@ def _statement(kind: str, flt: RecordFilter) -> Any:
     if flt.state:
         stmt = stmt.where(func.upper(col(model.state)).in_([s.upper() for s in flt.state]))  # type: ignore[attr-defined]
     # Reach the stage run and the pipeline run a record belongs to, once, only when a filter needs them.
-    needs_stage = kind == "attempt" and bool(flt.stage or flt.recipe or flt.replica)
+    by_run = bool(flt.commit or flt.issue)
+    needs_stage = kind == "attempt" and bool(flt.stage or flt.recipe or flt.replica or by_run)
     needs_run = kind != "pipeline_run" and bool(flt.recipe or flt.replica or (flt.backend and kind == "stage_run"))
     if needs_stage:
         stmt = stmt.join(StageRun, col(StageRun.id) == col(Attempt.stage_run_id))
@@ -136,7 +155,25 @@ def _statement(kind: str, flt: RecordFilter) -> Any:
         # An attempt names the backend its job ran on; a stage run or pipeline run, the one it asked for.
         owner = Attempt if kind == "attempt" else PipelineRun
         stmt = stmt.where(col(owner.backend) == flt.backend)
+    if by_run:
+        # The pipeline run's own relations name its commit and its issue (wasAssociatedWith).
+        run_id = col(PipelineRun.id) if kind == "pipeline_run" else col(StageRun.pipeline_run_id)
+        if flt.commit:
+            stmt = stmt.where(run_id.in_(_runs_related("commit", col(Relation.object_id).startswith(flt.commit))))
+        if flt.issue:
+            issue = flt.issue
+            match = (
+                col(Relation.object_id).endswith(issue) if issue.startswith("#") else col(Relation.object_id) == issue
+            )
+            stmt = stmt.where(run_id.in_(_runs_related("github_issue", match)))
     return stmt
+
+
+def _runs_related(kind: str, match: Any) -> Any:
+    """Pipeline run ids with a relation to a record of ``kind`` that ``match`` picks."""
+    return select(Relation.subject_id).where(
+        Relation.subject_kind == PipelineRun.kind, Relation.object_kind == kind, match
+    )
 
 
 @dataclass

@@ -12,7 +12,16 @@ import json
 import pytest
 
 from orchestrator.errors import ConfigError
-from orchestrator.lineage import Attempt, DataSnapshot, LineageStore, PipelineRun, StageRun, utcnow
+from orchestrator.lineage import (
+    Attempt,
+    Commit,
+    DataSnapshot,
+    GithubIssue,
+    LineageStore,
+    PipelineRun,
+    StageRun,
+    utcnow,
+)
 from orchestrator.lineage.listing import RecordFilter, list_records, parse_when
 
 NOW = utcnow()
@@ -59,6 +68,13 @@ def _history(store: LineageStore) -> dict[str, str]:
             )
         )
         snap = tx.add(DataSnapshot(id="snap_" + "a" * 20, path="/data", files=1, bytes=1, manifest_path="/m.json"))
+        at_a = tx.add(Commit(id="a1b2c3d" + "0" * 33, sha="a1b2c3d" + "0" * 33))
+        at_b = tx.add(Commit(id="b1b2c3d" + "0" * 33, sha="b1b2c3d" + "0" * 33))
+        tx.relate("wasAssociatedWith", old, at_a, role="code")
+        tx.relate("wasAssociatedWith", new, at_b, role="code")
+        tx.relate("wasAssociatedWith", other, at_b, role="code")
+        issue = tx.add(GithubIssue(id="lab/exp#42", repo="lab/exp", number=42))
+        tx.relate("wasAssociatedWith", new, issue)
     for name, rec in locals().items():
         if isinstance(rec, PipelineRun | StageRun | Attempt | DataSnapshot):
             ids[name] = rec.id
@@ -99,6 +115,12 @@ def test_filters_reach_through_runs_on_both_databases(store: LineageStore) -> No
     # backend: the attempt's own, a stage run's pipeline run's
     assert _ids(store, KINDS, backend="slurm") == {h["new"], h["new_data"], h["new_pre"], h["retry1"], h["retry2"]}
     assert _ids(store, ["pipeline_run"], until=NOW - dt.timedelta(minutes=30)) == {h["old"], h["other"]}
+    # "what ran at this commit", "every run of experiment #42": through the pipeline run's relations
+    assert _ids(store, ["pipeline_run"], commit="b1b2c3d") == {h["new"], h["other"]}
+    assert _ids(store, ["attempt"], commit="a1b2c3d") == {h["old_job"]}
+    assert _ids(store, KINDS, issue="#42") == {h["new"], h["new_data"], h["new_pre"], h["retry1"], h["retry2"]}
+    assert _ids(store, ["pipeline_run"], issue="lab/exp#42") == {h["new"]}
+    assert _ids(store, ["pipeline_run"], issue="#4") == set()  # #4 is not #42
     # no filter: every kind, snapshots included
     assert h["snap"] in _ids(store, KINDS)
 
@@ -135,6 +157,8 @@ def test_the_command_answers_which_pretrain_jobs_failed_this_week(run_cli, openl
 
     with open_store() as store:
         h = _history(store)
+    of_issue = run_cli("lineage", "list", "-k", "pipeline_run", "--issue", "#42", "--json")
+    assert [r["id"] for r in json.loads(of_issue.stdout)] == [h["new"]], of_issue.stderr
     out = run_cli("lineage", "list", "--stage", "pretrain", "--state", "FAILED", "--since", "7d", "--json")
     assert out.returncode == 0, out.stderr
     assert {(r["kind"], r["id"]) for r in json.loads(out.stdout)} == {
@@ -150,6 +174,7 @@ def test_the_command_answers_which_pretrain_jobs_failed_this_week(run_cli, openl
     for args, needle in (
         (("--since", "last tuesday"), "cannot read 'last tuesday' as a time"),
         (("--kind", "snapshot", "--state", "FAILED"), "--state cannot be answered by snapshot"),
+        (("--commit", "a1b2"), "--commit 'a1b2': give at least 7 characters"),
     ):
         bad = run_cli("lineage", "list", *args)
         assert bad.returncode == 2, bad.stdout
