@@ -31,8 +31,14 @@ def test_tiny_training_loss_falls(tiny_tokens: Path, tmp_path: Path) -> None:
     assert last < first - 0.5, (first, last)
     assert res["tokens_seen"] == 30 * 4 * 32
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
-    for key in ("moe/drop_fraction", "moe/sender_drop_fraction", "moe/receiver_drop_fraction",
-                "train/router/capacity_overflow_rate_mean", "routing_entropy", "layer_1/routing_hist"):
+    for key in (
+        "moe/drop_fraction",
+        "moe/sender_drop_fraction",
+        "moe/receiver_drop_fraction",
+        "train/router/capacity_overflow_rate_mean",
+        "routing_entropy",
+        "layer_1/routing_hist",
+    ):
         assert key in row
 
 
@@ -99,8 +105,46 @@ def test_same_config_and_threads_give_bitwise_identical_runs(tiny_tokens: Path, 
         out = tmp_path / name
         done = subprocess.run(
             [sys.executable, "-m", "workloads.moe", "pretrain", "--config", str(path), "--out", str(out)],
-            capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "disabled"},
+            capture_output=True,
+            text=True,
+            env={**os.environ, "WANDB_MODE": "disabled"},
         )
         assert done.returncode == 0, done.stderr[-2000:]
         runs.append(_losses(out))
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGUSR1"])
+def test_a_stop_signal_saves_the_step_and_a_rerun_finishes_as_if_uninterrupted(
+    tiny_tokens: Path, tmp_path: Path, signame: str
+) -> None:
+    """What a scheduler does to a long run (Slurm's time limit or its --signal warning, preemption, an
+    eviction): the stage finishes its step, saves it, exits 128+signal, and the rerun resumes there."""
+    import signal
+    import time
+
+    steps = 400
+    cfg = _write(tmp_path, train_cfg(tiny_tokens, steps=steps))
+    straight = tmp_path / "straight"
+    run_train(parse_config(train_cfg(tiny_tokens, steps=steps)), straight, "pretrain")
+    out = tmp_path / "stopped"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    cmd = [sys.executable, "-m", "workloads.moe", "pretrain", "--config", cfg, "--out", str(out)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(_losses(out)) < 5 if (out / "metrics.jsonl").exists() else True:
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be stopped"
+        time.sleep(0.05)
+    proc.send_signal(getattr(signal, signame))
+    _, stderr = proc.communicate(timeout=60)
+    signum = getattr(signal, signame)
+    assert proc.returncode == 128 + signum, stderr
+    done = max(_losses(out))
+    assert 5 <= done < steps, done
+    assert f"stopped by {signame} after step {done}; checkpoint saved" in stderr
+    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert json.loads(rerun.stdout.strip().splitlines()[-1])["resumed_from_step"] == done
+    a, b = _losses(straight), _losses(out)
+    assert sorted(b) == list(range(1, steps + 1))
+    assert abs(a[steps] - b[steps]) <= 1e-6, (a[steps], b[steps])

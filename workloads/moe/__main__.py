@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from .config import STAGES, WorkloadError, load_config, validate
+from .util import Preempted
 
 
 class _Parser(argparse.ArgumentParser):
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     except WorkloadError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except Preempted as exc:  # a scheduler stopped the job: progress is saved, the stage is not done
+        print(f"{args.stage}: {exc}", file=sys.stderr)
+        return exc.exit_code
     brief = {k: v for k, v in res.items() if isinstance(v, int | float | str) and "layer_" not in k}
     print(json.dumps(brief, sort_keys=True))
     return 0

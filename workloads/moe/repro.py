@@ -47,7 +47,7 @@ from .train import (
     step_rng,
     truncate_jsonl,
 )
-from .util import atomic_write_text, pick_device, setup_torch
+from .util import Preempted, StopSignals, atomic_write_text, pick_device, setup_torch
 
 # Marin's mean demand per capacity unit (marin-moe.md, section 4): EP 64, T = 65,536, K = 8.
 MARIN_MU = {
@@ -212,7 +212,10 @@ def run_repro(cfg: Config, out: Path) -> dict[str, Any]:
     truncate_jsonl(out / "metrics.jsonl", start)
     rt = runtime(cfg, mc, spec=train_spec, record_routing=True)
     model.train()
-    with open_tracker(out, "repro", cfg.to_dict(), cfg.wandb, total_steps=cfg.train.steps) as tr:
+    with (
+        StopSignals() as signals,
+        open_tracker(out, "repro", cfg.to_dict(), cfg.wandb, total_steps=cfg.train.steps) as tr,
+    ):
         for step in range(start, cfg.train.steps):
             t0 = time.perf_counter()
             x, y = data.batch(step_rng(cfg.seed, step, 1), B, mc.context, mixture, "train")
@@ -255,8 +258,11 @@ def run_repro(cfg: Config, out: Path) -> dict[str, Any]:
             m["train/step_time_s"] = t1 - t0
             tr.log(m, step + 1)
             done = step + 1 == cfg.train.steps
-            if (step + 1) % cfg.train.checkpoint_every == 0 or done:
+            signalled = signals.signum is not None and not done
+            if (step + 1) % cfg.train.checkpoint_every == 0 or done or signalled:
                 save_checkpoint(out, model, opt, step + 1, tokens_seen, "repro", cfg, lineage)
+            if signalled:
+                raise Preempted(signals.signum, step + 1)  # type: ignore[arg-type]
         rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
         late = rows[-rp.late_window:]
         early = [r for r in rows if r["step"] in set(rp.early_steps)]

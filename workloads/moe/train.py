@@ -31,7 +31,7 @@ from .metrics import summarize
 from .model import MoELM, RoutingRuntime, count_params
 from .tokenizing import load_manifest, open_shard
 from .tracking import open_tracker
-from .util import atomic_torch_save, atomic_write_text, pick_device, setup_torch
+from .util import Preempted, StopSignals, atomic_torch_save, atomic_write_text, pick_device, setup_torch
 
 CKPT = "checkpoint/state.pt"
 
@@ -299,7 +299,10 @@ def run_train(cfg: Config, out: Path, stage: str) -> dict[str, Any]:
     n_params = count_params(model)
     summary: dict[str, Any] = {"stage": stage, "params": n_params, "resumed_from_step": start if resume else None}
     cfg_dict = cfg.to_dict()
-    with open_tracker(out, stage, cfg_dict, cfg.wandb, total_steps=cfg.train.steps) as tr:
+    with (
+        StopSignals() as signals,
+        open_tracker(out, stage, cfg_dict, cfg.wandb, total_steps=cfg.train.steps) as tr,
+    ):
         model.train()
         t_last = time.perf_counter()
         for step in range(start, cfg.train.steps):
@@ -330,8 +333,11 @@ def run_train(cfg: Config, out: Path, stage: str) -> dict[str, Any]:
             tr.log(m, step + 1)
             done = step + 1 == cfg.train.steps
             stop = cfg.train.stop_after and step + 1 == cfg.train.stop_after
-            if (step + 1) % cfg.train.checkpoint_every == 0 or done or stop:
+            signalled = signals.signum is not None and not done
+            if (step + 1) % cfg.train.checkpoint_every == 0 or done or stop or signalled:
                 save_checkpoint(out, model, opt, step + 1, tokens_seen, stage, cfg, lineage)
+            if signalled:
+                raise Preempted(signals.signum, step + 1)  # type: ignore[arg-type]
             if stop and not done:
                 summary.update({"stopped_after": step + 1})
                 atomic_write_text(out / "metrics.json", json.dumps(summary, indent=2))

@@ -5,13 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import tempfile
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
-
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -83,3 +84,49 @@ def setup_torch(n: int) -> int:
             n = os.cpu_count() or 1
     torch.set_num_threads(max(1, n))
     return torch.get_num_threads()
+
+
+class Preempted(Exception):  # noqa: N818 - it is an event, not an error of the program
+    """A stop signal arrived; the step in progress finished and a checkpoint was saved.
+
+    SIGTERM is how every backend stops a job: Slurm at its time limit or on preemption, Docker
+    and Kubernetes on stop or eviction, the local launcher on cancel. SIGUSR1 is what Slurm's
+    ``--signal=B:USR1@SECONDS`` sends ahead of the time limit. Either way the stage exits
+    ``128 + signal`` (not 0: the stage is not done), and a rerun resumes from this step.
+    """
+
+    def __init__(self, signum: int, step: int) -> None:
+        self.signum, self.step = signum, step
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} after step {step}; checkpoint saved, a rerun resumes from it"
+        )
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+class StopSignals:
+    """Remembers a SIGTERM or SIGUSR1 instead of dying on it, so a loop can stop at a step boundary.
+
+    A context manager for the main thread (where Python delivers signals); the previous handlers
+    come back on exit. Elsewhere (a thread, an embedding) it installs nothing and never fires.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def _note(self, signum: int, _frame: Any) -> None:
+        self.signum = signum
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._note) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)
