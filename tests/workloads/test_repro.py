@@ -200,3 +200,41 @@ def test_shipped_reproduction_recipes_validate(recipe: str) -> None:
         validate(cfg, stage)
     assert set(cfg.train.mixture) <= set(cfg.data.domains), (cfg.train.mixture, cfg.data.domains)
     assert cfg.repro.arms and cfg.repro.measure_batch_size % cfg.moe.ranks == 0
+
+
+def test_a_stopped_reproduction_saves_its_step_and_resumes(tiny_tokens: Path, tmp_path: Path) -> None:
+    """The repro stage (one router trained for hundreds of steps) stops like the training stages."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    steps = 300
+    arms = [{"name": "wf", "dispatch": "waterfilling", "capacity_factor": 1.05}]
+    cfg = tmp_path / "repro.json"
+    cfg.write_text(json.dumps({
+        "threads": 1, "inputs": {"tokens": str(tiny_tokens)},
+        "model": {**TINY_MODEL, "n_experts": 8}, "moe": {"ranks": 2},
+        "train": {"steps": steps, "batch_size": 4, "checkpoint_every": 1000},
+        "repro": {"train_arm": "wf", "late_window": 2, "arms": arms},
+    }))
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    cmd = [sys.executable, "-m", "workloads.moe", "repro", "--config", str(cfg), "--out", str(out)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not metrics.exists() or len(metrics.read_text().splitlines()) < 5:
+        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it could be stopped"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    done = len(metrics.read_text().splitlines())
+    assert 5 <= done < steps and f"stopped by SIGTERM after step {done}; checkpoint saved" in stderr
+    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert f"step {done + 1}/{steps}" in rerun.stderr and f"step 1/{steps} " not in rerun.stderr, rerun.stderr
+    rows = [json.loads(ln)["step"] for ln in metrics.read_text().splitlines()]
+    assert rows == list(range(1, steps + 1))  # resumed at the saved step: none lost, none twice
