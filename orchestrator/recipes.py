@@ -32,7 +32,7 @@ import yaml
 
 from orchestrator.errors import ConfigError, OpenlabError
 from orchestrator.hashing import hash_json
-from orchestrator.launchers.base import parse_memory
+from orchestrator.launchers.base import BACKENDS, parse_memory
 from orchestrator.preregistration import Prediction
 from orchestrator.tolerances import check_metric, parse_tolerances
 
@@ -116,6 +116,8 @@ _RESOURCES = {
     "gpus": Opt(int),
     "time_limit": Opt(int),
     "slurm": Opt(_SLURM_STAGE_OPTIONS),
+    # Where the stage's job runs, over the run's backend (data prep here, training on the cluster).
+    "backend": Opt(OneOf(tuple(BACKENDS))),
 }
 
 #: A pre-registered result: the stage that reports the metric, the value predicted, and how far

@@ -253,7 +253,8 @@ def _asks(resources: dict[str, object]) -> str:
     if not resources:
         return "-"
     names = {"cpus": "cpus", "memory": "mem", "gpus": "gpus"}
-    parts = [f"{names[k]}={resources[k]}" for k in names if k in resources]
+    parts = [f"on {resources['backend']}"] if resources.get("backend") else []
+    parts += [f"{names[k]}={resources[k]}" for k in names if k in resources]
     if "time_limit" in resources:
         minutes, seconds = divmod(int(resources["time_limit"]), 60)  # type: ignore[call-overload]
         parts.append(f"time={minutes}m" + (f"{seconds}s" if seconds else ""))

@@ -64,6 +64,8 @@ class StageSpec:
     #: Backend-specific job options by backend name (``{"slurm": {"partition": "gpu"}}``), passed
     #: to the launcher as ``JobSpec.options`` when the stage runs on that backend.
     backend_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: The backend this stage's job runs on (data prep on local, training on Slurm); None: the run's.
+    backend: str | None = None
 
     def render_command(self, *, python: str, config: Path, out: Path) -> list[str]:
         values = {"python": python, "stage": self.name, "config": str(config), "out": str(out)}
@@ -185,7 +187,7 @@ def stages_until(stage: str, stages: Sequence[str], where: str = "--until") -> t
 
 def _job_resources(asked: Mapping[str, Any]) -> dict[str, Any]:
     """A recipe's resources entry as StageSpec fields: the generic ones, and per-backend options."""
-    generic = {k: v for k, v in asked.items() if k in ("cpus", "memory", "gpus", "time_limit")}
+    generic = {k: v for k, v in asked.items() if k in ("cpus", "memory", "gpus", "time_limit", "backend")}
     options = {k: dict(v) for k, v in asked.items() if k in ("slurm",)}
     return {**generic, "backend_options": options} if options else generic
 

@@ -239,10 +239,21 @@ class PipelineContext:
     #: The image every job runs in (by digest where known) on container backends: then a stage's
     #: environment identity is the image, not this process's packages. None on local and Slurm.
     environment_image: str | None = None
+    #: The same for each backend a stage names for itself (``StageSpec.backend``).
+    environment_images: dict[str, str | None] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
         return self.pipeline_run.id
+
+    def backend_of(self, spec: StageSpec) -> str:
+        """Where ``spec``'s job runs: the stage's own backend, else the run's."""
+        return spec.backend or self.options.backend
+
+    def image_of(self, spec: StageSpec) -> str | None:
+        """The image ``spec``'s job runs in (None off containers): its environment identity."""
+        backend = self.backend_of(spec)
+        return self.environment_image if backend == self.options.backend else self.environment_images.get(backend)
 
     def emit(self, stage: str, state: str, **kw: Any) -> None:
         """Send a transition to the hook and, when an issue is linked, refresh its card."""
@@ -347,8 +358,9 @@ def start_pipeline(
     pipeline.check_forced(options.force)
     from orchestrator.launchers.base import BACKENDS
 
-    if options.backend not in BACKENDS:
-        raise ConfigError(f"unknown backend {options.backend!r}; known backends: {', '.join(BACKENDS)}")
+    for backend in (options.backend, *(s.backend for s in pipeline.stages if s.backend)):
+        if backend not in BACKENDS:
+            raise ConfigError(f"unknown backend {backend!r}; known backends: {', '.join(BACKENDS)}")
     owns = store is None
     store = store or LineageStore.open(settings)
     try:
@@ -384,6 +396,15 @@ def _open_pipeline_run(
     launcher = get_launcher(options.backend, settings, **options.launcher_overrides)
     environment_image = launcher.environment_image(pipeline.image)
     image_code = image_code_record(launcher, pipeline.image, pipeline.repo_root)
+    # Backends stages name for themselves are checked the same way, before anything is recorded.
+    environment_images: dict[str, str | None] = {}
+    image_code_by_backend: dict[str, Any] = {}
+    for own in sorted({s.backend for s in pipeline.stages if s.backend and s.backend != options.backend}):
+        other = get_launcher(own, settings, **options.launcher_overrides)
+        environment_images[own] = other.environment_image(pipeline.image)
+        found = image_code_record(other, pipeline.image, pipeline.repo_root)
+        if found is not None:
+            image_code_by_backend[own] = found
     prov = capture(pipeline.repo_root, pipeline.code_paths(), settings=settings)
     all_env_fields = sorted({f for s in pipeline.stages for f in s.environment_fields})
     env_values = environment_values(prov, all_env_fields)
@@ -396,6 +417,11 @@ def _open_pipeline_run(
     }
     if image_code is not None:
         params["image_code"] = image_code
+    if image_code_by_backend:
+        params["image_code_by_backend"] = image_code_by_backend
+    stage_backends = {s.name: s.backend for s in pipeline.stages if s.backend and s.backend != options.backend}
+    if stage_backends:
+        params["stage_backends"] = stage_backends
     if recipe is not None:
         params["recipe"] = recipe.lineage()
     run_id = new_id(PipelineRun.id_prefix)
@@ -446,6 +472,7 @@ def _open_pipeline_run(
         owns_store=owns,
         lease=lease,
         environment_image=environment_image,
+        environment_images=environment_images,
     )
     if options.issue:
         from orchestrator.links.github import resolve_issue
@@ -520,7 +547,7 @@ def stage_identity(ctx: PipelineContext, spec: StageSpec, upstream: Mapping[str,
         identity_config(ctx.configs[spec.name]),
         inputs={key: str(res.input_hash) for key, res in upstream.items()},
         code={p: ctx.tree_hashes[p] for p in spec.code_paths},
-        environment=stage_environment(spec, ctx.environment_image, ctx.env_values),
+        environment=stage_environment(spec, ctx.image_of(spec), ctx.env_values),
     )
 
 
@@ -820,7 +847,7 @@ def _wandb_section(ctx: PipelineContext, spec: StageSpec, identity: str, stage_r
             commit_sha=ctx.commit.sha,
             issue_number=issue_number,
             snapshot_id=data.output.get("snapshot_id") if data is not None else None,
-            backend=ctx.options.backend,
+            backend=ctx.backend_of(spec),
             replica=ctx.pipeline_run.replica,
             lineage_ids={
                 "stage_run_id": stage_run.id,
@@ -985,11 +1012,11 @@ def _run_stage(
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config_path, uses_wandb = _write_config(ctx, spec, digest, inputs, run)
-    backend = ctx.options.backend
+    backend = ctx.backend_of(spec)
     job = JobSpec(
         name=f"openlab-{spec.name}-{digest[:12]}",
         command=spec.render_command(
-            python=default_python(backend, ctx.settings, in_image=ctx.environment_image is not None),
+            python=default_python(backend, ctx.settings, in_image=ctx.image_of(spec) is not None),
             config=config_path,
             out=out_dir,
         ),

@@ -90,9 +90,11 @@ def plan(
         prov = capture(pipeline.repo_root, pipeline.code_paths(), settings=settings)
         env_fields = sorted({f for s in pipeline.stages for f in s.environment_fields})
         env_values = environment_values(prov, env_fields)
-        launcher = get_launcher(backend, settings)
-        image = launcher.environment_image(pipeline.image)
-        image_code_record(launcher, pipeline.image, pipeline.repo_root)  # refuses as the run would
+        images: dict[str, str | None] = {}
+        for name in sorted({backend, *(s.backend for s in pipeline.stages if s.backend)}):
+            launcher = get_launcher(name, settings)
+            images[name] = launcher.environment_image(pipeline.image)
+            image_code_record(launcher, pipeline.image, pipeline.repo_root)  # refuses as the run would
         tree = dict(prov.git.tree_hashes)
         known: dict[str, str | None] = {}  # stage -> input hash of its output (None: unknown until it runs)
         plans: list[StagePlan] = []
@@ -104,7 +106,7 @@ def plan(
                 identity_config(configs[spec.name]),
                 inputs=inputs,
                 code={p: tree[p] for p in spec.code_paths},
-                environment=stage_environment(spec, image, env_values),
+                environment=stage_environment(spec, images[spec.backend or backend], env_values),
             )
             forced = force is True or (not isinstance(force, bool) and spec.name in force)
             previous = last_completed(

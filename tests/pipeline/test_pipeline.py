@@ -336,6 +336,48 @@ def test_stage_retries_setting(monkeypatch: pytest.MonkeyPatch) -> None:
         stage_retries(load_settings())
 
 
+def test_a_stage_can_run_on_its_own_backend_and_where_it_ran_is_not_its_identity(repo: Path, ledger: Path) -> None:
+    """Data prep here, the heavy stage on the cluster: one pipeline run, each attempt on its stage's
+    backend; the same stages all on one backend afterwards reuse every result."""
+    from dataclasses import replace
+
+    from tests.services import require_slurm
+
+    require_slurm()
+    base = toy_pipeline(repo)
+    mixed = replace(base, stages=tuple(replace(s, backend="slurm") if s.name == "count" else s for s in base.stages))
+    first = run_pipeline(mixed, toy_configs(), options=fast())
+    assert first.state == "COMPLETED", first.error
+    with LineageStore.open() as store:
+        run = store.require(PipelineRun, first.pipeline_run.id)
+        assert run.backend == "local" and run.params["stage_backends"] == {"count": "slurm"}
+        ran_on = {}
+        for stage in store.list(StageRun, pipeline_run_id=run.id):
+            (attempt,) = store.list(Attempt, stage_run_id=stage.id)
+            ran_on[stage.stage] = (attempt.backend, attempt.state)
+    assert ran_on == {"gen": ("local", "COMPLETED"), "upper": ("local", "COMPLETED"), "count": ("slurm", "COMPLETED")}
+    again = run_pipeline(base, toy_configs(), options=fast())
+    assert [r.state for r in again.results.values()] == ["REUSED"] * 3
+    assert executions(ledger) == ["gen", "upper", "count"]
+    assert [p.action for p in plan(mixed, toy_configs())] == ["reuse"] * 3  # the dry run agrees
+
+
+def test_a_stage_on_a_container_backend_has_the_image_as_its_environment(repo: Path, ledger: Path) -> None:
+    """Where a stage's own backend runs containers, its identity's environment is the image (as when
+    the whole run is on that backend), so moving it there re-runs it, and only it."""
+    from dataclasses import replace
+
+    from tests.services import require_docker
+
+    require_docker()
+    base = toy_pipeline(repo)
+    assert run_pipeline(base, toy_configs(), options=fast()).state == "COMPLETED"
+    boxed = replace(base, stages=tuple(replace(s, backend="docker") if s.name == "count" else s for s in base.stages))
+    plans = {p.stage: p for p in plan(boxed, toy_configs())}
+    assert [plans[s].action for s in ("gen", "upper")] == ["reuse", "reuse"]
+    assert plans["count"].action == "run" and any("environment" in c for c in plans["count"].changes), plans["count"]
+
+
 def test_force_reruns_a_stage_with_the_same_identity(repo: Path, ledger: Path) -> None:
     first = run_pipeline(toy_pipeline(repo), toy_configs(), options=fast())
     forced = run_pipeline(

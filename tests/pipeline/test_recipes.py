@@ -289,6 +289,10 @@ def test_stage_resources_reach_the_jobs_and_never_the_identity(tmp_path: Path) -
     specs = {s.name: s for s in moe_pipeline(stages=bigger.stages, resources=bigger.resources).stages}
     assert specs["pretrain"].backend_options == {"slurm": {"account": "marin", "partition": "gpu"}}
     assert specs["data"].backend_options == {"slurm": {"account": "marin", "partition": "cpu"}}
+    data["replicas"]["tiny"]["resources"]["pretrain"]["backend"] = "slurm"
+    placed = resolve(load_recipe(write(tmp_path, data)), "tiny")
+    specs = {s.name: s for s in moe_pipeline(stages=placed.stages, resources=placed.resources).stages}
+    assert (specs["pretrain"].backend, specs["data"].backend) == ("slurm", None)
     assert [identity_config(c) for c in bigger.stage_configs.values()] == [
         identity_config(c) for c in tiny.stage_configs.values()
     ]
@@ -308,6 +312,7 @@ def test_stage_resources_reach_the_jobs_and_never_the_identity(tmp_path: Path) -
         ({"eval": {"gpu": 1}}, "replicas.tiny.resources.eval.gpu: unknown key"),
         ({"eval": {"gpus": "one"}}, "replicas.tiny.resources.eval.gpus: expected int"),
         ({"eval": {"slurm": {"partiton": "gpu"}}}, "replicas.tiny.resources.eval.slurm.partiton: unknown key"),
+        ({"pretrain": {"backend": "ray"}}, "replicas.tiny.resources.pretrain.backend: expected one of local, docker"),
     ],
 )
 def test_bad_stage_resources_are_one_line_before_any_job(tmp_path: Path, resources: dict, message: str) -> None:
