@@ -239,7 +239,7 @@ class PipelineContext:
     #: The image every job runs in (by digest where known) on container backends: then a stage's
     #: environment identity is the image, not this process's packages. None on local and Slurm.
     environment_image: str | None = None
-    #: The same for each backend a stage names for itself (``StageSpec.backend``).
+    #: The same by backend, for the run's and each one a stage names for itself (``StageSpec.backend``).
     environment_images: dict[str, str | None] = field(default_factory=dict)
 
     @property
@@ -252,8 +252,7 @@ class PipelineContext:
 
     def image_of(self, spec: StageSpec) -> str | None:
         """The image ``spec``'s job runs in (None off containers): its environment identity."""
-        backend = self.backend_of(spec)
-        return self.environment_image if backend == self.options.backend else self.environment_images.get(backend)
+        return self.environment_images.get(self.backend_of(spec), self.environment_image)
 
     def emit(self, stage: str, state: str, **kw: Any) -> None:
         """Send a transition to the hook and, when an issue is linked, refresh its card."""
@@ -307,6 +306,33 @@ def image_code_record(launcher: Launcher, image: str | None, repo_root: Path) ->
     ref = launcher.image_ref(image) or ""
     mode = str(launcher.config.get("image_code_check", "require"))
     return check_image_code(launcher.name, ref, launcher.image_labels(image), repo_root, mode)
+
+
+@dataclass(frozen=True)
+class BackendEnvironment:
+    """What a backend's jobs run in: the image (their environment identity on containers; None on
+    local and Slurm) and the finding of :func:`image_code_record`."""
+
+    image: str | None
+    image_code: dict[str, Any] | None
+
+
+def backend_environments(
+    pipeline: Pipeline, backend: str, settings: Settings, **launcher_overrides: Any
+) -> dict[str, BackendEnvironment]:
+    """The run's ``backend`` first, then every other backend a stage names for itself: each one's
+    launcher resolved and its image checked, so a missing image, a stopped engine or an image of
+    other code is refused before anything is recorded. Shared by the run and its dry run."""
+    from orchestrator.launchers import get_launcher
+
+    others = sorted({s.backend for s in pipeline.stages if s.backend and s.backend != backend})
+    out: dict[str, BackendEnvironment] = {}
+    for name in (backend, *others):
+        launcher = get_launcher(name, settings, **launcher_overrides)
+        out[name] = BackendEnvironment(
+            launcher.environment_image(pipeline.image), image_code_record(launcher, pipeline.image, pipeline.repo_root)
+        )
+    return out
 
 
 def environment_values(provenance: Provenance, fields: Sequence[str]) -> dict[str, str]:
@@ -389,22 +415,14 @@ def _open_pipeline_run(
 
     if reconcile_first:
         reconcile_all(store, settings=settings)
-    from orchestrator.launchers import get_launcher
-
     # Resolved before anything is recorded: a missing image or a stopped engine is a clear
     # error now, not a failed stage later.
-    launcher = get_launcher(options.backend, settings, **options.launcher_overrides)
-    environment_image = launcher.environment_image(pipeline.image)
-    image_code = image_code_record(launcher, pipeline.image, pipeline.repo_root)
-    # Backends stages name for themselves are checked the same way, before anything is recorded.
-    environment_images: dict[str, str | None] = {}
-    image_code_by_backend: dict[str, Any] = {}
-    for own in sorted({s.backend for s in pipeline.stages if s.backend and s.backend != options.backend}):
-        other = get_launcher(own, settings, **options.launcher_overrides)
-        environment_images[own] = other.environment_image(pipeline.image)
-        found = image_code_record(other, pipeline.image, pipeline.repo_root)
-        if found is not None:
-            image_code_by_backend[own] = found
+    envs = backend_environments(pipeline, options.backend, settings, **options.launcher_overrides)
+    environment_image = envs[options.backend].image
+    image_code = envs[options.backend].image_code
+    image_code_by_backend = {
+        b: e.image_code for b, e in envs.items() if b != options.backend and e.image_code is not None
+    }
     prov = capture(pipeline.repo_root, pipeline.code_paths(), settings=settings)
     all_env_fields = sorted({f for s in pipeline.stages for f in s.environment_fields})
     env_values = environment_values(prov, all_env_fields)
@@ -472,7 +490,7 @@ def _open_pipeline_run(
         owns_store=owns,
         lease=lease,
         environment_image=environment_image,
-        environment_images=environment_images,
+        environment_images={b: e.image for b, e in envs.items()},
     )
     if options.issue:
         from orchestrator.links.github import resolve_issue

@@ -20,10 +20,10 @@ from orchestrator.lineage import leases
 from orchestrator.lineage.store import LineageStore
 from orchestrator.pipeline.dag import Pipeline, moe_pipeline
 from orchestrator.pipeline.execute import (
+    backend_environments,
     describe_changes,
     environment_values,
     find_reusable,
-    image_code_record,
     last_completed,
     stage_environment,
 )
@@ -79,7 +79,6 @@ def plan(
 
     ``backend`` matters: on a container backend a stage's environment is its image.
     """
-    from orchestrator.launchers import get_launcher
     from orchestrator.provenance import capture
 
     pipeline.check_forced(force)
@@ -90,11 +89,8 @@ def plan(
         prov = capture(pipeline.repo_root, pipeline.code_paths(), settings=settings)
         env_fields = sorted({f for s in pipeline.stages for f in s.environment_fields})
         env_values = environment_values(prov, env_fields)
-        images: dict[str, str | None] = {}
-        for name in sorted({backend, *(s.backend for s in pipeline.stages if s.backend)}):
-            launcher = get_launcher(name, settings)
-            images[name] = launcher.environment_image(pipeline.image)
-            image_code_record(launcher, pipeline.image, pipeline.repo_root)  # refuses as the run would
+        # the run's own checks (refused as the run would be), and each stage's environment image
+        images = {b: e.image for b, e in backend_environments(pipeline, backend, settings).items()}
         tree = dict(prov.git.tree_hashes)
         known: dict[str, str | None] = {}  # stage -> input hash of its output (None: unknown until it runs)
         plans: list[StagePlan] = []
