@@ -18,10 +18,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from orchestrator.lineage.models import PipelineRun, utcnow
-from orchestrator.lineage.store import LineageStore
+if TYPE_CHECKING:  # recipes import this module; reading one must not load the database layer
+    from orchestrator.lineage.store import LineageStore
 
 Outcome = Literal["met", "missed", "not measured"]
 
@@ -79,6 +79,7 @@ def record_preregistration(
     store: LineageStore, pipeline_run_id: str, predictions: Iterable[Prediction]
 ) -> list[PredictionCheck]:
     """Check a finished run's predictions and record the outcome on its pipeline run."""
+    from orchestrator.lineage.models import PipelineRun, utcnow
     from orchestrator.nightly import pipeline_metrics  # one reading of a run's metrics, reuse included
 
     predictions = list(predictions)
