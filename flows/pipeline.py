@@ -7,7 +7,7 @@ and lineage (the same code ``openlab run`` uses); this module only maps it onto 
   ``posttrain`` → ``eval``, or the stages the replica names, e.g. ``data`` → ``tokenize`` →
   ``repro`` for the token-dropping reproduction); the job's log lines go to that task's run
   logger, and each transition (checking, waiting for a lease, reused and why, running, done)
-  is logged;
+  is logged; the library's own warnings go to the same log (:mod:`flows.logs`);
 - each stage publishes its lineage card (:func:`orchestrator.cards.stage_card`) as a
   markdown artifact keyed ``lineage-<stage>``, and the run its pipeline card as
   ``lineage-pipeline``;
@@ -41,6 +41,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
 from flows.cancel import on_cancellation_hook, on_crashed_hook
+from flows.logs import library_logs_to_run
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import TaskRun
@@ -211,70 +212,71 @@ def run_replica(
     run_ctx = get_run_context()
     flow_run = getattr(run_ctx, "flow_run", None)
     flow_run_id = str(flow_run.id) if flow_run is not None else None
-    settings = load_settings()
-    from orchestrator.pipeline.dag import REPO_ROOT
+    with library_logs_to_run(flow_run_id):  # the library's warnings reach this run's log in the UI
+        settings = load_settings()
+        from orchestrator.pipeline.dag import REPO_ROOT
 
-    repo_root = checkout_ref(REPO_ROOT, git_ref, settings)
-    if repo_root != REPO_ROOT:
-        logger.info("running git ref %s from worktree %s", git_ref, repo_root)
-    # The recipe of the tree that runs (a checked-out ref brings its own), cut --until a stage.
-    resolved = resolve(recipe, replica, root=repo_root).until(until or None)
-    if dry_run:
-        return _dry_run(
-            resolved=resolved,
+        repo_root = checkout_ref(REPO_ROOT, git_ref, settings)
+        if repo_root != REPO_ROOT:
+            logger.info("running git ref %s from worktree %s", git_ref, repo_root)
+        # The recipe of the tree that runs (a checked-out ref brings its own), cut --until a stage.
+        resolved = resolve(recipe, replica, root=repo_root).until(until or None)
+        if dry_run:
+            return _dry_run(
+                resolved=resolved,
+                backend=backend,
+                git_ref=git_ref,
+                force=force,
+                repo_root=repo_root,
+                settings=settings,
+            )
+        watcher = CancelWatcher(flow_run_id) if flow_run_id else None
+        run_ids: list[str] = []
+        params = {
+            "recipe": recipe,
+            "replica": replica,
+            "backend": backend,
+            "issue": issue,
+            "require_issue": require_issue,
+            "git_ref": git_ref,
+            "force": force,
+            "dry_run": dry_run,
+            "until": until,
+            "flow_run_id": flow_run_id,
+        }
+        options = RunOptions(
             backend=backend,
-            git_ref=git_ref,
+            issue=issue or None,
+            issue_required=require_issue,
             force=force,
-            repo_root=repo_root,
-            settings=settings,
+            trigger=trigger or _trigger(flow_run),
+            flow_run_id=flow_run_id,
+            params={"prefect": params},
         )
-    watcher = CancelWatcher(flow_run_id) if flow_run_id else None
-    run_ids: list[str] = []
-    params = {
-        "recipe": recipe,
-        "replica": replica,
-        "backend": backend,
-        "issue": issue,
-        "require_issue": require_issue,
-        "git_ref": git_ref,
-        "force": force,
-        "dry_run": dry_run,
-        "until": until,
-        "flow_run_id": flow_run_id,
-    }
-    options = RunOptions(
-        backend=backend,
-        issue=issue or None,
-        issue_required=require_issue,
-        force=force,
-        trigger=trigger or _trigger(flow_run),
-        flow_run_id=flow_run_id,
-        params={"prefect": params},
-    )
-    ctx = start_recipe(
-        resolved,
-        options=options,
-        hooks=_hooks(run_ids, watcher, logger),
-        settings=settings,
-        repo_root=repo_root,
-    )
-    run_ids.append(ctx.id)
-    logger.info("pipeline run %s: %s on %s (commit %s)", ctx.id, ctx.pipeline_run.name, backend, ctx.commit.id[:12])
-    run_stages_as_tasks(ctx, retries=_stage_retries(), watcher=watcher)
-    summary = {
-        "pipeline_run_id": ctx.id,
-        "recipe_path": str(resolved.recipe.path),  # the file that ran (a checked-out ref's own)
-        "state": ctx.pipeline_run.state,
-        "commit": ctx.commit.id,
-        "stages": {s: r.to_dict() for s, r in ctx.results.items()},
-    }
-    from orchestrator.preregistration import outcome_lines
+        ctx = start_recipe(
+            resolved,
+            options=options,
+            hooks=_hooks(run_ids, watcher, logger),
+            settings=settings,
+            repo_root=repo_root,
+        )
+        run_ids.append(ctx.id)
+        logger.info("pipeline run %s: %s on %s (commit %s)", ctx.id, ctx.pipeline_run.name, backend, ctx.commit.id[:12])
+        run_stages_as_tasks(ctx, retries=_stage_retries(), watcher=watcher)
+        summary = {
+            "pipeline_run_id": ctx.id,
+            "recipe_path": str(resolved.recipe.path),  # the file that ran (a checked-out ref's own)
+            "state": ctx.pipeline_run.state,
+            "commit": ctx.commit.id,
+            "stages": {s: r.to_dict() for s, r in ctx.results.items()},
+        }
+        from orchestrator.preregistration import outcome_lines
 
-    for line in outcome_lines(ctx.pipeline_run.preregistration):
-        logger.info("pre-registered %s", line)
-    summary["preregistration"] = ctx.pipeline_run.preregistration
-    logger.info("pipeline run %s %s; `openlab lineage show %s`", ctx.id, ctx.pipeline_run.state, ctx.id)
-    return summary
+        for line in outcome_lines(ctx.pipeline_run.preregistration):
+            logger.info("pre-registered %s", line)
+        summary["preregistration"] = ctx.pipeline_run.preregistration
+        logger.info("pipeline run %s %s; `openlab lineage show %s`", ctx.id, ctx.pipeline_run.state, ctx.id)
+        return summary
 
 
 def run_stages_as_tasks(ctx: PipelineContext, *, retries: int = 1, watcher: CancelWatcher | None = None) -> None:
@@ -292,8 +294,9 @@ def run_stages_as_tasks(ctx: PipelineContext, *, retries: int = 1, watcher: Canc
     state: str | None = None
     error: str | None = None
     try:
-        for stage in ctx.pipeline.order:
-            run_stage.with_options(name=stage, retries=retries)(ctx.id, stage)
+        with library_logs_to_run():
+            for stage in ctx.pipeline.order:
+                run_stage.with_options(name=stage, retries=retries)(ctx.id, stage)
     except StageCancelled as exc:
         state, error = "CANCELLED", str(exc)
         raise

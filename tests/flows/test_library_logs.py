@@ -1,0 +1,100 @@
+"""The library's warnings reach the flow run's log in Prefect, from the stage's task and from
+helper threads, and only while the flow runs."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.prefect_server import PrefectServer
+
+pytestmark = [pytest.mark.prefect]
+
+#: A stage whose metrics file is not JSON: the library warns "unreadable metrics" and carries on.
+BAD_METRICS = (
+    "import pathlib, sys; out = pathlib.Path(sys.argv[1]); out.mkdir(parents=True, exist_ok=True);"
+    "(out / 'metrics.json').write_text('{{not json'); print('wrote a broken metrics file')"
+)
+
+
+def _logs(flow_run_id: Any, wanted: str, timeout: float = 20.0) -> list[Any]:
+    """The flow run's logs, once one contains ``wanted`` (logs reach the server in batches)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+            if any(wanted in log.message for log in logs) or time.monotonic() > deadline:
+                return logs
+            time.sleep(0.5)
+
+
+def test_a_library_warning_in_a_stage_reaches_that_stage_in_the_ui(
+    prefect_server: PrefectServer, openlab_home: Path
+) -> None:
+    from prefect import flow
+
+    from flows.pipeline import run_stages_as_tasks
+    from orchestrator.pipeline.dag import REPO_ROOT, Pipeline, StageSpec
+    from orchestrator.pipeline.execute import RunOptions, start_pipeline
+
+    spec = StageSpec(name="broken", command=(sys.executable, "-c", BAD_METRICS, "{out}"))
+    pipeline = Pipeline(name="broken-metrics", stages=(spec,), repo_root=REPO_ROOT)
+
+    @flow(name="broken-metrics")
+    def broken_metrics() -> str:
+        ctx = start_pipeline(pipeline, {"broken": {"n": 1}}, options=RunOptions(backend="local", trigger="test"))
+        run_stages_as_tasks(ctx)
+        return ctx.id
+
+    state = broken_metrics(return_state=True)
+    assert state.is_completed(), state.message
+    logs = _logs(state.state_details.flow_run_id, "unreadable metrics")
+    (warning,) = [log for log in logs if "unreadable metrics" in log.message]
+    assert warning.name == "openlab.pipeline" and warning.level == logging.WARNING
+    assert warning.task_run_id is not None, "the line sits under the stage's task, where the stage is looked at"
+    assert sum("unreadable metrics" in log.message for log in logs) == 1, "sent once"
+
+
+def test_helper_thread_warnings_are_sent_and_nothing_outside_the_run(
+    prefect_server: PrefectServer, openlab_home: Path
+) -> None:
+    """The launcher's log pump and the lease heartbeat log from threads without Prefect's context;
+    INFO lines stay out (the flows log their own); after the flow nothing more is attached."""
+    from prefect import flow
+
+    from flows.logs import LIBRARY_LOGGERS, library_logs_to_run
+
+    def heartbeat() -> None:
+        logging.getLogger("orchestrator.lineage.leases").warning("lease heartbeat failed: marker-thread")
+
+    @flow(name="library-logs")
+    def library_logs() -> None:
+        with library_logs_to_run():
+            logging.getLogger("orchestrator.links.wandb").warning("W&B mismatch: marker-main")
+            logging.getLogger("openlab.pipeline").info("pipeline started: marker-info")
+            helper = threading.Thread(target=heartbeat)
+            helper.start()
+            helper.join()
+            with library_logs_to_run():  # nested: still one handler
+                logging.getLogger("openlab.pipeline").error("marker-nested")
+
+    state = library_logs(return_state=True)
+    assert state.is_completed(), state.message
+    logging.getLogger("orchestrator.anything").warning("after the flow: marker-after")
+    logs = _logs(state.state_details.flow_run_id, "marker-nested")
+    messages = [log.message for log in logs]
+    assert any("marker-main" in m for m in messages)
+    assert any("lease heartbeat failed: marker-thread" in m for m in messages), messages
+    assert sum("marker-nested" in m for m in messages) == 1
+    assert not any("marker-info" in m or "marker-after" in m for m in messages), messages
+    for name in LIBRARY_LOGGERS:
+        assert not logging.getLogger(name).handlers, "the handler is removed when the flow ends"
