@@ -143,14 +143,15 @@ def _publish_stage_card(ctx: PipelineContext, stage: str, stage_run_id: str | No
 
 @task(name="stage", cache_policy=NO_CACHE, retry_condition_fn=_retry_unless_cancelled, retry_delay_seconds=2)
 def run_stage(pipeline_run_id: str, stage: str) -> dict[str, Any]:
-    """Reuse or run one stage through the library; publish its card; return its result summary."""
-    from orchestrator.pipeline.execute import StageFailed, execute_stage
+    """Reuse or run one stage through the library (again when its job is preempted, which spends
+    no Prefect retry); publish its card; return its result summary."""
+    from orchestrator.pipeline.execute import StageFailed, execute_stage_resuming
 
     ctx = _CONTEXTS[pipeline_run_id]
     logger = get_run_logger()
     _LOGGERS.setdefault(pipeline_run_id, {})[stage] = logger
     try:
-        result: StageResult = execute_stage(ctx, stage)
+        result: StageResult = execute_stage_resuming(ctx, stage)
     except StageFailed as exc:
         failed = exc.result
         _publish_stage_card(ctx, stage, failed.stage_run_id if failed else ctx.stage_runs.get(stage))
@@ -178,7 +179,7 @@ def _hooks(pipeline_run_ids: list[str], watcher: CancelWatcher | None, flow_logg
 
     def on_transition(event: StageTransition) -> None:
         reason = f": {event.reason}" if event.reason else ""
-        level = "warning" if event.state in ("FAILED", "CANCELLED") else "info"
+        level = "warning" if event.state in ("FAILED", "CANCELLED", "PREEMPTED") else "info"
         base.copy().run(getattr(logger_for(event.stage), level), "%s %s%s", event.stage, event.state, reason)
 
     return PipelineHooks(

@@ -47,6 +47,7 @@ _STATE_ICONS = {
     "FAILED": "❌",
     "CANCELLED": "⛔",
     "LOST": "❓",
+    "PREEMPTED": "⏸️",
 }
 
 

@@ -149,7 +149,7 @@ def _refresh(store: Any, attempt: Any, status: Any) -> None:
     """Bring the attempt up to date when the backend knows more than lineage does."""
     from orchestrator.launchers.attempts import finish_attempt, lineage_state, mark_running
 
-    if attempt is None or attempt.state in ("COMPLETED", "FAILED", "CANCELLED", "LOST"):
+    if attempt is None or attempt.state in ("COMPLETED", "FAILED", "CANCELLED", "LOST", "PREEMPTED"):
         return
     if status.state.terminal:
         finish_attempt(store, attempt, status)

@@ -39,6 +39,7 @@ _STYLE = {
     "COMPLETED": "bold green",
     "FAILED": "bold red",
     "RETRYING": "yellow",
+    "PREEMPTED": "yellow",
     "CANCELLED": "red",
     "SKIPPED": "dim",
     "PENDING": "dim",

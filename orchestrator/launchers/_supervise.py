@@ -93,7 +93,7 @@ def main(argv):
         stop("cancelled")
 
     def on_alarm(_signum, _frame):
-        stop("time limit exceeded")
+        stop("time limit exceeded")  # base.TIME_LIMIT_REASON (this module imports nothing of ours)
 
     # handlers first, so a cancel that arrives while the job starts is not lost
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

@@ -26,7 +26,16 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import func
 from sqlmodel import select
 
-from orchestrator.launchers.base import Backoff, JobHandle, JobSpec, JobState, JobStatus, JobTimeout, Launcher
+from orchestrator.launchers.base import (
+    Backoff,
+    JobHandle,
+    JobSpec,
+    JobState,
+    JobStatus,
+    JobTimeout,
+    Launcher,
+    stopped_from_outside,
+)
 from orchestrator.lineage.models import Attempt, utcnow
 from orchestrator.secrets import scrub
 
@@ -270,6 +279,8 @@ def run_job(
             pump.join(LOG_DRAIN_TIMEOUT)
             if pump.error is not None:
                 log.warning("log streaming of %s failed: %s", handle.job_id, _one_line(pump.error))
+        if not cancelled_by_caller:  # a stop signal we did not send: preempted, evicted, warned
+            status = stopped_from_outside(status)
         if cancelled_by_caller and status.state is JobState.CANCELLED and not status.reason:
             status.reason = "cancelled by request"
         elif cancelled_by_caller and status.state is JobState.FAILED and _any_cancelled(status):

@@ -33,10 +33,11 @@ import datetime as dt
 import math
 import os
 import re
+import signal
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,7 +53,7 @@ LABEL_PREFIX = "openlab.io/"
 
 
 class JobState(StrEnum):
-    """Where a job is in its life; the last four are terminal."""
+    """Where a job is in its life; all but the first two are terminal."""
 
     PENDING = "PENDING"
     RUNNING = "RUNNING"
@@ -60,10 +61,45 @@ class JobState(StrEnum):
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
     LOST = "LOST"  # the backend no longer knows the job and no end was seen
+    #: Stopped from outside before it ended on its own, and not by us: preempted by a
+    #: higher-priority job, evicted, or sent a scheduler's stop signal. Not the job's fault, so
+    #: the pipeline runs it again (a training stage resumes from its checkpoint) without
+    #: spending a retry: see :func:`stopped_from_outside`.
+    PREEMPTED = "PREEMPTED"
 
     @property
     def terminal(self) -> bool:
-        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.LOST)
+        return self not in (JobState.PENDING, JobState.RUNNING)
+
+
+#: The signals a scheduler stops a job with before killing it: SIGTERM (Slurm preemption with a
+#: grace time, Kubernetes eviction, ``docker stop``) and SIGUSR1 (Slurm's warning ahead of a limit,
+#: ``--signal=B:USR1@300``). A workload that catches one checkpoints and exits 128 + the signal
+#: (:mod:`workloads.moe.util`); one that does not dies by it, which reads the same.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+#: How every backend begins the reason of a job its own time limit ended (not a preemption: a
+#: rerun with the same limit would be stopped again at the same point).
+TIME_LIMIT_REASON = "time limit exceeded"
+
+
+def stopped_from_outside(status: JobStatus) -> JobStatus:
+    """``status`` as PREEMPTED when a FAILED job ended by a stop signal (exit code 128 + SIGTERM
+    or SIGUSR1) that its own time limit did not send; otherwise ``status`` unchanged.
+
+    Call it only for jobs the caller did not cancel: a cancel also ends a job by SIGTERM.
+    Backends that say "preempted" themselves (Slurm's PREEMPTED state) report PREEMPTED directly.
+    """
+    codes = {128 + int(sig) for sig in STOP_SIGNALS}
+    if status.state is not JobState.FAILED or status.exit_code not in codes or status.tasks:
+        return status
+    if (status.reason or "").startswith(TIME_LIMIT_REASON):
+        return status
+    name = signal.Signals(status.exit_code - 128).name
+    return replace(
+        status,
+        state=JobState.PREEMPTED,
+        reason=f"stopped by {name} from outside (preempted, evicted or warned by its scheduler)",
+    )
 
 
 class LauncherError(OpenlabError):

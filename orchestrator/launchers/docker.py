@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.launchers.base import (
+    TIME_LIMIT_REASON,
     BackendUnavailable,
     ImageNotFound,
     JobHandle,
@@ -294,7 +295,7 @@ class DockerLauncher(Launcher):
         elif code == 0:
             job_state, reason = JobState.SUCCEEDED, None
         elif limit and elapsed >= limit - 1 and code in (124, *CANCEL_EXIT_CODES):
-            job_state, reason = JobState.FAILED, f"time limit exceeded ({limit}s)"
+            job_state, reason = JobState.FAILED, f"{TIME_LIMIT_REASON} ({limit}s)"
         elif state.get("Error"):
             job_state, reason = JobState.FAILED, str(state["Error"])
         else:

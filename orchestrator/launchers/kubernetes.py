@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from orchestrator.launchers.base import (
+    TIME_LIMIT_REASON,
     BackendUnavailable,
     Backoff,
     JobHandle,
@@ -431,7 +432,7 @@ class KubernetesLauncher(Launcher):
             cond = conditions.get("Failed") or conditions["FailureTarget"]
             state = JobState.FAILED
             if cond.reason == "DeadlineExceeded":
-                reason = f"time limit exceeded ({job.spec.active_deadline_seconds}s)"
+                reason = f"{TIME_LIMIT_REASON} ({job.spec.active_deadline_seconds}s)"
             elif pod_reason == "OOMKilled":
                 reason = "out of memory"
             elif exit_code is not None:

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.launchers.base import (
+    TIME_LIMIT_REASON,
     BackendUnavailable,
     JobHandle,
     JobSpec,
@@ -50,6 +51,7 @@ from orchestrator.launchers.base import (
     JobStatus,
     Launcher,
     LauncherError,
+    stopped_from_outside,
 )
 
 TRANSIENT = ("Socket timed out", "Unable to contact slurm controller", "Resource temporarily unavailable",
@@ -71,12 +73,12 @@ STATE_MAP: dict[str, tuple[JobState, str | None]] = {
     "COMPLETED": (JobState.SUCCEEDED, None),
     "FAILED": (JobState.FAILED, None),
     "CANCELLED": (JobState.CANCELLED, "cancelled"),
-    "TIMEOUT": (JobState.FAILED, "time limit exceeded"),
+    "TIMEOUT": (JobState.FAILED, TIME_LIMIT_REASON),
     "OUT_OF_MEMORY": (JobState.FAILED, "out of memory"),
     "NODE_FAIL": (JobState.FAILED, "node failure"),
     "BOOT_FAIL": (JobState.FAILED, "node boot failure"),
     "DEADLINE": (JobState.FAILED, "deadline reached"),
-    "PREEMPTED": (JobState.FAILED, "preempted"),
+    "PREEMPTED": (JobState.PREEMPTED, "preempted by a higher-priority job"),
     "SPECIAL_EXIT": (JobState.FAILED, "special exit"),
     "REVOKED": (JobState.CANCELLED, "revoked (federation)"),
 }
@@ -139,15 +141,21 @@ def aggregate_tasks(tasks: dict[str, JobStatus]) -> JobStatus:
     Not finished while any task has not ended (a FAILED aggregate would make callers
     record the end and clean up while other tasks still run); once all have ended, any
     failed task makes the array FAILED with the failed ids in the reason and the first
-    failed task's exit code, else any cancelled task CANCELLED, any lost LOST, else SUCCEEDED.
+    failed task's exit code, else any preempted task PREEMPTED (a task stopped by a stop signal
+    counts: :func:`stopped_from_outside`), any cancelled task CANCELLED, any lost LOST, else
+    SUCCEEDED.
     """
-    ordered = dict(sorted(tasks.items(), key=lambda item: _task_sort_key(item[0])))
+    ordered = {
+        task: stopped_from_outside(status)
+        for task, status in sorted(tasks.items(), key=lambda item: _task_sort_key(item[0]))
+    }
     statuses = list(ordered.values())
 
     def named(state: JobState) -> list[str]:
         return [task for task, st in ordered.items() if st.state is state]
 
     failed, cancelled, lost = named(JobState.FAILED), named(JobState.CANCELLED), named(JobState.LOST)
+    preempted = named(JobState.PREEMPTED)
     total = len(ordered)
     exit_code: int | None = None
     if any(not st.state.terminal for st in statuses):
@@ -163,6 +171,9 @@ def aggregate_tasks(tasks: dict[str, JobStatus]) -> JobStatus:
         exit_code = ordered[failed[0]].exit_code
         detail = ", ".join(f"{task} ({ordered[task].reason or 'failed'})" for task in failed)
         reason = f"{len(failed)} of {total} tasks failed: task {detail}"
+    elif preempted:
+        state = JobState.PREEMPTED
+        reason = f"{len(preempted)} of {total} tasks preempted: task {', '.join(preempted)}"
     elif cancelled:
         state, reason = JobState.CANCELLED, f"{len(cancelled)} of {total} tasks cancelled: task {', '.join(cancelled)}"
     elif lost:

@@ -263,7 +263,14 @@ def _facet(producer: str, schema: str, **fields: Any) -> dict[str, Any]:
     return {"_producer": producer, "_schemaURL": schema, **{k: v for k, v in fields.items() if v is not None}}
 
 
-_TERMINAL = {"COMPLETED": "COMPLETE", "REUSED": "COMPLETE", "FAILED": "FAIL", "LOST": "FAIL", "CANCELLED": "ABORT"}
+_TERMINAL = {
+    "COMPLETED": "COMPLETE",
+    "REUSED": "COMPLETE",
+    "FAILED": "FAIL",
+    "LOST": "FAIL",
+    "CANCELLED": "ABORT",
+    "PREEMPTED": "ABORT",  # stopped from outside, not failed
+}
 
 
 def _job_name(pipeline: PipelineRun | None, stage: StageRun | None = None) -> str:

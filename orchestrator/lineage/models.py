@@ -48,8 +48,8 @@ RELATION_KINDS: dict[str, str] = {
     "wasStartedBy": "activity was started by a trigger (UI, schedule, terminal)",
 }
 
-#: Stage-run and attempt states.
-STATES = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "REUSED", "LOST")
+#: Stage-run and attempt states (PREEMPTED is an attempt's only: its stage run goes on in a new attempt).
+STATES = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "REUSED", "LOST", "PREEMPTED")
 
 
 class LineageRecord(SQLModel):

@@ -48,6 +48,7 @@ _STATUS = {
     "FAILED": "http://schema.org/FailedActionStatus",
     "LOST": "http://schema.org/FailedActionStatus",
     "CANCELLED": "http://schema.org/FailedActionStatus",
+    "PREEMPTED": "http://schema.org/FailedActionStatus",
     "RUNNING": "http://schema.org/ActiveActionStatus",
     "PENDING": "http://schema.org/PotentialActionStatus",
 }

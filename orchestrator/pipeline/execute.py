@@ -84,7 +84,21 @@ class StageCancelled(StageFailed):
     """A stage was cancelled (by request, or because its lease was taken over)."""
 
 
+class StagePreempted(StageFailed):
+    """A stage's job was stopped from outside (preempted, evicted, a scheduler's stop signal):
+    not its own failure, so :func:`execute_stage_resuming` runs it again without spending a
+    retry, and a training stage resumes from the checkpoint it saved on the way out."""
+
+
 # -- options, hooks, results ------------------------------------------------------------------
+
+#: Retries of a failed stage when ``[pipeline] stage_retries`` is not set (the flows' Prefect task
+#: retries and ``openlab run`` both use it, so a stage is retried the same from the UI and a terminal).
+DEFAULT_STAGE_RETRIES = 1
+#: New attempts of a preempted stage when ``[pipeline] preemption_retries`` is not set. Apart from
+#: the retries: a preemption is not the job's failure, but a bound keeps a job that is preempted
+#: every time (or that dies by SIGTERM on its own) from running for ever.
+DEFAULT_PREEMPTION_RETRIES = 3
 
 
 @dataclass
@@ -233,6 +247,8 @@ class PipelineContext:
     stage_runs: dict[str, str] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
     owns_store: bool = False
+    #: ``[pipeline] preemption_retries`` as read when the run started (:func:`execute_stage_resuming`).
+    preemption_retries: int = DEFAULT_PREEMPTION_RETRIES
     #: The pipeline run's own lease (:func:`orchestrator.pipeline.reconcile.pipeline_lease_key`): its
     #: heartbeat says this process still looks after the run; released when the run is closed.
     lease: leases.HeldLease | None = None
@@ -387,10 +403,13 @@ def start_pipeline(
     for backend in (options.backend, *(s.backend for s in pipeline.stages if s.backend)):
         if backend not in BACKENDS:
             raise ConfigError(f"unknown backend {backend!r}; known backends: {', '.join(BACKENDS)}")
+    preemptions = preemption_retries(settings)
     owns = store is None
     store = store or LineageStore.open(settings)
     try:
-        return _open_pipeline_run(pipeline, configs, options, hooks, recipe, settings, store, owns, reconcile_first)
+        ctx = _open_pipeline_run(pipeline, configs, options, hooks, recipe, settings, store, owns, reconcile_first)
+        ctx.preemption_retries = preemptions
+        return ctx
     except BaseException:
         if owns:  # refused before the context took the store: do not leave its engine open
             store.close()
@@ -1120,6 +1139,10 @@ def _run_stage(
         reason = cancel_reason[0] if cancel_reason else (status.reason or "job cancelled")
         result = _finish_failed(ctx, spec, run, identity, out_dir, "CANCELLED", reason, attempt, started, changes)
         raise StageCancelled(f"stage {spec.name} cancelled: {reason}", result)
+    if status.state is JobState.PREEMPTED:
+        reason = f"job {attempt.job_id} preempted: {status.reason}"
+        result = _finish_failed(ctx, spec, run, identity, out_dir, "FAILED", reason, attempt, started, changes)
+        raise StagePreempted(f"stage {spec.name} {reason}", result)
     reason = f"job {attempt.job_id} {status.state}" + (
         f" (exit {status.exit_code})" if status.exit_code is not None else ""
     )
@@ -1239,27 +1262,54 @@ class PipelineResult:
         }
 
 
-#: Retries of a failed stage when ``[pipeline] stage_retries`` is not set (the flows' Prefect task
-#: retries and ``openlab run`` both use it, so a stage is retried the same from the UI and a terminal).
-DEFAULT_STAGE_RETRIES = 1
+def _whole_number(settings: Settings | None, key: str, default: int) -> int:
+    raw = (settings or load_settings()).section("pipeline").get(key, default)
+    if isinstance(raw, bool) or not isinstance(raw, int | str) or not str(raw).strip().isdigit():
+        raise ConfigError(f"invalid [pipeline] {key} {raw!r}: use a whole number, 0 or more (e.g. {default})")
+    return int(raw)
 
 
 def stage_retries(settings: Settings | None = None) -> int:
     """How many times a failed stage is retried: ``[pipeline] stage_retries`` (an int, 0 or more)."""
-    raw = (settings or load_settings()).section("pipeline").get("stage_retries", DEFAULT_STAGE_RETRIES)
-    if isinstance(raw, bool) or not isinstance(raw, int | str) or not str(raw).strip().isdigit():
-        raise ConfigError(f"invalid [pipeline] stage_retries {raw!r}: use a whole number, 0 or more (e.g. 1)")
-    return int(raw)
+    return _whole_number(settings, "stage_retries", DEFAULT_STAGE_RETRIES)
+
+
+def preemption_retries(settings: Settings | None = None) -> int:
+    """How many times a preempted stage is run again: ``[pipeline] preemption_retries`` (0 or more)."""
+    return _whole_number(settings, "preemption_retries", DEFAULT_PREEMPTION_RETRIES)
+
+
+def execute_stage_resuming(ctx: PipelineContext, name: str) -> StageResult:
+    """:func:`execute_stage`, run again each time its job is preempted, up to
+    ``[pipeline] preemption_retries`` times (read when the pipeline started). Each run is a new
+    attempt of the same stage run; the attempt that was stopped is recorded PREEMPTED and a
+    training stage resumes from the checkpoint it wrote when it was signalled. Failures and
+    cancellations pass through: retrying those is the caller's (``stage_retries``, Prefect's)."""
+    limit = ctx.preemption_retries
+    for preempted in range(limit + 1):
+        try:
+            return execute_stage(ctx, name)
+        except StagePreempted as exc:
+            if preempted == limit:
+                raise StagePreempted(
+                    f"{exc}; preempted {limit + 1} times, the limit ([pipeline] preemption_retries = {limit})",
+                    exc.result,
+                ) from exc
+            ctx.emit(name, "PREEMPTED", reason=f"resuming ({preempted + 1} of {limit}) after: {exc}")
+    raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
 
 def _execute_with_retries(ctx: PipelineContext, name: str, retries: int) -> None:
     """execute_stage, again after a failure, up to ``retries`` times: each retry is a new attempt of
     the same stage run, and a training stage resumes from its last checkpoint (its output folder
-    is its identity's). A cancelled stage is never retried."""
+    is its identity's). A preempted stage is run again apart from these retries
+    (:func:`execute_stage_resuming`); a cancelled stage is never retried."""
     for tried in range(retries + 1):
         try:
-            execute_stage(ctx, name)
+            execute_stage_resuming(ctx, name)
             return
+        except StageCancelled:
+            raise
         except StageFailed as exc:
             if tried == retries:
                 raise

@@ -94,6 +94,30 @@ def test_nonzero_exit_code(harness: Harness, store: LineageStore) -> None:
     assert stored is not None and stored.state == "FAILED" and stored.exit_code == 3
 
 
+def test_a_job_that_stops_on_a_schedulers_signal_is_preempted_not_failed(
+    harness: Harness, store: LineageStore
+) -> None:
+    """A workload that catches SIGTERM (preemption, eviction), saves a checkpoint and exits
+    128 + 15: every backend reports that exit, and the attempt says PREEMPTED, so the pipeline
+    resumes it instead of counting a failure. A plain failure next to it stays FAILED."""
+    attempt, status = run_job(
+        store,
+        harness.launcher,
+        spec(harness, "stopped", ["sh", "-c", "echo checkpoint saved; exit 143"]),
+        timeout=harness.wait_timeout,
+    )
+    assert status.state is JobState.PREEMPTED, status
+    assert status.exit_code == 143 and "SIGTERM" in (status.reason or "")
+    stored = store.get(Attempt, attempt.id)
+    assert stored is not None and stored.state == "PREEMPTED" and stored.exit_code == 143
+    assert harness.nothing_running(handle_from_attempt(stored)) == []
+    # out of memory (SIGKILL, 137) is the job's own failure
+    _, killed = run_job(
+        store, harness.launcher, spec(harness, "oom", ["sh", "-c", "exit 137"]), timeout=harness.wait_timeout
+    )
+    assert killed.state is JobState.FAILED, killed
+
+
 def test_cancel_while_running_leaves_nothing_running(harness: Harness, store: LineageStore) -> None:
     lines: list[str] = []
     attempt, status = run_job(

@@ -18,6 +18,7 @@ import pytest
 
 from orchestrator.launchers import JobHandle, JobSpec, JobState, JobStatus, get_launcher
 from orchestrator.launchers.attempts import run_job
+from orchestrator.launchers.base import stopped_from_outside
 from orchestrator.launchers.slurm import SlurmLauncher, aggregate_tasks, expand_task_ids
 from orchestrator.lineage.models import Attempt
 from orchestrator.lineage.store import LineageStore
@@ -224,6 +225,33 @@ def test_an_array_is_not_finished_while_any_task_runs_even_after_a_failure() -> 
     done = aggregate_tasks(tasks)
     assert done.state is JobState.FAILED and done.exit_code == 2 and done.ended_at == _at(3)
     assert done.reason == "2 of 3 tasks failed: task 0 (exit code 2), 1 (killed by signal 9)"
+
+
+def test_an_array_with_a_preempted_task_is_preempted_unless_another_failed() -> None:
+    """A task Slurm preempted, or one that exited on a stop signal, makes the array PREEMPTED (the
+    pipeline runs it again without spending a retry); a task's own failure still wins."""
+    tasks = {
+        "0": JobStatus(JobState.SUCCEEDED, 0, None, "n1", _at(0), _at(1)),
+        "1": JobStatus(JobState.PREEMPTED, 0, "preempted by a higher-priority job", "n1", _at(0), _at(2)),
+        "2": JobStatus(JobState.FAILED, 138, "exit code 138", "n1", _at(0), _at(2)),
+    }
+    status = aggregate_tasks(tasks)
+    assert status.state is JobState.PREEMPTED and status.reason == "2 of 3 tasks preempted: task 1, 2"
+    assert status.tasks and status.tasks["2"].state is JobState.PREEMPTED and "SIGUSR1" in str(status.tasks["2"].reason)
+    tasks["0"] = JobStatus(JobState.FAILED, 1, "exit code 1", "n1", _at(0), _at(1))
+    assert aggregate_tasks(tasks).state is JobState.FAILED
+
+
+def test_slurm_states_and_stop_exits() -> None:
+    """Slurm's PREEMPTED state is a preemption; TIMEOUT is the job's own limit (killed by SIGTERM
+    too, but a rerun would stop at the same point), so it stays FAILED."""
+    row = {"JobState": "PREEMPTED", "ExitCode": "0:15", "NodeList": "n1", "StartTime": "2026-12-04T10:00:00"}
+    assert SlurmLauncher._row_status(row).state is JobState.PREEMPTED
+    timeout = SlurmLauncher._row_status({**row, "JobState": "TIMEOUT"})
+    assert timeout.state is JobState.FAILED and timeout.exit_code == 143
+    assert stopped_from_outside(timeout) is timeout, "a time limit is not a preemption"
+    usr1 = SlurmLauncher._row_status({**row, "JobState": "FAILED", "ExitCode": "138:0"})
+    assert stopped_from_outside(usr1).state is JobState.PREEMPTED
 
 
 def test_array_status_falls_back_to_jobcomp_with_one_record_per_task(tmp_path: Path) -> None:

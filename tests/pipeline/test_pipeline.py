@@ -27,6 +27,7 @@ from orchestrator.pipeline import (
     StageCancelled,
     execute_stage,
     plan,
+    preemption_retries,
     reconcile,
     run_pipeline,
     run_stages,
@@ -334,6 +335,58 @@ def test_stage_retries_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OPENLAB_PIPELINE__STAGE_RETRIES", "lots")
     with pytest.raises(ConfigError, match=r"invalid \[pipeline\] stage_retries 'lots'"):
         stage_retries(load_settings())
+
+
+#: Stopped from outside by SIGTERM (as a preemption or an eviction would), the first time only or always.
+PREEMPTED = (
+    "\nimport os, pathlib, signal\n"
+    "_marker = pathlib.Path(os.environ['TOY_PREEMPT_MARKER'])\n"
+    "if not _marker.exists() or os.environ.get('TOY_PREEMPT_ALWAYS'):\n"
+    "    _marker.touch()\n    os.kill(os.getpid(), signal.SIGTERM)\n"
+)
+
+
+def test_a_preempted_stage_runs_again_without_spending_a_retry(
+    repo: Path, ledger: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job stopped by SIGTERM that openlab did not send is not the stage's failure: with no
+    retries at all the stage still completes, in a second attempt of the same stage run."""
+    script = repo / "stages" / "upper.py"
+    script.write_text(script.read_text() + PREEMPTED)
+    monkeypatch.setenv("TOY_PREEMPT_MARKER", str(tmp_path / "preempted-once"))
+    seen: list[tuple[str, str, str]] = []
+    hooks = PipelineHooks(on_transition=lambda e: seen.append((e.stage, e.state, e.reason)))
+    ctx = start_pipeline(toy_pipeline(repo), toy_configs(), options=fast(), hooks=hooks)
+    result = run_stages(ctx, retries=0)
+    assert result.state == "COMPLETED", result.error
+    (preempted,) = [s for s in seen if s[1] == "PREEMPTED"]
+    assert preempted[0] == "upper" and preempted[2].startswith("resuming (1 of 3) after: stage upper job ")
+    assert "stopped by SIGTERM from outside" in preempted[2]
+    with LineageStore.open() as store:
+        (upper,) = store.list(StageRun, pipeline_run_id=result.pipeline_run.id, stage="upper")
+        attempts = store.list(Attempt, stage_run_id=upper.id, order_by=Attempt.number)
+        assert [(a.number, a.state, a.exit_code) for a in attempts] == [(1, "PREEMPTED", 143), (2, "COMPLETED", 0)]
+        assert attempts[0].reason and "SIGTERM" in attempts[0].reason
+        assert upper.state == "COMPLETED"
+
+    # preempted every time: bounded by [pipeline] preemption_retries, then the stage fails
+    monkeypatch.setenv("TOY_PREEMPT_ALWAYS", "1")
+    monkeypatch.setenv("OPENLAB_PIPELINE__PREEMPTION_RETRIES", "1")
+    again = run_pipeline(toy_pipeline(repo), toy_configs(), options=RunOptions(wait_poll=0.05, force=True))
+    assert again.state == "FAILED" and again.results["upper"].state == "FAILED"
+    assert "preempted 2 times, the limit ([pipeline] preemption_retries = 1)" in (again.error or ""), again.error
+    with LineageStore.open() as store:
+        (upper,) = store.list(StageRun, pipeline_run_id=again.pipeline_run.id, stage="upper")
+        assert [a.state for a in store.list(Attempt, stage_run_id=upper.id)] == ["PREEMPTED", "PREEMPTED"]
+
+
+def test_preemption_retries_setting(monkeypatch: pytest.MonkeyPatch, repo: Path) -> None:
+    assert preemption_retries(load_settings()) == 3
+    monkeypatch.setenv("OPENLAB_PIPELINE__PREEMPTION_RETRIES", "0")
+    assert preemption_retries(load_settings()) == 0
+    monkeypatch.setenv("OPENLAB_PIPELINE__PREEMPTION_RETRIES", "-1")
+    with pytest.raises(ConfigError, match=r"invalid \[pipeline\] preemption_retries -1: use a whole number"):
+        start_pipeline(toy_pipeline(repo), toy_configs(), options=fast())
 
 
 def test_a_stage_can_run_on_its_own_backend_and_where_it_ran_is_not_its_identity(repo: Path, ledger: Path) -> None:
