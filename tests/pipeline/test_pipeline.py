@@ -328,6 +328,21 @@ def test_a_failed_stage_is_retried_as_a_new_attempt_of_the_same_stage_run(
     assert again.state == "FAILED" and again.results["upper"].state == "FAILED"
 
 
+def test_a_cancelled_stage_is_not_retried(repo: Path, ledger: Path) -> None:
+    """Retries are for failures: a stage cancelled by request ends the run CANCELLED, not retried."""
+    seen: list[tuple[str, str]] = []
+    hooks = PipelineHooks(
+        on_transition=lambda e: seen.append((e.stage, e.state)),
+        should_cancel=lambda: ("gen", "RUNNING") in seen,  # a cancel while the first job runs
+    )
+    ctx = start_pipeline(toy_pipeline(repo), toy_configs(), options=fast(), hooks=hooks)
+    result = run_stages(ctx, retries=2)
+    assert result.state == "CANCELLED", result.error
+    assert [s for s in seen if s[1] in ("CANCELLED", "RETRYING")] == [("gen", "CANCELLED")], seen
+    with LineageStore.open() as store:
+        assert [a.state for a in store.list(Attempt)] == ["CANCELLED"], "one attempt, not three"
+
+
 def test_stage_retries_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     assert stage_retries(load_settings()) == 1
     monkeypatch.setenv("OPENLAB_PIPELINE__STAGE_RETRIES", "3")
