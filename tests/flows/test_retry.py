@@ -1,4 +1,5 @@
-"""A Prefect task retry of a failed stage is a new attempt of the same stage run."""
+"""A Prefect task retry of a failed stage is a new attempt of the same stage run; a preempted stage
+runs again inside its task, spending no Prefect retry."""
 
 from __future__ import annotations
 
@@ -45,3 +46,45 @@ def test_task_retry_adds_an_attempt_to_the_same_stage_run(prefect_server: Prefec
         assert stage.state == "COMPLETED"
         attempts = store.list(Attempt, stage_run_id=stage.id)
         assert sorted((a.number, a.state) for a in attempts) == [(1, "FAILED"), (2, "COMPLETED")]
+
+
+#: Stopped by SIGTERM from outside the first time (a preemption), done the second.
+PREEMPTED_ONCE = (
+    "import os, pathlib, signal, sys; out = pathlib.Path(sys.argv[1]); m = out.parent / 'preempted-once';"
+    "first = not m.exists(); m.touch(); print('preempted' if first else 'resumed', flush=True);"
+    "first and os.kill(os.getpid(), signal.SIGTERM)"
+)
+
+
+def test_a_preempted_stage_resumes_without_spending_a_prefect_retry(
+    prefect_server: PrefectServer, openlab_home: Path
+) -> None:
+    from prefect import flow, get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
+
+    from flows.pipeline import run_stages_as_tasks
+    from orchestrator.pipeline.dag import REPO_ROOT, Pipeline, StageSpec
+    from orchestrator.pipeline.execute import RunOptions, start_pipeline
+
+    spec = StageSpec(name="spot", command=(sys.executable, "-c", PREEMPTED_ONCE, "{out}"))
+    pipeline = Pipeline(name="preempted-test", stages=(spec,), repo_root=REPO_ROOT)
+
+    @flow(name="preempted-pipeline")
+    def preempted_pipeline() -> str:
+        ctx = start_pipeline(pipeline, {"spot": {"n": 1}}, options=RunOptions(backend="local", trigger="test"))
+        run_stages_as_tasks(ctx, retries=0)
+        return ctx.id
+
+    state = preempted_pipeline(return_state=True)
+    assert state.is_completed(), state.message
+    with LineageStore.open() as store:
+        run = store.require(PipelineRun, state.result())
+        (stage,) = store.list(StageRun, pipeline_run_id=run.id)
+        attempts = store.list(Attempt, stage_run_id=stage.id, order_by=Attempt.number)
+        assert [(a.number, a.state) for a in attempts] == [(1, "PREEMPTED"), (2, "COMPLETED")]
+
+    with get_client(sync_client=True) as client:
+        of_run = TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[state.state_details.flow_run_id]))
+        (task_run,) = client.read_task_runs(task_run_filter=of_run)
+        assert task_run.run_count == 1, "the stage's task ran once: the preemption spent no Prefect retry"
+        assert task_run.state.is_completed()
