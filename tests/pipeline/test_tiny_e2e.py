@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -86,3 +87,71 @@ def test_drops_replica_runs_the_reproduction_stage_with_lineage_then_reuses() ->
     second = openlab_run("--replica", "drops-tiny", "--json")
     states = [(s["stage"], s["state"], s["reason"]) for s in second["stages"]]
     assert [s[1] for s in states] == ["REUSED"] * 3, states
+
+
+def _workload_pids(stage: str) -> list[int]:
+    """The stage's training process (not the local backend's supervisor, whose argv repeats it)."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"workloads.moe" in argv and stage.encode() in argv and not any(b"_supervise" in a for a in argv):
+            pids.append(int(cmdline.parent.name))
+    return pids
+
+
+def test_a_preempted_training_stage_resumes_from_its_checkpoint_in_a_new_attempt() -> None:
+    """Preemption, as a scheduler does it: SIGTERM to the running pretrain job. The workload saves
+    its step and exits 143; the attempt is PREEMPTED; with no retries the pipeline still finishes,
+    because the next attempt of the same stage run resumes at that step: every step trained once."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from orchestrator.lineage import Attempt, LineageStore, StageRun
+    from orchestrator.pipeline import PipelineHooks, RunOptions, moe_pipeline, run_stages, start_pipeline
+    from orchestrator.recipes import resolve
+    from orchestrator.settings import load_settings
+
+    steps = 200
+    resolved = resolve("marin-535b-a23b", "tiny").until("pretrain")
+    configs = {name: dict(cfg) for name, cfg in resolved.stage_configs.items()}
+    configs["pretrain"]["train"] = {**configs["pretrain"]["train"], "steps": steps, "checkpoint_every": steps}
+    pipeline = moe_pipeline(stages=resolved.stages, resources=resolved.resources)
+    settings = load_settings()
+    seen: list[tuple[str, str]] = []
+    hooks = PipelineHooks(on_transition=lambda e: seen.append((e.stage, e.state)))
+    ctx = start_pipeline(pipeline, configs, options=RunOptions(backend="local"), hooks=hooks, settings=settings)
+    stopped: dict[str, int] = {}
+
+    def preempt_pretrain() -> None:  # once pretrain has trained a few steps
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and not stopped:
+            for metrics in settings.artifacts_dir.glob("pretrain/*/metrics.jsonl"):
+                if len(metrics.read_text().splitlines()) >= 5:
+                    for pid in _workload_pids("pretrain"):
+                        os.kill(pid, signal.SIGTERM)
+                        stopped["pid"] = pid
+            time.sleep(0.02)
+
+    killer = threading.Thread(target=preempt_pretrain, daemon=True)
+    killer.start()
+    result = run_stages(ctx, retries=0)
+    killer.join(5)
+    assert stopped, "pretrain was signalled while it ran"
+    assert result.state == "COMPLETED", result.error
+    assert ("pretrain", "PREEMPTED") in seen and ("pretrain", "RETRYING") not in seen
+    with LineageStore.open(settings) as store:
+        (pretrain,) = store.list(StageRun, pipeline_run_id=result.pipeline_run.id, stage="pretrain")
+        first, second = store.list(Attempt, stage_run_id=pretrain.id, order_by=Attempt.number)
+        assert (first.state, first.exit_code, second.state) == ("PREEMPTED", 143, "COMPLETED")
+    log = Path(first.log_path).read_text()
+    done = int(log.split("stopped by SIGTERM after step ")[1].split(";")[0])
+    assert 5 <= done < steps
+    assert f'"resumed_from_step": {done}' in Path(second.log_path).read_text()
+    (metrics,) = settings.artifacts_dir.glob("pretrain/*/metrics.jsonl")
+    trained = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if line.strip()]
+    assert trained == list(range(1, steps + 1)), "no step lost or trained twice across the preemption"
