@@ -2,7 +2,10 @@
 # Start a single-node Slurm cluster without systemd: munged, (slurmdbd,) slurmctld, slurmd, all as root
 # except munged (as the munge user). The config is generated from `slurmd -C` into
 #   $OPENLAB_INFRA_STATE/slurm/etc/slurm.conf     (nothing is exported or written to /etc/slurm)
-# Partitions: debug (default) and batch, both on the one node. MinJobAge=600 keeps finished jobs in
+# Partitions: debug (default) and batch, both on the one node, and urgent, whose jobs preempt theirs
+# (partition_prio, PreemptMode=CANCEL: the preempted job gets SIGTERM, then GraceTime=15 s to save
+# a checkpoint before SIGKILL, and ends PREEMPTED; the main scheduling pass, which decides preemption,
+# runs every 3 s instead of 60). MinJobAge=600 keeps finished jobs in
 # `scontrol show job` for 10 min; jobcomp/filetxt writes one line per finished job to
 # $OPENLAB_INFRA_STATE/slurm/jobcomp.log.
 # Usage: start.sh [--with-accounting]   (adds mariadb + slurmdbd, so sacct works)
@@ -79,6 +82,7 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=3,bf_interval=2
 JobAcctGatherType=jobacct_gather/none
 $ACCT_LINES
 JobCompType=jobcomp/filetxt
@@ -91,9 +95,12 @@ SlurmdTimeout=300
 InactiveLimit=0
 KillWait=10
 Waittime=0
+PreemptType=preempt/partition_prio
+PreemptMode=CANCEL
 $NODE_LINE
-PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP
-PartitionName=batch Nodes=$HOST Default=NO MaxTime=INFINITE State=UP
+PartitionName=debug Nodes=$HOST Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=15
+PartitionName=batch Nodes=$HOST Default=NO MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=15
+PartitionName=urgent Nodes=$HOST Default=NO MaxTime=INFINITE State=UP PriorityTier=2
 CONF
 )"
 RESTART=0
