@@ -127,7 +127,9 @@ def _judge(
         )
     detail = f" ({status.reason})" if status.reason else ""
     return (
-        lineage_state(status.state),
+        # a preempted job's attempt says PREEMPTED; with no orchestrator left to run it again, the
+        # stage run itself failed
+        "FAILED" if status.state is JobState.PREEMPTED else lineage_state(status.state),
         f"job {attempt.job_id} ended {status.state}{detail} while unattended",
         attempt,
         status,
