@@ -11,7 +11,9 @@
   reported here, with the schema's message, not as a half-created Job.
 - Status comes from the Job's conditions (Complete / Failed with DeadlineExceeded or
   BackoffLimitExceeded) and counts, exit code and node from its pod (found by the
-  ``job-name`` label, filtered client-side too). Logs come from that pod.
+  ``job-name`` label, filtered client-side too). Logs come from that pod. A pod that
+  Kubernetes evicted or preempted carries the ``DisruptionTarget`` condition: its failed Job
+  is PREEMPTED, with Kubernetes' reason (``EvictionByEvictionAPI``, ``PreemptionByScheduler``...).
 - Cancel deletes the Job with ``propagationPolicy=Background`` and waits until its pods
   are gone. A cancelled or cleaned-up Job's final status is kept in
   ``$OPENLAB_HOME/jobs/kubernetes/`` so status still answers after the Job is deleted.
@@ -411,10 +413,17 @@ class KubernetesLauncher(Launcher):
         started = _aware(st.start_time) if st else None
         ended = _aware(st.completion_time) if st else None
         exit_code, host, digest, pod_reason = None, None, None, None
+        disruption = None
         pods = self.pods(handle.job_id) if (st and (st.active or st.succeeded or st.failed or conditions)) else []
         if pods:
             pod = pods[-1]
             host = pod.spec.node_name if pod.spec else None
+            # Kubernetes marks a pod it evicts or preempts (Eviction API, scheduler preemption, node
+            # pressure, taints) with the DisruptionTarget condition before it stops it.
+            disruption = next(
+                (c for c in (pod.status.conditions or []) if c.type == "DisruptionTarget" and c.status == "True"),
+                None,
+            ) if pod.status else None
             for cs in (pod.status.container_statuses or []) if pod.status else []:
                 digest = cs.image_id or digest
                 term = cs.state.terminated if cs.state else None
@@ -431,7 +440,12 @@ class KubernetesLauncher(Launcher):
         elif "Failed" in conditions or "FailureTarget" in conditions:
             cond = conditions.get("Failed") or conditions["FailureTarget"]
             state = JobState.FAILED
-            if cond.reason == "DeadlineExceeded":
+            if disruption is not None and cond.reason != "DeadlineExceeded":
+                state = JobState.PREEMPTED
+                reason = f"pod stopped by Kubernetes: {disruption.reason}" + (
+                    f" ({disruption.message})" if disruption.message else ""
+                )
+            elif cond.reason == "DeadlineExceeded":
                 reason = f"{TIME_LIMIT_REASON} ({job.spec.active_deadline_seconds}s)"
             elif pod_reason == "OOMKilled":
                 reason = "out of memory"

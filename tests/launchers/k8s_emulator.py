@@ -6,6 +6,8 @@ needs to be tested for real: for every new batch/v1 Job it creates a pod object,
 pod's container, serves its output as the pod log, enforces ``activeDeadlineSeconds`` and
 writes Job/pod status back (active/succeeded/failed, conditions, start/completion time,
 exit code, node, image id). Deleting the Job kills the pod's workload and deletes its pods.
+:meth:`EmulatedCluster.evict` does what the Eviction API or a node's kubelet does to a pod: the
+``DisruptionTarget`` condition, SIGTERM, SIGKILL after the grace period, pod phase Failed.
 
 Where the pod runs (``runtime``), as a kubelet would as far as the launcher can tell:
 
@@ -79,6 +81,10 @@ class _Workload:
         """SIGKILL everything of it and wait until it is gone."""
         raise NotImplementedError
 
+    def terminate(self) -> None:
+        """SIGTERM, as a kubelet's graceful stop; returns at once."""
+        raise NotImplementedError
+
     def alive(self) -> bool:
         """Whether anything of it still runs, asked of the OS or the engine, not of our own bookkeeping."""
         raise NotImplementedError
@@ -107,6 +113,12 @@ class _Process(_Workload):
             except ProcessLookupError:
                 pass
             self.proc.wait(5)
+
+    def terminate(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
 
     def alive(self) -> bool:
         try:
@@ -204,6 +216,13 @@ class _Container(_Workload):
         self._done.wait(30)
         self._remove()
 
+    def terminate(self) -> None:
+        if self.container is not None and not self._done.is_set():
+            try:
+                self.container.kill(signal="SIGTERM")
+            except Exception:  # noqa: BLE001 - it ended meanwhile
+                pass
+
     def alive(self) -> bool:
         if self.container is None:
             return False
@@ -222,6 +241,9 @@ class _Run:
         self.started_mono = time.monotonic()
         self.finished = False
         self.deadline_hit = False
+        #: Set by an eviction: the DisruptionTarget condition, and when the grace period ends.
+        self.disruption: dict[str, str] | None = None
+        self.kill_at: float | None = None
 
 
 def docker_runtime() -> tuple[Any, str | None, str]:
@@ -444,6 +466,20 @@ class EmulatedCluster:
         self.on_loop(create)
         self._patch(JOBS, ns, name, {"active": 1, "ready": 1, "startTime": run.started})
 
+    def evict(self, job_id: str, reason: str = "EvictionByEvictionAPI", grace: float = 2.0) -> None:
+        """Evict the pod of Job ``namespace/name`` as the Eviction API (or the scheduler preempting it,
+        reason ``PreemptionByScheduler``) does: the pod gets the ``DisruptionTarget`` condition, its
+        container SIGTERM, and SIGKILL if it still runs ``grace`` seconds later."""
+        ns, name = job_id.split("/", 1)
+        run = self._runs[(ns, name)]
+        messages = {"EvictionByEvictionAPI": "Eviction API: evicting",
+                    "PreemptionByScheduler": "default-scheduler: preempting to accommodate a higher priority pod"}
+        run.disruption = {"type": "DisruptionTarget", "status": "True", "reason": reason,
+                          "message": messages.get(reason, reason), "lastTransitionTime": _now()}
+        self._patch(PODS, ns, run.pod, {"phase": "Running", "conditions": [run.disruption]})
+        run.kill_at = time.monotonic() + grace
+        run.workload.terminate()
+
     def _watch(self, key: tuple[str, str], job: dict[str, Any]) -> None:
         run = self._runs[key]
         if run.finished:
@@ -452,6 +488,8 @@ class EmulatedCluster:
         if run.deadline and time.monotonic() - run.started_mono > run.deadline and run.workload.poll() is None:
             run.deadline_hit = True
             run.workload.kill()
+        if run.kill_at is not None and time.monotonic() > run.kill_at and run.workload.poll() is None:
+            run.workload.kill()  # the grace period is over
         code = run.workload.poll()
         if code is None:
             return
@@ -465,6 +503,7 @@ class EmulatedCluster:
             terminated["reason"] = "DeadlineExceeded"
         pod_status = {
             "phase": "Succeeded" if code == 0 else "Failed",
+            **({"conditions": [run.disruption]} if run.disruption else {}),
             "containerStatuses": [
                 {
                     "name": job["spec"]["template"]["spec"]["containers"][0]["name"],

@@ -9,6 +9,7 @@ engine, so it is tested too, even where the engine is up.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -110,3 +111,47 @@ def test_without_the_engine_pods_are_local_processes(process_cluster: EmulatedCl
         assert not process_cluster.workload_alive(running.job_id)  # the whole process group, background child too
     finally:
         launcher.cleanup(running)
+
+
+@pytest.mark.parametrize(
+    "runtime", [pytest.param("docker", marks=pytest.mark.docker), "process"]  # the clusters' start order above
+)
+def test_an_evicted_pod_is_preempted_and_a_plain_failure_is_not(runtime: str, request: pytest.FixtureRequest) -> None:
+    """Kubernetes evicts a running pod (DisruptionTarget, SIGTERM, SIGKILL after the grace period):
+    the attempt is PREEMPTED with Kubernetes' reason, whether the workload caught SIGTERM or was
+    killed; a pod that fails by itself is FAILED."""
+    from orchestrator.launchers.attempts import run_job
+    from orchestrator.lineage.store import LineageStore
+
+    if runtime == "docker":
+        require_docker()
+        cluster = request.getfixturevalue("k8s_cluster")
+        assert cluster.runtime == "docker", cluster.runtime_reason
+    else:
+        cluster = request.getfixturevalue("process_cluster")
+    launcher = _launcher(cluster)
+    # sh as a container's PID 1 ignores SIGTERM, so there the grace period's SIGKILL ends it
+    spec = JobSpec(name="evicted", command=["sh", "-c", "echo started; sleep 300"], image=cluster.image)
+
+    def evict_once_started(line: str) -> None:
+        if line == "started":
+            threading.Thread(target=cluster.evict, args=(handles[0],), kwargs={"grace": 1.0}).start()
+
+    handles: list[str] = []
+    original_submit = launcher.submit
+
+    def submit(job: JobSpec) -> Any:
+        handle = original_submit(job)
+        handles.append(handle.job_id)
+        return handle
+
+    launcher.submit = submit
+    with LineageStore.open() as store:
+        attempt, status = run_job(store, launcher, spec, on_log=evict_once_started, timeout=60)
+        assert status.state is JobState.PREEMPTED, status
+        assert status.reason == "pod stopped by Kubernetes: EvictionByEvictionAPI (Eviction API: evicting)"
+        assert attempt.state == "PREEMPTED"
+        _, failed = run_job(store, launcher, JobSpec(name="fails", command=["sh", "-c", "exit 3"],
+                                                     image=cluster.image), timeout=60)
+        assert failed.state is JobState.FAILED and failed.exit_code == 3
+    assert not cluster.workload_alive(handles[0])
