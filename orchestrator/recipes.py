@@ -109,6 +109,28 @@ _SLURM_STAGE_OPTIONS = {
     "extra_args": Opt(ListOf(str)),
 }
 
+#: Where a stage's pod goes on Kubernetes, per stage: training on the GPU node pool (its selector,
+#: the pool's taint tolerated), at a priority class that may preempt other pods. Over
+#: ``[backends.kubernetes]``; used only when the stage runs on Kubernetes. Tolerations are written
+#: as Kubernetes writes them.
+_KUBERNETES_STAGE_OPTIONS = {
+    "namespace": Opt(str),
+    "node_selector": Opt(MapOf(str)),
+    "tolerations": Opt(
+        ListOf(
+            {
+                "key": Opt(str),
+                "operator": Opt(OneOf(("Exists", "Equal"))),
+                "value": Opt(str),
+                "effect": Opt(OneOf(("NoSchedule", "PreferNoSchedule", "NoExecute"))),
+                "tolerationSeconds": Opt(int),
+            }
+        )
+    ),
+    "priority_class": Opt(str),
+    "service_account": Opt(str),
+}
+
 #: What a stage's job asks its backend for (JobSpec's fields); never part of a stage's identity.
 _RESOURCES = {
     "cpus": Opt(NUMBER),
@@ -116,6 +138,7 @@ _RESOURCES = {
     "gpus": Opt(int),
     "time_limit": Opt(int),
     "slurm": Opt(_SLURM_STAGE_OPTIONS),
+    "kubernetes": Opt(_KUBERNETES_STAGE_OPTIONS),
     # Where the stage's job runs, over the run's backend (data prep here, training on the cluster).
     "backend": Opt(OneOf(tuple(BACKENDS))),
 }
@@ -695,8 +718,9 @@ def stage_resources(
             continue
         own = dict(asked.get(stage) or {})
         merged = {**default, **own}
-        if "slurm" in default and "slurm" in own:  # a stage's partition over the default's account
-            merged["slurm"] = {**default["slurm"], **own["slurm"]}
+        for backend in ("slurm", "kubernetes"):  # a stage's partition over the default's account
+            if backend in default and backend in own:
+                merged[backend] = {**default[backend], **own[backend]}
         out[stage] = merged
     return out
 

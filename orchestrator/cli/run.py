@@ -259,10 +259,20 @@ def _asks(resources: dict[str, object]) -> str:
     if "time_limit" in resources:
         minutes, seconds = divmod(int(resources["time_limit"]), 60)  # type: ignore[call-overload]
         parts.append(f"time={minutes}m" + (f"{seconds}s" if seconds else ""))
-    slurm = resources.get("slurm")
-    if isinstance(slurm, dict) and slurm:  # used when the run is on Slurm
-        parts.append("slurm " + " ".join(f"{k}={v}" for k, v in slurm.items()))
+    for backend in ("slurm", "kubernetes"):  # each used when the stage runs there
+        options = resources.get(backend)
+        if isinstance(options, dict) and options:
+            parts.append(backend + " " + " ".join(f"{k}={_option(v)}" for k, v in options.items()))
     return " ".join(parts)
+
+
+def _option(value: object) -> str:
+    """A backend option in one short word: ``pool=gpu,zone=a`` for a mapping, ``2 items`` for a list."""
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in value.items())
+    if isinstance(value, list) and value and not all(isinstance(v, str) for v in value):
+        return f"{len(value)} item{'s' if len(value) != 1 else ''}"
+    return " ".join(value) if isinstance(value, list) else str(value)
 
 
 __all__ = ["app", "explain", "run"]

@@ -272,6 +272,15 @@ class KubernetesLauncher(Launcher):
         pod_meta["labels"] = {**(pod_meta.get("labels") or {}), **labels}
         pod_spec = pod.setdefault("spec", {})
         pod_spec["restartPolicy"] = "Never"
+        # Placement (a recipe's `resources.<stage>.kubernetes`, or [backends.kubernetes]) over the template's.
+        if opts.get("node_selector"):
+            pod_spec["nodeSelector"] = {**(pod_spec.get("nodeSelector") or {}), **opts["node_selector"]}
+        if opts.get("tolerations"):
+            pod_spec["tolerations"] = [*(pod_spec.get("tolerations") or []), *opts["tolerations"]]
+        if opts.get("priority_class"):
+            pod_spec["priorityClassName"] = str(opts["priority_class"])
+        if opts.get("service_account"):
+            pod_spec["serviceAccountName"] = str(opts["service_account"])
         containers = pod_spec.setdefault("containers", [{"name": "job"}])
         if not containers:
             containers.append({"name": "job"})

@@ -268,6 +268,37 @@ def test_the_manifest_carries_the_spec_and_passes_strict_validation(tmp_path: Pa
     assert manifest["metadata"]["annotations"]["openlab.io/note"] == "has spaces"  # ...so kept as an annotation
 
 
+def test_a_stages_placement_reaches_the_pod_over_the_templates(tmp_path: Path) -> None:
+    """Node selector, tolerations, priority class and service account (a recipe's per-stage
+    `kubernetes:` options) join the template's own and still pass strict validation."""
+    template = _edited_template(
+        tmp_path,
+        lambda m: m["spec"]["template"]["spec"].update(
+            nodeSelector={"kubernetes.io/os": "linux"}, tolerations=[{"key": "spot", "operator": "Exists"}]
+        ),
+    )
+    launcher = get_launcher("kubernetes", host="http://127.0.0.1:9", template=str(template))
+    options = {
+        "namespace": "training",
+        "node_selector": {"pool": "gpu"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "priority_class": "training-high",
+        "service_account": "trainer",
+    }
+    manifest = launcher.manifest(JobSpec(name="pretrain", command=["true"], options=options), "openlab-pretrain-1")
+    pod = manifest["spec"]["template"]["spec"]
+    assert manifest["metadata"]["namespace"] == "training"
+    assert pod["nodeSelector"] == {"kubernetes.io/os": "linux", "pool": "gpu"}
+    assert pod["tolerations"] == [
+        {"key": "spot", "operator": "Exists"},
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+    ]
+    assert (pod["priorityClassName"], pod["serviceAccountName"]) == ("training-high", "trainer")
+    bad = {"tolerations": [{"key": "gpu", "tolerationSeconds": "soon"}]}  # [backends.kubernetes] is not a recipe
+    with pytest.raises(OpenlabError, match=r"'soon' is not of type 'integer'.*at spec/template/spec/tolerations/1"):
+        launcher.manifest(JobSpec(name="pretrain", command=["true"], options=bad), "openlab-pretrain-2")
+
+
 def _edited_template(tmp_path: Path, edit: Any) -> Path:
     """The shipped template after a user's edit, as a file ``template = ...`` can point at."""
     import yaml

@@ -289,6 +289,22 @@ def test_stage_resources_reach_the_jobs_and_never_the_identity(tmp_path: Path) -
     specs = {s.name: s for s in moe_pipeline(stages=bigger.stages, resources=bigger.resources).stages}
     assert specs["pretrain"].backend_options == {"slurm": {"account": "marin", "partition": "gpu"}}
     assert specs["data"].backend_options == {"slurm": {"account": "marin", "partition": "cpu"}}
+    # Kubernetes placement the same way: the GPU pool and its taint for pretrain, the namespace for all
+    data["replicas"]["tiny"]["resources"]["default"]["kubernetes"] = {"namespace": "training"}
+    data["replicas"]["tiny"]["resources"]["pretrain"]["kubernetes"] = {
+        "node_selector": {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "priority_class": "training-high",
+    }
+    pooled = resolve(load_recipe(write(tmp_path, data)), "tiny")
+    specs = {s.name: s for s in moe_pipeline(stages=pooled.stages, resources=pooled.resources).stages}
+    assert specs["pretrain"].backend_options["kubernetes"] == {
+        "namespace": "training",
+        "node_selector": {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "priority_class": "training-high",
+    }
+    assert specs["eval"].backend_options["kubernetes"] == {"namespace": "training"}
     data["replicas"]["tiny"]["resources"]["pretrain"]["backend"] = "slurm"
     placed = resolve(load_recipe(write(tmp_path, data)), "tiny")
     specs = {s.name: s for s in moe_pipeline(stages=placed.stages, resources=placed.resources).stages}
@@ -313,6 +329,12 @@ def test_stage_resources_reach_the_jobs_and_never_the_identity(tmp_path: Path) -
         ({"eval": {"gpus": "one"}}, "replicas.tiny.resources.eval.gpus: expected int"),
         ({"eval": {"slurm": {"partiton": "gpu"}}}, "replicas.tiny.resources.eval.slurm.partiton: unknown key"),
         ({"pretrain": {"backend": "ray"}}, "replicas.tiny.resources.pretrain.backend: expected one of local, docker"),
+        ({"pretrain": {"kubernetes": {"nodeSelector": {"a": "b"}}}},
+         "replicas.tiny.resources.pretrain.kubernetes.nodeSelector: unknown key (known: namespace, node_selector"),
+        ({"pretrain": {"kubernetes": {"tolerations": [{"key": "gpu", "efect": "NoSchedule"}]}}},
+         "replicas.tiny.resources.pretrain.kubernetes.tolerations[0].efect: unknown key"),
+        ({"pretrain": {"kubernetes": {"tolerations": [{"key": "gpu", "operator": "Equals"}]}}},
+         "kubernetes.tolerations[0].operator: expected one of Exists, Equal, got 'Equals'"),
     ],
 )
 def test_bad_stage_resources_are_one_line_before_any_job(tmp_path: Path, resources: dict, message: str) -> None:
