@@ -4,7 +4,6 @@ helper threads, and only while the flow runs."""
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 import pytest
 
 from orchestrator.prefect_server import PrefectServer
+from tests.flows.one_stage import run_one_stage_flow
 
 pytestmark = [pytest.mark.prefect]
 
@@ -40,22 +40,7 @@ def _logs(flow_run_id: Any, wanted: str, timeout: float = 20.0) -> list[Any]:
 def test_a_library_warning_in_a_stage_reaches_that_stage_in_the_ui(
     prefect_server: PrefectServer, openlab_home: Path
 ) -> None:
-    from prefect import flow
-
-    from flows.pipeline import run_stages_as_tasks
-    from orchestrator.pipeline.dag import REPO_ROOT, Pipeline, StageSpec
-    from orchestrator.pipeline.execute import RunOptions, start_pipeline
-
-    spec = StageSpec(name="broken", command=(sys.executable, "-c", BAD_METRICS, "{out}"))
-    pipeline = Pipeline(name="broken-metrics", stages=(spec,), repo_root=REPO_ROOT)
-
-    @flow(name="broken-metrics")
-    def broken_metrics() -> str:
-        ctx = start_pipeline(pipeline, {"broken": {"n": 1}}, options=RunOptions(backend="local", trigger="test"))
-        run_stages_as_tasks(ctx)
-        return ctx.id
-
-    state = broken_metrics(return_state=True)
+    state = run_one_stage_flow("broken", BAD_METRICS)
     assert state.is_completed(), state.message
     logs = _logs(state.state_details.flow_run_id, "unreadable metrics")
     (warning,) = [log for log in logs if "unreadable metrics" in log.message]

@@ -3,13 +3,13 @@ runs again inside its task, spending no Prefect retry."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
 from orchestrator.lineage import Attempt, LineageStore, PipelineRun, StageRun
 from orchestrator.prefect_server import PrefectServer
+from tests.flows.one_stage import run_one_stage_flow
 
 pytestmark = [pytest.mark.prefect]
 
@@ -22,22 +22,7 @@ FLAKY = (
 
 
 def test_task_retry_adds_an_attempt_to_the_same_stage_run(prefect_server: PrefectServer, openlab_home: Path) -> None:
-    from prefect import flow
-
-    from flows.pipeline import run_stages_as_tasks
-    from orchestrator.pipeline.dag import REPO_ROOT, Pipeline, StageSpec
-    from orchestrator.pipeline.execute import RunOptions, start_pipeline
-
-    spec = StageSpec(name="flaky", command=(sys.executable, "-c", FLAKY, "{out}"))
-    pipeline = Pipeline(name="flaky-test", stages=(spec,), repo_root=REPO_ROOT)
-
-    @flow(name="flaky-pipeline")
-    def flaky_pipeline() -> str:
-        ctx = start_pipeline(pipeline, {"flaky": {"n": 1}}, options=RunOptions(backend="local", trigger="test"))
-        run_stages_as_tasks(ctx, retries=1)
-        return ctx.id
-
-    state = flaky_pipeline(return_state=True)
+    state = run_one_stage_flow("flaky", FLAKY, retries=1)
     assert state.is_completed(), state.message
     with LineageStore.open() as store:
         run = store.require(PipelineRun, state.result())
@@ -59,23 +44,10 @@ PREEMPTED_ONCE = (
 def test_a_preempted_stage_resumes_without_spending_a_prefect_retry(
     prefect_server: PrefectServer, openlab_home: Path
 ) -> None:
-    from prefect import flow, get_client
+    from prefect import get_client
     from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
 
-    from flows.pipeline import run_stages_as_tasks
-    from orchestrator.pipeline.dag import REPO_ROOT, Pipeline, StageSpec
-    from orchestrator.pipeline.execute import RunOptions, start_pipeline
-
-    spec = StageSpec(name="spot", command=(sys.executable, "-c", PREEMPTED_ONCE, "{out}"))
-    pipeline = Pipeline(name="preempted-test", stages=(spec,), repo_root=REPO_ROOT)
-
-    @flow(name="preempted-pipeline")
-    def preempted_pipeline() -> str:
-        ctx = start_pipeline(pipeline, {"spot": {"n": 1}}, options=RunOptions(backend="local", trigger="test"))
-        run_stages_as_tasks(ctx, retries=0)
-        return ctx.id
-
-    state = preempted_pipeline(return_state=True)
+    state = run_one_stage_flow("spot", PREEMPTED_ONCE, retries=0)
     assert state.is_completed(), state.message
     with LineageStore.open() as store:
         run = store.require(PipelineRun, state.result())
