@@ -1291,9 +1291,9 @@ def execute_stage_resuming(ctx: PipelineContext, name: str) -> StageResult:
             return execute_stage(ctx, name)
         except StagePreempted as exc:
             if preempted == limit:
+                times = f"{limit + 1} time{'s' if limit else ''}"
                 raise StagePreempted(
-                    f"{exc}; preempted {limit + 1} times, the limit ([pipeline] preemption_retries = {limit})",
-                    exc.result,
+                    f"{exc}; preempted {times}, the limit ([pipeline] preemption_retries = {limit})", exc.result
                 ) from exc
             ctx.emit(name, "PREEMPTED", reason=f"resuming ({preempted + 1} of {limit}) after: {exc}")
     raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
