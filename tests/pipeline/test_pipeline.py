@@ -432,7 +432,8 @@ def test_a_stage_can_run_on_its_own_backend_and_where_it_ran_is_not_its_identity
 
 def test_a_stage_on_a_container_backend_has_the_image_as_its_environment(repo: Path, ledger: Path) -> None:
     """Where a stage's own backend runs containers, its identity's environment is the image (as when
-    the whole run is on that backend), so moving it there re-runs it, and only it."""
+    the whole run is on that backend), so moving it there re-runs it, and only it: in a container,
+    reading the local stages' outputs and leaving its own where the next run finds it."""
     from dataclasses import replace
 
     from tests.services import require_docker
@@ -444,6 +445,14 @@ def test_a_stage_on_a_container_backend_has_the_image_as_its_environment(repo: P
     plans = {p.stage: p for p in plan(boxed, toy_configs())}
     assert [plans[s].action for s in ("gen", "upper")] == ["reuse", "reuse"]
     assert plans["count"].action == "run" and any("environment" in c for c in plans["count"].changes), plans["count"]
+    boxed_run = run_pipeline(boxed, toy_configs(), options=fast())
+    assert [boxed_run.results[s].state for s in ("gen", "upper", "count")] == ["REUSED", "REUSED", "COMPLETED"]
+    with LineageStore.open() as store:
+        (count,) = store.list(StageRun, pipeline_run_id=boxed_run.pipeline_run.id, stage="count")
+        (attempt,) = store.list(Attempt, stage_run_id=count.id)
+        assert attempt.backend == "docker" and attempt.image and attempt.image_digest, attempt
+        assert count.metrics["words"] == 2 * toy_configs()["gen"]["n"]  # "LINE i" per line, read in the container
+    assert [p.action for p in plan(boxed, toy_configs())] == ["reuse"] * 3
 
 
 def test_force_reruns_a_stage_with_the_same_identity(repo: Path, ledger: Path) -> None:
