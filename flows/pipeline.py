@@ -7,7 +7,8 @@ and lineage (the same code ``openlab run`` uses); this module only maps it onto 
   ``posttrain`` → ``eval``, or the stages the replica names, e.g. ``data`` → ``tokenize`` →
   ``repro`` for the token-dropping reproduction); the job's log lines go to that task's run
   logger, and each transition (checking, waiting for a lease, reused and why, running, done)
-  is logged; the library's own warnings go to the same log (:mod:`flows.logs`);
+  is logged; the library's own warnings go to the same log (:mod:`flows.logs`); a training
+  stage's ``step N/M`` lines move a progress artifact on its task run (:mod:`flows.progress`);
 - each stage publishes its lineage card (:func:`orchestrator.cards.stage_card`) as a
   markdown artifact keyed ``lineage-<stage>``, and the run its pipeline card as
   ``lineage-pipeline``;
@@ -42,6 +43,7 @@ from prefect.context import get_run_context
 
 from flows.cancel import on_cancellation_hook, on_crashed_hook
 from flows.logs import library_logs_to_run
+from flows.progress import StageProgress
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import TaskRun
@@ -61,6 +63,8 @@ Stage = Literal["data", "tokenize", "pretrain", "midtrain", "posttrain", "eval",
 _CONTEXTS: dict[str, PipelineContext] = {}
 #: Per pipeline run, the Prefect run logger of each stage's current task run (log lines arrive on threads).
 _LOGGERS: dict[str, dict[str, Any]] = {}
+#: Per pipeline run, each stage's progress bar in the UI (fed from the job's ``step N/M`` lines).
+_PROGRESS: dict[str, dict[str, StageProgress]] = {}
 
 #: Seconds between looks at the flow run's state for a cancel request.
 CANCEL_POLL_SECONDS = 2.0
@@ -150,12 +154,14 @@ def run_stage(pipeline_run_id: str, stage: str) -> dict[str, Any]:
     ctx = _CONTEXTS[pipeline_run_id]
     logger = get_run_logger()
     _LOGGERS.setdefault(pipeline_run_id, {})[stage] = logger
+    progress = _PROGRESS.setdefault(pipeline_run_id, {})[stage] = StageProgress(stage)
     try:
         result: StageResult = execute_stage_resuming(ctx, stage)
     except StageFailed as exc:
         failed = exc.result
         _publish_stage_card(ctx, stage, failed.stage_run_id if failed else ctx.stage_runs.get(stage))
         raise
+    progress.finish()
     _publish_stage_card(ctx, stage, result.stage_run_id)
     if result.state == "REUSED":
         logger.info("%s reused stage run %s: %s", stage, result.reused_from, result.reason)
@@ -182,9 +188,16 @@ def _hooks(pipeline_run_ids: list[str], watcher: CancelWatcher | None, flow_logg
         level = "warning" if event.state in ("FAILED", "CANCELLED", "PREEMPTED") else "info"
         base.copy().run(getattr(logger_for(event.stage), level), "%s %s%s", event.stage, event.state, reason)
 
+    def on_progress(stage: str, done: int, total: int) -> None:
+        run_id = pipeline_run_ids[0] if pipeline_run_ids else ""
+        progress = _PROGRESS.get(run_id, {}).get(stage)
+        if progress is not None:
+            progress.update(done, total)
+
     return PipelineHooks(
         on_log=on_log,
         on_transition=on_transition,
+        on_progress=on_progress,
         should_cancel=(watcher.requested if watcher is not None else None),
     )
 
@@ -321,6 +334,7 @@ def run_stages_as_tasks(ctx: PipelineContext, *, retries: int = 1, watcher: Canc
         finally:
             _CONTEXTS.pop(ctx.id, None)
             _LOGGERS.pop(ctx.id, None)
+            _PROGRESS.pop(ctx.id, None)
 
 
 def _trigger(flow_run: Any) -> str:

@@ -65,6 +65,11 @@ def test_replica_deployment_runs_tiny_then_reuses(served: Served) -> None:
         artifacts = {a.key: a for a in client.read_artifacts(artifact_filter=of_run)}
         assert {f"lineage-{s}" for s in STAGES} | {"lineage-pipeline"} <= set(artifacts)
         assert stages["pretrain"].id in str(artifacts["lineage-pretrain"].data)
+        # each training stage's progress bar, on its own task run, fed by the job's step lines and full at the end
+        for stage in ("pretrain", "midtrain", "posttrain"):
+            bar = artifacts[f"progress-{stage}"]
+            (task,) = [t for t in tasks if t.id == bar.task_run_id]
+            assert bar.type == "progress" and float(bar.data) == 100.0 and task.name.startswith(stage)
         logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[first.id])), limit=200)
         text = "\n".join(log.message for log in logs)
         assert "[pretrain]" in text, "job log lines reached Prefect's run logs"
