@@ -14,7 +14,8 @@ context: the launcher's log pump and the lease heartbeat are such threads. So
 :func:`library_logs_to_run` attaches one handler for the length of a flow run that stamps
 each record with the flow run id (and the task run id when the record comes from inside a
 task), whatever thread logs it. Records at WARNING and above are sent: the library's INFO
-lines ("pipeline run X started") repeat what the flows already log.
+lines ("pipeline run X started") repeat what the flows already log. Secret values (of
+variables named like TOKEN, KEY, SECRET, PASSWORD) are masked before a line leaves the process.
 """
 
 from __future__ import annotations
@@ -44,6 +45,14 @@ class _RunLogHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         from prefect.context import FlowRunContext, TaskRunContext
 
+        from orchestrator.secrets import scrub
+
+        # What reaches the UI is stored on the server: no secret value from this process's
+        # environment goes there, whatever a message quotes (a URL, a backend's error text).
+        message = record.getMessage()
+        clean = scrub(message)
+        if clean != message:
+            record = logging.makeLogRecord({**record.__dict__, "msg": clean, "args": None})
         if not getattr(record, "flow_run_id", None):
             record.flow_run_id = self.flow_run_id
             task_ctx = TaskRunContext.get()  # None outside a task and in helper threads

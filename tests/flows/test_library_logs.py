@@ -50,10 +50,12 @@ def test_a_library_warning_in_a_stage_reaches_that_stage_in_the_ui(
 
 
 def test_helper_thread_warnings_are_sent_and_nothing_outside_the_run(
-    prefect_server: PrefectServer, openlab_home: Path
+    prefect_server: PrefectServer, openlab_home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The launcher's log pump and the lease heartbeat log from threads without Prefect's context;
-    INFO lines stay out (the flows log their own); after the flow nothing more is attached."""
+    INFO lines stay out (the flows log their own); after the flow nothing more is attached; a
+    secret a message quotes is masked before it reaches the server."""
+    monkeypatch.setenv("GITHUB_TOKEN", "ghp_not-a-real-token-0123456789")
     from prefect import flow
 
     from flows.logs import LIBRARY_LOGGERS, library_logs_to_run
@@ -65,6 +67,7 @@ def test_helper_thread_warnings_are_sent_and_nothing_outside_the_run(
     def library_logs() -> None:
         with library_logs_to_run():
             logging.getLogger("orchestrator.links.wandb").warning("W&B mismatch: marker-main")
+            logging.getLogger("orchestrator.links.github").warning("GET %s failed", "https://ghp_not-a-real-token-0123456789@x/")
             logging.getLogger("openlab.pipeline").info("pipeline started: marker-info")
             helper = threading.Thread(target=heartbeat)
             helper.start()
@@ -78,6 +81,7 @@ def test_helper_thread_warnings_are_sent_and_nothing_outside_the_run(
     logs = _logs(state.state_details.flow_run_id, "marker-nested")
     messages = [log.message for log in logs]
     assert any("marker-main" in m for m in messages)
+    assert "GET https://***@x/ failed" in messages and not any("ghp_not" in m for m in messages), messages
     assert any("lease heartbeat failed: marker-thread" in m for m in messages), messages
     assert sum("marker-nested" in m for m in messages) == 1
     assert not any("marker-info" in m or "marker-after" in m for m in messages), messages
