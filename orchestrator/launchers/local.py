@@ -134,6 +134,9 @@ def follow_file(
 
     ``pause(seconds)`` waits between looks at an idle file; a launcher passes one that
     returns as soon as the job ends, so following the log of a finished job ends at once.
+    A file that shrinks or is replaced while followed was started again (Slurm truncates a
+    requeued job's output when the job restarts): the follower goes on from its beginning, as
+    ``tail -F`` does, after a line that says so, instead of waiting for ever past its end.
     """
     deadline_missing = time.monotonic() + 30
     while not path.exists():
@@ -169,6 +172,12 @@ def follow_file(
                     yield partial[:-1]
                     partial = ""
                 continue
+            if _restarted(path, fh):
+                if partial:
+                    yield partial
+                yield f"[openlab] {path.name} was started again (the job restarted); following it from the top"
+                yield from follow_file(path, done, follow=True, tail=None, poll=poll, pause=pause)
+                return
             if done():
                 rest = fh.read()
                 text = partial + rest
@@ -176,6 +185,16 @@ def follow_file(
                     yield line
                 return
             pause(backoff.next_delay())
+
+
+def _restarted(path: Path, fh: Any) -> bool:
+    """Whether the file at ``path`` is now shorter than what ``fh`` has read, or another file."""
+    try:
+        now = path.stat()
+        mine = os.fstat(fh.fileno())
+    except OSError:
+        return False
+    return (now.st_ino, now.st_dev) != (mine.st_ino, mine.st_dev) or mine.st_size < fh.buffer.tell()
 
 
 class LocalLauncher(Launcher):

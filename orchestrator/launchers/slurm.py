@@ -450,6 +450,10 @@ class SlurmLauncher(Launcher):
             reason = row["Reason"]
         if sig and code == 0 and state.terminal:
             code = 128 + sig
+        restarts = int(row.get("Restarts") or 0) if str(row.get("Restarts") or "0").isdigit() else 0
+        if restarts and state.terminal:  # Slurm requeued it (PreemptMode=REQUEUE, a node failure, scontrol)
+            note = f"requeued {restarts} time{'s' if restarts != 1 else ''} by Slurm and restarted from its script"
+            reason = f"{reason}; {note}" if reason else note
         node = row.get("NodeList") or row.get("BatchHost")
         return JobStatus(
             state=state,

@@ -36,6 +36,48 @@ def _queue(job_id: str) -> list[str]:
 
 
 @pytest.mark.slurm
+def test_a_requeued_job_is_followed_through_its_restart(slurm_harness: Harness, store: LineageStore) -> None:
+    """Slurm requeues a running job (PreemptMode=REQUEUE, a node failure, `scontrol requeue`): same
+    job id, its output file truncated when it restarts. The log follower goes on from the top of
+    the new output instead of waiting past its end, and the attempt says it was requeued."""
+    import threading
+
+    lines: list[str] = []
+
+    def requeue_once(line: str) -> None:
+        lines.append(line)
+        if line == "run 0":
+            job_id = next(iter(_queue_named("requeue-me")))
+            subprocess.run(["scontrol", "requeue", job_id], check=True)
+            # Slurm holds a requeued job back (BeginTime, 2 min) once it is pending again; skip the wait
+            deadline = time.monotonic() + 30
+            while _queue(job_id) != [f"{job_id} PENDING"] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
+
+    script = 'echo "run ${SLURM_RESTART_COUNT:-0}"; [ "${SLURM_RESTART_COUNT:-0}" = 1 ] || sleep 60; echo end'
+    attempt, status = run_job(
+        store,
+        slurm_harness.launcher,
+        JobSpec(name="requeue-me", command=["bash", "-c", script]),
+        on_log=lambda line: threading.Thread(target=requeue_once, args=(line,)).start(),
+        timeout=180,
+    )
+    assert status.state is JobState.SUCCEEDED, status
+    assert attempt.reason == "requeued 1 time by Slurm and restarted from its script"
+    deadline = time.monotonic() + 10
+    while "end" not in lines and time.monotonic() < deadline:  # the last callbacks run on their threads
+        time.sleep(0.1)
+    assert lines[0] == "run 0" and lines[-2:] == ["run 1", "end"], lines
+    assert any("was started again" in line for line in lines), lines
+
+
+def _queue_named(name: str) -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True, text=True, check=False)
+    return out.stdout.split()
+
+
+@pytest.mark.slurm
 def test_array_that_succeeds_reports_every_task_and_keeps_each_log(
     slurm_harness: Harness, store: LineageStore
 ) -> None:
