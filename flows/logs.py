@@ -27,6 +27,8 @@ from contextlib import contextmanager
 
 #: The library's logger trees (``orchestrator.launchers.attempts``, ``openlab.pipeline``, ...).
 LIBRARY_LOGGERS = ("orchestrator", "openlab")
+#: Left out: the flows log each stage transition themselves, under the stage's task.
+EXCLUDED_LOGGERS = ("openlab.pipeline.transitions",)
 
 
 class _RunLogHandler(logging.Handler):
@@ -47,6 +49,8 @@ class _RunLogHandler(logging.Handler):
 
         from orchestrator.secrets import scrub
 
+        if record.name.startswith(EXCLUDED_LOGGERS):
+            return
         # What reaches the UI is stored on the server: no secret value from this process's
         # environment goes there, whatever a message quotes (a URL, a backend's error text).
         message = record.getMessage()

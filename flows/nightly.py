@@ -14,6 +14,7 @@ from typing import Any
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from flows import events
 from flows.cancel import on_cancellation_hook, on_crashed_hook
 from flows.pipeline import Backend, run_replica
 
@@ -48,6 +49,7 @@ def nightly_verdict(pipeline_run_id: str, recipe: str, replica: str) -> dict[str
     except Exception as exc:  # noqa: BLE001 - the verdict is in lineage either way
         logger.warning("could not publish the verdict artifact: %s", exc)
     (logger.error if not verdict.passed else logger.info)(verdict.message)
+    events.nightly_verdict(pipeline_run_id, verdict.to_dict())
     raise_for_verdict(verdict)
     return verdict.to_dict()
 

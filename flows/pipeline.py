@@ -41,6 +41,7 @@ from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
 
+from flows import events
 from flows.cancel import on_cancellation_hook, on_crashed_hook
 from flows.logs import library_logs_to_run
 from flows.progress import StageProgress
@@ -303,6 +304,7 @@ def run_stages_as_tasks(ctx: PipelineContext, *, retries: int = 1, watcher: Canc
     from orchestrator.pipeline.execute import StageCancelled, StageFailed, finish_pipeline
 
     _CONTEXTS[ctx.id] = ctx
+    events.emitting_transitions(ctx)
     if watcher is not None:
         watcher.start()
     state: str | None = None
@@ -330,6 +332,7 @@ def run_stages_as_tasks(ctx: PipelineContext, *, retries: int = 1, watcher: Canc
             watcher.stop()
         try:
             finish_pipeline(ctx, state, error)
+            events.pipeline_finished(ctx)
             _publish_pipeline_card(ctx)
         finally:
             _CONTEXTS.pop(ctx.id, None)

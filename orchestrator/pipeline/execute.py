@@ -63,6 +63,9 @@ if TYPE_CHECKING:
     from orchestrator.provenance import Provenance
 
 log = logging.getLogger("openlab.pipeline")
+#: Stage transitions, one line each; a separate logger so a display that shows transitions its own
+#: way (the terminal's bars, the flows' task logs) can leave these out.
+transition_log = logging.getLogger("openlab.pipeline.transitions")
 
 #: Stage states a transition hook sees (lineage states plus the two waiting phases).
 TRANSITIONS = ("CHECKING", "WAITING", "RUNNING", "REUSED", "COMPLETED", "FAILED", "CANCELLED", "SKIPPED")
@@ -273,8 +276,8 @@ class PipelineContext:
     def emit(self, stage: str, state: str, **kw: Any) -> None:
         """Send a transition to the hook and, when an issue is linked, refresh its card."""
         event = StageTransition(pipeline_run_id=self.id, stage=stage, state=state, **kw)
-        level = logging.WARNING if state in ("FAILED", "CANCELLED") else logging.INFO
-        log.log(level, "%s: %s%s", stage, state, f" - {event.reason}" if event.reason else "")
+        level = logging.WARNING if state in ("FAILED", "CANCELLED", "PREEMPTED") else logging.INFO
+        transition_log.log(level, "%s: %s%s", stage, state, f" - {event.reason}" if event.reason else "")
         _call_hook(self.hooks.on_transition, event)
         if self.issue_id and state not in ("CHECKING",):
             publish_issue_card(self)
@@ -786,6 +789,7 @@ def _conclude(
     metrics: Mapping[str, Any] | None = None,
     reused_from: str | None = None,
     attempt: Any = None,
+    announce: str | None = None,
 ) -> StageResult:
     """The one way a stage ends in this pipeline run: build its result, keep it, announce it.
 
@@ -793,6 +797,8 @@ def _conclude(
     in ``ctx.results`` that downstream stages and :func:`pipeline_state` read, and one
     transition for the hooks — so it is written once. A stage that did not complete keeps
     its stage run id in ``ctx.stage_runs``: a retry then adds an attempt to the same run.
+    ``announce`` names the transition when it is not the state (a preempted stage run is
+    FAILED until it is resumed, but says PREEMPTED).
     """
     result = StageResult(
         stage=spec.name,
@@ -814,7 +820,9 @@ def _conclude(
         ctx.results[spec.name] = result
         if result.ok:
             ctx.stage_runs.pop(spec.name, None)
-    ctx.emit(spec.name, state, identity=identity.digest, stage_run_id=stage_run_id, reason=reason, result=result)
+    ctx.emit(
+        spec.name, announce or state, identity=identity.digest, stage_run_id=stage_run_id, reason=reason, result=result
+    )
     return result
 
 
@@ -1141,7 +1149,9 @@ def _run_stage(
         raise StageCancelled(f"stage {spec.name} cancelled: {reason}", result)
     if status.state is JobState.PREEMPTED:
         reason = f"job {attempt.job_id} preempted: {status.reason}"
-        result = _finish_failed(ctx, spec, run, identity, out_dir, "FAILED", reason, attempt, started, changes)
+        result = _finish_failed(
+            ctx, spec, run, identity, out_dir, "FAILED", reason, attempt, started, changes, announce="PREEMPTED"
+        )
         raise StagePreempted(f"stage {spec.name} {reason}", result)
     reason = f"job {attempt.job_id} {status.state}" + (
         f" (exit {status.exit_code})" if status.exit_code is not None else ""
@@ -1165,6 +1175,7 @@ def _finish_failed(
     attempt: Any,
     started: float,
     changes: list[str],
+    announce: str | None = None,
 ) -> StageResult:
     try:
         with ctx.store.transaction() as tx:
@@ -1172,7 +1183,17 @@ def _finish_failed(
     except Exception:  # noqa: BLE001 - the original failure matters more
         log.exception("could not record the end of stage run %s", run.id)
     return _conclude(
-        ctx, spec, identity, run.id, state, reason, started, out_dir=out_dir, changes=changes, attempt=attempt
+        ctx,
+        spec,
+        identity,
+        run.id,
+        state,
+        reason,
+        started,
+        out_dir=out_dir,
+        changes=changes,
+        attempt=attempt,
+        announce=announce,
     )
 
 
@@ -1289,13 +1310,14 @@ def execute_stage_resuming(ctx: PipelineContext, name: str) -> StageResult:
     for preempted in range(limit + 1):
         try:
             return execute_stage(ctx, name)
-        except StagePreempted as exc:
+        except StagePreempted as exc:  # announced PREEMPTED; the next attempt resumes
             if preempted == limit:
                 times = f"{limit + 1} time{'s' if limit else ''}"
-                raise StagePreempted(
-                    f"{exc}; preempted {times}, the limit ([pipeline] preemption_retries = {limit})", exc.result
-                ) from exc
-            ctx.emit(name, "PREEMPTED", reason=f"resuming ({preempted + 1} of {limit}) after: {exc}")
+                message = f"{exc}; preempted {times}, the limit ([pipeline] preemption_retries = {limit})"
+                stage_run_id = exc.result.stage_run_id if exc.result else None
+                ctx.emit(name, "FAILED", stage_run_id=stage_run_id, reason=message, result=exc.result)
+                raise StagePreempted(message, exc.result) from exc
+            transition_log.info("%s: resuming (%d of %d) after: %s", name, preempted + 1, limit, exc)
     raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
 

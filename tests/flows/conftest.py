@@ -255,3 +255,20 @@ def wait_flow_run(flow_run_id: Any, timeout: float, *, final: bool = True) -> An
             if time.monotonic() > deadline:
                 pytest.fail(f"flow run {flow_run_id} still {run.state and run.state.name} after {timeout:g}s")
             time.sleep(0.5)
+
+
+def openlab_events(flow_run_id: Any, wanted: set[str], timeout: float = 30.0) -> dict[str, Any]:
+    """The flow run's ``openlab.*`` events by name, once all of ``wanted`` arrived (the server
+    stores events a moment after they are sent)."""
+    from prefect import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter, EventRelatedFilter
+
+    related = EventRelatedFilter(id=[f"prefect.flow-run.{flow_run_id}"])
+    query = EventFilter(event=EventNameFilter(prefix=["openlab."]), related=related)
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            found = {e.event: e for e in client.read_events(filter=query, limit=50).events}
+            if wanted <= set(found) or time.monotonic() > deadline:
+                return found
+            time.sleep(0.5)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from orchestrator.lineage import Attempt, Commit, LineageStore, PipelineRun, StageRun
-from tests.flows.conftest import Served, require_service, wait_flow_run
+from tests.flows.conftest import Served, openlab_events, require_service, wait_flow_run
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 
@@ -84,6 +84,12 @@ def test_replica_deployment_runs_tiny_then_reuses(served: Served) -> None:
             )
             text = "\n".join(log.message for log in logs)
         assert "pre-registered eval/code/loss (eval): predicted 5.3" in text, "the outcome is in the flow run's log"
+    # ... and an event an Automation can trigger on, as is the end of the run
+    found = openlab_events(first.id, {"openlab.pipeline-run.completed"})
+    (prediction,) = [e for name, e in found.items() if name.startswith("openlab.prediction.")]
+    assert prediction.event == f"openlab.prediction.{check['outcome']}"
+    assert prediction.payload["metric"] == "eval/code/loss"
+    assert found["openlab.pipeline-run.completed"].payload["stages"] == {s: "COMPLETED" for s in STAGES}
 
     started = time.monotonic()
     again = wait_flow_run(start_run("replica-pipeline/replica", TINY), 120)
@@ -134,6 +140,9 @@ def test_nightly_flow_fails_on_planted_regression_and_records_verdict(served: Se
     with LineageStore(served.db_url) as store:
         (run,) = store.list(PipelineRun, flow_run_id=str(bad.id))
         assert run.verdict["status"] == "regressed" and run.verdict["previous_run_id"] == planted.id
+        regressed = openlab_events(bad.id, {"openlab.nightly.regressed"})["openlab.nightly.regressed"]
+        assert regressed.resource.id == f"openlab.pipeline-run.{run.id}"
+        assert any(c["regressed"] and c["metric"].endswith("/loss") for c in regressed.payload["checks"])
         # An unchanged nightly against an equal baseline passes, and is recorded too.
         with store.transaction() as tx:
             tx.update(store.require(PipelineRun, planted.id), verdict={"status": "regressed"})
@@ -143,6 +152,7 @@ def test_nightly_flow_fails_on_planted_regression_and_records_verdict(served: Se
     with LineageStore(served.db_url) as store:
         (run,) = store.list(PipelineRun, flow_run_id=str(good.id))
         assert run.verdict["status"] == "passed"
+    assert "openlab.nightly.passed" in openlab_events(good.id, {"openlab.nightly.passed"})
 
 
 def _job_alive(served: Served, backend: str, job_id: str) -> bool:

@@ -375,8 +375,9 @@ def test_a_preempted_stage_runs_again_without_spending_a_retry(
     result = run_stages(ctx, retries=0)
     assert result.state == "COMPLETED", result.error
     (preempted,) = [s for s in seen if s[1] == "PREEMPTED"]
-    assert preempted[0] == "upper" and preempted[2].startswith("resuming (1 of 3) after: stage upper job ")
-    assert "stopped by SIGTERM from outside" in preempted[2]
+    assert preempted[0] == "upper" and preempted[2].startswith("job local-")
+    assert "preempted: stopped by SIGTERM from outside" in preempted[2]
+    assert not [s for s in seen if s[1] in ("FAILED", "RETRYING")], "a preemption is neither a failure nor a retry"
     with LineageStore.open() as store:
         (upper,) = store.list(StageRun, pipeline_run_id=result.pipeline_run.id, stage="upper")
         attempts = store.list(Attempt, stage_run_id=upper.id, order_by=Attempt.number)

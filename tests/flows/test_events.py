@@ -1,0 +1,48 @@
+"""openlab's own Prefect events, which Prefect Automations trigger on, from a real Prefect server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orchestrator.lineage import Attempt, LineageStore, StageRun
+from orchestrator.prefect_server import PrefectServer
+from tests.flows.conftest import openlab_events
+from tests.flows.one_stage import run_one_stage_flow
+
+pytestmark = [pytest.mark.prefect]
+
+PREEMPTED_ONCE = (
+    "import os, pathlib, signal, sys; out = pathlib.Path(sys.argv[1]); m = out.parent / 'preempted-once';"
+    "first = not m.exists(); m.touch(); first and os.kill(os.getpid(), signal.SIGTERM)"
+)
+ALWAYS_FAILS = "import sys; sys.exit(3)"
+
+
+def test_a_preempted_stage_and_the_end_of_the_run_are_events(prefect_server: PrefectServer, openlab_home: Path) -> None:
+    state = run_one_stage_flow("spot", PREEMPTED_ONCE)
+    assert state.is_completed(), state.message
+    flow_run_id = state.state_details.flow_run_id
+    found = openlab_events(flow_run_id, {"openlab.stage.preempted", "openlab.pipeline-run.completed"})
+    preempted, done = found["openlab.stage.preempted"], found["openlab.pipeline-run.completed"]
+    with LineageStore.open() as store:
+        (stage,) = store.list(StageRun)
+        assert [a.state for a in store.list(Attempt, stage_run_id=stage.id)] == ["PREEMPTED", "COMPLETED"]
+    assert preempted.resource.id == f"openlab.stage-run.{stage.id}" and preempted.payload["stage"] == "spot"
+    assert "SIGTERM" in preempted.payload["reason"]
+    roles = {r.role: r.id for r in preempted.related}
+    assert roles["pipeline-run"] == f"openlab.pipeline-run.{stage.pipeline_run_id}"
+    assert roles["flow-run"] == f"prefect.flow-run.{flow_run_id}", "Prefect attached the run it came from"
+    assert roles["commit"].startswith("openlab.commit.")
+    assert done.resource.id == f"openlab.pipeline-run.{stage.pipeline_run_id}"
+    assert done.payload["stages"] == {"spot": "COMPLETED"}
+    assert "openlab.stage.failed" not in found, "a preemption is not reported as a failure"
+
+
+def test_a_failed_stage_and_run_are_events(prefect_server: PrefectServer, openlab_home: Path) -> None:
+    state = run_one_stage_flow("broken", ALWAYS_FAILS)
+    assert state.is_failed()
+    found = openlab_events(state.state_details.flow_run_id, {"openlab.stage.failed", "openlab.pipeline-run.failed"})
+    assert "exit 3" in found["openlab.stage.failed"].payload["reason"]
+    assert found["openlab.pipeline-run.failed"].payload["stages"] == {"broken": "FAILED"}
