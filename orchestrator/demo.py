@@ -67,7 +67,7 @@ def main() -> int:
     result = state.result(raise_on_failure=False) if state.is_completed() else None
     pipeline_run_id = (result or {}).get("pipeline_run_id") if isinstance(result, dict) else None
     console.rule("where to look")
-    console.print(f"Prefect UI            {server.ui_url}  (flow runs, stage logs, lineage cards as artifacts)")
+    console.print(f"Prefect UI            {server.ui_url}  (flow runs, stage logs, progress bars, lineage cards)")
     if pipeline_run_id:
         console.print(f"this run's lineage    openlab lineage show {pipeline_run_id}")
         console.print(f"everything it made    openlab lineage trace {pipeline_run_id} --down  (an output id: up)")
