@@ -43,14 +43,20 @@ def emit(
     payload: Mapping[str, Any] | None = None,
     related: list[dict[str, str]] | None = None,
 ) -> None:
-    """Emit ``event`` about openlab record ``record_id`` of ``kind`` (``pipeline-run``, ``stage-run``)."""
+    """Emit ``event`` about openlab record ``record_id`` of ``kind`` (``pipeline-run``, ``stage-run``).
+
+    The payload is stored by the Prefect server: it is redacted as lineage records are (secret
+    values scrubbed from any text, credential-named entries masked)."""
     from prefect.events import emit_event
+
+    from orchestrator.secrets import redact_value
 
     resource = {"prefect.resource.id": f"openlab.{kind}.{record_id}"}
     if name:
         resource["prefect.resource.name"] = name
+    safe = redact_value(dict(payload or {}))
     try:
-        emit_event(event=event, resource=resource, related=related or [], payload=dict(payload or {}))
+        emit_event(event=event, resource=resource, related=related or [], payload=safe)  # type: ignore[arg-type]
     except Exception as exc:  # noqa: BLE001 - an event must not fail a run
         log.debug("could not emit %s: %s", event, exc)
 

@@ -46,3 +46,25 @@ def test_a_failed_stage_and_run_are_events(prefect_server: PrefectServer, openla
     found = openlab_events(state.state_details.flow_run_id, {"openlab.stage.failed", "openlab.pipeline-run.failed"})
     assert "exit 3" in found["openlab.stage.failed"].payload["reason"]
     assert found["openlab.pipeline-run.failed"].payload["stages"] == {"broken": "FAILED"}
+
+
+def test_event_payloads_carry_no_secret(
+    prefect_server: PrefectServer, openlab_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reason may quote a backend's error text, which may quote a credential; the event, stored by
+    the Prefect server, does not: secret values are scrubbed and credential-named entries masked."""
+    from prefect import flow
+
+    from flows import events
+
+    monkeypatch.setenv("GITHUB_TOKEN", "ghp_not-a-real-token-0123456789")
+
+    @flow(name="leaky")
+    def leaky() -> None:
+        payload = {"reason": "GET https://ghp_not-a-real-token-0123456789@github.example failed", "api_key": "k" * 20}
+        events.emit("openlab.stage.failed", "stage-run", "srun_leaky", payload=payload)
+
+    state = leaky(return_state=True)
+    found = openlab_events(state.state_details.flow_run_id, {"openlab.stage.failed"})
+    payload = found["openlab.stage.failed"].payload
+    assert payload == {"reason": "GET https://***@github.example failed", "api_key": "***"}, payload
