@@ -333,6 +333,70 @@ def reconcile_cmd(
         console.print(line, highlight=False, soft_wrap=True, markup=False)
 
 
+@app.command("usage")
+def usage_cmd(
+    by: Annotated[
+        str, typer.Option("--by", "-b", help="Group by recipe, replica, stage, backend, state, day or pipeline_run.")
+    ] = "recipe",
+    state: StateOpt = None,
+    stage: Annotated[list[str] | None, typer.Option("--stage", help="Only jobs of this stage.")] = None,
+    recipe: RecipeOpt = None,
+    replica: ReplicaOpt = None,
+    backend: BackendOpt = None,
+    since: SinceOpt = None,
+    until: UntilOpt = None,
+    commit: CommitOpt = None,
+    issue: IssueOpt = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """What the jobs used: attempts, wall hours, CPU- and GPU-hours asked, and the hours lost.
+
+    `openlab lineage usage --replica small --since 30d --by stage` answers "what did the nightlies
+    cost this month, and where"; lost hours are those of attempts that failed, were preempted or
+    were cancelled. CPU- and GPU-hours are hours times what each job asked for (a job that asked
+    for no CPU count counts as one). The filters are those of `lineage list`.
+    """
+    from orchestrator.lineage.listing import RecordFilter
+    from orchestrator.lineage.usage import usage
+
+    flt = RecordFilter.from_options(
+        state=state,
+        stage=stage,
+        recipe=recipe,
+        replica=replica,
+        backend=backend,
+        since=since,
+        until=until,
+        commit=commit,
+        issue=issue,
+    )
+    report = usage(_open(), flt, by=by)
+    if json_out:
+        print_json({"by": report.by, "groups": [g.to_dict() for g in report.groups], "total": report.total.to_dict()})
+        return
+    if not report.groups:
+        console.print("no jobs match", markup=False)
+        return
+    table = Table(title=f"job usage by {by}")
+    table.add_column(by, overflow="fold")
+    for header in ("jobs", "by state", "wall h", "CPU-h", "GPU-h", "lost h"):
+        table.add_column(header, justify="right" if header != "by state" else "left")
+    for g in [*report.groups, report.total]:
+        states = " ".join(f"{n} {s.lower()}" for s, n in sorted(g.by_state.items()))
+        table.add_row(
+            escape(g.group),
+            str(g.attempts),
+            states,
+            f"{g.wall_hours:.2f}",
+            f"{g.cpu_hours:.2f}",
+            f"{g.gpu_hours:.2f}",
+            f"{g.lost_hours:.2f}",
+            style="bold" if g is report.total else None,
+            end_section=g is report.groups[-1],
+        )
+    console.print(table)
+
+
 @app.command("export")
 def export_cmd(
     runs: Annotated[

@@ -1,0 +1,134 @@
+"""What the jobs used: attempts, hours, CPU- and GPU-hours, and the hours lost, grouped.
+
+A lab that runs replicas every night needs to answer "what did the nightlies cost this month,
+and how much of it went to failed and preempted jobs" without a scheduler's accounting database
+(sacct needs slurmdbd; Docker and a laptop keep none). Lineage already has every attempt with
+its start, end, state and what it asked for (:attr:`Attempt.resources`), so the answer is a sum.
+
+- **wall hours**: from a job's start to its end (to now while it runs); a job that never
+  started used nothing.
+- **CPU-hours / GPU-hours**: wall hours × the CPUs / GPUs the job *asked* for. A job that asked
+  for no CPU count (the backend's default) counts as 1 CPU; one that asked for no GPU as 0.
+- **lost hours**: the wall hours of attempts that did not complete (failed, preempted,
+  cancelled, lost): what a retry or a resume had to redo, at most.
+
+The same filters as ``lineage list`` pick the attempts (:class:`RecordFilter`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from orchestrator.errors import ConfigError
+from orchestrator.lineage.listing import RecordFilter, list_records
+from orchestrator.lineage.models import Attempt, PipelineRun, StageRun, utcnow
+from orchestrator.lineage.store import LineageStore
+
+#: What usage can be grouped by.
+GROUPS = ("recipe", "replica", "stage", "backend", "state", "day", "pipeline_run")
+
+
+@dataclass
+class Usage:
+    """One group's sums."""
+
+    group: str
+    attempts: int = 0
+    by_state: dict[str, int] = field(default_factory=dict)
+    wall_hours: float = 0.0
+    cpu_hours: float = 0.0
+    gpu_hours: float = 0.0
+    lost_hours: float = 0.0
+
+    def add(self, attempt: Attempt, hours: float) -> None:
+        asked = attempt.resources or {}
+        self.attempts += 1
+        self.by_state[attempt.state] = self.by_state.get(attempt.state, 0) + 1
+        self.wall_hours += hours
+        self.cpu_hours += hours * float(asked.get("cpus") or 1)
+        self.gpu_hours += hours * float(asked.get("gpus") or 0)
+        if attempt.state not in ("COMPLETED", "RUNNING", "PENDING"):
+            self.lost_hours += hours
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class UsageReport:
+    """Usage per group, largest wall hours first, and the total."""
+
+    by: str
+    groups: list[Usage]
+    total: Usage
+
+
+def attempt_hours(attempt: Attempt, now: dt.datetime | None = None) -> float:
+    """Hours from the job's start to its end (to ``now`` while it runs); 0 if it never started."""
+    if attempt.started_at is None:
+        return 0.0
+    end = attempt.ended_at or (now or utcnow())
+    start = attempt.started_at
+    if start.tzinfo is None:  # SQLite hands naive datetimes back; they were written in UTC
+        start = start.replace(tzinfo=dt.UTC)
+    if end.tzinfo is None:
+        end = end.replace(tzinfo=dt.UTC)
+    return max(0.0, (end - start).total_seconds() / 3600)
+
+
+def usage(store: LineageStore, flt: RecordFilter | None = None, *, by: str = "recipe") -> UsageReport:
+    """Sum the attempts that pass ``flt`` (the ``lineage list`` filters) by ``by``."""
+    if by not in GROUPS:
+        raise ConfigError(f"cannot group usage by {by!r}: use one of {', '.join(GROUPS)}")
+    attempts: list[Attempt] = list_records(store, ["attempt"], flt or RecordFilter(), limit=None, strict=True).records
+    stages, runs = _owners(store, attempts)
+    now = utcnow()
+    groups: dict[str, Usage] = {}
+    total = Usage(group="total")
+    for attempt in attempts:
+        stage = stages.get(attempt.stage_run_id or "")
+        run = runs.get(stage.pipeline_run_id or "") if stage is not None else None
+        key = _key(by, attempt, stage, run)
+        hours = attempt_hours(attempt, now)
+        groups.setdefault(key, Usage(group=key)).add(attempt, hours)
+        total.add(attempt, hours)
+    ordered = sorted(groups.values(), key=lambda u: (-u.wall_hours, u.group))
+    return UsageReport(by=by, groups=ordered, total=total)
+
+
+def _owners(
+    store: LineageStore, attempts: Iterable[Attempt]
+) -> tuple[dict[str, StageRun], dict[str, PipelineRun]]:
+    """The stage runs and pipeline runs of ``attempts``, in two queries."""
+    from sqlmodel import col, select
+
+    stage_ids = {a.stage_run_id for a in attempts if a.stage_run_id}
+    with store.session() as session:
+        stages = {s.id: s for s in session.exec(select(StageRun).where(col(StageRun.id).in_(stage_ids)))}
+        run_ids = {s.pipeline_run_id for s in stages.values() if s.pipeline_run_id}
+        runs = {r.id: r for r in session.exec(select(PipelineRun).where(col(PipelineRun.id).in_(run_ids)))}
+    return stages, runs
+
+
+def _key(by: str, attempt: Attempt, stage: StageRun | None, run: PipelineRun | None) -> str:
+    if by == "stage":
+        return stage.stage if stage is not None else "(no stage)"
+    if by == "backend":
+        return attempt.backend
+    if by == "state":
+        return attempt.state
+    if by == "day":
+        return attempt.submitted_at.strftime("%Y-%m-%d")
+    if by == "pipeline_run":
+        return run.id if run is not None else "(no pipeline run)"
+    if run is None:
+        return "(no pipeline run)"
+    if by == "replica":
+        return f"{run.recipe or run.name}:{run.replica}" if run.replica else (run.recipe or run.name)
+    return run.recipe or run.name
+
+
+__all__ = ["GROUPS", "Usage", "UsageReport", "attempt_hours", "usage"]

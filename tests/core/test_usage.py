@@ -1,0 +1,84 @@
+"""`openlab lineage usage`: what a month of jobs used and lost, from lineage alone.
+
+The library on real SQLite and PostgreSQL (the `store` fixture); the command as a subprocess.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+
+import pytest
+
+from orchestrator.errors import ConfigError
+from orchestrator.lineage import Attempt, LineageStore, PipelineRun, StageRun, utcnow
+from orchestrator.lineage.listing import RecordFilter
+from orchestrator.lineage.usage import usage
+
+NOW = utcnow().replace(microsecond=0)
+H = dt.timedelta(hours=1)
+
+
+def _month(store: LineageStore) -> dict[str, str]:
+    """A nightly whose pretrain was preempted once (2 h on 8 GPUs lost) then ran 3 h; a drop
+    nightly on the CPU; an old run out of the window; a job still pending."""
+    with store.transaction() as tx:
+        night = tx.add(PipelineRun(recipe="marin", replica="small", backend="slurm", started_at=NOW - 6 * H))
+        pre = tx.add(StageRun(pipeline_run_id=night.id, stage="pretrain", identity="p", started_at=NOW - 6 * H))
+        gpu = {"cpus": 16, "gpus": 8, "memory": "64G"}
+        tx.add(Attempt(stage_run_id=pre.id, backend="slurm", state="PREEMPTED", resources=gpu,
+                       submitted_at=NOW - 6 * H, started_at=NOW - 6 * H, ended_at=NOW - 4 * H))
+        tx.add(Attempt(stage_run_id=pre.id, number=2, backend="slurm", state="COMPLETED", resources=gpu,
+                       submitted_at=NOW - 4 * H, started_at=NOW - 4 * H, ended_at=NOW - 1 * H))
+        data = tx.add(StageRun(pipeline_run_id=night.id, stage="data", identity="d", started_at=NOW - 7 * H))
+        tx.add(Attempt(stage_run_id=data.id, backend="local", state="COMPLETED",  # asked for no CPU count: 1
+                       submitted_at=NOW - 7 * H, started_at=NOW - 7 * H, ended_at=NOW - 6 * H))
+        drops = tx.add(PipelineRun(recipe="marin", replica="drops", backend="local", started_at=NOW - 2 * H))
+        repro = tx.add(StageRun(pipeline_run_id=drops.id, stage="repro", identity="r", started_at=NOW - 2 * H))
+        tx.add(Attempt(stage_run_id=repro.id, backend="local", state="FAILED", resources={"cpus": 2},
+                       submitted_at=NOW - 2 * H, started_at=NOW - 2 * H, ended_at=NOW - H / 2))
+        tx.add(Attempt(stage_run_id=repro.id, number=2, backend="local", state="PENDING", resources={"cpus": 2},
+                       submitted_at=NOW - H / 4))
+        old = tx.add(PipelineRun(recipe="llama", replica="tiny", backend="local", started_at=NOW - 40 * 24 * H))
+        old_stage = tx.add(StageRun(pipeline_run_id=old.id, stage="eval", identity="e", started_at=old.started_at))
+        tx.add(Attempt(stage_run_id=old_stage.id, backend="local", state="COMPLETED",
+                       submitted_at=old.started_at, started_at=old.started_at, ended_at=old.started_at + 5 * H))
+    return {"night": night.id}
+
+
+def test_usage_sums_hours_and_what_was_asked_and_counts_the_lost(store: LineageStore) -> None:
+    _month(store)
+    report = usage(store, RecordFilter.from_options(since="30d"), by="replica")
+    by = {g.group: g for g in report.groups}
+    assert list(by) == ["marin:small", "marin:drops"], "largest first; the old run is out of the window"
+    small, drops = by["marin:small"], by["marin:drops"]
+    assert (small.attempts, small.wall_hours, small.gpu_hours) == (3, pytest.approx(6.0), pytest.approx(40.0))
+    assert small.cpu_hours == pytest.approx(2 * 16 + 3 * 16 + 1 * 1)
+    assert small.lost_hours == pytest.approx(2.0) and small.by_state == {"PREEMPTED": 1, "COMPLETED": 2}
+    assert drops.lost_hours == pytest.approx(1.5) and drops.cpu_hours == pytest.approx(3.0)
+    assert drops.by_state == {"FAILED": 1, "PENDING": 1}, "a job that has not started used nothing"
+    assert report.total.wall_hours == pytest.approx(7.5) and report.total.lost_hours == pytest.approx(3.5)
+
+    stages = {g.group: g.gpu_hours for g in usage(store, RecordFilter.from_options(recipe="marin"), by="stage").groups}
+    assert stages == {"pretrain": pytest.approx(40.0), "repro": 0.0, "data": 0.0}
+    preempted = usage(store, RecordFilter.from_options(state=["PREEMPTED"]), by="backend")
+    assert [(g.group, g.lost_hours) for g in preempted.groups] == [("slurm", pytest.approx(2.0))]
+    with pytest.raises(ConfigError, match="cannot group usage by 'team': use one of recipe, replica"):
+        usage(store, by="team")
+
+
+def test_the_command_prints_the_table_and_json(run_cli, openlab_home) -> None:
+    from orchestrator.lineage import open_store
+
+    with open_store() as store:
+        _month(store)
+    out = run_cli("lineage", "usage", "--since", "30d", "--by", "stage", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert data["by"] == "stage" and data["total"]["gpu_hours"] == pytest.approx(40.0)
+    table = run_cli("lineage", "usage", "--replica", "small")
+    assert table.returncode == 0 and "job usage by recipe" in table.stdout, table.stdout
+    assert "1 completed" not in table.stdout and "2 completed 1 preempted" in table.stdout, table.stdout
+    assert run_cli("lineage", "usage", "--recipe", "nope").stdout.strip() == "no jobs match"
+    bad = run_cli("lineage", "usage", "--by", "team")
+    assert bad.returncode == 2 and "cannot group usage by 'team'" in bad.stderr and "Traceback" not in bad.stderr
