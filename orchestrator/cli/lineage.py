@@ -38,6 +38,16 @@ IssueOpt = Annotated[
 DEFAULT_KINDS = ("pipeline_run", "stage_run", "attempt", "snapshot")
 
 
+def _record_filter(options: dict[str, Any]) -> Any:
+    """The RecordFilter of a command's filter options (its ``locals()``: each command takes the
+    filters it can answer, under their RecordFilter names; the others are unset)."""
+    from dataclasses import fields
+
+    from orchestrator.lineage.listing import RecordFilter
+
+    return RecordFilter.from_options(**{f.name: options.get(f.name) for f in fields(RecordFilter)})
+
+
 def _open() -> Any:
     """The store to audit: an existing one only (a mistyped path must not read as an empty history)."""
     from orchestrator.lineage.store import open_store
@@ -71,20 +81,10 @@ def list_cmd(
     failed this week"; a filter reaches through a record's run (an attempt's stage, a stage run's
     recipe), and one no listed kind can answer is an error, never an empty list.
     """
-    from orchestrator.lineage.listing import RecordFilter, list_records, time_field
+    from orchestrator.lineage.listing import list_records, time_field
     from orchestrator.lineage.store import record_payload
 
-    flt = RecordFilter.from_options(
-        state=state,
-        stage=stage,
-        recipe=recipe,
-        replica=replica,
-        backend=backend,
-        since=since,
-        until=until,
-        commit=commit,
-        issue=issue,
-    )
+    flt = _record_filter(locals())
     store = _open()
     listing = list_records(store, kind or list(DEFAULT_KINDS), flt, limit=limit, strict=bool(kind))
     rows = listing.records
@@ -356,20 +356,9 @@ def usage_cmd(
     were cancelled. CPU- and GPU-hours are hours times what each job asked for (a job that asked
     for no CPU count counts as one). The filters are those of `lineage list`.
     """
-    from orchestrator.lineage.listing import RecordFilter
     from orchestrator.lineage.usage import usage
 
-    flt = RecordFilter.from_options(
-        state=state,
-        stage=stage,
-        recipe=recipe,
-        replica=replica,
-        backend=backend,
-        since=since,
-        until=until,
-        commit=commit,
-        issue=issue,
-    )
+    flt = _record_filter(locals())
     report = usage(_open(), flt, by=by)
     if json_out:
         print_json({"by": report.by, "groups": [g.to_dict() for g in report.groups], "total": report.total.to_dict()})
@@ -429,21 +418,12 @@ def export_cmd(
     from pathlib import Path
 
     from orchestrator.lineage.export import FORMATS, export
-    from orchestrator.lineage.listing import RecordFilter, list_records
+    from orchestrator.lineage.listing import list_records
     from orchestrator.snapshots import atomic_write
 
     if fmt not in (*FORMATS, "ro-crate"):
         raise ConfigError(f"unknown export format {fmt!r}; choose one of: {', '.join(FORMATS)}, ro-crate")
-    flt = RecordFilter.from_options(
-        state=state,
-        recipe=recipe,
-        replica=replica,
-        backend=backend,
-        since=since,
-        until=until,
-        commit=commit,
-        issue=issue,
-    )
+    flt = _record_filter(locals())
     if flt.given():
         picked = list_records(_open(), ["pipeline_run"], flt, limit=None).records
         if not picked:  # no run is not "every run": an empty selection must not export the whole store
