@@ -131,6 +131,19 @@ _KUBERNETES_STAGE_OPTIONS = {
     "service_account": Opt(str),
 }
 
+#: A stage's container on Docker: a bigger /dev/shm for DataLoader workers, a dataset mounted
+#: read-only (``{/data/corpus: "/data/corpus:ro"}``), a network for a stage that fetches, a user.
+#: Over ``[backends.docker]``; used only when the stage runs on Docker.
+_DOCKER_STAGE_OPTIONS = {
+    "shm_size": Opt(str),
+    "mounts": Opt(MapOf(str)),
+    "network_mode": Opt(str),
+    "user": Opt(str),
+}
+
+#: The backends a stage may carry options for (``resources.<stage>.<backend>``).
+BACKEND_OPTIONS = ("slurm", "kubernetes", "docker")
+
 #: What a stage's job asks its backend for (JobSpec's fields); never part of a stage's identity.
 _RESOURCES = {
     "cpus": Opt(NUMBER),
@@ -139,6 +152,7 @@ _RESOURCES = {
     "time_limit": Opt(int),
     "slurm": Opt(_SLURM_STAGE_OPTIONS),
     "kubernetes": Opt(_KUBERNETES_STAGE_OPTIONS),
+    "docker": Opt(_DOCKER_STAGE_OPTIONS),
     # Where the stage's job runs, over the run's backend (data prep here, training on the cluster).
     "backend": Opt(OneOf(tuple(BACKENDS))),
 }
@@ -704,12 +718,15 @@ def stage_resources(
             raise ConfigError(f"{label}.gpus: must be 0 or more, got {entry['gpus']!r}")
         if "time_limit" in entry and entry["time_limit"] <= 0:
             raise ConfigError(f"{label}.time_limit: seconds, must be positive, got {entry['time_limit']!r}")
-        if "memory" in entry:
+        sizes = {"memory": entry.get("memory"), "docker.shm_size": (entry.get("docker") or {}).get("shm_size")}
+        for key, value in sizes.items():
+            if value is None:
+                continue
             try:
-                parse_memory(entry["memory"])
+                parse_memory(value)
             except OpenlabError:
                 raise ConfigError(
-                    f"{label}.memory: invalid {entry['memory']!r}: a number with K, M, G or T, e.g. 512M or 2G"
+                    f"{label}.{key}: invalid {value!r}: a number with K, M, G or T, e.g. 512M or 2G"
                 ) from None
     default = dict(asked.get("default") or {})
     out: dict[str, dict[str, Any]] = {}
@@ -718,7 +735,7 @@ def stage_resources(
             continue
         own = dict(asked.get(stage) or {})
         merged = {**default, **own}
-        for backend in ("slurm", "kubernetes"):  # a stage's partition over the default's account
+        for backend in BACKEND_OPTIONS:  # a stage's partition over the default's account
             if backend in default and backend in own:
                 merged[backend] = {**default[backend], **own[backend]}
         out[stage] = merged

@@ -259,7 +259,9 @@ def _asks(resources: dict[str, object]) -> str:
     if "time_limit" in resources:
         minutes, seconds = divmod(int(resources["time_limit"]), 60)  # type: ignore[call-overload]
         parts.append(f"time={minutes}m" + (f"{seconds}s" if seconds else ""))
-    for backend in ("slurm", "kubernetes"):  # each used when the stage runs there
+    from orchestrator.recipes import BACKEND_OPTIONS
+
+    for backend in BACKEND_OPTIONS:  # each used when the stage runs there
         options = resources.get(backend)
         if isinstance(options, dict) and options:
             parts.append(backend + " " + " ".join(f"{k}={_option(v)}" for k, v in options.items()))

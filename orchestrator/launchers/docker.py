@@ -6,6 +6,8 @@
   these machines have no registry. Its digest (RepoDigests, else the image id) is recorded.
 - Limits: ``nano_cpus``, ``mem_limit`` (with swap off, so over the limit means OOM, which
   is reported as ``FAILED`` with reason "out of memory"), ``pids_limit`` (default 4096).
+  ``shm_size`` (``2G``) sizes ``/dev/shm``: Docker's default is 64 MB, too small for
+  PyTorch's DataLoader workers, which pass batches through it.
 - ``network_mode`` defaults to ``"none"``: a job reads its inputs from the artifact root,
   which is bind-mounted at the same path, so lineage paths mean the same inside and out.
 - The spec's working directory, when it is a folder on this host, is bind-mounted
@@ -48,6 +50,7 @@ from orchestrator.launchers.base import (
     JobStatus,
     Launcher,
     LauncherError,
+    parse_memory,
 )
 
 DEFAULT_IMAGE = "openlab/job:latest"
@@ -238,6 +241,8 @@ class DockerLauncher(Launcher):
             kwargs["device_requests"] = [DeviceRequest(count=spec.gpus, capabilities=[["gpu"]])]
         if opts.get("user"):
             kwargs["user"] = str(opts["user"])
+        if opts.get("shm_size"):
+            kwargs["shm_size"] = parse_memory(str(opts["shm_size"]))
         try:
             container = self.client.containers.run(image.id, command, **kwargs)
         except errors.ImageNotFound as exc:

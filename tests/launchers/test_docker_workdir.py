@@ -63,3 +63,17 @@ def test_mount_workdir_can_be_turned_off(tmp_path: Path, mount: bool) -> None:
     state, lines = _run(spec, image=image, mount_workdir=mount)
     assert state == "SUCCEEDED", lines
     assert ("only-on-host.txt" in lines) is mount
+
+
+def test_a_stage_can_ask_for_a_bigger_dev_shm(tmp_path: Path) -> None:
+    """Docker gives /dev/shm 64 MB, which PyTorch's DataLoader workers outgrow; `shm_size` (a
+    recipe's `resources.<stage>.docker`, or [backends.docker]) sizes it."""
+    require_docker()
+    image = docker_image("job")
+    probe = ["sh", "-c", "df -k /dev/shm | tail -n 1"]
+    state, lines = _run(JobSpec(name="shm-default", command=probe, image=image), image=image)
+    assert state == "SUCCEEDED" and lines[-1].split()[1] == str(64 * 1024), lines
+    spec = JobSpec(name="shm-2g", command=probe, image=image, options={"shm_size": "2G"})
+    state, lines = _run(spec, image=image)
+    assert state == "SUCCEEDED" and lines[-1].split()[1] == str(2 * 1024 * 1024), lines
+

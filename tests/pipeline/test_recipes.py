@@ -305,6 +305,10 @@ def test_stage_resources_reach_the_jobs_and_never_the_identity(tmp_path: Path) -
         "priority_class": "training-high",
     }
     assert specs["eval"].backend_options["kubernetes"] == {"namespace": "training"}
+    data["replicas"]["tiny"]["resources"]["pretrain"]["docker"] = {"shm_size": "2G", "mounts": {"/data": "/data:ro"}}
+    boxed = resolve(load_recipe(write(tmp_path, data)), "tiny")
+    specs = {s.name: s for s in moe_pipeline(stages=boxed.stages, resources=boxed.resources).stages}
+    assert specs["pretrain"].backend_options["docker"] == {"shm_size": "2G", "mounts": {"/data": "/data:ro"}}
     data["replicas"]["tiny"]["resources"]["pretrain"]["backend"] = "slurm"
     placed = resolve(load_recipe(write(tmp_path, data)), "tiny")
     specs = {s.name: s for s in moe_pipeline(stages=placed.stages, resources=placed.resources).stages}
@@ -329,6 +333,8 @@ def test_stage_resources_reach_the_jobs_and_never_the_identity(tmp_path: Path) -
         ({"eval": {"gpus": "one"}}, "replicas.tiny.resources.eval.gpus: expected int"),
         ({"eval": {"slurm": {"partiton": "gpu"}}}, "replicas.tiny.resources.eval.slurm.partiton: unknown key"),
         ({"pretrain": {"backend": "ray"}}, "replicas.tiny.resources.pretrain.backend: expected one of local, docker"),
+        ({"pretrain": {"docker": {"shm_size": "lots"}}}, "replicas.tiny.resources.pretrain.docker.shm_size: invalid"),
+        ({"pretrain": {"docker": {"shm": "2G"}}}, "replicas.tiny.resources.pretrain.docker.shm: unknown key"),
         ({"pretrain": {"kubernetes": {"nodeSelector": {"a": "b"}}}},
          "replicas.tiny.resources.pretrain.kubernetes.nodeSelector: unknown key (known: namespace, node_selector"),
         ({"pretrain": {"kubernetes": {"tolerations": [{"key": "gpu", "efect": "NoSchedule"}]}}},
