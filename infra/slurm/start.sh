@@ -5,7 +5,7 @@
 # Partitions: debug (default) and batch, both on the one node, and urgent, whose jobs preempt theirs
 # (partition_prio, PreemptMode=CANCEL: the preempted job gets SIGTERM, then GraceTime=15 s to save
 # a checkpoint before SIGKILL, and ends PREEMPTED; the main scheduling pass, which decides preemption,
-# runs every 3 s instead of 60). MinJobAge=600 keeps finished jobs in
+# runs every 3 s instead of 60, backfill every 2 s instead of 30). MinJobAge=600 keeps finished jobs in
 # `scontrol show job` for 10 min; jobcomp/filetxt writes one line per finished job to
 # $OPENLAB_INFRA_STATE/slurm/jobcomp.log.
 # Usage: start.sh [--with-accounting]   (adds mariadb + slurmdbd, so sacct works)
