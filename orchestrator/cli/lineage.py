@@ -376,14 +376,19 @@ def usage_cmd(
             escape(g.group),
             str(g.attempts),
             states,
-            f"{g.wall_hours:.2f}",
-            f"{g.cpu_hours:.2f}",
-            f"{g.gpu_hours:.2f}",
-            f"{g.lost_hours:.2f}",
+            _hours(g.wall_hours),
+            _hours(g.cpu_hours),
+            _hours(g.gpu_hours),
+            _hours(g.lost_hours),
             style="bold" if g is report.total else None,
             end_section=g is report.groups[-1],
         )
     console.print(table)
+
+
+def _hours(value: float) -> str:
+    """Hours to two decimals, or two significant digits below 0.1 (a minute-long job is not 0.00)."""
+    return f"{value:.2f}" if value == 0 or value >= 0.1 else f"{value:.2g}"
 
 
 @app.command("export")
