@@ -251,6 +251,8 @@ def explain(
 
 def _asks(resources: dict[str, object]) -> str:
     """``cpus=2 mem=4G gpus=1 time=30m`` for a stage's requested resources (``-``: the backend's defaults)."""
+    from orchestrator.recipes import BACKEND_OPTIONS
+
     if not resources:
         return "-"
     names = {"cpus": "cpus", "memory": "mem", "gpus": "gpus"}
@@ -259,8 +261,6 @@ def _asks(resources: dict[str, object]) -> str:
     if "time_limit" in resources:
         minutes, seconds = divmod(int(resources["time_limit"]), 60)  # type: ignore[call-overload]
         parts.append(f"time={minutes}m" + (f"{seconds}s" if seconds else ""))
-    from orchestrator.recipes import BACKEND_OPTIONS
-
     for backend in BACKEND_OPTIONS:  # each used when the stage runs there
         options = resources.get(backend)
         if isinstance(options, dict) and options:

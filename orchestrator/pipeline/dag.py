@@ -187,9 +187,9 @@ def stages_until(stage: str, stages: Sequence[str], where: str = "--until") -> t
 
 def _job_resources(asked: Mapping[str, Any]) -> dict[str, Any]:
     """A recipe's resources entry as StageSpec fields: the generic ones, and per-backend options."""
-    generic = {k: v for k, v in asked.items() if k in ("cpus", "memory", "gpus", "time_limit", "backend")}
-    from orchestrator.recipes import BACKEND_OPTIONS
+    from orchestrator.recipes import BACKEND_OPTIONS  # not at import: the recipes import the pipeline
 
+    generic = {k: v for k, v in asked.items() if k in ("cpus", "memory", "gpus", "time_limit", "backend")}
     options = {k: dict(v) for k, v in asked.items() if k in BACKEND_OPTIONS}
     return {**generic, "backend_options": options} if options else generic
 

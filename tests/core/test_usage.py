@@ -79,7 +79,7 @@ def test_the_command_prints_the_table_and_json(run_cli, openlab_home) -> None:
     table = run_cli("lineage", "usage", "--replica", "small")
     assert table.returncode == 0 and "job usage by recipe" in table.stdout, table.stdout
     assert "1 completed" not in table.stdout and "2 completed 1 preempted" in table.stdout, table.stdout
-    assert "│  6.00 │" in table.stdout or " 6.00 " in table.stdout, table.stdout  # the nightly's wall hours
+    assert " 6.00 " in table.stdout, table.stdout  # the nightly's wall hours
     assert run_cli("lineage", "usage", "--recipe", "nope").stdout.strip() == "no jobs match"
     bad = run_cli("lineage", "usage", "--by", "team")
     assert bad.returncode == 2 and "cannot group usage by 'team'" in bad.stderr and "Traceback" not in bad.stderr
