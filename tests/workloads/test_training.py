@@ -148,3 +148,12 @@ def test_a_stop_signal_saves_the_step_and_a_rerun_finishes_as_if_uninterrupted(
     a, b = _losses(straight), _losses(out)
     assert sorted(b) == list(range(1, steps + 1))
     assert abs(a[steps] - b[steps]) <= 1e-6, (a[steps], b[steps])
+
+
+def test_the_workload_stops_on_the_signals_the_orchestrator_reads_as_preemption() -> None:
+    """The workload exits 128+signal on these; the launchers read exactly those exits as PREEMPTED."""
+    from orchestrator.launchers.base import STOP_SIGNALS
+    from workloads.moe.util import StopSignals
+
+    assert StopSignals.SIGNALS == STOP_SIGNALS
+

@@ -113,6 +113,8 @@ class StopSignals:
     come back on exit. Elsewhere (a thread, an embedding) it installs nothing and never fires.
     """
 
+    #: The orchestrator reads an exit by one of these as "stopped from outside" (its
+    #: ``launchers.base.STOP_SIGNALS``, kept equal by a test; the workload imports nothing of it).
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
     def __init__(self) -> None:
