@@ -73,14 +73,18 @@ def raw_local_s2r() -> float:
 
 
 def raw_docker_total(image: str) -> float:
-    return timed(lambda: subprocess.run(["docker", "run", "--rm", "--network", "none", image, "true"],
-                                        check=True, capture_output=True))
+    return timed(
+        lambda: subprocess.run(
+            ["docker", "run", "--rm", "--network", "none", image, "true"], check=True, capture_output=True
+        )
+    )
 
 
 def raw_docker_s2r(image: str) -> float:
     start = time.perf_counter()
-    cid = subprocess.run(["docker", "run", "-d", "--network", "none", image, "sleep", "2"],
-                         check=True, capture_output=True, text=True).stdout.strip()
+    cid = subprocess.run(
+        ["docker", "run", "-d", "--network", "none", image, "sleep", "2"], check=True, capture_output=True, text=True
+    ).stdout.strip()
     elapsed = time.perf_counter() - start
     subprocess.run(["docker", "rm", "-f", cid], check=True, capture_output=True)
     return elapsed
@@ -101,8 +105,13 @@ def slurm_settle() -> None:
 def raw_slurm_total(poll: float) -> float:
     slurm_settle()
     start = time.perf_counter()
-    job = subprocess.run(["sbatch", "--parsable", "--output=/dev/null", "--wrap", "true"],
-                         check=True, capture_output=True, text=True).stdout.strip().split(";")[0]
+    job = (
+        subprocess.run(
+            ["sbatch", "--parsable", "--output=/dev/null", "--wrap", "true"], check=True, capture_output=True, text=True
+        )
+        .stdout.strip()
+        .split(";")[0]
+    )
     backoff = Backoff(poll)
     while True:
         out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
@@ -114,8 +123,16 @@ def raw_slurm_total(poll: float) -> float:
 def raw_slurm_s2r(poll: float) -> float:
     slurm_settle()
     start = time.perf_counter()
-    job = subprocess.run(["sbatch", "--parsable", "--output=/dev/null", "--wrap", "sleep 2"],
-                         check=True, capture_output=True, text=True).stdout.strip().split(";")[0]
+    job = (
+        subprocess.run(
+            ["sbatch", "--parsable", "--output=/dev/null", "--wrap", "sleep 2"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        .stdout.strip()
+        .split(";")[0]
+    )
     backoff = Backoff(poll)
     while True:
         state = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T"], capture_output=True, text=True).stdout
@@ -144,8 +161,12 @@ def raw_watch(name: str, image: str | None, seconds: float) -> int:
     if name == "local":
         subprocess.run(job.split(), check=True)
     elif name == "docker":
-        cid = subprocess.run(["docker", "run", "-d", "--network", "none", str(image), *job.split()],
-                             check=True, capture_output=True, text=True).stdout.strip()
+        cid = subprocess.run(
+            ["docker", "run", "-d", "--network", "none", str(image), *job.split()],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         subprocess.run(["docker", "wait", cid], check=True, capture_output=True)
         subprocess.run(["docker", "rm", cid], check=True, capture_output=True)
     else:
@@ -181,8 +202,9 @@ def launcher_total(store: LineageStore, name: str, image: str | None, poll: floa
     if name == "slurm":
         slurm_settle()
     start = time.perf_counter()
-    _, status = run_job(store, launcher, JobSpec(name="bench", command=["true"], image=image), on_log=lines.append,
-                        poll=poll)
+    _, status = run_job(
+        store, launcher, JobSpec(name="bench", command=["true"], image=image), on_log=lines.append, poll=poll
+    )
     elapsed = time.perf_counter() - start
     assert status.state is JobState.SUCCEEDED, status
     return elapsed

@@ -26,8 +26,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("dense", "moe_dropless", "moe_dropless_loop", "moe_pooled_wave", "moe_pw_metrics")
-MODEL = {"vocab_size": 4096, "d_model": 128, "n_layers": 4, "n_heads": 4, "context": 256, "n_experts": 24,
-         "top_k": 4, "expert_hidden": 64, "n_shared": 1, "shared_hidden": 128}
+MODEL = {
+    "vocab_size": 4096,
+    "d_model": 128,
+    "n_layers": 4,
+    "n_heads": 4,
+    "context": 256,
+    "n_experts": 24,
+    "top_k": 4,
+    "expert_hidden": 64,
+    "n_shared": 1,
+    "shared_hidden": 128,
+}
 BATCH = 16  # sequences (4 per rank); --batch changes it, e.g. to fill a GPU
 
 
@@ -46,8 +56,15 @@ def _setup(name: str, threads: int, device_name: str, batch: int = BATCH):  # no
     cfg = ModelConfig(**MODEL)
     device = pick_device(device_name)
     model = MoELM(cfg, dense=name == "dense").to(device)
-    spec = DispatchSpec("dropless" if name in ("dense", "moe_dropless", "moe_dropless_loop") else "pooled_wave", 4,
-                        cfg.n_experts, 1.33, 1.05, 3, 2)
+    spec = DispatchSpec(
+        "dropless" if name in ("dense", "moe_dropless", "moe_dropless_loop") else "pooled_wave",
+        4,
+        cfg.n_experts,
+        1.33,
+        1.05,
+        3,
+        2,
+    )
     if name == "moe_dropless_loop":
         for layer in model.moe_layers():
             layer.grouped_max_padding = 0
@@ -105,9 +122,23 @@ def main() -> None:
     # Peak RSS first, while this parent is still small: Linux children inherit ru_maxrss across fork+exec.
     rss, gpu = {}, {}
     for v in VARIANTS:
-        out = subprocess.run([sys.executable, __file__, "--rss-of", v, "--threads", str(a.threads),
-                              "--device", a.device, "--batch", str(a.batch)],
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--rss-of",
+                v,
+                "--threads",
+                str(a.threads),
+                "--device",
+                a.device,
+                "--batch",
+                str(a.batch),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         rss[v], gpu[v] = map(float, out.stdout.strip().splitlines()[-1].split())
     # Timings: all variants in one process, interleaved step by step, so load from other processes
     # on a shared machine hits every variant alike; the median over steps is reported.
@@ -125,18 +156,26 @@ def main() -> None:
     tokens = a.batch * MODEL["context"]
     on_gpu = any(gpu.values())
     where = f"device {a.device} ({'GPU' if on_gpu else 'CPU'}), {a.threads} CPU threads"
-    print(f"model {MODEL}, batch {a.batch}x{MODEL['context']} = {tokens} tokens/step, "
-          f"{where}, median of {a.steps} interleaved steps\n")
-    print("| variant | params | active params | step (s) | tokens/s | vs dense | peak RSS (MiB) |"
-          + (" peak GPU (MiB) |" if on_gpu else ""))
+    print(
+        f"model {MODEL}, batch {a.batch}x{MODEL['context']} = {tokens} tokens/step, "
+        f"{where}, median of {a.steps} interleaved steps\n"
+    )
+    print(
+        "| variant | params | active params | step (s) | tokens/s | vs dense | peak RSS (MiB) |"
+        + (" peak GPU (MiB) |" if on_gpu else "")
+    )
     print("|---|---|---|---|---|---|---|" + ("---|" if on_gpu else ""))
     for v in VARIANTS:
         _, _, n, act = setups[v]
-        print(f"| {v} | {n / 1e6:.2f}M | {act / 1e6:.2f}M | {med[v]:.3f} | {tokens / med[v]:.0f} | "
-              f"{med[v] / med['dense']:.2f}x | {rss[v]:.0f} |" + (f" {gpu[v]:.0f} |" if on_gpu else ""))
+        print(
+            f"| {v} | {n / 1e6:.2f}M | {act / 1e6:.2f}M | {med[v]:.3f} | {tokens / med[v]:.0f} | "
+            f"{med[v] / med['dense']:.2f}x | {rss[v]:.0f} |" + (f" {gpu[v]:.0f} |" if on_gpu else "")
+        )
     delta = med["moe_pw_metrics"] / med["moe_pooled_wave"] - 1
-    print(f"\ndrop/routing metrics cost, timed directly: {100 * statistics.median(metric_frac):.2f}% of a step "
-          f"(difference of step medians: {100 * delta:+.1f}%; target <= 5%)")
+    print(
+        f"\ndrop/routing metrics cost, timed directly: {100 * statistics.median(metric_frac):.2f}% of a step "
+        f"(difference of step medians: {100 * delta:+.1f}%; target <= 5%)"
+    )
 
 
 if __name__ == "__main__":

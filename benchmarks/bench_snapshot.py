@@ -139,8 +139,11 @@ def main() -> int:
             (f"{args.files:,} files", many, "find many -type f -print0 | xargs -0 b3sum"),
             ("1 file", big, "b3sum big.bin"),
         ):
-            nbytes = sum(p.stat().st_size for p in target.rglob("*") if p.is_file()) if target.is_dir() \
+            nbytes = (
+                sum(p.stat().st_size for p in target.rglob("*") if p.is_file())
+                if target.is_dir()
                 else target.stat().st_size
+            )
             label = f"{label}, {nbytes / (1 << 20):,.0f} MiB"
             colds, warms, b3s = [], [], []
             for rep in range(args.repeat):
@@ -194,16 +197,17 @@ def report(rows: list[Row], can_drop: bool, command: str) -> str:
     ]
     for r in rows:
         lines.append(f"| {r.data} | {r.tool} | {r.seconds:.3f} | {r.mbps:,.0f} |")
-    lines += ["", "| data | cold vs b3sum (≥ 0.8×) | warm / cold (≤ 2%) | speed-up vs dvc add cold (≥ 5×) |",
-              "|---|---:|---:|---:|"]
+    lines += [
+        "",
+        "| data | cold vs b3sum (≥ 0.8×) | warm / cold (≤ 2%) | speed-up vs dvc add cold (≥ 5×) |",
+        "|---|---:|---:|---:|",
+    ]
     for data in dict.fromkeys(r.data for r in rows):
         by = {r.tool: r for r in rows if r.data == data}
         cold, warm, b3 = by["openlab snapshot (cold)"], by["openlab snapshot (warm)"], by["b3sum"]
         dvc = by.get("dvc add (cold)")
         speedup = f"{dvc.seconds / cold.seconds:.1f}×" if dvc else "n/a"
-        lines.append(
-            f"| {data} | {cold.mbps / b3.mbps:.2f}× | {100 * warm.seconds / cold.seconds:.1f}% | {speedup} |"
-        )
+        lines.append(f"| {data} | {cold.mbps / b3.mbps:.2f}× | {100 * warm.seconds / cold.seconds:.1f}% | {speedup} |")
     return "\n".join(lines)
 
 

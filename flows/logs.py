@@ -81,9 +81,7 @@ def library_logs_to_run(flow_run_id: str | None = None, level: int = logging.WAR
         flow_ctx = FlowRunContext.get()
         flow_run_id = str(flow_ctx.flow_run.id) if flow_ctx is not None and flow_ctx.flow_run else None
     loggers = [logging.getLogger(name) for name in LIBRARY_LOGGERS]
-    already = any(
-        isinstance(h, _RunLogHandler) and h.flow_run_id == flow_run_id for lg in loggers for h in lg.handlers
-    )
+    already = any(isinstance(h, _RunLogHandler) and h.flow_run_id == flow_run_id for lg in loggers for h in lg.handlers)
     if not flow_run_id or already:
         yield
         return

@@ -336,9 +336,7 @@ def render_stage(view: StageView, github_hosts: Iterable[str] = DEFAULT_GITHUB_H
     return "\n".join(lines) + "\n"
 
 
-def pipeline_card(
-    store: LineageStore, pipeline_run_id: str, github_hosts: Iterable[str] = DEFAULT_GITHUB_HOSTS
-) -> str:
+def pipeline_card(store: LineageStore, pipeline_run_id: str, github_hosts: Iterable[str] = DEFAULT_GITHUB_HOSTS) -> str:
     """Markdown lineage card of a pipeline run (stages, commits, snapshots, W&B, metrics, verdict)."""
     return render_pipeline(collect_pipeline(store, pipeline_run_id), github_hosts)
 

@@ -489,9 +489,7 @@ def snapshot(
             leaves.append(bytes.fromhex(rec[5]))
         entries.append(entry)
     manifest_path: Path
-    unchanged = (
-        not todo and last_manifest is not None and links == links_before and len(new_cache) == len(cache)
-    )
+    unchanged = not todo and last_manifest is not None and links == links_before and len(new_cache) == len(cache)
     if unchanged:
         # Every file hit, none added or removed: the id is the one this cache was
         # written with, so the leaves need not be re-hashed.

@@ -137,7 +137,16 @@ def parse_tolerances(spec: Any, where: str = "tracked_metrics") -> list[Toleranc
         else:
             data = value if isinstance(value, Mapping) else _attrs(value)
             known = {
-                "rel", "abs", "worse", "relative", "absolute", "direction", "stage", "description", "stderr", "sigmas"
+                "rel",
+                "abs",
+                "worse",
+                "relative",
+                "absolute",
+                "direction",
+                "stage",
+                "description",
+                "stderr",
+                "sigmas",
             }
             unknown = sorted(set(data) - known)
             if unknown:

@@ -10,8 +10,9 @@ import typer
 
 from orchestrator.errors import OpenlabError
 
-app = typer.Typer(help="Experiment issues on GitHub: lineage card comments, labels and the offline queue.",
-                  no_args_is_help=True)
+app = typer.Typer(
+    help="Experiment issues on GitHub: lineage card comments, labels and the offline queue.", no_args_is_help=True
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 

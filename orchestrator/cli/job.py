@@ -18,8 +18,9 @@ import typer
 
 from orchestrator.errors import NotFoundError, OpenlabError
 
-app = typer.Typer(help="Run one command as a job (local, docker, slurm, kubernetes) and inspect jobs.",
-                  no_args_is_help=True)
+app = typer.Typer(
+    help="Run one command as a job (local, docker, slurm, kubernetes) and inspect jobs.", no_args_is_help=True
+)
 
 _RUN_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
 

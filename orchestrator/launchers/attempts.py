@@ -205,9 +205,7 @@ class _LogPump(threading.Thread):
             self.error = exc
 
 
-def _pause(
-    launcher: Launcher, handle: JobHandle, seconds: float, should_cancel: Callable[[], bool] | None
-) -> None:
+def _pause(launcher: Launcher, handle: JobHandle, seconds: float, should_cancel: Callable[[], bool] | None) -> None:
     """``launcher.pause`` for up to ``seconds``, in slices of :data:`CANCEL_CHECK_SECONDS` with a
     cancel check between them; returns as soon as a cancel is requested or a slice ends early.
 

@@ -429,10 +429,14 @@ class KubernetesLauncher(Launcher):
             host = pod.spec.node_name if pod.spec else None
             # Kubernetes marks a pod it evicts or preempts (Eviction API, scheduler preemption, node
             # pressure, taints) with the DisruptionTarget condition before it stops it.
-            disruption = next(
-                (c for c in (pod.status.conditions or []) if c.type == "DisruptionTarget" and c.status == "True"),
-                None,
-            ) if pod.status else None
+            disruption = (
+                next(
+                    (c for c in (pod.status.conditions or []) if c.type == "DisruptionTarget" and c.status == "True"),
+                    None,
+                )
+                if pod.status
+                else None
+            )
             for cs in (pod.status.container_statuses or []) if pod.status else []:
                 digest = cs.image_id or digest
                 term = cs.state.terminated if cs.state else None

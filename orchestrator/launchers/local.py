@@ -282,8 +282,17 @@ class LocalLauncher(Launcher):
         }
         path = self._state_path(job_id)
         grace = float(spec.options.get("grace", self.config.get("grace", 5)))
-        argv = [sys.executable, "-I", "-S", supervisor_program(self.state_dir), str(self._run_path(job_id)),
-                str(spec.time_limit or 0), str(grace), workdir or "", "--"]
+        argv = [
+            sys.executable,
+            "-I",
+            "-S",
+            supervisor_program(self.state_dir),
+            str(self._run_path(job_id)),
+            str(spec.time_limit or 0),
+            str(grace),
+            workdir or "",
+            "--",
+        ]
         with log_path.open("ab") as log_fh:
             try:
                 child = subprocess.Popen(

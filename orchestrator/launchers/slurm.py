@@ -54,8 +54,12 @@ from orchestrator.launchers.base import (
     stopped_from_outside,
 )
 
-TRANSIENT = ("Socket timed out", "Unable to contact slurm controller", "Resource temporarily unavailable",
-             "Zero Bytes were transmitted or received")
+TRANSIENT = (
+    "Socket timed out",
+    "Unable to contact slurm controller",
+    "Resource temporarily unavailable",
+    "Zero Bytes were transmitted or received",
+)
 
 #: Slurm job states -> (JobState, reason when the state itself is the reason).
 STATE_MAP: dict[str, tuple[JobState, str | None]] = {
@@ -329,9 +333,7 @@ class SlurmLauncher(Launcher):
 
     def _sacct(self, job_id: str) -> list[dict[str, str]] | None:
         fields = ["JobID", "State", "ExitCode", "NodeList", "Start", "End", "Reason"]
-        proc = self._run(
-            "sacct", "-j", job_id, "-X", "-n", "-P", "-o", ",".join(fields), check=False
-        )
+        proc = self._run("sacct", "-j", job_id, "-X", "-n", "-P", "-o", ",".join(fields), check=False)
         if proc.returncode != 0 or not proc.stdout.strip():
             return None
         rows = []

@@ -107,15 +107,18 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
         code_paths.setdefault(stage.stage, sorted((fields.get("code") or {}).keys()))
     recipe = clean_value((pipelines[-1].params or {}).get("recipe"), secrets)
     workflow_path = f"workflow/{name}.json"
-    workflow_text = json.dumps(
-        {
-            "pipeline": name,
-            "recipe": recipe,
-            "stages": [{"name": s, "inputs": upstream[s], "code": code_paths[s]} for s in order],
-        },
-        indent=2,
-        sort_keys=True,
-    ) + "\n"
+    workflow_text = (
+        json.dumps(
+            {
+                "pipeline": name,
+                "recipe": recipe,
+                "stages": [{"name": s, "inputs": upstream[s], "code": code_paths[s]} for s in order],
+            },
+            indent=2,
+            sort_keys=True,
+        )
+        + "\n"
+    )
     language = add({"@id": "#openlab-pipeline", "@type": "ComputerLanguage", "name": "openlab pipeline"})
     engine_version = producer_uri().rsplit(":", 1)[-1]
     engine = add(
@@ -227,8 +230,10 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
     def about(record_id: str) -> list[dict[str, str]]:
         out = []
         for rel in closure.relations:
-            for mine, other, kind in ((rel.subject_id, rel.object_id, rel.object_kind),
-                                      (rel.object_id, rel.subject_id, rel.subject_kind)):
+            for mine, other, kind in (
+                (rel.subject_id, rel.object_id, rel.object_kind),
+                (rel.object_id, rel.subject_id, rel.subject_kind),
+            ):
                 if mine == record_id and kind in ("github_issue", "wandb_run"):
                     entity = entity_for(other)
                     if entity is not None and entity not in out:
@@ -282,8 +287,14 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
                     **timing(stage),
                 }
             )
-            add({"@id": f"#identity-{stage.id}", "@type": "PropertyValue", "name": "stage identity",
-                 "value": stage.identity})
+            add(
+                {
+                    "@id": f"#identity-{stage.id}",
+                    "@type": "PropertyValue",
+                    "name": "stage identity",
+                    "value": stage.identity,
+                }
+            )
             stage_actions.append(action)
             controls.append(
                 add(

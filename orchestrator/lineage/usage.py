@@ -99,9 +99,7 @@ def usage(store: LineageStore, flt: RecordFilter | None = None, *, by: str = "re
     return UsageReport(by=by, groups=ordered, total=total)
 
 
-def _owners(
-    store: LineageStore, attempts: Iterable[Attempt]
-) -> tuple[dict[str, StageRun], dict[str, PipelineRun]]:
+def _owners(store: LineageStore, attempts: Iterable[Attempt]) -> tuple[dict[str, StageRun], dict[str, PipelineRun]]:
     """The stage runs and pipeline runs of ``attempts``, in two queries."""
     from sqlmodel import col, select
 

@@ -344,9 +344,7 @@ def read_run_dir(run_dir: str | Path, *, reader: str = "auto") -> RunReadback:
 def _scalar_summary(summary: Mapping[str, Any]) -> dict[str, Any]:
     """Scalar metrics only (histograms and tables stay in W&B); W&B's clock fields dropped."""
     return {
-        k: v
-        for k, v in summary.items()
-        if isinstance(v, (int, float, str, bool)) and k not in ("_timestamp", "_wandb")
+        k: v for k, v in summary.items() if isinstance(v, (int, float, str, bool)) and k not in ("_timestamp", "_wandb")
     }
 
 
@@ -378,8 +376,13 @@ def record_wandb_run(
         latest_id = run_dir_id(found[-1])
         dirs = [d for d in found if run_dir_id(d) == latest_id]
         if expected:
-            log.warning("W&B run %s under %s is not the id derived from stage %s (%s)", latest_id,
-                        run_dir_or_out_dir, stage.id, expected)
+            log.warning(
+                "W&B run %s under %s is not the id derived from stage %s (%s)",
+                latest_id,
+                run_dir_or_out_dir,
+                stage.id,
+                expected,
+            )
     reads = [read_run_dir(d, reader=reader) for d in dirs]
     last = reads[-1]
     summary: dict[str, Any] = {}

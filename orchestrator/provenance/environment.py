@@ -122,7 +122,10 @@ def gpu_models(timeout: float = 5.0) -> tuple[str, ...]:
         try:
             out = subprocess.run(
                 [smi, "--query-gpu=name", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=timeout, check=False,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
             )
             names = tuple(line.strip() for line in out.stdout.splitlines() if line.strip())
             if out.returncode == 0 and names:
@@ -166,8 +169,13 @@ def container_info() -> tuple[bool, str | None]:
 
 def _identity(info: dict[str, Any]) -> str:
     keys = (
-        "python_version", "python_implementation", "system", "machine", "libc",
-        "packages_hash", "container_image_digest",
+        "python_version",
+        "python_implementation",
+        "system",
+        "machine",
+        "libc",
+        "packages_hash",
+        "container_image_digest",
     )
     return hash_json({k: info[k] for k in keys})
 

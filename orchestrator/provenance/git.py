@@ -297,9 +297,7 @@ def capture_git(
         repo.close()
 
 
-def _capture(
-    repo: gitpython.Repo, path: Path, code_paths: Sequence[str], settings: Settings | None
-) -> GitInfo:
+def _capture(repo: gitpython.Repo, path: Path, code_paths: Sequence[str], settings: Settings | None) -> GitInfo:
     root = Path(repo.working_tree_dir or path).resolve()
     has_commit = repo.head.is_valid()
     commit = repo.head.commit.hexsha if has_commit else None
@@ -313,8 +311,15 @@ def _capture(
 
     with _TempTree(repo) as work:
         patch: bytes = work.run(
-            "diff", "--cached", "--binary", "--no-color", "--no-ext-diff", "--full-index",
-            "--ignore-submodules=none", base, binary=True,
+            "diff",
+            "--cached",
+            "--binary",
+            "--no-color",
+            "--no-ext-diff",
+            "--full-index",
+            "--ignore-submodules=none",
+            base,
+            binary=True,
         )
         untracked_raw = repo.git.ls_files("--others", "--exclude-standard", "-z")
         untracked = tuple(sorted(p for p in untracked_raw.split("\0") if p))

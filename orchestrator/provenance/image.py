@@ -72,7 +72,10 @@ def _finding(image: str, labels: Mapping[str, str] | None, repo_root: Path) -> t
         tree = path_hashes(repo_root, sorted(declared))
     except ProvenanceError as exc:
         return f"cannot compare job image {image} with this run: {exc}", {
-            "image": image, "code": declared, "verified": False, "reason": "no git tree",
+            "image": image,
+            "code": declared,
+            "verified": False,
+            "reason": "no git tree",
         }
     differ = [p for p in sorted(declared) if tree.get(p) != declared[p]]
     record: dict[str, Any] = {"image": image, "code": declared, "verified": not differ}

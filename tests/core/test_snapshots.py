@@ -69,12 +69,10 @@ def test_merkle_definition_matches_docstring(tmp_path: Path, settings: Settings)
     import blake3
 
     snap = snapshot(make_tree(tmp_path / "data"), settings=settings)
-    leaves = b"".join(
-        blake3.blake3(canonical_json(["file", e.path, e.size, e.blake3])).digest() for e in snap.entries
-    )
+    leaves = b"".join(blake3.blake3(canonical_json(["file", e.path, e.size, e.blake3])).digest() for e in snap.entries)
     assert snap.id == blake3.blake3(b"openlab-snapshot-v1\x00" + leaves).hexdigest()
     # fast payload is byte-identical to canonical_json, including non-ASCII paths
-    entry = SnapshotEntry(path="ü/日本\"q\".txt", size=3, blake3="ab" * 32)
+    entry = SnapshotEntry(path='ü/日本"q".txt', size=3, blake3="ab" * 32)
     assert entry.leaf_payload() == canonical_json(["file", entry.path, 3, "ab" * 32])
     link = SnapshotEntry(path="é", link="../x")
     assert link.leaf_payload() == canonical_json(["link", "é", "../x"])
@@ -235,9 +233,7 @@ def test_unreadable_file_refused(tmp_path: Path, settings: Settings) -> None:
         snapshot(root, settings=settings)
 
 
-def test_unreadable_file_refused_simulated(
-    tmp_path: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_unreadable_file_refused_simulated(tmp_path: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
     root = make_tree(tmp_path / "data")
     real_open = os.open
 

@@ -26,23 +26,75 @@ def _month(store: LineageStore) -> dict[str, str]:
         night = tx.add(PipelineRun(recipe="marin", replica="small", backend="slurm", started_at=NOW - 6 * H))
         pre = tx.add(StageRun(pipeline_run_id=night.id, stage="pretrain", identity="p", started_at=NOW - 6 * H))
         gpu = {"cpus": 16, "gpus": 8, "memory": "64G"}
-        tx.add(Attempt(stage_run_id=pre.id, backend="slurm", state="PREEMPTED", resources=gpu,
-                       submitted_at=NOW - 6 * H, started_at=NOW - 6 * H, ended_at=NOW - 4 * H))
-        tx.add(Attempt(stage_run_id=pre.id, number=2, backend="slurm", state="COMPLETED", resources=gpu,
-                       submitted_at=NOW - 4 * H, started_at=NOW - 4 * H, ended_at=NOW - 1 * H))
+        tx.add(
+            Attempt(
+                stage_run_id=pre.id,
+                backend="slurm",
+                state="PREEMPTED",
+                resources=gpu,
+                submitted_at=NOW - 6 * H,
+                started_at=NOW - 6 * H,
+                ended_at=NOW - 4 * H,
+            )
+        )
+        tx.add(
+            Attempt(
+                stage_run_id=pre.id,
+                number=2,
+                backend="slurm",
+                state="COMPLETED",
+                resources=gpu,
+                submitted_at=NOW - 4 * H,
+                started_at=NOW - 4 * H,
+                ended_at=NOW - 1 * H,
+            )
+        )
         data = tx.add(StageRun(pipeline_run_id=night.id, stage="data", identity="d", started_at=NOW - 7 * H))
-        tx.add(Attempt(stage_run_id=data.id, backend="local", state="COMPLETED",  # asked for no CPU count: 1
-                       submitted_at=NOW - 7 * H, started_at=NOW - 7 * H, ended_at=NOW - 6 * H))
+        tx.add(
+            Attempt(
+                stage_run_id=data.id,
+                backend="local",
+                state="COMPLETED",  # asked for no CPU count: 1
+                submitted_at=NOW - 7 * H,
+                started_at=NOW - 7 * H,
+                ended_at=NOW - 6 * H,
+            )
+        )
         drops = tx.add(PipelineRun(recipe="marin", replica="drops", backend="local", started_at=NOW - 2 * H))
         repro = tx.add(StageRun(pipeline_run_id=drops.id, stage="repro", identity="r", started_at=NOW - 2 * H))
-        tx.add(Attempt(stage_run_id=repro.id, backend="local", state="FAILED", resources={"cpus": 2},
-                       submitted_at=NOW - 2 * H, started_at=NOW - 2 * H, ended_at=NOW - H / 2))
-        tx.add(Attempt(stage_run_id=repro.id, number=2, backend="local", state="PENDING", resources={"cpus": 2},
-                       submitted_at=NOW - H / 4))
+        tx.add(
+            Attempt(
+                stage_run_id=repro.id,
+                backend="local",
+                state="FAILED",
+                resources={"cpus": 2},
+                submitted_at=NOW - 2 * H,
+                started_at=NOW - 2 * H,
+                ended_at=NOW - H / 2,
+            )
+        )
+        tx.add(
+            Attempt(
+                stage_run_id=repro.id,
+                number=2,
+                backend="local",
+                state="PENDING",
+                resources={"cpus": 2},
+                submitted_at=NOW - H / 4,
+            )
+        )
         old = tx.add(PipelineRun(recipe="llama", replica="tiny", backend="local", started_at=NOW - 40 * 24 * H))
         old_stage = tx.add(StageRun(pipeline_run_id=old.id, stage="eval", identity="e", started_at=old.started_at))
-        tx.add(Attempt(stage_run_id=old_stage.id, backend="local", state="COMPLETED",
-                       submitted_at=old.started_at, started_at=old.started_at, ended_at=old.started_at + 5 * H))
+        tx.add(
+            Attempt(
+                stage_run_id=old_stage.id,
+                backend="local",
+                state="COMPLETED",
+                submitted_at=old.started_at,
+                started_at=old.started_at,
+                ended_at=old.started_at + 5 * H,
+            )
+        )
     return {"night": night.id}
 
 

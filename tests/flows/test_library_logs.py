@@ -67,7 +67,9 @@ def test_helper_thread_warnings_are_sent_and_nothing_outside_the_run(
     def library_logs() -> None:
         with library_logs_to_run():
             logging.getLogger("orchestrator.links.wandb").warning("W&B mismatch: marker-main")
-            logging.getLogger("orchestrator.links.github").warning("GET %s failed", "https://ghp_not-a-real-token-0123456789@x/")
+            logging.getLogger("orchestrator.links.github").warning(
+                "GET %s failed", "https://ghp_not-a-real-token-0123456789@x/"
+            )
             logging.getLogger("openlab.pipeline").info("pipeline started: marker-info")
             helper = threading.Thread(target=heartbeat)
             helper.start()

@@ -161,8 +161,9 @@ def make_harness(name: str, request: pytest.FixtureRequest) -> Harness:
     if name == "docker":
         _require("docker")
         image = docker_image()
-        return Harness("docker", get_launcher("docker", image=image, grace=2), image=image, time_limit=2,
-                       wait_timeout=90)
+        return Harness(
+            "docker", get_launcher("docker", image=image, grace=2), image=image, time_limit=2, wait_timeout=90
+        )
     if name == "slurm":
         _require("slurm")
         slurm_ready()
@@ -173,8 +174,14 @@ def make_harness(name: str, request: pytest.FixtureRequest) -> Harness:
         launcher = get_launcher("kubernetes", host=cluster.url)
         launcher.poll_interval = 0.1
         # pods are containers of the test job image when the engine is up (see k8s_emulator): slower to start
-        return Harness("kubernetes", launcher, image=cluster.image, options={"cluster": cluster},
-                       time_limit=1, wait_timeout=60 if cluster.runtime == "docker" else 20)
+        return Harness(
+            "kubernetes",
+            launcher,
+            image=cluster.image,
+            options={"cluster": cluster},
+            time_limit=1,
+            wait_timeout=60 if cluster.runtime == "docker" else 20,
+        )
     raise AssertionError(name)
 
 

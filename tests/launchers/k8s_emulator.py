@@ -131,8 +131,15 @@ class _Process(_Workload):
 class _Container(_Workload):
     """A pod's container on the real engine; its output is copied into the pod log file as it comes."""
 
-    def __init__(self, client: Any, pod: str, container: dict[str, Any], pod_spec: dict[str, Any], log: Path,
-                 labels: dict[str, str]) -> None:
+    def __init__(
+        self,
+        client: Any,
+        pod: str,
+        container: dict[str, Any],
+        pod_spec: dict[str, Any],
+        log: Path,
+        labels: dict[str, str],
+    ) -> None:
         import docker.errors
 
         self.client, self.log, self.code = client, log, None
@@ -472,10 +479,17 @@ class EmulatedCluster:
         container SIGTERM, and SIGKILL if it still runs ``grace`` seconds later."""
         ns, name = job_id.split("/", 1)
         run = self._runs[(ns, name)]
-        messages = {"EvictionByEvictionAPI": "Eviction API: evicting",
-                    "PreemptionByScheduler": "default-scheduler: preempting to accommodate a higher priority pod"}
-        run.disruption = {"type": "DisruptionTarget", "status": "True", "reason": reason,
-                          "message": messages.get(reason, reason), "lastTransitionTime": _now()}
+        messages = {
+            "EvictionByEvictionAPI": "Eviction API: evicting",
+            "PreemptionByScheduler": "default-scheduler: preempting to accommodate a higher priority pod",
+        }
+        run.disruption = {
+            "type": "DisruptionTarget",
+            "status": "True",
+            "reason": reason,
+            "message": messages.get(reason, reason),
+            "lastTransitionTime": _now(),
+        }
         self._patch(PODS, ns, run.pod, {"phase": "Running", "conditions": [run.disruption]})
         run.kill_at = time.monotonic() + grace
         run.workload.terminate()
@@ -495,8 +509,12 @@ class EmulatedCluster:
             return
         run.finished = True
         now = _now()
-        terminated = {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
-                      "startedAt": run.started, "finishedAt": now}
+        terminated = {
+            "exitCode": code,
+            "reason": "Completed" if code == 0 else "Error",
+            "startedAt": run.started,
+            "finishedAt": now,
+        }
         if run.workload.oom_killed:
             terminated["reason"] = "OOMKilled"
         if run.deadline_hit:
@@ -518,12 +536,18 @@ class EmulatedCluster:
         self._patch(PODS, ns, run.pod, pod_status)
         if code == 0:
             cond = {"type": "Complete", "status": "True", "lastTransitionTime": now}
-            self._patch(JOBS, ns, name, {"active": 0, "ready": 0, "succeeded": 1, "completionTime": now,
-                                         "conditions": [cond]})
+            self._patch(
+                JOBS, ns, name, {"active": 0, "ready": 0, "succeeded": 1, "completionTime": now, "conditions": [cond]}
+            )
         else:
             reason = "DeadlineExceeded" if run.deadline_hit else "BackoffLimitExceeded"
-            cond = {"type": "Failed", "status": "True", "reason": reason, "message": f"Job failed: {reason}",
-                    "lastTransitionTime": now}
+            cond = {
+                "type": "Failed",
+                "status": "True",
+                "reason": reason,
+                "message": f"Job failed: {reason}",
+                "lastTransitionTime": now,
+            }
             self._patch(JOBS, ns, name, {"active": 0, "ready": 0, "failed": 1, "conditions": [cond]})
 
     def workload_alive(self, job_id: str) -> bool:

@@ -76,4 +76,3 @@ def test_a_stage_can_ask_for_a_bigger_dev_shm(tmp_path: Path) -> None:
     spec = JobSpec(name="shm-2g", command=probe, image=image, options={"shm_size": "2G"})
     state, lines = _run(spec, image=image)
     assert state == "SUCCEEDED" and lines[-1].split()[1] == str(2 * 1024 * 1024), lines
-

@@ -54,8 +54,11 @@ def test_pods_are_containers_of_their_image_when_the_engine_is_up(k8s_cluster: E
     handle = launcher.submit(
         JobSpec(
             name="in-a-container",
-            command=["sh", "-c", f'test -f /.dockerenv && echo "in a container as $WHO"; echo out > {root}/x; '
-                                 "echo started; sleep 300"],
+            command=[
+                "sh",
+                "-c",
+                f'test -f /.dockerenv && echo "in a container as $WHO"; echo out > {root}/x; echo started; sleep 300',
+            ],
             image=k8s_cluster.image,
             env={"WHO": "the pod"},
             artifact_root=root,
@@ -82,8 +85,12 @@ def test_the_image_digest_and_an_oom_kill_come_from_the_engine(k8s_cluster: Emul
     assert k8s_cluster.runtime == "docker", k8s_cluster.runtime_reason
     launcher = _launcher(k8s_cluster)
     handle = launcher.submit(
-        JobSpec(name="oom", command=["python3", "-c", "x = bytearray(400 * 1024 * 1024); print(len(x))"],
-                image=k8s_cluster.image, memory="64M")
+        JobSpec(
+            name="oom",
+            command=["python3", "-c", "x = bytearray(400 * 1024 * 1024); print(len(x))"],
+            image=k8s_cluster.image,
+            memory="64M",
+        )
     )
     try:
         status = launcher.wait(handle, timeout=60)
@@ -114,7 +121,8 @@ def test_without_the_engine_pods_are_local_processes(process_cluster: EmulatedCl
 
 
 @pytest.mark.parametrize(
-    "runtime", [pytest.param("docker", marks=pytest.mark.docker), "process"]  # the clusters' start order above
+    "runtime",
+    [pytest.param("docker", marks=pytest.mark.docker), "process"],  # the clusters' start order above
 )
 def test_an_evicted_pod_is_preempted_and_a_plain_failure_is_not(runtime: str, request: pytest.FixtureRequest) -> None:
     """Kubernetes evicts a running pod (DisruptionTarget, SIGTERM, SIGKILL after the grace period):
@@ -151,7 +159,8 @@ def test_an_evicted_pod_is_preempted_and_a_plain_failure_is_not(runtime: str, re
         assert status.state is JobState.PREEMPTED, status
         assert status.reason == "pod stopped by Kubernetes: EvictionByEvictionAPI (Eviction API: evicting)"
         assert attempt.state == "PREEMPTED"
-        _, failed = run_job(store, launcher, JobSpec(name="fails", command=["sh", "-c", "exit 3"],
-                                                     image=cluster.image), timeout=60)
+        _, failed = run_job(
+            store, launcher, JobSpec(name="fails", command=["sh", "-c", "exit 3"], image=cluster.image), timeout=60
+        )
         assert failed.state is JobState.FAILED and failed.exit_code == 3
     assert not cluster.workload_alive(handles[0])

@@ -94,9 +94,7 @@ def test_nonzero_exit_code(harness: Harness, store: LineageStore) -> None:
     assert stored is not None and stored.state == "FAILED" and stored.exit_code == 3
 
 
-def test_a_job_that_stops_on_a_schedulers_signal_is_preempted_not_failed(
-    harness: Harness, store: LineageStore
-) -> None:
+def test_a_job_that_stops_on_a_schedulers_signal_is_preempted_not_failed(harness: Harness, store: LineageStore) -> None:
     """A workload that catches SIGTERM (preemption, eviction), saves a checkpoint and exits
     128 + 15: every backend reports that exit, and the attempt says PREEMPTED, so the pipeline
     resumes it instead of counting a failure. A plain failure next to it stays FAILED."""

@@ -47,8 +47,17 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> 
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("90", 90), (45, 45), ("05:00", 300), ("1:02:03", 3723), ("1-00:00:01", 86401), ("1h", 3600), ("30m", 1800),
-     ("1h30m", 5400), ("45s", 45)],
+    [
+        ("90", 90),
+        (45, 45),
+        ("05:00", 300),
+        ("1:02:03", 3723),
+        ("1-00:00:01", 86401),
+        ("1h", 3600),
+        ("30m", 1800),
+        ("1h30m", 5400),
+        ("45s", 45),
+    ],
 )
 def test_time_limits_parse(text: str | int, seconds: int) -> None:
     assert parse_duration(text) == seconds
@@ -148,7 +157,7 @@ def _fake_slurm(tmp_path: Path, sbatch_body: str) -> Path:
 def test_sbatch_transient_errors_are_retried_a_bounded_number_of_times(tmp_path: Path) -> None:
     calls = tmp_path / "calls"
     body = (
-        f'echo x >> {calls}\n'
+        f"echo x >> {calls}\n"
         f'if [ "$(wc -l < {calls})" -lt 3 ]; then\n'
         '  echo "sbatch: error: Batch job submission failed: Socket timed out on send/recv operation" >&2; exit 1\n'
         "fi\n"
@@ -160,8 +169,7 @@ def test_sbatch_transient_errors_are_retried_a_bounded_number_of_times(tmp_path:
 
     calls.unlink()
     always = (
-        f"echo x >> {calls}\n"
-        'echo "sbatch: error: Unable to contact slurm controller (connect failure)" >&2\nexit 1\n'
+        f'echo x >> {calls}\necho "sbatch: error: Unable to contact slurm controller (connect failure)" >&2\nexit 1\n'
     )
     (tmp_path / "bin" / "sbatch").write_text("#!/bin/sh\n" + always)
     with pytest.raises(BackendUnavailable, match="Unable to contact slurm controller"):
@@ -203,8 +211,9 @@ def test_batch_script_carries_every_resource() -> None:
 
 
 def _status(code: int, message: str, reason: str) -> str:
-    return json.dumps({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message,
-                       "reason": reason, "code": code})
+    return json.dumps(
+        {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "reason": reason, "code": code}
+    )
 
 
 def test_kubernetes_4xx_quotes_the_api_message(httpserver: HTTPServer) -> None:
@@ -222,11 +231,13 @@ def test_kubernetes_4xx_quotes_the_api_message(httpserver: HTTPServer) -> None:
 def test_kubernetes_5xx_is_retried_then_reported(httpserver: HTTPServer) -> None:
     for _ in range(2):
         httpserver.expect_ordered_request("/apis/batch/v1/namespaces/default/jobs", method="POST").respond_with_data(
-            _status(503, "etcdserver: leader changed", "ServiceUnavailable"), status=503,
+            _status(503, "etcdserver: leader changed", "ServiceUnavailable"),
+            status=503,
             content_type="application/json",
         )
     httpserver.expect_ordered_request("/apis/batch/v1/namespaces/default/jobs", method="POST").respond_with_data(
-        json.dumps({"kind": "Job", "apiVersion": "batch/v1", "metadata": {"name": "x"}}), status=201,
+        json.dumps({"kind": "Job", "apiVersion": "batch/v1", "metadata": {"name": "x"}}),
+        status=201,
         content_type="application/json",
     )
     url = httpserver.url_for("/").rstrip("/")
@@ -252,9 +263,18 @@ def test_kubernetes_unreachable_api(tmp_path: Path) -> None:
 
 def test_the_manifest_carries_the_spec_and_passes_strict_validation(tmp_path: Path) -> None:
     launcher = get_launcher("kubernetes", host="http://127.0.0.1:9")
-    job = JobSpec(name="Train Big!", command=["python", "train.py"], cpus=1.5, memory="1G", gpus=1, time_limit=600,
-                  env={"A": "1"}, labels={"openlab.io/stage-run": "srun_1", "openlab.io/note": "has spaces"},
-                  artifact_root=tmp_path, workdir="/work")
+    job = JobSpec(
+        name="Train Big!",
+        command=["python", "train.py"],
+        cpus=1.5,
+        memory="1G",
+        gpus=1,
+        time_limit=600,
+        env={"A": "1"},
+        labels={"openlab.io/stage-run": "srun_1", "openlab.io/note": "has spaces"},
+        artifact_root=tmp_path,
+        workdir="/work",
+    )
     manifest = launcher.manifest(job, "openlab-train-big-12345678")
     container = manifest["spec"]["template"]["spec"]["containers"][0]
     assert manifest["spec"]["activeDeadlineSeconds"] == 600 and manifest["spec"]["backoffLimit"] == 0
@@ -315,13 +335,19 @@ def _edited_template(tmp_path: Path, edit: Any) -> Path:
 @pytest.mark.parametrize(
     ("edit", "expected"),
     [
-        (lambda m: m["spec"]["template"]["spec"]["containers"][0].update(imagePullPolicey="Always"),
-         "Additional properties are not allowed ('imagePullPolicey' was unexpected) "
-         "(at spec/template/spec/containers/0)"),
-        (lambda m: m["spec"]["template"]["spec"].update(tolerations=[{"key": "gpu", "operater": "Exists"}]),
-         "Additional properties are not allowed ('operater' was unexpected) (at spec/template/spec/tolerations/0)"),
-        (lambda m: m["spec"].update(backoffLimit="none"),
-         "'none' is not of type 'integer', 'null' (at spec/backoffLimit)"),
+        (
+            lambda m: m["spec"]["template"]["spec"]["containers"][0].update(imagePullPolicey="Always"),
+            "Additional properties are not allowed ('imagePullPolicey' was unexpected) "
+            "(at spec/template/spec/containers/0)",
+        ),
+        (
+            lambda m: m["spec"]["template"]["spec"].update(tolerations=[{"key": "gpu", "operater": "Exists"}]),
+            "Additional properties are not allowed ('operater' was unexpected) (at spec/template/spec/tolerations/0)",
+        ),
+        (
+            lambda m: m["spec"].update(backoffLimit="none"),
+            "'none' is not of type 'integer', 'null' (at spec/backoffLimit)",
+        ),
     ],
     ids=["typo-in-container", "typo-in-a-list-item", "wrong-type"],
 )
@@ -337,9 +363,19 @@ def test_an_edited_template_with_a_bad_field_is_refused_before_anything_is_sent(
     assert str(info.value) == f"job manifest is invalid for Kubernetes 1.33 (from template {path}): {expected}"
     assert len(httpserver.log) == 0  # refused here: the API server never saw it
 
-    proc = cli("job", "run", "--backend", "kubernetes", "--", "true",
-               env={"OPENLAB_BACKENDS__KUBERNETES__HOST": url, "OPENLAB_BACKENDS__KUBERNETES__TEMPLATE": str(path),
-                    "OPENLAB_BACKENDS__KUBERNETES__RETRIES": "0"})
+    proc = cli(
+        "job",
+        "run",
+        "--backend",
+        "kubernetes",
+        "--",
+        "true",
+        env={
+            "OPENLAB_BACKENDS__KUBERNETES__HOST": url,
+            "OPENLAB_BACKENDS__KUBERNETES__TEMPLATE": str(path),
+            "OPENLAB_BACKENDS__KUBERNETES__RETRIES": "0",
+        },
+    )
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert expected in proc.stderr and str(path) in proc.stderr
@@ -350,8 +386,9 @@ def test_manifests_are_validated_for_the_configured_kubernetes_version(tmp_path:
     """``successPolicy`` exists from Kubernetes 1.30: a template using it is refused for an older cluster."""
 
     def indexed(m: dict[str, Any]) -> None:
-        m["spec"].update(completionMode="Indexed", completions=2, parallelism=2,
-                         successPolicy={"rules": [{"succeededIndexes": "0"}]})
+        m["spec"].update(
+            completionMode="Indexed", completions=2, parallelism=2, successPolicy={"rules": [{"succeededIndexes": "0"}]}
+        )
 
     path = _edited_template(tmp_path, indexed)
     job = JobSpec(name="x", command=["true"])
@@ -381,12 +418,13 @@ def test_every_manifest_sent_was_validated(tmp_path: Path, httpserver: HTTPServe
 
     monkeypatch.setattr(kubernetes_validate, "validate", spy)
     httpserver.expect_request("/apis/batch/v1/namespaces/default/jobs", method="POST").respond_with_data(
-        json.dumps({"kind": "Job", "apiVersion": "batch/v1", "metadata": {"name": "x"}}), status=201,
+        json.dumps({"kind": "Job", "apiVersion": "batch/v1", "metadata": {"name": "x"}}),
+        status=201,
         content_type="application/json",
     )
     launcher = get_launcher("kubernetes", host=httpserver.url_for("/").rstrip("/"), version="1.32")
     launcher.submit(JobSpec(name="x", command=["echo", "hi"], env={"A": "1"}, artifact_root=tmp_path, cpus=1))
-    (request, _response), = httpserver.log
+    ((request, _response),) = httpserver.log
     assert validated == [json.loads(request.get_data())]
 
 
@@ -403,8 +441,13 @@ def test_interrupt_cancels_the_job_and_records_it(store: LineageStore) -> None:
         return False
 
     with pytest.raises(KeyboardInterrupt):
-        run_job(store, launcher, JobSpec(name="x", command=["sh", "-c", "echo started; sleep 60"]),
-                on_log=lines.append, should_cancel=interrupt)
+        run_job(
+            store,
+            launcher,
+            JobSpec(name="x", command=["sh", "-c", "echo started; sleep 60"]),
+            on_log=lines.append,
+            should_cancel=interrupt,
+        )
     (attempt,) = store.list(Attempt)
     assert attempt.state == "CANCELLED" and attempt.reason == "interrupted" and attempt.ended_at
     assert group_members(launcher.process_group(handle_from_attempt(attempt))) == []
@@ -437,8 +480,9 @@ def test_attempt_numbers_count_per_stage_run(store: LineageStore) -> None:
     with store.transaction() as tx:
         srun = tx.add(StageRun(stage="s", identity="i"))
     launcher = get_launcher("local")
-    numbers = [run_job(store, launcher, JobSpec(name="x", command=["true"]), stage_run_id=srun.id)[0].number
-               for _ in range(3)]
+    numbers = [
+        run_job(store, launcher, JobSpec(name="x", command=["true"]), stage_run_id=srun.id)[0].number for _ in range(3)
+    ]
     assert numbers == [1, 2, 3]
 
 
@@ -446,7 +490,8 @@ def test_secret_values_never_reach_lineage_or_streamed_logs(store: LineageStore)
     secret = "s3cr3t-value-123"
     lines: list[str] = []
     attempt, status = run_job(
-        store, get_launcher("local"),
+        store,
+        get_launcher("local"),
         JobSpec(name="x", command=["sh", "-c", 'echo "token is $API_TOKEN"'], env={"API_TOKEN": secret}),
         on_log=lines.append,
     )
@@ -460,8 +505,20 @@ def test_secret_values_never_reach_lineage_or_streamed_logs(store: LineageStore)
 
 
 def test_cli_job_run_status_logs_cancel(store: LineageStore) -> None:
-    proc = cli("job", "run", "--backend", "local", "-e", "FOO=bar", "--time-limit", "1m", "--",
-               "sh", "-c", "echo hi $FOO; exit 4")
+    proc = cli(
+        "job",
+        "run",
+        "--backend",
+        "local",
+        "-e",
+        "FOO=bar",
+        "--time-limit",
+        "1m",
+        "--",
+        "sh",
+        "-c",
+        "echo hi $FOO; exit 4",
+    )
     assert proc.returncode == 4, proc.stderr
     assert proc.stdout == "hi bar\n"
     (attempt,) = store.list(Attempt)
@@ -471,8 +528,12 @@ def test_cli_job_run_status_logs_cancel(store: LineageStore) -> None:
     assert status["state"] == "FAILED" and status["exit_code"] == 4 and status["attempt"] == attempt.id
     assert cli("job", "logs", attempt.id).stdout == "hi bar\n"
 
-    runner = subprocess.Popen([*CLI, "job", "run", "-q", "--backend", "local", "--", "sleep", "60"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    runner = subprocess.Popen(
+        [*CLI, "job", "run", "-q", "--backend", "local", "--", "sleep", "60"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         running = [a for a in store.list(Attempt) if a.state == "RUNNING"]
@@ -489,9 +550,14 @@ def test_cli_job_run_status_logs_cancel(store: LineageStore) -> None:
 
 
 def test_cli_backends_check_json(tmp_path: Path) -> None:
-    proc = cli("backends", "check", "--json", "local", "kubernetes",
-               env={"OPENLAB_BACKENDS__KUBERNETES__HOST": "http://127.0.0.1:9",
-                    "OPENLAB_BACKENDS__KUBERNETES__RETRIES": "0"})
+    proc = cli(
+        "backends",
+        "check",
+        "--json",
+        "local",
+        "kubernetes",
+        env={"OPENLAB_BACKENDS__KUBERNETES__HOST": "http://127.0.0.1:9", "OPENLAB_BACKENDS__KUBERNETES__RETRIES": "0"},
+    )
     assert proc.returncode == 0, proc.stderr
     rows = {r["backend"]: r for r in json.loads(proc.stdout)}
     assert rows["local"]["reachable"] is True

@@ -64,6 +64,11 @@ def test_supervisor_record_is_json_any_reader_can_parse(tmp_path: Path) -> None:
 def test_supervisor_json_encoder_round_trips_awkward_strings() -> None:
     from orchestrator.launchers import _supervise
 
-    data = {"reason": 'a "quoted" \\ path\n\ttab \x01 ctrl é', "none": None, "t": 1796280669.4943156, "n": -3,
-            "flag": False}
+    data = {
+        "reason": 'a "quoted" \\ path\n\ttab \x01 ctrl é',
+        "none": None,
+        "t": 1796280669.4943156,
+        "n": -3,
+        "flag": False,
+    }
     assert json.loads(_supervise.dumps(data)) == data

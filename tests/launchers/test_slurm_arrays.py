@@ -78,9 +78,7 @@ def _queue_named(name: str) -> list[str]:
 
 
 @pytest.mark.slurm
-def test_array_that_succeeds_reports_every_task_and_keeps_each_log(
-    slurm_harness: Harness, store: LineageStore
-) -> None:
+def test_array_that_succeeds_reports_every_task_and_keeps_each_log(slurm_harness: Harness, store: LineageStore) -> None:
     launcher = slurm_harness.launcher
     assert isinstance(launcher, SlurmLauncher)
     lines: list[str] = []
@@ -119,7 +117,9 @@ def test_array_with_a_failed_task_is_failed_and_names_it(
     assert isinstance(launcher, SlurmLauncher)
     command = ["sh", "-c", SHARD + '[ "$SLURM_ARRAY_TASK_ID" = 3 ] && { echo broken >&2; exit 7; }; exit 0']
     attempt, status = run_job(
-        store, launcher, JobSpec(name="shards-fail", command=command, options={"array": "1-4"}),
+        store,
+        launcher,
+        JobSpec(name="shards-fail", command=command, options={"array": "1-4"}),
         timeout=slurm_harness.wait_timeout,
     )
     assert status.state is JobState.FAILED, status
@@ -127,7 +127,10 @@ def test_array_with_a_failed_task_is_failed_and_names_it(
     assert status.reason == "1 of 4 tasks failed: task 3 (exit code 7)"
     assert status.tasks is not None
     assert {t: s.state for t, s in status.tasks.items()} == {
-        "1": JobState.SUCCEEDED, "2": JobState.SUCCEEDED, "3": JobState.FAILED, "4": JobState.SUCCEEDED,
+        "1": JobState.SUCCEEDED,
+        "2": JobState.SUCCEEDED,
+        "3": JobState.FAILED,
+        "4": JobState.SUCCEEDED,
     }
     stored = store.get(Attempt, attempt.id)
     assert stored is not None and stored.state == "FAILED" and stored.exit_code == 7
@@ -135,7 +138,10 @@ def test_array_with_a_failed_task_is_failed_and_names_it(
     # lineage keeps every task's end, so the failed shard is known after the cluster forgets the job
     assert stored.tasks is not None
     assert {t: (e["state"], e["exit_code"]) for t, e in stored.tasks.items()} == {
-        "1": ("COMPLETED", 0), "2": ("COMPLETED", 0), "3": ("FAILED", 7), "4": ("COMPLETED", 0),
+        "1": ("COMPLETED", 0),
+        "2": ("COMPLETED", 0),
+        "3": ("FAILED", 7),
+        "4": ("COMPLETED", 0),
     }
     shown = run_cli("lineage", "show", attempt.id)
     assert shown.returncode == 0, shown.stderr
@@ -210,16 +216,15 @@ def test_an_array_cancelled_after_a_task_failed_is_cancelled_and_keeps_the_failu
         tasks = launcher.status(JobHandle("slurm", str(attempt.job_id))).tasks or {}
         return "0" in tasks and tasks["0"].state is JobState.FAILED
 
-    attempt, status = run_job(
-        store, launcher, spec, should_cancel=task_0_failed, timeout=slurm_harness.wait_timeout
-    )
+    attempt, status = run_job(store, launcher, spec, should_cancel=task_0_failed, timeout=slurm_harness.wait_timeout)
     assert status.state is JobState.CANCELLED, status
     assert status.reason == "cancelled by request after 1 of 2 tasks failed: task 0 (exit code 7)"
     stored = store.get(Attempt, attempt.id)
     assert stored is not None and stored.state == "CANCELLED" and "task 0 (exit code 7)" in (stored.reason or "")
     assert stored.tasks is not None
     assert {t: (e["state"], e["exit_code"]) for t, e in stored.tasks.items()} == {
-        "0": ("FAILED", 7), "1": ("CANCELLED", stored.tasks["1"]["exit_code"]),
+        "0": ("FAILED", 7),
+        "1": ("CANCELLED", stored.tasks["1"]["exit_code"]),
     }
 
 

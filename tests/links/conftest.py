@@ -57,19 +57,62 @@ def pipeline(store: LineageStore) -> PipelineRun:
     """A recorded pipeline run: two stages, a dirty commit, a snapshot, attempts and a W&B run."""
     t0 = dt.datetime(2026, 12, 1, 3, 0, tzinfo=dt.UTC)
     with store.transaction() as tx:
-        run = tx.add(PipelineRun(id="prun_test0001", name="nightly moe", recipe="moe-replica", replica="olmoe",
-                                 backend="slurm", trigger="schedule", state="RUNNING", started_at=t0))
-        commit = tx.add(Commit(id="abc1234def5678+p1", sha="abc1234def567890", remote_url="git@github.com:lab/exp.git",
-                               dirty=True, patch_hash="9f8e7d6c5b4a39281706"))
-        snap = tx.add(DataSnapshot(id="b3snapshot0123456789abcdef", path="/data/tok", files=3, bytes=100,
-                                   manifest_path="/m.json"))
-        tok = tx.add(StageRun(id="srun_tok", pipeline_run_id=run.id, stage="tokenize", identity="a" * 64,
-                              state="REUSED", reused_from="srun_older", started_at=t0))
-        train = tx.add(StageRun(id="srun_train", pipeline_run_id=run.id, stage="train", identity="b" * 64,
-                                state="RUNNING", started_at=t0 + dt.timedelta(minutes=1)))
+        run = tx.add(
+            PipelineRun(
+                id="prun_test0001",
+                name="nightly moe",
+                recipe="moe-replica",
+                replica="olmoe",
+                backend="slurm",
+                trigger="schedule",
+                state="RUNNING",
+                started_at=t0,
+            )
+        )
+        commit = tx.add(
+            Commit(
+                id="abc1234def5678+p1",
+                sha="abc1234def567890",
+                remote_url="git@github.com:lab/exp.git",
+                dirty=True,
+                patch_hash="9f8e7d6c5b4a39281706",
+            )
+        )
+        snap = tx.add(
+            DataSnapshot(id="b3snapshot0123456789abcdef", path="/data/tok", files=3, bytes=100, manifest_path="/m.json")
+        )
+        tok = tx.add(
+            StageRun(
+                id="srun_tok",
+                pipeline_run_id=run.id,
+                stage="tokenize",
+                identity="a" * 64,
+                state="REUSED",
+                reused_from="srun_older",
+                started_at=t0,
+            )
+        )
+        train = tx.add(
+            StageRun(
+                id="srun_train",
+                pipeline_run_id=run.id,
+                stage="train",
+                identity="b" * 64,
+                state="RUNNING",
+                started_at=t0 + dt.timedelta(minutes=1),
+            )
+        )
         tx.add(Attempt(stage_run_id=train.id, number=1, backend="slurm", job_id="4242", state="RUNNING"))
-        wb = tx.add(WandbRun(id="/openlab/w1234567", run_id="w1234567", project="openlab", mode="offline",
-                             local_dir="/runs/wandb/offline-run-x-w1234567", summary={"loss": 2.5, "_step": 3}))
+        wb = tx.add(
+            WandbRun(
+                id="/openlab/w1234567",
+                run_id="w1234567",
+                project="openlab",
+                mode="offline",
+                local_dir="/runs/wandb/offline-run-x-w1234567",
+                summary={"loss": 2.5, "_step": 3},
+            )
+        )
         tx.relate("wasAssociatedWith", run, commit)
         tx.relate("used", tok, snap)
         tx.relate("wasAssociatedWith", train, commit)

@@ -60,8 +60,9 @@ class FakeGitHub:
     def comments_on(self, repo: str, number: int) -> list[dict[str, Any]]:
         return [dict(c, id=i) for i, c in sorted(self.comments.items()) if (c["repo"], c["number"]) == (repo, number)]
 
-    def fail(self, method: str, pattern: str, status: int, body: Any, headers: dict[str, str] | None = None,
-             times: int = 1) -> None:
+    def fail(
+        self, method: str, pattern: str, status: int, body: Any, headers: dict[str, str] | None = None, times: int = 1
+    ) -> None:
         self.scripted.append(Scripted(method, re.compile(pattern), status, body, headers or {}, times))
 
     def count(self, method: str, pattern: str = "") -> int:

@@ -208,8 +208,12 @@ def test_marker_found_on_a_later_page(fake_github: FakeGitHub, store, pipeline) 
 
 def test_422_on_comment_is_recorded_not_raised(fake_github: FakeGitHub, store, pipeline, caplog) -> None:
     resolve_issue(store, ISSUE, pipeline)
-    fake_github.fail("POST", r"/comments$", 422,
-                     {"message": "Validation Failed", "errors": [{"message": "body is too long (maximum is 65536)"}]})
+    fake_github.fail(
+        "POST",
+        r"/comments$",
+        422,
+        {"message": "Validation Failed", "errors": [{"message": "body is too long (maximum is 65536)"}]},
+    )
     with caplog.at_level(logging.WARNING):
         assert publish_card(store, pipeline.id) == []
     issue = store.get(GithubIssue, ISSUE)

@@ -107,10 +107,23 @@ def test_section_carries_lineage_ids_deterministic_id_and_tags() -> None:
     assert s["id"] == wandb_run_id(IDENTITY) and len(s["id"]) >= 8
     assert s["id"] == _section()["id"] and s["id"] != wandb_run_id(IDENTITY + "x")
     assert (s["project"], s["entity"], s["group"], s["job_type"], s["resume"]) == (
-        "openlab-moe", "lab", "prun_w1", "pretrain", "allow")
+        "openlab-moe",
+        "lab",
+        "prun_w1",
+        "pretrain",
+        "allow",
+    )
     assert s["tags"] == ["abc1234d", "issue-7", "snap-b3snapshot01", "slurm", "olmoe"]
-    assert s["config"] == {"openlab": {"stage_run_id": "srun_w1", "commit": "abc1234def567890", "issue": "lab/exp#7",
-                                       "pipeline_run_id": "prun_w1", "stage": "pretrain", "stage_identity": IDENTITY}}
+    assert s["config"] == {
+        "openlab": {
+            "stage_run_id": "srun_w1",
+            "commit": "abc1234def567890",
+            "issue": "lab/exp#7",
+            "pipeline_run_id": "prun_w1",
+            "stage": "pretrain",
+            "stage_identity": IDENTITY,
+        }
+    }
     assert "mode" not in s
     assert _section(include_mode=True, environ={})["mode"] == "offline"
     assert _section(include_mode=True, environ={"WANDB_API_KEY": "k"})["mode"] == "online"
@@ -210,8 +223,14 @@ def test_moe_workload_tracker_accepts_the_section(tmp_path: Path) -> None:
     )
     out = tmp_path / "moe"
     out.mkdir()
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(_section()), str(out)], env=_job_env(tmp_path),
-                          capture_output=True, text=True, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(_section()), str(out)],
+        env=_job_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == wandb_run_id(IDENTITY)
     [d] = find_run_dirs(out)

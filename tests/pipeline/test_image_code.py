@@ -129,9 +129,7 @@ def test_an_unlabelled_image_is_refused_unless_the_check_is_relaxed(tmp_path: Pa
     # "warn" runs it and records why it could not be verified; the toy stages then fail, as they
     # must: their scripts are in the host repository, which the image does not hold.
     with caplog.at_level(logging.WARNING, logger="orchestrator.provenance.image"):
-        result = run_pipeline(
-            toy_pipeline(repo), toy_configs(), options=_image_only(base, image_code_check="warn")
-        )
+        result = run_pipeline(toy_pipeline(repo), toy_configs(), options=_image_only(base, image_code_check="warn"))
     assert any("image_code_check = warn" in r.getMessage() for r in caplog.records)
     assert not result.ok
     with LineageStore.open(load_settings()) as store:
@@ -145,7 +143,9 @@ def test_check_modes_and_unreadable_labels(tmp_path: Path) -> None:
     with pytest.raises(ImageCodeMismatch, match="cannot read the labels of job image reg/x:1"):
         check_image_code("kubernetes", "reg/x:1", None, repo)
     assert check_image_code("kubernetes", "reg/x:1", None, repo, "off") == {
-        "image": "reg/x:1", "verified": False, "reason": "check off"
+        "image": "reg/x:1",
+        "verified": False,
+        "reason": "check off",
     }
     assert check_image_code("kubernetes", "reg/x:1", None, repo, "warn")["reason"] == "labels unreadable"
     with pytest.raises(ConfigError, match=r"image_code_check = 'sometimes': use one of require, warn, off"):

@@ -44,9 +44,19 @@ def test_a_stage_preempted_by_a_higher_priority_slurm_job_runs_again(tmp_path: P
     def take_the_node(stage: str, line: str) -> None:  # once the stage's job runs (its first line)
         if line == "training" and not urgent:
             done = subprocess.run(
-                ["sbatch", "--parsable", "--partition=urgent", "--cpus-per-task=1", "--job-name=urgent",
-                 f"--output={tmp_path}/urgent-%j.log", "--wrap", "echo urgent work"],
-                capture_output=True, text=True, check=True,
+                [
+                    "sbatch",
+                    "--parsable",
+                    "--partition=urgent",
+                    "--cpus-per-task=1",
+                    "--job-name=urgent",
+                    f"--output={tmp_path}/urgent-%j.log",
+                    "--wrap",
+                    "echo urgent work",
+                ],
+                capture_output=True,
+                text=True,
+                check=True,
             )
             urgent.append(done.stdout.strip())
 

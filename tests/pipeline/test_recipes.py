@@ -335,12 +335,18 @@ def test_stage_resources_reach_the_jobs_and_never_the_identity(tmp_path: Path) -
         ({"pretrain": {"backend": "ray"}}, "replicas.tiny.resources.pretrain.backend: expected one of local, docker"),
         ({"pretrain": {"docker": {"shm_size": "lots"}}}, "replicas.tiny.resources.pretrain.docker.shm_size: invalid"),
         ({"pretrain": {"docker": {"shm": "2G"}}}, "replicas.tiny.resources.pretrain.docker.shm: unknown key"),
-        ({"pretrain": {"kubernetes": {"nodeSelector": {"a": "b"}}}},
-         "replicas.tiny.resources.pretrain.kubernetes.nodeSelector: unknown key (known: namespace, node_selector"),
-        ({"pretrain": {"kubernetes": {"tolerations": [{"key": "gpu", "efect": "NoSchedule"}]}}},
-         "replicas.tiny.resources.pretrain.kubernetes.tolerations[0].efect: unknown key"),
-        ({"pretrain": {"kubernetes": {"tolerations": [{"key": "gpu", "operator": "Equals"}]}}},
-         "kubernetes.tolerations[0].operator: expected one of Exists, Equal, got 'Equals'"),
+        (
+            {"pretrain": {"kubernetes": {"nodeSelector": {"a": "b"}}}},
+            "replicas.tiny.resources.pretrain.kubernetes.nodeSelector: unknown key (known: namespace, node_selector",
+        ),
+        (
+            {"pretrain": {"kubernetes": {"tolerations": [{"key": "gpu", "efect": "NoSchedule"}]}}},
+            "replicas.tiny.resources.pretrain.kubernetes.tolerations[0].efect: unknown key",
+        ),
+        (
+            {"pretrain": {"kubernetes": {"tolerations": [{"key": "gpu", "operator": "Equals"}]}}},
+            "kubernetes.tolerations[0].operator: expected one of Exists, Equal, got 'Equals'",
+        ),
     ],
 )
 def test_bad_stage_resources_are_one_line_before_any_job(tmp_path: Path, resources: dict, message: str) -> None:

@@ -11,8 +11,17 @@ from workloads.moe.config import parse_config
 from workloads.moe.data import run_data
 from workloads.moe.tokenizing import run_tokenize
 
-TINY_MODEL = {"d_model": 32, "n_layers": 2, "n_heads": 2, "context": 32, "n_experts": 4, "top_k": 2,
-              "expert_hidden": 32, "n_shared": 1, "shared_hidden": 32}
+TINY_MODEL = {
+    "d_model": 32,
+    "n_layers": 2,
+    "n_heads": 2,
+    "context": 32,
+    "n_experts": 4,
+    "top_k": 2,
+    "expert_hidden": 32,
+    "n_shared": 1,
+    "shared_hidden": 32,
+}
 
 
 @pytest.fixture(scope="session")
@@ -27,7 +36,8 @@ def tiny_tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def train_cfg(tokens: Path, **train: Any) -> dict[str, Any]:
     return {
-        "seed": 0, "threads": 1,
+        "seed": 0,
+        "threads": 1,
         "inputs": {"tokens": str(tokens)},
         "model": dict(TINY_MODEL),
         "moe": {"dispatch": "pooled_wave", "ranks": 2, "capacity_factor": 1.25, "transport_capacity_factor": 1.1},

@@ -156,5 +156,7 @@ def test_shared_cache_gives_the_same_result_as_separate_dispatches() -> None:
     for spec in specs:
         a, b = dispatch(experts, spec), dispatch(experts, spec, cache)
         assert torch.equal(a.keep, b.keep) and (a.sender_dropped, a.receiver_dropped) == (
-            b.sender_dropped, b.receiver_dropped)
+            b.sender_dropped,
+            b.receiver_dropped,
+        )
     assert set(cache) == {"cell4", "pool4", "expert"}

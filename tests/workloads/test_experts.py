@@ -19,13 +19,24 @@ E, K, N, D = 8, 2, 48, 16
 
 def _layer() -> MoEFeedForward:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=64, d_model=D, n_layers=1, n_heads=2, context=32, n_experts=E, top_k=K,
-                      expert_hidden=8, n_shared=1, shared_hidden=8)
+    cfg = ModelConfig(
+        vocab_size=64,
+        d_model=D,
+        n_layers=1,
+        n_heads=2,
+        context=32,
+        n_experts=E,
+        top_k=K,
+        expert_hidden=8,
+        n_shared=1,
+        shared_hidden=8,
+    )
     return MoEFeedForward(cfg).double()
 
 
-def _reference(ff: MoEFeedForward, x: torch.Tensor, experts: torch.Tensor, w: torch.Tensor,
-               keep: torch.Tensor) -> torch.Tensor:
+def _reference(
+    ff: MoEFeedForward, x: torch.Tensor, experts: torch.Tensor, w: torch.Tensor, keep: torch.Tensor
+) -> torch.Tensor:
     rows = []
     for t in range(x.shape[0]):
         y = ff.shared(x[t : t + 1])[0]

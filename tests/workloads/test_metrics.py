@@ -68,8 +68,9 @@ def test_qb_update_drives_skewed_router_towards_balance(estimator: str) -> None:
 
 def test_in_model_metrics_match_the_definitions() -> None:
     torch.manual_seed(1)
-    cfg = ModelConfig(vocab_size=10, d_model=16, n_heads=2, n_experts=6, top_k=2, expert_hidden=8, n_shared=1,
-                      shared_hidden=8)
+    cfg = ModelConfig(
+        vocab_size=10, d_model=16, n_heads=2, n_experts=6, top_k=2, expert_hidden=8, n_shared=1, shared_hidden=8
+    )
     layer = MoEFeedForward(cfg).eval()
     x = torch.randn(64, 16)
     layer(x, RoutingRuntime(DispatchSpec("fixed_all_to_all", 2, 6, 1.0)))

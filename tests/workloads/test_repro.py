@@ -39,12 +39,16 @@ def test_short_repro_run_reports_every_arm(tiny_tokens: Path, tmp_path: Path) ->
         {"name": "ragged", "dispatch": "ragged", "capacity_factor": 1.15},
         {"name": "wf", "dispatch": "waterfilling", "capacity_factor": 1.05},
     ]
-    cfg = parse_config({
-        "threads": 1, "inputs": {"tokens": str(tiny_tokens)},
-        "model": {**TINY_MODEL, "n_experts": 8}, "moe": {"ranks": 2},
-        "train": {"steps": 4, "batch_size": 4, "checkpoint_every": 2},
-        "repro": {"train_arm": "pw", "late_window": 2, "arms": arms},
-    })
+    cfg = parse_config(
+        {
+            "threads": 1,
+            "inputs": {"tokens": str(tiny_tokens)},
+            "model": {**TINY_MODEL, "n_experts": 8},
+            "moe": {"ranks": 2},
+            "train": {"steps": 4, "batch_size": 4, "checkpoint_every": 2},
+            "repro": {"train_arm": "pw", "late_window": 2, "arms": arms},
+        }
+    )
     res = run_repro(cfg, tmp_path)
     assert [r["arm"] for r in res["table"]] == ["fixed1", "pw", "ragged", "wf"]
     assert [r["in_training_forward"] for r in res["table"]] == [False, True, False, False]
@@ -55,8 +59,10 @@ def test_short_repro_run_reports_every_arm(tiny_tokens: Path, tmp_path: Path) ->
     # The headline each arm reports (what lineage records and the nightly verdict compares) carries
     # the median's standard error, which the verdict scales its tolerance by.
     for row in res["table"]:
-        assert res["repro"][row["arm"]] == {"late_median_drop": row["median_drop"],
-                                            "late_median_drop_se": row["median_drop_se"]}
+        assert res["repro"][row["arm"]] == {
+            "late_median_drop": row["median_drop"],
+            "late_median_drop_se": row["median_drop_se"],
+        }
         assert row["median_drop_se"] >= 0.0
 
 
@@ -118,11 +124,15 @@ def test_route_records_the_same_routing_as_forward(tiny_tokens: Path) -> None:
 
 
 def test_separate_measurement_batch(tiny_tokens: Path, tmp_path: Path) -> None:
-    arms = [{"name": "pw", "dispatch": "pooled_wave", "capacity_factor": 1.0, "transport_capacity_factor": 1.0},
-            {"name": "fixed1", "dispatch": "fixed_all_to_all", "capacity_factor": 1.0}]
+    arms = [
+        {"name": "pw", "dispatch": "pooled_wave", "capacity_factor": 1.0, "transport_capacity_factor": 1.0},
+        {"name": "fixed1", "dispatch": "fixed_all_to_all", "capacity_factor": 1.0},
+    ]
     base = {
-        "threads": 1, "inputs": {"tokens": str(tiny_tokens)},
-        "model": {**TINY_MODEL, "n_experts": 8}, "moe": {"ranks": 2},
+        "threads": 1,
+        "inputs": {"tokens": str(tiny_tokens)},
+        "model": {**TINY_MODEL, "n_experts": 8},
+        "moe": {"ranks": 2},
         "train": {"steps": 5, "batch_size": 2, "checkpoint_every": 5},
         "repro": {"train_arm": "pw", "late_window": 2, "measure_batch_size": 6, "arms": arms},
     }
@@ -139,14 +149,17 @@ def test_separate_measurement_batch(tiny_tokens: Path, tmp_path: Path) -> None:
 
 
 def test_early_window_measured_like_the_late_one(tiny_tokens: Path, tmp_path: Path) -> None:
-    arms = [{"name": "pw", "dispatch": "pooled_wave", "capacity_factor": 1.0, "transport_capacity_factor": 1.0},
-            {"name": "wf", "dispatch": "waterfilling", "capacity_factor": 1.0, "marin_early_drop": 0.0074}]
+    arms = [
+        {"name": "pw", "dispatch": "pooled_wave", "capacity_factor": 1.0, "transport_capacity_factor": 1.0},
+        {"name": "wf", "dispatch": "waterfilling", "capacity_factor": 1.0, "marin_early_drop": 0.0074},
+    ]
     base = {
-        "threads": 1, "inputs": {"tokens": str(tiny_tokens)},
-        "model": {**TINY_MODEL, "n_experts": 8}, "moe": {"ranks": 2},
+        "threads": 1,
+        "inputs": {"tokens": str(tiny_tokens)},
+        "model": {**TINY_MODEL, "n_experts": 8},
+        "moe": {"ranks": 2},
         "train": {"steps": 8, "batch_size": 2, "checkpoint_every": 8},
-        "repro": {"train_arm": "pw", "late_window": 2, "measure_batch_size": 6, "early_steps": [3],
-                  "arms": arms},
+        "repro": {"train_arm": "pw", "late_window": 2, "measure_batch_size": 6, "early_steps": [3], "arms": arms},
     }
     res = run_repro(parse_config(base), tmp_path)
     rows = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -163,14 +176,23 @@ def test_early_window_measured_like_the_late_one(tiny_tokens: Path, tmp_path: Pa
 
 
 def test_transient_steps_reported_one_by_one(tiny_tokens: Path, tmp_path: Path) -> None:
-    arms = [{"name": "pw", "dispatch": "pooled_wave", "capacity_factor": 1.0, "transport_capacity_factor": 1.0},
-            {"name": "rg", "dispatch": "ragged", "capacity_factor": 1.0}]
+    arms = [
+        {"name": "pw", "dispatch": "pooled_wave", "capacity_factor": 1.0, "transport_capacity_factor": 1.0},
+        {"name": "rg", "dispatch": "ragged", "capacity_factor": 1.0},
+    ]
     base = {
-        "threads": 1, "inputs": {"tokens": str(tiny_tokens)},
-        "model": {**TINY_MODEL, "n_experts": 8}, "moe": {"ranks": 2},
+        "threads": 1,
+        "inputs": {"tokens": str(tiny_tokens)},
+        "model": {**TINY_MODEL, "n_experts": 8},
+        "moe": {"ranks": 2},
         "train": {"steps": 8, "batch_size": 2, "checkpoint_every": 8},
-        "repro": {"train_arm": "pw", "late_window": 1, "measure_batch_size": 6, "transient_steps": [2, 4],
-                  "arms": arms},
+        "repro": {
+            "train_arm": "pw",
+            "late_window": 1,
+            "measure_batch_size": 6,
+            "transient_steps": [2, 4],
+            "arms": arms,
+        },
     }
     res = run_repro(parse_config(base), tmp_path)
     rows = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
@@ -213,12 +235,18 @@ def test_a_stopped_reproduction_saves_its_step_and_resumes(tiny_tokens: Path, tm
     steps = 300
     arms = [{"name": "wf", "dispatch": "waterfilling", "capacity_factor": 1.05}]
     cfg = tmp_path / "repro.json"
-    cfg.write_text(json.dumps({
-        "threads": 1, "inputs": {"tokens": str(tiny_tokens)},
-        "model": {**TINY_MODEL, "n_experts": 8}, "moe": {"ranks": 2},
-        "train": {"steps": steps, "batch_size": 4, "checkpoint_every": 1000},
-        "repro": {"train_arm": "wf", "late_window": 2, "arms": arms},
-    }))
+    cfg.write_text(
+        json.dumps(
+            {
+                "threads": 1,
+                "inputs": {"tokens": str(tiny_tokens)},
+                "model": {**TINY_MODEL, "n_experts": 8},
+                "moe": {"ranks": 2},
+                "train": {"steps": steps, "batch_size": 4, "checkpoint_every": 1000},
+                "repro": {"train_arm": "wf", "late_window": 2, "arms": arms},
+            }
+        )
+    )
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     cmd = [sys.executable, "-m", "workloads.moe", "repro", "--config", str(cfg), "--out", str(out)]

@@ -34,7 +34,11 @@ def _stage(stage: str, tmp: Path, env: dict[str, str]) -> subprocess.CompletedPr
     out = tmp / {"tokenize": "tokens"}.get(stage, stage)
     return subprocess.run(
         [sys.executable, "-m", "workloads.moe", stage, "--config", str(path), "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -56,8 +60,10 @@ def test_six_stage_chain_end_to_end(tmp_path: Path) -> None:
     assert ev["wandb_run_id"] and list((tmp_path / "eval" / "wandb").glob("offline-run-*"))
     # Restarting a finished stage resumes from its checkpoint instead of training again.
     proc = _stage("midtrain", tmp_path, env)
-    assert proc.returncode == 0 and json.loads((tmp_path / "midtrain" / "metrics.json").read_text())[
-        "resumed_from_step"] == 3
+    assert (
+        proc.returncode == 0
+        and json.loads((tmp_path / "midtrain" / "metrics.json").read_text())["resumed_from_step"] == 3
+    )
 
 
 def test_cli_bad_input_is_one_line_exit_2(tmp_path: Path) -> None:
@@ -65,7 +71,10 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path: Path) -> None:
     cfg.write_text("inputs: {tokens: /nonexistent}\nmoe: {dispatch: pooled_wave}\n")
     proc = subprocess.run(
         [sys.executable, "-m", "workloads.moe", "pretrain", "--config", str(cfg), "--out", str(tmp_path / "o")],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: inputs.tokens") and proc.stderr.count("\n") == 1
@@ -81,7 +90,10 @@ def test_set_overrides_one_key_of_the_config(tmp_path: Path) -> None:
     def data(*extra: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "workloads.moe", "data", "--config", str(cfg), *extra],
-            cwd=ROOT, capture_output=True, text=True, timeout=120,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
 
     proc = data("--out", str(tmp_path / "d"), "--set", "seed=7", "--set", "data.max_sft_examples=5")
@@ -89,8 +101,11 @@ def test_set_overrides_one_key_of_the_config(tmp_path: Path) -> None:
     manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
     assert manifest["seed"] == 7 and manifest["sft"]["train"]["examples"] == 5
 
-    for bad, said in (("seed", "expected KEY=VALUE"), ("seed.x=1", "'seed' is a value, not a section"),
-                      ("data..x=1", "expected KEY=VALUE")):
+    for bad, said in (
+        ("seed", "expected KEY=VALUE"),
+        ("seed.x=1", "'seed' is a value, not a section"),
+        ("data..x=1", "expected KEY=VALUE"),
+    ):
         proc = data("--out", str(tmp_path / "bad"), "--set", bad)
         assert proc.returncode == 2 and said in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
         assert not (tmp_path / "bad").exists()
@@ -100,9 +115,15 @@ def test_extends_starts_from_another_config_and_lays_this_files_keys_on_top(tmp_
     """A variant file holds only its differences (`extends: base.yaml`, relative to the file): mappings
     merge key by key, lists are replaced whole, `--set` still applies last; a missing base or a loop is a
     one-line error before anything is written."""
-    (tmp_path / "base.yaml").write_text(yaml.safe_dump(
-        {"seed": 3, "data": {"max_bytes_per_domain": 50_000, "max_sft_examples": 20, "heldout_fraction": 0.1},
-         "repro": {"early_steps": [5, 6], "late_window": 9}}))
+    (tmp_path / "base.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "seed": 3,
+                "data": {"max_bytes_per_domain": 50_000, "max_sft_examples": 20, "heldout_fraction": 0.1},
+                "repro": {"early_steps": [5, 6], "late_window": 9},
+            }
+        )
+    )
     sub = tmp_path / "variants"
     sub.mkdir()
     (sub / "v.yaml").write_text("extends: ../base.yaml\ndata: {max_sft_examples: 7}\nrepro: {early_steps: [4]}\n")
@@ -110,12 +131,19 @@ def test_extends_starts_from_another_config_and_lays_this_files_keys_on_top(tmp_
 
     cfg = load_config(sub / "v.yaml", ["seed=5"])
     assert (cfg.seed, cfg.data.max_bytes_per_domain, cfg.data.max_sft_examples, cfg.data.heldout_fraction) == (
-        5, 50_000, 7, 0.1)
+        5,
+        50_000,
+        7,
+        0.1,
+    )
     assert cfg.repro.early_steps == [4] and cfg.repro.late_window == 9
 
     proc = subprocess.run(
         [sys.executable, "-m", "workloads.moe", "data", "--config", str(sub / "v.yaml"), "--out", str(tmp_path / "d")],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
@@ -125,12 +153,26 @@ def test_extends_starts_from_another_config_and_lays_this_files_keys_on_top(tmp_
     (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
     (tmp_path / "lost.yaml").write_text("extends: nowhere.yaml\n")
     (tmp_path / "odd.yaml").write_text("extends: [base.yaml]\n")
-    for name, said in (("a.yaml", "extends loops back on itself: a.yaml -> b.yaml -> a.yaml"),
-                       ("lost.yaml", "nowhere.yaml (extended by"), ("odd.yaml", "extends: expected the path")):
+    for name, said in (
+        ("a.yaml", "extends loops back on itself: a.yaml -> b.yaml -> a.yaml"),
+        ("lost.yaml", "nowhere.yaml (extended by"),
+        ("odd.yaml", "extends: expected the path"),
+    ):
         proc = subprocess.run(
-            [sys.executable, "-m", "workloads.moe", "data", "--config", str(tmp_path / name),
-             "--out", str(tmp_path / "bad")],
-            cwd=ROOT, capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "-m",
+                "workloads.moe",
+                "data",
+                "--config",
+                str(tmp_path / name),
+                "--out",
+                str(tmp_path / "bad"),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert proc.returncode == 2 and said in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
         assert not (tmp_path / "bad").exists()
@@ -148,7 +190,10 @@ def test_a_training_stage_reports_progress_on_stderr(tmp_path: Path, tiny_tokens
         cfg.write_text(json.dumps(train_cfg(tiny_tokens, steps=steps, checkpoint_every=3)))
         return subprocess.run(
             [sys.executable, "-m", "workloads.moe", "pretrain", "--config", str(cfg), "--out", str(tmp_path / "p")],
-            cwd=ROOT, capture_output=True, text=True, timeout=300,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
 
     proc = pretrain(6)

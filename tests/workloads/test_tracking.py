@@ -36,7 +36,12 @@ def _stage(out: Path, config: dict, section: dict) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     proc = subprocess.run(
         [sys.executable, "-c", STAGE, str(out), json.dumps(config), json.dumps(section)],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.strip().splitlines()[-1]
@@ -82,14 +87,21 @@ def test_a_wandb_section_without_the_library_is_one_line_not_a_traceback(tmp_pat
     cfg.write_text(json.dumps({**train_cfg(tiny_tokens), "wandb": {"project": "p"}}))
     out = tmp_path / "pretrain"
     argv = ["pretrain", "--config", str(cfg), "--out", str(out)]
-    proc = subprocess.run([sys.executable, "-c", WITHOUT_WANDB, *argv], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", WITHOUT_WANDB, *argv], capture_output=True, text=True, cwd=ROOT, timeout=120, check=False
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.startswith("error: the config has a wandb: section but the wandb library is not installed")
     assert "--set wandb=null" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     assert not (out / "checkpoint").exists() and not (out / "metrics.jsonl").exists()
     # The way out the message names works in that same Python.
-    proc = subprocess.run([sys.executable, "-c", WITHOUT_WANDB, *argv, "--set", "wandb=null"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", WITHOUT_WANDB, *argv, "--set", "wandb=null"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
     assert (out / "checkpoint").is_dir() and (out / "metrics.jsonl").is_file()

@@ -156,4 +156,3 @@ def test_the_workload_stops_on_the_signals_the_orchestrator_reads_as_preemption(
     from workloads.moe.util import StopSignals
 
     assert StopSignals.SIGNALS == STOP_SIGNALS
-

@@ -29,7 +29,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="YAML or JSON stage config")
     ap.add_argument("--out", required=True, help="output directory (also the resume point)")
     ap.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE",
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
         help="override one config key (dotted, value read as YAML), e.g. --set seed=1; repeatable",
     )
     args = ap.parse_args(argv)

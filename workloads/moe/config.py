@@ -92,9 +92,7 @@ class InputsConfig:
 
 @dataclass
 class DataConfig:
-    domains: dict[str, str] = field(
-        default_factory=lambda: {"code": "stdlib:code", "prose": "stdlib:docstrings"}
-    )
+    domains: dict[str, str] = field(default_factory=lambda: {"code": "stdlib:code", "prose": "stdlib:docstrings"})
     max_bytes_per_domain: int = 4_000_000
     heldout_fraction: float = 0.05
     min_doc_chars: int = 64
@@ -406,9 +404,7 @@ def validate_model(m: ModelConfig, ranks: int) -> None:
             "(routing takes the top-(K+1) biased scores)"
         )
     if m.d_model % m.n_heads or (m.d_model // m.n_heads) % 2:
-        raise ConfigError(
-            f"config: model.d_model={m.d_model} must split into n_heads={m.n_heads} heads of even width"
-        )
+        raise ConfigError(f"config: model.d_model={m.d_model} must split into n_heads={m.n_heads} heads of even width")
     if ranks < 1 or m.n_experts % ranks:
         raise ConfigError(
             f"config: model.n_experts={m.n_experts} is not divisible by moe.ranks={ranks} "
@@ -430,9 +426,7 @@ def validate(cfg: Config, stage: str) -> None:
     mo = cfg.moe
     validate_dispatch(mo.dispatch, mo.capacity_factor, mo.transport_capacity_factor, mo.waves, mo.chunks, "moe")
     if mo.qb_estimator not in QB_ESTIMATORS:
-        raise ConfigError(
-            f"config: moe.qb_estimator '{mo.qb_estimator}' is not one of {', '.join(QB_ESTIMATORS)}"
-        )
+        raise ConfigError(f"config: moe.qb_estimator '{mo.qb_estimator}' is not one of {', '.join(QB_ESTIMATORS)}")
     if mo.qb_hist_bins < 2:
         raise ConfigError(f"config: moe.qb_hist_bins={mo.qb_hist_bins} must be at least 2")
     if stage in ("pretrain", "repro") or "model" in cfg.given:
@@ -448,9 +442,7 @@ def validate(cfg: Config, stage: str) -> None:
         )
     if cfg.train.steps < 1 or cfg.train.checkpoint_every < 1:
         raise ConfigError("config: train.steps and train.checkpoint_every must be >= 1")
-    if any(w < 0 for w in cfg.train.mixture.values()) or (
-        cfg.train.mixture and sum(cfg.train.mixture.values()) <= 0
-    ):
+    if any(w < 0 for w in cfg.train.mixture.values()) or (cfg.train.mixture and sum(cfg.train.mixture.values()) <= 0):
         raise ConfigError("config: train.mixture weights must be >= 0 and not all zero")
     if not 0 < cfg.data.heldout_fraction < 1:
         raise ConfigError("config: data.heldout_fraction must be in (0, 1)")
@@ -464,8 +456,9 @@ def validate(cfg: Config, stage: str) -> None:
         if len(set(names)) != len(names) or not all(names):
             raise ConfigError("config: repro.arms need unique, non-empty names")
         for i, a in enumerate(rp.arms):
-            validate_dispatch(a.dispatch, a.capacity_factor, a.transport_capacity_factor, a.waves, a.chunks,
-                              f"repro.arms[{i}]")
+            validate_dispatch(
+                a.dispatch, a.capacity_factor, a.transport_capacity_factor, a.waves, a.chunks, f"repro.arms[{i}]"
+            )
         if rp.train_arm and rp.train_arm not in names:
             raise ConfigError(f"config: repro.train_arm '{rp.train_arm}' is not one of repro.arms ({names})")
         if rp.late_window < 1 or rp.late_window > cfg.train.steps:

@@ -63,11 +63,9 @@ def _read(p: Path) -> str | None:
 # Regexes instead of `ast`: parsing every stdlib file costs ~25 ms each (tens of seconds for a tiny
 # corpus on 2 cores); a docstring is a triple-quoted string at the start of a file or right after a
 # `def ...:`/`class ...:` line, which these patterns find in a few milliseconds per file.
-_DOC_RE = re.compile(
-    r'(?:\A|:[ \t]*(?:#[^\n]*)?\n)[ \t]*[rRuU]?("""|\'\'\')(.*?)\1', re.DOTALL
-)
+_DOC_RE = re.compile(r'(?:\A|:[ \t]*(?:#[^\n]*)?\n)[ \t]*[rRuU]?("""|\'\'\')(.*?)\1', re.DOTALL)
 _DEF_RE = re.compile(
-    r'^[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)[ \t]*\(((?:[^()]|\([^()]*\))*)\)[ \t]*(?:->[^:\n]*)?:[ \t]*\n'
+    r"^[ \t]*(?:async[ \t]+)?def[ \t]+(\w+)[ \t]*\(((?:[^()]|\([^()]*\))*)\)[ \t]*(?:->[^:\n]*)?:[ \t]*\n"
     r'[ \t]*[rRuU]?("""|\'\'\')(.*?)\3',
     re.DOTALL | re.MULTILINE,
 )
@@ -83,8 +81,9 @@ def _sft_pairs(source: str, min_chars: int) -> list[dict[str, str]]:
     for m in _DEF_RE.finditer(source):
         name, args, doc = m.group(1), " ".join(m.group(2).split()), inspect.cleandoc(m.group(4))
         if len(doc) >= min_chars // 2 and len(args) < 300:
-            out.append({"prompt": f"### Function:\ndef {name}({args})\n### Docstring:\n",
-                        "response": doc.strip() + "\n"})
+            out.append(
+                {"prompt": f"### Function:\ndef {name}({args})\n### Docstring:\n", "response": doc.strip() + "\n"}
+            )
     return out
 
 
@@ -174,7 +173,8 @@ def run_data(cfg: Config, out: Path) -> dict[str, object]:
                 raise WorkloadError(f"data: domain '{name}' ({src}) has no {s} documents; raise the size cap")
             atomic_write_text(d / f"{s}.jsonl", "\n".join(buf[s]) + "\n")
         manifest["domains"][name] = {  # type: ignore[index]
-            "source": src, **{s: {"docs": len(buf[s]), "bytes": size[s]} for s in SPLITS}
+            "source": src,
+            **{s: {"docs": len(buf[s]), "bytes": size[s]} for s in SPLITS},
         }
 
     # Post-training pairs from stdlib functions (always available, whatever the domains are).
@@ -196,7 +196,9 @@ def run_data(cfg: Config, out: Path) -> dict[str, object]:
         atomic_write_text(out / "sft" / f"{s}.jsonl", "\n".join(sft[s]) + "\n")
         manifest["sft"][s] = {"examples": len(sft[s])}  # type: ignore[index]
     metrics = {
-        f"data/{n}/{s}_bytes": v[s]["bytes"] for n, v in manifest["domains"].items() for s in SPLITS  # type: ignore[union-attr]
+        f"data/{n}/{s}_bytes": v[s]["bytes"]
+        for n, v in manifest["domains"].items()
+        for s in SPLITS  # type: ignore[union-attr]
     }
     metrics.update({f"data/sft/{s}_examples": len(sft[s]) for s in SPLITS})
     atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=2))

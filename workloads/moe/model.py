@@ -163,8 +163,9 @@ class MoEFeedForward(nn.Module):
         beta = torch.kthvalue(m.view(ranks, T, self.E), T - q + 1, dim=1).values  # q-th largest
         return beta.mean(0)
 
-    def _experts(self, x: torch.Tensor, experts: torch.Tensor, w: torch.Tensor,
-                 keep: torch.Tensor | None) -> torch.Tensor:
+    def _experts(
+        self, x: torch.Tensor, experts: torch.Tensor, w: torch.Tensor, keep: torch.Tensor | None
+    ) -> torch.Tensor:
         """sum over kept assignments of w * Expert(x) (dropped ones contribute 0), plus shared experts."""
         N = x.shape[0]
         flat_e = experts.reshape(-1)
@@ -249,8 +250,9 @@ class MoEFeedForward(nn.Module):
                 lse = torch.logsumexp(sd, dim=-1)
                 p_mean = torch.exp(sd - lse[:, None]).mean(0)
                 f = c_all.to(sd.dtype) / max(1, N * self.K)
-                vals = torch.stack([self.E * (self.K * f * p_mean).sum(), lse.pow(2).mean(),
-                                    routing_entropy(c_all).to(sd.dtype)]).tolist()
+                vals = torch.stack(
+                    [self.E * (self.K * f * p_mean).sum(), lse.pow(2).mean(), routing_entropy(c_all).to(sd.dtype)]
+                ).tolist()
                 self.last_stats = LayerStats(
                     counts=c_all.tolist(),
                     sender_dropped=res.sender_dropped,

@@ -140,8 +140,13 @@ def demand_units(experts: torch.Tensor, P: int, E: int, chunks: int) -> dict[str
     expert = torch.bincount(e, minlength=E).double()
     chunk = torch.bincount(dest * ch + (e % El) // (El // ch), minlength=P * ch).double()
     group = torch.bincount(dest, minlength=P).double()
-    return {"cell": (cell, A / E), "pool": (pool, A / P), "expert": (expert, P * A / E),
-            "chunk": (chunk, A / ch), "group": (group, float(A))}
+    return {
+        "cell": (cell, A / E),
+        "pool": (pool, A / P),
+        "expert": (expert, P * A / E),
+        "chunk": (chunk, A / ch),
+        "group": (group, float(A)),
+    }
 
 
 def demand_cv(layers_experts: list[torch.Tensor], P: int, E: int, chunks: int) -> dict[str, float]:
@@ -264,7 +269,7 @@ def run_repro(cfg: Config, out: Path) -> dict[str, Any]:
             if signalled:
                 raise Preempted(signals.signum, step + 1)  # type: ignore[arg-type]
         rows = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines() if ln.strip()]
-        late = rows[-rp.late_window:]
+        late = rows[-rp.late_window :]
         early = [r for r in rows if r["step"] in set(rp.early_steps)]
         table = []
         for a in rp.arms:
@@ -273,45 +278,93 @@ def run_repro(cfg: Config, out: Path) -> dict[str, Any]:
             svals = [r[f"repro/{a.name}/moe/sender_drop_fraction"] for r in late]
             rvals = [r[f"repro/{a.name}/moe/receiver_drop_fraction"] for r in late]
             spec, info = arms[a.name]
-            table.append({"arm": a.name, "dispatch": a.dispatch, "median_drop": statistics.median(vals),
-                          "median_drop_se": median_stderr(vals),
-                          "min": min(vals), "max": max(vals), "median_sender": statistics.median(svals),
-                          "median_receiver": statistics.median(rvals), "marin_drop": a.marin_drop,
-                          "in_training_forward": a.name == rp.train_arm, **info})
+            table.append(
+                {
+                    "arm": a.name,
+                    "dispatch": a.dispatch,
+                    "median_drop": statistics.median(vals),
+                    "median_drop_se": median_stderr(vals),
+                    "min": min(vals),
+                    "max": max(vals),
+                    "median_sender": statistics.median(svals),
+                    "median_receiver": statistics.median(rvals),
+                    "marin_drop": a.marin_drop,
+                    "in_training_forward": a.name == rp.train_arm,
+                    **info,
+                }
+            )
             if evals:
-                table[-1].update({"early_median_drop": statistics.median(evals), "early_min": min(evals),
-                                  "early_max": max(evals), "marin_early_drop": a.marin_early_drop})
+                table[-1].update(
+                    {
+                        "early_median_drop": statistics.median(evals),
+                        "early_min": min(evals),
+                        "early_max": max(evals),
+                        "marin_early_drop": a.marin_early_drop,
+                    }
+                )
         demand = {}
         for u in UNITS:
-            mu = {"cell": T * K / E, "pool": T * K / P, "expert": P * T * K / E, "chunk": T * K / chunks,
-                  "group": T * K}[u]
-            demand[u] = {"mu": mu, "cv": statistics.median(r[f"repro/demand/{u}/cv"] for r in late),
-                         "poisson_cv": 1.0 / math.sqrt(mu)}
+            mu = {
+                "cell": T * K / E,
+                "pool": T * K / P,
+                "expert": P * T * K / E,
+                "chunk": T * K / chunks,
+                "group": T * K,
+            }[u]
+            demand[u] = {
+                "mu": mu,
+                "cv": statistics.median(r[f"repro/demand/{u}/cv"] for r in late),
+                "poisson_cv": 1.0 / math.sqrt(mu),
+            }
         early_demand = {u: statistics.median(r[f"repro/demand/{u}/cv"] for r in early) for u in UNITS} if early else {}
         transient = [
-            {"step": r["step"], "train_loss": r["train/loss"],
-             "drop": {a.name: r[f"repro/{a.name}/moe/drop_fraction"] for a in rp.arms},
-             "demand_cv": {u: r[f"repro/demand/{u}/cv"] for u in UNITS}}
-            for r in rows if r["step"] in set(rp.transient_steps)
+            {
+                "step": r["step"],
+                "train_loss": r["train/loss"],
+                "drop": {a.name: r[f"repro/{a.name}/moe/drop_fraction"] for a in rp.arms},
+                "demand_cv": {u: r[f"repro/demand/{u}/cv"] for u in UNITS},
+            }
+            for r in rows
+            if r["step"] in set(rp.transient_steps)
         ]
         summary = {
-            "train_arm": rp.train_arm, "late_window": [late[0]["step"], late[-1]["step"]],
+            "train_arm": rp.train_arm,
+            "late_window": [late[0]["step"], late[-1]["step"]],
             "early_steps": [r["step"] for r in early],
             "early_train_loss": {r["step"]: r["train/loss"] for r in early},
-            "measure_batch_size": MB, "separate_measure_batch": separate, "train_batch_size": B,
-            "tokens_per_rank": T, "assignments_per_rank": T * K, "sequences_per_rank": MB // P, "ranks": P,
-            "experts": E, "top_k": K, "experts_per_rank": E // P, "layers": mc.n_layers, "context": mc.context,
-            "final_train_loss": rows[-1]["train/loss"], "first_train_loss": rows[0]["train/loss"],
-            "train_tokens_seen": tokens_seen, "demand": demand, "early_demand_cv": early_demand,
+            "measure_batch_size": MB,
+            "separate_measure_batch": separate,
+            "train_batch_size": B,
+            "tokens_per_rank": T,
+            "assignments_per_rank": T * K,
+            "sequences_per_rank": MB // P,
+            "ranks": P,
+            "experts": E,
+            "top_k": K,
+            "experts_per_rank": E // P,
+            "layers": mc.n_layers,
+            "context": mc.context,
+            "final_train_loss": rows[-1]["train/loss"],
+            "first_train_loss": rows[0]["train/loss"],
+            "train_tokens_seen": tokens_seen,
+            "demand": demand,
+            "early_demand_cv": early_demand,
             "transient": transient,
-            "model_config": dataclasses.asdict(mc), "wandb_run_id": tr.run_id, "table": table,
+            "model_config": dataclasses.asdict(mc),
+            "wandb_run_id": tr.run_id,
+            "table": table,
         }
         # The headline figures under one name in W&B's summary and in metrics.json (flattened, that is
         # what lineage and the nightly verdict compare): repro/<arm>/late_median_drop, and its
         # standard error (late_median_drop_se), which the verdict scales its tolerance by.
-        headline = {r["arm"]: {"late_median_drop": r["median_drop"], "late_median_drop_se": r["median_drop_se"],
-                               **({"early_median_drop": r["early_median_drop"]} if "early_median_drop" in r else {})}
-                    for r in table}
+        headline = {
+            r["arm"]: {
+                "late_median_drop": r["median_drop"],
+                "late_median_drop_se": r["median_drop_se"],
+                **({"early_median_drop": r["early_median_drop"]} if "early_median_drop" in r else {}),
+            }
+            for r in table
+        }
         summary["repro"] = headline
         tr.summary({f"repro/{arm}/{k}": v for arm, vals in headline.items() for k, v in vals.items()})
     atomic_write_text(out / "metrics.json", json.dumps(summary, indent=2, default=str))

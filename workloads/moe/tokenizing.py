@@ -48,9 +48,7 @@ def run_tokenize(cfg: Config, out: Path) -> dict[str, object]:
 
     domains = sorted(cm["domains"])
     docs = {
-        (d, s): [r["text"] for r in read_jsonl(corpus / "corpus" / d / f"{s}.jsonl")]
-        for d in domains
-        for s in SPLITS
+        (d, s): [r["text"] for r in read_jsonl(corpus / "corpus" / d / f"{s}.jsonl")] for d in domains for s in SPLITS
     }
 
     def train_iter() -> Iterator[str]:
@@ -74,8 +72,13 @@ def run_tokenize(cfg: Config, out: Path) -> dict[str, object]:
     atomic_write_text(out / "tokenizer.json", tok.to_str())
 
     manifest: dict[str, object] = {
-        "fingerprint": fp, "vocab_size": vocab, "eos_id": eos, "pad_id": tok.token_to_id(PAD),
-        "dtype": np.dtype(dtype).name, "shards": {}, "sft": {},
+        "fingerprint": fp,
+        "vocab_size": vocab,
+        "eos_id": eos,
+        "pad_id": tok.token_to_id(PAD),
+        "dtype": np.dtype(dtype).name,
+        "shards": {},
+        "sft": {},
     }
     metrics: dict[str, object] = {"tokenize/vocab_size": vocab}
     for (d, s), texts in docs.items():

@@ -172,8 +172,14 @@ def check_model_section(cfg: Config, mc: ModelConfig) -> None:
 
 
 def save_checkpoint(
-    out: Path, model: MoELM, opt: torch.optim.Optimizer, step: int, tokens_seen: int, stage: str,
-    cfg: Config, lineage: dict[str, Any],
+    out: Path,
+    model: MoELM,
+    opt: torch.optim.Optimizer,
+    step: int,
+    tokens_seen: int,
+    stage: str,
+    cfg: Config,
+    lineage: dict[str, Any],
 ) -> None:
     state = {
         "model_config": dataclasses.asdict(model.cfg),
@@ -190,8 +196,16 @@ def save_checkpoint(
     atomic_torch_save(state, out / CKPT)
     atomic_write_text(
         out / "checkpoint/meta.json",
-        json.dumps({"step": step, "tokens_seen": tokens_seen, "stage": stage,
-                    "model_config": state["model_config"], "lineage": lineage}, indent=2),
+        json.dumps(
+            {
+                "step": step,
+                "tokens_seen": tokens_seen,
+                "stage": stage,
+                "model_config": state["model_config"],
+                "lineage": lineage,
+            },
+            indent=2,
+        ),
     )
 
 
@@ -200,7 +214,8 @@ def make_optimizer(model: MoELM, cfg: Config) -> torch.optim.Optimizer:
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.train.lr, betas=(0.9, 0.95),
+        lr=cfg.train.lr,
+        betas=(0.9, 0.95),
     )
 
 
@@ -219,11 +234,19 @@ def runtime(
     with one arm's), so every `moe:` option reaches every stage from this one place."""
     mo = cfg.moe
     if spec is None:
-        spec = DispatchSpec(mo.dispatch, mo.ranks, mc.n_experts, mo.capacity_factor, mo.transport_capacity_factor,
-                            mo.waves, mo.chunks)
-    return RoutingRuntime(spec, qb=mo.qb, qb_estimator=mo.qb_estimator, qb_hist_bins=mo.qb_hist_bins,
-                          collect_metrics=collect, aux_loss_coef=mo.aux_loss_coef,
-                          z_loss_coef=mo.z_loss_coef, record_routing=record_routing)
+        spec = DispatchSpec(
+            mo.dispatch, mo.ranks, mc.n_experts, mo.capacity_factor, mo.transport_capacity_factor, mo.waves, mo.chunks
+        )
+    return RoutingRuntime(
+        spec,
+        qb=mo.qb,
+        qb_estimator=mo.qb_estimator,
+        qb_hist_bins=mo.qb_hist_bins,
+        collect_metrics=collect,
+        aux_loss_coef=mo.aux_loss_coef,
+        z_loss_coef=mo.z_loss_coef,
+        record_routing=record_routing,
+    )
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:
@@ -324,8 +347,11 @@ def run_train(cfg: Config, out: Path, stage: str) -> dict[str, Any]:
             tokens_seen += int(x.numel())
             now = time.perf_counter()
             m: dict[str, Any] = {
-                "train/loss": float(lm.detach()), "train/total_loss": float(loss.detach()), "train/lr": lr,
-                "train/grad_norm": float(gnorm), "train/tokens_seen": tokens_seen,
+                "train/loss": float(lm.detach()),
+                "train/total_loss": float(loss.detach()),
+                "train/lr": lr,
+                "train/grad_norm": float(gnorm),
+                "train/tokens_seen": tokens_seen,
                 "train/step_time_s": now - t_last,
             }
             t_last = now
