@@ -38,13 +38,13 @@ services-down:
 
 test: install services-up
 	set -a; [ -f $(INFRA_STATE)/services.env ] && . $(INFRA_STATE)/services.env; set +a; \
-	$(VENV)/bin/ruff check . && $(PY) -m pytest -q -rs $(PYTEST_ARGS)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(PY) -m pytest -q -rs $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -rs -m "not slow" $(PYTEST_ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 # Benchmarks compare against docker and sbatch, so the same services as the tests are started.
 bench: install services-up
