@@ -15,7 +15,8 @@ context: the launcher's log pump and the lease heartbeat are such threads. So
 each record with the flow run id (and the task run id when the record comes from inside a
 task), whatever thread logs it. Records at WARNING and above are sent: the library's INFO
 lines ("pipeline run X started") repeat what the flows already log. Secret values (of
-variables named like TOKEN, KEY, SECRET, PASSWORD) are masked before a line leaves the process.
+variables named like TOKEN, KEY, SECRET, PASSWORD) are masked in every record as it is made
+(:func:`orchestrator.secrets.mask_secrets_in_logs`), here and on the process's stderr alike.
 """
 
 from __future__ import annotations
@@ -47,16 +48,10 @@ class _RunLogHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         from prefect.context import FlowRunContext, TaskRunContext
 
-        from orchestrator.secrets import scrub
-
         if record.name.startswith(EXCLUDED_LOGGERS):
             return
-        # What reaches the UI is stored on the server: no secret value from this process's
-        # environment goes there, whatever a message quotes (a URL, a backend's error text).
-        message = record.getMessage()
-        clean = scrub(message)
-        if clean != message:
-            record = logging.makeLogRecord({**record.__dict__, "msg": clean, "args": None})
+        # Secret values were masked when the record was made (orchestrator.secrets), before any
+        # handler, this one included, could send the line to the server.
         if not getattr(record, "flow_run_id", None):
             record.flow_run_id = self.flow_run_id
             task_ctx = TaskRunContext.get()  # None outside a task and in helper threads

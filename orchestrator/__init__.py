@@ -6,4 +6,9 @@ data snapshots (:mod:`orchestrator.snapshots`) and stage identity
 (:mod:`orchestrator.identity`) produce the facts it records.
 """
 
+from orchestrator.secrets import mask_secrets_in_logs
+
 __version__ = "0.1.0"
+
+# Whoever imports any part of openlab gets log records with secret values masked (see there why).
+mask_secrets_in_logs()

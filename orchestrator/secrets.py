@@ -4,13 +4,17 @@ A variable is secret when its name contains TOKEN, KEY, SECRET, PASSWORD, PASSWD
 CREDENTIAL (``GITHUB_TOKEN``, ``WANDB_API_KEY``, ``AWS_SECRET_ACCESS_KEY``...). Secret
 values are passed to jobs through their environment but never recorded: records keep
 the names with ``***``, and text that is stored or shown (job logs, error messages,
-comments) has any secret value that appears in it replaced.
+comments) has any secret value that appears in it replaced. Log records are masked as they
+are made (:func:`mask_secrets_in_logs`), so no handler, ours or a library's, prints one.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import threading
+import traceback
 from collections.abc import Iterable, Mapping
 
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
@@ -99,3 +103,50 @@ def _redact(value: object, found: list[str]) -> object:
     if isinstance(value, list):
         return [_redact(v, found) for v in value]
     return value
+
+
+def _masked(record: logging.LogRecord) -> logging.LogRecord:
+    """``record`` with every secret value in its message and traceback replaced, in place."""
+    try:
+        message = record.getMessage()
+    except Exception:  # noqa: BLE001 - a bad format string is the handler's to report, as before
+        return record
+    found = secret_values()
+    if not found:
+        return record
+    clean = scrub(message, found)
+    if clean != message:
+        record.msg, record.args = clean, None
+    if record.exc_info and record.exc_info[0] is not None:
+        text = "".join(traceback.format_exception(*record.exc_info)).rstrip("\n")
+        clean = scrub(text, found)
+        if clean != text:  # handlers print exc_text when there is no exc_info left to format
+            record.exc_info, record.exc_text = None, clean
+    return record
+
+
+_mask_lock = threading.Lock()
+_masking_installed = False
+
+
+def mask_secrets_in_logs() -> None:
+    """Mask secret values in every log record this process creates, whoever logs it and wherever
+    it goes (stderr, a file, Prefect's API): a warning quoting a database URL or a backend's
+    error text must not carry a password out of the process. Installed once, when
+    :mod:`orchestrator` is imported, by wrapping the current log record factory (so a factory
+    installed before, Prefect's or a test runner's, still applies).
+
+    Records are made only for levels that will be handled, so the eager formatting costs nothing
+    for suppressed debug lines.
+    """
+    global _masking_installed
+    with _mask_lock:
+        if _masking_installed:
+            return
+        make = logging.getLogRecordFactory()
+
+        def factory(*args: object, **kwargs: object) -> logging.LogRecord:
+            return _masked(make(*args, **kwargs))
+
+        logging.setLogRecordFactory(factory)
+        _masking_installed = True

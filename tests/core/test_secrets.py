@@ -73,3 +73,35 @@ def test_the_store_never_writes_a_secret_into_records_or_events(monkeypatch: pyt
     for secret in ("ghp_param_secret_1", "env-secret-999", "wandb-secret-22"):
         assert secret not in written
     assert "cloned with ***" in written  # the param's value was also scrubbed from the other field
+
+
+#: A process that imports openlab the way ``openlab`` and the flows do, then logs three ways.
+_LOGS_A_SECRET = """
+import logging, os
+import orchestrator.cli.main  # what `openlab` imports
+token = os.environ["LAB_GITHUB_TOKEN"]
+logging.getLogger("orchestrator.links.github").warning("could not reach https://x:%s@api.github.test", token)
+logging.getLogger("urllib3.connectionpool").warning("retrying with %s", token)
+try:
+    raise RuntimeError(f"backend said: bad credential {token}")
+except RuntimeError:
+    logging.getLogger("openlab.pipeline").exception("stage failed")
+logging.getLogger("orchestrator.x").warning("nothing secret here: %d%%", 5)
+"""
+
+
+def test_no_log_line_carries_a_secret_to_stderr(tmp_path) -> None:
+    """Secret values are masked in every log record, the library's and a dependency's, with
+    tracebacks, on the way to stderr (no handler of ours involved: Python's last resort prints)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LAB_GITHUB_TOKEN": "ghp_s3cretvalue0123", "OPENLAB_HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", _LOGS_A_SECRET], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "ghp_s3cretvalue0123" not in proc.stderr + proc.stdout
+    assert "could not reach https://x:***@api.github.test" in proc.stderr
+    assert "retrying with ***" in proc.stderr
+    assert "RuntimeError: backend said: bad credential ***" in proc.stderr  # the traceback is kept, masked
+    assert "nothing secret here: 5%" in proc.stderr  # a record with no secret is formatted as before
