@@ -48,7 +48,8 @@ RELATION_KINDS: dict[str, str] = {
     "wasStartedBy": "activity was started by a trigger (UI, schedule, terminal)",
 }
 
-#: Stage-run and attempt states (PREEMPTED is an attempt's only: its stage run goes on in a new attempt).
+#: Stage-run and attempt states. A stage run is PREEMPTED between its preempted attempt and the
+#: next (which sets it RUNNING again); one whose orchestrator went away meanwhile stays so.
 STATES = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "REUSED", "LOST", "PREEMPTED")
 
 

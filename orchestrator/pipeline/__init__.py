@@ -3,15 +3,16 @@
 Used by ``openlab run`` / ``openlab explain`` (terminal, no Prefect) and by the Prefect
 flows in ``flows/`` alike, so both behave the same. Typical use from a flow::
 
-    from orchestrator.pipeline import PipelineHooks, RunOptions, execute_stage, finish_pipeline, start_recipe
+    from orchestrator.pipeline import PipelineHooks, RunOptions, execute_stage_resuming, finish_pipeline, start_recipe
 
     ctx = start_recipe("marin-535b-a23b", "tiny", options=RunOptions(backend="local", trigger="ui"),
                        hooks=PipelineHooks(on_log=..., on_transition=..., should_cancel=...))
     for stage in ctx.pipeline.order:       # one Prefect task per stage
-        execute_stage(ctx, stage)          # raises StageFailed / StageCancelled
+        execute_stage_resuming(ctx, stage) # runs a preempted job again; raises StageFailed / StageCancelled
     finish_pipeline(ctx)                   # COMPLETED / FAILED / CANCELLED from the stage results
 
-or everything at once: ``run_recipe(...)`` / ``run_pipeline(...)``; the dry run is
+(``execute_stage`` is one attempt: a preempted one leaves its stage run PREEMPTED), or everything
+at once: ``run_recipe(...)`` / ``run_pipeline(...)``; the dry run is
 ``explain_recipe(...)`` / ``plan(...)`` (``plan_markdown`` renders it); ``reconcile(store)`` closes
 stale stage runs and ``reconcile_pipeline_runs(store)`` pipeline runs a crashed process left RUNNING.
 """

@@ -35,7 +35,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -534,7 +534,7 @@ def pipeline_state(ctx: PipelineContext) -> str:
     states = [ctx.results[s].state if s in ctx.results else None for s in ctx.pipeline.order]
     if any(s == "CANCELLED" for s in states):
         return "CANCELLED"
-    if any(s == "FAILED" for s in states) or any(s is None for s in states):
+    if any(s in ("FAILED", "PREEMPTED") for s in states) or any(s is None for s in states):
         return "FAILED"
     return "COMPLETED"
 
@@ -789,7 +789,6 @@ def _conclude(
     metrics: Mapping[str, Any] | None = None,
     reused_from: str | None = None,
     attempt: Any = None,
-    announce: str | None = None,
 ) -> StageResult:
     """The one way a stage ends in this pipeline run: build its result, keep it, announce it.
 
@@ -797,8 +796,6 @@ def _conclude(
     in ``ctx.results`` that downstream stages and :func:`pipeline_state` read, and one
     transition for the hooks — so it is written once. A stage that did not complete keeps
     its stage run id in ``ctx.stage_runs``: a retry then adds an attempt to the same run.
-    ``announce`` names the transition when it is not the state (a preempted stage run is
-    FAILED until it is resumed, but says PREEMPTED).
     """
     result = StageResult(
         stage=spec.name,
@@ -820,9 +817,7 @@ def _conclude(
         ctx.results[spec.name] = result
         if result.ok:
             ctx.stage_runs.pop(spec.name, None)
-    ctx.emit(
-        spec.name, announce or state, identity=identity.digest, stage_run_id=stage_run_id, reason=reason, result=result
-    )
+    ctx.emit(spec.name, state, identity=identity.digest, stage_run_id=stage_run_id, reason=reason, result=result)
     return result
 
 
@@ -1149,9 +1144,7 @@ def _run_stage(
         raise StageCancelled(f"stage {spec.name} cancelled: {reason}", result)
     if status.state is JobState.PREEMPTED:
         reason = f"job {attempt.job_id} preempted: {status.reason}"
-        result = _finish_failed(
-            ctx, spec, run, identity, out_dir, "FAILED", reason, attempt, started, changes, announce="PREEMPTED"
-        )
+        result = _finish_failed(ctx, spec, run, identity, out_dir, "PREEMPTED", reason, attempt, started, changes)
         raise StagePreempted(f"stage {spec.name} {reason}", result)
     reason = f"job {attempt.job_id} {status.state}" + (
         f" (exit {status.exit_code})" if status.exit_code is not None else ""
@@ -1175,7 +1168,6 @@ def _finish_failed(
     attempt: Any,
     started: float,
     changes: list[str],
-    announce: str | None = None,
 ) -> StageResult:
     try:
         with ctx.store.transaction() as tx:
@@ -1193,7 +1185,6 @@ def _finish_failed(
         out_dir=out_dir,
         changes=changes,
         attempt=attempt,
-        announce=announce,
     )
 
 
@@ -1314,11 +1305,29 @@ def execute_stage_resuming(ctx: PipelineContext, name: str) -> StageResult:
             if preempted == limit:
                 times = f"{limit + 1} time{'s' if limit else ''}"
                 message = f"{exc}; preempted {times}, the limit ([pipeline] preemption_retries = {limit})"
-                stage_run_id = exc.result.stage_run_id if exc.result else None
-                ctx.emit(name, "FAILED", stage_run_id=stage_run_id, reason=message, result=exc.result)
-                raise StagePreempted(message, exc.result) from exc
+                result = _give_up_preempted(ctx, name, exc.result, message)
+                stage_run_id = result.stage_run_id if result else None
+                ctx.emit(name, "FAILED", stage_run_id=stage_run_id, reason=message, result=result)
+                raise StagePreempted(message, result) from exc
             transition_log.info("%s: resuming (%d of %d) after: %s", name, preempted + 1, limit, exc)
     raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+
+def _give_up_preempted(ctx: PipelineContext, name: str, result: StageResult | None, message: str) -> StageResult | None:
+    """Close a stage run left PREEMPTED as FAILED: nothing will run it again in this pipeline run."""
+    if result is None:
+        return None
+    try:
+        with ctx.store.transaction() as tx:
+            run = tx.get(StageRun, result.stage_run_id)
+            if run is not None and run.state == "PREEMPTED":
+                tx.update(run, state="FAILED", error=message)
+    except Exception:  # noqa: BLE001 - the preemption is what matters; the row says PREEMPTED
+        log.exception("could not record the end of stage run %s", result.stage_run_id)
+    failed = replace(result, state="FAILED", reason=message)
+    with ctx.lock:
+        ctx.results[name] = failed
+    return failed
 
 
 def _execute_with_retries(ctx: PipelineContext, name: str, retries: int) -> None:

@@ -25,6 +25,7 @@ from orchestrator.pipeline import (
     PipelineHooks,
     RunOptions,
     StageCancelled,
+    StageTransition,
     execute_stage,
     plan,
     preemption_retries,
@@ -370,10 +371,20 @@ def test_a_preempted_stage_runs_again_without_spending_a_retry(
     script.write_text(script.read_text() + PREEMPTED)
     monkeypatch.setenv("TOY_PREEMPT_MARKER", str(tmp_path / "preempted-once"))
     seen: list[tuple[str, str, str]] = []
-    hooks = PipelineHooks(on_transition=lambda e: seen.append((e.stage, e.state, e.reason)))
-    ctx = start_pipeline(toy_pipeline(repo), toy_configs(), options=fast(), hooks=hooks)
+    recorded_between: list[str] = []
+
+    def on_transition(e: StageTransition) -> None:
+        seen.append((e.stage, e.state, e.reason))
+        if e.state == "PREEMPTED":  # what an auditor reads before the next attempt starts
+            with LineageStore.open() as store:
+                recorded_between.append(store.require(StageRun, e.stage_run_id).state)
+
+    ctx = start_pipeline(
+        toy_pipeline(repo), toy_configs(), options=fast(), hooks=PipelineHooks(on_transition=on_transition)
+    )
     result = run_stages(ctx, retries=0)
     assert result.state == "COMPLETED", result.error
+    assert recorded_between == ["PREEMPTED"], "between attempts the stage run is preempted, not failed"
     (preempted,) = [s for s in seen if s[1] == "PREEMPTED"]
     assert preempted[0] == "upper" and preempted[2].startswith("job local-")
     assert "preempted: stopped by SIGTERM from outside" in preempted[2]
@@ -394,6 +405,7 @@ def test_a_preempted_stage_runs_again_without_spending_a_retry(
     with LineageStore.open() as store:
         (upper,) = store.list(StageRun, pipeline_run_id=again.pipeline_run.id, stage="upper")
         assert [a.state for a in store.list(Attempt, stage_run_id=upper.id)] == ["PREEMPTED", "PREEMPTED"]
+        assert upper.state == "FAILED" and "preempted 2 times" in (upper.error or ""), (upper.state, upper.error)
 
 
 def test_preemption_retries_setting(monkeypatch: pytest.MonkeyPatch, repo: Path) -> None:
