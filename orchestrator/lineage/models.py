@@ -133,6 +133,10 @@ class Artifact(LineageRecord, table=True):
     content_hash: str = Field(index=True)
     size: int = Field(default=0, sa_column=Column(BigInteger, nullable=False))
     created_at: dt.datetime = Field(default_factory=utcnow)
+    #: When ``openlab gc`` deleted its files, and why (the record stays: lineage is forever,
+    #: the bytes need not be). A removed artifact is not re-hashed by ``lineage verify``.
+    removed_at: dt.datetime | None = None
+    removed_reason: str | None = None
 
 
 class GithubIssue(LineageRecord, table=True):

@@ -7,8 +7,9 @@ Four checks, each naming every broken record it finds:
 2. the records: every row equals the content of its last event (a row edited in SQL
    behind openlab's back no longer does), every row has events, every record an
    event describes still exists;
-3. the data: snapshots and artifacts whose files are present are re-hashed (not
-   trusted from a stat cache) and compared with what was recorded;
+3. the data: snapshots and artifacts whose files are present (and not removed by
+   ``openlab gc``) are re-hashed (not trusted from a stat cache) and compared with what was
+   recorded;
 4. the code: every recorded commit still exists in its repository, and every dirty
    patch is still in the blob store with the recorded hash.
 """
@@ -120,8 +121,8 @@ def _check_data(store: LineageStore, settings: Settings, progress: Progress | No
         problems.extend(Problem(f"snapshot:{snap.id}", msg) for msg in found)
     for art in store.list(Artifact):
         path = Path(art.uri.removeprefix("file://"))
-        if not path.exists():
-            continue  # not present here: nothing to re-hash
+        if art.removed_at is not None or not path.exists():
+            continue  # removed by `openlab gc` (a re-run may have written new bytes there) or not here
         if progress:
             progress(f"artifact {art.name}")
         try:

@@ -670,6 +670,10 @@ def verify_outputs(outputs: Mapping[str, Any], settings: Settings, *, deep: bool
     return None
 
 
+#: How :func:`find_reusable` begins when the identity completed before but its outputs are gone or changed.
+NO_LONGER_VERIFY = "completed runs with this identity no longer verify: "
+
+
 def find_reusable(
     store: LineageStore, identity: str, settings: Settings, *, deep: bool = False
 ) -> tuple[StageRun | None, str]:
@@ -687,8 +691,17 @@ def find_reusable(
         problem = verify_outputs(run.outputs, settings, deep=deep)
         if problem is None:
             return run, f"identity {identity[:16]} already completed by {run.id}; outputs verified"
-        problems.append(f"{run.id}: {problem}")
-    return None, "completed runs with this identity no longer verify: " + "; ".join(problems)
+        problems.append(f"{run.id}: {_removed_by_gc(store, run) or problem}")
+    return None, NO_LONGER_VERIFY + "; ".join(problems)
+
+
+def _removed_by_gc(store: LineageStore, run: StageRun) -> str | None:
+    """ "outputs removed by openlab gc on DATE" when that is why ``run``'s outputs are gone."""
+    for out in run.outputs.values():
+        art = store.get(Artifact, out.get("artifact_id") or "") if isinstance(out, dict) else None
+        if art is not None and art.removed_at is not None:
+            return f"outputs removed by openlab gc on {art.removed_at:%Y-%m-%d %H:%M} UTC"
+    return None
 
 
 def last_completed(

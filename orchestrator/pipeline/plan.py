@@ -20,6 +20,7 @@ from orchestrator.lineage import leases
 from orchestrator.lineage.store import LineageStore
 from orchestrator.pipeline.dag import Pipeline, moe_pipeline
 from orchestrator.pipeline.execute import (
+    NO_LONGER_VERIFY,
     backend_environments,
     describe_changes,
     environment_values,
@@ -147,6 +148,7 @@ def plan(
                 known[spec.name] = None
                 plans.append(item)
                 continue
+            why = ""
             if not forced:
                 original, why = find_reusable(store, identity.digest, settings)
                 if original is not None:
@@ -166,6 +168,8 @@ def plan(
                 )
             elif forced:
                 item.reason = "forced"
+            elif why.startswith(NO_LONGER_VERIFY):  # same identity, but its outputs are gone or changed
+                item.reason = why
             elif previous is None:
                 item.reason = "no earlier completed run of this stage"
             else:

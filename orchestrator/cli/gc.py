@@ -1,0 +1,113 @@
+"""``openlab gc``: free the disk that old stage outputs hold, keeping their lineage."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+import typer
+from rich.filesize import decimal
+from rich.markup import escape
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+from rich.table import Table
+
+from orchestrator.cli.output import console, print_json
+from orchestrator.errors import ConfigError
+from orchestrator.pipeline.gc import DEFAULT_KEEP_LAST, DEFAULT_UNUSED_FOR, GcPlan, collect, plan_gc
+
+
+def gc_cmd(
+    keep: Annotated[
+        int, typer.Option("--keep", help="Keep the outputs of the last N completed runs of each recipe and replica.")
+    ] = DEFAULT_KEEP_LAST,
+    unused_for: Annotated[
+        str,
+        typer.Option(
+            "--unused-for", help="Only outputs no run made or reused for this long (90m, 12h, 7d, 2w) or since a date."
+        ),
+    ] = DEFAULT_UNUSED_FOR,
+    stage: Annotated[list[str] | None, typer.Option("--stage", help="Only outputs of this stage (repeatable).")] = None,
+    recipe: Annotated[str | None, typer.Option("--recipe", help="Only outputs runs of this recipe used.")] = None,
+    replica: Annotated[str | None, typer.Option("--replica", help="Only outputs runs of this replica used.")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be removed; remove nothing.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Remove without asking (scripts, schedules).")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object for scripts.")] = False,
+) -> None:
+    """Delete stage outputs (checkpoints, token shards) nobody uses any more; keep their lineage.
+
+    Kept: outputs of the last --keep completed runs of each recipe and replica, outputs made or
+    reused within --unused-for, outputs a running pipeline or job uses, and recorded data
+    snapshots. The rest is deleted and each artifact record is marked removed (when, by whom,
+    why); stage runs, jobs and W&B runs stay, so `lineage trace` still answers, and a later run
+    of the same stage identity runs it again. `openlab gc --dry-run` shows what would go.
+    """
+    from orchestrator.lineage.listing import parse_when
+    from orchestrator.lineage.store import open_store
+    from orchestrator.settings import load_settings
+
+    if keep < 0:
+        raise ConfigError(f"invalid --keep {keep}: give 0 or more completed runs to keep")
+    used_since = parse_when(unused_for)
+    settings = load_settings()
+    store = open_store(settings, create=False)
+    plan = plan_gc(store, settings, keep_last=keep, used_since=used_since, stages=stage, recipe=recipe, replica=replica)
+    removable = plan.removable
+    if not dry_run and removable and not yes:
+        if not sys.stdin.isatty():
+            raise ConfigError(
+                f"{len(removable)} output folder(s) ({decimal(sum(o.bytes for o in removable))}) would be deleted: "
+                "pass --yes to delete them, or --dry-run to list them"
+            )
+        _print_plan(plan)
+        if not typer.confirm(f"Delete {len(removable)} output folder(s)?", default=False):
+            raise typer.Exit(1)
+    elif not json_out:
+        _print_plan(plan)
+    if dry_run or not removable:
+        if json_out:
+            print_json({"dry_run": dry_run, **plan.to_dict()})
+        return
+    if json_out or not console.is_terminal:
+        done = collect(store, settings, plan)
+    else:
+        with Progress(TextColumn("removing"), BarColumn(), DownloadColumn(), console=console, transient=True) as bar:
+            task = bar.add_task("gc", total=sum(o.bytes for o in removable))
+            done = collect(store, settings, plan, progress=lambda o: bar.advance(task, o.bytes))
+    removed = [o for o in done if o.outcome == "removed"]
+    if json_out:
+        print_json({"dry_run": False, **plan.to_dict()})
+    else:
+        for o in done:
+            if o.outcome != "removed":
+                console.print(f"{o.stage} {o.identity[:16]}: {o.outcome}", markup=False)
+        console.print(
+            f"removed {len(removed)} output folder(s), {decimal(sum(o.bytes for o in removed))}; "
+            "their records say when and why (`openlab lineage show ART`)",
+            markup=False,
+        )
+    if len(removed) < len(done):
+        raise typer.Exit(1)
+
+
+def _print_plan(plan: GcPlan) -> None:
+    removable = plan.removable
+    if removable:
+        table = Table(title="stage outputs to delete")
+        for header in ("stage", "identity", "used by", "last used (UTC)", "size"):
+            table.add_column(header, justify="right" if header == "size" else "left", overflow="fold")
+        for o in removable:
+            table.add_row(
+                escape(o.stage),
+                o.identity[:16],
+                escape(", ".join(o.recipes)),
+                f"{o.last_used:%Y-%m-%d %H:%M}",
+                decimal(o.bytes),
+            )
+        console.print(table)
+    kept = ", ".join(f"{n} {why}" for why, n in sorted(plan.kept_by_reason().items())) or "none"
+    console.print(
+        f"{len(removable)} to delete ({decimal(sum(o.bytes for o in removable))}); kept: {kept} "
+        f"(last {plan.keep_last} completed runs of each recipe and replica, used since "
+        f"{plan.used_since:%Y-%m-%d %H:%M} UTC)",
+        markup=False,
+    )

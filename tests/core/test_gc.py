@@ -1,0 +1,151 @@
+"""`openlab gc`: old stage outputs leave the disk, their lineage stays, and a later run copes.
+
+Real toy pipelines (real jobs, real git) on real SQLite and PostgreSQL (the `store` fixture);
+the command as a subprocess and in a terminal.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+
+import pytest
+
+from orchestrator.lineage import Artifact, LineageStore, StageRun, utcnow
+from orchestrator.lineage.verify import verify
+from orchestrator.pipeline import RunOptions, execute_stage, finish_pipeline, plan, run_pipeline, start_pipeline
+from orchestrator.pipeline.execute import output_dir
+from orchestrator.pipeline.gc import DATA_SNAPSHOT, IN_USE, LAST_RUNS, RECENT, collect, plan_gc
+from orchestrator.settings import load_settings
+from tests.pipeline.toy import make_repo, toy_configs, toy_pipeline
+
+LATER = utcnow() + dt.timedelta(hours=1)  # "unused since an hour from now": age alone keeps nothing
+
+
+def _options() -> RunOptions:
+    return RunOptions(wait_poll=0.05, lease_ttl=10)
+
+
+def _three_runs(repo: Path) -> dict[str, dict[str, str]]:
+    """Three completed runs of the toy pipeline with different data: every stage's identity
+    differs between them. Returns run label -> stage -> identity."""
+    found = {}
+    for label, n in (("a", 5), ("b", 6), ("c", 7)):
+        result = run_pipeline(toy_pipeline(repo), toy_configs(n=n), options=_options())
+        assert result.state == "COMPLETED", result.error
+        found[label] = {name: r.identity for name, r in result.results.items()}
+    return found
+
+
+def _executions(ledger: Path) -> list[str]:
+    return [line.split()[0] for line in ledger.read_text().splitlines()] if ledger.exists() else []
+
+
+def test_gc_removes_unused_outputs_keeps_records_and_a_later_run_reruns_them(
+    store: LineageStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ledger = tmp_path / "ledger.txt"
+    monkeypatch.setenv("TOY_LEDGER", str(ledger))
+    repo = make_repo(tmp_path)
+    ids = _three_runs(repo)
+    settings = load_settings()
+
+    # a fourth run, still going, has reused run b's first two stages: b's upper is in use now
+    ctx = start_pipeline(toy_pipeline(repo), toy_configs(n=6), options=_options())
+    for stage in ("gen", "upper"):
+        assert execute_stage(ctx, stage).state == "REUSED"
+    # everything is "old"; only the last completed run keeps its outputs by count
+    gc_plan = plan_gc(store, settings, keep_last=1, used_since=LATER)
+    label = {identity: f"{run}.{stage}" for run, stages in ids.items() for stage, identity in stages.items()}
+    decided = {label[o.identity]: o.keep for o in gc_plan.outputs}
+    assert decided == {
+        "a.gen": DATA_SNAPSHOT,  # a recorded data snapshot: lineage verify proves data against it
+        "b.gen": IN_USE,
+        "c.gen": DATA_SNAPSHOT,
+        "a.upper": None,
+        "b.upper": IN_USE,
+        "c.upper": LAST_RUNS,
+        "a.count": None,
+        "b.count": None,
+        "c.count": LAST_RUNS,
+    }, decided
+    removable = {label[o.identity] for o in gc_plan.removable}
+    assert all(o.bytes > 0 for o in gc_plan.removable)
+
+    done = collect(store, settings, gc_plan)
+    assert {label[o.identity]: o.outcome for o in done} == {name: "removed" for name in removable}
+    for o in done:
+        assert not o.folder.exists() and not o.folder.with_suffix(".config.json").exists()
+        assert not list(o.folder.parent.glob(f".{o.folder.name}.gc-*")), "nothing left aside"
+    for run, stages in ids.items():  # what was kept is untouched
+        for stage, identity in stages.items():
+            if f"{run}.{stage}" not in removable:
+                assert output_dir(settings, stage, identity).is_dir(), f"{run}.{stage}"
+    finish_pipeline(ctx)
+
+    # the records stay, each artifact saying when, by whom and why its bytes went
+    removed = store.list(Artifact, where=[Artifact.removed_at.is_not(None)])  # type: ignore[union-attr]
+    assert len(removed) == len(removable) == 3
+    for art in removed:
+        assert art.removed_reason and art.removed_reason.startswith("openlab gc by ")
+        assert "in none of the last 1 completed runs" in art.removed_reason
+    assert store.list(StageRun, where=[StageRun.identity == ids["a"]["upper"]])[0].state == "COMPLETED"
+    assert verify(store, settings) == [], "a removal is recorded, not a broken record"
+
+    # run a's data again: gen is reused, upper and count run again, saying why
+    explained = {p.stage: p for p in plan(toy_pipeline(repo), toy_configs(n=5))}
+    assert explained["gen"].action == "reuse"
+    assert explained["upper"].action == "run"
+    assert "outputs removed by openlab gc on" in explained["upper"].reason, explained["upper"].reason
+    before = len(_executions(ledger))
+    again = run_pipeline(toy_pipeline(repo), toy_configs(n=5), options=_options())
+    assert again.state == "COMPLETED", again.error
+    assert _executions(ledger)[before:] == ["upper", "count"]
+    assert output_dir(settings, "upper", ids["a"]["upper"]).is_dir()
+    assert verify(store, settings) == []
+
+    # with a week's window, all of it is recent: nothing goes
+    week = plan_gc(store, settings, keep_last=0, used_since=utcnow() - dt.timedelta(days=7))
+    assert week.removable == [] and {o.keep for o in week.outputs} <= {RECENT, DATA_SNAPSHOT}
+
+
+def test_gc_filters_narrow_what_may_go(store: LineageStore, tmp_path: Path) -> None:
+    repo = make_repo(tmp_path)
+    ids = _three_runs(repo)
+    settings = load_settings()
+    only_count = plan_gc(store, settings, keep_last=0, used_since=LATER, stages=["count"])
+    assert {o.identity for o in only_count.removable} == {ids[r]["count"] for r in "abc"}
+    assert plan_gc(store, settings, keep_last=0, used_since=LATER, recipe="another").outputs == []
+
+
+def test_the_command(run_cli, run_cli_tty, store: LineageStore, tmp_path: Path) -> None:
+    repo = make_repo(tmp_path)
+    ids = _three_runs(repo)
+    settings = load_settings()
+
+    # a script that forgot --yes deletes nothing and says what to do
+    refused = run_cli("gc", "--unused-for", "2026-01-01T00:00+00:00", "--keep", "0")
+    assert refused.returncode == 0 and "0 to delete" in refused.stdout, refused.stdout + refused.stderr
+    refused = run_cli("gc", "--unused-for", "0s", "--keep", "1")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert refused.stderr.count("\n") == 1 and "pass --yes to delete them, or --dry-run" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert output_dir(settings, "upper", ids["a"]["upper"]).is_dir()
+
+    looked = run_cli("gc", "--unused-for", "0s", "--keep", "1", "--dry-run", "--json")
+    assert looked.returncode == 0, looked.stderr
+    report = json.loads(looked.stdout)
+    assert report["dry_run"] is True and report["bytes_removable"] > 0
+    assert {o["identity"] for o in report["remove"]} == {ids[r][s] for r in "ab" for s in ("upper", "count")}
+    assert output_dir(settings, "upper", ids["a"]["upper"]).is_dir(), "a dry run removes nothing"
+
+    for bad, message in ((["--keep", "-1"], "invalid --keep -1"), (["--unused-for", "soon"], "cannot read 'soon'")):
+        out = run_cli("gc", *bad)
+        assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+    code, screen = run_cli_tty("gc", "--unused-for", "0s", "--keep", "1", "--stage", "count", "--yes")
+    assert code == 0, screen
+    assert "stage outputs to delete" in screen and "removed 2 output folder(s)" in screen, screen
+    assert not output_dir(settings, "count", ids["a"]["count"]).exists()
+    assert output_dir(settings, "upper", ids["a"]["upper"]).is_dir(), "--stage count left upper alone"
