@@ -45,6 +45,7 @@ DEFAULT_NIGHTLY_CRON = "0 2 * * *"
 DEFAULT_DROPS_NIGHTLY_CRON = "0 4 * * *"
 DEFAULT_NIGHTLY_TIMEZONE = "UTC"
 RECONCILE_DEPLOYMENT = "reconcile"
+GC_DEPLOYMENT = "gc"
 DEFAULT_RECONCILE_EVERY_S = 600
 TAGS = ["openlab"]
 
@@ -83,7 +84,8 @@ def nightly_cron(
         CronSchedule(cron=cron, timezone=DEFAULT_NIGHTLY_TIMEZONE)
     except ValueError:
         raise ConfigError(
-            f"invalid nightly cron {cron!r} ([prefect] {key}): use five fields, e.g. '0 2 * * *' (02:00 daily)"
+            f"invalid {'nightly ' if 'nightly' in key else ''}cron {cron!r} ([prefect] {key}): use five fields, "
+            "e.g. '0 2 * * *' (02:00 daily)"
         ) from None
     return cron
 
@@ -103,6 +105,14 @@ def reconcile_every(settings: Settings | None = None) -> float:
     return every
 
 
+def gc_cron(settings: Settings | None = None) -> str | None:
+    """When the outputs gc runs for real: ``[prefect] gc_cron`` (none by default: deleting a lab's
+    checkpoints on a schedule is a choice someone makes, with the keep rules they chose)."""
+    settings = settings or load_settings()
+    raw = settings.section("prefect").get("gc_cron")
+    return nightly_cron(settings, str(raw), key="gc_cron") if raw else None
+
+
 def nightly_timezone(settings: Settings | None = None) -> str:
     """The nightly schedule's time zone (``[prefect] nightly_timezone``, UTC by default)."""
     settings = settings or load_settings()
@@ -116,7 +126,8 @@ def build_deployments(
     nightly_parameters: dict[str, Any] | None = None,
     paused_nightly: bool = False,
 ) -> list[RunnerDeployment]:
-    """The pipeline, the two nightlies and the reaper (not yet registered). Call inside :func:`in_repo_root`.
+    """The pipeline, the two nightlies, the reaper and the outputs gc (not yet registered). Call inside
+    :func:`in_repo_root`.
 
     ``paused_nightly`` registers every schedule paused (``make demo`` runs no runner to take them).
     """
@@ -124,6 +135,7 @@ def build_deployments(
     from prefect.deployments.runner import EntrypointType
     from prefect.schedules import Cron, Interval
 
+    from flows.gc import collect_outputs
     from flows.nightly import nightly_replica
     from flows.pipeline import replica_pipeline
     from flows.reconcile import reconcile_lineage
@@ -184,7 +196,21 @@ def build_deployments(
         concurrency_limit=one_at_a_time,
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
-    return [pipeline, nightly, drops, reaper]
+    gc_schedule = gc_cron(settings)
+    gc = collect_outputs.to_deployment(
+        name=GC_DEPLOYMENT,
+        description=(
+            "Delete stage outputs (checkpoints, token shards) that no recent, kept or running run uses; "
+            "their lineage records stay, marked removed. A dry run unless dry_run is unticked; "
+            "[prefect] gc_cron schedules it for real."
+        ),
+        schedules=[Cron(gc_schedule, timezone=timezone, parameters={"dry_run": False})] if gc_schedule else None,
+        paused=paused_nightly,
+        tags=[*TAGS, "maintenance"],
+        concurrency_limit=one_at_a_time,
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )
+    return [pipeline, nightly, drops, reaper, gc]
 
 
 def apply_deployments(deployments: Iterable[RunnerDeployment], *, work_pool: str | None = None) -> dict[str, str]:
@@ -207,11 +233,13 @@ __all__ = [
     "DEFAULT_DROPS_NIGHTLY_CRON",
     "DEFAULT_NIGHTLY_CRON",
     "DROPS_NIGHTLY_DEPLOYMENT",
+    "GC_DEPLOYMENT",
     "NIGHTLY_DEPLOYMENT",
     "PIPELINE_DEPLOYMENT",
     "RECONCILE_DEPLOYMENT",
     "apply_deployments",
     "build_deployments",
+    "gc_cron",
     "in_repo_root",
     "nightly_cron",
     "reconcile_every",

@@ -47,11 +47,12 @@ def deploy(
     paused_nightly: bool = typer.Option(False, "--paused-nightly", help="Register every schedule paused."),
 ) -> None:
     """Create or update the ``replica-pipeline/replica``, ``nightly-replica/nightly``,
-    ``nightly-replica/nightly-drops`` and ``lineage-reconcile/reconcile`` deployments."""
+    ``nightly-replica/nightly-drops``, ``lineage-reconcile/reconcile`` and ``outputs-gc/gc`` deployments."""
     from flows.deployments import (
         DEFAULT_DROPS_NIGHTLY_CRON,
         apply_deployments,
         build_deployments,
+        gc_cron,
         in_repo_root,
         reconcile_every,
     )
@@ -76,6 +77,11 @@ def deploy(
     every = reconcile_every(settings)
     reaper = f"every {every:g} s{paused}" if every else "none (run it from the UI or `openlab lineage reconcile`)"
     console.print(f"reconcile schedule: {reaper}", highlight=False)
+    gc_schedule = gc_cron(settings)
+    gc_says = (
+        f"{gc_schedule} (UTC){paused}" if gc_schedule else "none (a dry run from the UI; [prefect] gc_cron sets one)"
+    )
+    console.print(f"outputs gc schedule: {gc_says}", highlight=False)
     if work_pool is None:
         console.print("runs execute where the deployments are served: keep `openlab server` running", highlight=False)
 

@@ -85,7 +85,7 @@ def gc_cmd(
             "their records say when and why (`openlab lineage show ART`)",
             markup=False,
         )
-    if len(removed) < len(done):
+    if any(o.failed for o in done):
         raise typer.Exit(1)
 
 

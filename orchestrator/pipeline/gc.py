@@ -68,6 +68,11 @@ class Output:
     #: After :func:`collect`: "removed", or why it could not be.
     outcome: str | None = None
 
+    @property
+    def failed(self) -> bool:
+        """Whether :func:`collect` tried and could not remove it (skipping one in use is no failure)."""
+        return self.outcome is not None and self.outcome != "removed" and not self.outcome.startswith("skipped")
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "folder": str(self.folder),

@@ -346,6 +346,56 @@ def test_reconcile_deployment_cancels_the_job_of_a_dead_orchestrator(served: Ser
         launcher.cancel(handle)
 
 
+def test_outputs_gc_deployment_is_a_dry_run_until_told_otherwise(
+    served: Served, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`outputs-gc/gc` from the API: by default it only reports (log, artifact); unticking dry_run
+    removes the old outputs and marks their artifact records, keeping the last run's."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    from orchestrator.lineage import Artifact
+    from orchestrator.pipeline import RunOptions, run_pipeline
+    from orchestrator.pipeline.execute import output_dir
+    from orchestrator.settings import load_settings
+    from tests.pipeline.toy import make_repo, toy_configs, toy_pipeline
+
+    monkeypatch.setenv("OPENLAB_HOME", str(served.home))  # lineage and outputs where the served flows look
+    repo = make_repo(tmp_path)
+    ids = {}
+    for n in (5, 6):
+        result = run_pipeline(toy_pipeline(repo), toy_configs(n=n), options=RunOptions(wait_poll=0.05))
+        assert result.state == "COMPLETED", result.error
+        ids[n] = {stage: r.identity for stage, r in result.results.items()}
+    settings = load_settings()
+    old = [output_dir(settings, stage, ids[5][stage]) for stage in ("upper", "count")]
+    params = {"keep": 1, "unused_for": "0s", "stages": ["upper", "count"]}
+
+    def report(flow_run_id: Any) -> str:
+        with get_client(sync_client=True) as client:
+            (artifact,) = client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+            )
+        assert artifact.key == "outputs-gc"
+        return str(artifact.data)
+
+    dry = wait_flow_run(start_run("outputs-gc/gc", params), 120)
+    assert dry.state.is_completed(), (dry.state, served.log()[-3000:])
+    said = report(dry.id)
+    assert "would remove" in said and all(ids[5][s][:16] in said for s in ("upper", "count")), said
+    assert all(folder.is_dir() for folder in old), "the default run from the UI deleted something"
+
+    real = wait_flow_run(start_run("outputs-gc/gc", {**params, "dry_run": False}), 120)
+    assert real.state.is_completed(), (real.state, served.log()[-3000:])
+    said = report(real.id)
+    assert said.startswith("**removed") and ids[6]["upper"][:16] not in said, said
+    assert not any(folder.exists() for folder in old)
+    assert all(output_dir(settings, s, ids[6][s]).is_dir() for s in ("upper", "count")), "the last run's outputs stay"
+    with LineageStore(served.db_url) as store:
+        gone = [a for a in store.list(Artifact) if a.removed_at is not None and a.uri in {str(f) for f in old}]
+    assert len(gone) == 2 and all("openlab gc by" in (a.removed_reason or "") for a in gone)
+
+
 def _flow_process(flow_run_id: Any) -> int | None:
     """The pid of the process running ``flow_run_id`` (the runner puts the id in its environment)."""
     from pathlib import Path

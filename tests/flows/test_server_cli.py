@@ -20,6 +20,7 @@ PIPELINE = "replica-pipeline/replica"
 NIGHTLY = "nightly-replica/nightly"
 DROPS_NIGHTLY = "nightly-replica/nightly-drops"
 RECONCILE = "lineage-reconcile/reconcile"
+GC = "outputs-gc/gc"
 
 
 def _cli(module: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -67,13 +68,26 @@ def test_deploy_registers_parameter_schema_and_nightly_cron(prefect_server: Pref
     assert reaper_schedule.schedule.interval == dt.timedelta(seconds=600)
     assert reaper.parameter_openapi_schema["properties"]["dry_run"]["default"] is False
 
-    # Registering again updates in place; the default cron is 02:00 UTC.
-    again = _cli("deploy", "--api-url", prefect_server.api_url, env=env)
+    # the outputs gc: a dry run from the UI, and no schedule until someone chooses one
+    assert "outputs gc schedule: none" in done.stdout
+    with get_client(sync_client=True) as client:
+        gc = client.read_deployment_by_name(GC)
+    assert gc.schedules == [] and gc.parameter_openapi_schema["properties"]["dry_run"]["default"] is True
+    assert {"keep", "unused_for", "stages", "recipe", "replica"} <= set(gc.parameter_openapi_schema["properties"])
+
+    # Registering again updates in place; the default cron is 02:00 UTC; [prefect] gc_cron schedules
+    # the gc, and the schedule's runs delete (the deployment's default stays a dry run)
+    again = _cli("deploy", "--api-url", prefect_server.api_url, env={**env, "OPENLAB_PREFECT__GC_CRON": "0 6 * * 0"})
     assert again.returncode == 0, again.stderr
+    assert "outputs gc schedule: 0 6 * * 0 (UTC)" in again.stdout
     with get_client(sync_client=True) as client:
         (schedule,) = client.read_deployment_by_name(NIGHTLY).schedules
         assert client.read_deployment_by_name(PIPELINE).id == pipeline.id
+        gc = client.read_deployment_by_name(GC)
     assert schedule.schedule.cron == "0 2 * * *"
+    (gc_schedule,) = gc.schedules
+    assert gc_schedule.schedule.cron == "0 6 * * 0" and gc_schedule.parameters == {"dry_run": False}
+    assert gc.parameters.get("dry_run", True) is True
 
 
 def test_deploy_errors_are_one_clear_line(prefect_server: PrefectServer, tmp_path: Path) -> None:
@@ -87,6 +101,10 @@ def test_deploy_errors_are_one_clear_line(prefect_server: PrefectServer, tmp_pat
     assert too_often.stderr.strip() == (
         "error: invalid [prefect] reconcile_every_s 5: use seconds, at least 60 (e.g. 600), or 0 for no schedule"
     )
+    (tmp_path / "openlab.toml").write_text("")
+    bad_gc = _cli("deploy", "--api-url", prefect_server.api_url, env={**env, "OPENLAB_PREFECT__GC_CRON": "weekly"})
+    assert bad_gc.returncode == 2 and "Traceback" not in bad_gc.stderr
+    assert "error: invalid cron 'weekly' ([prefect] gc_cron)" in bad_gc.stderr, bad_gc.stderr
     nobody = f"http://127.0.0.1:{free_port()}/api"
     down = _cli("deploy", "--api-url", nobody, env=env)
     assert down.returncode == 2 and "openlab server" in down.stderr and "Traceback" not in down.stderr

@@ -1,0 +1,90 @@
+"""``openlab gc`` as a deployment: free the disk old stage outputs hold, from the UI or on a schedule.
+
+Nightly replicas write a new set of checkpoints each time the code changes; a lab that runs
+them for months fills its filesystem. This flow runs :mod:`orchestrator.pipeline.gc` with the
+same rules as the command (keep the last N completed runs of each recipe and replica, anything
+used recently, anything in use, recorded data snapshots) and says what it removed in its log
+and a markdown artifact. From the UI it is a dry run unless ``dry_run`` is unticked; the
+schedule (``[prefect] gc_cron``, none by default) runs it for real.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from orchestrator.pipeline.gc import DEFAULT_KEEP_LAST, DEFAULT_UNUSED_FOR
+
+
+@flow(
+    name="outputs-gc",
+    description="Delete stage outputs no recent, kept or running run uses; their lineage records stay.",
+)
+def collect_outputs(
+    keep: int = DEFAULT_KEEP_LAST,
+    unused_for: str = DEFAULT_UNUSED_FOR,
+    stages: list[str] | None = None,
+    recipe: str | None = None,
+    replica: str | None = None,
+    dry_run: bool = True,
+) -> dict[str, Any]:
+    """Remove old stage output folders and mark their artifact records removed; report each.
+
+    Args:
+        keep: Keep the outputs of the last N completed runs of each recipe and replica.
+        unused_for: Only outputs no run made or reused for this long (90m, 12h, 7d, 2w).
+        stages: Only outputs of these stages (empty: all).
+        recipe: Only outputs runs of this recipe used.
+        replica: Only outputs runs of this replica used.
+        dry_run: Only say what would be removed (the default from the UI).
+    """
+    from prefect.artifacts import create_markdown_artifact
+    from rich.filesize import decimal
+
+    from orchestrator.cards import md_cell
+    from orchestrator.lineage.listing import parse_when
+    from orchestrator.lineage.store import LineageStore
+    from orchestrator.pipeline.gc import collect, plan_gc
+    from orchestrator.settings import load_settings
+
+    logger = get_run_logger()
+    settings = load_settings()
+    with LineageStore.open(settings) as store:
+        plan = plan_gc(
+            store,
+            settings,
+            keep_last=keep,
+            used_since=parse_when(unused_for),
+            stages=stages,
+            recipe=recipe,
+            replica=replica,
+        )
+        removable = plan.removable
+        size = decimal(sum(o.bytes for o in removable))
+        kept = ", ".join(f"{n} {why}" for why, n in sorted(plan.kept_by_reason().items())) or "none"
+        if not dry_run and removable:
+            for out in collect(store, settings, plan):
+                line = f"{out.stage} {out.identity[:16]} ({decimal(out.bytes)}): {out.outcome}"
+                (logger.info if out.outcome == "removed" else logger.warning)(line)
+    verb = "would remove" if dry_run else "removed"
+    headline = f"{verb} {len(removable)} output folder(s), {size}; kept {kept}"
+    logger.info(headline)
+    rows = [
+        f"| {md_cell(o.stage)} | `{o.identity[:16]}` | {md_cell(', '.join(o.recipes))} "
+        f"| {o.last_used:%Y-%m-%d %H:%M} | {decimal(o.bytes)} | {md_cell(o.outcome or 'dry run')} |"
+        for o in removable
+    ]
+    table = ["| stage | identity | used by | last used (UTC) | size | outcome |", "|---|---|---|---|---|---|", *rows]
+    create_markdown_artifact(
+        key="outputs-gc", markdown="\n".join([f"**{headline}**", "", *(table if rows else [])]), description=headline
+    )
+    failed = [o for o in removable if o.failed]
+    if failed:
+        raise RuntimeError(
+            f"{len(failed)} output folder(s) could not be removed: " + "; ".join(o.outcome or "" for o in failed)
+        )
+    return {"dry_run": dry_run, **plan.to_dict()}
+
+
+__all__ = ["collect_outputs"]
