@@ -58,7 +58,11 @@ def run_cmd(
     image: str = typer.Option(None, "--image", help="container image (docker, kubernetes)"),
     cpus: float = typer.Option(None, "--cpus", help="CPUs for the job"),
     memory: str = typer.Option(None, "--memory", help="memory limit, e.g. 512M or 2G"),
-    gpus: int = typer.Option(0, "--gpus", help="GPUs for the job"),
+    gpus: int = typer.Option(0, "--gpus", help="GPUs for the job (per node)"),
+    nodes: int = typer.Option(1, "--nodes", help="machines for the job (slurm)"),
+    tasks_per_node: int = typer.Option(
+        1, "--tasks-per-node", help="processes per machine, each given RANK, WORLD_SIZE, MASTER_ADDR... (slurm)"
+    ),
     time_limit: str = typer.Option(None, "--time-limit", help="seconds, MM:SS, HH:MM:SS, 1h, 30m"),
     env: list[str] = typer.Option(None, "--env", "-e", help="KEY=VALUE for the job's environment (repeatable)"),
     option: list[str] = typer.Option(
@@ -95,6 +99,8 @@ def run_cmd(
         cpus=cpus,
         memory=memory,
         gpus=gpus,
+        nodes=nodes,
+        tasks_per_node=tasks_per_node,
         time_limit=parse_duration(time_limit) if time_limit else None,
         labels=labels,
         options=_pairs(option, "--option"),

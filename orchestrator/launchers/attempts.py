@@ -78,7 +78,9 @@ def handle_from_attempt(attempt: Attempt) -> JobHandle:
 def submit_attempt(
     store: LineageStore, launcher: Launcher, spec: JobSpec, *, stage_run_id: str | None = None
 ) -> tuple[Attempt, JobHandle]:
-    """Submit ``spec`` and record the attempt; a refused submit is recorded FAILED and re-raised."""
+    """Submit ``spec`` and record the attempt; a refused submit is recorded FAILED and re-raised
+    (a job the backend could never run as asked is refused first, with nothing recorded)."""
+    launcher.refuse_unsupported(spec)
     number = next_attempt_number(store, stage_run_id)
     attempt = Attempt(
         stage_run_id=stage_run_id,

@@ -145,10 +145,20 @@ class JobSpec:
     time_limit: int | None = None
     labels: Mapping[str, str] = field(default_factory=dict)
     options: Mapping[str, Any] = field(default_factory=dict)
+    #: A job of several processes: ``nodes`` machines × ``tasks_per_node`` each (``cpus``,
+    #: ``memory`` and ``gpus`` are per task, per node and per node, as Slurm counts them). Each
+    #: task is told its place the way ``torch.distributed``'s ``env://`` reads it: RANK,
+    #: WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT.
+    nodes: int = 1
+    tasks_per_node: int = 1
 
     def __post_init__(self) -> None:
         if not self.command:
             raise OpenlabError("a job needs a command")
+        for what in ("nodes", "tasks_per_node"):
+            value = getattr(self, what)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise OpenlabError(f"{what.replace('_', ' ')} must be a whole number of at least 1, got {value!r}")
         if self.memory is not None:
             parse_memory(self.memory)  # fail early on "lots"
         if self.time_limit is not None and self.time_limit <= 0:
@@ -158,12 +168,19 @@ class JobSpec:
     def memory_bytes(self) -> int | None:
         return parse_memory(self.memory) if self.memory else None
 
+    @property
+    def tasks(self) -> int:
+        """How many processes the job runs in all."""
+        return self.nodes * self.tasks_per_node
+
     def resources(self) -> dict[str, Any]:
         """The resources this job asks for, only those set, with its backend options (a Slurm
         partition, a QoS): what its attempt records."""
         asked: dict[str, Any] = {"cpus": self.cpus, "memory": self.memory, "time_limit": self.time_limit}
         if self.gpus:
             asked["gpus"] = self.gpus
+        if self.tasks > 1:
+            asked.update(nodes=self.nodes, tasks_per_node=self.tasks_per_node)
         if self.options:
             asked["options"] = dict(self.options)
         return {k: v for k, v in asked.items() if v is not None}
@@ -234,6 +251,8 @@ class Launcher(ABC):
     name: str = "base"
     #: Default seconds between status polls in :meth:`wait`.
     poll_interval: float = 0.5
+    #: Whether a job may be several tasks (:attr:`JobSpec.nodes`, :attr:`JobSpec.tasks_per_node`).
+    multi_task: bool = False
 
     def __init__(self, settings: Settings | None = None, config: Mapping[str, Any] | None = None) -> None:
         from orchestrator.settings import load_settings
@@ -281,6 +300,14 @@ class Launcher(ABC):
     def image_labels(self, image: str | None = None) -> dict[str, str] | None:
         """The labels of the image a job would run; None where they cannot be read here."""
         return None
+
+    def refuse_unsupported(self, spec: JobSpec) -> None:
+        """Refuse, before anything is submitted or recorded, a job this backend cannot run as asked."""
+        if spec.tasks > 1 and not self.multi_task:
+            raise ConfigError(
+                f"the {self.name} backend runs one task per job, and this job asks for {spec.nodes} node(s) "
+                f"× {spec.tasks_per_node} task(s) per node: run it on slurm, or as one task"
+            )
 
     @abstractmethod
     def submit(self, spec: JobSpec) -> JobHandle:

@@ -214,6 +214,7 @@ class SlurmLauncher(Launcher):
 
     name = "slurm"
     poll_interval = 0.5
+    multi_task = True
 
     def __init__(self, settings: Any = None, config: Any = None) -> None:
         super().__init__(settings, config)
@@ -279,6 +280,9 @@ class SlurmLauncher(Launcher):
             lines.append(f"#SBATCH --mem={max(1, math.ceil(spec.memory_bytes / 2**20))}M")
         if spec.gpus:
             lines.append(f"#SBATCH --gres=gpu:{spec.gpus}")
+        if spec.tasks > 1:
+            lines.append(f"#SBATCH --nodes={spec.nodes}")
+            lines.append(f"#SBATCH --ntasks-per-node={spec.tasks_per_node}")
         for key in ("partition", "account", "qos", "array", "nodelist", "constraint"):
             if opts.get(key):
                 lines.append(f"#SBATCH --{key}={opts[key]}")
@@ -287,8 +291,57 @@ class SlurmLauncher(Launcher):
         for flag in opts.get("extra_args") or []:
             lines.append(f"#SBATCH {flag}")
         lines.append("")
-        lines.append(" ".join(shlex.quote(c) for c in spec.command))
+        if spec.tasks > 1:
+            lines.extend(self._task_lines(spec, log_pattern))
+        else:
+            lines.append(" ".join(shlex.quote(c) for c in spec.command))
         return "\n".join(lines) + "\n"
+
+    def _task_lines(self, spec: JobSpec, log_pattern: str) -> list[str]:
+        """Start one process per task with ``srun``, each told its place; end with the exit code of
+        the task that failed first.
+
+        The rendezvous is the first node of the allocation (where this script runs) on a port
+        taken from the job id, so two jobs sharing a node do not collide. ``--kill-on-bad-exit``
+        ends every task when one fails (a hung collective would otherwise hold the nodes until
+        the time limit); srun then exits with the *highest* code, which is the 143 of the tasks it
+        stopped, not the failure. So each task's wrapper writes how it ended (rank, code, node,
+        time) to ``<log>.ends.<rank>`` and the job exits with the code of the first task that
+        failed: a crash is FAILED with its own code, and a preemption (every task SIGTERMed)
+        stays a preemption. ``--label`` puts the rank in front of each log line.
+        """
+        cpus = f" --cpus-per-task={max(1, math.ceil(spec.cpus))}" if spec.cpus else ""  # srun no longer inherits it
+        before, _, after = log_pattern.removesuffix(".log").partition("%j")
+        ends = f'{shlex.quote(before)}"$SLURM_JOB_ID"{shlex.quote(after + ".ends")}'
+        place = (
+            'export RANK="$SLURM_PROCID" LOCAL_RANK="$SLURM_LOCALID" NODE_RANK="$SLURM_NODEID" '
+            f"LOCAL_WORLD_SIZE={spec.tasks_per_node}\n"
+            '"$@" &\nchild=$!\n'
+            # forward the stop signals (a handler, not an ignore: an ignored signal would be inherited)
+            "trap 'kill -s TERM $child 2>/dev/null' TERM\ntrap 'kill -s USR1 $child 2>/dev/null' USR1\n"
+            # a trapped signal interrupts `wait`: wait again while the task lives (its status is the last wait's)
+            "while :; do wait $child; code=$?; kill -0 $child 2>/dev/null || break; done\n"
+            'echo "$RANK $code ${SLURMD_NODENAME:-$(hostname)} $(date +%s.%N)" > "$OPENLAB_TASK_ENDS.$RANK"\n'
+            "exit $code"
+        )
+        scontrol = shlex.quote(self._bin("scontrol"))
+        return [
+            f'MASTER_ADDR="$({scontrol} show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+            'MASTER_PORT="$((20000 + SLURM_JOB_ID % 20000))"',
+            f"OPENLAB_TASK_ENDS={ends}",
+            f"export MASTER_ADDR MASTER_PORT OPENLAB_TASK_ENDS WORLD_SIZE={spec.tasks}",
+            'rm -f "$OPENLAB_TASK_ENDS".*  # a requeued job starts afresh',
+            f"{shlex.quote(self._bin('srun'))} --kill-on-bad-exit=1 --label{cpus} "
+            f"bash -c {shlex.quote(place)} openlab-task " + " ".join(shlex.quote(c) for c in spec.command),
+            "code=$?",
+            "first=$(cat \"$OPENLAB_TASK_ENDS\".* 2>/dev/null | sort -n -k4 | awk '$2 != 0 {print; exit}')",
+            'if [ -n "$first" ]; then',
+            "    set -- $first",
+            '    echo "openlab: task $1 on $3 ended first, with exit code $2; srun stopped the others" >&2',
+            '    exit "$2"',
+            "fi",
+            "exit $code",
+        ]
 
     def submit(self, spec: JobSpec) -> JobHandle:
         opts = {**self.config, **spec.options}
@@ -416,7 +469,29 @@ class SlurmLauncher(Launcher):
         ends = [s.ended_at for s in states if s.ended_at]
         chosen.started_at = min(starts) if starts else None
         chosen.ended_at = max(ends) if ends and chosen.state.terminal else None
+        if chosen.state.terminal and chosen.exit_code:
+            first = self._first_failed_task(handle)
+            if first:
+                chosen.reason = f"{chosen.reason}; {first}" if chosen.reason else first
         return chosen
+
+    @staticmethod
+    def _first_failed_task(handle: JobHandle) -> str | None:
+        """Which task of a multi-task job failed first, and where (from the ends its tasks wrote)."""
+        if not handle.log_path or not handle.log_path.endswith(".log"):
+            return None
+        ends = []
+        for path in Path(handle.log_path).parent.glob(Path(handle.log_path).name.removesuffix(".log") + ".ends.*"):
+            try:
+                rank, code, node, when = path.read_text().split()
+                ends.append((float(when), int(rank), int(code), node))
+            except (OSError, ValueError):
+                continue
+        failed = sorted(e for e in ends if e[2] != 0)
+        if not failed:
+            return None
+        _, rank, code, node = failed[0]
+        return f"task {rank} of {len(ends)} on {node} failed first (exit {code}); srun stopped the rest"
 
     def _tasks(self, job_id: str, rows: list[dict[str, str]]) -> dict[str, JobStatus] | None:
         """Per-task statuses when ``job_id`` is an array job (not one task of it), else None."""

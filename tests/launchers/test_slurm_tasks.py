@@ -1,0 +1,129 @@
+"""Multi-task Slurm jobs: N nodes × M tasks under srun, each told its place, one outcome.
+
+A distributed training job is several processes that must find each other (torch.distributed's
+``env://``: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), die together when one crashes, and leave
+one record that says which process failed. Against the real single-node cluster (two tasks on
+its node) with real ``torch.distributed`` over gloo.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from orchestrator.errors import ConfigError
+from orchestrator.launchers import JobHandle, JobSpec, JobState, get_launcher
+from orchestrator.launchers.attempts import run_job
+from orchestrator.lineage.models import Attempt
+from orchestrator.lineage.store import LineageStore
+from tests.launchers.harness import Harness
+
+#: Every task adds its rank + 1 into one all-reduce: 3 on two tasks, only if they found each other.
+ALL_REDUCE = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+total = torch.tensor([float(rank + 1)])
+dist.all_reduce(total)
+print(f"rank {rank} of {world} local {os.environ['LOCAL_RANK']} of {os.environ['LOCAL_WORLD_SIZE']} "
+      f"node {os.environ['NODE_RANK']} sum {total.item():g}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slurm
+def test_tasks_find_each_other_and_all_reduce(slurm_harness: Harness, store: LineageStore) -> None:
+    lines: list[str] = []
+    attempt, status = run_job(
+        store,
+        slurm_harness.launcher,
+        JobSpec(name="ddp", command=[sys.executable, "-c", ALL_REDUCE], cpus=1, tasks_per_node=2),
+        on_log=lines.append,
+        timeout=120,
+    )
+    assert status.state is JobState.SUCCEEDED and status.exit_code == 0, (status, lines)
+    # srun --label: each line says which task wrote it
+    assert sorted(line for line in lines if " sum " in line) == [
+        "0: rank 0 of 2 local 0 of 2 node 0 sum 3",
+        "1: rank 1 of 2 local 1 of 2 node 0 sum 3",
+    ], lines
+    stored = store.require(Attempt, attempt.id)
+    assert stored.resources is not None
+    assert (stored.resources["nodes"], stored.resources["tasks_per_node"]) == (1, 2)
+    script = slurm_harness.launcher.batch_script(JobSpec(name="x", command=["t"], tasks_per_node=2), "slurm-%j.log")
+    assert "#SBATCH --nodes=1" in script and "#SBATCH --ntasks-per-node=2" in script, script
+
+
+@pytest.mark.slurm
+def test_one_task_failing_ends_the_job_with_its_own_code_and_names_it(
+    slurm_harness: Harness, store: LineageStore
+) -> None:
+    """Task 1 crashes while task 0 waits in what would be a collective: task 0 is stopped (not left
+    holding the node until its time limit), and the job fails with task 1's exit code, not the 143
+    of the task srun stopped, so it is not mistaken for a preemption."""
+    crash = "import os, sys, time\nif os.environ['RANK'] == '1':\n    time.sleep(0.5); sys.exit(3)\ntime.sleep(300)"
+    attempt, status = run_job(
+        store,
+        slurm_harness.launcher,
+        JobSpec(name="crash", command=[sys.executable, "-c", crash], tasks_per_node=2),
+        timeout=90,
+    )
+    assert status.state is JobState.FAILED and status.exit_code == 3, status
+    assert status.reason and "task 1 of 2 on " in status.reason and "failed first (exit 3)" in status.reason
+    stored = store.require(Attempt, attempt.id)
+    assert stored.state == "FAILED" and stored.exit_code == 3 and "task 1 of 2" in (stored.reason or "")
+    assert slurm_harness.nothing_running(JobHandle("slurm", str(attempt.job_id))) == []
+
+
+@pytest.mark.slurm
+def test_every_task_stopped_from_outside_is_a_preemption(slurm_harness: Harness, store: LineageStore) -> None:
+    """Slurm's preemption (or a spot reclaim) signals every task: the job exits 143 and the attempt is
+    PREEMPTED, as for a one-task job, so the stage is resumed rather than failed."""
+    started = threading.Event()
+
+    def on_log(line: str) -> None:
+        if "waiting" in line and not started.is_set():
+            started.set()
+            job_id = _job_named("stop-me")
+            subprocess.run(["scancel", "--signal=TERM", job_id], check=True)  # every step, as preemption does
+
+    wait = "import signal, sys, time\nprint('waiting', flush=True)\ntime.sleep(300)"
+    attempt, status = run_job(
+        store,
+        slurm_harness.launcher,
+        JobSpec(name="stop-me", command=[sys.executable, "-c", wait], tasks_per_node=2),
+        on_log=lambda line: threading.Thread(target=on_log, args=(line,)).start(),
+        timeout=90,
+    )
+    assert status.state is JobState.PREEMPTED and status.exit_code == 143, status
+    assert store.require(Attempt, attempt.id).state == "PREEMPTED"
+
+
+def _job_named(name: str) -> str:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        out = subprocess.run(["squeue", "-h", "-n", name, "-o", "%i"], capture_output=True, text=True, check=False)
+        if out.stdout.split():
+            return out.stdout.split()[0]
+        time.sleep(0.1)
+    raise AssertionError(f"no job named {name} in the queue")
+
+
+@pytest.mark.parametrize("backend", ["local", "docker", "kubernetes"])
+def test_backends_of_one_task_per_job_refuse_before_recording_anything(backend: str, store: LineageStore) -> None:
+    launcher = get_launcher(backend)
+    with pytest.raises(ConfigError, match=f"the {backend} backend runs one task per job, and this job asks for 2 node"):
+        run_job(store, launcher, JobSpec(name="x", command=["true"], nodes=2))
+    assert store.list(Attempt) == [], "a job that cannot run as asked leaves no attempt"
+
+
+@pytest.mark.parametrize("bad", [{"nodes": 0}, {"tasks_per_node": -1}, {"nodes": 1.5}, {"tasks_per_node": True}])
+def test_task_counts_are_whole_numbers(bad: dict) -> None:
+    from orchestrator.errors import OpenlabError
+
+    with pytest.raises(OpenlabError, match="must be a whole number of at least 1"):
+        JobSpec(name="x", command=["true"], **bad)
