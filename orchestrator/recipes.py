@@ -43,6 +43,8 @@ RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 #: ``stages``; the default is the training chain without ``repro``).
 STAGES = ("data", "tokenize", "pretrain", "midtrain", "posttrain", "eval", "repro")
 DEFAULT_STAGES = STAGES[:-1]
+#: The stages that may run as several tasks of one job (data-parallel training: workloads/moe/distributed.py).
+TRAINING_STAGES = ("pretrain", "midtrain", "posttrain")
 
 #: Config keys that say where a stage runs; they go into stage configs but never into identities.
 RUNTIME_KEYS = ("device", "threads")
@@ -150,6 +152,9 @@ _RESOURCES = {
     "memory": Opt(str),
     "gpus": Opt(int),
     "time_limit": Opt(int),
+    # A training stage as several processes of one job (data parallel; Slurm: srun tasks).
+    "nodes": Opt(int),
+    "tasks_per_node": Opt(int),
     "slurm": Opt(_SLURM_STAGE_OPTIONS),
     "kubernetes": Opt(_KUBERNETES_STAGE_OPTIONS),
     "docker": Opt(_DOCKER_STAGE_OPTIONS),
@@ -718,6 +723,10 @@ def stage_resources(
             raise ConfigError(f"{label}.gpus: must be 0 or more, got {entry['gpus']!r}")
         if "time_limit" in entry and entry["time_limit"] <= 0:
             raise ConfigError(f"{label}.time_limit: seconds, must be positive, got {entry['time_limit']!r}")
+        for key in ("nodes", "tasks_per_node"):
+            if key in entry and entry[key] < 1:
+                raise ConfigError(f"{label}.{key}: must be 1 or more, got {entry[key]!r}")
+
         sizes = {"memory": entry.get("memory"), "docker.shm_size": (entry.get("docker") or {}).get("shm_size")}
         for key, value in sizes.items():
             if value is None:
@@ -739,6 +748,12 @@ def stage_resources(
             if backend in default and backend in own:
                 merged[backend] = {**default[backend], **own[backend]}
         out[stage] = merged
+        if merged.get("nodes", 1) * merged.get("tasks_per_node", 1) > 1 and stage not in TRAINING_STAGES:
+            source = stage if "nodes" in own or "tasks_per_node" in own else "default"
+            raise ConfigError(
+                f"{where}.{source}: stage {stage} runs as one task; only {', '.join(TRAINING_STAGES)} train over "
+                "several (nodes, tasks_per_node)"
+            )
     return out
 
 
@@ -901,10 +916,17 @@ def validate_workload_configs(resolved: ResolvedRecipe) -> None:
             raise ConfigError(f"{label}: stage {stage}: {exc}") from None
 
 
-def identity_config(config: Mapping[str, Any]) -> dict[str, Any]:
+def identity_config(config: Mapping[str, Any], tasks: int = 1) -> dict[str, Any]:
     """The part of a stage config that decides its result: no inputs (by content instead),
-    no W&B settings and no runtime placement (device, threads)."""
-    return {k: v for k, v in config.items() if k not in ("inputs", "wandb", *RUNTIME_KEYS)}
+    no W&B settings and no runtime placement (device, threads).
+
+    ``tasks``, the processes a training stage runs as, is part of it when there are several: each
+    task's share of the global batch is what the simulated expert-parallel ranks split, so the
+    drops, the balancing and the result differ with it (one task keeps earlier identities)."""
+    out = {k: v for k, v in config.items() if k not in ("inputs", "wandb", *RUNTIME_KEYS)}
+    if tasks > 1:
+        out["tasks"] = tasks
+    return out
 
 
 __all__ = [

@@ -255,7 +255,7 @@ def _asks(resources: dict[str, object]) -> str:
 
     if not resources:
         return "-"
-    names = {"cpus": "cpus", "memory": "mem", "gpus": "gpus"}
+    names = {"nodes": "nodes", "tasks_per_node": "tasks/node", "cpus": "cpus", "memory": "mem", "gpus": "gpus"}
     parts = [f"on {resources['backend']}"] if resources.get("backend") else []
     parts += [f"{names[k]}={resources[k]}" for k in names if k in resources]
     if "time_limit" in resources:

@@ -438,19 +438,24 @@ BACKENDS: dict[str, str] = {
 }
 
 
-def get_launcher(name: str, settings: Settings | None = None, **overrides: Any) -> Launcher:
-    """The launcher for backend ``name``, configured from ``[backends.<name>]`` plus ``overrides``."""
+def launcher_class(name: str) -> type[Launcher]:
+    """The launcher class of backend ``name`` (what it can run, before configuring one)."""
     import importlib
-
-    from orchestrator.settings import load_settings
 
     key = (name or "").strip().lower()
     if key not in BACKENDS:
         raise OpenlabError(f"unknown backend {name!r}; known backends: {', '.join(BACKENDS)}")
-    settings = settings or load_settings()
-    config = {**settings.section(f"backends.{key}"), **{k: v for k, v in overrides.items() if v is not None}}
     module_name, cls_name = BACKENDS[key].split(":")
-    cls = getattr(importlib.import_module(module_name), cls_name)
+    return getattr(importlib.import_module(module_name), cls_name)
+
+
+def get_launcher(name: str, settings: Settings | None = None, **overrides: Any) -> Launcher:
+    """The launcher for backend ``name``, configured from ``[backends.<name>]`` plus ``overrides``."""
+    from orchestrator.settings import load_settings
+
+    cls = launcher_class(name)
+    settings = settings or load_settings()
+    config = {**settings.section(f"backends.{cls.name}"), **{k: v for k, v in overrides.items() if v is not None}}
     return cls(settings, config)
 
 
@@ -479,6 +484,7 @@ __all__ = [
     "SECRET_NAME",
     "configured_backends",
     "get_launcher",
+    "launcher_class",
     "parse_duration",
     "parse_memory",
 ]

@@ -61,11 +61,18 @@ class StageSpec:
     memory: str | None = None
     gpus: int = 0
     time_limit: int | None = None
+    #: Several processes of one job (a training stage trains data-parallel over them; Slurm only).
+    nodes: int = 1
+    tasks_per_node: int = 1
     #: Backend-specific job options by backend name (``{"slurm": {"partition": "gpu"}}``), passed
     #: to the launcher as ``JobSpec.options`` when the stage runs on that backend.
     backend_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     #: The backend this stage's job runs on (data prep on local, training on Slurm); None: the run's.
     backend: str | None = None
+
+    @property
+    def tasks(self) -> int:
+        return self.nodes * self.tasks_per_node
 
     def render_command(self, *, python: str, config: Path, out: Path) -> list[str]:
         values = {"python": python, "stage": self.name, "config": str(config), "out": str(out)}
@@ -189,7 +196,11 @@ def _job_resources(asked: Mapping[str, Any]) -> dict[str, Any]:
     """A recipe's resources entry as StageSpec fields: the generic ones, and per-backend options."""
     from orchestrator.recipes import BACKEND_OPTIONS  # not at import: the recipes import the pipeline
 
-    generic = {k: v for k, v in asked.items() if k in ("cpus", "memory", "gpus", "time_limit", "backend")}
+    generic = {
+        k: v
+        for k, v in asked.items()
+        if k in ("cpus", "memory", "gpus", "time_limit", "nodes", "tasks_per_node", "backend")
+    }
     options = {k: dict(v) for k, v in asked.items() if k in BACKEND_OPTIONS}
     return {**generic, "backend_options": options} if options else generic
 

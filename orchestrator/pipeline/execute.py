@@ -401,11 +401,19 @@ def start_pipeline(
     if missing:
         raise ConfigError(f"pipeline {pipeline.name}: no config for stage(s) {', '.join(missing)}")
     pipeline.check_forced(options.force)
-    from orchestrator.launchers.base import BACKENDS
+    from orchestrator.launchers.base import BACKENDS, launcher_class
 
     for backend in (options.backend, *(s.backend for s in pipeline.stages if s.backend)):
         if backend not in BACKENDS:
             raise ConfigError(f"unknown backend {backend!r}; known backends: {', '.join(BACKENDS)}")
+    for spec in pipeline.stages:  # a stage of several tasks on a backend of one task per job: refused now
+        backend = spec.backend or options.backend
+        if spec.tasks > 1 and not launcher_class(backend).multi_task:
+            raise ConfigError(
+                f"stage {spec.name} asks for {spec.nodes} node(s) × {spec.tasks_per_node} task(s) per node, and "
+                f"the {backend} backend runs one task per job: run it with --backend slurm (or resources."
+                f"{spec.name}: {{backend: slurm}}), or as one task"
+            )
     preemptions = preemption_retries(settings)
     owns = store is None
     store = store or LineageStore.open(settings)
@@ -584,7 +592,7 @@ def stage_identity(ctx: PipelineContext, spec: StageSpec, upstream: Mapping[str,
     """The stage's identity from its config, inputs' content, code tree hashes and environment."""
     return compute_identity(
         spec.name,
-        identity_config(ctx.configs[spec.name]),
+        identity_config(ctx.configs[spec.name], spec.tasks),
         inputs={key: str(res.input_hash) for key, res in upstream.items()},
         code={p: ctx.tree_hashes[p] for p in spec.code_paths},
         environment=stage_environment(spec, ctx.image_of(spec), ctx.env_values),
@@ -1086,6 +1094,8 @@ def _run_stage(
         memory=spec.memory,
         gpus=spec.gpus,
         time_limit=spec.time_limit,
+        nodes=spec.nodes,
+        tasks_per_node=spec.tasks_per_node,
         options=dict(spec.backend_options.get(backend) or {}),
         labels={
             "openlab.io/stage": spec.name,

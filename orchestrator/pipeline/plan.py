@@ -100,7 +100,7 @@ def plan(
             inputs = {key: str(known[up]) for key, up in spec.inputs.items() if known.get(up) is not None}
             identity = compute_identity(
                 spec.name,
-                identity_config(configs[spec.name]),
+                identity_config(configs[spec.name], spec.tasks),
                 inputs=inputs,
                 code={p: tree[p] for p in spec.code_paths},
                 environment=stage_environment(spec, images[spec.backend or backend], env_values),

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from .config import STAGES, WorkloadError, load_config, validate
 from .util import Preempted
+
+#: The stages that may run as several tasks of one job (data-parallel training, workloads.moe.distributed).
+TRAINING_STAGES = ("pretrain", "midtrain", "posttrain")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,6 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.set)
         validate(cfg, args.stage)
+        tasks = int(os.environ.get("WORLD_SIZE") or 1)
+        if tasks > 1 and args.stage not in TRAINING_STAGES:
+            raise WorkloadError(
+                f"stage {args.stage} runs as one task, and this job started {tasks}: give it one task "
+                f"(only {', '.join(TRAINING_STAGES)} train data-parallel over several)"
+            )
         out.mkdir(parents=True, exist_ok=True)
         if args.stage == "data":
             from .data import run_data
@@ -49,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             from .tokenizing import run_tokenize
 
             res = run_tokenize(cfg, out)
-        elif args.stage in ("pretrain", "midtrain", "posttrain"):
+        elif args.stage in TRAINING_STAGES:
             from .train import run_train
 
             res = run_train(cfg, out, args.stage)
@@ -67,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as exc:  # a scheduler stopped the job: progress is saved, the stage is not done
         print(f"{args.stage}: {exc}", file=sys.stderr)
         return exc.exit_code
-    brief = {k: v for k, v in res.items() if isinstance(v, int | float | str) and "layer_" not in k}
-    print(json.dumps(brief, sort_keys=True))
+    if int(os.environ.get("RANK") or 0) == 0:  # one summary line per job, from the task that wrote the results
+        brief = {k: v for k, v in res.items() if isinstance(v, int | float | str) and "layer_" not in k}
+        print(json.dumps(brief, sort_keys=True))
     return 0
 
 

@@ -82,6 +82,25 @@ class Tracker:
         self.close()
 
 
+class SilentTracker:
+    """The tracker of every task but task 0 of a multi-task stage: task 0 writes metrics.jsonl and
+    the W&B run, once; the others log nothing (and print no progress twice)."""
+
+    run_id: str | None = None
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        pass
+
+    def summary(self, values: dict[str, Any]) -> None:
+        pass
+
+    def __enter__(self) -> SilentTracker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 def _duration(seconds: float) -> str:
     m, s = divmod(round(seconds), 60)
     h, m = divmod(m, 60)

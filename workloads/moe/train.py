@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import random
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -27,10 +28,11 @@ import torch
 
 from .config import Config, ConfigError, ModelConfig, WorkloadError
 from .dispatch import DispatchSpec
+from .distributed import DataParallel
 from .metrics import summarize
 from .model import MoELM, RoutingRuntime, count_params
 from .tokenizing import load_manifest, open_shard
-from .tracking import open_tracker
+from .tracking import SilentTracker, open_tracker
 from .util import Preempted, StopSignals, atomic_torch_save, atomic_write_text, pick_device, setup_torch
 
 CKPT = "checkpoint/state.pt"
@@ -294,7 +296,26 @@ def run_train(cfg: Config, out: Path, stage: str) -> dict[str, Any]:
     data.check(mixture, mc.context, "train", sft=sft)
     data.check(mixture, mc.context, "heldout", sft=sft)
     device = pick_device(cfg.device)
+    dp = DataParallel.from_env(device, cfg.train.batch_size, cfg.moe.ranks)
+    try:
+        return _train(cfg, out, stage, data, mc, init_state, lineage, sft, mixture, device, dp)
+    finally:
+        dp.close()
 
+
+def _train(
+    cfg: Config,
+    out: Path,
+    stage: str,
+    data: TokenData,
+    mc: ModelConfig,
+    init_state: dict[str, Any] | None,
+    lineage: dict[str, Any],
+    sft: bool,
+    mixture: dict[str, float],
+    device: torch.device,
+    dp: DataParallel,
+) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     model = MoELM(mc).to(device)
     opt = make_optimizer(model, cfg)
@@ -316,16 +337,17 @@ def run_train(cfg: Config, out: Path, stage: str) -> dict[str, Any]:
         except (ValueError, KeyError):
             pass
         tokens_seen = int(init_state["tokens_seen"])
-    truncate_jsonl(out / "metrics.jsonl", start)
+    if dp.main:
+        truncate_jsonl(out / "metrics.jsonl", start)
 
     rt = runtime(cfg, mc)
     n_params = count_params(model)
     summary: dict[str, Any] = {"stage": stage, "params": n_params, "resumed_from_step": start if resume else None}
+    if dp.world > 1:
+        summary["tasks"] = dp.world
     cfg_dict = cfg.to_dict()
-    with (
-        StopSignals() as signals,
-        open_tracker(out, stage, cfg_dict, cfg.wandb, total_steps=cfg.train.steps) as tr,
-    ):
+    tracker = open_tracker(out, stage, cfg_dict, cfg.wandb, total_steps=cfg.train.steps) if dp.main else SilentTracker()
+    with StopSignals() as signals, tracker as tr:
         model.train()
         t_last = time.perf_counter()
         for step in range(start, cfg.train.steps):
@@ -334,6 +356,8 @@ def run_train(cfg: Config, out: Path, stage: str) -> dict[str, Any]:
                 x, y = data.sft_batch(rng, cfg.train.batch_size, mc.context, "train")
             else:
                 x, y = data.batch(rng, cfg.train.batch_size, mc.context, mixture, "train")
+            tokens_seen += int(x.numel())  # the global batch's
+            x, y = dp.shard(x, y)
             x, y = x.to(device), y.to(device)
             lr = lr_at(step, cfg)
             for g in opt.param_groups:
@@ -341,13 +365,15 @@ def run_train(cfg: Config, out: Path, stage: str) -> dict[str, Any]:
             loss, lm = model(x, y, rt)
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            dp.average_gradients(model)
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
             opt.step()
+            dp.average_routing_balance(model)
             model.apply_pending_qb()
-            tokens_seen += int(x.numel())
+            train_loss, told_to_stop = dp.agree(float(lm.detach()), signals.signum is not None)
             now = time.perf_counter()
             m: dict[str, Any] = {
-                "train/loss": float(lm.detach()),
+                "train/loss": train_loss,
                 "train/total_loss": float(loss.detach()),
                 "train/lr": lr,
                 "train/grad_norm": float(gnorm),
@@ -359,15 +385,20 @@ def run_train(cfg: Config, out: Path, stage: str) -> dict[str, Any]:
             tr.log(m, step + 1)
             done = step + 1 == cfg.train.steps
             stop = cfg.train.stop_after and step + 1 == cfg.train.stop_after
-            signalled = signals.signum is not None and not done
+            signalled = told_to_stop and not done  # every task stops at the same step
             if (step + 1) % cfg.train.checkpoint_every == 0 or done or stop or signalled:
-                save_checkpoint(out, model, opt, step + 1, tokens_seen, stage, cfg, lineage)
+                if dp.main:
+                    save_checkpoint(out, model, opt, step + 1, tokens_seen, stage, cfg, lineage)
+                dp.barrier()  # no task goes on (or resumes) before the checkpoint is whole
             if signalled:
-                raise Preempted(signals.signum, step + 1)  # type: ignore[arg-type]
+                raise Preempted(signals.signum or signal.SIGTERM, step + 1)
             if stop and not done:
                 summary.update({"stopped_after": step + 1})
-                atomic_write_text(out / "metrics.json", json.dumps(summary, indent=2))
+                if dp.main:
+                    atomic_write_text(out / "metrics.json", json.dumps(summary, indent=2))
                 return summary
+        if not dp.main:  # task 0 measures the held-out loss and writes the results
+            return summary
         last = _last_logged(out / "metrics.jsonl")
         summary.update({k: v for k, v in last.items() if not isinstance(v, dict)})
         summary["steps"] = cfg.train.steps
