@@ -111,6 +111,21 @@ def _aware(value: Any) -> dt.datetime | None:
     return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
 
 
+def _pod_end(pod: Any) -> str:
+    """``name exit 1`` (or ``name stopped by Kubernetes: reason``) for an ended pod of a Job."""
+    name = pod.metadata.name
+    status = pod.status
+    for c in (status.conditions or []) if status else []:
+        if c.type == "DisruptionTarget" and c.status == "True":
+            return f"{name} stopped by Kubernetes: {c.reason}"
+    for cs in (status.container_statuses or []) if status else []:
+        term = cs.state.terminated if cs.state else None
+        if term is not None:
+            why = f" ({term.reason})" if term.reason not in (None, "Completed", "Error") else ""
+            return f"{name} exit {term.exit_code}{why}"
+    return f"{name} {status.phase.lower() if status and status.phase else 'ended'}"
+
+
 class KubernetesLauncher(Launcher):
     """Runs jobs as Kubernetes Jobs (see the module docstring)."""
 
@@ -475,11 +490,18 @@ class KubernetesLauncher(Launcher):
             state = JobState.RUNNING
         if not state.terminal:
             exit_code, ended = None, None
+        elif len(pods) > 1:  # the Job controller replaced failed pods (backoffLimit): say so, as Slurm's requeues
+            note = f"Kubernetes ran {len(pods)} pods (backoffLimit); before the last: " + ", ".join(
+                _pod_end(p) for p in pods[:-1]
+            )
+            reason = f"{reason}; {note}" if reason else note
         return JobStatus(state, exit_code, reason, host, started, ended, digest)
 
-    def _read_log(self, handle: JobHandle, *, tail: int | None = None, follow: bool = False) -> Any:
+    def _read_log(
+        self, handle: JobHandle, *, tail: int | None = None, follow: bool = False, pods: list[Any] | None = None
+    ) -> Any:
         namespace, _ = self._split(handle.job_id)
-        pods = self.pods(handle.job_id)
+        pods = self.pods(handle.job_id) if pods is None else pods
         if not pods:
             return None
         pod = pods[-1].metadata.name
@@ -523,9 +545,16 @@ class KubernetesLauncher(Launcher):
             lines = resp.data.decode("utf-8", "replace").splitlines() if resp is not None else []
             yield from lines[-tail:] if tail else []
             seen = len(lines)
+        following: Any = None  # the pod whose log is read; the Job controller may replace it (backoffLimit)
         while True:
             done = self.status(handle).state.terminal
-            resp = self._read_log(handle, follow=not done)
+            pods = self.pods(handle.job_id)
+            if pods and following is not None and pods[-1].metadata.name != following.metadata.name:
+                old = next((p for p in pods if p.metadata.name == following.metadata.name), following)  # as it ended
+                yield f"[openlab] pod {_pod_end(old)}; Kubernetes started pod {pods[-1].metadata.name} (backoffLimit)"
+                seen = 0  # a new pod's log starts from its first line
+            following = pods[-1] if pods else following
+            resp = self._read_log(handle, follow=not done, pods=pods)
             if resp is not None:
                 partial, index = b"", 0
                 for chunk in resp.stream(4096):

@@ -251,6 +251,10 @@ class _Run:
         #: Set by an eviction: the DisruptionTarget condition, and when the grace period ends.
         self.disruption: dict[str, str] | None = None
         self.kill_at: float | None = None
+        #: Pods of this Job that failed before this one (backoffLimit retries), and when the
+        #: controller creates the next pod after this one fails (None: no retry due).
+        self.failed_before = 0
+        self.retry_at: float | None = None
 
 
 def docker_runtime() -> tuple[Any, str | None, str]:
@@ -419,7 +423,7 @@ class EmulatedCluster:
             run.workload.kill()
             self.on_loop(lambda k=key, r=run: self.km.objects.__delitem__((PODS, k[0], r.pod)))
 
-    def _start(self, key: tuple[str, str], job: dict[str, Any]) -> None:
+    def _start(self, key: tuple[str, str], job: dict[str, Any], failed_before: int = 0) -> None:
         ns, name = key
         pod_spec = job["spec"]["template"]["spec"]
         container = pod_spec["containers"][0]
@@ -441,6 +445,7 @@ class EmulatedCluster:
         deadline = job["spec"].get("activeDeadlineSeconds")
         run = _Run(workload, log, pod, float(deadline) if deadline else None)
         run.image_id = image_id
+        run.failed_before = failed_before
         self._runs[key] = run
         labels = {"job-name": name, "batch.kubernetes.io/job-name": name}
         pod_obj = {
@@ -471,7 +476,8 @@ class EmulatedCluster:
         # fell through to kmock's pod handler and the launcher read the Pod's JSON as log text.
         self._serve_log(ns, pod, log)
         self.on_loop(create)
-        self._patch(JOBS, ns, name, {"active": 1, "ready": 1, "startTime": run.started})
+        status = {"active": 1, "ready": 1, **({} if failed_before else {"startTime": run.started})}
+        self._patch(JOBS, ns, name, status)
 
     def evict(self, job_id: str, reason: str = "EvictionByEvictionAPI", grace: float = 2.0) -> None:
         """Evict the pod of Job ``namespace/name`` as the Eviction API (or the scheduler preempting it,
@@ -497,6 +503,9 @@ class EmulatedCluster:
     def _watch(self, key: tuple[str, str], job: dict[str, Any]) -> None:
         run = self._runs[key]
         if run.finished:
+            if run.retry_at is not None and time.monotonic() >= run.retry_at:  # the Job controller's next pod
+                run.retry_at = None
+                self._start(key, job, failed_before=run.failed_before + 1)
             return
         ns, name = key
         if run.deadline and time.monotonic() - run.started_mono > run.deadline and run.workload.poll() is None:
@@ -539,6 +548,12 @@ class EmulatedCluster:
             self._patch(
                 JOBS, ns, name, {"active": 0, "ready": 0, "succeeded": 1, "completionTime": now, "conditions": [cond]}
             )
+        elif not run.deadline_hit and run.failed_before + 1 <= int(job["spec"].get("backoffLimit", 6)):
+            # The Job controller replaces a failed pod until backoffLimit failures: a new pod, a new
+            # name, after a back-off (10 s and doubling in Kubernetes; 1.1 s here, so that the new
+            # pod's creationTimestamp, which has whole seconds, sorts after the old one's)
+            self._patch(JOBS, ns, name, {"active": 0, "ready": 0, "failed": run.failed_before + 1})
+            run.retry_at = time.monotonic() + 1.1
         else:
             reason = "DeadlineExceeded" if run.deadline_hit else "BackoffLimitExceeded"
             cond = {
@@ -548,7 +563,8 @@ class EmulatedCluster:
                 "message": f"Job failed: {reason}",
                 "lastTransitionTime": now,
             }
-            self._patch(JOBS, ns, name, {"active": 0, "ready": 0, "failed": 1, "conditions": [cond]})
+            failed = run.failed_before + 1
+            self._patch(JOBS, ns, name, {"active": 0, "ready": 0, "failed": failed, "conditions": [cond]})
 
     def workload_alive(self, job_id: str) -> bool:
         """Whether anything of a Job's (``namespace/name``) pod still runs: its process group or container.

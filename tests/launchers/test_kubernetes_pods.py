@@ -164,3 +164,40 @@ def test_an_evicted_pod_is_preempted_and_a_plain_failure_is_not(runtime: str, re
         )
         assert failed.state is JobState.FAILED and failed.exit_code == 3
     assert not cluster.workload_alive(handles[0])
+
+
+def test_pods_the_job_controller_retries_are_followed_and_named(process_cluster: EmulatedCluster, tmp_path: Path) -> None:
+    """With backoffLimit above 0 the Job controller replaces a failed pod with a new one (a new name,
+    a log of its own): the log goes on into the new pod from its first line, saying so, and the
+    attempt names the pods that failed before the last, as it names Slurm's requeues."""
+    from orchestrator.launchers.attempts import run_job
+    from orchestrator.lineage.store import LineageStore
+
+    launcher = _launcher(process_cluster)
+    marker = tmp_path / "failed-once"
+    flaky = f"if [ -e {marker} ]; then echo second; exit 0; fi; touch {marker}; echo first; exit 4"
+    lines: list[str] = []
+    with LineageStore.open() as store:
+        attempt, status = run_job(
+            store,
+            launcher,
+            JobSpec(name="flaky", command=["sh", "-c", flaky], options={"backoff_limit": 2}),
+            on_log=lines.append,
+            timeout=60,
+        )
+        assert status.state is JobState.SUCCEEDED and status.exit_code == 0, status
+        assert lines[0] == "first" and lines[-1] == "second", lines
+        (announce,) = [line for line in lines if line.startswith("[openlab] pod ")]
+        assert " exit 4; Kubernetes started pod openlab-flaky-" in announce, announce
+        assert attempt.reason and attempt.reason.startswith("Kubernetes ran 2 pods (backoffLimit); before the last:")
+        assert attempt.reason.endswith("exit 4"), attempt.reason
+
+        _, failed = run_job(
+            store,
+            launcher,
+            JobSpec(name="fails-twice", command=["sh", "-c", "echo try; exit 5"], options={"backoff_limit": 1}),
+            on_log=lines.append,
+            timeout=60,
+        )
+        assert failed.state is JobState.FAILED and failed.exit_code == 5, failed
+        assert failed.reason and "Kubernetes ran 2 pods (backoffLimit)" in failed.reason, failed.reason
