@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -169,37 +170,47 @@ def run_stage(pipeline_run_id: str, stage: str) -> dict[str, Any]:
     return result.to_dict()
 
 
-def _hooks(pipeline_run_ids: list[str], watcher: CancelWatcher | None, flow_logger: Any) -> Any:
-    """Library callbacks that forward job logs and transitions to the stage's Prefect logger."""
-    from orchestrator.pipeline.execute import PipelineHooks
+def _forward_to_prefect(ctx: PipelineContext, watcher: CancelWatcher | None, flow_logger: Any) -> None:
+    """Chain onto ``ctx``'s hooks the callbacks that show a stage in the UI: its job's log lines and
+    its transitions in the stage task's log, its progress bar, and the flow run's cancellation.
 
+    Whatever hooks the caller gave (a custom flow's own) still run first; so a flow built on
+    :func:`run_stages_as_tasks` shows its stages the way the replica flows do.
+    """
     # Log lines arrive on the launcher's log-pump thread, which has an empty context: run each
     # call in a copy of the flow's context so Prefect's log handler sees the same settings.
     base = contextvars.copy_context()
+    own = ctx.hooks
 
     def logger_for(stage: str) -> Any:
-        run_id = pipeline_run_ids[0] if pipeline_run_ids else ""
-        return _LOGGERS.get(run_id, {}).get(stage, flow_logger)
+        return _LOGGERS.get(ctx.id, {}).get(stage, flow_logger)
 
     def on_log(stage: str, line: str) -> None:
+        if own.on_log is not None:
+            own.on_log(stage, line)
         base.copy().run(logger_for(stage).info, "[%s] %s", stage, line)
 
     def on_transition(event: StageTransition) -> None:
+        if own.on_transition is not None:
+            own.on_transition(event)
         reason = f": {event.reason}" if event.reason else ""
         level = "warning" if event.state in ("FAILED", "CANCELLED", "PREEMPTED") else "info"
         base.copy().run(getattr(logger_for(event.stage), level), "%s %s%s", event.stage, event.state, reason)
 
     def on_progress(stage: str, done: int, total: int) -> None:
-        run_id = pipeline_run_ids[0] if pipeline_run_ids else ""
-        progress = _PROGRESS.get(run_id, {}).get(stage)
+        if own.on_progress is not None:
+            own.on_progress(stage, done, total)
+        progress = _PROGRESS.get(ctx.id, {}).get(stage)
         if progress is not None:
             progress.update(done, total)
 
-    return PipelineHooks(
-        on_log=on_log,
-        on_transition=on_transition,
-        on_progress=on_progress,
-        should_cancel=(watcher.requested if watcher is not None else None),
+    def should_cancel() -> bool:
+        return bool(
+            (own.should_cancel is not None and own.should_cancel()) or (watcher is not None and watcher.requested())
+        )
+
+    ctx.hooks = replace(
+        own, on_log=on_log, on_transition=on_transition, on_progress=on_progress, should_cancel=should_cancel
     )
 
 
@@ -246,7 +257,6 @@ def run_replica(
                 settings=settings,
             )
         watcher = CancelWatcher(flow_run_id) if flow_run_id else None
-        run_ids: list[str] = []
         params = {
             "recipe": recipe,
             "replica": replica,
@@ -268,14 +278,7 @@ def run_replica(
             flow_run_id=flow_run_id,
             params={"prefect": params},
         )
-        ctx = start_recipe(
-            resolved,
-            options=options,
-            hooks=_hooks(run_ids, watcher, logger),
-            settings=settings,
-            repo_root=repo_root,
-        )
-        run_ids.append(ctx.id)
+        ctx = start_recipe(resolved, options=options, settings=settings, repo_root=repo_root)
         logger.info("pipeline run %s: %s on %s (commit %s)", ctx.id, ctx.pipeline_run.name, backend, ctx.commit.id[:12])
         run_stages_as_tasks(ctx, retries=_stage_retries(), watcher=watcher)
         summary = {
@@ -304,6 +307,11 @@ def run_stages_as_tasks(ctx: PipelineContext, *, retries: int = 1, watcher: Canc
     from orchestrator.pipeline.execute import StageCancelled, StageFailed, finish_pipeline
 
     _CONTEXTS[ctx.id] = ctx
+    if watcher is None:  # a custom flow's: its flow run's cancellation must stop the jobs too
+        run = get_run_context()
+        flow_run = getattr(run, "flow_run", None)
+        watcher = CancelWatcher(str(flow_run.id)) if flow_run is not None else None
+    _forward_to_prefect(ctx, watcher, get_run_logger())
     events.emitting_transitions(ctx)
     if watcher is not None:
         watcher.start()

@@ -89,3 +89,18 @@ def test_helper_thread_warnings_are_sent_and_nothing_outside_the_run(
     assert not any("marker-info" in m or "marker-after" in m for m in messages), messages
     for name in LIBRARY_LOGGERS:
         assert not logging.getLogger(name).handlers, "the handler is removed when the flow ends"
+
+
+def test_a_custom_flow_on_run_stages_as_tasks_shows_its_stages_like_the_replica_flows(
+    prefect_server: PrefectServer, openlab_home: Path
+) -> None:
+    """A lab's own flow (start a pipeline, `run_stages_as_tasks`) passes no hooks: its stage task still
+    carries the job's log lines and the stage's transitions, as the replica flows' tasks do."""
+    state = run_one_stage_flow("custom", BAD_METRICS)
+    assert state.is_completed(), state.message
+    logs = _logs(state.state_details.flow_run_id, "custom COMPLETED")
+    in_task = [log.message for log in logs if log.task_run_id is not None]
+    assert "[custom] wrote a broken metrics file" in in_task, in_task
+    assert any(m.startswith("custom RUNNING") for m in in_task) and any(
+        m.startswith("custom COMPLETED") for m in in_task
+    ), in_task
