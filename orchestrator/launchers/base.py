@@ -251,8 +251,10 @@ class Launcher(ABC):
     name: str = "base"
     #: Default seconds between status polls in :meth:`wait`.
     poll_interval: float = 0.5
-    #: Whether a job may be several tasks (:attr:`JobSpec.nodes`, :attr:`JobSpec.tasks_per_node`).
+    #: Whether a job may be several tasks (:attr:`JobSpec.nodes`, :attr:`JobSpec.tasks_per_node`),
+    #: and on how many machines at most (None: as many as the cluster has).
     multi_task: bool = False
+    max_nodes: int | None = 1
 
     def __init__(self, settings: Settings | None = None, config: Mapping[str, Any] | None = None) -> None:
         from orchestrator.settings import load_settings
@@ -301,13 +303,23 @@ class Launcher(ABC):
         """The labels of the image a job would run; None where they cannot be read here."""
         return None
 
+    @classmethod
+    def cannot_run(cls, nodes: int, tasks_per_node: int) -> str | None:
+        """Why this backend cannot run a job of ``nodes`` × ``tasks_per_node`` tasks (None: it can)."""
+        if nodes * tasks_per_node > 1 and not cls.multi_task:
+            return (
+                f"the {cls.name} backend runs one task per job, and this job asks for {nodes} node(s) "
+                f"× {tasks_per_node} task(s) per node: run it on slurm (or local, on one machine), or as one task"
+            )
+        if cls.max_nodes is not None and nodes > cls.max_nodes:
+            return f"the {cls.name} backend runs a job on one machine, and this job asks for {nodes} nodes: use slurm"
+        return None
+
     def refuse_unsupported(self, spec: JobSpec) -> None:
         """Refuse, before anything is submitted or recorded, a job this backend cannot run as asked."""
-        if spec.tasks > 1 and not self.multi_task:
-            raise ConfigError(
-                f"the {self.name} backend runs one task per job, and this job asks for {spec.nodes} node(s) "
-                f"× {spec.tasks_per_node} task(s) per node: run it on slurm, or as one task"
-            )
+        why = self.cannot_run(spec.nodes, spec.tasks_per_node)
+        if why:
+            raise ConfigError(why)
 
     @abstractmethod
     def submit(self, spec: JobSpec) -> JobHandle:
@@ -438,6 +450,27 @@ BACKENDS: dict[str, str] = {
 }
 
 
+def first_failed_task(log_path: str | None) -> str | None:
+    """Which task of a multi-task job failed first, and where, from the ends its tasks wrote next to
+    the job's log (``<log>.ends.<rank>``: rank, exit code, host, time; see the Slurm and local
+    launchers' task wrappers); None for a job of one task or none failed."""
+    if not log_path or not log_path.endswith(".log"):
+        return None
+    path = Path(log_path)
+    ends = []
+    for end in path.parent.glob(path.name.removesuffix(".log") + ".ends.*"):
+        try:
+            rank, code, host, when = end.read_text().split()
+            ends.append((float(when), int(rank), int(code), host))
+        except (OSError, ValueError):
+            continue
+    failed = sorted(e for e in ends if e[2] != 0)
+    if not failed:
+        return None
+    _, rank, code, host = failed[0]
+    return f"task {rank} of {len(ends)} on {host} failed first (exit {code}); the others were stopped"
+
+
 def launcher_class(name: str) -> type[Launcher]:
     """The launcher class of backend ``name`` (what it can run, before configuring one)."""
     import importlib
@@ -484,6 +517,7 @@ __all__ = [
     "SECRET_NAME",
     "configured_backends",
     "get_launcher",
+    "first_failed_task",
     "launcher_class",
     "parse_duration",
     "parse_memory",

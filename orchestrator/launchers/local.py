@@ -41,6 +41,7 @@ from orchestrator.launchers.base import (
     JobStatus,
     Launcher,
     LauncherError,
+    first_failed_task,
 )
 
 SUPERVISOR = Path(__file__).with_name("_supervise.py")
@@ -201,6 +202,8 @@ class LocalLauncher(Launcher):
     """Runs jobs as local processes (see the module docstring)."""
 
     name = "local"
+    #: Several tasks of one job on this machine (launchers/_tasks.py), never several machines.
+    multi_task = True
     #: Longest gap between status looks; :meth:`pause` wakes on the job's end (a pidfd), so this
     #: bounds only how soon a cancel request is acted on, and the lateness where pidfds are missing.
     poll_interval = 0.5
@@ -268,6 +271,10 @@ class LocalLauncher(Launcher):
             env["OPENLAB_ARTIFACT_ROOT"] = str(spec.artifact_root)
         if spec.gpus:
             env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(spec.gpus)))
+        command = list(spec.command)
+        if spec.tasks > 1:  # one process per task, told its place, as srun does (launchers/_tasks.py)
+            env["OPENLAB_TASK_ENDS"] = str(log_path.with_suffix(".ends"))
+            command = [sys.executable, "-m", "orchestrator.launchers._tasks", str(spec.tasks), "--", *command]
         state: dict[str, Any] = {
             "job_id": job_id,
             "name": spec.name,
@@ -296,7 +303,7 @@ class LocalLauncher(Launcher):
         with log_path.open("ab") as log_fh:
             try:
                 child = subprocess.Popen(
-                    [*argv, *spec.command],
+                    [*argv, *command],
                     stdin=subprocess.DEVNULL,
                     stdout=log_fh,
                     stderr=subprocess.STDOUT,
@@ -370,10 +377,14 @@ class LocalLauncher(Launcher):
                 if not job_state.terminal:
                     job_state = JobState.LOST
                     state["reason"] = "the job's supervisor process is gone without recording an end"
+        reason = state.get("reason")
+        if job_state.terminal and state.get("exit_code"):
+            first = first_failed_task(handle.log_path or state.get("log_path"))
+            reason = f"{reason}; {first}" if reason and first else first or reason
         return JobStatus(
             state=job_state,
             exit_code=state.get("exit_code"),
-            reason=state.get("reason"),
+            reason=reason,
             host=state.get("host"),
             started_at=_ts(state.get("started_at")),
             ended_at=_ts(state.get("ended_at")),

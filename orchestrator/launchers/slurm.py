@@ -51,6 +51,7 @@ from orchestrator.launchers.base import (
     JobStatus,
     Launcher,
     LauncherError,
+    first_failed_task,
     stopped_from_outside,
 )
 
@@ -215,6 +216,7 @@ class SlurmLauncher(Launcher):
     name = "slurm"
     poll_interval = 0.5
     multi_task = True
+    max_nodes = None
 
     def __init__(self, settings: Any = None, config: Any = None) -> None:
         super().__init__(settings, config)
@@ -337,7 +339,7 @@ class SlurmLauncher(Launcher):
             "first=$(cat \"$OPENLAB_TASK_ENDS\".* 2>/dev/null | sort -n -k4 | awk '$2 != 0 {print; exit}')",
             'if [ -n "$first" ]; then',
             "    set -- $first",
-            '    echo "openlab: task $1 on $3 ended first, with exit code $2; srun stopped the others" >&2',
+            '    echo "openlab: task $1 on $3 failed first (exit $2); srun stopped the other tasks" >&2',
             '    exit "$2"',
             "fi",
             "exit $code",
@@ -470,28 +472,10 @@ class SlurmLauncher(Launcher):
         chosen.started_at = min(starts) if starts else None
         chosen.ended_at = max(ends) if ends and chosen.state.terminal else None
         if chosen.state.terminal and chosen.exit_code:
-            first = self._first_failed_task(handle)
+            first = first_failed_task(handle.log_path)
             if first:
                 chosen.reason = f"{chosen.reason}; {first}" if chosen.reason else first
         return chosen
-
-    @staticmethod
-    def _first_failed_task(handle: JobHandle) -> str | None:
-        """Which task of a multi-task job failed first, and where (from the ends its tasks wrote)."""
-        if not handle.log_path or not handle.log_path.endswith(".log"):
-            return None
-        ends = []
-        for path in Path(handle.log_path).parent.glob(Path(handle.log_path).name.removesuffix(".log") + ".ends.*"):
-            try:
-                rank, code, node, when = path.read_text().split()
-                ends.append((float(when), int(rank), int(code), node))
-            except (OSError, ValueError):
-                continue
-        failed = sorted(e for e in ends if e[2] != 0)
-        if not failed:
-            return None
-        _, rank, code, node = failed[0]
-        return f"task {rank} of {len(ends)} on {node} failed first (exit {code}); srun stopped the rest"
 
     def _tasks(self, job_id: str, rows: list[dict[str, str]]) -> dict[str, JobStatus] | None:
         """Per-task statuses when ``job_id`` is an array job (not one task of it), else None."""

@@ -406,14 +406,10 @@ def start_pipeline(
     for backend in (options.backend, *(s.backend for s in pipeline.stages if s.backend)):
         if backend not in BACKENDS:
             raise ConfigError(f"unknown backend {backend!r}; known backends: {', '.join(BACKENDS)}")
-    for spec in pipeline.stages:  # a stage of several tasks on a backend of one task per job: refused now
-        backend = spec.backend or options.backend
-        if spec.tasks > 1 and not launcher_class(backend).multi_task:
-            raise ConfigError(
-                f"stage {spec.name} asks for {spec.nodes} node(s) × {spec.tasks_per_node} task(s) per node, and "
-                f"the {backend} backend runs one task per job: run it with --backend slurm (or resources."
-                f"{spec.name}: {{backend: slurm}}), or as one task"
-            )
+    for spec in pipeline.stages:  # a stage of several tasks its backend cannot run: refused now
+        why = launcher_class(spec.backend or options.backend).cannot_run(spec.nodes, spec.tasks_per_node)
+        if why:
+            raise ConfigError(f"stage {spec.name}: {why}")
     preemptions = preemption_retries(settings)
     owns = store is None
     store = store or LineageStore.open(settings)

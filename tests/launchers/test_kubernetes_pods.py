@@ -166,7 +166,7 @@ def test_an_evicted_pod_is_preempted_and_a_plain_failure_is_not(runtime: str, re
     assert not cluster.workload_alive(handles[0])
 
 
-def test_pods_the_job_controller_retries_are_followed_and_named(process_cluster: EmulatedCluster, tmp_path: Path) -> None:
+def test_job_controller_pod_retries_are_followed_and_named(process_cluster: EmulatedCluster, tmp_path: Path) -> None:
     """With backoffLimit above 0 the Job controller replaces a failed pod with a new one (a new name,
     a log of its own): the log goes on into the new pod from its first line, saying so, and the
     attempt names the pods that failed before the last, as it names Slurm's requeues."""

@@ -1,4 +1,4 @@
-"""Multi-task Slurm jobs: N nodes × M tasks under srun, each told its place, one outcome.
+"""Multi-task jobs: N nodes × M tasks under srun (or M local processes), each told its place, one outcome.
 
 A distributed training job is several processes that must find each other (torch.distributed's
 ``env://``: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), die together when one crashes, and leave
@@ -113,11 +113,39 @@ def _job_named(name: str) -> str:
     raise AssertionError(f"no job named {name} in the queue")
 
 
-@pytest.mark.parametrize("backend", ["local", "docker", "kubernetes"])
-def test_backends_of_one_task_per_job_refuse_before_recording_anything(backend: str, store: LineageStore) -> None:
+def test_local_tasks_find_each_other_and_a_failure_names_its_task(store: LineageStore) -> None:
+    """The local backend runs a job's tasks on this machine with srun's contract: the same program
+    all-reduces across them, and the task that fails first gives the job its exit code."""
+    launcher = get_launcher("local")
+    lines: list[str] = []
+    spec = JobSpec(name="ddp", command=[sys.executable, "-c", ALL_REDUCE], tasks_per_node=2)
+    _, status = run_job(store, launcher, spec, on_log=lines.append, timeout=120)
+    assert status.state is JobState.SUCCEEDED, (status, lines)
+    assert sorted(line for line in lines if " sum " in line) == [
+        "0: rank 0 of 2 local 0 of 2 node 0 sum 3",
+        "1: rank 1 of 2 local 1 of 2 node 0 sum 3",
+    ], lines
+    crash = "import os, sys, time\nif os.environ['RANK'] == '1':\n    time.sleep(0.5); sys.exit(3)\ntime.sleep(300)"
+    spec = JobSpec(name="crash", command=[sys.executable, "-c", crash], tasks_per_node=2)
+    attempt, status = run_job(store, launcher, spec, timeout=90)
+    assert status.state is JobState.FAILED and status.exit_code == 3, status
+    assert "task 1 of 2 on " in (attempt.reason or "") and "failed first (exit 3)" in (attempt.reason or "")
+
+
+@pytest.mark.parametrize(
+    ("backend", "ask", "message"),
+    [
+        ("local", {"nodes": 2}, "the local backend runs a job on one machine, and this job asks for 2 nodes"),
+        ("docker", {"tasks_per_node": 2}, "the docker backend runs one task per job, and this job asks for 1 node"),
+        ("kubernetes", {"tasks_per_node": 2}, "the kubernetes backend runs one task per job"),
+    ],
+)
+def test_backends_refuse_what_they_cannot_run_before_recording_anything(
+    backend: str, ask: dict, message: str, store: LineageStore
+) -> None:
     launcher = get_launcher(backend)
-    with pytest.raises(ConfigError, match=f"the {backend} backend runs one task per job, and this job asks for 2 node"):
-        run_job(store, launcher, JobSpec(name="x", command=["true"], nodes=2))
+    with pytest.raises(ConfigError, match=message):
+        run_job(store, launcher, JobSpec(name="x", command=["true"], **ask))
     assert store.list(Attempt) == [], "a job that cannot run as asked leaves no attempt"
 
 

@@ -53,11 +53,12 @@ def test_pretrain_trains_over_two_slurm_tasks_and_midtrain_continues_from_it() -
     assert any(c.startswith("config.tasks") for c in single["pretrain"].changes), single["pretrain"].changes
 
 
-def test_a_stage_of_several_tasks_on_a_one_task_backend_is_refused_before_anything_is_recorded() -> None:
+def test_a_stage_its_backend_cannot_run_is_refused_before_anything_is_recorded() -> None:
     resolved = _two_tasks("pretrain")
     resources = {k: dict(v) for k, v in resolved.resources.items()}
     resources["pretrain"].pop("backend")
-    with pytest.raises(ConfigError, match="stage pretrain asks for 1 node.* the local backend runs one task per job"):
+    resources["pretrain"]["nodes"] = 2
+    with pytest.raises(ConfigError, match="stage pretrain: the local backend runs a job on one machine"):
         run_recipe(replace(resolved, resources=resources), options=RunOptions(backend="local"))
     with LineageStore.open(load_settings()) as store:
         assert store.list(StageRun) == []
