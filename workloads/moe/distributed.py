@@ -8,7 +8,9 @@ TOPK estimator is already a mean over ranks, so averaging the tasks' means of eq
 the same estimate; the HIST one becomes a mean of per-task quantiles). Parameters therefore stay
 identical on every task. Only task 0 writes: checkpoints, metrics, the W&B run. A stop signal is
 agreed on at every step, so all tasks stop at the same step and the checkpoint task 0 saves is the
-one they all resume from. Routing and drop metrics are task 0's share of the batch.
+one they all resume from. Routing and drop metrics are task 0's share of the batch. In post-training,
+where prompt tokens are masked out of the loss, each task's loss is a mean over its own unmasked
+tokens, so the average over tasks weights them slightly differently from one process's mean.
 
 One process (WORLD_SIZE unset or 1) is the plain path: nothing here does anything.
 """
