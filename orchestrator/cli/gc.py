@@ -36,8 +36,8 @@ def gc_cmd(
     """Delete stage outputs (checkpoints, token shards) nobody uses any more; keep their lineage.
 
     Kept: outputs of the last --keep completed runs of each recipe and replica, outputs made or
-    reused within --unused-for, outputs a running pipeline or job uses, and recorded data
-    snapshots. The rest is deleted and each artifact record is marked removed (when, by whom,
+    reused within --unused-for, outputs a running pipeline or job uses, recorded data snapshots,
+    and outputs holding an offline W&B run not yet synced. The rest is deleted and each artifact record is marked removed (when, by whom,
     why); stage runs, jobs and W&B runs stay, so `lineage trace` still answers, and a later run
     of the same stage identity runs it again. `openlab gc --dry-run` shows what would go.
     """

@@ -9,6 +9,8 @@ lineage alone which stage output folders to keep, each with its reason:
   reading it as input now), or another process holds the identity's lease (running it now);
 - **data snapshot**: the folder is a recorded data snapshot, which ``lineage verify`` proves
   the data against;
+- **unsynced W&B run**: an offline W&B run inside it was never uploaded (``openlab wandb sync``
+  first: deleting it would lose the run's history, which lineage keeps only as a summary);
 - **last N**: it belongs to one of the last ``keep_last`` COMPLETED pipeline runs of its recipe
   and replica (made or reused there): what tomorrow's run reuses and what people compare with;
 - **recent**: a stage run made or reused it after ``used_since``.
@@ -38,7 +40,7 @@ from sqlmodel import col, or_
 
 from orchestrator.errors import ConfigError
 from orchestrator.lineage import leases
-from orchestrator.lineage.models import Artifact, DataSnapshot, PipelineRun, StageRun, utcnow
+from orchestrator.lineage.models import Artifact, DataSnapshot, PipelineRun, StageRun, WandbRun, utcnow
 from orchestrator.lineage.store import LineageStore
 from orchestrator.pipeline.execute import output_dir
 from orchestrator.settings import Settings
@@ -49,7 +51,13 @@ DEFAULT_KEEP_LAST = 3
 DEFAULT_UNUSED_FOR = "7d"
 
 #: Why an output is kept, in the order they are checked (the first that applies is reported).
-IN_USE, DATA_SNAPSHOT, LAST_RUNS, RECENT = "in use", "data snapshot", "last runs", "recent"
+IN_USE, DATA_SNAPSHOT, UNSYNCED_WANDB, LAST_RUNS, RECENT = (
+    "in use",
+    "data snapshot",
+    "unsynced W&B run",
+    "last runs",
+    "recent",
+)
 
 
 @dataclass
@@ -171,6 +179,7 @@ def plan_gc(
     for sr in store.list(StageRun):
         by_identity[(sr.stage, sr.identity)].append(sr)
     snapshot_paths = [Path(s.path) for s in store.list(DataSnapshot)]
+    unsynced = [Path(w.local_dir) for w in store.list(WandbRun) if w.local_dir and not w.url]
     root = settings.artifacts_dir.resolve()
 
     outputs: list[Output] = []
@@ -202,7 +211,7 @@ def plan_gc(
             last_used=max(_when(sr) for sr in used),
             bytes=folder_bytes(folder),
         )
-        out.keep = _keep_reason(store, out, used, running_runs, kept_runs, snapshot_paths, used_since)
+        out.keep = _keep_reason(store, out, used, running_runs, kept_runs, snapshot_paths, unsynced, used_since)
         outputs.append(out)
     filters = {k: v for k, v in {"stages": sorted(wanted_stages), "recipe": recipe, "replica": replica}.items() if v}
     return GcPlan(outputs=outputs, keep_last=keep_last, used_since=used_since, filters=filters)
@@ -215,6 +224,7 @@ def _keep_reason(
     running_runs: set[str],
     kept_runs: set[str],
     snapshot_paths: list[Path],
+    unsynced: list[Path],
     used_since: dt.datetime,
 ) -> str | None:
     if any(sr.state == "RUNNING" or sr.pipeline_run_id in running_runs for sr in used):
@@ -223,6 +233,8 @@ def _keep_reason(
         return IN_USE
     if any(p == out.folder or out.folder in p.parents for p in snapshot_paths):
         return DATA_SNAPSHOT
+    if any(out.folder in p.parents for p in unsynced):
+        return UNSYNCED_WANDB
     if any(sr.pipeline_run_id in kept_runs for sr in used):
         return LAST_RUNS
     if out.last_used >= used_since:

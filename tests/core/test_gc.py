@@ -16,7 +16,7 @@ from orchestrator.lineage import Artifact, LineageStore, StageRun, utcnow
 from orchestrator.lineage.verify import verify
 from orchestrator.pipeline import RunOptions, execute_stage, finish_pipeline, plan, run_pipeline, start_pipeline
 from orchestrator.pipeline.execute import output_dir
-from orchestrator.pipeline.gc import DATA_SNAPSHOT, IN_USE, LAST_RUNS, RECENT, collect, plan_gc
+from orchestrator.pipeline.gc import DATA_SNAPSHOT, IN_USE, LAST_RUNS, RECENT, UNSYNCED_WANDB, collect, plan_gc
 from orchestrator.settings import load_settings
 from tests.pipeline.toy import make_repo, toy_configs, toy_pipeline
 
@@ -108,6 +108,27 @@ def test_gc_removes_unused_outputs_keeps_records_and_a_later_run_reruns_them(
     # with a week's window, all of it is recent: nothing goes
     week = plan_gc(store, settings, keep_last=0, used_since=utcnow() - dt.timedelta(days=7))
     assert week.removable == [] and {o.keep for o in week.outputs} <= {RECENT, DATA_SNAPSHOT}
+
+
+def test_an_offline_wandb_run_not_yet_synced_keeps_its_folder(store: LineageStore, tmp_path: Path) -> None:
+    """Deleting an output would delete the offline W&B run inside it, whose history lineage keeps
+    only as a summary: kept until `openlab wandb sync` has uploaded it (its record gets a URL)."""
+    from orchestrator.lineage import WandbRun
+
+    repo = make_repo(tmp_path)
+    ids = _three_runs(repo)
+    settings = load_settings()
+    folder = output_dir(settings, "count", ids["a"]["count"])
+    run_dir = folder / "wandb" / "offline-run-20261204_120000-abc123"
+    run_dir.mkdir(parents=True)
+    with store.transaction() as tx:
+        wandb_run = tx.add(WandbRun(id="/openlab/abc123", run_id="abc123", project="openlab", local_dir=str(run_dir)))
+    decided = {o.identity: o.keep for o in plan_gc(store, settings, keep_last=1, used_since=LATER).outputs}
+    assert decided[ids["a"]["count"]] == UNSYNCED_WANDB and decided[ids["b"]["count"]] is None
+    with store.transaction() as tx:
+        tx.update(wandb_run, url="https://wandb.ai/lab/openlab/runs/abc123", mode="online")
+    decided = {o.identity: o.keep for o in plan_gc(store, settings, keep_last=1, used_since=LATER).outputs}
+    assert decided[ids["a"]["count"]] is None, "synced: the bytes are in W&B"
 
 
 def test_gc_filters_narrow_what_may_go(store: LineageStore, tmp_path: Path) -> None:
