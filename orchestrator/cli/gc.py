@@ -37,9 +37,10 @@ def gc_cmd(
 
     Kept: outputs of the last --keep completed runs of each recipe and replica, outputs made or
     reused within --unused-for, outputs a running pipeline or job uses, recorded data snapshots,
-    and outputs holding an offline W&B run not yet synced. The rest is deleted and each artifact record is marked removed (when, by whom,
-    why); stage runs, jobs and W&B runs stay, so `lineage trace` still answers, and a later run
-    of the same stage identity runs it again. `openlab gc --dry-run` shows what would go.
+    and outputs holding an offline W&B run not yet synced. The rest is deleted and each artifact
+    record is marked removed (when, by whom, why); stage runs, jobs and W&B runs stay, so `lineage
+    trace` still answers, and a later run of the same stage identity runs it again. `openlab gc
+    --dry-run` shows what would go.
     """
     from orchestrator.lineage.listing import parse_when
     from orchestrator.lineage.store import open_store

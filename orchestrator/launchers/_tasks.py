@@ -57,6 +57,8 @@ def main(argv: list[str]) -> int:
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": port,
         }
+        if os.path.exists("/sys/class/net/lo"):  # every task is here: gloo binds the loopback (a container
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # may have no resolvable hostname to bind by)
         proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         procs.append(proc)
         pump = threading.Thread(target=_pump, args=(rank, proc.stdout, lock), daemon=True)

@@ -450,15 +450,20 @@ BACKENDS: dict[str, str] = {
 }
 
 
-def first_failed_task(log_path: str | None) -> str | None:
-    """Which task of a multi-task job failed first, and where, from the ends its tasks wrote next to
-    the job's log (``<log>.ends.<rank>``: rank, exit code, host, time; see the Slurm and local
-    launchers' task wrappers); None for a job of one task or none failed."""
-    if not log_path or not log_path.endswith(".log"):
+def task_ends_prefix(log_path: str | Path) -> str:
+    """Where a multi-task job's tasks write how they ended: ``<log without .log>.ends.<rank>``."""
+    return str(log_path).removesuffix(".log") + ".ends"
+
+
+def first_failed_task(ends_prefix: str | None) -> str | None:
+    """Which task of a multi-task job failed first, and where, from the ends its tasks wrote
+    (``<prefix>.<rank>``: rank, exit code, host, time; see the Slurm wrapper and
+    ``launchers/_tasks.py``); None for a job of one task, or when none failed."""
+    if not ends_prefix:
         return None
-    path = Path(log_path)
+    path = Path(ends_prefix)
     ends = []
-    for end in path.parent.glob(path.name.removesuffix(".log") + ".ends.*"):
+    for end in path.parent.glob(path.name + ".*"):
         try:
             rank, code, host, when = end.read_text().split()
             ends.append((float(when), int(rank), int(code), host))
@@ -518,6 +523,7 @@ __all__ = [
     "configured_backends",
     "get_launcher",
     "first_failed_task",
+    "task_ends_prefix",
     "launcher_class",
     "parse_duration",
     "parse_memory",

@@ -50,12 +50,15 @@ from orchestrator.launchers.base import (
     JobStatus,
     Launcher,
     LauncherError,
+    first_failed_task,
     parse_memory,
 )
 
 DEFAULT_IMAGE = "openlab/job:latest"
 MANAGED_LABEL = "openlab.io/managed"
 TIME_LIMIT_LABEL = "openlab.io/time-limit"
+#: Where a multi-task container's tasks write how they ended (under the mounted artifact root).
+TASK_ENDS_LABEL = "openlab.io/task-ends"
 CANCEL_EXIT_CODES = (137, 143)
 
 
@@ -86,6 +89,8 @@ class DockerLauncher(Launcher):
     """Runs jobs as Docker containers (see the module docstring)."""
 
     name = "docker"
+    #: Several tasks of one job in its container (launchers/_tasks.py), never several machines.
+    multi_task = True
     #: Seconds between status looks while a job runs; :meth:`pause` wakes as soon as it ends.
     poll_interval = 2.0
 
@@ -191,6 +196,14 @@ class DockerLauncher(Launcher):
         labels[MANAGED_LABEL] = "true"
         labels["openlab.io/job-name"] = spec.name
         command = list(spec.command)
+        task_ends = None
+        if spec.tasks > 1:  # one process per task in the container, told its place (launchers/_tasks.py)
+            python = str(opts.get("python") or "python")  # the image's, which has openlab installed
+            command = [python, "-m", "orchestrator.launchers._tasks", str(spec.tasks), "--", *command]
+            if spec.artifact_root is not None:  # mounted at the same path: the ends are readable here
+                task_ends = str(Path(spec.artifact_root).resolve() / ".tasks" / f"{job_id}.ends")
+                Path(task_ends).parent.mkdir(parents=True, exist_ok=True)
+                labels[TASK_ENDS_LABEL] = task_ends
         if spec.time_limit:
             labels[TIME_LIMIT_LABEL] = str(spec.time_limit)
             if opts.get("time_limit_wrapper", True):
@@ -198,6 +211,7 @@ class DockerLauncher(Launcher):
                 command = ["timeout", "-k", str(grace), str(spec.time_limit), *command]
         env = {
             **{str(k): str(v) for k, v in spec.env.items()},
+            **({"OPENLAB_TASK_ENDS": task_ends} if task_ends else {}),
             "OPENLAB_JOB_ID": job_id,
             "OPENLAB_JOB_NAME": spec.name,
             "OPENLAB_LABELS": json.dumps(dict(spec.labels), sort_keys=True),
@@ -307,6 +321,9 @@ class DockerLauncher(Launcher):
             job_state, reason = JobState.FAILED, f"exit code {code}"
         if status_text == "dead" and job_state is JobState.SUCCEEDED:
             job_state, reason = JobState.LOST, "container is dead"
+        first = first_failed_task(labels.get(TASK_ENDS_LABEL)) if code else None
+        if first:
+            reason = f"{reason}; {first}" if reason else first
         return JobStatus(job_state, code, reason, host, started, ended, digest)
 
     def _cancel_marker(self, job_id: str) -> Path:

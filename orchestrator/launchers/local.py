@@ -42,6 +42,7 @@ from orchestrator.launchers.base import (
     Launcher,
     LauncherError,
     first_failed_task,
+    task_ends_prefix,
 )
 
 SUPERVISOR = Path(__file__).with_name("_supervise.py")
@@ -273,7 +274,7 @@ class LocalLauncher(Launcher):
             env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(spec.gpus)))
         command = list(spec.command)
         if spec.tasks > 1:  # one process per task, told its place, as srun does (launchers/_tasks.py)
-            env["OPENLAB_TASK_ENDS"] = str(log_path.with_suffix(".ends"))
+            env["OPENLAB_TASK_ENDS"] = task_ends_prefix(log_path)
             command = [sys.executable, "-m", "orchestrator.launchers._tasks", str(spec.tasks), "--", *command]
         state: dict[str, Any] = {
             "job_id": job_id,
@@ -379,7 +380,8 @@ class LocalLauncher(Launcher):
                     state["reason"] = "the job's supervisor process is gone without recording an end"
         reason = state.get("reason")
         if job_state.terminal and state.get("exit_code"):
-            first = first_failed_task(handle.log_path or state.get("log_path"))
+            log_path = handle.log_path or state.get("log_path")
+            first = first_failed_task(task_ends_prefix(log_path) if log_path else None)
             reason = f"{reason}; {first}" if reason and first else first or reason
         return JobStatus(
             state=job_state,

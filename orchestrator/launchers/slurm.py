@@ -53,6 +53,7 @@ from orchestrator.launchers.base import (
     LauncherError,
     first_failed_task,
     stopped_from_outside,
+    task_ends_prefix,
 )
 
 TRANSIENT = (
@@ -472,7 +473,7 @@ class SlurmLauncher(Launcher):
         chosen.started_at = min(starts) if starts else None
         chosen.ended_at = max(ends) if ends and chosen.state.terminal else None
         if chosen.state.terminal and chosen.exit_code:
-            first = first_failed_task(handle.log_path)
+            first = first_failed_task(task_ends_prefix(handle.log_path) if handle.log_path else None)
             if first:
                 chosen.reason = f"{chosen.reason}; {first}" if chosen.reason else first
         return chosen

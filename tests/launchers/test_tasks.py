@@ -113,20 +113,31 @@ def _job_named(name: str) -> str:
     raise AssertionError(f"no job named {name} in the queue")
 
 
-def test_local_tasks_find_each_other_and_a_failure_names_its_task(store: LineageStore) -> None:
-    """The local backend runs a job's tasks on this machine with srun's contract: the same program
-    all-reduces across them, and the task that fails first gives the job its exit code."""
-    launcher = get_launcher("local")
+@pytest.mark.parametrize("backend", ["local", pytest.param("docker", marks=pytest.mark.docker)])
+def test_one_machine_tasks_find_each_other_and_a_failure_names_its_task(backend: str, store: LineageStore) -> None:
+    """Local processes, or processes in one container, run a job's tasks with srun's contract: the
+    same program all-reduces across them, and the task that fails first gives the job its code."""
+    from tests.conftest import REPO_ROOT
+
+    if backend == "docker":
+        from tests.services import require_docker
+
+        require_docker()
+    from orchestrator.settings import load_settings
+
+    launcher = get_launcher(backend)
+    python = sys.executable if backend == "local" else "python"  # the container's, with torch and openlab
+    where = {"workdir": str(REPO_ROOT), "artifact_root": load_settings().artifacts_dir}  # as `openlab job run`
     lines: list[str] = []
-    spec = JobSpec(name="ddp", command=[sys.executable, "-c", ALL_REDUCE], tasks_per_node=2)
-    _, status = run_job(store, launcher, spec, on_log=lines.append, timeout=120)
+    spec = JobSpec(name="ddp", command=[python, "-c", ALL_REDUCE], tasks_per_node=2, **where)
+    _, status = run_job(store, launcher, spec, on_log=lines.append, timeout=180)
     assert status.state is JobState.SUCCEEDED, (status, lines)
     assert sorted(line for line in lines if " sum " in line) == [
         "0: rank 0 of 2 local 0 of 2 node 0 sum 3",
         "1: rank 1 of 2 local 1 of 2 node 0 sum 3",
     ], lines
     crash = "import os, sys, time\nif os.environ['RANK'] == '1':\n    time.sleep(0.5); sys.exit(3)\ntime.sleep(300)"
-    spec = JobSpec(name="crash", command=[sys.executable, "-c", crash], tasks_per_node=2)
+    spec = JobSpec(name="crash", command=[python, "-c", crash], tasks_per_node=2, **where)
     attempt, status = run_job(store, launcher, spec, timeout=90)
     assert status.state is JobState.FAILED and status.exit_code == 3, status
     assert "task 1 of 2 on " in (attempt.reason or "") and "failed first (exit 3)" in (attempt.reason or "")
@@ -136,7 +147,7 @@ def test_local_tasks_find_each_other_and_a_failure_names_its_task(store: Lineage
     ("backend", "ask", "message"),
     [
         ("local", {"nodes": 2}, "the local backend runs a job on one machine, and this job asks for 2 nodes"),
-        ("docker", {"tasks_per_node": 2}, "the docker backend runs one task per job, and this job asks for 1 node"),
+        ("docker", {"nodes": 2}, "the docker backend runs a job on one machine, and this job asks for 2 nodes"),
         ("kubernetes", {"tasks_per_node": 2}, "the kubernetes backend runs one task per job"),
     ],
 )
