@@ -28,6 +28,7 @@ ARGS: dict[str, tuple[list[str], list[str]]] = {
     "stage_overhead": ([], ["--stages", "3", "--rounds", "1"]),
     "moe_step": (["--steps", "12"], ["--steps", "3"]),
     "trace": (["--runs", "1000"], ["--runs", "30", "--repeat", "2"]),
+    "data_parallel": (["--steps", "12"], ["--steps", "2", "--batch", "4"]),
 }
 
 
