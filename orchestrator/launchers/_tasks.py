@@ -97,10 +97,14 @@ def main(argv: list[str]) -> int:
     ends = os.environ.get("OPENLAB_TASK_ENDS")  # how each task ended, for the launcher's record
     if ends:
         host = socket.gethostname()
-        for rank, p in enumerate(procs):
-            code = p.returncode if p.returncode >= 0 else 128 - p.returncode
-            with open(f"{ends}.{rank}", "w") as fh:
-                fh.write(f"{rank} {code} {host} {ended.get(rank, time.time())}\n")
+        try:
+            os.makedirs(os.path.dirname(ends) or ".", exist_ok=True)
+            for rank, p in enumerate(procs):
+                code = p.returncode if p.returncode >= 0 else 128 - p.returncode
+                with open(f"{ends}.{rank}", "w") as fh:
+                    fh.write(f"{rank} {code} {host} {ended.get(rank, time.time())}\n")
+        except OSError as exc:  # the record is a courtesy; the exit code below is the outcome
+            sys.stderr.write(f"openlab: could not record how the tasks ended in {ends}: {exc}\n")
     if first is None:
         for rank, p in enumerate(procs):  # a last look: a task may have failed in the final poll
             if p.returncode:

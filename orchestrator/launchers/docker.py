@@ -202,7 +202,6 @@ class DockerLauncher(Launcher):
             command = [python, "-m", "orchestrator.launchers._tasks", str(spec.tasks), "--", *command]
             if spec.artifact_root is not None:  # mounted at the same path: the ends are readable here
                 task_ends = str(Path(spec.artifact_root).resolve() / ".tasks" / f"{job_id}.ends")
-                Path(task_ends).parent.mkdir(parents=True, exist_ok=True)
                 labels[TASK_ENDS_LABEL] = task_ends
         if spec.time_limit:
             labels[TIME_LIMIT_LABEL] = str(spec.time_limit)
@@ -244,8 +243,8 @@ class DockerLauncher(Launcher):
         }
         if spec.workdir:
             kwargs["working_dir"] = spec.workdir
-        if spec.cpus:
-            kwargs["nano_cpus"] = int(spec.cpus * 1e9)
+        if spec.cpus:  # per task, as Slurm counts them: the container holds every task
+            kwargs["nano_cpus"] = int(spec.cpus * spec.tasks * 1e9)
         if spec.memory_bytes:
             kwargs["mem_limit"] = spec.memory_bytes
             kwargs["memswap_limit"] = spec.memory_bytes  # no swap: over the limit is an OOM kill

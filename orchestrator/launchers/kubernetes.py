@@ -52,9 +52,12 @@ from orchestrator.launchers.base import (
     JobStatus,
     Launcher,
     LauncherError,
+    first_failed_task,
 )
 
 DEFAULT_VERSION = "1.33"
+#: The Job annotation naming where a multi-task pod's tasks write how they ended (artifact root).
+TASK_ENDS_ANNOTATION = "openlab.io/task-ends"
 #: Longest wait before re-reading a pod log whose follow stream ended while the pod still runs.
 FOLLOW_RETRY_S = 1.0
 DEFAULT_TEMPLATE = Path(__file__).resolve().parents[2] / "infra" / "k8s" / "job-template.yaml"
@@ -131,6 +134,9 @@ class KubernetesLauncher(Launcher):
 
     name = "kubernetes"
     poll_interval = 0.5
+    #: Several tasks of one job in its pod (launchers/_tasks.py); several pods (an indexed Job
+    #: with a headless Service for the rendezvous) is not built yet.
+    multi_task = True
 
     def __init__(self, settings: Any = None, config: Any = None) -> None:
         super().__init__(settings, config)
@@ -303,6 +309,9 @@ class KubernetesLauncher(Launcher):
         main.setdefault("name", "job")
         main["image"] = spec.image or opts.get("image") or main.get("image") or "openlab/job:latest"
         main["command"] = list(spec.command)
+        if spec.tasks > 1:  # one process per task in the pod, told its place (launchers/_tasks.py)
+            python = str(opts.get("python") or "python")  # the image's, which has openlab installed
+            main["command"] = [python, "-m", "orchestrator.launchers._tasks", str(spec.tasks), "--", *spec.command]
         main.pop("args", None)
         env = [e for e in main.get("env") or [] if e.get("name") not in spec.env]
         env += [{"name": str(k), "value": str(v)} for k, v in spec.env.items()]
@@ -315,8 +324,8 @@ class KubernetesLauncher(Launcher):
             main["workingDir"] = spec.workdir
         resources = main.setdefault("resources", {})
         limits, requests = resources.setdefault("limits", {}), resources.setdefault("requests", {})
-        if spec.cpus:
-            limits["cpu"] = requests["cpu"] = k8s_cpu(spec.cpus)
+        if spec.cpus:  # per task, as Slurm counts them: the pod holds every task
+            limits["cpu"] = requests["cpu"] = k8s_cpu(spec.cpus * spec.tasks)
         if spec.memory_bytes:
             limits["memory"] = requests["memory"] = k8s_memory(spec.memory_bytes)
         if spec.gpus:
@@ -336,6 +345,10 @@ class KubernetesLauncher(Launcher):
             mounts = [m for m in main.get("volumeMounts") or [] if m.get("name") != "openlab-artifacts"]
             mounts.append({"name": "openlab-artifacts", "mountPath": root})
             main["volumeMounts"] = mounts
+            if spec.tasks > 1:  # how each task ended, where this side can read it (the same path)
+                ends = str(Path(root) / ".tasks" / f"{meta['namespace']}-{name}.ends")
+                env.append({"name": "OPENLAB_TASK_ENDS", "value": ends})
+                meta["annotations"][TASK_ENDS_ANNOTATION] = ends
         main["env"] = env
         self.validate(job, source=self.template_source())
         return job
@@ -490,10 +503,13 @@ class KubernetesLauncher(Launcher):
             state = JobState.RUNNING
         if not state.terminal:
             exit_code, ended = None, None
-        elif len(pods) > 1:  # the Job controller replaced failed pods (backoffLimit): say so, as Slurm's requeues
-            note = f"Kubernetes ran {len(pods)} pods (backoffLimit); before the last: " + ", ".join(
-                _pod_end(p) for p in pods[:-1]
-            )
+        notes = []
+        if state.terminal and exit_code:  # a multi-task pod: which task failed first
+            notes.append(first_failed_task((job.metadata.annotations or {}).get(TASK_ENDS_ANNOTATION)))
+        if state.terminal and len(pods) > 1:  # the Job controller replaced failed pods (backoffLimit)
+            before = ", ".join(_pod_end(p) for p in pods[:-1])
+            notes.append(f"Kubernetes ran {len(pods)} pods (backoffLimit); before the last: {before}")
+        for note in filter(None, notes):
             reason = f"{reason}; {note}" if reason else note
         return JobStatus(state, exit_code, reason, host, started, ended, digest)
 

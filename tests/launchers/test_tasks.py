@@ -1,4 +1,5 @@
-"""Multi-task jobs: N nodes × M tasks under srun (or M local processes), each told its place, one outcome.
+"""Multi-task jobs: N nodes × M tasks under srun (or M processes on one machine, container or pod),
+each told its place, one outcome.
 
 A distributed training job is several processes that must find each other (torch.distributed's
 ``env://``: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), die together when one crashes, and leave
@@ -113,20 +114,31 @@ def _job_named(name: str) -> str:
     raise AssertionError(f"no job named {name} in the queue")
 
 
-@pytest.mark.parametrize("backend", ["local", pytest.param("docker", marks=pytest.mark.docker)])
-def test_one_machine_tasks_find_each_other_and_a_failure_names_its_task(backend: str, store: LineageStore) -> None:
-    """Local processes, or processes in one container, run a job's tasks with srun's contract: the
-    same program all-reduces across them, and the task that fails first gives the job its code."""
+IN_CONTAINERS = [pytest.param(b, marks=pytest.mark.docker) for b in ("docker", "kubernetes")]
+
+
+@pytest.mark.parametrize("backend", ["local", *IN_CONTAINERS])
+def test_one_machine_tasks_find_each_other_and_a_failure_names_its_task(
+    backend: str, store: LineageStore, request: pytest.FixtureRequest
+) -> None:
+    """Local processes, or processes in one container or one pod, run a job's tasks with srun's
+    contract: the same program all-reduces across them, and the task that fails first gives the
+    job its exit code and is named in the attempt."""
+    from orchestrator.settings import load_settings
     from tests.conftest import REPO_ROOT
 
-    if backend == "docker":
+    overrides: dict = {}
+    if backend != "local":
         from tests.services import require_docker
 
         require_docker()
-    from orchestrator.settings import load_settings
-
-    launcher = get_launcher(backend)
-    python = sys.executable if backend == "local" else "python"  # the container's, with torch and openlab
+    if backend == "kubernetes":  # pods as containers of the job image, on the emulated cluster
+        cluster = request.getfixturevalue("k8s_cluster")
+        assert cluster.runtime == "docker", cluster.runtime_reason
+        overrides = {"host": cluster.url}
+    launcher = get_launcher(backend, **overrides)
+    launcher.poll_interval = min(launcher.poll_interval, 0.5)
+    python = sys.executable if backend == "local" else "python"  # the image's, with torch and openlab
     where = {"workdir": str(REPO_ROOT), "artifact_root": load_settings().artifacts_dir}  # as `openlab job run`
     lines: list[str] = []
     spec = JobSpec(name="ddp", command=[python, "-c", ALL_REDUCE], tasks_per_node=2, **where)
@@ -148,7 +160,7 @@ def test_one_machine_tasks_find_each_other_and_a_failure_names_its_task(backend:
     [
         ("local", {"nodes": 2}, "the local backend runs a job on one machine, and this job asks for 2 nodes"),
         ("docker", {"nodes": 2}, "the docker backend runs a job on one machine, and this job asks for 2 nodes"),
-        ("kubernetes", {"tasks_per_node": 2}, "the kubernetes backend runs one task per job"),
+        ("kubernetes", {"nodes": 2}, "the kubernetes backend runs a job on one machine, and this job asks for 2"),
     ],
 )
 def test_backends_refuse_what_they_cannot_run_before_recording_anything(
