@@ -335,8 +335,13 @@ class SlurmLauncher(Launcher):
             f"export MASTER_ADDR MASTER_PORT OPENLAB_TASK_ENDS WORLD_SIZE={spec.tasks}",
             'rm -f "$OPENLAB_TASK_ENDS".*  # a requeued job starts afresh',
             f"{shlex.quote(self._bin('srun'))} --kill-on-bad-exit=1 --label{cpus} "
-            f"bash -c {shlex.quote(place)} openlab-task " + " ".join(shlex.quote(c) for c in spec.command),
-            "code=$?",
+            f"bash -c {shlex.quote(place)} openlab-task " + " ".join(shlex.quote(c) for c in spec.command) + " &",
+            # A signal for this script alone (`--signal=B:USR1@300`, `scancel --batch`) goes on to srun,
+            # which passes it to every task: the warning before the time limit reaches the training.
+            "srun_pid=$!",
+            "trap 'kill -s TERM $srun_pid 2>/dev/null' TERM",
+            "trap 'kill -s USR1 $srun_pid 2>/dev/null' USR1",
+            "while :; do wait $srun_pid; code=$?; kill -0 $srun_pid 2>/dev/null || break; done",
             "first=$(cat \"$OPENLAB_TASK_ENDS\".* 2>/dev/null | sort -n -k4 | awk '$2 != 0 {print; exit}')",
             'if [ -n "$first" ]; then',
             "    set -- $first",

@@ -104,6 +104,42 @@ def test_every_task_stopped_from_outside_is_a_preemption(slurm_harness: Harness,
     assert store.require(Attempt, attempt.id).state == "PREEMPTED"
 
 
+@pytest.mark.slurm
+def test_a_signal_to_the_batch_script_reaches_every_task(slurm_harness: Harness, store: LineageStore) -> None:
+    """`--signal=B:USR1@300` (Slurm's warning ahead of the time limit) signals the batch script
+    only: it goes on to srun and from there to every task, which saves and stops; the attempt is
+    PREEMPTED (a stop from outside), not left to run into the limit."""
+
+    def on_log(line: str) -> None:
+        if line.endswith("waiting") and not started.is_set():
+            started.set()
+            subprocess.run(["scancel", "--batch", "--signal=USR1", _job_named("warned")], check=True)
+
+    started = threading.Event()
+    wait = (
+        "import os, signal, sys, time\n"
+        "def stop(signum, frame):\n"
+        "    print('rank', os.environ['RANK'], 'got', signal.Signals(signum).name, flush=True)\n"
+        "    sys.exit(128 + signum)\n"
+        "signal.signal(signal.SIGUSR1, stop)\nprint('waiting', flush=True)\ntime.sleep(300)"
+    )
+    lines: list[str] = []
+
+    def record(line: str) -> None:
+        lines.append(line)
+        threading.Thread(target=on_log, args=(line,)).start()
+
+    attempt, status = run_job(
+        store,
+        slurm_harness.launcher,
+        JobSpec(name="warned", command=[sys.executable, "-c", wait], tasks_per_node=2),
+        on_log=record,
+        timeout=90,
+    )
+    assert sorted(line for line in lines if " got " in line) == ["0: rank 0 got SIGUSR1", "1: rank 1 got SIGUSR1"]
+    assert status.state is JobState.PREEMPTED and status.exit_code == 138, status
+
+
 def _job_named(name: str) -> str:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
