@@ -230,6 +230,7 @@ def run_replica(
     """The body of the pipeline flows (also used by the nightly): start, run each stage as a task, finish."""
 
     from flows.gitref import checkout_ref
+    from orchestrator.errors import ConfigError
     from orchestrator.pipeline.execute import RunOptions, start_recipe
     from orchestrator.recipes import resolve
     from orchestrator.settings import load_settings
@@ -246,7 +247,16 @@ def run_replica(
         if repo_root != REPO_ROOT:
             logger.info("running git ref %s from worktree %s", git_ref, repo_root)
         # The recipe of the tree that runs (a checked-out ref brings its own), cut --until a stage.
-        resolved = resolve(recipe, replica, root=repo_root).until(until or None)
+        try:
+            resolved = resolve(recipe, replica, root=repo_root).until(until or None)
+        except ConfigError as exc:
+            if repo_root == REPO_ROOT:
+                raise
+            # the ref's recipe file, read by this server's code: a key added (or dropped) since shows here
+            raise ConfigError(
+                f"{exc} (the recipe of git ref {git_ref} was read with the recipe schema of the code serving this "
+                "flow; if that ref's recipes use keys this code does not know, serve the flows from that ref)"
+            ) from None
         if dry_run:
             return _dry_run(
                 resolved=resolved,

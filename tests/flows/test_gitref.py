@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -35,3 +36,57 @@ def test_checkout_ref(tmp_path: Path) -> None:
     assert checkout_ref(repo, main_sha[:10], settings) == tree  # same commit, same checkout
     with pytest.raises(ConfigError, match="names no commit"):
         checkout_ref(repo, "no-such-branch", settings)
+
+
+def _commit_with_recipe_key(repo: Path, key_line: str) -> str:
+    """A commit object (no branch, no change to the working tree) of HEAD with one line added under
+    the tiny replica of the recipe: what a later or earlier ref with another recipe schema looks like."""
+    recipe = "recipes/marin-535b-a23b.yaml"
+    text = _git(repo, "show", f"HEAD:{recipe}").replace("  tiny:\n", f"  tiny:\n    {key_line}\n", 1)
+    blob = subprocess.run(
+        ["git", "-C", str(repo), "hash-object", "-w", "--stdin"], input=text, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    index = repo / ".git" / "openlab-test-index"
+    env = {**os.environ, "GIT_INDEX_FILE": str(index)}
+    try:
+        subprocess.run(["git", "-C", str(repo), "read-tree", "HEAD"], env=env, check=True)
+        subprocess.run(
+            ["git", "-C", str(repo), "update-index", "--cacheinfo", f"100644,{blob},{recipe}"], env=env, check=True
+        )
+        tree = subprocess.run(
+            ["git", "-C", str(repo), "write-tree"], env=env, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    finally:
+        index.unlink(missing_ok=True)
+    return subprocess.run(
+        ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@e", "commit-tree", tree, "-p", "HEAD"]
+        + ["-m", "a recipe with a key from another schema"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+
+
+@pytest.mark.prefect
+def test_a_ref_whose_recipe_this_code_cannot_read_says_so(prefect_server: object, openlab_home: Path) -> None:
+    """A run of another ref reads that ref's recipe with the serving code's schema: a key the serving
+    code does not know is refused naming the key, the ref and what to do, before anything runs."""
+    from prefect import flow
+
+    from flows.pipeline import run_replica
+    from orchestrator.pipeline.dag import REPO_ROOT
+
+    sha = _commit_with_recipe_key(REPO_ROOT, "speculative_decoding: true")
+
+    @flow(name="gitref-schema")
+    def run() -> None:
+        ref = {"git_ref": sha, "force": False, "dry_run": True}
+        run_replica(recipe="marin-535b-a23b", replica="tiny", backend="local", issue=None, **ref)
+
+    state = run(return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ConfigError) as err:
+        state.result()
+    message = str(err.value)
+    assert "speculative_decoding" in message and f"git ref {sha}" in message, message
+    assert "serve the flows from that ref" in message
