@@ -83,7 +83,12 @@ def test_a_ref_whose_recipe_this_code_cannot_read_says_so(prefect_server: object
         ref = {"git_ref": sha, "force": False, "dry_run": True}
         run_replica(recipe="marin-535b-a23b", replica="tiny", backend="local", issue=None, **ref)
 
-    state = run(return_state=True)
+    try:
+        state = run(return_state=True)
+    finally:  # the ref's checkout is registered in the project's own repository: leave none behind
+        worktree = openlab_home / "worktrees" / sha
+        if worktree.exists():
+            _git(REPO_ROOT, "worktree", "remove", "--force", str(worktree))
     assert state.is_failed()
     with pytest.raises(ConfigError) as err:
         state.result()
