@@ -27,6 +27,7 @@ def collect_outputs(
     stages: list[str] | None = None,
     recipe: str | None = None,
     replica: str | None = None,
+    include_unsynced_wandb: bool = False,
     dry_run: bool = True,
 ) -> dict[str, Any]:
     """Remove old stage output folders and mark their artifact records removed; report each.
@@ -37,6 +38,7 @@ def collect_outputs(
         stages: Only outputs of these stages (empty: all).
         recipe: Only outputs runs of this recipe used.
         replica: Only outputs runs of this replica used.
+        include_unsynced_wandb: Also delete offline W&B runs that were never uploaded.
         dry_run: Only say what would be removed (the default from the UI).
     """
     from prefect.artifacts import create_markdown_artifact
@@ -59,6 +61,7 @@ def collect_outputs(
             stages=stages,
             recipe=recipe,
             replica=replica,
+            keep_unsynced_wandb=not include_unsynced_wandb,
         )
         removable = plan.removable
         size = decimal(sum(o.bytes for o in removable))

@@ -29,6 +29,10 @@ def gc_cmd(
     stage: Annotated[list[str] | None, typer.Option("--stage", help="Only outputs of this stage (repeatable).")] = None,
     recipe: Annotated[str | None, typer.Option("--recipe", help="Only outputs runs of this recipe used.")] = None,
     replica: Annotated[str | None, typer.Option("--replica", help="Only outputs runs of this replica used.")] = None,
+    include_unsynced_wandb: Annotated[
+        bool,
+        typer.Option("--include-unsynced-wandb", help="Also delete offline W&B runs never uploaded (kept by default)."),
+    ] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be removed; remove nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Remove without asking (scripts, schedules).")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object for scripts.")] = False,
@@ -37,7 +41,8 @@ def gc_cmd(
 
     Kept: outputs of the last --keep completed runs of each recipe and replica, outputs made or
     reused within --unused-for, outputs a running pipeline or job uses, recorded data snapshots,
-    and outputs holding an offline W&B run not yet synced. The rest is deleted and each artifact
+    and outputs holding an offline W&B run not yet synced (`openlab wandb sync` first, or
+    --include-unsynced-wandb). The rest is deleted and each artifact
     record is marked removed (when, by whom, why); stage runs, jobs and W&B runs stay, so `lineage
     trace` still answers, and a later run of the same stage identity runs it again. `openlab gc
     --dry-run` shows what would go.
@@ -51,7 +56,16 @@ def gc_cmd(
     used_since = parse_when(unused_for)
     settings = load_settings()
     store = open_store(settings, create=False)
-    plan = plan_gc(store, settings, keep_last=keep, used_since=used_since, stages=stage, recipe=recipe, replica=replica)
+    plan = plan_gc(
+        store,
+        settings,
+        keep_last=keep,
+        used_since=used_since,
+        stages=stage,
+        recipe=recipe,
+        replica=replica,
+        keep_unsynced_wandb=not include_unsynced_wandb,
+    )
     removable = plan.removable
     if not dry_run and removable and not yes:
         if not sys.stdin.isatty():

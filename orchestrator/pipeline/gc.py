@@ -157,12 +157,15 @@ def plan_gc(
     stages: Iterable[str] | None = None,
     recipe: str | None = None,
     replica: str | None = None,
+    keep_unsynced_wandb: bool = True,
 ) -> GcPlan:
     """Decide, from lineage, which output folders present under ``settings.artifacts_dir`` go.
 
     ``stages``, ``recipe`` and ``replica`` narrow what may be removed (an output counts as the
     recipe's when any pipeline run of that recipe made or reused it); the keep rules see every
     run, so an output another recipe still needs is kept whatever the filter.
+    ``keep_unsynced_wandb=False`` lets offline W&B runs that were never uploaded go with their folder
+    (a lab that runs W&B offline for good, whose metrics lineage and metrics.jsonl already hold).
     """
     if keep_last < 0:
         raise ConfigError(f"invalid keep count {keep_last}: give 0 or more completed runs to keep")
@@ -179,7 +182,7 @@ def plan_gc(
     for sr in store.list(StageRun):
         by_identity[(sr.stage, sr.identity)].append(sr)
     snapshot_paths = [Path(s.path) for s in store.list(DataSnapshot)]
-    unsynced = [Path(w.local_dir) for w in store.list(WandbRun) if w.local_dir and not w.url]
+    unsynced = [Path(w.local_dir) for w in store.list(WandbRun) if w.local_dir and not w.url and keep_unsynced_wandb]
     root = settings.artifacts_dir.resolve()
 
     outputs: list[Output] = []
