@@ -43,7 +43,8 @@ RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 #: ``stages``; the default is the training chain without ``repro``).
 STAGES = ("data", "tokenize", "pretrain", "midtrain", "posttrain", "eval", "repro")
 DEFAULT_STAGES = STAGES[:-1]
-#: The stages that may run as several tasks of one job (data-parallel training: workloads/moe/distributed.py).
+#: The stages that may run as several tasks of one job (data-parallel training: workloads/moe/distributed.py);
+#: the workload states the same list (``workloads.moe.__main__``), kept equal by a test.
 TRAINING_STAGES = ("pretrain", "midtrain", "posttrain")
 
 #: Config keys that say where a stage runs; they go into stage configs but never into identities.

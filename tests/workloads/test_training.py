@@ -156,3 +156,12 @@ def test_the_workload_stops_on_the_signals_the_orchestrator_reads_as_preemption(
     from workloads.moe.util import StopSignals
 
     assert StopSignals.SIGNALS == STOP_SIGNALS
+
+
+def test_the_recipes_ask_for_tasks_only_where_the_workload_trains_over_them() -> None:
+    """Recipes refuse `tasks_per_node` on a stage the workload would refuse to run as several tasks:
+    the one list, stated twice because the workload imports nothing of the orchestrator."""
+    from orchestrator.recipes import TRAINING_STAGES
+    from workloads.moe.__main__ import TRAINING_STAGES as WORKLOAD_TRAINING_STAGES
+
+    assert TRAINING_STAGES == WORKLOAD_TRAINING_STAGES
