@@ -50,6 +50,9 @@ DEFAULT_KEEP_LAST = 3
 #: Outputs made or reused more recently than this are kept.
 DEFAULT_UNUSED_FOR = "7d"
 
+#: Stage-run states that mean a job of that identity is still going (the reaper closes those whose
+#: orchestrator died). A stage run PREEMPTED between attempts counts through its RUNNING pipeline run.
+UNFINISHED = frozenset({"PENDING", "RUNNING"})
 #: Why an output is kept, in the order they are checked (the first that applies is reported).
 IN_USE, DATA_SNAPSHOT, UNSYNCED_WANDB, LAST_RUNS, RECENT = (
     "in use",
@@ -214,7 +217,7 @@ def plan_gc(
             last_used=max(_when(sr) for sr in used),
             bytes=folder_bytes(folder),
         )
-        out.keep = _keep_reason(store, out, used, running_runs, kept_runs, snapshot_paths, unsynced, used_since)
+        out.keep = _keep_reason(store, out, srs, running_runs, kept_runs, snapshot_paths, unsynced, used_since)
         outputs.append(out)
     filters = {k: v for k, v in {"stages": sorted(wanted_stages), "recipe": recipe, "replica": replica}.items() if v}
     return GcPlan(outputs=outputs, keep_last=keep_last, used_since=used_since, filters=filters)
@@ -223,14 +226,15 @@ def plan_gc(
 def _keep_reason(
     store: LineageStore,
     out: Output,
-    used: list[StageRun],
+    runs_of_identity: list[StageRun],
     running_runs: set[str],
     kept_runs: set[str],
     snapshot_paths: list[Path],
     unsynced: list[Path],
     used_since: dt.datetime,
 ) -> str | None:
-    if any(sr.state == "RUNNING" or sr.pipeline_run_id in running_runs for sr in used):
+    # any stage run of it still going (a forced re-run) or in a live pipeline run (one preempted, about to resume)
+    if any(sr.state in UNFINISHED or sr.pipeline_run_id in running_runs for sr in runs_of_identity):
         return IN_USE
     if leases.is_live(leases.current(store, out.identity)):
         return IN_USE
@@ -238,7 +242,7 @@ def _keep_reason(
         return DATA_SNAPSHOT
     if any(out.folder in p.parents for p in unsynced):
         return UNSYNCED_WANDB
-    if any(sr.pipeline_run_id in kept_runs for sr in used):
+    if any(sr.pipeline_run_id in kept_runs and sr.state in ("COMPLETED", "REUSED") for sr in runs_of_identity):
         return LAST_RUNS
     if out.last_used >= used_since:
         return RECENT
@@ -291,7 +295,7 @@ def _remove_one(store: LineageStore, settings: Settings, out: Output, who: str, 
     try:
         running = {r.id for r in store.list(PipelineRun, state="RUNNING")}
         again = store.list(StageRun, where=[StageRun.identity == out.identity, StageRun.stage == out.stage])
-        if any(sr.state == "RUNNING" or sr.pipeline_run_id in running for sr in again):
+        if any(sr.state in UNFINISHED or sr.pipeline_run_id in running for sr in again):
             return "skipped: a running pipeline started using it"
         if not out.folder.is_dir():
             return "skipped: already gone"

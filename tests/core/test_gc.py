@@ -133,6 +133,21 @@ def test_an_offline_wandb_run_not_yet_synced_keeps_its_folder(store: LineageStor
     assert decided[ids["a"]["count"]] is None, "synced: the bytes are in W&B"
 
 
+def test_an_identity_being_run_again_is_in_use(store: LineageStore, tmp_path: Path) -> None:
+    """A forced re-run of an old identity, preempted and about to resume in its live pipeline run,
+    writes its checkpoint into that identity's folder: the folder is in use, however old."""
+    from orchestrator.lineage import PipelineRun
+
+    repo = make_repo(tmp_path)
+    ids = _three_runs(repo)
+    settings = load_settings()
+    with store.transaction() as tx:
+        live = tx.add(PipelineRun(name="forced", state="RUNNING"))
+        tx.add(StageRun(pipeline_run_id=live.id, stage="count", identity=ids["a"]["count"], state="PREEMPTED"))
+    decided = {o.identity: o.keep for o in plan_gc(store, settings, keep_last=1, used_since=LATER).outputs}
+    assert decided[ids["a"]["count"]] == IN_USE and decided[ids["b"]["count"]] is None
+
+
 def test_gc_filters_narrow_what_may_go(store: LineageStore, tmp_path: Path) -> None:
     repo = make_repo(tmp_path)
     ids = _three_runs(repo)
