@@ -7,8 +7,10 @@ RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK (0), MASTER_ADDR (127.
 MASTER_PORT; every line it prints is prefixed with its rank (``1: ...``, like ``srun --label``);
 when a task fails the others are stopped (SIGTERM, SIGKILL after a grace period) and this exits
 with the code of the task that failed first, saying which; SIGTERM and SIGUSR1 sent to this
-process are passed to every task (a cancel or time limit also reaches them through the job's
-process group). Standard library only: it sits between the supervisor and the job.
+process are passed to every task (a container's stop reaches only its first process). A local
+cancel or time limit signals the whole process group, so there a task gets the signal twice: a
+stop handler must not mind (the workload's ``StopSignals`` only notes it). Standard library only:
+it sits between the supervisor and the job.
 """
 
 from __future__ import annotations

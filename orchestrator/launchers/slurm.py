@@ -320,8 +320,9 @@ class SlurmLauncher(Launcher):
             'export RANK="$SLURM_PROCID" LOCAL_RANK="$SLURM_LOCALID" NODE_RANK="$SLURM_NODEID" '
             f"LOCAL_WORLD_SIZE={spec.tasks_per_node}\n"
             '"$@" &\nchild=$!\n'
-            # forward the stop signals (a handler, not an ignore: an ignored signal would be inherited)
-            "trap 'kill -s TERM $child 2>/dev/null' TERM\ntrap 'kill -s USR1 $child 2>/dev/null' USR1\n"
+            # Slurm signals every process of the step, the task with this wrapper: the wrapper only has to
+            # outlive the signal to record the task's end (forwarding would deliver it twice)
+            "trap : TERM\ntrap : USR1\n"
             # a trapped signal interrupts `wait`: wait again while the task lives (its status is the last wait's)
             "while :; do wait $child; code=$?; kill -0 $child 2>/dev/null || break; done\n"
             'echo "$RANK $code ${SLURMD_NODENAME:-$(hostname)} $(date +%s.%N)" > "$OPENLAB_TASK_ENDS.$RANK"\n'
