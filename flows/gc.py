@@ -64,14 +64,12 @@ def collect_outputs(
             keep_unsynced_wandb=not include_unsynced_wandb,
         )
         removable = plan.removable
-        size = decimal(sum(o.bytes for o in removable))
-        kept = ", ".join(f"{n} {why}" for why, n in sorted(plan.kept_by_reason().items())) or "none"
         if not dry_run and removable:
             for out in collect(store, settings, plan):
                 line = f"{out.stage} {out.identity[:16]} ({decimal(out.bytes)}): {out.outcome}"
                 (logger.info if out.outcome == "removed" else logger.warning)(line)
     verb = "would remove" if dry_run else "removed"
-    headline = f"{verb} {len(removable)} output folder(s), {size}; kept {kept}"
+    headline = f"{verb} {len(removable)} output folder(s), {decimal(plan.bytes_removable)}; kept {plan.kept_summary()}"
     logger.info(headline)
     rows = [
         f"| {md_cell(o.stage)} | `{o.identity[:16]}` | {md_cell(', '.join(o.recipes))} "

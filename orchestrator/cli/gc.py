@@ -70,7 +70,7 @@ def gc_cmd(
     if not dry_run and removable and not yes:
         if not sys.stdin.isatty():
             raise ConfigError(
-                f"{len(removable)} output folder(s) ({decimal(sum(o.bytes for o in removable))}) would be deleted: "
+                f"{len(removable)} output folder(s) ({decimal(plan.bytes_removable)}) would be deleted: "
                 "pass --yes to delete them, or --dry-run to list them"
             )
         _print_plan(plan)
@@ -86,7 +86,7 @@ def gc_cmd(
         done = collect(store, settings, plan)
     else:
         with Progress(TextColumn("removing"), BarColumn(), DownloadColumn(), console=console, transient=True) as bar:
-            task = bar.add_task("gc", total=sum(o.bytes for o in removable))
+            task = bar.add_task("gc", total=plan.bytes_removable)
             done = collect(store, settings, plan, progress=lambda o: bar.advance(task, o.bytes))
     removed = [o for o in done if o.outcome == "removed"]
     if json_out:
@@ -119,9 +119,8 @@ def _print_plan(plan: GcPlan) -> None:
                 decimal(o.bytes),
             )
         console.print(table)
-    kept = ", ".join(f"{n} {why}" for why, n in sorted(plan.kept_by_reason().items())) or "none"
     console.print(
-        f"{len(removable)} to delete ({decimal(sum(o.bytes for o in removable))}); kept: {kept} "
+        f"{len(removable)} to delete ({decimal(plan.bytes_removable)}); kept: {plan.kept_summary()} "
         f"(last {plan.keep_last} completed runs of each recipe and replica, used since "
         f"{plan.used_since:%Y-%m-%d %H:%M} UTC)",
         markup=False,

@@ -116,11 +116,16 @@ class GcPlan:
     def kept(self) -> list[Output]:
         return [o for o in self.outputs if o.keep is not None]
 
-    def kept_by_reason(self) -> dict[str, int]:
+    @property
+    def bytes_removable(self) -> int:
+        return sum(o.bytes for o in self.removable)
+
+    def kept_summary(self) -> str:
+        """``2 last runs, 1 recent``: how many outputs each reason keeps (``none``)."""
         counts: dict[str, int] = defaultdict(int)
         for o in self.kept:
             counts[o.keep or ""] += 1
-        return dict(counts)
+        return ", ".join(f"{n} {why}" for why, n in sorted(counts.items())) or "none"
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -129,7 +134,7 @@ class GcPlan:
             "filters": self.filters,
             "remove": [o.to_dict() for o in self.removable],
             "kept": [o.to_dict() for o in self.kept],
-            "bytes_removable": sum(o.bytes for o in self.removable),
+            "bytes_removable": self.bytes_removable,
         }
 
 
