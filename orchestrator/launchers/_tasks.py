@@ -9,8 +9,8 @@ when a task fails the others are stopped (SIGTERM, SIGKILL after a grace period)
 with the code of the task that failed first, saying which; SIGTERM and SIGUSR1 sent to this
 process are passed to every task (a container's stop reaches only its first process). A local
 cancel or time limit signals the whole process group, so there a task gets the signal twice: a
-stop handler must not mind (the workload's ``StopSignals`` only notes it). Standard library only:
-it sits between the supervisor and the job.
+stop handler must not mind (the workload's ``StopSignals`` only notes it). It sits between the
+supervisor and the job, so it imports nothing beyond what ``orchestrator.launchers`` already loads.
 """
 
 from __future__ import annotations
@@ -23,13 +23,15 @@ import sys
 import threading
 import time
 
+from orchestrator.prefect_server import free_port
+
 GRACE_S = 10.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def command(python: str, tasks: int, job: list[str]) -> list[str]:
+    """The command that runs ``job`` as ``tasks`` tasks under this module, with interpreter ``python``
+    (the host's for local jobs, the image's in a container or pod)."""
+    return [python, "-m", "orchestrator.launchers._tasks", str(tasks), "--", *job]
 
 
 def _pump(rank: int, stream: object, lock: threading.Lock) -> None:
@@ -44,7 +46,7 @@ def main(argv: list[str]) -> int:
         sys.stderr.write("usage: python -m orchestrator.launchers._tasks N -- CMD...\n")
         return 2
     n, command = int(argv[0]), argv[2:]
-    port = str(_free_port())
+    port = str(free_port())
     lock = threading.Lock()
     procs: list[subprocess.Popen[bytes]] = []
     pumps = []

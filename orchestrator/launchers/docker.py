@@ -39,6 +39,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from orchestrator.launchers._tasks import command as tasks_command
 from orchestrator.launchers.base import (
     TIME_LIMIT_REASON,
     BackendUnavailable,
@@ -199,7 +200,7 @@ class DockerLauncher(Launcher):
         task_ends = None
         if spec.tasks > 1:  # one process per task in the container, told its place (launchers/_tasks.py)
             python = str(opts.get("python") or "python")  # the image's, which has openlab installed
-            command = [python, "-m", "orchestrator.launchers._tasks", str(spec.tasks), "--", *command]
+            command = tasks_command(python, spec.tasks, command)
             if spec.artifact_root is not None:  # mounted at the same path: the ends are readable here
                 task_ends = str(Path(spec.artifact_root).resolve() / ".tasks" / f"{job_id}.ends")
                 labels[TASK_ENDS_LABEL] = task_ends

@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from orchestrator.launchers._tasks import command as tasks_command
 from orchestrator.launchers.base import (
     TIME_LIMIT_REASON,
     BackendUnavailable,
@@ -311,7 +312,7 @@ class KubernetesLauncher(Launcher):
         main["command"] = list(spec.command)
         if spec.tasks > 1:  # one process per task in the pod, told its place (launchers/_tasks.py)
             python = str(opts.get("python") or "python")  # the image's, which has openlab installed
-            main["command"] = [python, "-m", "orchestrator.launchers._tasks", str(spec.tasks), "--", *spec.command]
+            main["command"] = tasks_command(python, spec.tasks, list(spec.command))
         main.pop("args", None)
         env = [e for e in main.get("env") or [] if e.get("name") not in spec.env]
         env += [{"name": str(k), "value": str(v)} for k, v in spec.env.items()]

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from orchestrator.launchers._tasks import command as tasks_command
 from orchestrator.launchers.base import (
     Backoff,
     JobHandle,
@@ -275,7 +276,7 @@ class LocalLauncher(Launcher):
         command = list(spec.command)
         if spec.tasks > 1:  # one process per task, told its place, as srun does (launchers/_tasks.py)
             env["OPENLAB_TASK_ENDS"] = task_ends_prefix(log_path)
-            command = [sys.executable, "-m", "orchestrator.launchers._tasks", str(spec.tasks), "--", *command]
+            command = tasks_command(sys.executable, spec.tasks, command)
         state: dict[str, Any] = {
             "job_id": job_id,
             "name": spec.name,
