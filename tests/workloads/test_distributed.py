@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,42 +18,35 @@ from typing import Any
 import pytest
 import yaml
 
+from orchestrator.prefect_server import free_port
 from tests.workloads.conftest import train_cfg
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _start_tasks(cfg: dict[str, Any], out: Path, tasks: int, stage: str = "pretrain") -> list[subprocess.Popen]:
+    """``tasks`` processes of ``python -m workloads.moe STAGE``, each told its place (one: told nothing)."""
+    path = out.with_suffix(".yaml")
+    path.write_text(yaml.safe_dump(cfg))
+    port = str(free_port())
+    procs = []
+    for rank in range(tasks):
+        env = dict(os.environ)
+        if tasks > 1:
+            env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(tasks))
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        cmd = [sys.executable, "-m", "workloads.moe", stage, "--config", str(path), "--out", str(out)]
+        procs.append(
+            subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    return procs
 
 
 def _run_tasks(
     cfg: dict[str, Any], out: Path, tasks: int, stage: str = "pretrain"
 ) -> list[subprocess.CompletedProcess]:
-    path = out.with_suffix(".yaml")
-    path.write_text(yaml.safe_dump(cfg))
-    port = str(_free_port())
-    procs = []
-    for rank in range(tasks):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(tasks),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-        }
-        if tasks == 1:
-            for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-                env.pop(name)
-        cmd = [sys.executable, "-m", "workloads.moe", stage, "--config", str(path), "--out", str(out)]
-        procs.append(
-            subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        )
     done = []
-    for p in procs:
+    for p in _start_tasks(cfg, out, tasks, stage):
         stdout, stderr = p.communicate(timeout=300)
         done.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
     return done
@@ -99,15 +91,7 @@ def test_a_stop_signal_to_one_task_stops_both_at_the_same_step_and_they_resume(
     cfg = train_cfg(tiny_tokens, steps=400, batch_size=4)
     cfg["moe"] = {"dispatch": "dropless", "ranks": 1}
     out = tmp_path / "stopped"
-    path = out.with_suffix(".yaml")
-    path.write_text(yaml.safe_dump(cfg))
-    port = str(_free_port())
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        cmd = [sys.executable, "-m", "workloads.moe", "pretrain", "--config", str(path), "--out", str(out)]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True))
+    procs = _start_tasks(cfg, out, 2)
     deadline = time.monotonic() + 120
     while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 5:
         assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
