@@ -25,25 +25,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_moe_step import MODEL  # noqa: E402 - the model the MoE step benchmark times
+
 #: Task 0's step times, as printed under the task runner (``0: [...]``) or alone (``[...]``).
 TIMES = re.compile(r"^(?:\d+: )?(\[[0-9.eE, +-]*\])$")
-MODEL = {
-    "vocab_size": 4096,
-    "d_model": 128,
-    "n_layers": 4,
-    "n_heads": 4,
-    "context": 256,
-    "n_experts": 24,
-    "top_k": 4,
-    "expert_hidden": 64,
-    "n_shared": 1,
-    "shared_hidden": 128,
-}
 
 
 def _measure(variant: str, steps: int, batch: int, threads: int) -> list[float]:
     """Step times of one variant in this process (one of the job's tasks, or alone)."""
-    sys.path.insert(0, str(ROOT))
     import torch
 
     from workloads.moe.config import ModelConfig
