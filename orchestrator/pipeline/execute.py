@@ -700,7 +700,7 @@ def find_reusable(
 
 
 def _removed_by_gc(store: LineageStore, run: StageRun) -> str | None:
-    """ "outputs removed by openlab gc on DATE" when that is why ``run``'s outputs are gone."""
+    """Why ``run``'s outputs are gone when ``openlab gc`` removed them (``outputs removed by openlab gc on ...``)."""
     for out in run.outputs.values():
         art = store.get(Artifact, out.get("artifact_id") or "") if isinstance(out, dict) else None
         if art is not None and art.removed_at is not None:
