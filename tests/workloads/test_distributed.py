@@ -80,6 +80,61 @@ def test_two_tasks_train_the_model_one_process_trains(tiny_tokens: Path, tmp_pat
     assert (pair / "checkpoint").is_dir()
 
 
+def _rows(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_logged_routing_metrics_are_the_global_batchs(tiny_tokens: Path, tmp_path: Path) -> None:
+    """A lab reads moe/drop_fraction and the routing histograms of a multi-task run as the whole
+    batch's, as of one process: the counts, entropy, balancing and z-losses two tasks log match one
+    process routing the same global batch with the same parameters."""
+    base = train_cfg(tiny_tokens, steps=4, batch_size=4, lr=0.0)  # lr 0: same parameters every step
+    base["moe"] = {"dispatch": "dropless", "ranks": 2}
+    (one,) = _run_tasks(base, tmp_path / "single", 1)
+    assert one.returncode == 0, one.stderr
+    results = _run_tasks({**base, "moe": {"dispatch": "dropless", "ranks": 1}}, tmp_path / "pair", 2)
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
+
+    k = base["model"]["top_k"]
+    for a, b in zip(_rows(tmp_path / "single"), _rows(tmp_path / "pair"), strict=True):
+        assert b["layer_0/routing_hist"]["num"] == 4 * 32 * k, "every task's assignments are counted"
+        for key in ("routing_entropy", "load_balancing_loss", "router_z_loss", "layer_1/routing_entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5), (a["step"], key)
+        assert b["layer_1/routing_hist"]["counts"] == a["layer_1/routing_hist"]["counts"]
+
+
+def test_a_dropping_dispatch_logs_the_drops_of_every_task(tiny_tokens: Path, tmp_path: Path) -> None:
+    """With capacity drops, the logged fraction is the global batch's dropped assignments over its
+    valid ones: whole drops over 4 sequences' assignments, not task 0's 2."""
+    cfg = train_cfg(tiny_tokens, steps=3, batch_size=4)
+    cfg["moe"] = {"dispatch": "fixed_all_to_all", "ranks": 1, "capacity_factor": 0.5}
+    results = _run_tasks(cfg, tmp_path / "pair", 2)
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
+    for row in _rows(tmp_path / "pair"):
+        valid = 4 * 32 * cfg["model"]["top_k"] * cfg["model"]["n_layers"]
+        dropped = row["moe/drop_fraction"] * valid
+        assert dropped == pytest.approx(round(dropped), abs=1e-6) and dropped > 0, row["moe/drop_fraction"]
+        assert sum(row["layer_0/routing_hist"]["counts"]) == 4 * 32 * cfg["model"]["top_k"]
+
+
+def test_two_tasks_post_train_on_the_global_token_mean(tiny_tokens: Path, tmp_path: Path) -> None:
+    """Post-training masks prompt tokens out of the loss, so the two tasks' halves hold different
+    numbers of loss tokens; the loss (and the gradient) is still the global batch's token mean,
+    so the curve is one process's."""
+    pre = train_cfg(tiny_tokens, steps=2, batch_size=4)
+    pre["moe"] = {"dispatch": "dropless", "ranks": 2}
+    (done,) = _run_tasks(pre, tmp_path / "pre", 1)
+    assert done.returncode == 0, done.stderr
+    base = {**pre, "inputs": {"tokens": str(tiny_tokens), "checkpoint": str(tmp_path / "pre")}}
+    base["train"] = {**pre["train"], "steps": 6}
+    (one,) = _run_tasks(base, tmp_path / "single", 1, stage="posttrain")
+    assert one.returncode == 0, one.stderr
+    results = _run_tasks({**base, "moe": {"dispatch": "dropless", "ranks": 1}}, tmp_path / "pair", 2, "posttrain")
+    assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
+    for (step, a), (_, b) in zip(_losses(tmp_path / "single"), _losses(tmp_path / "pair"), strict=True):
+        assert b == pytest.approx(a, rel=2e-4, abs=2e-5), (step, a, b)
+
+
 def test_a_stop_signal_to_one_task_stops_both_at_the_same_step_and_they_resume(
     tiny_tokens: Path, tmp_path: Path
 ) -> None:

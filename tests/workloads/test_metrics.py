@@ -11,6 +11,7 @@ from workloads.moe.config import ModelConfig
 from workloads.moe.dispatch import DispatchSpec
 from workloads.moe.metrics import (
     LayerStats,
+    combine,
     load_balancing_loss,
     max_load_ratio,
     router_z_loss,
@@ -31,6 +32,35 @@ def test_drop_fractions_and_overflow_rates() -> None:
     assert m["train/router/capacity_overflow_rate_mean"] == (1 / 4 + 1 / 4) / 2
     assert m["train/router/layer_1/capacity_overflow_rate"] == 1 / 4
     assert m["layer_0/routing_hist"]["counts"] == [3, 1]
+
+
+def test_combined_layer_statistics_are_those_of_the_batches_routed_together() -> None:
+    """Two tasks' batches, one layer (E=2, K=1): task A routes 2 tokens with softmax rows [.9,.1] and
+    [.6,.4], both to expert 0; task B routes 1 token, softmax [.2,.8], to expert 1."""
+    logits_a = torch.log(torch.tensor([[0.9, 0.1], [0.6, 0.4]]))
+    logits_b = torch.log(torch.tensor([[0.2, 0.8]]))
+    whole = torch.cat([logits_a, logits_b])
+
+    def stats(logits: torch.Tensor, counts: list[int], dropped: int) -> LayerStats:
+        return LayerStats(
+            counts=counts,
+            sender_dropped=dropped,
+            entropy=float(routing_entropy(torch.tensor(counts))),
+            load_balancing_loss=float(load_balancing_loss(torch.tensor(counts), logits, 1)),
+            router_z_loss=float(router_z_loss(logits)),
+            tokens=logits.shape[0],
+            p_mean=torch.softmax(logits, -1).mean(0).tolist(),
+        )
+
+    both = combine([stats(logits_a, [2, 0], 1), stats(logits_b, [0, 1], 0)])
+    assert both.counts == [2, 1] and both.sender_dropped == 1 and both.tokens == 3
+    assert both.p_mean == pytest.approx([(0.9 + 0.6 + 0.2) / 3, (0.1 + 0.4 + 0.8) / 3])
+    # E * sum_e f_e * p_e = 2 * (2/3 * 1.7/3 + 1/3 * 1.3/3); not the mean of the two tasks' losses.
+    assert both.load_balancing_loss == pytest.approx(2 * (2 / 3 * 1.7 / 3 + 1 / 3 * 1.3 / 3))
+    assert both.load_balancing_loss == pytest.approx(float(load_balancing_loss(torch.tensor([2, 1]), whole, 1)))
+    assert both.router_z_loss == pytest.approx(float(router_z_loss(whole)))
+    assert both.entropy == pytest.approx(float(routing_entropy(torch.tensor([2, 1]))))
+    assert summarize([both])["moe/drop_fraction"] == 1 / 3
 
 
 def test_entropy_lbl_zloss_hist() -> None:

@@ -8,9 +8,13 @@ TOPK estimator is already a mean over ranks, so averaging the tasks' means of eq
 the same estimate; the HIST one becomes a mean of per-task quantiles). Parameters therefore stay
 identical on every task. Only task 0 writes: checkpoints, metrics, the W&B run. A stop signal is
 agreed on at every step, so all tasks stop at the same step and the checkpoint task 0 saves is the
-one they all resume from. Routing and drop metrics are task 0's share of the batch. In post-training,
-where prompt tokens are masked out of the loss, each task's loss is a mean over its own unmasked
-tokens, so the average over tasks weights them slightly differently from one process's mean.
+one they all resume from. The logged routing and drop metrics are the global batch's: task 0 gathers
+every task's per-layer counts and sums them (metrics.combine). The LM loss is the global batch's
+mean over its unmasked tokens: in post-training, where prompt tokens are masked out, tasks hold
+different numbers of them, so each task's loss is weighted by its share before gradients are
+averaged (a plain average of per-task means would weight the tokens of a task with few of them up).
+The auxiliary balancing and z-losses that enter the gradient stay per task (the mean over tasks of
+each task's loss), as in an expert-parallel step whose router statistics are local to a group.
 
 One process (WORLD_SIZE unset or 1) is the plain path: nothing here does anything.
 """
@@ -24,6 +28,7 @@ from typing import Any
 import torch
 
 from .config import WorkloadError
+from .metrics import LayerStats, combine
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,34 @@ class DataParallel:
         n = batch[0].shape[0] // self.world
         return tuple(t[self.rank * n : (self.rank + 1) * n] for t in batch)
 
+    def loss_weight(self, targets: torch.Tensor) -> float:
+        """This task's share of the global batch's loss tokens times the task count: scaling this
+        task's mean loss by it before gradients are averaged gives the global token mean (1.0 when
+        every task holds as many loss tokens, as in pre-training)."""
+        if self.world == 1:
+            return 1.0
+        import torch.distributed as dist
+
+        n = torch.tensor([float((targets != -100).sum())], dtype=torch.float64)
+        total = n.clone()
+        dist.all_reduce(total)
+        if not float(total):
+            return 1.0
+        return float(n) * self.world / float(total)
+
+    def global_stats(self, layers: list[LayerStats]) -> list[LayerStats]:
+        """Task 0 gets every layer's statistics over the global batch; other tasks get their own
+        (they log nothing). Every task must call this at the same step."""
+        if self.world == 1:
+            return layers
+        import torch.distributed as dist
+
+        gathered: list[list[LayerStats]] | None = [[] for _ in range(self.world)] if self.main else None
+        dist.gather_object(layers, gathered, dst=0)
+        if gathered is None:
+            return layers
+        return [combine(list(parts)) for parts in zip(*gathered, strict=True)]
+
     def average_gradients(self, model: torch.nn.Module) -> None:
         """Every parameter's gradient becomes the mean over tasks (the global batch's gradient)."""
         if self.world == 1:
@@ -95,15 +128,15 @@ class DataParallel:
                 dist.all_reduce(layer.qb_pending)
                 layer.qb_pending /= self.world
 
-    def agree(self, loss: float, stop: bool) -> tuple[float, bool]:
-        """The mean of the tasks' losses, and whether any task was told to stop."""
+    def agree(self, values: tuple[float, ...], stop: bool) -> tuple[tuple[float, ...], bool]:
+        """The mean over tasks of each value, and whether any task was told to stop."""
         if self.world == 1:
-            return loss, stop
+            return values, stop
         import torch.distributed as dist
 
-        t = torch.tensor([loss, 1.0 if stop else 0.0], dtype=torch.float64)
+        t = torch.tensor([*values, 1.0 if stop else 0.0], dtype=torch.float64)
         dist.all_reduce(t)
-        return float(t[0]) / self.world, bool(t[1] > 0)
+        return tuple(float(v) / self.world for v in t[:-1]), bool(t[-1] > 0)
 
     def barrier(self) -> None:
         if self.world > 1:

@@ -21,11 +21,39 @@ class LayerStats:
     entropy: float = 0.0
     load_balancing_loss: float = 0.0
     router_z_loss: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
+    #: Tokens routed and the mean router softmax over them: what `combine` needs to give the
+    #: load-balancing loss of several batches together (it is not a mean of their losses).
+    tokens: int = 0
+    p_mean: list[float] = field(default_factory=list)
 
     @property
     def valid(self) -> int:
         return sum(self.counts)
+
+
+def combine(parts: list[LayerStats]) -> LayerStats:
+    """One layer's statistics over several batches (the tasks of a data-parallel job) as if routed
+    as one batch: counts and drops add, the entropy is recomputed from the summed counts, the
+    z-loss is the token-weighted mean, and the balancing loss E * sum_e (c_e / N) * mean_t p_te
+    uses the summed counts and the token-weighted mean softmax."""
+    if len(parts) == 1:
+        return parts[0]
+    counts = [sum(c) for c in zip(*(p.counts for p in parts), strict=True)]
+    n = sum(p.tokens for p in parts)
+    if not n:
+        raise ValueError("combining layer statistics needs each part's token count")
+    p_mean = [sum(p.tokens * p.p_mean[e] for p in parts) / n for e in range(len(counts))]
+    lb = len(counts) * sum(c / n * pm for c, pm in zip(counts, p_mean, strict=True))
+    return LayerStats(
+        counts=counts,
+        sender_dropped=sum(p.sender_dropped for p in parts),
+        receiver_dropped=sum(p.receiver_dropped for p in parts),
+        entropy=float(routing_entropy(torch.tensor(counts))),
+        load_balancing_loss=lb,
+        router_z_loss=sum(p.tokens * p.router_z_loss for p in parts) / n,
+        tokens=n,
+        p_mean=p_mean,
+    )
 
 
 def routing_entropy(counts: torch.Tensor) -> torch.Tensor:

@@ -250,9 +250,18 @@ class MoEFeedForward(nn.Module):
                 lse = torch.logsumexp(sd, dim=-1)
                 p_mean = torch.exp(sd - lse[:, None]).mean(0)
                 f = c_all.to(sd.dtype) / max(1, N * self.K)
-                vals = torch.stack(
-                    [self.E * (self.K * f * p_mean).sum(), lse.pow(2).mean(), routing_entropy(c_all).to(sd.dtype)]
-                ).tolist()
+                vals = torch.cat(
+                    [
+                        torch.stack(
+                            [
+                                self.E * (self.K * f * p_mean).sum(),
+                                lse.pow(2).mean(),
+                                routing_entropy(c_all).to(sd.dtype),
+                            ]
+                        ),
+                        p_mean,
+                    ]
+                ).tolist()  # one device-to-host copy
                 self.last_stats = LayerStats(
                     counts=c_all.tolist(),
                     sender_dropped=res.sender_dropped,
@@ -260,6 +269,8 @@ class MoEFeedForward(nn.Module):
                     entropy=vals[2],
                     load_balancing_loss=vals[0],
                     router_z_loss=vals[1],
+                    tokens=N,
+                    p_mean=vals[3:],
                 )
             self.metrics_time_s += time.perf_counter() - t_metrics  # for the benchmark's cost report
         else:

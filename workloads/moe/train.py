@@ -363,6 +363,9 @@ def _train(
             for g in opt.param_groups:
                 g["lr"] = lr
             loss, lm = model(x, y, rt)
+            share = dp.loss_weight(y)
+            if share != 1.0:  # the global batch's token mean once gradients are averaged over tasks
+                loss = loss + (share - 1.0) * lm
             opt.zero_grad(set_to_none=True)
             loss.backward()
             dp.average_gradients(model)
@@ -370,18 +373,20 @@ def _train(
             opt.step()
             dp.average_routing_balance(model)
             model.apply_pending_qb()
-            train_loss, told_to_stop = dp.agree(float(lm.detach()), signals.signum is not None)
+            (train_loss, total_loss), told_to_stop = dp.agree(
+                (share * float(lm.detach()), float(loss.detach())), signals.signum is not None
+            )
             now = time.perf_counter()
             m: dict[str, Any] = {
                 "train/loss": train_loss,
-                "train/total_loss": float(loss.detach()),
+                "train/total_loss": total_loss,
                 "train/lr": lr,
                 "train/grad_norm": float(gnorm),
                 "train/tokens_seen": tokens_seen,
                 "train/step_time_s": now - t_last,
             }
             t_last = now
-            m.update(summarize(model.layer_stats()))
+            m.update(summarize(dp.global_stats(model.layer_stats())))
             tr.log(m, step + 1)
             done = step + 1 == cfg.train.steps
             stop = cfg.train.stop_after and step + 1 == cfg.train.stop_after
