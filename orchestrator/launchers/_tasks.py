@@ -1,16 +1,22 @@
 """Run one command as N tasks on this machine, as ``srun`` does on a Slurm node:
-``python -m orchestrator.launchers._tasks N -- CMD...``.
+``python -m orchestrator.launchers._tasks N [--nodes M] -- CMD...``.
 
 The local backend's multi-task jobs run under this (one process per task), so a data-parallel
 stage can be tried on a workstation with the same contract as on the cluster: each task gets
-RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK (0), MASTER_ADDR (127.0.0.1) and a free
-MASTER_PORT; every line it prints is prefixed with its rank (``1: ...``, like ``srun --label``);
-when a task fails the others are stopped (SIGTERM, SIGKILL after a grace period) and this exits
-with the code of the task that failed first, saying which; SIGTERM and SIGUSR1 sent to this
-process are passed to every task (a container's stop reaches only its first process). A local
-cancel or time limit signals the whole process group, so there a task gets the signal twice: a
-stop handler must not mind (the workload's ``StopSignals`` only notes it). It sits between the
-supervisor and the job, so it imports nothing beyond what ``orchestrator.launchers`` already loads.
+RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR and MASTER_PORT; every line
+it prints is prefixed with its rank (``1: ...``, like ``srun --label``); when a task fails the
+others are stopped (SIGTERM, SIGKILL after a grace period) and this exits with the code of the task
+that failed first, saying which; SIGTERM and SIGUSR1 sent to this process are passed to every task
+(a container's stop reaches only its first process). A local cancel or time limit signals the
+whole process group, so there a task gets the signal twice: a stop handler must not mind (the
+workload's ``StopSignals`` only notes it). It sits between the supervisor and the job, so it imports
+nothing beyond what ``orchestrator.launchers`` already loads.
+
+On one machine (``--nodes`` 1) the tasks meet on 127.0.0.1 at a free port. With ``--nodes M`` this
+runs one node's share (a pod of a Kubernetes indexed Job): its node rank is ``$NODE_RANK``, else the
+indexed Job's ``$JOB_COMPLETION_INDEX``; the rendezvous (``$MASTER_ADDR``, ``$MASTER_PORT``: node 0)
+comes from the launcher; ranks are global (node rank × N + local rank), and so are the line labels
+and the task-end records, so the nodes' logs and records read as one job's.
 """
 
 from __future__ import annotations
@@ -28,10 +34,27 @@ from orchestrator.prefect_server import free_port
 GRACE_S = 10.0
 
 
-def command(python: str, tasks: int, job: list[str]) -> list[str]:
-    """The command that runs ``job`` as ``tasks`` tasks under this module, with interpreter ``python``
-    (the host's for local jobs, the image's in a container or pod)."""
-    return [python, "-m", "orchestrator.launchers._tasks", str(tasks), "--", *job]
+USAGE = "usage: python -m orchestrator.launchers._tasks N [--nodes M] -- CMD...\n"
+
+
+def command(python: str, tasks: int, job: list[str], nodes: int = 1) -> list[str]:
+    """The command that runs ``job`` as ``tasks`` tasks (of each of ``nodes`` nodes) under this
+    module, with interpreter ``python`` (the host's for local jobs, the image's in a container or pod)."""
+    across = ["--nodes", str(nodes)] if nodes > 1 else []
+    return [python, "-m", "orchestrator.launchers._tasks", str(tasks), *across, "--", *job]
+
+
+def _placement(nodes: int) -> tuple[int, str, str] | str:
+    """(node rank, master address, master port) of this node, or what is missing."""
+    if nodes == 1:
+        return 0, "127.0.0.1", str(free_port())
+    raw = os.environ.get("NODE_RANK") or os.environ.get("JOB_COMPLETION_INDEX")
+    if raw is None or not raw.isdigit() or int(raw) >= nodes:
+        return f"{nodes} nodes need this node's rank below {nodes} in $NODE_RANK or $JOB_COMPLETION_INDEX"
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return f"{nodes} nodes need the rendezvous of node 0 in $MASTER_ADDR and $MASTER_PORT"
+    return int(raw), addr, port
 
 
 def _pump(rank: int, stream: object, lock: threading.Lock) -> None:
@@ -42,34 +65,46 @@ def _pump(rank: int, stream: object, lock: threading.Lock) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) < 3 or argv[1] != "--" or not argv[0].isdigit() or int(argv[0]) < 1:
-        sys.stderr.write("usage: python -m orchestrator.launchers._tasks N -- CMD...\n")
+    nodes = 1
+    if len(argv) >= 3 and argv[1] == "--nodes" and argv[2].isdigit():
+        nodes, argv = int(argv[2]), [argv[0], *argv[3:]]
+    if len(argv) < 3 or argv[1] != "--" or not argv[0].isdigit() or int(argv[0]) < 1 or nodes < 1:
+        sys.stderr.write(USAGE)
         return 2
     n, command = int(argv[0]), argv[2:]
-    port = str(free_port())
+    placement = _placement(nodes)
+    if isinstance(placement, str):
+        sys.stderr.write(f"openlab: {placement}\n")
+        return 2
+    node, addr, port = placement
+    world, first_rank = n * nodes, node * n
     lock = threading.Lock()
     procs: list[subprocess.Popen[bytes]] = []
     pumps = []
-    for rank in range(n):
+    for local in range(n):
+        rank = first_rank + local
         env = {
             **os.environ,
             "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(n),
+            "LOCAL_RANK": str(local),
+            "WORLD_SIZE": str(world),
             "LOCAL_WORLD_SIZE": str(n),
-            "NODE_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1",
+            "NODE_RANK": str(node),
+            "MASTER_ADDR": addr,
             "MASTER_PORT": port,
         }
-        if os.path.exists("/sys/class/net/lo"):  # every task is here: gloo binds the loopback (a container
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # may have no resolvable hostname to bind by)
+        if nodes == 1 and os.path.exists("/sys/class/net/lo"):  # every task is here: gloo binds the
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback (a container may have no resolvable hostname)
         proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         procs.append(proc)
         pump = threading.Thread(target=_pump, args=(rank, proc.stdout, lock), daemon=True)
         pump.start()
         pumps.append(pump)
 
+    told: list[int] = []  # signals this runner was sent (and passed on)
+
     def forward(signum: int, _frame: object) -> None:
+        told.append(signum)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
@@ -103,10 +138,10 @@ def main(argv: list[str]) -> int:
         host = socket.gethostname()
         try:
             os.makedirs(os.path.dirname(ends) or ".", exist_ok=True)
-            for rank, p in enumerate(procs):
+            for local, p in enumerate(procs):
                 code = p.returncode if p.returncode >= 0 else 128 - p.returncode
-                with open(f"{ends}.{rank}", "w") as fh:
-                    fh.write(f"{rank} {code} {host} {ended.get(rank, time.time())}\n")
+                with open(f"{ends}.{first_rank + local}", "w") as fh:
+                    fh.write(f"{first_rank + local} {code} {host} {ended.get(local, time.time())}\n")
         except OSError as exc:  # the record is a courtesy; the exit code below is the outcome
             sys.stderr.write(f"openlab: could not record how the tasks ended in {ends}: {exc}\n")
     if first is None:
@@ -116,8 +151,15 @@ def main(argv: list[str]) -> int:
                 break
     if first is None:
         return 0
-    rank, code = first
-    sys.stderr.write(f"openlab: task {rank} of {n} failed first (exit {code}); the other tasks were stopped\n")
+    local, code = first
+    where = f" on node {node}" if nodes > 1 else ""
+    if told:  # stopped from outside (a cancel, an eviction, a failed peer node): not a task's failure
+        sys.stderr.write(f"openlab: the tasks{where} were stopped by {signal.Signals(told[0]).name} (exit {code})\n")
+        return code
+    sys.stderr.write(
+        f"openlab: task {first_rank + local} of {world}{where} failed first (exit {code}); "
+        "the other tasks were stopped\n"
+    )
     return code
 
 

@@ -312,7 +312,10 @@ class Launcher(ABC):
                 f"× {tasks_per_node} task(s) per node: run it on slurm (or local, on one machine), or as one task"
             )
         if cls.max_nodes is not None and nodes > cls.max_nodes:
-            return f"the {cls.name} backend runs a job on one machine, and this job asks for {nodes} nodes: use slurm"
+            return (
+                f"the {cls.name} backend runs a job on one machine, and this job asks for {nodes} nodes: "
+                "use slurm or kubernetes"
+            )
         return None
 
     def refuse_unsupported(self, spec: JobSpec) -> None:
@@ -455,25 +458,41 @@ def task_ends_prefix(log_path: str | Path) -> str:
     return str(log_path).removesuffix(".log") + ".ends"
 
 
-def first_failed_task(ends_prefix: str | None) -> str | None:
-    """Which task of a multi-task job failed first, and where, from the ends its tasks wrote
-    (``<prefix>.<rank>``: rank, exit code, host, time; see the Slurm wrapper and
-    ``launchers/_tasks.py``); None for a job of one task, or when none failed."""
+@dataclass(frozen=True)
+class TaskEnd:
+    """How one task of a multi-task job ended, as it wrote it."""
+
+    rank: int
+    code: int
+    host: str
+    when: float
+
+
+def task_ends(ends_prefix: str | None) -> list[TaskEnd]:
+    """The ends a multi-task job's tasks wrote (``<prefix>.<rank>``: rank, exit code, host, time; see
+    the Slurm wrapper and ``launchers/_tasks.py``), in the order they ended; [] when none."""
     if not ends_prefix:
-        return None
+        return []
     path = Path(ends_prefix)
     ends = []
     for end in path.parent.glob(path.name + ".*"):
         try:
             rank, code, host, when = end.read_text().split()
-            ends.append((float(when), int(rank), int(code), host))
+            ends.append(TaskEnd(int(rank), int(code), host, float(when)))
         except (OSError, ValueError):
             continue
-    failed = sorted(e for e in ends if e[2] != 0)
+    return sorted(ends, key=lambda e: (e.when, e.rank))
+
+
+def first_failed_task(ends_prefix: str | None) -> str | None:
+    """Which task of a multi-task job failed first, and where, from the ends its tasks wrote;
+    None for a job of one task, or when none failed."""
+    ends = task_ends(ends_prefix)
+    failed = [e for e in ends if e.code != 0]
     if not failed:
         return None
-    _, rank, code, host = failed[0]
-    return f"task {rank} of {len(ends)} on {host} failed first (exit {code}); the others were stopped"
+    first = failed[0]
+    return f"task {first.rank} of {len(ends)} on {first.host} failed first (exit {first.code}); the others were stopped"
 
 
 def launcher_class(name: str) -> type[Launcher]:

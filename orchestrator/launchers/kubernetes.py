@@ -24,8 +24,20 @@ Config (``[backends.kubernetes]``): namespace (default "default"), version, temp
 image, host (API URL, e.g. an emulator), kubeconfig, context, verify_ssl, token_env (name
 of the variable holding a bearer token), backoff_limit, ttl_seconds, retries,
 image_code_check (require | warn | off: pipeline stages refuse an image not built from the
-run's tree, see :mod:`orchestrator.provenance.image`).
+run's tree, see :mod:`orchestrator.provenance.image`), master_port (several-node jobs).
 The job id is ``namespace/name``.
+
+A job of several nodes (``JobSpec.nodes`` > 1) is an *indexed* Job, one pod per node
+(``completionMode: Indexed``, ``completions`` = ``parallelism`` = nodes), plus a headless Service of
+the Job's name (``clusterIP: None``, ``publishNotReadyAddresses``) that gives each pod the DNS name
+``<job>-<index>.<job>`` (the pods' ``subdomain``): pod 0 is the rendezvous (MASTER_ADDR,
+MASTER_PORT ``master_port``, default 29500), and each pod runs its node's tasks under
+``launchers/_tasks.py`` with its index as node rank, so ranks, line labels and task-end records are
+global. Its ``backoffLimit`` is 0: a replaced pod could not join a rendezvous its peers already
+left, so a failed pod fails the Job (Kubernetes then stops the others) and a retry is a new attempt,
+as on Slurm. Status names the pod that failed first; logs are every pod's, merged as they come; the
+Service is owned by the Job (deleted with it by Kubernetes' garbage collector) and deleted with it
+by cancel and cleanup.
 """
 
 from __future__ import annotations
@@ -54,11 +66,16 @@ from orchestrator.launchers.base import (
     Launcher,
     LauncherError,
     first_failed_task,
+    task_ends,
 )
 
 DEFAULT_VERSION = "1.33"
 #: The Job annotation naming where a multi-task pod's tasks write how they ended (artifact root).
 TASK_ENDS_ANNOTATION = "openlab.io/task-ends"
+#: The pod label (and annotation) an indexed Job's controller gives each pod: its index, our node rank.
+INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
+#: Where node 0 of a several-node job listens for its peers (``[backends.kubernetes] master_port``).
+DEFAULT_MASTER_PORT = 29500
 #: Longest wait before re-reading a pod log whose follow stream ended while the pod still runs.
 FOLLOW_RETRY_S = 1.0
 DEFAULT_TEMPLATE = Path(__file__).resolve().parents[2] / "infra" / "k8s" / "job-template.yaml"
@@ -130,14 +147,72 @@ def _pod_end(pod: Any) -> str:
     return f"{name} {status.phase.lower() if status and status.phase else 'ended'}"
 
 
+def _index_of(pod: Any) -> int | None:
+    """An indexed Job's pod's index (its node rank), None for a plain Job's pod."""
+    meta = pod.metadata
+    raw = (meta.labels or {}).get(INDEX_LABEL) or (meta.annotations or {}).get(INDEX_LABEL)
+    return int(raw) if raw is not None and str(raw).isdigit() else None
+
+
+def _current(pods: list[Any]) -> list[Any]:
+    """The pods that make up the Job now, oldest first: the newest pod of each index (indexed
+    Job), else the newest pod (earlier ones were replaced under ``backoffLimit``)."""
+    if not pods:
+        return []
+    latest: dict[int | None, Any] = {}
+    for p in pods:  # newest last, so each index keeps its newest
+        latest[_index_of(p)] = p
+    if None in latest:
+        return [latest[None]]
+    return [latest[i] for i in sorted(latest)]  # type: ignore[type-var]
+
+
+def _finished(pod: Any) -> dt.datetime | None:
+    for cs in (pod.status.container_statuses or []) if pod.status else []:
+        term = cs.state.terminated if cs.state else None
+        if term is not None:
+            return _aware(term.finished_at)
+    return None
+
+
+def _exit_code(pod: Any) -> int | None:
+    for cs in (pod.status.container_statuses or []) if pod.status else []:
+        term = cs.state.terminated if cs.state else None
+        if term is not None:
+            return int(term.exit_code)
+    return None
+
+
+def _failed(pod: Any) -> bool:
+    return bool(_exit_code(pod))
+
+
+def _deciding(current: list[Any], ends_prefix: str | None) -> Any:
+    """The pod whose end is the Job's: the first to fail (the others were stopped because of it),
+    else the last. Pod end times have whole seconds, so the tasks' own end records (to the
+    microsecond, naming the pod's hostname) decide first; then the end time, a failure before a
+    stop by signal (128+N: what the others get when the Job fails) in the same second, the index."""
+    failed = [p for p in current if _failed(p)]
+    if not failed:
+        return current[-1]
+    first = next((e for e in task_ends(ends_prefix) if e.code != 0), None)
+    if first is not None:
+        by_host = [p for p in failed if p.spec and first.host in (p.spec.hostname, p.metadata.name)]
+        if by_host:
+            return by_host[0]
+    never = dt.datetime.max.replace(tzinfo=dt.UTC)
+    return min(failed, key=lambda p: (_finished(p) or never, (_exit_code(p) or 0) > 128, _index_of(p) or 0))
+
+
 class KubernetesLauncher(Launcher):
     """Runs jobs as Kubernetes Jobs (see the module docstring)."""
 
     name = "kubernetes"
     poll_interval = 0.5
-    #: Several tasks of one job in its pod (launchers/_tasks.py); several pods (an indexed Job
-    #: with a headless Service for the rendezvous) is not built yet.
+    #: Several tasks of one job in its pod (launchers/_tasks.py); several nodes as an indexed Job
+    #: with a headless Service for the rendezvous (one pod per node).
     multi_task = True
+    max_nodes = None
 
     def __init__(self, settings: Any = None, config: Any = None) -> None:
         super().__init__(settings, config)
@@ -285,6 +360,8 @@ class KubernetesLauncher(Launcher):
         if "backoff_limit" in opts:
             jspec["backoffLimit"] = int(opts["backoff_limit"])
         jspec.setdefault("backoffLimit", 0)
+        if spec.nodes > 1:  # one pod per node, each told its index (see the module docstring)
+            jspec.update(completionMode="Indexed", completions=spec.nodes, parallelism=spec.nodes, backoffLimit=0)
         if "ttl_seconds" in opts:
             jspec["ttlSecondsAfterFinished"] = int(opts["ttl_seconds"])
         if spec.time_limit:
@@ -294,6 +371,8 @@ class KubernetesLauncher(Launcher):
         pod_meta["labels"] = {**(pod_meta.get("labels") or {}), **labels}
         pod_spec = pod.setdefault("spec", {})
         pod_spec["restartPolicy"] = "Never"
+        if spec.nodes > 1:
+            pod_spec["subdomain"] = name  # <job>-<index>.<job>: the headless Service's DNS names
         # Placement (a recipe's `resources.<stage>.kubernetes`, or [backends.kubernetes]) over the template's.
         if opts.get("node_selector"):
             pod_spec["nodeSelector"] = {**(pod_spec.get("nodeSelector") or {}), **opts["node_selector"]}
@@ -312,7 +391,7 @@ class KubernetesLauncher(Launcher):
         main["command"] = list(spec.command)
         if spec.tasks > 1:  # one process per task in the pod, told its place (launchers/_tasks.py)
             python = str(opts.get("python") or "python")  # the image's, which has openlab installed
-            main["command"] = tasks_command(python, spec.tasks, list(spec.command))
+            main["command"] = tasks_command(python, spec.tasks_per_node, list(spec.command), spec.nodes)
         main.pop("args", None)
         env = [e for e in main.get("env") or [] if e.get("name") not in spec.env]
         env += [{"name": str(k), "value": str(v)} for k, v in spec.env.items()]
@@ -321,12 +400,15 @@ class KubernetesLauncher(Launcher):
             {"name": "OPENLAB_JOB_NAME", "value": spec.name},
             {"name": "OPENLAB_LABELS", "value": json.dumps(dict(spec.labels), sort_keys=True)},
         ]
+        if spec.nodes > 1:
+            port = str(opts.get("master_port", DEFAULT_MASTER_PORT))
+            env += [{"name": "MASTER_ADDR", "value": f"{name}-0.{name}"}, {"name": "MASTER_PORT", "value": port}]
         if spec.workdir:
             main["workingDir"] = spec.workdir
         resources = main.setdefault("resources", {})
         limits, requests = resources.setdefault("limits", {}), resources.setdefault("requests", {})
-        if spec.cpus:  # per task, as Slurm counts them: the pod holds every task
-            limits["cpu"] = requests["cpu"] = k8s_cpu(spec.cpus * spec.tasks)
+        if spec.cpus:  # per task, as Slurm counts them: the pod holds its node's tasks
+            limits["cpu"] = requests["cpu"] = k8s_cpu(spec.cpus * spec.tasks_per_node)
         if spec.memory_bytes:
             limits["memory"] = requests["memory"] = k8s_memory(spec.memory_bytes)
         if spec.gpus:
@@ -353,6 +435,26 @@ class KubernetesLauncher(Launcher):
         main["env"] = env
         self.validate(job, source=self.template_source())
         return job
+
+    def service_manifest(self, job: dict[str, Any]) -> dict[str, Any]:
+        """The headless Service that names a several-node Job's pods (validated like the Job)."""
+        meta = job["metadata"]
+        service = {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": {
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "labels": dict(meta.get("labels") or {}),
+            },
+            "spec": {
+                "clusterIP": "None",
+                "selector": {"job-name": meta["name"]},
+                "publishNotReadyAddresses": True,  # peers resolve each other before any is Ready
+            },
+        }
+        self.validate(service)
+        return service
 
     def template_source(self) -> str:
         """Where the base manifest comes from, for error messages: the user's file or the built-in one."""
@@ -395,9 +497,56 @@ class KubernetesLauncher(Launcher):
         name = k8s_name(spec.name)
         manifest = self.manifest(spec, name)
         namespace = manifest["metadata"]["namespace"]
-        self._call(f"create Job {namespace}/{name}", lambda: self.batch.create_namespaced_job(namespace, manifest))
+        service = self.service_manifest(manifest) if spec.nodes > 1 else None
+        if service is not None:  # first, so pod 0's name resolves when its peers look it up
+            self._call(
+                f"create Service {namespace}/{name}",
+                lambda: self.core.create_namespaced_service(namespace, service),
+            )
+        try:
+            created = self._call(
+                f"create Job {namespace}/{name}", lambda: self.batch.create_namespaced_job(namespace, manifest)
+            )
+        except LauncherError:
+            if service is not None:
+                self._delete_service(f"{namespace}/{name}")
+            raise
+        if service is not None:
+            self._own_service(namespace, name, created)
         job_id = f"{namespace}/{name}"
         return JobHandle(self.name, job_id, str(self.settings.logs_dir / f"k8s-{namespace}-{name}.log"))
+
+    def _own_service(self, namespace: str, name: str, job: Any) -> None:
+        """Make the Job the Service's owner, so Kubernetes deletes the Service with the Job (its
+        TTL, or a user's ``kubectl delete``) even if openlab never gets to."""
+        uid = getattr(getattr(job, "metadata", None), "uid", None)
+        if not uid:  # an API server that does not say (none does not) leaves cleanup to openlab
+            return
+        owner = {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": uid, "blockOwnerDeletion": False}
+        self._call(
+            f"make Job {namespace}/{name} own its Service",
+            lambda: self.core.patch_namespaced_service(name, namespace, {"metadata": {"ownerReferences": [owner]}}),
+            not_found=lambda: None,
+        )
+
+    def _delete_service(self, job_id: str) -> None:
+        """Delete a several-node Job's headless Service (gone already: nothing to do)."""
+        namespace, name = self._split(job_id)
+        self._call(
+            f"delete Service {job_id}",
+            lambda: self.core.delete_namespaced_service(name, namespace),
+            not_found=lambda: None,
+        )
+
+    def _nodes(self, job_id: str) -> int:
+        """How many pods (nodes) a Job runs at once: its ``completions`` when indexed, else 1."""
+        namespace, name = self._split(job_id)
+        job = self._call(
+            f"read Job {job_id}", lambda: self.batch.read_namespaced_job(name, namespace), not_found=lambda: None
+        )
+        if job is None or job.spec is None or job.spec.completion_mode != "Indexed":
+            return 1
+        return int(job.spec.completions or 1)
 
     def _final_path(self, job_id: str) -> Path:
         return self.state_dir / (job_id.replace("/", "__") + ".json")
@@ -438,6 +587,13 @@ class KubernetesLauncher(Launcher):
         items.sort(key=lambda p: _aware(p.metadata.creation_timestamp) or dt.datetime.min.replace(tzinfo=dt.UTC))
         return items
 
+    def _pods_at(self, job_id: str, index: int | None) -> list[Any]:
+        """The Job's pods, or (``index`` given) those of one index of an indexed Job, newest last."""
+        pods = self.pods(job_id)
+        if index is None:
+            return pods
+        return [p for p in pods if _index_of(p) == index]
+
     def status(self, handle: JobHandle) -> JobStatus:
         namespace, name = self._split(handle.job_id)
         job = self._call(
@@ -453,18 +609,21 @@ class KubernetesLauncher(Launcher):
         exit_code, host, digest, pod_reason = None, None, None, None
         disruption = None
         pods = self.pods(handle.job_id) if (st and (st.active or st.succeeded or st.failed or conditions)) else []
-        if pods:
-            pod = pods[-1]
-            host = pod.spec.node_name if pod.spec else None
+        current = _current(pods)  # one pod per index (the last one); the last pod of a plain Job
+        ends_prefix = (job.metadata.annotations or {}).get(TASK_ENDS_ANNOTATION)
+        if current:
+            pod = _deciding(current, ends_prefix)
+            host = ",".join(sorted({p.spec.node_name for p in current if p.spec and p.spec.node_name})) or None
             # Kubernetes marks a pod it evicts or preempts (Eviction API, scheduler preemption, node
             # pressure, taints) with the DisruptionTarget condition before it stops it.
-            disruption = (
-                next(
-                    (c for c in (pod.status.conditions or []) if c.type == "DisruptionTarget" and c.status == "True"),
-                    None,
-                )
-                if pod.status
-                else None
+            disruption = next(
+                (
+                    c
+                    for p in [pod, *current]
+                    for c in ((p.status.conditions or []) if p.status else [])
+                    if c.type == "DisruptionTarget" and c.status == "True"
+                ),
+                None,
             )
             for cs in (pod.status.container_statuses or []) if pod.status else []:
                 digest = cs.image_id or digest
@@ -506,9 +665,13 @@ class KubernetesLauncher(Launcher):
             exit_code, ended = None, None
         notes = []
         if state.terminal and exit_code:  # a multi-task pod: which task failed first
-            notes.append(first_failed_task((job.metadata.annotations or {}).get(TASK_ENDS_ANNOTATION)))
-        if state.terminal and len(pods) > 1:  # the Job controller replaced failed pods (backoffLimit)
-            before = ", ".join(_pod_end(p) for p in pods[:-1])
+            notes.append(first_failed_task(ends_prefix))
+        if state.terminal and len(current) > 1 and exit_code:  # several nodes: which pod ended the job
+            notes.append(f"pod {_pod_end(pod)} ended first of {len(current)}")
+        now = {p.metadata.name for p in current}
+        replaced = [p for p in pods if p.metadata.name not in now]
+        if state.terminal and replaced:  # the Job controller replaced failed pods (backoffLimit)
+            before = ", ".join(_pod_end(p) for p in replaced)
             notes.append(f"Kubernetes ran {len(pods)} pods (backoffLimit); before the last: {before}")
         for note in filter(None, notes):
             reason = f"{reason}; {note}" if reason else note
@@ -534,6 +697,10 @@ class KubernetesLauncher(Launcher):
         )
 
     def logs(self, handle: JobHandle, *, follow: bool = False, tail: int | None = None) -> Iterator[str]:
+        nodes = self._nodes(handle.job_id)
+        if nodes > 1:
+            yield from self._logs_of_nodes(handle, nodes, follow=follow, tail=tail)
+            return
         if not follow:
             resp = self._read_log(handle, tail=tail)
             if resp is None:
@@ -547,7 +714,51 @@ class KubernetesLauncher(Launcher):
             return
         yield from self._follow(handle, tail)
 
-    def _follow(self, handle: JobHandle, tail: int | None) -> Iterator[str]:
+    def _node_logs(self, handle: JobHandle) -> bytes:
+        """Every pod's log of a several-node Job, in index order (their lines carry global ranks)."""
+        namespace, _ = self._split(handle.job_id)
+        out = b""
+        for pod in _current(self.pods(handle.job_id)):
+            resp = self._read_log(handle, pods=[pod])
+            if resp is not None:
+                data = resp.data
+                out += data if not data or data.endswith(b"\n") else data + b"\n"
+        return out
+
+    def _logs_of_nodes(self, handle: JobHandle, nodes: int, *, follow: bool, tail: int | None) -> Iterator[str]:
+        """A several-node Job's log: every pod's lines (each labelled with its task's global rank).
+        Followed, one follower per pod feeds a queue, so lines come as each pod writes them;
+        ``tail`` is then each pod's last lines."""
+        if not follow:
+            lines = self._node_logs(handle).decode("utf-8", "replace").splitlines()
+            yield from lines[-tail:] if tail else ([] if tail == 0 else lines)
+            return
+        import queue
+        import threading
+
+        lines_q: queue.Queue[tuple[int, str | BaseException | None]] = queue.Queue()
+
+        def pump(index: int) -> None:
+            try:
+                for line in self._follow(handle, tail, index=index):
+                    lines_q.put((index, line))
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the reader below
+                lines_q.put((index, exc))
+            lines_q.put((index, None))
+
+        for index in range(nodes):
+            threading.Thread(target=pump, args=(index,), name=f"k8s-log-{index}", daemon=True).start()
+        running = nodes
+        while running:
+            _, item = lines_q.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+
+    def _follow(self, handle: JobHandle, tail: int | None, index: int | None = None) -> Iterator[str]:
         """Stream with ``follow=true``; when a stream ends early (API restart, an emulator), read again.
 
         Logs only grow, so each new read skips the lines already yielded. The re-reads back off
@@ -558,14 +769,14 @@ class KubernetesLauncher(Launcher):
         backoff = Backoff(min(self.poll_interval, FOLLOW_RETRY_S), first=0.05)
         seen = 0
         if tail is not None:
-            resp = self._read_log(handle)
+            resp = self._read_log(handle, pods=self._pods_at(handle.job_id, index))
             lines = resp.data.decode("utf-8", "replace").splitlines() if resp is not None else []
             yield from lines[-tail:] if tail else []
             seen = len(lines)
         following: Any = None  # the pod whose log is read; the Job controller may replace it (backoffLimit)
         while True:
             done = self.status(handle).state.terminal
-            pods = self.pods(handle.job_id)
+            pods = self._pods_at(handle.job_id, index)
             if pods and following is not None and pods[-1].metadata.name != following.metadata.name:
                 old = next((p for p in pods if p.metadata.name == following.metadata.name), following)  # as it ended
                 yield f"[openlab] pod {_pod_end(old)}; Kubernetes started pod {pods[-1].metadata.name} (backoffLimit)"
@@ -573,22 +784,22 @@ class KubernetesLauncher(Launcher):
             following = pods[-1] if pods else following
             resp = self._read_log(handle, follow=not done, pods=pods)
             if resp is not None:
-                partial, index = b"", 0
+                partial, count = b"", 0
                 for chunk in resp.stream(4096):
                     partial += chunk
                     *lines_b, partial = partial.split(b"\n")
                     for line in lines_b:
-                        index += 1
-                        if index > seen:
+                        count += 1
+                        if count > seen:
                             yield line.decode("utf-8", "replace")
                 if partial:
-                    index += 1
-                    if index > seen:
+                    count += 1
+                    if count > seen:
                         yield partial.decode("utf-8", "replace")
                 resp.release_conn()
-                if index > seen:
+                if count > seen:
                     backoff.reset()
-                seen = max(seen, index)
+                seen = max(seen, count)
             if done:
                 return
             backoff.sleep()
@@ -604,6 +815,8 @@ class KubernetesLauncher(Launcher):
         self._save_logs(handle)
         status.state, status.reason, status.ended_at = JobState.CANCELLED, "cancelled", dt.datetime.now(dt.UTC)
         self._save(handle.job_id, status)
+        if self._nodes(handle.job_id) > 1:
+            self._delete_service(handle.job_id)
         self._call(
             f"delete Job {handle.job_id}",
             lambda: self.batch.delete_namespaced_job(
@@ -632,7 +845,7 @@ class KubernetesLauncher(Launcher):
         if resp is not None:
             path = Path(handle.log_path)
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(resp.data)
+            path.write_bytes(self._node_logs(handle) if self._nodes(handle.job_id) > 1 else resp.data)
 
     def cleanup(self, handle: JobHandle) -> None:
         """Keep the final status and log, then delete the finished Job (its TTL would anyway)."""
@@ -645,6 +858,8 @@ class KubernetesLauncher(Launcher):
         self._save(handle.job_id, status)
         if self.config.get("delete_finished", True):
             namespace, name = self._split(handle.job_id)
+            if self._nodes(handle.job_id) > 1:
+                self._delete_service(handle.job_id)
             self._call(
                 f"delete Job {handle.job_id}",
                 lambda: self.batch.delete_namespaced_job(

@@ -9,6 +9,15 @@ exit code, node, image id). Deleting the Job kills the pod's workload and delete
 :meth:`EmulatedCluster.evict` does what the Eviction API or a node's kubelet does to a pod: the
 ``DisruptionTarget`` condition, SIGTERM, SIGKILL after the grace period, pod phase Failed.
 
+An *indexed* Job (``completionMode: Indexed``) gets one pod per index at once, as the Job
+controller makes them: the ``batch.kubernetes.io/job-completion-index`` label and annotation, the
+``JOB_COMPLETION_INDEX`` env var, hostname ``<job>-<index>``. It completes when every index has
+succeeded; the first failure beyond ``backoffLimit`` fails it and the others are stopped (SIGTERM,
+SIGKILL after a grace period), and its Failed condition is written once all have ended. Services
+are stored (kmock serves them); a pod whose ``subdomain`` names a Service of its namespace gets the
+DNS names cluster DNS would give it (``<hostname>.<subdomain>[.<ns>.svc[.cluster.local]]``): its
+container joins this cluster's own Docker network with those names as aliases.
+
 Where the pod runs (``runtime``), as a kubelet would as far as the launcher can tell:
 
 - ``docker`` (chosen when the engine is up and the test job image exists): a real
@@ -45,7 +54,11 @@ from kmock._internal.references import resource
 
 JOBS = resource("batch", "v1", "jobs")
 PODS = resource("", "v1", "pods")
+SERVICES = resource("", "v1", "services")
 NODE = "emulated-node"
+INDEX = "batch.kubernetes.io/job-completion-index"
+#: Seconds between SIGTERM and SIGKILL when a failed Job stops its other pods (30 in Kubernetes).
+GRACE_S = 2.0
 
 
 def _now() -> str:
@@ -139,6 +152,8 @@ class _Container(_Workload):
         pod_spec: dict[str, Any],
         log: Path,
         labels: dict[str, str],
+        network: str | None = None,
+        aliases: list[str] | None = None,
     ) -> None:
         import docker.errors
 
@@ -158,6 +173,11 @@ class _Container(_Workload):
             kwargs["memswap_limit"] = kwargs["mem_limit"]  # no swap: over the limit is an OOM kill, as on a node
         if limits.get("cpu") and _quantity(limits["cpu"], cpu=True):
             kwargs["nano_cpus"] = int((_quantity(limits["cpu"], cpu=True) or 0) * 1e9)
+        if pod_spec.get("hostname"):
+            kwargs["hostname"] = pod_spec["hostname"]
+        if network is not None:  # cluster DNS: the names a headless Service gives the pod
+            kwargs["network"] = network
+            kwargs["networking_config"] = {network: client.api.create_endpoint_config(aliases=aliases or [])}
         try:
             image = client.images.get(container["image"])
             self.image_id = image.id
@@ -255,6 +275,8 @@ class _Run:
         #: controller creates the next pod after this one fails (None: no retry due).
         self.failed_before = 0
         self.retry_at: float | None = None
+        self.index: int | None = None  # of an indexed Job's pod
+        self.code: int | None = None
 
 
 def docker_runtime() -> tuple[Any, str | None, str]:
@@ -277,6 +299,17 @@ def docker_runtime() -> tuple[Any, str | None, str]:
     except Exception as exc:  # noqa: BLE001
         return None, None, f"job image {image} missing: {exc}"
     return client, image, ""
+
+
+def _failed(reason: str, now: str) -> dict[str, str]:
+    """A Job's Failed condition."""
+    return {
+        "type": "Failed",
+        "status": "True",
+        "reason": reason,
+        "message": f"Job failed: {reason}",
+        "lastTransitionTime": now,
+    }
 
 
 class EmulatedCluster:
@@ -306,8 +339,12 @@ class EmulatedCluster:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = threading.Event()
         self._ready = threading.Event()
-        self._runs: dict[tuple[str, str], _Run] = {}
-        self._ended: dict[tuple[str, str], _Run] = {}  # runs of deleted Jobs, still asked whether anything lives
+        #: The current pod run of each index of each Job (one, for a plain Job), and runs of deleted
+        #: Jobs (still asked whether anything lives).
+        self._runs: dict[tuple[str, str], list[_Run]] = {}
+        self._ended: dict[tuple[str, str], list[_Run]] = {}
+        self._settled: set[tuple[str, str]] = set()  # indexed Jobs whose final condition is written
+        self._network: str | None = None  # this cluster's Docker network, made for the first pod DNS asks for
         self._logdir = Path(tempfile.mkdtemp(prefix="k8s-emulator-"))
         self.errors: list[BaseException] = []
 
@@ -324,16 +361,23 @@ class EmulatedCluster:
         self._stop.set()
         if hasattr(self, "_controller"):
             self._controller.join(5)
-        for run in list(self._runs.values()):
-            run.workload.kill()
+        for runs in list(self._runs.values()):
+            for run in runs:
+                run.workload.kill()
         for container in self.containers():  # anything that slipped past the bookkeeping
             container.remove(force=True)
+        if self._network is not None:
+            try:
+                self.docker.networks.get(self._network).remove()
+            except Exception:  # noqa: BLE001 - already gone
+                pass
 
     def _serve(self) -> None:
         async def main() -> None:
             async with kmock.KubernetesEmulator() as km, apps.Server(km, host="127.0.0.1") as server:
                 km.resources["v1/pods"] = {}
                 km.resources["batch/v1/jobs"] = {}
+                km.resources["v1/services"] = {}
                 self.km, self._loop = km, asyncio.get_running_loop()
                 self.url = str(server.url).rstrip("/")
                 self._ready.set()
@@ -414,29 +458,69 @@ class EmulatedCluster:
         jobs = self.jobs()
         for key, job in jobs.items():
             if key not in self._runs:
-                self._start(key, job)
+                self._start_job(key, job)
+            elif job["spec"].get("completionMode") == "Indexed":
+                self._watch_indexed(key, job)
             else:
                 self._watch(key, job)
         for key in [k for k in self._runs if k not in jobs]:  # deleted Jobs
-            run = self._runs.pop(key)
-            self._ended[key] = run
-            run.workload.kill()
-            self.on_loop(lambda k=key, r=run: self.km.objects.__delitem__((PODS, k[0], r.pod)))
+            runs = self._runs.pop(key)
+            self._ended[key] = runs
+            for run in runs:
+                run.workload.kill()
+                self.on_loop(lambda k=key, r=run: self.km.objects.__delitem__((PODS, k[0], r.pod)))
 
-    def _start(self, key: tuple[str, str], job: dict[str, Any], failed_before: int = 0) -> None:
+    def services(self) -> list[tuple[str, str]]:
+        return self.on_loop(
+            lambda: [(k[1], k[2]) for k, obj in list(self.km.objects.items()) if k[0] == SERVICES and not obj.deleted]
+        )
+
+    def _dns(self, ns: str, pod_spec: dict[str, Any]) -> tuple[str | None, list[str]]:
+        """The Docker network and names a pod gets from cluster DNS: a hostname in the ``subdomain``
+        of a headless Service of its namespace (none without that Service, as in a cluster)."""
+        host, sub = pod_spec.get("hostname"), pod_spec.get("subdomain")
+        if self.docker is None or not host or not sub or (ns, sub) not in self.services():
+            return None, []
+        if self._network is None:
+            self._network = f"openlab-k8s-{self.id}"
+            self.docker.networks.create(self._network, labels={"openlab-test.emulator": self.id})
+        short = f"{host}.{sub}"
+        return self._network, [short, f"{short}.{ns}.svc", f"{short}.{ns}.svc.cluster.local"]
+
+    def _start_job(self, key: tuple[str, str], job: dict[str, Any]) -> None:
+        """The Job controller's first pods: one, or one per index of an indexed Job."""
+        if job["spec"].get("completionMode") == "Indexed":
+            count = int(job["spec"].get("completions") or 1)
+            self._runs[key] = [self._start_pod(key, job, index=i) for i in range(count)]
+        else:
+            self._runs[key] = [self._start_pod(key, job)]
+        runs = self._runs[key]
+        self._patch(JOBS, *key, {"active": len(runs), "ready": len(runs), "startTime": runs[0].started})
+
+    def _start_pod(self, key: tuple[str, str], job: dict[str, Any], index: int | None = None) -> _Run:
         ns, name = key
-        pod_spec = job["spec"]["template"]["spec"]
+        pod_spec = copy.deepcopy(job["spec"]["template"]["spec"])
         container = pod_spec["containers"][0]
         for volume in pod_spec.get("volumes") or []:  # the kubelet's part for hostPath volumes
             host_path = volume.get("hostPath") or {}
             if host_path.get("type") == "DirectoryOrCreate":
                 Path(host_path["path"]).mkdir(parents=True, exist_ok=True)
-        pod = f"{name}-{uuid.uuid4().hex[:5]}"
+        labels = {"job-name": name, "batch.kubernetes.io/job-name": name}
+        annotations: dict[str, str] = {}
+        if index is not None:  # what the Job controller gives an indexed Job's pods
+            labels[INDEX] = annotations[INDEX] = str(index)
+            env = [e for e in container.get("env") or [] if e.get("name") != "JOB_COMPLETION_INDEX"]
+            container["env"] = [*env, {"name": "JOB_COMPLETION_INDEX", "value": str(index)}]
+            pod_spec.setdefault("hostname", f"{name}-{index}")
+            pod = f"{name}-{index}-{uuid.uuid4().hex[:5]}"
+        else:
+            pod = f"{name}-{uuid.uuid4().hex[:5]}"
         log = self._logdir / f"{ns}-{pod}.log"
         workload: _Workload
         if self.docker is not None:
-            labels = {"openlab-test.emulator": self.id, "openlab-test.pod": f"{ns}/{pod}"}
-            workload = _Container(self.docker, pod, container, pod_spec, log, labels)
+            network, aliases = self._dns(ns, pod_spec)
+            tags = {"openlab-test.emulator": self.id, "openlab-test.pod": f"{ns}/{pod}"}
+            workload = _Container(self.docker, pod, container, pod_spec, log, tags, network, aliases)
         else:
             env = {e["name"]: e.get("value", "") for e in container.get("env") or []}
             argv = container.get("command", []) + container.get("args", [])
@@ -444,15 +528,20 @@ class EmulatedCluster:
         image_id = f"docker://{workload.image_id}" if workload.image_id else f"docker-pullable://x@sha256:{'0' * 64}"
         deadline = job["spec"].get("activeDeadlineSeconds")
         run = _Run(workload, log, pod, float(deadline) if deadline else None)
-        run.image_id = image_id
-        run.failed_before = failed_before
-        self._runs[key] = run
-        labels = {"job-name": name, "batch.kubernetes.io/job-name": name}
+        run.image_id, run.index = image_id, index
+        spec = {"nodeName": NODE, "restartPolicy": "Never", "containers": [container]}
+        spec.update({k: pod_spec[k] for k in ("hostname", "subdomain") if pod_spec.get(k)})
         pod_obj = {
             "apiVersion": "v1",
             "kind": "Pod",
-            "metadata": {"name": pod, "namespace": ns, "labels": labels, "creationTimestamp": run.started},
-            "spec": {"nodeName": NODE, "restartPolicy": "Never", "containers": [container]},
+            "metadata": {
+                "name": pod,
+                "namespace": ns,
+                "labels": labels,
+                "creationTimestamp": run.started,
+                **({"annotations": annotations} if annotations else {}),
+            },
+            "spec": spec,
             "status": {
                 "phase": "Running",
                 "containerStatuses": [
@@ -476,15 +565,16 @@ class EmulatedCluster:
         # fell through to kmock's pod handler and the launcher read the Pod's JSON as log text.
         self._serve_log(ns, pod, log)
         self.on_loop(create)
-        status = {"active": 1, "ready": 1, **({} if failed_before else {"startTime": run.started})}
-        self._patch(JOBS, ns, name, status)
+        return run
 
-    def evict(self, job_id: str, reason: str = "EvictionByEvictionAPI", grace: float = 2.0) -> None:
-        """Evict the pod of Job ``namespace/name`` as the Eviction API (or the scheduler preempting it,
-        reason ``PreemptionByScheduler``) does: the pod gets the ``DisruptionTarget`` condition, its
-        container SIGTERM, and SIGKILL if it still runs ``grace`` seconds later."""
+    def evict(self, job_id: str, reason: str = "EvictionByEvictionAPI", grace: float = 2.0, index: int = 0) -> None:
+        """Evict the pod of Job ``namespace/name`` (of its ``index``, for an indexed Job) as the
+        Eviction API (or the scheduler preempting it, reason ``PreemptionByScheduler``) does: the pod
+        gets the ``DisruptionTarget`` condition, its container SIGTERM, and SIGKILL if it still runs
+        ``grace`` seconds later."""
         ns, name = job_id.split("/", 1)
-        run = self._runs[(ns, name)]
+        runs = self._runs[(ns, name)]
+        run = next((r for r in runs if r.index == index), runs[0])
         messages = {
             "EvictionByEvictionAPI": "Eviction API: evicting",
             "PreemptionByScheduler": "default-scheduler: preempting to accommodate a higher priority pod",
@@ -500,23 +590,19 @@ class EmulatedCluster:
         run.kill_at = time.monotonic() + grace
         run.workload.terminate()
 
-    def _watch(self, key: tuple[str, str], job: dict[str, Any]) -> None:
-        run = self._runs[key]
-        if run.finished:
-            if run.retry_at is not None and time.monotonic() >= run.retry_at:  # the Job controller's next pod
-                run.retry_at = None
-                self._start(key, job, failed_before=run.failed_before + 1)
-            return
-        ns, name = key
+    def _ended_now(self, run: _Run) -> int | None:
+        """The run's exit code if its workload has ended (the kubelet's part: deadline and grace
+        period kills), else None."""
         if run.deadline and time.monotonic() - run.started_mono > run.deadline and run.workload.poll() is None:
             run.deadline_hit = True
             run.workload.kill()
         if run.kill_at is not None and time.monotonic() > run.kill_at and run.workload.poll() is None:
             run.workload.kill()  # the grace period is over
-        code = run.workload.poll()
-        if code is None:
-            return
-        run.finished = True
+        return run.workload.poll()
+
+    def _record_end(self, key: tuple[str, str], job: dict[str, Any], run: _Run, code: int) -> str:
+        """Write an ended pod's status (phase, terminated container state); return the time."""
+        run.finished, run.code = True, code
         now = _now()
         terminated = {
             "exitCode": code,
@@ -528,13 +614,14 @@ class EmulatedCluster:
             terminated["reason"] = "OOMKilled"
         if run.deadline_hit:
             terminated["reason"] = "DeadlineExceeded"
+        container = job["spec"]["template"]["spec"]["containers"][0]
         pod_status = {
             "phase": "Succeeded" if code == 0 else "Failed",
             **({"conditions": [run.disruption]} if run.disruption else {}),
             "containerStatuses": [
                 {
-                    "name": job["spec"]["template"]["spec"]["containers"][0]["name"],
-                    "image": job["spec"]["template"]["spec"]["containers"][0]["image"],
+                    "name": container["name"],
+                    "image": container["image"],
                     "imageID": run.image_id,
                     "ready": False,
                     "restartCount": 0,
@@ -542,7 +629,24 @@ class EmulatedCluster:
                 }
             ],
         }
-        self._patch(PODS, ns, run.pod, pod_status)
+        self._patch(PODS, key[0], run.pod, pod_status)
+        return now
+
+    def _watch(self, key: tuple[str, str], job: dict[str, Any]) -> None:
+        (run,) = self._runs[key]
+        if run.finished:
+            if run.retry_at is not None and time.monotonic() >= run.retry_at:  # the Job controller's next pod
+                run.retry_at = None
+                new = self._start_pod(key, job)
+                new.failed_before = run.failed_before + 1
+                self._runs[key] = [new]
+                self._patch(JOBS, *key, {"active": 1, "ready": 1})
+            return
+        ns, name = key
+        code = self._ended_now(run)
+        if code is None:
+            return
+        now = self._record_end(key, job, run, code)
         if code == 0:
             cond = {"type": "Complete", "status": "True", "lastTransitionTime": now}
             self._patch(
@@ -556,25 +660,59 @@ class EmulatedCluster:
             run.retry_at = time.monotonic() + 1.1
         else:
             reason = "DeadlineExceeded" if run.deadline_hit else "BackoffLimitExceeded"
-            cond = {
-                "type": "Failed",
-                "status": "True",
-                "reason": reason,
-                "message": f"Job failed: {reason}",
-                "lastTransitionTime": now,
-            }
-            failed = run.failed_before + 1
-            self._patch(JOBS, ns, name, {"active": 0, "ready": 0, "failed": failed, "conditions": [cond]})
+            self._patch(
+                JOBS,
+                ns,
+                name,
+                {"active": 0, "ready": 0, "failed": run.failed_before + 1, "conditions": [_failed(reason, now)]},
+            )
+
+    def _watch_indexed(self, key: tuple[str, str], job: dict[str, Any]) -> None:
+        """An indexed Job: count its pods' ends; past ``backoffLimit`` failures (or the deadline) stop
+        the rest, and once none runs write Complete or Failed. Failed pods are not replaced here
+        beyond what backoffLimit 0 needs (openlab's several-node Jobs ask for 0)."""
+        if key in self._settled:
+            return
+        runs = self._runs[key]
+        for run in runs:
+            if not run.finished:
+                code = self._ended_now(run)
+                if code is not None:
+                    self._record_end(key, job, run, code)
+        failed = [r for r in runs if r.finished and r.code]
+        deadline = any(r.deadline_hit for r in runs)
+        if (deadline or len(failed) > int(job["spec"].get("backoffLimit", 6))) and not any(
+            r.kill_at for r in runs if not r.finished
+        ):
+            for r in runs:  # the Job failed: Kubernetes stops its other pods
+                if not r.finished:
+                    r.kill_at = time.monotonic() + GRACE_S
+                    r.workload.terminate()
+        active = [r for r in runs if not r.finished]
+        succeeded = [r for r in runs if r.finished and r.code == 0]
+        done = ",".join(str(r.index) for r in succeeded)
+        counts = {"active": len(active), "ready": len(active), "succeeded": len(succeeded), "failed": len(failed)}
+        if active:
+            self._patch(JOBS, *key, {**counts, **({"completedIndexes": done} if done else {})})
+            return
+        now = _now()
+        self._settled.add(key)
+        if not failed and not deadline:
+            cond = {"type": "Complete", "status": "True", "lastTransitionTime": now}
+            self._patch(JOBS, *key, {**counts, "completedIndexes": done, "completionTime": now, "conditions": [cond]})
+        else:
+            reason = "DeadlineExceeded" if deadline else "BackoffLimitExceeded"
+            self._patch(JOBS, *key, {**counts, "conditions": [_failed(reason, now)]})
 
     def workload_alive(self, job_id: str) -> bool:
-        """Whether anything of a Job's (``namespace/name``) pod still runs: its process group or container.
+        """Whether anything of a Job's (``namespace/name``) pods still runs: a process group or container.
 
         Asked of the OS or the engine even after the Job is gone from the API, since a
         cancel that deleted the Job but left the container running is exactly the bug to catch.
         """
         ns, name = job_id.split("/", 1)
-        run = self._runs.get((ns, name)) or self._ended.get((ns, name))
-        return run is not None and run.workload.alive()
+        runs = self._runs.get((ns, name)) or self._ended.get((ns, name)) or []
+        return any(run.workload.alive() for run in runs)
 
     def containers(self, job_id: str | None = None) -> list[Any]:
         """This cluster's containers (of one Job's pods) the engine still has, running or not.

@@ -191,12 +191,83 @@ def test_one_machine_tasks_find_each_other_and_a_failure_names_its_task(
     assert "task 1 of 2 on " in (attempt.reason or "") and "failed first (exit 3)" in (attempt.reason or "")
 
 
+@pytest.mark.docker
+def test_kubernetes_runs_several_nodes_as_an_indexed_job_whose_pods_find_each_other(
+    store: LineageStore, request: pytest.FixtureRequest
+) -> None:
+    """Two nodes × two tasks: an indexed Job of two pods and a headless Service naming them. The
+    pods' tasks meet at pod 0 by its DNS name and all-reduce as one world of 4, their lines labelled
+    with global ranks arrive in the attempt's log, and the Service goes with the Job. A task that
+    crashes on node 1 fails the Job with its own exit code and name; node 0's pod is stopped."""
+    from orchestrator.settings import load_settings
+    from tests.conftest import REPO_ROOT
+    from tests.services import require_docker
+
+    require_docker()
+    cluster = request.getfixturevalue("k8s_cluster")
+    assert cluster.runtime == "docker", cluster.runtime_reason
+    launcher = get_launcher("kubernetes", host=cluster.url)
+    launcher.poll_interval = 0.5
+    where = {"workdir": str(REPO_ROOT), "artifact_root": load_settings().artifacts_dir}
+    shape = {"nodes": 2, "tasks_per_node": 2, "cpus": 0.5}
+
+    manifest = launcher.manifest(JobSpec(name="ddp", command=["python", "-c", "pass"], **shape, **where), "j")
+    assert (manifest["spec"]["completionMode"], manifest["spec"]["completions"]) == ("Indexed", 2)
+    assert manifest["spec"]["template"]["spec"]["subdomain"] == "j"
+    assert manifest["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"] == "1", "per pod"
+
+    lines: list[str] = []
+    seen_services: list[list] = []
+    spec = JobSpec(name="ddp", command=["python", "-c", ALL_REDUCE], **shape, **where)
+    attempt, status = run_job(
+        store,
+        launcher,
+        spec,
+        on_log=lambda line: (lines.append(line), seen_services.append(cluster.services())),
+        timeout=180,
+    )
+    assert status.state is JobState.SUCCEEDED and status.exit_code == 0, (status, lines)
+    assert sorted(line for line in lines if " sum " in line) == [
+        "0: rank 0 of 4 local 0 of 2 node 0 sum 10",
+        "1: rank 1 of 4 local 1 of 2 node 0 sum 10",
+        "2: rank 2 of 4 local 0 of 2 node 1 sum 10",
+        "3: rank 3 of 4 local 1 of 2 node 1 sum 10",
+    ], lines
+    namespace, name = attempt.job_id.split("/", 1)
+    assert (namespace, name) in seen_services[0], "the Service named the pods while they ran"
+    assert (namespace, name) not in cluster.services(), "and went with the Job"
+    stored = store.require(Attempt, attempt.id)
+    assert stored.resources is not None and (stored.resources["nodes"], stored.resources["tasks_per_node"]) == (2, 2)
+
+    crash = "import os, sys, time\nif os.environ['RANK'] == '3':\n    time.sleep(0.5); sys.exit(3)\ntime.sleep(300)"
+    attempt, status = run_job(
+        store, launcher, JobSpec(name="crash", command=["python", "-c", crash], **shape, **where), timeout=120
+    )
+    assert status.state is JobState.FAILED and status.exit_code == 3, status
+    reason = attempt.reason or ""
+    assert "task 3 of 4 on " in reason and "failed first (exit 3)" in reason, reason
+    assert "-1-" in reason.split("pod ", 1)[1].split(" ", 1)[0], f"the pod of index 1 ended the job: {reason}"
+    assert not cluster.workload_alive(attempt.job_id), "node 0's pod was stopped, not left sleeping"
+
+    sleep = JobSpec(name="sleep", command=["python", "-c", "import time; time.sleep(300)"], **shape, **where)
+    handle = launcher.submit(sleep)
+    try:
+        deadline = time.monotonic() + 60
+        while launcher.status(handle).state is not JobState.RUNNING and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert cluster.workload_alive(handle.job_id) and tuple(handle.job_id.split("/")) in cluster.services()
+    finally:
+        launcher.cancel(handle)
+    assert launcher.status(handle).state is JobState.CANCELLED
+    assert not cluster.workload_alive(handle.job_id), "cancel stops every node's pod"
+    assert tuple(handle.job_id.split("/")) not in cluster.services(), "and deletes the Service"
+
+
 @pytest.mark.parametrize(
     ("backend", "ask", "message"),
     [
         ("local", {"nodes": 2}, "the local backend runs a job on one machine, and this job asks for 2 nodes"),
         ("docker", {"nodes": 2}, "the docker backend runs a job on one machine, and this job asks for 2 nodes"),
-        ("kubernetes", {"nodes": 2}, "the kubernetes backend runs a job on one machine, and this job asks for 2"),
     ],
 )
 def test_backends_refuse_what_they_cannot_run_before_recording_anything(
