@@ -57,16 +57,18 @@ def _losses(out: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["train/loss"]) for r in rows]
 
 
-def test_two_tasks_train_the_model_one_process_trains(tiny_tokens: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("aux", [{}, {"aux_loss_coef": 0.5, "z_loss_coef": 0.05}], ids=["plain", "aux-losses"])
+def test_two_tasks_train_the_model_one_process_trains(tiny_tokens: Path, tmp_path: Path, aux: dict) -> None:
     """Same global batch of 4 sequences: one process (2 simulated EP ranks of 2 sequences) and two
     tasks (each 1 rank of its 2 sequences) see the same token groups, so with dropless dispatch the
-    averaged gradients and averaged balancing estimates give the same loss curve."""
+    averaged gradients and averaged balancing estimates give the same loss curve; with the
+    auxiliary balancing and z-losses on too (their expert fractions are the global batch's)."""
     base = train_cfg(tiny_tokens, steps=8, batch_size=4)
-    base["moe"] = {"dispatch": "dropless", "ranks": 2}
+    base["moe"] = {"dispatch": "dropless", "ranks": 2, **aux}
     single = tmp_path / "single"
     (one,) = _run_tasks(base, single, 1)
     assert one.returncode == 0, one.stderr
-    split = {**base, "moe": {"dispatch": "dropless", "ranks": 1}}
+    split = {**base, "moe": {**base["moe"], "ranks": 1}}
     pair = tmp_path / "pair"
     results = _run_tasks(split, pair, 2)
     assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
@@ -75,6 +77,9 @@ def test_two_tasks_train_the_model_one_process_trains(tiny_tokens: Path, tmp_pat
     assert [s for s, _ in twos] == list(range(1, 9)), "task 0 logged every step once; task 1 logged nothing"
     for (step, a), (_, b) in zip(ones, twos, strict=True):
         assert b == pytest.approx(a, rel=2e-4, abs=2e-5), (step, a, b)
+    totals = [(r["train/total_loss"], q["train/total_loss"]) for r, q in zip(_rows(single), _rows(pair), strict=True)]
+    for a, b in totals:  # the loss the optimizer minimised, auxiliary terms included
+        assert b == pytest.approx(a, rel=2e-4, abs=2e-5), totals
     summary = json.loads((pair / "metrics.json").read_text())
     assert summary["tasks"] == 2 and summary["tokens_seen"] == 8 * 4 * 32, "tokens of the global batch"
     assert (pair / "checkpoint").is_dir()

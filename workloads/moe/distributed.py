@@ -13,8 +13,9 @@ every task's per-layer counts and sums them (metrics.combine). The LM loss is th
 mean over its unmasked tokens: in post-training, where prompt tokens are masked out, tasks hold
 different numbers of them, so each task's loss is weighted by its share before gradients are
 averaged (a plain average of per-task means would weight the tokens of a task with few of them up).
-The auxiliary balancing and z-losses that enter the gradient stay per task (the mean over tasks of
-each task's loss), as in an expert-parallel step whose router statistics are local to a group.
+The auxiliary balancing loss, when enabled, takes its expert fractions f_e from the global batch's
+counts (summed over tasks in the forward pass), so with the averaged gradients it is one process's
+loss; the z-loss is a token mean, which averaging already makes global.
 
 One process (WORLD_SIZE unset or 1) is the plain path: nothing here does anything.
 """
@@ -83,6 +84,14 @@ class DataParallel:
         if not float(total):
             return 1.0
         return float(n) * self.world / float(total)
+
+    def sum_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Per-expert counts summed over the tasks (a new tensor; every task must call it in step)."""
+        import torch.distributed as dist
+
+        total = counts.clone()
+        dist.all_reduce(total)
+        return total
 
     def global_stats(self, layers: list[LayerStats]) -> list[LayerStats]:
         """Task 0 gets every layer's statistics over the global batch; other tasks get their own

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -41,6 +42,9 @@ class RoutingRuntime:
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
     record_routing: bool = False  # keep per-layer expert ids (repro measurement arms)
+    #: Sums per-expert counts over a data-parallel job's tasks (distributed.DataParallel): the
+    #: balancing loss's f_e is then the global batch's, as one process computes it. Training only.
+    sum_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 class SwiGLU(nn.Module):
@@ -236,7 +240,10 @@ class MoEFeedForward(nn.Module):
         c_all = torch.bincount(experts.reshape(-1), minlength=self.E)
         aux = s.new_zeros(())
         if rt.aux_loss_coef:
-            aux = aux + rt.aux_loss_coef * load_balancing_loss(c_all, s, self.K)
+            # f_e from the global batch when tasks share it; the softmax mean stays this task's, and
+            # averaging gradients over tasks (equal token counts) makes it the global mean too
+            c_loss = rt.sum_counts(c_all) if rt.sum_counts is not None and self.training else c_all
+            aux = aux + rt.aux_loss_coef * load_balancing_loss(c_loss, s, self.K)
         if rt.z_loss_coef:
             aux = aux + rt.z_loss_coef * router_z_loss(s)
         self.last_aux = aux

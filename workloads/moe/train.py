@@ -341,6 +341,8 @@ def _train(
         truncate_jsonl(out / "metrics.jsonl", start)
 
     rt = runtime(cfg, mc)
+    if dp.world > 1:
+        rt.sum_counts = dp.sum_counts
     n_params = count_params(model)
     summary: dict[str, Any] = {"stage": stage, "params": n_params, "resumed_from_step": start if resume else None}
     if dp.world > 1:
