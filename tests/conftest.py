@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,6 +32,18 @@ def openlab_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.M
         if name.startswith("OPENLAB_") and "__" in name:
             monkeypatch.delenv(name, raising=False)
     return home
+
+
+@pytest.fixture(scope="session")
+def k8s_cluster() -> Iterator[Any]:
+    """The emulated Kubernetes API server and controller (tests/launchers/k8s_emulator.py); pods are
+    Docker containers of their image when the engine is up."""
+    from tests.launchers.k8s_emulator import EmulatedCluster
+
+    cluster = EmulatedCluster().start()
+    yield cluster
+    cluster.stop()
+    assert not cluster.errors, cluster.errors
 
 
 def _empty_config(home: Path) -> Path:

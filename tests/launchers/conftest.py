@@ -11,17 +11,6 @@ from orchestrator.lineage.store import LineageStore, open_store
 from tests.launchers.harness import BACKENDS, Harness, make_harness
 
 
-@pytest.fixture(scope="session")
-def k8s_cluster() -> Iterator[Any]:
-    """The emulated API server and controller; pods are Docker containers when the engine is up."""
-    from tests.launchers.k8s_emulator import EmulatedCluster
-
-    cluster = EmulatedCluster().start()
-    yield cluster
-    cluster.stop()
-    assert not cluster.errors, cluster.errors
-
-
 @pytest.fixture
 def store(openlab_home: Any) -> Iterator[LineageStore]:
     with open_store() as s:
