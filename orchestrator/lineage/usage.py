@@ -7,8 +7,10 @@ its start, end, state and what it asked for (:attr:`Attempt.resources`), so the 
 
 - **wall hours**: from a job's start to its end (to now while it runs); a job that never
   started used nothing.
-- **CPU-hours / GPU-hours**: wall hours × the CPUs / GPUs the job *asked* for. A job that asked
-  for no CPU count (the backend's default) counts as 1 CPU; one that asked for no GPU as 0.
+- **CPU-hours / GPU-hours**: wall hours × the CPUs / GPUs the job *asked* for, counted as the
+  launchers ask (and Slurm counts): CPUs per task × tasks, GPUs per node × nodes, so a distributed
+  job of 2 nodes × 8 tasks asking 4 CPUs and 8 GPUs holds 64 CPUs and 16 GPUs. A job that asked
+  for no CPU count (the backend's default) counts as 1 CPU per task; one that asked for no GPU as 0.
 - **lost hours**: the wall hours of attempts that did not complete (failed, preempted,
   cancelled, lost): what a retry or a resume had to redo, at most.
 
@@ -48,8 +50,10 @@ class Usage:
         self.attempts += 1
         self.by_state[attempt.state] = self.by_state.get(attempt.state, 0) + 1
         self.wall_hours += hours
-        self.cpu_hours += hours * float(asked.get("cpus") or 1)
-        self.gpu_hours += hours * float(asked.get("gpus") or 0)
+        nodes = int(asked.get("nodes") or 1)
+        tasks = nodes * int(asked.get("tasks_per_node") or 1)
+        self.cpu_hours += hours * float(asked.get("cpus") or 1) * tasks
+        self.gpu_hours += hours * float(asked.get("gpus") or 0) * nodes
         if attempt.state not in ("COMPLETED", "RUNNING", "PENDING"):
             self.lost_hours += hours
 

@@ -60,6 +60,18 @@ def _month(store: LineageStore) -> dict[str, str]:
                 ended_at=NOW - 6 * H,
             )
         )
+        mid = tx.add(StageRun(pipeline_run_id=night.id, stage="midtrain", identity="m", started_at=NOW - H))
+        tx.add(
+            Attempt(
+                stage_run_id=mid.id,
+                backend="slurm",
+                state="COMPLETED",  # 2 nodes x 4 tasks, 2 CPUs per task and 8 GPUs per node: 16 CPUs, 16 GPUs
+                resources={"cpus": 2, "gpus": 8, "nodes": 2, "tasks_per_node": 4},
+                submitted_at=NOW - H,
+                started_at=NOW - H,
+                ended_at=NOW - H / 2,
+            )
+        )
         drops = tx.add(PipelineRun(recipe="marin", replica="drops", backend="local", started_at=NOW - 2 * H))
         repro = tx.add(StageRun(pipeline_run_id=drops.id, stage="repro", identity="r", started_at=NOW - 2 * H))
         tx.add(
@@ -104,15 +116,16 @@ def test_usage_sums_hours_and_what_was_asked_and_counts_the_lost(store: LineageS
     by = {g.group: g for g in report.groups}
     assert list(by) == ["marin:small", "marin:drops"], "largest first; the old run is out of the window"
     small, drops = by["marin:small"], by["marin:drops"]
-    assert (small.attempts, small.wall_hours, small.gpu_hours) == (3, pytest.approx(6.0), pytest.approx(40.0))
-    assert small.cpu_hours == pytest.approx(2 * 16 + 3 * 16 + 1 * 1)
-    assert small.lost_hours == pytest.approx(2.0) and small.by_state == {"PREEMPTED": 1, "COMPLETED": 2}
+    assert (small.attempts, small.wall_hours) == (4, pytest.approx(6.5))
+    assert small.gpu_hours == pytest.approx(40.0 + 0.5 * 16), "GPUs per node x nodes"
+    assert small.cpu_hours == pytest.approx(2 * 16 + 3 * 16 + 1 * 1 + 0.5 * 16), "CPUs per task x tasks"
+    assert small.lost_hours == pytest.approx(2.0) and small.by_state == {"PREEMPTED": 1, "COMPLETED": 3}
     assert drops.lost_hours == pytest.approx(1.5) and drops.cpu_hours == pytest.approx(3.0)
     assert drops.by_state == {"FAILED": 1, "PENDING": 1}, "a job that has not started used nothing"
-    assert report.total.wall_hours == pytest.approx(7.5) and report.total.lost_hours == pytest.approx(3.5)
+    assert report.total.wall_hours == pytest.approx(8.0) and report.total.lost_hours == pytest.approx(3.5)
 
     stages = {g.group: g.gpu_hours for g in usage(store, RecordFilter.from_options(recipe="marin"), by="stage").groups}
-    assert stages == {"pretrain": pytest.approx(40.0), "repro": 0.0, "data": 0.0}
+    assert stages == {"pretrain": pytest.approx(40.0), "midtrain": pytest.approx(8.0), "repro": 0.0, "data": 0.0}
     preempted = usage(store, RecordFilter.from_options(state=["PREEMPTED"]), by="backend")
     assert [(g.group, g.lost_hours) for g in preempted.groups] == [("slurm", pytest.approx(2.0))]
     with pytest.raises(ConfigError, match="cannot group usage by 'team': use one of recipe, replica"):
@@ -127,11 +140,11 @@ def test_the_command_prints_the_table_and_json(run_cli, openlab_home) -> None:
     out = run_cli("lineage", "usage", "--since", "30d", "--by", "stage", "--json")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    assert data["by"] == "stage" and data["total"]["gpu_hours"] == pytest.approx(40.0)
+    assert data["by"] == "stage" and data["total"]["gpu_hours"] == pytest.approx(48.0)
     table = run_cli("lineage", "usage", "--replica", "small")
     assert table.returncode == 0 and "job usage by recipe" in table.stdout, table.stdout
-    assert "1 completed" not in table.stdout and "2 completed 1 preempted" in table.stdout, table.stdout
-    assert " 6.00 " in table.stdout, table.stdout  # the nightly's wall hours
+    assert "1 completed" not in table.stdout and "3 completed 1 preempted" in table.stdout, table.stdout
+    assert " 6.50 " in table.stdout, table.stdout  # the nightly's wall hours
     assert run_cli("lineage", "usage", "--recipe", "nope").stdout.strip() == "no jobs match"
     bad = run_cli("lineage", "usage", "--by", "team")
     assert bad.returncode == 2 and "cannot group usage by 'team'" in bad.stderr and "Traceback" not in bad.stderr
