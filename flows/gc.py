@@ -14,7 +14,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from orchestrator.pipeline.gc import DEFAULT_KEEP_LAST, DEFAULT_UNUSED_FOR
+from orchestrator.pipeline.gc import DEFAULT_FAILED_UNUSED_FOR, DEFAULT_KEEP_LAST, DEFAULT_UNUSED_FOR
 
 
 @flow(
@@ -28,6 +28,8 @@ def collect_outputs(
     recipe: str | None = None,
     replica: str | None = None,
     include_unsynced_wandb: bool = False,
+    include_failed: bool = False,
+    failed_unused_for: str = DEFAULT_FAILED_UNUSED_FOR,
     dry_run: bool = True,
 ) -> dict[str, Any]:
     """Remove old stage output folders and mark their artifact records removed; report each.
@@ -39,6 +41,9 @@ def collect_outputs(
         recipe: Only outputs runs of this recipe used.
         replica: Only outputs runs of this replica used.
         include_unsynced_wandb: Also delete offline W&B runs that were never uploaded.
+        include_failed: Also delete partial outputs of stage identities that never completed
+            (checkpoints a retry would resume from).
+        failed_unused_for: With include_failed: only those no attempt started or ended for this long.
         dry_run: Only say what would be removed (the default from the UI).
     """
     from prefect.artifacts import create_markdown_artifact
@@ -62,6 +67,8 @@ def collect_outputs(
             recipe=recipe,
             replica=replica,
             keep_unsynced_wandb=not include_unsynced_wandb,
+            include_failed=include_failed,
+            failed_used_since=parse_when(failed_unused_for) if include_failed else None,
         )
         removable = plan.removable
         if not dry_run and removable:
@@ -71,12 +78,22 @@ def collect_outputs(
     verb = "would remove" if dry_run else "removed"
     headline = f"{verb} {len(removable)} output folder(s), {decimal(plan.bytes_removable)}; kept {plan.kept_summary()}"
     logger.info(headline)
+    # with include_failed, say which folders are a failed run's leftovers (and its last attempt)
+    state = ["state"] if include_failed else []
+    columns = ["stage", "identity", *state, "used by", "last used (UTC)", "size", "outcome"]
     rows = [
-        f"| {md_cell(o.stage)} | `{o.identity[:16]}` | {md_cell(', '.join(o.recipes))} "
-        f"| {o.last_used:%Y-%m-%d %H:%M} | {decimal(o.bytes)} | {md_cell(o.outcome or 'dry run')} |"
+        [
+            md_cell(o.stage),
+            f"`{o.identity[:16]}`",
+            *([md_cell(o.state)] if include_failed else []),
+            md_cell(", ".join(o.recipes)),
+            f"{o.last_used:%Y-%m-%d %H:%M}",
+            decimal(o.bytes),
+            md_cell(o.outcome or "dry run"),
+        ]
         for o in removable
     ]
-    table = ["| stage | identity | used by | last used (UTC) | size | outcome |", "|---|---|---|---|---|---|", *rows]
+    table = ["| " + " | ".join(cells) + " |" for cells in (columns, ["---"] * len(columns), *rows)]
     create_markdown_artifact(
         key="outputs-gc", markdown="\n".join([f"**{headline}**", "", *(table if rows else [])]), description=headline
     )

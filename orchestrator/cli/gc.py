@@ -13,7 +13,14 @@ from rich.table import Table
 
 from orchestrator.cli.output import console, print_json
 from orchestrator.errors import ConfigError
-from orchestrator.pipeline.gc import DEFAULT_KEEP_LAST, DEFAULT_UNUSED_FOR, GcPlan, collect, plan_gc
+from orchestrator.pipeline.gc import (
+    DEFAULT_FAILED_UNUSED_FOR,
+    DEFAULT_KEEP_LAST,
+    DEFAULT_UNUSED_FOR,
+    GcPlan,
+    collect,
+    plan_gc,
+)
 
 
 def gc_cmd(
@@ -33,6 +40,22 @@ def gc_cmd(
         bool,
         typer.Option("--include-unsynced-wandb", help="Also delete offline W&B runs never uploaded (kept by default)."),
     ] = False,
+    include_failed: Annotated[
+        bool,
+        typer.Option(
+            "--include-failed",
+            help="Also delete the partial outputs (checkpoints a retry resumes from) of stage identities that never "
+            "completed, once no attempt has touched them for --failed-unused-for.",
+        ),
+    ] = False,
+    failed_unused_for: Annotated[
+        str | None,
+        typer.Option(
+            "--failed-unused-for",
+            help=f"With --include-failed: only those no attempt started or ended for this long "
+            f"(default {DEFAULT_FAILED_UNUSED_FOR}) or since a date.",
+        ),
+    ] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Say what would be removed; remove nothing.")] = False,
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Remove without asking (scripts, schedules).")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object for scripts.")] = False,
@@ -46,6 +69,10 @@ def gc_cmd(
     record is marked removed (when, by whom, why); stage runs, jobs and W&B runs stay, so `lineage
     trace` still answers, and a later run of the same stage identity runs it again. `openlab gc
     --dry-run` shows what would go.
+
+    Outputs of stage identities that never completed (crashed or abandoned runs' checkpoints) are
+    left alone: a retry resumes from them. --include-failed lets those go too once no attempt has
+    started or ended for --failed-unused-for (30d); a later run then starts from scratch.
     """
     from orchestrator.lineage.listing import parse_when
     from orchestrator.lineage.store import open_store
@@ -53,7 +80,12 @@ def gc_cmd(
 
     if keep < 0:
         raise ConfigError(f"invalid --keep {keep}: give 0 or more completed runs to keep")
+    if failed_unused_for is not None and not include_failed:
+        raise ConfigError(
+            "--failed-unused-for applies only with --include-failed (failed runs' partial outputs are kept otherwise)"
+        )
     used_since = parse_when(unused_for)
+    failed_used_since = parse_when(failed_unused_for or DEFAULT_FAILED_UNUSED_FOR) if include_failed else None
     settings = load_settings()
     store = open_store(settings, create=False)
     plan = plan_gc(
@@ -65,6 +97,8 @@ def gc_cmd(
         recipe=recipe,
         replica=replica,
         keep_unsynced_wandb=not include_unsynced_wandb,
+        include_failed=include_failed,
+        failed_used_since=failed_used_since,
     )
     removable = plan.removable
     if not dry_run and removable and not yes:
@@ -106,22 +140,30 @@ def gc_cmd(
 
 def _print_plan(plan: GcPlan) -> None:
     removable = plan.removable
+    with_failed = plan.failed_used_since is not None
     if removable:
         table = Table(title="stage outputs to delete")
-        for header in ("stage", "identity", "used by", "last used (UTC)", "size"):
+        headers = ("stage", "identity", *(("state",) if with_failed else ()), "used by", "last used (UTC)", "size")
+        for header in headers:
             table.add_column(header, justify="right" if header == "size" else "left", overflow="fold")
         for o in removable:
             table.add_row(
                 escape(o.stage),
                 o.identity[:16],
+                *((o.state.split(",")[0],) if with_failed else ()),  # "failed": its last attempt is "last used"
                 escape(", ".join(o.recipes)),
                 f"{o.last_used:%Y-%m-%d %H:%M}",
                 decimal(o.bytes),
             )
         console.print(table)
+    failed_rule = (
+        f"; failed identities attempted since {plan.failed_used_since:%Y-%m-%d %H:%M} UTC"
+        if plan.failed_used_since is not None
+        else ""
+    )
     console.print(
         f"{len(removable)} to delete ({decimal(plan.bytes_removable)}); kept: {plan.kept_summary()} "
         f"(last {plan.keep_last} completed runs of each recipe and replica, used since "
-        f"{plan.used_since:%Y-%m-%d %H:%M} UTC)",
+        f"{plan.used_since:%Y-%m-%d %H:%M} UTC{failed_rule})",
         markup=False,
     )

@@ -14,11 +14,29 @@ import pytest
 
 from orchestrator.lineage import Artifact, LineageStore, StageRun, utcnow
 from orchestrator.lineage.verify import verify
-from orchestrator.pipeline import RunOptions, execute_stage, finish_pipeline, plan, run_pipeline, start_pipeline
+from orchestrator.pipeline import (
+    Pipeline,
+    RunOptions,
+    StageSpec,
+    execute_stage,
+    finish_pipeline,
+    plan,
+    run_pipeline,
+    start_pipeline,
+)
 from orchestrator.pipeline.execute import output_dir
-from orchestrator.pipeline.gc import DATA_SNAPSHOT, IN_USE, LAST_RUNS, RECENT, UNSYNCED_WANDB, collect, plan_gc
+from orchestrator.pipeline.gc import (
+    DATA_SNAPSHOT,
+    IN_USE,
+    LAST_RUNS,
+    RECENT,
+    RECENT_ATTEMPT,
+    UNSYNCED_WANDB,
+    collect,
+    plan_gc,
+)
 from orchestrator.settings import load_settings
-from tests.pipeline.toy import make_repo, toy_configs, toy_pipeline
+from tests.pipeline.toy import git, make_repo, toy_configs, toy_pipeline
 
 LATER = utcnow() + dt.timedelta(hours=1)  # "unused since an hour from now": age alone keeps nothing
 
@@ -36,6 +54,48 @@ def _three_runs(repo: Path) -> dict[str, dict[str, str]]:
         assert result.state == "COMPLETED", result.error
         found[label] = {name: r.identity for name, r in result.results.items()}
     return found
+
+
+#: A training stage in miniature: it resumes from the checkpoint it finds in its output folder,
+#: saves the next one, then crashes when $TOY_CRASH is set; otherwise it completes, saying where it began.
+TRAIN = """
+import json, os, sys
+from pathlib import Path
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+out = Path(args["--out"]); out.mkdir(parents=True, exist_ok=True)
+ckpt = out / "step.txt"
+start = int(ckpt.read_text()) if ckpt.exists() else 0
+ckpt.write_text(str(start + 1))
+if os.environ.get("TOY_CRASH"):
+    sys.exit("crashed after saving checkpoint " + str(start + 1))
+(out / "metrics.json").write_text(json.dumps({"resumed_from": start}))
+"""
+
+
+def _train_pipeline(repo: Path) -> Pipeline:
+    """The one-stage pipeline around :data:`TRAIN`, committed to the toy repository."""
+    (repo / "stages" / "train.py").write_text(TRAIN)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-q", "-m", "a resumable training stage")
+    spec = StageSpec(
+        name="train",
+        inputs={},
+        code_paths=("stages/train.py",),
+        environment_fields=("python_version",),
+        command=("{python}", "stages/train.py", "--config", "{config}", "--out", "{out}"),
+    )
+    return Pipeline(name="train", stages=(spec,), repo_root=repo)
+
+
+def _train(pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch, *, crash: bool, steps: int = 1) -> dict[str, object]:
+    """Run the training pipeline once; returns its train stage's state, identity and metrics."""
+    with monkeypatch.context() as env:
+        if crash:
+            env.setenv("TOY_CRASH", "1")
+        result = run_pipeline(pipeline, {"train": {"steps": steps}}, options=_options())
+    train = result.results["train"]
+    assert result.state == ("FAILED" if crash else "COMPLETED"), result.error
+    return {"state": train.state, "identity": train.identity, "metrics": train.metrics}
 
 
 def _executions(ledger: Path) -> list[str]:
@@ -187,3 +247,113 @@ def test_the_command(run_cli, run_cli_tty, store: LineageStore, tmp_path: Path) 
     assert "stage outputs to delete" in screen and "removed 2 output folder(s)" in screen, screen
     assert not output_dir(settings, "count", ids["a"]["count"]).exists()
     assert output_dir(settings, "upper", ids["a"]["upper"]).is_dir(), "--stage count left upper alone"
+
+
+def test_a_crashed_runs_checkpoints_go_only_when_asked_and_the_next_run_starts_afresh(
+    store: LineageStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An identity that never completed leaves the partial checkpoint a retry resumes from: plain gc
+    never touches it; --include-failed removes it once no attempt touched it for the window, records
+    the removal, and the next run of that identity starts from step 0 instead of a checkpoint
+    that is gone."""
+    pipeline = _train_pipeline(make_repo(tmp_path))
+    settings = load_settings()
+    # what a retry does when the checkpoint is there: it resumes (another identity, left alone)
+    resumed = _train(pipeline, monkeypatch, crash=True, steps=2)
+    assert _train(pipeline, monkeypatch, crash=False, steps=2)["metrics"] == {"resumed_from": 1}
+
+    crashed = _train(pipeline, monkeypatch, crash=True)
+    identity = str(crashed["identity"])
+    folder = output_dir(settings, "train", identity)
+    assert (folder / "step.txt").read_text() == "1"
+
+    plain = plan_gc(store, settings, keep_last=0, used_since=LATER)
+    assert identity not in {o.identity for o in plain.outputs}, "without the flag a crashed run's folder is not gc's"
+    month = plan_gc(
+        store,
+        settings,
+        keep_last=0,
+        used_since=LATER,
+        include_failed=True,
+        failed_used_since=utcnow() - dt.timedelta(days=30),
+    )
+    (kept,) = [o for o in month.outputs if o.identity == identity]
+    assert kept.keep == RECENT_ATTEMPT and kept.state.startswith("failed, last attempt "), kept
+
+    gc_plan = plan_gc(store, settings, keep_last=0, used_since=LATER, include_failed=True, failed_used_since=LATER)
+    decided = {o.identity: o for o in gc_plan.outputs}
+    assert decided[identity].keep is None and not decided[identity].completed
+    assert decided[str(resumed["identity"])].completed, "the identity that completed on retry is a completed output"
+    assert gc_plan.to_dict()["include_failed"] is True
+    done = collect(store, settings, gc_plan)
+    assert {o.identity: o.outcome for o in done}[identity] == "removed"
+    assert not folder.exists() and not folder.with_suffix(".config.json").exists()
+
+    # no artifact named the folder: the removal is a record of its own, generated by the crashed run
+    (record,) = store.list(Artifact, where=[Artifact.uri == str(folder)])
+    assert record.removed_at is not None and "never completed (failed, last attempt" in (record.removed_reason or "")
+    (attempt,) = store.list(StageRun, where=[StageRun.identity == identity])
+    assert [(r.relation, r.object_id) for r in store.relations(record.id)] == [("wasGeneratedBy", attempt.id)]
+    assert [e.action for e in store.events(record.id)] == ["create"]
+    assert verify(store, settings) == []
+
+    again = _train(pipeline, monkeypatch, crash=False)
+    assert again["identity"] == identity and again["state"] == "COMPLETED"
+    assert again["metrics"] == {"resumed_from": 0}, "started from scratch, not from the removed checkpoint"
+    assert verify(store, settings) == []
+
+
+def test_a_failed_retry_after_gc_keeps_its_checkpoint(
+    store: LineageStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gc removed a completed identity's outputs; a later run of it crashed and left a fresh partial
+    checkpoint in the same folder. The old completed run no longer stands behind those bytes:
+    plain gc must not delete them because that run is old."""
+    pipeline = _train_pipeline(make_repo(tmp_path))
+    settings = load_settings()
+    identity = str(_train(pipeline, monkeypatch, crash=False)["identity"])
+    assert [o.outcome for o in collect(store, settings, plan_gc(store, settings, keep_last=0, used_since=LATER))] == [
+        "removed"
+    ]
+    _train(pipeline, monkeypatch, crash=True)
+    assert (output_dir(settings, "train", identity) / "step.txt").read_text() == "1"
+
+    assert plan_gc(store, settings, keep_last=0, used_since=LATER).outputs == []
+    (partial,) = plan_gc(store, settings, keep_last=0, used_since=LATER, include_failed=True).outputs
+    assert partial.keep == RECENT_ATTEMPT and partial.state.startswith("failed, last attempt "), partial
+
+
+def test_the_command_with_include_failed(
+    run_cli, run_cli_tty, store: LineageStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plain `openlab gc` leaves a crashed run's folder out of its report; --include-failed reports
+    it with its state, keeps it within --failed-unused-for and removes it after."""
+    pipeline = _train_pipeline(make_repo(tmp_path))
+    identity = str(_train(pipeline, monkeypatch, crash=True)["identity"])
+    folder = output_dir(load_settings(), "train", identity)
+
+    plain = json.loads(run_cli("gc", "--unused-for", "0s", "--keep", "0", "--dry-run", "--json").stdout)
+    assert plain["remove"] == plain["kept"] == [] and plain["include_failed"] is False
+
+    looked = run_cli("gc", "--include-failed", "--dry-run", "--json")
+    assert looked.returncode == 0, looked.stderr
+    (kept,) = json.loads(looked.stdout)["kept"]
+    assert kept["identity"] == identity and kept["keep"] == RECENT_ATTEMPT, kept
+    assert kept["state"].startswith("failed, last attempt ") and kept["made_by"], kept
+
+    looked = run_cli("gc", "--include-failed", "--failed-unused-for", "0s", "--dry-run")
+    assert looked.returncode == 0 and "│ failed " in looked.stdout, looked.stdout + looked.stderr
+    assert "1 to delete" in looked.stdout and identity[:8] in looked.stdout, looked.stdout
+    assert folder.is_dir(), "a dry run removes nothing"
+
+    for bad, message in (
+        (["--failed-unused-for", "1d"], "--failed-unused-for applies only with --include-failed"),
+        (["--include-failed", "--failed-unused-for", "soon"], "cannot read 'soon'"),
+    ):
+        out = run_cli("gc", "--dry-run", *bad)
+        assert out.returncode == 2 and message in out.stderr, out.stdout + out.stderr
+        assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+
+    code, screen = run_cli_tty("gc", "--include-failed", "--failed-unused-for", "0s", "--yes")
+    assert code == 0 and "removed 1 output folder(s)" in screen, screen
+    assert not folder.exists()
