@@ -9,10 +9,14 @@ The flow of :func:`execute_stage`, and why each step is there:
    ``artifacts_dir/<stage>/<identity[:16]>``: derived from the identity, never part of it.
 2. **Reuse**: a COMPLETED stage run with the same identity whose outputs still verify
    (content hash re-checked) is reused: a REUSED stage run points at it (``reused_from``)
-   and the reason is logged.
-3. **Lease** (:mod:`orchestrator.lineage.leases`): otherwise take the lease on the
-   identity; if another live holder has it, wait, then check for reuse again — so two
-   pipeline runs started at once execute each identity once.
+   and the reason is logged. The check runs before the lease (re-hashing is the slow part),
+   the decision under it (step 3).
+3. **Lease** (:mod:`orchestrator.lineage.leases`): take the lease on the identity; if another
+   live holder has it, wait, then check for reuse again — so two pipeline runs started at
+   once execute each identity once. A reuse is recorded under the lease too, after checking
+   that the outputs verified in step 2 are still there: ``openlab gc`` deletes only under the
+   same lease, so either gc sees the REUSED stage run (and keeps the folder) or the reuse sees
+   the removal (and runs the stage again) — never a reused folder deleted in between.
 4. **Run** the job with :func:`orchestrator.launchers.attempts.run_job` on the chosen
    backend, streaming its log to the hooks; a lost lease or a cancel request cancels it.
 5. **Record** the output folder as an Artifact (snapshot Merkle hash) ``wasGeneratedBy``
@@ -699,6 +703,24 @@ def find_reusable(
     return None, NO_LONGER_VERIFY + "; ".join(problems)
 
 
+def still_reusable(store: LineageStore, identity: str, original: StageRun) -> bool:
+    """Whether outputs :func:`find_reusable` verified a moment ago are still the ones to reuse.
+
+    Called under the identity's lease, so cheap: no newer run of the identity completed (a forced
+    re-run rewrites the folder), gc has not marked the outputs removed, and they are still there.
+    Anything else sends the caller back to :func:`find_reusable`.
+    """
+    latest = store.list(
+        StageRun,
+        where=[StageRun.identity == identity, StageRun.state == "COMPLETED"],
+        order_by=col(StageRun.ended_at).desc(),
+        limit=1,
+    )
+    if not latest or latest[0].id != original.id or _removed_by_gc(store, original) is not None:
+        return False
+    return all(Path(out.get("path", "")).exists() for out in original.outputs.values() if isinstance(out, dict))
+
+
 def _removed_by_gc(store: LineageStore, run: StageRun) -> str | None:
     """Why ``run``'s outputs are gone when ``openlab gc`` removed them (``outputs removed by openlab gc on ...``)."""
     for out in run.outputs.values():
@@ -963,10 +985,10 @@ def execute_stage(
     digest = identity.digest
     ctx.emit(spec.name, "CHECKING", identity=digest)
     forced = ctx.options.forced(spec.name)
-    if not forced:
+    original: StageRun | None = None
+    why = ""
+    if not forced:  # verified before the lease: re-hashing outputs is the slow part, and most stages are reused
         original, why = find_reusable(ctx.store, digest, ctx.settings, deep=ctx.options.deep_verify)
-        if original is not None:
-            return _record_reuse(ctx, spec, identity, original, why, started)
     with ctx.lock:
         stage_run_id = ctx.stage_runs.get(spec.name) or new_id(StageRun.id_prefix)
         ctx.stage_runs[spec.name] = stage_run_id
@@ -997,17 +1019,17 @@ def execute_stage(
                 f"{digest[:16]}, held by another run"
             )
         time.sleep(ctx.options.wait_poll)
-        if not forced or waited_since is not None:
-            original, why = find_reusable(ctx.store, digest, ctx.settings, deep=ctx.options.deep_verify)
-            if original is not None:
-                return _record_reuse(ctx, spec, identity, original, f"waited, then {why}", started)
     try:
-        if waited_since is not None:
-            # the other holder may have finished between our last look and our acquire
+        # Under the lease nobody else writes this identity's folder and gc cannot delete it, so the
+        # reuse is decided and recorded here, before the lease goes.
+        look_again = waited_since is not None  # the holder we waited for may have completed it (even forced)
+        if original is not None and not still_reusable(ctx.store, digest, original):
+            original, look_again = None, True  # gc removed it, or a forced re-run replaced it, meanwhile
+        if original is None and look_again:
             original, why = find_reusable(ctx.store, digest, ctx.settings, deep=ctx.options.deep_verify)
-            if original is not None:
-                held.release()
-                return _record_reuse(ctx, spec, identity, original, f"waited, then {why}", started)
+        if original is not None:
+            reason = f"waited, then {why}" if waited_since is not None else why
+            return _record_reuse(ctx, spec, identity, original, reason, started)
         return _run_stage(ctx, spec, identity, inputs, stage_run_id, held, should_cancel, forced, started)
     finally:
         held.release()

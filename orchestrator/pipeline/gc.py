@@ -6,7 +6,9 @@ only live while someone may reuse or compare against them. So :func:`plan_gc` de
 lineage alone which stage output folders to keep, each with its reason:
 
 - **in use**: a stage run of that identity belongs to a pipeline run still RUNNING (a stage
-  reading it as input now), or another process holds the identity's lease (running it now);
+  reading it as input now), or another process holds the identity's lease (running it now, or
+  deciding to reuse it: a reuse is recorded under the lease, so gc never deletes a folder in the
+  moment a run takes it);
 - **data snapshot**: the folder is a recorded data snapshot, which ``lineage verify`` proves
   the data against;
 - **unsynced W&B run**: an offline W&B run inside it was never uploaded (``openlab wandb sync``
@@ -98,6 +100,8 @@ class Output:
     completed: bool = True
     #: The state of the identity's last stage run, for those (``FAILED``, ``CANCELLED``, ...).
     last_state: str | None = None
+    #: Every stage run of the identity when planned: :func:`collect` skips the folder if one appeared since.
+    stage_runs: frozenset[str] = field(default_factory=frozenset, repr=False)
 
     @property
     def state(self) -> str:
@@ -281,6 +285,7 @@ def plan_gc(
             bytes=folder_bytes(folder),
             completed=completed,
             last_state=None if completed else max(srs, key=_when).state,
+            stage_runs=frozenset(sr.id for sr in srs),
         )
         if completed:
             out.keep = _keep_reason(store, out, srs, running_runs, kept_runs, snapshot_paths, unsynced, used_since)
@@ -351,10 +356,12 @@ def collect(
 ) -> list[Output]:
     """Remove the plan's removable outputs; return them, each with its ``outcome``.
 
-    Each folder is removed under its identity's lease (a run that starts it meanwhile waits, one
-    already running it makes gc skip it) and only after checking again that no running pipeline
-    run uses it. The folder is first renamed aside, then its artifact records are marked removed
-    in one transaction, then the bytes go: if recording fails the folder is put back as it was.
+    Each folder is removed under its identity's lease (a run that starts or reuses it meanwhile
+    waits, then finds it gone; one already running it makes gc skip it) and only after checking
+    again that no running pipeline run uses it and no stage run of it appeared since the plan (a
+    run that reused it and already finished has just made it recent). The folder is first renamed
+    aside, then its artifact records are marked removed in one transaction, then the bytes go: if
+    recording fails the folder is put back as it was.
     """
     who = f"{getpass.getuser()}@{socket.gethostname()}"
     done: list[Output] = []
@@ -375,6 +382,8 @@ def _remove_one(store: LineageStore, settings: Settings, out: Output, who: str, 
         again = store.list(StageRun, where=[StageRun.identity == out.identity, StageRun.stage == out.stage])
         if any(sr.state in UNFINISHED or sr.pipeline_run_id in running for sr in again):
             return "skipped: a running pipeline started using it"
+        if out.stage_runs and any(sr.id not in out.stage_runs for sr in again):
+            return "skipped: a run used it since gc planned"
         if not out.folder.is_dir():
             return "skipped: already gone"
         aside = out.folder.with_name(f".{out.folder.name}.gc-{os.getpid()}")

@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from orchestrator.lineage import Artifact, LineageStore, StageRun, utcnow
+from orchestrator.lineage import Artifact, LineageStore, StageRun, leases, utcnow
 from orchestrator.lineage.verify import verify
 from orchestrator.pipeline import (
     Pipeline,
+    PipelineHooks,
+    PipelineResult,
     RunOptions,
     StageSpec,
+    execute,
     execute_stage,
     finish_pipeline,
     plan,
@@ -32,6 +37,8 @@ from orchestrator.pipeline.gc import (
     RECENT,
     RECENT_ATTEMPT,
     UNSYNCED_WANDB,
+    GcPlan,
+    Output,
     collect,
     plan_gc,
 )
@@ -357,3 +364,124 @@ def test_the_command_with_include_failed(
     code, screen = run_cli_tty("gc", "--include-failed", "--failed-unused-for", "0s", "--yes")
     assert code == 0 and "removed 1 output folder(s)" in screen, screen
     assert not folder.exists()
+
+
+def _only(gc_plan: GcPlan, *identities: str) -> GcPlan:
+    """The plan narrowed to these identities' outputs (as if the others were kept)."""
+    gc_plan.outputs = [o for o in gc_plan.outputs if o.identity in identities]
+    assert len(gc_plan.removable) == len(identities)
+    return gc_plan
+
+
+def test_a_reuse_that_verified_just_before_gc_removed_the_folder_runs_the_stage_again(
+    store: LineageStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reuse check reads the outputs before taking the lease; gc removes them right after.
+    The reuse is decided again under the lease, sees the removal, and runs the stage: without that,
+    the run would record a reuse of a deleted folder and its next stage would fail to read it."""
+    ledger = tmp_path / "ledger.txt"
+    monkeypatch.setenv("TOY_LEDGER", str(ledger))
+    repo = make_repo(tmp_path)
+    ids = _three_runs(repo)
+    settings = load_settings()
+    gc_plan = _only(plan_gc(store, settings, keep_last=0, used_since=LATER), ids["a"]["upper"], ids["a"]["count"])
+
+    verified = execute.find_reusable
+    removed: list[Output] = []
+
+    def gc_strikes_after_the_check(
+        store_: LineageStore, identity: str, *args: Any, **kw: Any
+    ) -> tuple[StageRun | None, str]:
+        found = verified(store_, identity, *args, **kw)
+        if identity == ids["a"]["upper"] and not removed:
+            assert found[0] is not None, "upper verified: it would be reused"
+            removed.extend(collect(store, settings, gc_plan))
+        return found
+
+    monkeypatch.setattr(execute, "find_reusable", gc_strikes_after_the_check)
+    before = len(_executions(ledger))
+    again = run_pipeline(toy_pipeline(repo), toy_configs(n=5), options=_options())
+    assert [o.outcome for o in removed] == ["removed", "removed"]
+    assert again.state == "COMPLETED", again.error
+    assert {s: r.state for s, r in again.results.items()} == {
+        "gen": "REUSED",
+        "upper": "COMPLETED",
+        "count": "COMPLETED",
+    }
+    assert _executions(ledger)[before:] == ["upper", "count"]
+    assert verify(store, settings) == []
+
+
+def test_a_reuse_waits_while_gc_holds_the_lease_then_runs_the_stage_again(
+    store: LineageStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gc holds the identity's lease while it deletes; a run that wants to reuse that identity
+    then waits for the lease instead of recording a reuse of a folder about to go, and runs it."""
+    ledger = tmp_path / "ledger.txt"
+    monkeypatch.setenv("TOY_LEDGER", str(ledger))
+    repo = make_repo(tmp_path)
+    ids = _three_runs(repo)
+    settings = load_settings()
+    upper = ids["a"]["upper"]
+    gc_plan = _only(plan_gc(store, settings, keep_last=0, used_since=LATER), upper)
+
+    seen: list[str] = []
+    turned = threading.Event()  # the run waits for gc's lease on upper, or it ended without waiting
+    result: list[PipelineResult] = []
+
+    def on_transition(t: execute.StageTransition) -> None:
+        seen.append(f"{t.stage} {t.state}")
+        if t.stage == "upper" and t.state == "WAITING":
+            turned.set()
+
+    def run_a() -> None:
+        try:
+            hooks = PipelineHooks(on_transition=on_transition)
+            result.append(run_pipeline(toy_pipeline(repo), toy_configs(n=5), options=_options(), hooks=hooks))
+        finally:
+            turned.set()
+
+    runner = threading.Thread(target=run_a)
+    held_by = leases.try_hold
+
+    def gc_holds_it_when_the_run_arrives(
+        store_: LineageStore, identity: str, holder: str, **kw: Any
+    ) -> leases.HeldLease | None:
+        held = held_by(store_, identity, holder, **kw)
+        if held is not None and ":gc:" in holder:
+            runner.start()
+            assert turned.wait(120), "the run neither waited nor ended"
+        return held
+
+    monkeypatch.setattr(leases, "try_hold", gc_holds_it_when_the_run_arrives)
+    before = len(_executions(ledger))
+    assert [o.outcome for o in collect(store, settings, gc_plan)] == ["removed"]
+    runner.join()
+    assert "upper WAITING" in seen, seen
+    (again,) = result
+    assert again.state == "COMPLETED", again.error
+    assert again.results["upper"].state == "COMPLETED" and _executions(ledger)[before:] == ["upper"]
+    assert output_dir(settings, "upper", upper).is_dir()
+    assert verify(store, settings) == []
+
+
+def test_gc_keeps_an_output_a_run_reused_after_it_planned(
+    store: LineageStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run reuses an output between gc's plan and its removal, and even finishes: the output is
+    recent again, so gc skips it rather than delete what that run (and tomorrow's) relies on."""
+    ledger = tmp_path / "ledger.txt"
+    monkeypatch.setenv("TOY_LEDGER", str(ledger))
+    repo = make_repo(tmp_path)
+    ids = _three_runs(repo)
+    settings = load_settings()
+    gc_plan = _only(plan_gc(store, settings, keep_last=0, used_since=LATER), ids["a"]["upper"], ids["b"]["upper"])
+    reused = run_pipeline(toy_pipeline(repo), toy_configs(n=5), options=_options())
+    assert reused.results["upper"].state == "REUSED"
+
+    done = {o.identity: o.outcome for o in collect(store, settings, gc_plan)}
+    assert done == {ids["a"]["upper"]: "skipped: a run used it since gc planned", ids["b"]["upper"]: "removed"}
+    assert output_dir(settings, "upper", ids["a"]["upper"]).is_dir()
+    before = len(_executions(ledger))
+    assert run_pipeline(toy_pipeline(repo), toy_configs(n=5), options=_options()).state == "COMPLETED"
+    assert _executions(ledger)[before:] == [], "everything reused"
