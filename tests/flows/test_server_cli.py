@@ -73,7 +73,10 @@ def test_deploy_registers_parameter_schema_and_nightly_cron(prefect_server: Pref
     with get_client(sync_client=True) as client:
         gc = client.read_deployment_by_name(GC)
     assert gc.schedules == [] and gc.parameter_openapi_schema["properties"]["dry_run"]["default"] is True
-    assert {"keep", "unused_for", "stages", "recipe", "replica"} <= set(gc.parameter_openapi_schema["properties"])
+    gc_params = gc.parameter_openapi_schema["properties"]
+    assert {"keep", "unused_for", "stages", "recipe", "replica"} <= gc_params.keys()
+    assert {"include_failed", "failed_unused_for"} <= gc_params.keys()
+    assert gc_params["include_failed"]["default"] is False, "failed runs' checkpoints stay unless asked"
 
     # Registering again updates in place; the default cron is 02:00 UTC; [prefect] gc_cron schedules
     # the gc, and the schedule's runs delete (the deployment's default stays a dry run)
