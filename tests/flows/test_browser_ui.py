@@ -65,6 +65,12 @@ def test_custom_run_from_the_ui_completes_with_its_parameters(served: Served, tm
         try:
             page = context.new_page()
             page.route("**/*", _local_only)
+            refused: list[str] = []  # local requests that failed or were refused: the failure says which
+            page.on("response", lambda r: refused.append(f"{r.status} {r.url}") if r.status >= 400 else None)
+            page.on(
+                "requestfailed",
+                lambda r: refused.append(f"{r.method} {r.url}: {r.failure}") if "127.0.0.1" in r.url else None,
+            )
             page.goto(f"{ui}/deployments/deployment/{deployment.id}", wait_until="domcontentloaded")
             page.get_by_role("button", name="Run", exact=True).click()
             page.get_by_text("Custom run").click()
@@ -73,9 +79,9 @@ def test_custom_run_from_the_ui_completes_with_its_parameters(served: Served, tm
             page.get_by_role("button", name="Submit").click()
             # One CI run (2 cores) did not see the toast within 30 s; the same test passed on a rerun.
             page.get_by_text("scheduled to start now").first.wait_for(timeout=60_000)
-        except Exception:
+        except Exception as exc:
             page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
-            raise
+            raise AssertionError(f"the UI did not schedule the run; requests that failed: {refused}") from exc
         finally:
             context.close()
 
