@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,6 +40,21 @@ def store(
         yield store
     finally:
         store.close()
-        with admin.connect() as conn:
-            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        _drop_database(admin, name)
         admin.dispose()
+
+
+def _drop_database(admin: sa.Engine, name: str) -> None:
+    """Drop a test database. FORCE ends this role's leftover connections; an autovacuum worker
+    that happens to be visiting the new database belongs to no role this one may signal, so the
+    drop is refused until it leaves (it does within moments): try again for a while."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with admin.connect() as conn:
+                conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            return
+        except sa.exc.ProgrammingError as exc:
+            if "pg_signal_backend" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
