@@ -8,8 +8,11 @@ one flat all-reduce after the backward pass. What a user would otherwise write i
 ``find_unused_parameters`` because an expert may get no token). Both run in the same processes,
 one after the other, on the same model, the same per-task batch and the same balancing step,
 started by openlab's local task runner (``python -m orchestrator.launchers._tasks``, the contract
-srun gives); one process on the whole global batch is the baseline. Reported: median seconds per
-step after two warm-up steps, and the ratio openlab / DDP. Prints a markdown table.
+srun gives); one process on the whole global batch is the baseline. openlab's step also does what
+a training stage does beyond the averaging: the loss-token weighting (one small all-reduce) and
+gathering every task's routing statistics to task 0 for the logged global metrics; their share of
+the step is reported. Reported: median seconds per step after two warm-up steps, and the ratio
+openlab / DDP. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -31,10 +34,13 @@ from benchmarks.bench_moe_step import MODEL  # noqa: E402 - the model the MoE st
 
 #: Task 0's step times, as printed under the task runner (``0: [...]``) or alone (``[...]``).
 TIMES = re.compile(r"^(?:\d+: )?(\[[0-9.eE, +-]*\])$")
+#: Task 0's seconds per step spent on the global metrics and loss weighting (openlab's variant).
+EXTRA = re.compile(r"^(?:\d+: )?extra (\[[0-9.eE, +-]*\])$")
 
 
-def _measure(variant: str, steps: int, batch: int, threads: int) -> list[float]:
-    """Step times of one variant in this process (one of the job's tasks, or alone)."""
+def _measure(variant: str, steps: int, batch: int, threads: int) -> tuple[list[float], list[float]]:
+    """Step times of one variant in this process (one of the job's tasks, or alone), and the part
+    of each spent on the global metrics and loss weighting."""
     import torch
 
     from workloads.moe.config import ModelConfig
@@ -58,10 +64,15 @@ def _measure(variant: str, steps: int, batch: int, threads: int) -> list[float]:
     gen = torch.Generator().manual_seed(1)
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.context + 1), generator=gen)
     (mine,) = dp.shard(x)
-    times = []
+    times, extra = [], []
     for _ in range(steps + 2):
         t0 = time.perf_counter()
-        loss, _ = train(mine[:, :-1], mine[:, 1:], rt)
+        loss, lm = train(mine[:, :-1], mine[:, 1:], rt)
+        spent = 0.0
+        if variant == "openlab":  # as train.py: each task's share of the loss tokens (1.0 here)
+            t1 = time.perf_counter()
+            loss = loss + (dp.loss_weight(mine[:, 1:]) - 1.0) * lm
+            spent += time.perf_counter() - t1
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if variant == "openlab":
@@ -69,11 +80,16 @@ def _measure(variant: str, steps: int, batch: int, threads: int) -> list[float]:
         opt.step()
         dp.average_routing_balance(model)
         model.apply_pending_qb()
+        if variant == "openlab":  # as train.py: task 0 logs the global batch's routing metrics
+            t1 = time.perf_counter()
+            dp.global_stats(model.layer_stats())
+            spent += time.perf_counter() - t1
         dp.barrier()  # a step ends when every task has ended it
         times.append(time.perf_counter() - t0)
+        extra.append(spent)
     if variant != "one process":
         dp.close()
-    return times[2:]
+    return times[2:], extra[2:]
 
 
 def main() -> None:
@@ -85,13 +101,14 @@ def main() -> None:
     a = ap.parse_args()
     if a.variant:  # a child: one variant, its times on stdout (task 0 only)
         threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("WORLD_SIZE") or 1))
-        times = _measure(a.variant, a.steps, a.batch, threads)
+        times, extra = _measure(a.variant, a.steps, a.batch, threads)
         if int(os.environ.get("RANK") or 0) == 0:
             print(json.dumps(times))
+            print("extra", json.dumps(extra))
         return
     if a.batch % a.tasks:
         ap.error(f"--batch {a.batch} must be a multiple of --tasks {a.tasks}")
-    rows = {}
+    rows, extras = {}, {}
     for variant in ("one process", "openlab", "DDP"):
         cmd = [sys.executable, __file__, "--variant", variant, "--steps", str(a.steps), "--batch", str(a.batch)]
         if variant != "one process":
@@ -99,6 +116,8 @@ def main() -> None:
         out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=True)
         (times,) = [m.group(1) for ln in out.stdout.splitlines() if (m := TIMES.match(ln))]  # task 0's line
         rows[variant] = statistics.median(json.loads(times))
+        (spent,) = [m.group(1) for ln in out.stdout.splitlines() if (m := EXTRA.match(ln))]
+        extras[variant] = statistics.median(json.loads(spent))
     cores = os.cpu_count()
     print(f"| data-parallel step, global batch {a.batch} x {MODEL['context']} tokens, {cores} cores | s/step |")
     print("|---|---|")
@@ -107,7 +126,8 @@ def main() -> None:
     print(f"| {a.tasks} tasks, torch DDP (bucketed, find_unused_parameters) | {rows['DDP']:.3f} |")
     print(
         f"\nopenlab / DDP: {rows['openlab'] / rows['DDP']:.2f}x; {a.tasks} tasks / one process: "
-        f"{rows['openlab'] / rows['one process']:.2f}x"
+        f"{rows['openlab'] / rows['one process']:.2f}x; openlab's global metrics and loss weighting: "
+        f"{extras['openlab'] / rows['openlab']:.1%} of its step"
     )
 
 
