@@ -188,6 +188,13 @@ def folder_bytes(path: Path) -> int:
     return total
 
 
+def _label(run: PipelineRun) -> str:
+    """``recipe/replica``; a pipeline run started without a recipe (a lab's own flow) by its name."""
+    if run.recipe is None:
+        return run.name or run.id
+    return f"{run.recipe}/{run.replica}" if run.replica else run.recipe
+
+
 def _when(run: StageRun) -> dt.datetime:
     return run.ended_at or run.started_at
 
@@ -263,7 +270,7 @@ def plan_gc(
         else:
             continue  # partial checkpoints a retry resumes from: only with include_failed
         run_ids = sorted({sr.pipeline_run_id for sr in used if sr.pipeline_run_id})
-        recipes = sorted({f"{runs[i].recipe}/{runs[i].replica}" for i in run_ids if i in runs})
+        recipes = sorted({_label(runs[i]) for i in run_ids if i in runs})
         if wanted_stages and stage not in wanted_stages:
             continue
         if recipe is not None or replica is not None:

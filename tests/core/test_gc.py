@@ -139,6 +139,7 @@ def test_gc_removes_unused_outputs_keeps_records_and_a_later_run_reruns_them(
     }, decided
     removable = {label[o.identity] for o in gc_plan.removable}
     assert all(o.bytes > 0 for o in gc_plan.removable)
+    assert {r for o in gc_plan.outputs for r in o.recipes} == {"toy"}, "a pipeline without a recipe, by its name"
 
     done = collect(store, settings, gc_plan)
     assert {label[o.identity]: o.outcome for o in done} == {name: "removed" for name in removable}
