@@ -520,7 +520,7 @@ class KubernetesLauncher(Launcher):
         """Make the Job the Service's owner, so Kubernetes deletes the Service with the Job (its
         TTL, or a user's ``kubectl delete``) even if openlab never gets to."""
         uid = getattr(getattr(job, "metadata", None), "uid", None)
-        if not uid:  # an API server that does not say (none does not) leaves cleanup to openlab
+        if not uid:  # an API server always assigns one; without it (an emulator) cleanup is openlab's alone
             return
         owner = {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": uid, "blockOwnerDeletion": False}
         self._call(
@@ -716,7 +716,6 @@ class KubernetesLauncher(Launcher):
 
     def _node_logs(self, handle: JobHandle) -> bytes:
         """Every pod's log of a several-node Job, in index order (their lines carry global ranks)."""
-        namespace, _ = self._split(handle.job_id)
         out = b""
         for pod in _current(self.pods(handle.job_id)):
             resp = self._read_log(handle, pods=[pod])

@@ -38,6 +38,8 @@ class DataParallel:
 
     rank: int = 0
     world: int = 1
+    #: Where the small tensors of this process's collectives live: NCCL takes only CUDA tensors.
+    device: str = "cpu"
 
     @classmethod
     def from_env(cls, device: torch.device, batch_size: int, ranks: int) -> DataParallel:
@@ -56,7 +58,7 @@ class DataParallel:
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK") or 0))
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        return cls(dist.get_rank(), dist.get_world_size())
+        return cls(dist.get_rank(), dist.get_world_size(), "cuda" if device.type == "cuda" else "cpu")
 
     @property
     def main(self) -> bool:
@@ -78,12 +80,12 @@ class DataParallel:
             return 1.0
         import torch.distributed as dist
 
-        n = torch.tensor([float((targets != -100).sum())], dtype=torch.float64)
-        total = n.clone()
+        n = float((targets != -100).sum())
+        total = torch.tensor([n], dtype=torch.float64, device=self.device)
         dist.all_reduce(total)
         if not float(total):
             return 1.0
-        return float(n) * self.world / float(total)
+        return n * self.world / float(total)
 
     def sum_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """Per-expert counts summed over the tasks (a new tensor; every task must call it in step)."""
@@ -143,9 +145,10 @@ class DataParallel:
             return values, stop
         import torch.distributed as dist
 
-        t = torch.tensor([*values, 1.0 if stop else 0.0], dtype=torch.float64)
+        t = torch.tensor([*values, 1.0 if stop else 0.0], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
-        return tuple(float(v) / self.world for v in t[:-1]), bool(t[-1] > 0)
+        means = t.cpu().tolist()
+        return tuple(v / self.world for v in means[:-1]), means[-1] > 0
 
     def barrier(self) -> None:
         if self.world > 1:
