@@ -63,6 +63,17 @@ def _three_runs(repo: Path) -> dict[str, dict[str, str]]:
     return found
 
 
+def _three_runs_with_ledger(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Path, Path, dict[str, dict[str, str]]]:
+    """:func:`_three_runs` in a new toy repository, its stage executions written to a ledger file
+    (so a test can tell which stages ran again): the ledger, the repository and the identities."""
+    ledger = tmp_path / "ledger.txt"
+    monkeypatch.setenv("TOY_LEDGER", str(ledger))
+    repo = make_repo(tmp_path)
+    return ledger, repo, _three_runs(repo)
+
+
 #: A training stage in miniature: it resumes from the checkpoint it finds in its output folder,
 #: saves the next one, then crashes when $TOY_CRASH is set; otherwise it completes, saying where it began.
 TRAIN = """
@@ -112,10 +123,7 @@ def _executions(ledger: Path) -> list[str]:
 def test_gc_removes_unused_outputs_keeps_records_and_a_later_run_reruns_them(
     store: LineageStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ledger = tmp_path / "ledger.txt"
-    monkeypatch.setenv("TOY_LEDGER", str(ledger))
-    repo = make_repo(tmp_path)
-    ids = _three_runs(repo)
+    ledger, repo, ids = _three_runs_with_ledger(tmp_path, monkeypatch)
     settings = load_settings()
 
     # a fourth run, still going, has reused run b's first two stages: b's upper is in use now
@@ -380,10 +388,7 @@ def test_a_reuse_that_verified_just_before_gc_removed_the_folder_runs_the_stage_
     """The reuse check reads the outputs before taking the lease; gc removes them right after.
     The reuse is decided again under the lease, sees the removal, and runs the stage: without that,
     the run would record a reuse of a deleted folder and its next stage would fail to read it."""
-    ledger = tmp_path / "ledger.txt"
-    monkeypatch.setenv("TOY_LEDGER", str(ledger))
-    repo = make_repo(tmp_path)
-    ids = _three_runs(repo)
+    ledger, repo, ids = _three_runs_with_ledger(tmp_path, monkeypatch)
     settings = load_settings()
     gc_plan = _only(plan_gc(store, settings, keep_last=0, used_since=LATER), ids["a"]["upper"], ids["a"]["count"])
 
@@ -418,10 +423,7 @@ def test_a_reuse_waits_while_gc_holds_the_lease_then_runs_the_stage_again(
 ) -> None:
     """gc holds the identity's lease while it deletes; a run that wants to reuse that identity
     then waits for the lease instead of recording a reuse of a folder about to go, and runs it."""
-    ledger = tmp_path / "ledger.txt"
-    monkeypatch.setenv("TOY_LEDGER", str(ledger))
-    repo = make_repo(tmp_path)
-    ids = _three_runs(repo)
+    ledger, repo, ids = _three_runs_with_ledger(tmp_path, monkeypatch)
     settings = load_settings()
     upper = ids["a"]["upper"]
     gc_plan = _only(plan_gc(store, settings, keep_last=0, used_since=LATER), upper)
@@ -471,10 +473,7 @@ def test_gc_keeps_an_output_a_run_reused_after_it_planned(
 ) -> None:
     """A run reuses an output between gc's plan and its removal, and even finishes: the output is
     recent again, so gc skips it rather than delete what that run (and tomorrow's) relies on."""
-    ledger = tmp_path / "ledger.txt"
-    monkeypatch.setenv("TOY_LEDGER", str(ledger))
-    repo = make_repo(tmp_path)
-    ids = _three_runs(repo)
+    ledger, repo, ids = _three_runs_with_ledger(tmp_path, monkeypatch)
     settings = load_settings()
     gc_plan = _only(plan_gc(store, settings, keep_last=0, used_since=LATER), ids["a"]["upper"], ids["b"]["upper"])
     reused = run_pipeline(toy_pipeline(repo), toy_configs(n=5), options=_options())
