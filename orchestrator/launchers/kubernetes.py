@@ -736,10 +736,20 @@ class KubernetesLauncher(Launcher):
         import threading
 
         lines_q: queue.Queue[tuple[int, str | BaseException | None]] = queue.Queue()
+        asked = threading.Lock()
+        last: list[Any] = [0.0, False]  # when the Job's state was last read, and whether it had ended
+
+        def ended() -> bool:
+            """Whether the Job has ended, read at most every FOLLOW_RETRY_S for all the followers
+            together: N pods' followers must not each poll the API server."""
+            with asked:
+                if not last[1] and time.monotonic() - last[0] >= FOLLOW_RETRY_S:
+                    last[:] = [time.monotonic(), self.status(handle).state.terminal]
+                return bool(last[1])
 
         def pump(index: int) -> None:
             try:
-                for line in self._follow(handle, tail, index=index):
+                for line in self._follow(handle, tail, index=index, ended=ended):
                     lines_q.put((index, line))
             except BaseException as exc:  # noqa: BLE001 - re-raised by the reader below
                 lines_q.put((index, exc))
@@ -757,7 +767,13 @@ class KubernetesLauncher(Launcher):
             else:
                 yield item
 
-    def _follow(self, handle: JobHandle, tail: int | None, index: int | None = None) -> Iterator[str]:
+    def _follow(
+        self,
+        handle: JobHandle,
+        tail: int | None,
+        index: int | None = None,
+        ended: Callable[[], bool] | None = None,
+    ) -> Iterator[str]:
         """Stream with ``follow=true``; when a stream ends early (API restart, an emulator), read again.
 
         Logs only grow, so each new read skips the lines already yielded. The re-reads back off
@@ -774,7 +790,7 @@ class KubernetesLauncher(Launcher):
             seen = len(lines)
         following: Any = None  # the pod whose log is read; the Job controller may replace it (backoffLimit)
         while True:
-            done = self.status(handle).state.terminal
+            done = ended() if ended is not None else self.status(handle).state.terminal
             pods = self._pods_at(handle.job_id, index)
             if pods and following is not None and pods[-1].metadata.name != following.metadata.name:
                 old = next((p for p in pods if p.metadata.name == following.metadata.name), following)  # as it ended
