@@ -250,6 +250,23 @@ def test_kubernetes_runs_several_nodes_as_an_indexed_job_whose_pods_find_each_ot
     assert not cluster.workload_alive(attempt.job_id), "node 0's pod was stopped, not left sleeping"
 
     sleep = JobSpec(name="sleep", command=["python", "-c", "import time; time.sleep(300)"], **shape, **where)
+    # Kubernetes evicts node 1's pod (a drained node, a preempting higher-priority pod): the Job
+    # fails, node 0's pod is stopped with it, and the attempt is a preemption, not a failure.
+    handle = launcher.submit(sleep)
+    try:
+        deadline = time.monotonic() + 60
+        while launcher.status(handle).state is not JobState.RUNNING and time.monotonic() < deadline:
+            time.sleep(0.2)
+        cluster.evict(handle.job_id, index=1, grace=5.0)
+        deadline = time.monotonic() + 60
+        while not (status := launcher.status(handle)).state.terminal and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert status.state is JobState.PREEMPTED, status
+        assert (status.reason or "").startswith("pod stopped by Kubernetes: EvictionByEvictionAPI"), status.reason
+        assert not cluster.workload_alive(handle.job_id), "node 0's pod went with the evicted one"
+    finally:
+        launcher.cleanup(handle)
+
     handle = launcher.submit(sleep)
     try:
         deadline = time.monotonic() + 60
