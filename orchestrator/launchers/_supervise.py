@@ -9,8 +9,11 @@ the two writers never race on one file.
 
 The supervisor runs in its own session and the job in its own process group, so the supervisor can end the
 whole group: on SIGTERM/SIGINT/SIGHUP (cancel) or SIGALRM (time limit) it sends SIGTERM to
-the group, then SIGKILL after the grace period. When the job's main process exits, any
-processes it left behind in its group are killed too, like Slurm and Docker do. The
+the group, then SIGKILL after the grace period. A job whose first process passes a stop on to the
+others itself (the multi-task runner, ``launchers/_tasks.py``; the launcher says so with
+``$OPENLAB_STOP_FIRST_PROCESS``) gets the SIGTERM at that process only, so each task is told once,
+as srun and a container's stop tell it; the SIGKILL still goes to the whole group. When the job's
+main process exits, any processes it left behind in its group are killed too, like Slurm and Docker do. The
 supervisor exits right after writing the outcome, so its exit is the moment a waiter
 (``LocalLauncher.pause``, through a pidfd) can stop waiting.
 
@@ -72,11 +75,16 @@ def main(argv):
     cmd = argv[5:] if argv[4] == "--" else argv[4:]
 
     why = {"stop": None, "killed": False, "pid": None}
+    # the job's own first process passes a graceful stop on (read here, not passed on to the job)
+    first_only = os.environ.pop("OPENLAB_STOP_FIRST_PROCESS", "") == "1"
 
     def kill(sig):
         if why["pid"] is not None:
             try:
-                os.killpg(why["pid"], sig)
+                if first_only and sig != signal.SIGKILL:
+                    os.kill(why["pid"], sig)
+                else:
+                    os.killpg(why["pid"], sig)
             except OSError:
                 pass
 

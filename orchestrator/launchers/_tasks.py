@@ -7,10 +7,10 @@ RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR and MASTE
 it prints is prefixed with its rank (``1: ...``, like ``srun --label``); when a task fails the
 others are stopped (SIGTERM, SIGKILL after a grace period) and this exits with the code of the task
 that failed first, saying which; SIGTERM and SIGUSR1 sent to this process are passed to every task
-(a container's stop reaches only its first process). A local cancel or time limit signals the
-whole process group, so there a task gets the signal twice: a stop handler must not mind (the
-workload's ``StopSignals`` only notes it). It sits between the supervisor and the job, so it imports
-nothing beyond what ``orchestrator.launchers`` already loads.
+(a container's stop reaches only its first process, and so does a local cancel or time limit:
+the local supervisor signals this process, not its group, so each task is told once). It sits
+between the supervisor and the job, so it imports nothing beyond what ``orchestrator.launchers``
+already loads.
 
 On one machine (``--nodes`` 1) the tasks meet on 127.0.0.1 at a free port. With ``--nodes M`` this
 runs one node's share (a pod of a Kubernetes indexed Job): its node rank is ``$NODE_RANK``, else the

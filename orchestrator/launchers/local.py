@@ -276,6 +276,7 @@ class LocalLauncher(Launcher):
         command = list(spec.command)
         if spec.tasks > 1:  # one process per task, told its place, as srun does (launchers/_tasks.py)
             env["OPENLAB_TASK_ENDS"] = task_ends_prefix(log_path)
+            env["OPENLAB_STOP_FIRST_PROCESS"] = "1"  # the runner passes a stop on: each task gets it once
             command = tasks_command(sys.executable, spec.tasks, command)
         state: dict[str, Any] = {
             "job_id": job_id,

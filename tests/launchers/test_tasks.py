@@ -191,6 +191,41 @@ def test_one_machine_tasks_find_each_other_and_a_failure_names_its_task(
     assert "task 1 of 2 on " in (attempt.reason or "") and "failed first (exit 3)" in (attempt.reason or "")
 
 
+#: Each task counts the SIGTERMs it gets, says so, and ends a moment after the first (time for a second).
+COUNT_STOPS = """
+import os, signal, sys, time
+got = []
+def on_term(signum, frame):
+    got.append(signum)
+    print(f"rank {os.environ['RANK']} got SIGTERM {len(got)}", flush=True)
+signal.signal(signal.SIGTERM, on_term)
+print("ready", flush=True)
+start = time.time()
+while not got and time.time() - start < 60:
+    time.sleep(0.05)
+time.sleep(1.5)
+sys.exit(143)
+"""
+
+
+def test_a_local_multi_task_job_that_is_cancelled_tells_each_task_once(store: LineageStore) -> None:
+    """A cancel (or a time limit) of a local job of several tasks reaches each task once, as srun
+    and a container's stop deliver it: the supervisor signals the task runner, which passes it on.
+    A task told twice could have its checkpoint save cut short by the second."""
+    launcher = get_launcher("local")
+    handle = launcher.submit(JobSpec(name="stops", command=[sys.executable, "-c", COUNT_STOPS], tasks_per_node=2))
+    try:
+        deadline = time.monotonic() + 60
+        while sum("ready" in line for line in launcher.logs(handle)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        launcher.cancel(handle)
+    finally:
+        launcher.cleanup(handle)
+    told = sorted(line for line in launcher.logs(handle) if "got SIGTERM" in line)
+    assert told == ["0: rank 0 got SIGTERM 1", "1: rank 1 got SIGTERM 1"], list(launcher.logs(handle))
+    assert launcher.status(handle).state is JobState.CANCELLED
+
+
 @pytest.mark.docker
 def test_kubernetes_runs_several_nodes_as_an_indexed_job_whose_pods_find_each_other(
     store: LineageStore, request: pytest.FixtureRequest
