@@ -353,8 +353,9 @@ def usage_cmd(
 
     `openlab lineage usage --replica small --since 30d --by stage` answers "what did the nightlies
     cost this month, and where"; lost hours are those of attempts that failed, were preempted or
-    were cancelled. CPU- and GPU-hours are hours times what each job asked for (a job that asked
-    for no CPU count counts as one). The filters are those of `lineage list`.
+    were cancelled. CPU- and GPU-hours are hours times what each job asked for: CPUs per task times
+    tasks, GPUs per node times nodes (a job that asked for no CPU count counts one per task). The
+    filters are those of `lineage list`.
     """
     from orchestrator.lineage.usage import usage
 
