@@ -52,10 +52,14 @@ def test_a_requeued_job_is_followed_through_its_restart(slurm_harness: Harness, 
     def requeue() -> None:
         job_id = next(iter(_queue_named("requeue-me")))
         subprocess.run(["scontrol", "requeue", job_id], check=True)
-        # Slurm holds a requeued job back (BeginTime, 2 min) once it is pending again; skip the wait
+        # Slurm holds a requeued job back (BeginTime, 2 min) once it is pending again; skip the wait,
+        # but not within the second of the requeue: slurmd revokes the job's credential at the requeue,
+        # in whole seconds, and refuses a restart whose credential is from that same second ("Job
+        # credential revoked", exit 1: seen once in CI when the restart came 0.4 s after the requeue)
         deadline = time.monotonic() + 30
         while _queue(job_id) != [f"{job_id} PENDING"] and time.monotonic() < deadline:
             time.sleep(0.2)
+        time.sleep(1.5)
         subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=True)
 
     script = 'echo "run ${SLURM_RESTART_COUNT:-0}"; [ "${SLURM_RESTART_COUNT:-0}" = 1 ] || sleep 60; echo end'
