@@ -484,6 +484,15 @@ def task_ends(ends_prefix: str | None) -> list[TaskEnd]:
     return sorted(ends, key=lambda e: (e.when, e.rank))
 
 
+def with_notes(reason: str | None, *notes: str | None) -> str | None:
+    """A job's reason with what the backend adds to it (which task failed first, a requeue, pod
+    retries), each after "; "; notes that are None or empty are left out."""
+    for note in notes:
+        if note:
+            reason = f"{reason}; {note}" if reason else note
+    return reason
+
+
 def first_failed_task(ends_prefix: str | None) -> str | None:
     """Which task of a multi-task job failed first, and where, from the ends its tasks wrote;
     None for a job of one task, or when none failed."""
@@ -542,6 +551,7 @@ __all__ = [
     "configured_backends",
     "get_launcher",
     "first_failed_task",
+    "with_notes",
     "task_ends_prefix",
     "launcher_class",
     "parse_duration",

@@ -53,6 +53,7 @@ from orchestrator.launchers.base import (
     LauncherError,
     first_failed_task,
     parse_memory,
+    with_notes,
 )
 
 DEFAULT_IMAGE = "openlab/job:latest"
@@ -321,9 +322,8 @@ class DockerLauncher(Launcher):
             job_state, reason = JobState.FAILED, f"exit code {code}"
         if status_text == "dead" and job_state is JobState.SUCCEEDED:
             job_state, reason = JobState.LOST, "container is dead"
-        first = first_failed_task(labels.get(TASK_ENDS_LABEL)) if code else None
-        if first:
-            reason = f"{reason}; {first}" if reason else first
+        if code:
+            reason = with_notes(reason, first_failed_task(labels.get(TASK_ENDS_LABEL)))
         return JobStatus(job_state, code, reason, host, started, ended, digest)
 
     def _cancel_marker(self, job_id: str) -> Path:

@@ -67,6 +67,7 @@ from orchestrator.launchers.base import (
     LauncherError,
     first_failed_task,
     task_ends,
+    with_notes,
 )
 
 DEFAULT_VERSION = "1.33"
@@ -673,8 +674,7 @@ class KubernetesLauncher(Launcher):
         if state.terminal and replaced:  # the Job controller replaced failed pods (backoffLimit)
             before = ", ".join(_pod_end(p) for p in replaced)
             notes.append(f"Kubernetes ran {len(pods)} pods (backoffLimit); before the last: {before}")
-        for note in filter(None, notes):
-            reason = f"{reason}; {note}" if reason else note
+        reason = with_notes(reason, *notes)
         return JobStatus(state, exit_code, reason, host, started, ended, digest)
 
     def _read_log(

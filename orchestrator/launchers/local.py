@@ -44,6 +44,7 @@ from orchestrator.launchers.base import (
     LauncherError,
     first_failed_task,
     task_ends_prefix,
+    with_notes,
 )
 
 SUPERVISOR = Path(__file__).with_name("_supervise.py")
@@ -383,8 +384,7 @@ class LocalLauncher(Launcher):
         reason = state.get("reason")
         if job_state.terminal and state.get("exit_code"):
             log_path = handle.log_path or state.get("log_path")
-            first = first_failed_task(task_ends_prefix(log_path) if log_path else None)
-            reason = f"{reason}; {first}" if reason and first else first or reason
+            reason = with_notes(reason, first_failed_task(task_ends_prefix(log_path) if log_path else None))
         return JobStatus(
             state=job_state,
             exit_code=state.get("exit_code"),

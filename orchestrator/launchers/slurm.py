@@ -54,6 +54,7 @@ from orchestrator.launchers.base import (
     first_failed_task,
     stopped_from_outside,
     task_ends_prefix,
+    with_notes,
 )
 
 TRANSIENT = (
@@ -480,8 +481,7 @@ class SlurmLauncher(Launcher):
         chosen.ended_at = max(ends) if ends and chosen.state.terminal else None
         if chosen.state.terminal and chosen.exit_code:
             first = first_failed_task(task_ends_prefix(handle.log_path) if handle.log_path else None)
-            if first:
-                chosen.reason = f"{chosen.reason}; {first}" if chosen.reason else first
+            chosen.reason = with_notes(chosen.reason, first)
         return chosen
 
     def _tasks(self, job_id: str, rows: list[dict[str, str]]) -> dict[str, JobStatus] | None:
@@ -521,7 +521,7 @@ class SlurmLauncher(Launcher):
         restarts = int(row.get("Restarts") or 0) if str(row.get("Restarts") or "0").isdigit() else 0
         if restarts and state.terminal:  # Slurm requeued it (PreemptMode=REQUEUE, a node failure, scontrol)
             note = f"requeued {restarts} time{'s' if restarts != 1 else ''} by Slurm and restarted from its script"
-            reason = f"{reason}; {note}" if reason else note
+            reason = with_notes(reason, note)
         node = row.get("NodeList") or row.get("BatchHost")
         return JobStatus(
             state=state,
