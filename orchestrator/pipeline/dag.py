@@ -61,7 +61,8 @@ class StageSpec:
     memory: str | None = None
     gpus: int = 0
     time_limit: int | None = None
-    #: Several processes of one job (a training stage trains data-parallel over them; Slurm only).
+    #: Several processes of one job (a training stage trains data-parallel over them; several nodes on
+    #: Slurm and Kubernetes, one machine on local and Docker).
     nodes: int = 1
     tasks_per_node: int = 1
     #: Backend-specific job options by backend name (``{"slurm": {"partition": "gpu"}}``), passed
