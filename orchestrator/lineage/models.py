@@ -118,6 +118,10 @@ class DataSnapshot(LineageRecord, table=True):
     bytes: int = Field(sa_column=Column(BigInteger, nullable=False))
     manifest_path: str
     created_at: dt.datetime = Field(default_factory=utcnow)
+    #: When the folder it was taken of was deleted or rewritten by openlab (a forced re-run of the
+    #: stage that made it), and why. The id still names the content; ``lineage verify`` skips it.
+    removed_at: dt.datetime | None = None
+    removed_reason: str | None = None
 
 
 class Artifact(LineageRecord, table=True):
@@ -133,8 +137,9 @@ class Artifact(LineageRecord, table=True):
     content_hash: str = Field(index=True)
     size: int = Field(default=0, sa_column=Column(BigInteger, nullable=False))
     created_at: dt.datetime = Field(default_factory=utcnow)
-    #: When ``openlab gc`` deleted its files, and why (the record stays: lineage is forever,
-    #: the bytes need not be). A removed artifact is not re-hashed by ``lineage verify``.
+    #: When ``openlab gc`` deleted its files or a re-run of its stage replaced them, and why (the
+    #: record stays: lineage is forever, the bytes need not be). A removed artifact is not
+    #: re-hashed by ``lineage verify``.
     removed_at: dt.datetime | None = None
     removed_reason: str | None = None
 

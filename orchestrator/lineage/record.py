@@ -8,10 +8,13 @@ content-addressed records, so every caller records the same thing the same way.
 from __future__ import annotations
 
 import datetime as dt
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.lineage.models import Commit, DataSnapshot, Environment
-from orchestrator.lineage.store import Transaction
+from sqlmodel import col, or_
+
+from orchestrator.lineage.models import Artifact, Commit, DataSnapshot, Environment
+from orchestrator.lineage.store import LineageStore, Transaction
 
 if TYPE_CHECKING:
     from orchestrator.provenance import EnvironmentInfo, GitInfo
@@ -25,8 +28,12 @@ def commit_id(sha: str | None, patch_hash: str | None) -> str:
 
 
 def record_snapshot(tx: Transaction, snap: Snapshot) -> DataSnapshot:
-    """Record a data snapshot (idempotent: the id is the content)."""
-    return tx.ensure(
+    """Record a data snapshot (idempotent: the id is the content).
+
+    A snapshot whose bytes were marked removed (a forced re-run replaced its folder) and that
+    is captured again, the same content back on disk, is live again at the path it is now at.
+    """
+    stored = tx.ensure(
         DataSnapshot(
             id=snap.id,
             path=str(snap.path),
@@ -35,6 +42,43 @@ def record_snapshot(tx: Transaction, snap: Snapshot) -> DataSnapshot:
             manifest_path=str(snap.manifest_path),
         )
     )
+    if stored.removed_at is not None:
+        stored = tx.update(
+            stored, removed_at=None, removed_reason=None, path=str(snap.path), manifest_path=str(snap.manifest_path)
+        )
+    return stored
+
+
+def live_records_at(store: LineageStore, folder: Path) -> list[Artifact | DataSnapshot]:
+    """The artifacts and data snapshots that claim the bytes in ``folder`` (or under it) now.
+
+    Whoever deletes or rewrites the folder marks these removed (:func:`mark_removed`), so no
+    record goes on claiming a content hash the disk no longer holds and ``lineage verify``
+    stays a check of what openlab itself did not do.
+    """
+    base = str(folder)
+    uris = [base, f"file://{base}"]
+    artifacts = store.list(
+        Artifact,
+        where=[
+            col(Artifact.removed_at).is_(None),
+            or_(col(Artifact.uri).in_(uris), *(col(Artifact.uri).startswith(u + "/") for u in uris)),
+        ],
+    )
+    snapshots = store.list(
+        DataSnapshot,
+        where=[
+            col(DataSnapshot.removed_at).is_(None),
+            or_(col(DataSnapshot.path) == base, col(DataSnapshot.path).startswith(base + "/")),
+        ],
+    )
+    return [*artifacts, *snapshots]
+
+
+def mark_removed(tx: Transaction, records: list[Artifact | DataSnapshot], at: dt.datetime, reason: str) -> None:
+    """Record that these records' bytes are gone, when and why (the records themselves stay)."""
+    for record in records:
+        tx.update(record, removed_at=at, removed_reason=reason)
 
 
 def record_git(tx: Transaction, git: GitInfo) -> Commit:

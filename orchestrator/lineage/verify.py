@@ -100,6 +100,8 @@ def _check_data(store: LineageStore, settings: Settings, progress: Progress | No
 
     problems: list[Problem] = []
     for snap in store.list(DataSnapshot):
+        if snap.removed_at is not None:
+            continue  # its folder was replaced by a forced re-run (the record says when and why)
         if progress:
             progress(f"snapshot {snap.id[:16]}")
         manifest = Path(snap.manifest_path)
@@ -122,7 +124,7 @@ def _check_data(store: LineageStore, settings: Settings, progress: Progress | No
     for art in store.list(Artifact):
         path = Path(art.uri.removeprefix("file://"))
         if art.removed_at is not None or not path.exists():
-            continue  # removed by `openlab gc` (a re-run may have written new bytes there) or not here
+            continue  # removed by `openlab gc` or replaced by a re-run (new bytes may be there), or not here
         if progress:
             progress(f"artifact {art.name}")
         try:

@@ -57,6 +57,7 @@ from orchestrator.lineage.models import (
     new_id,
     utcnow,
 )
+from orchestrator.lineage.record import live_records_at, mark_removed
 from orchestrator.lineage.store import LineageStore
 from orchestrator.pipeline.dag import Pipeline, StageSpec, default_python, moe_pipeline
 from orchestrator.recipes import ResolvedRecipe, identity_config
@@ -699,7 +700,7 @@ def find_reusable(
         problem = verify_outputs(run.outputs, settings, deep=deep)
         if problem is None:
             return run, f"identity {identity[:16]} already completed by {run.id}; outputs verified"
-        problems.append(f"{run.id}: {_removed_by_gc(store, run) or problem}")
+        problems.append(f"{run.id}: {_removed(store, run) or problem}")
     return None, NO_LONGER_VERIFY + "; ".join(problems)
 
 
@@ -716,17 +717,22 @@ def still_reusable(store: LineageStore, identity: str, original: StageRun) -> bo
         order_by=col(StageRun.ended_at).desc(),
         limit=1,
     )
-    if not latest or latest[0].id != original.id or _removed_by_gc(store, original) is not None:
+    if not latest or latest[0].id != original.id or _removed(store, original) is not None:
         return False
     return all(Path(out.get("path", "")).exists() for out in original.outputs.values() if isinstance(out, dict))
 
 
-def _removed_by_gc(store: LineageStore, run: StageRun) -> str | None:
-    """Why ``run``'s outputs are gone when ``openlab gc`` removed them (``outputs removed by openlab gc on ...``)."""
+def _removed(store: LineageStore, run: StageRun) -> str | None:
+    """Why ``run``'s outputs are gone when openlab removed them: ``outputs removed by openlab gc on ...``,
+    or ``outputs replaced on ... by a forced re-run ...``."""
     for out in run.outputs.values():
         art = store.get(Artifact, out.get("artifact_id") or "") if isinstance(out, dict) else None
         if art is not None and art.removed_at is not None:
-            return f"outputs removed by openlab gc on {art.removed_at:%Y-%m-%d %H:%M} UTC"
+            when = f"{art.removed_at:%Y-%m-%d %H:%M} UTC"
+            reason = art.removed_reason or ""
+            if reason.startswith("replaced by "):
+                return f"outputs replaced on {when} by {reason.removeprefix('replaced by ')}"
+            return f"outputs removed by openlab gc on {when}"
     return None
 
 
@@ -1055,7 +1061,15 @@ def _run_stage(
     if forced:
         why = f"forced; {why}"
     existing = ctx.store.get(StageRun, stage_run_id)
+    # What earlier completed runs recorded in this folder is about to be deleted (forced) or
+    # written over (its bytes no longer verified): say so on their records, in the transaction
+    # that starts this run. A retry's folder is its own stage run's leftovers, nothing recorded.
+    replaced = live_records_at(ctx.store, out_dir) if existing is None else []
     with ctx.store.transaction() as tx:
+        if replaced:
+            how = "forced re-run" if forced else "re-run, the recorded outputs no longer verifying,"
+            replaced_why = f"replaced by a {how} of the same identity: stage run {stage_run_id} of {ctx.id}"
+            mark_removed(tx, replaced, utcnow(), replaced_why)
         if existing is not None:  # a retry within the same pipeline run: same stage run, new attempt
             run = tx.update(
                 existing, state="RUNNING", error=None, ended_at=None, identity=digest, identity_fields=identity.fields()

@@ -48,12 +48,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sqlmodel import col, or_
+from sqlmodel import col
 
 from orchestrator.errors import ConfigError
 from orchestrator.lineage import leases
 from orchestrator.lineage.listing import parse_when
 from orchestrator.lineage.models import Artifact, DataSnapshot, PipelineRun, StageRun, WandbRun, new_id, utcnow
+from orchestrator.lineage.record import live_records_at, mark_removed
 from orchestrator.lineage.store import LineageStore, Transaction
 from orchestrator.pipeline.execute import output_dir
 from orchestrator.settings import Settings
@@ -250,7 +251,7 @@ def plan_gc(
     for sr in store.list(StageRun):
         by_identity[(sr.stage, sr.identity)].append(sr)
     removed = {a.id for a in store.list(Artifact, where=[col(Artifact.removed_at).is_not(None)])}
-    snapshot_paths = [Path(s.path) for s in store.list(DataSnapshot)]
+    snapshot_paths = [Path(s.path) for s in store.list(DataSnapshot) if s.removed_at is None]
     unsynced = [Path(w.local_dir) for w in store.list(WandbRun) if w.local_dir and not w.url and keep_unsynced_wandb]
     root = settings.artifacts_dir.resolve()
 
@@ -339,21 +340,6 @@ def _keep_reason(
     return None
 
 
-def _artifacts_under(store: LineageStore, folder: Path) -> list[Artifact]:
-    base = str(folder)
-    uris = [base, f"file://{base}"]
-    return store.list(
-        Artifact,
-        where=[
-            col(Artifact.removed_at).is_(None),
-            or_(
-                col(Artifact.uri).in_(uris),
-                *(col(Artifact.uri).startswith(u + "/") for u in uris),
-            ),
-        ],
-    )
-
-
 def collect(
     store: LineageStore,
     settings: Settings,
@@ -399,9 +385,8 @@ def _remove_one(store: LineageStore, settings: Settings, out: Output, who: str, 
         try:
             with store.transaction() as tx:
                 now = utcnow()
-                marked = _artifacts_under(store, out.folder)
-                for art in marked:
-                    tx.update(art, removed_at=now, removed_reason=reason)
+                marked = live_records_at(store, out.folder)
+                mark_removed(tx, marked, now, reason)
                 if not out.completed and not marked:
                     _record_partial(tx, out, again, now, reason)
         except BaseException:

@@ -485,3 +485,90 @@ def test_gc_keeps_an_output_a_run_reused_after_it_planned(
     before = len(_executions(ledger))
     assert run_pipeline(toy_pipeline(repo), toy_configs(n=5), options=_options()).state == "COMPLETED"
     assert _executions(ledger)[before:] == [], "everything reused"
+
+
+def test_a_forced_rerun_marks_what_it_replaced_and_verify_stays_clean(
+    store: LineageStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--force` deletes a completed identity's folder and writes it again (other bytes: the toy's
+    metrics carry the wall clock). The first run's artifact and data snapshot must say their bytes
+    were replaced and by which stage run, so `lineage verify` does not report them as corrupted."""
+    from orchestrator.lineage import DataSnapshot
+
+    repo = make_repo(tmp_path)
+    settings = load_settings()
+    first = run_pipeline(toy_pipeline(repo), toy_configs(), options=_options())
+    assert first.state == "COMPLETED", first.error
+    forced = run_pipeline(
+        toy_pipeline(repo), toy_configs(), options=RunOptions(wait_poll=0.05, lease_ttl=10, force=frozenset({"gen"}))
+    )
+    assert forced.results["gen"].state == "COMPLETED", forced.error
+    old, new = (store.require(StageRun, r.results["gen"].stage_run_id).outputs["out"] for r in (first, forced))
+    assert old["content_hash"] != new["content_hash"], "the re-run wrote other bytes"
+
+    replaced = store.require(Artifact, old["artifact_id"])
+    assert replaced.removed_at is not None
+    assert replaced.removed_reason == (
+        f"replaced by a forced re-run of the same identity: stage run {forced.results['gen'].stage_run_id} "
+        f"of {forced.pipeline_run.id}"
+    )
+    old_snap, new_snap = (store.require(DataSnapshot, o["snapshot_id"]) for o in (old, new))
+    assert old_snap.removed_at is not None and old_snap.removed_reason == replaced.removed_reason
+    assert new_snap.removed_at is None and store.require(Artifact, new["artifact_id"]).removed_at is None
+    assert verify(store, settings) == []
+    # the folder is a live data snapshot again (the new one): gc still keeps it
+    gen = [o for o in plan_gc(store, settings, keep_last=0, used_since=LATER).outputs if o.stage == "gen"]
+    assert [o.keep for o in gen] == [DATA_SNAPSHOT]
+
+
+def test_a_failed_forced_rerun_leaves_a_failed_identity(
+    store: LineageStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forced re-run that crashes leaves a partial checkpoint where the completed outputs were.
+    The completed run no longer stands behind the folder: the next run says why it runs the stage
+    again, plain gc leaves the checkpoint (a retry resumes from it) and verify stays clean."""
+    pipeline = _train_pipeline(make_repo(tmp_path))
+    settings = load_settings()
+    done = _train(pipeline, monkeypatch, crash=False)
+    identity = str(done["identity"])
+    with monkeypatch.context() as env:
+        env.setenv("TOY_CRASH", "1")
+        forced = run_pipeline(
+            pipeline, {"train": {"steps": 1}}, options=RunOptions(wait_poll=0.05, lease_ttl=10, force=True)
+        )
+    assert forced.state == "FAILED" and forced.results["train"].identity == identity
+    assert verify(store, settings) == []
+
+    (step,) = plan(pipeline, {"train": {"steps": 1}})
+    assert step.action == "run"
+    assert "outputs replaced on " in step.reason and "by a forced re-run of the same identity" in step.reason, step
+    assert plan_gc(store, settings, keep_last=0, used_since=LATER).outputs == [], "not a completed output any more"
+    (partial,) = plan_gc(store, settings, keep_last=0, used_since=LATER, include_failed=True).outputs
+    assert not partial.completed and partial.keep == RECENT_ATTEMPT, partial
+
+    again = _train(pipeline, monkeypatch, crash=False)
+    assert again["state"] == "COMPLETED" and again["metrics"] == {"resumed_from": 1}, "resumed the forced run's step"
+    assert verify(store, settings) == []
+
+
+def test_a_replaced_snapshot_captured_again_is_live_again(store: LineageStore, tmp_path: Path) -> None:
+    """A deterministic data stage forced again writes the same bytes: the snapshot its first run
+    recorded (marked removed when the folder was deleted) is the same content, there again."""
+    from orchestrator.lineage.record import live_records_at, mark_removed, record_snapshot
+    from orchestrator.snapshots import snapshot
+
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "a.txt").write_text("same bytes\n")
+    settings = load_settings()
+    with store.transaction() as tx:
+        first = record_snapshot(tx, snapshot(folder, settings=settings))
+    assert [r.id for r in live_records_at(store, folder)] == [first.id]
+    with store.transaction() as tx:
+        mark_removed(tx, live_records_at(store, folder), utcnow(), "replaced by a test")
+    assert live_records_at(store, folder) == []
+    with store.transaction() as tx:
+        again = record_snapshot(tx, snapshot(folder, settings=settings))
+    assert again.id == first.id and again.removed_at is None and again.removed_reason is None
+    assert [e.action for e in store.events(first.id)] == ["create", "update", "update"]
+    assert verify(store, settings) == []
