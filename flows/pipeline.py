@@ -307,6 +307,35 @@ def run_replica(
         return summary
 
 
+def stage_tags(ctx: PipelineContext, stage: str) -> set[str]:
+    """The Prefect tags of ``stage``'s task run: what to filter by in the UI, and what Prefect's
+    tag concurrency limits count (``prefect concurrency-limit create backend:slurm 4``: at most
+    four openlab jobs on Slurm at once from this server; ``gpu 1``: one GPU job at a time).
+
+    ``openlab``, ``stage:<name>``, ``recipe:<name>`` (``pipeline:<name>`` without one) and
+    ``replica:<name>`` always; the resource tags ``backend:<name>`` and ``gpu`` (when the stage
+    asks for GPUs) only on a stage that will launch a job: a stage about to be reused takes no
+    slot, so a limit on long GPU jobs never holds up a run that only reuses their outputs.
+    """
+    from orchestrator.pipeline.execute import would_reuse
+
+    spec = ctx.pipeline.stage(stage)
+    run = ctx.pipeline_run
+    tags = {"openlab", f"stage:{stage}", f"recipe:{run.recipe}" if run.recipe else f"pipeline:{ctx.pipeline.name}"}
+    if run.replica:
+        tags.add(f"replica:{run.replica}")
+    try:
+        reused = would_reuse(ctx, stage)
+    except Exception as exc:  # noqa: BLE001 - a forecast; the stage itself reports what is wrong
+        get_run_logger().debug("could not forecast whether %s is reused: %s", stage, exc)
+        reused = False
+    if not reused:
+        tags.add(f"backend:{ctx.backend_of(spec)}")
+        if spec.gpus:
+            tags.add("gpu")
+    return tags
+
+
 def run_stages_as_tasks(ctx: PipelineContext, *, retries: int = 1, watcher: CancelWatcher | None = None) -> None:
     """Run every stage of a started pipeline as a Prefect task (in order), then close the pipeline run.
 
@@ -330,7 +359,7 @@ def run_stages_as_tasks(ctx: PipelineContext, *, retries: int = 1, watcher: Canc
     try:
         with library_logs_to_run():
             for stage in ctx.pipeline.order:
-                run_stage.with_options(name=stage, retries=retries)(ctx.id, stage)
+                run_stage.with_options(name=stage, retries=retries, tags=stage_tags(ctx, stage))(ctx.id, stage)
     except StageCancelled as exc:
         state, error = "CANCELLED", str(exc)
         raise

@@ -704,6 +704,21 @@ def find_reusable(
     return None, NO_LONGER_VERIFY + "; ".join(problems)
 
 
+def would_reuse(ctx: PipelineContext, stage: str) -> bool:
+    """Whether :func:`execute_stage` would reuse ``stage`` were it called now.
+
+    A look without the identity's lease, for callers that prepare differently for a stage that
+    will launch a job (the flows give only such a stage the tags Prefect's concurrency limits
+    count): :func:`execute_stage` decides again under the lease, so it is a forecast, right
+    unless a concurrent run or gc changes the identity's record in between.
+    """
+    spec = ctx.pipeline.stage(stage)
+    if ctx.options.forced(spec.name):
+        return False
+    identity = stage_identity(ctx, spec, _upstream(ctx, spec, None))
+    return find_reusable(ctx.store, identity.digest, ctx.settings)[0] is not None
+
+
 def still_reusable(store: LineageStore, identity: str, original: StageRun) -> bool:
     """Whether outputs :func:`find_reusable` verified a moment ago are still the ones to reuse.
 
