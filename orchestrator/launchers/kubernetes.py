@@ -521,7 +521,7 @@ class KubernetesLauncher(Launcher):
         """Make the Job the Service's owner, so Kubernetes deletes the Service with the Job (its
         TTL, or a user's ``kubectl delete``) even if openlab never gets to."""
         uid = getattr(getattr(job, "metadata", None), "uid", None)
-        if not uid:  # an API server always assigns one; without it (an emulator) cleanup is openlab's alone
+        if not uid:  # an API server always assigns one; without it, deleting the Service is openlab's alone
             return
         owner = {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": uid, "blockOwnerDeletion": False}
         self._call(

@@ -14,7 +14,9 @@ controller makes them: the ``batch.kubernetes.io/job-completion-index`` label an
 ``JOB_COMPLETION_INDEX`` env var, hostname ``<job>-<index>``. It completes when every index has
 succeeded; the first failure beyond ``backoffLimit`` fails it and the others are stopped (SIGTERM,
 SIGKILL after a grace period), and its Failed condition is written once all have ended. Services
-are stored (kmock serves them); a pod whose ``subdomain`` names a Service of its namespace gets the
+are stored (kmock serves them), and deleting a Job deletes the Services whose ``ownerReferences``
+name its uid, as the garbage collector does (every created object gets a ``uid`` and a
+``creationTimestamp``, as from an API server); a pod whose ``subdomain`` names a Service of its namespace gets the
 DNS names cluster DNS would give it (``<hostname>.<subdomain>[.<ns>.svc[.cluster.local]]``): its
 container joins this cluster's own Docker network with those names as aliases.
 
@@ -312,6 +314,18 @@ def _failed(reason: str, now: str) -> dict[str, str]:
     }
 
 
+class _ApiServer(kmock.KubernetesEmulator):
+    """kmock's emulator, plus what every API server writes into an object it creates: a
+    ``metadata.uid`` (what ``ownerReferences`` name) and a ``creationTimestamp``."""
+
+    async def _handle(self, request: Any) -> Any:
+        if request.action == kmock.action.CREATE and isinstance(request.data, dict):
+            meta = request.data.setdefault("metadata", {})
+            meta["uid"] = str(uuid.uuid4())
+            meta.setdefault("creationTimestamp", dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+        return await super()._handle(request)
+
+
 class EmulatedCluster:
     """Start with :meth:`start`, stop with :meth:`stop`; :attr:`url` is the API server.
 
@@ -344,6 +358,7 @@ class EmulatedCluster:
         self._runs: dict[tuple[str, str], list[_Run]] = {}
         self._ended: dict[tuple[str, str], list[_Run]] = {}
         self._settled: set[tuple[str, str]] = set()  # indexed Jobs whose final condition is written
+        self._uids: dict[tuple[str, str], str | None] = {}  # each live Job's uid, for the garbage collector
         self._network: str | None = None  # this cluster's Docker network, made for the first pod DNS asks for
         self._logdir = Path(tempfile.mkdtemp(prefix="k8s-emulator-"))
         self.errors: list[BaseException] = []
@@ -374,7 +389,7 @@ class EmulatedCluster:
 
     def _serve(self) -> None:
         async def main() -> None:
-            async with kmock.KubernetesEmulator() as km, apps.Server(km, host="127.0.0.1") as server:
+            async with _ApiServer() as km, apps.Server(km, host="127.0.0.1") as server:
                 km.resources["v1/pods"] = {}
                 km.resources["batch/v1/jobs"] = {}
                 km.resources["v1/services"] = {}
@@ -469,11 +484,36 @@ class EmulatedCluster:
             for run in runs:
                 run.workload.kill()
                 self.on_loop(lambda k=key, r=run: self.km.objects.__delitem__((PODS, k[0], r.pod)))
+            self._collect_dependents(key[0], self._uids.pop(key, None))
+
+    def _collect_dependents(self, ns: str, owner_uid: str | None) -> None:
+        """The garbage collector's part: delete what names a deleted owner in ``ownerReferences``."""
+        if not owner_uid:
+            return
+
+        def collect() -> None:
+            for key, obj in list(self.km.objects.items()):
+                if key[0] != SERVICES or key[1] != ns or obj.deleted:
+                    continue
+                owners = (obj.last.raw.get("metadata") or {}).get("ownerReferences") or []
+                if any(o.get("uid") == owner_uid for o in owners):
+                    del self.km.objects[key]
+
+        self.on_loop(collect)
 
     def services(self) -> list[tuple[str, str]]:
         return self.on_loop(
             lambda: [(k[1], k[2]) for k, obj in list(self.km.objects.items()) if k[0] == SERVICES and not obj.deleted]
         )
+
+    def service(self, ns: str, name: str) -> dict[str, Any] | None:
+        """A stored Service as the API serves it (None when there is none)."""
+
+        def read() -> dict[str, Any] | None:
+            obj = self.km.objects[(SERVICES, ns, name)] if (SERVICES, ns, name) in self.km.objects else None
+            return None if obj is None or obj.deleted else copy.deepcopy(dict(obj.last.raw))
+
+        return self.on_loop(read)
 
     def _dns(self, ns: str, pod_spec: dict[str, Any]) -> tuple[str | None, list[str]]:
         """The Docker network and names a pod gets from cluster DNS: a hostname in the ``subdomain``
@@ -489,6 +529,7 @@ class EmulatedCluster:
 
     def _start_job(self, key: tuple[str, str], job: dict[str, Any]) -> None:
         """The Job controller's first pods: one, or one per index of an indexed Job."""
+        self._uids[key] = (job.get("metadata") or {}).get("uid")
         if job["spec"].get("completionMode") == "Indexed":
             count = int(job["spec"].get("completions") or 1)
             self._runs[key] = [self._start_pod(key, job, index=i) for i in range(count)]

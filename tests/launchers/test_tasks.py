@@ -314,6 +314,24 @@ def test_kubernetes_runs_several_nodes_as_an_indexed_job_whose_pods_find_each_ot
     assert not cluster.workload_alive(handle.job_id), "cancel stops every node's pod"
     assert tuple(handle.job_id.split("/")) not in cluster.services(), "and deletes the Service"
 
+    # The Service is owned by the Job, so Kubernetes deletes it with the Job even when openlab does
+    # not (a TTL, `kubectl delete job`): the garbage collector follows ownerReferences by uid.
+    handle = launcher.submit(sleep)
+    namespace, name = handle.job_id.split("/", 1)
+    try:
+        uid = cluster.jobs()[(namespace, name)]["metadata"]["uid"]
+        service = cluster.service(namespace, name)
+        assert service is not None and service["metadata"]["ownerReferences"] == [
+            {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": uid, "blockOwnerDeletion": False}
+        ], service
+        launcher.batch.delete_namespaced_job(name, namespace, propagation_policy="Background")
+        deadline = time.monotonic() + 30
+        while cluster.service(namespace, name) is not None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert cluster.service(namespace, name) is None, "the Service went with its owner"
+    finally:
+        launcher.cancel(handle)
+
 
 @pytest.mark.parametrize(
     ("backend", "ask", "message"),
