@@ -361,5 +361,33 @@ class GithubUpdate(SQLModel, table=True):
     updated_at: dt.datetime = Field(default_factory=utcnow)
 
 
+class GithubDigest(LineageRecord, table=True):
+    """The one daily-digest comment on an experiment issue for one UTC day (migration 0008).
+
+    ``openlab github digest`` summarises the runs of an issue over a window (the last 24 h by
+    default) in a comment dated by the window's end. Its id is derived from (issue, day), so
+    digesting again the same day edits that comment; the window is kept so that a digest queued
+    while GitHub was out of reach is sent later for the window it was made for. As with
+    :class:`GithubComment`, the body carries a hidden marker that repairs a crash between creating
+    the comment and recording ``comment_id``.
+    """
+
+    kind: ClassVar[str] = "github_digest"
+    id_prefix: ClassVar[str] = "ghd"
+
+    id: str = Field(primary_key=True)  # "ghd_" + hash(issue id, day)
+    issue_id: str = Field(index=True)
+    day: str = Field(index=True)  # "2026-12-05": the UTC date of window_end
+    window_start: dt.datetime
+    window_end: dt.datetime
+    pipeline_run_ids: list[str] = Field(default_factory=list, sa_column=Column(JSON))
+    comment_id: int | None = Field(default=None, sa_column=Column(BigInteger, nullable=True))
+    url: str | None = None
+    body_hash: str | None = None
+    updated_at: dt.datetime = Field(default_factory=utcnow)
+
+
 RECORD_TYPES[GithubComment.kind] = GithubComment
 PREFIXES[GithubComment.id_prefix] = GithubComment
+RECORD_TYPES[GithubDigest.kind] = GithubDigest
+PREFIXES[GithubDigest.id_prefix] = GithubDigest
