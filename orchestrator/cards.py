@@ -185,7 +185,8 @@ def key_metrics(stage: StageView, limit: int = MAX_METRICS) -> dict[str, Any]:
     return dict(sorted(scalars.items())[:limit])
 
 
-def _commit_text(commit: Commit, github_hosts: Iterable[str]) -> str:
+def commit_text(commit: Commit, github_hosts: Iterable[str] = DEFAULT_GITHUB_HOSTS) -> str:
+    """A commit's short sha, linked to its web page when its remote is on GitHub, and whether it was dirty."""
     short = (commit.sha or commit.id)[:8]
     link = commit_url(commit.remote_url, commit.sha, github_hosts)
     text = f"[`{short}`]({link})" if link else f"`{short}`"
@@ -195,11 +196,17 @@ def _commit_text(commit: Commit, github_hosts: Iterable[str]) -> str:
     return text
 
 
-def _wandb_text(run: WandbRun) -> str:
+def wandb_text(run: WandbRun) -> str:
+    """A W&B run as a link when it has a URL, else its id and where its offline files are."""
     if run.url:
         return f"[{run.run_id}]({run.url})"
     where = f" `{run.local_dir}`" if run.local_dir else ""
     return f"`{run.run_id}` ({run.mode}{where})"
+
+
+def state_icon(state: str | None) -> str:
+    """The emoji a card shows beside a run or stage state (empty for a state it does not know)."""
+    return _STATE_ICONS.get((state or "").upper(), "")
 
 
 def _job_text(attempts: list[Attempt]) -> str:
@@ -244,9 +251,9 @@ def _stage_row(view: StageView, github_hosts: Iterable[str]) -> str:
     s = view.stage
     icon = _STATE_ICONS.get(s.state, "")
     ran = f"reused from `{s.reused_from[:12]}`" if s.reused_from else ("reused" if s.state == "REUSED" else "run")
-    commits = ", ".join(_commit_text(c, github_hosts) for c in view.commits) or "—"
+    commits = ", ".join(commit_text(c, github_hosts) for c in view.commits) or "—"
     snaps = ", ".join(f"`{d.id[:12]}`" for d in view.snapshots) or "—"
-    wandb = ", ".join(_wandb_text(r) for r in view.wandb_runs) or "—"
+    wandb = ", ".join(wandb_text(r) for r in view.wandb_runs) or "—"
     metrics = ", ".join(f"{k}={format_metric(v)}" for k, v in key_metrics(view).items()) or "—"
     cells = [
         s.stage,
@@ -292,7 +299,7 @@ def render_pipeline(view: PipelineView, github_hosts: Iterable[str] = DEFAULT_GI
     for sv in view.stages:
         commits.extend(c for c in sv.commits if c.id not in {x.id for x in commits})
     if commits:
-        lines += ["", "**Commit:** " + ", ".join(_commit_text(c, hosts) for c in commits)]
+        lines += ["", "**Commit:** " + ", ".join(commit_text(c, hosts) for c in commits)]
     snaps = list(view.snapshots)
     for sv in view.stages:
         snaps.extend(d for d in sv.snapshots if d.id not in {x.id for x in snaps})
@@ -352,6 +359,7 @@ __all__ = [
     "StageView",
     "collect_pipeline",
     "collect_stage",
+    "commit_text",
     "commit_url",
     "format_metric",
     "key_metrics",
@@ -359,5 +367,7 @@ __all__ = [
     "render_pipeline",
     "render_stage",
     "stage_card",
+    "state_icon",
     "verdict_status",
+    "wandb_text",
 ]

@@ -160,21 +160,25 @@ def pipeline_metrics(store: LineageStore, pipeline_run_id: str) -> dict[str, flo
     stages = store.list(StageRun, pipeline_run_id=pipeline_run_id, order_by=col(StageRun.started_at))
     out: dict[str, float] = {}
     for srun in stages:
-        metrics = dict(srun.metrics or {})
-        source, seen = srun, {srun.id}
-        while not metrics and source.reused_from and source.reused_from not in seen:
-            seen.add(source.reused_from)
-            found = store.get(StageRun, source.reused_from)
-            if found is None:
-                break
-            source, metrics = found, dict(found.metrics or {})
-        for name, value in _flatten_metrics(metrics).items():
-            number = as_number(value)
-            if number is None:
-                continue
+        for name, number in stage_metrics(store, srun).items():
             out.setdefault(name, number)
             out[f"{srun.stage}/{name}"] = number
     return out
+
+
+def stage_metrics(store: LineageStore, srun: StageRun) -> dict[str, float]:
+    """One stage run's numeric metrics, flattened (``eval/code/loss``); a reused stage run's are
+    those of the run it reused, which is what the pipeline run actually has for that stage."""
+    metrics = dict(srun.metrics or {})
+    source, seen = srun, {srun.id}
+    while not metrics and source.reused_from and source.reused_from not in seen:
+        seen.add(source.reused_from)
+        found = store.get(StageRun, source.reused_from)
+        if found is None:
+            break
+        source, metrics = found, dict(found.metrics or {})
+    numbers = {name: as_number(value) for name, value in _flatten_metrics(metrics).items()}
+    return {name: number for name, number in numbers.items() if number is not None}
 
 
 def _flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -307,4 +311,5 @@ __all__ = [
     "previous_nightly",
     "raise_for_verdict",
     "record_verdict",
+    "stage_metrics",
 ]
