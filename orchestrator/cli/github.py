@@ -11,7 +11,8 @@ import typer
 from orchestrator.errors import OpenlabError
 
 app = typer.Typer(
-    help="Experiment issues on GitHub: lineage card comments, labels and the offline queue.", no_args_is_help=True
+    help="Experiment issues on GitHub: lineage card comments, daily digests, labels and the offline queue.",
+    no_args_is_help=True,
 )
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -63,7 +64,12 @@ def queue() -> None:
         return
     for u in sorted(entries, key=lambda e: e.created_at):
         after = f" after {u.not_before:%Y-%m-%d %H:%M:%S} UTC" if u.not_before else ""
-        run = f" {u.pipeline_run_id}" if u.pipeline_run_id else ""
+        # a card names its pipeline run; a digest, its day (the last part of its queue id)
+        run = (
+            f" {u.pipeline_run_id}"
+            if u.pipeline_run_id
+            else (f" {u.id.rsplit(':', 1)[-1]}" if u.action == "digest" else "")
+        )
         typer.echo(f"{u.state:<8} {u.action:<8} {u.issue_id}{run} x{u.attempts}{after}: {u.last_error or ''}")
 
 
@@ -99,3 +105,47 @@ def publish(pipeline_run: str = typer.Argument(..., help="pipeline run id")) -> 
         typer.echo(f"{rec.issue_id}: {rec.url}")
     if not done:
         typer.echo("no card posted (no linked issue, or queued: `openlab github queue`)")
+
+
+@app.command()
+@one_line_errors
+def digest(
+    since: str = typer.Option(
+        "24h", "--since", help="Start of the window, back from now (24h, 7d) or a date (2026-12-01T07:00)."
+    ),
+    issue: list[str] = typer.Option(
+        [], "--issue", help="Only this experiment issue (owner/repo#N or #N); repeat for several. Default: all."
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the comment bodies; send and record nothing."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object for scripts (bodies included)."),
+) -> None:
+    """Post (or update) today's digest comment on each experiment issue with runs in the window.
+
+    One comment per issue and UTC day, edited when run again the same day; issues without a run in
+    the window get nothing. Without a token or network the digests are queued for `openlab github sync`.
+    """
+    from orchestrator.cli.output import print_json
+    from orchestrator.lineage.store import open_store
+    from orchestrator.links.digest import post_digests
+    from orchestrator.links.github import GithubLinkError
+
+    with open_store(create=False) as store:
+        report = post_digests(store, since=since, issues=issue, dry_run=dry_run)
+    if json_out:
+        print_json(report.to_dict())
+    elif dry_run:
+        for d in report.digests:
+            more = f", {d.left_out} left out" if d.left_out else ""
+            typer.echo(f"--- {d.issue_id}: digest {d.day}, {len(d.runs)} run(s){more}, {len(d.body)} characters ---")
+            typer.echo(d.body)
+        for quiet in report.quiet:
+            typer.echo(f"--- {quiet}: no pipeline run in the window, nothing to post ---")
+    else:
+        for line in report.lines():
+            typer.echo(line)
+    if not report.digests and not json_out:
+        typer.echo(f"no pipeline run linked to an issue from {report.window.text()}: nothing to post")
+    failed = [d for d in report.digests if d.outcome == "failed"]
+    if failed:
+        more = f" (+{len(failed) - 1} more)" if len(failed) > 1 else ""
+        raise GithubLinkError(f"digest on {failed[0].issue_id} not posted: {failed[0].error}{more}")

@@ -33,6 +33,11 @@ def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
+def as_utc(when: dt.datetime) -> dt.datetime:
+    """``when`` as a timezone-aware UTC time: SQLite hands timestamps back naive, written in UTC."""
+    return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
+
+
 def new_id(prefix: str) -> str:
     """A fresh random id with a readable type prefix (``srun_3f9a…``)."""
     return f"{prefix}_{uuid.uuid4().hex[:20]}"
@@ -349,8 +354,8 @@ class GithubUpdate(SQLModel, table=True):
     when it is finally sent.
     """
 
-    id: str = Field(primary_key=True)  # "<action>:<issue id>:<pipeline run id or ->"
-    action: str  # resolve | publish
+    id: str = Field(primary_key=True)  # "<action>:<issue id>:<pipeline run id, digest day or ->"
+    action: str  # resolve | publish | digest
     issue_id: str = Field(index=True)
     pipeline_run_id: str | None = Field(default=None, index=True)
     state: str = Field(default="pending", index=True)  # pending | done | failed

@@ -6,7 +6,8 @@ comment on it holding the run's lineage card, plus a state label. What GitHub ca
 take right now (no token, no network, rate limit) is recorded on the issue
 (``last_error``) and queued durably in the lineage database
 (:class:`~orchestrator.lineage.models.GithubUpdate`); ``openlab github sync`` flushes it
-with :func:`sync_queue`.
+with :func:`sync_queue`. The daily digest (:mod:`orchestrator.links.digest`, ``openlab github
+digest``) is posted through the same client, queue and marker logic, one comment per issue and day.
 
 Why the design is what it is:
 
@@ -39,16 +40,28 @@ import time
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sqlmodel import col
 
 from orchestrator.cards import pipeline_card, verdict_status
 from orchestrator.errors import ConfigError
-from orchestrator.lineage.models import GithubComment, GithubIssue, GithubUpdate, PipelineRun, Relation, utcnow
+from orchestrator.lineage.models import (
+    GithubComment,
+    GithubDigest,
+    GithubIssue,
+    GithubUpdate,
+    PipelineRun,
+    Relation,
+    as_utc,
+    utcnow,
+)
 from orchestrator.lineage.store import LineageStore
 from orchestrator.links.refs import GithubLinkError, IssueRef, parse_issue_ref
 from orchestrator.settings import Settings, load_settings
+
+if TYPE_CHECKING:
+    from orchestrator.links.digest import IssueDigest
 
 log = logging.getLogger(__name__)
 
@@ -382,11 +395,14 @@ class GithubLinker:
                 rec = tx.update(rec, updated_at=utcnow(), **fields)
             return rec
 
-    def _queue_id(self, action: str, ref: IssueRef, pipeline_run_id: str | None) -> str:
-        return f"{action}:{ref.id}:{pipeline_run_id or '-'}"
+    def _queue_id(self, action: str, ref: IssueRef, key: str | None) -> str:
+        """``<action>:<issue>:<key>``, the key being the pipeline run (a card) or the day (a digest)."""
+        return f"{action}:{ref.id}:{key or '-'}"
 
-    def _enqueue(self, action: str, ref: IssueRef, pipeline_run_id: str | None, failure: _Failure) -> None:
-        qid = self._queue_id(action, ref, pipeline_run_id)
+    def _enqueue(
+        self, action: str, ref: IssueRef, pipeline_run_id: str | None, failure: _Failure, *, key: str | None = None
+    ) -> None:
+        qid = self._queue_id(action, ref, key or pipeline_run_id)
         with self.store.transaction() as tx:
             entry = tx.session.get(GithubUpdate, qid) or GithubUpdate(
                 id=qid, action=action, issue_id=ref.id, pipeline_run_id=pipeline_run_id
@@ -398,8 +414,8 @@ class GithubLinker:
             entry.updated_at = utcnow()
             tx.session.add(entry)
 
-    def _mark_done(self, action: str, ref: IssueRef, pipeline_run_id: str | None) -> None:
-        qid = self._queue_id(action, ref, pipeline_run_id)
+    def _mark_done(self, action: str, ref: IssueRef, pipeline_run_id: str | None, *, key: str | None = None) -> None:
+        qid = self._queue_id(action, ref, key or pipeline_run_id)
         with self.store.transaction() as tx:
             entry = tx.session.get(GithubUpdate, qid)
             if entry is not None and entry.state != "done":
@@ -513,29 +529,36 @@ class GithubLinker:
         if not self._token:
             raise self._missing_token()
         gh_issue = self._issue(ref)
-        comment = None
-        if rec is not None and rec.comment_id:
-            known = gh_issue.get_comment(rec.comment_id)
-            try:
-                self._call(ref, lambda: known.edit(body))
-                comment = known
-            except _Failure as failure:
-                if failure.status != 404:
-                    raise
-                log.info("card comment %s on %s was deleted; looking for another", rec.comment_id, ref.id)
-        if comment is None:
-            comment = self._find_marked(ref, gh_issue, marker(pipeline_run_id))
-            if comment is not None:
-                found = comment
-                if found.body != body:
-                    self._call(ref, lambda: found.edit(body))
-            else:
-                comment = self._call(ref, lambda: gh_issue.create_comment(body))
+        comment, _ = self._upsert_comment(ref, gh_issue, rec.comment_id if rec else None, marker(pipeline_run_id), body)
         rec = self._record_comment(ref, pipeline_run_id, comment, body_hash)
         labels = self._sync_labels(ref, gh_issue, wanted, managed)
         self._record_issue(ref, gh_issue, labels=labels)
         self._mark_done("publish", ref, pipeline_run_id)
         return rec
+
+    def _upsert_comment(
+        self, ref: IssueRef, gh_issue: Any, comment_id: int | None, mark: str, body: str
+    ) -> tuple[Any, str]:
+        """Edit the comment we recorded, else the one carrying ``mark``, else create it: never two.
+
+        Returns the comment and ``edited``, ``unchanged`` or ``created``.
+        """
+        if comment_id:
+            known = gh_issue.get_comment(comment_id)
+            try:
+                self._call(ref, lambda: known.edit(body))
+                return known, "edited"
+            except _Failure as failure:
+                if failure.status != 404:
+                    raise
+                log.info("comment %s on %s was deleted; looking for another", comment_id, ref.id)
+        found = self._find_marked(ref, gh_issue, mark)
+        if found is not None:
+            if found.body == body:
+                return found, "unchanged"
+            self._call(ref, lambda: found.edit(body))
+            return found, "edited"
+        return self._call(ref, lambda: gh_issue.create_comment(body)), "created"
 
     def _sync_labels(self, ref: IssueRef, gh_issue: Any, wanted: str | None, managed: set[str]) -> list[str]:
         """Leave exactly one openlab state label (others' labels untouched); return the issue's labels."""
@@ -551,6 +574,74 @@ class GithubLinker:
             self._call(ref, lambda: gh_issue.add_to_labels(wanted))
         kept = [n for n in current if n not in managed or n == wanted]
         return kept + ([wanted] if wanted and wanted not in kept else [])
+
+    # -- the daily digest (orchestrator.links.digest renders it) -------------------------------------
+    def publish_digest(self, digest: IssueDigest) -> IssueDigest:
+        """Create, or edit, the issue's digest comment of ``digest.day``; sets its outcome and URL.
+
+        Never raises for GitHub problems: they are recorded on the issue and queued (``digest``
+        action), as for the card.
+        """
+        ref = parse_issue_ref(digest.issue_id)
+        self._waited = 0.0
+        try:
+            self._publish_digest_one(ref, digest)
+        except _Failure as failure:
+            self._record_error(ref, failure.message)
+            self._enqueue("digest", ref, None, failure, key=digest.day)
+            digest.outcome = "queued" if failure.retryable else "failed"
+            digest.error = failure.message
+            suffix = "; queued for `openlab github sync`" if failure.retryable else ""
+            log.warning("digest %s not posted on %s: %s%s", digest.day, ref.id, failure.message, suffix)
+        return digest
+
+    def _publish_digest_one(self, ref: IssueRef, digest: IssueDigest) -> None:
+        from orchestrator.links.digest import digest_marker
+
+        body_hash = hashlib.sha256(digest.body.encode()).hexdigest()
+        rec = self._remember_digest(ref, digest)
+        if rec.comment_id and rec.body_hash == body_hash:
+            self._mark_done("digest", ref, None, key=digest.day)
+            digest.outcome, digest.url = "unchanged", rec.url
+            return  # nothing changed since the last post: spend no API calls
+        if not self._token:
+            raise self._missing_token()
+        gh_issue = self._issue(ref)
+        comment, outcome = self._upsert_comment(ref, gh_issue, rec.comment_id, digest_marker(digest.day), digest.body)
+        rec = self._record_digest_comment(ref, digest, comment, body_hash)
+        self._mark_done("digest", ref, None, key=digest.day)
+        digest.outcome, digest.url = outcome, rec.url
+
+    def _remember_digest(self, ref: IssueRef, digest: IssueDigest) -> GithubDigest:
+        """Record the digest's window and runs before posting (a queued digest is sent for this window)."""
+        from orchestrator.links.digest import digest_record_id
+
+        did = digest_record_id(ref.id, digest.day)
+        runs = [rd.run.id for rd in digest.runs]
+        with self.store.transaction() as tx:
+            rec = tx.get(GithubDigest, did)
+            fields = {"window_start": digest.window.start, "window_end": digest.window.end, "pipeline_run_ids": runs}
+            if rec is None:
+                rec = tx.add(GithubDigest(id=did, issue_id=ref.id, day=digest.day, **fields))
+                issue = tx.get(GithubIssue, ref.id)
+                if issue is not None:
+                    tx.relate("wasDerivedFrom", rec, issue, role="digest-on")
+                return rec
+            if rec.pipeline_run_ids != runs or as_utc(rec.window_end) != digest.window.end:
+                rec = tx.update(rec, updated_at=utcnow(), **fields)
+            return rec
+
+    def _record_digest_comment(self, ref: IssueRef, digest: IssueDigest, comment: Any, body_hash: str) -> GithubDigest:
+        """Record GitHub's id of the digest comment once it exists."""
+        from orchestrator.links.digest import digest_record_id
+
+        with self.store.transaction() as tx:
+            rec = tx.get(GithubDigest, digest_record_id(ref.id, digest.day))
+            if rec is None:  # recorded by _remember_digest a moment ago; it cannot have gone
+                raise GithubLinkError(f"the digest record of {ref.id} {digest.day} vanished")
+            return tx.update(
+                rec, comment_id=int(comment.id), url=comment.html_url, body_hash=body_hash, updated_at=utcnow()
+            )
 
     def pending(self) -> list[GithubUpdate]:
         """Queued updates not yet sent (oldest first)."""
@@ -575,6 +666,12 @@ class GithubLinker:
                 self.resolve(ref)
             elif entry.action == "publish" and entry.pipeline_run_id:
                 self.publish(entry.pipeline_run_id, issue_id=ref.id)
+            elif entry.action == "digest":
+                from orchestrator.links.digest import resend_digest
+
+                day = entry.id.rsplit(":", 1)[-1]
+                if resend_digest(self.store, ref.id, day, self) is None:  # its runs are gone: nothing to say
+                    self._mark_done("digest", ref, None, key=day)
             after = self.store.get(GithubUpdate, entry.id)
             state = after.state if after else "done"
             if state == "done":

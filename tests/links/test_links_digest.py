@@ -1,0 +1,434 @@
+"""The daily digest on experiment issues, against the fake GitHub API (PyGithub on the client side).
+
+Runs are recorded in a real SQLite store (the conftest's temp OPENLAB_HOME), linked to their
+issues as a pipeline start links them; the digest reads them back, renders one comment per
+issue and UTC day and posts it through the card's client, queue and marker logic.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from orchestrator.cli.github import app as github_app
+from orchestrator.lineage.models import (
+    Attempt,
+    Commit,
+    GithubDigest,
+    GithubIssue,
+    GithubUpdate,
+    PipelineRun,
+    Relation,
+    StageRun,
+    WandbRun,
+    utcnow,
+)
+from orchestrator.lineage.store import LineageStore
+from orchestrator.links.digest import (
+    IssueDigest,
+    collect_digests,
+    digest_marker,
+    digest_record_id,
+    digest_window,
+    post_digests,
+    render_digest,
+)
+from orchestrator.links.github import GithubLinker
+from tests.links.links_fakes import TOKEN, FakeGitHub
+
+NOW = dt.datetime(2026, 12, 5, 7, 0, tzinfo=dt.UTC)
+DAY = "2026-12-05"
+H = dt.timedelta(hours=1)
+
+
+def _run(
+    store: LineageStore,
+    run_id: str,
+    issue: str,
+    *,
+    started: dt.datetime,
+    ended: dt.datetime | None,
+    state: str,
+    stages: dict[str, str] | None = None,
+    error: str | None = None,
+    metrics: dict[str, Any] | None = None,
+    preregistration: dict[str, Any] | None = None,
+    verdict: dict[str, Any] | None = None,
+    gpus: int = 1,
+) -> PipelineRun:
+    """A pipeline run linked to ``issue`` as a pipeline start links it: a commit, stage runs with one
+    job each (1 h, ``gpus`` GPUs asked), the last stage's metrics, a W&B run on the first stage."""
+    stages = stages or {"pretrain": "COMPLETED", "eval": "COMPLETED"}
+    with store.transaction() as tx:
+        repo, _, number = issue.partition("#")
+        gh = tx.get(GithubIssue, issue) or tx.add(GithubIssue(id=issue, repo=repo, number=int(number)))
+        run = tx.add(
+            PipelineRun(
+                id=run_id,
+                recipe="marin-535b-a23b",
+                replica="tiny",
+                backend="slurm",
+                state=state,
+                started_at=started,
+                ended_at=ended,
+                preregistration=preregistration,
+                verdict=verdict,
+            )
+        )
+        commit = tx.get(Commit, "c0ffee1234567890") or tx.add(
+            Commit(
+                id="c0ffee1234567890",
+                sha="c0ffee1234567890",
+                remote_url="git@github.com:lab/exp.git",
+                message="moe: quantile-balancing bias update\n\nlong body",
+            )
+        )
+        tx.relate("wasAssociatedWith", run, commit)
+        tx.relate("wasAssociatedWith", run, gh)
+        names = list(stages)
+        for i, (name, stage_state) in enumerate(stages.items()):
+            srun = tx.add(
+                StageRun(
+                    id=f"{run_id}-{name}",
+                    pipeline_run_id=run.id,
+                    stage=name,
+                    identity=f"{run_id}{name}".ljust(64, "0"),
+                    state=stage_state,
+                    error=error if stage_state == "FAILED" else None,
+                    metrics=(metrics or {}) if name == names[-1] else {},
+                    started_at=started + dt.timedelta(minutes=i),
+                )
+            )
+            ended_job = started + H if stage_state != "RUNNING" else None
+            tx.add(
+                Attempt(
+                    stage_run_id=srun.id,
+                    backend="slurm",
+                    job_id=f"{run_id}-{i}",
+                    state="FAILED" if stage_state == "FAILED" else stage_state,
+                    started_at=started,
+                    ended_at=ended_job,
+                    resources={"gpus": gpus, "cpus": 2},
+                )
+            )
+            if i == 0:
+                wb = tx.add(
+                    WandbRun(
+                        id=f"lab/openlab/{run_id}w",
+                        run_id=f"{run_id}w",
+                        project="openlab",
+                        mode="online",
+                        url=f"https://wandb.ai/lab/openlab/runs/{run_id}w",
+                    )
+                )
+                tx.relate("wasAssociatedWith", srun, wb)
+    return run
+
+
+def _prereg(actual: float, outcome: str) -> dict[str, Any]:
+    check = {
+        "metric": "eval/code/loss",
+        "stage": "eval",
+        "predicted": 5.3,
+        "tolerance": 0.4,
+        "actual": actual,
+        "outcome": outcome,
+    }
+    return {"checks": [{**check, "error": actual - 5.3}], "decided_at": NOW.isoformat()}
+
+
+@pytest.fixture
+def day(fake_github: FakeGitHub, store: LineageStore) -> dict[str, PipelineRun]:
+    """Two runs on lab/exp#7 and one on lab/exp#8 within the day before NOW, one on #7 days before,
+    and lab/exp#9 with no run at all."""
+    for n in (8, 9):
+        fake_github.add_issue("lab/exp", n, title=f"experiment {n}")
+    return {
+        "done": _run(
+            store,
+            "prun_done",
+            "lab/exp#7",
+            started=NOW - 20 * H,
+            ended=NOW - 18 * H,
+            state="COMPLETED",
+            metrics={"eval/code/loss": 5.31, "moe/drop_fraction": 0.0213, "train/loss": 4.9},
+            preregistration=_prereg(5.31, "met"),
+            verdict={"status": "passed", "message": "nightly passed: 3 tracked metric(s) within tolerance"},
+            gpus=2,
+        ),
+        "failed": _run(
+            store,
+            "prun_failed",
+            "lab/exp#7",
+            started=NOW - 6 * H,
+            ended=NOW - 5 * H,
+            state="FAILED",
+            stages={"pretrain": "FAILED"},
+            error="job 4242 exited 3: CUDA out of memory\nTraceback (most recent call last): ...",
+            preregistration=_prereg(6.1, "missed"),
+        ),
+        "running": _run(
+            store,
+            "prun_running",
+            "lab/exp#8",
+            started=NOW - 2 * H,
+            ended=None,
+            state="RUNNING",
+            stages={"pretrain": "RUNNING"},
+        ),
+        "old": _run(store, "prun_old", "lab/exp#7", started=NOW - 72 * H, ended=NOW - 70 * H, state="COMPLETED"),
+    }
+
+
+def _bodies(fake: FakeGitHub, number: int) -> list[str]:
+    return [c["body"] for c in fake.comments_on("lab/exp", number)]
+
+
+# -- posting ----------------------------------------------------------------------------------------
+def test_one_digest_per_active_issue_with_its_runs_then_edited_the_same_day(
+    fake_github: FakeGitHub, store: LineageStore, day: dict[str, PipelineRun]
+) -> None:
+    report = post_digests(store, until=NOW)
+    assert [(d.issue_id, d.outcome) for d in report.digests] == [("lab/exp#7", "created"), ("lab/exp#8", "created")]
+    [seven] = _bodies(fake_github, 7)
+    [eight] = _bodies(fake_github, 8)
+    assert _bodies(fake_github, 9) == [], "an issue without activity gets nothing"
+    assert fake_github.count("POST", "/comments$") == 2
+
+    assert seven.startswith(digest_marker(DAY)) and eight.startswith(digest_marker(DAY))
+    assert "prun_done" in seven and "prun_failed" in seven and "prun_old" not in seven
+    assert "prun_running" in eight and "prun_done" not in eight
+    # what each run says: commit and subject, stages, the failure's one-line reason, metrics,
+    # predictions met and missed, the verdict, W&B, hours
+    assert (
+        "[`c0ffee12`](https://github.com/lab/exp/commit/c0ffee1234567890) moe: quantile-balancing bias update" in seven
+    )
+    assert "**Failed:** `pretrain`: job 4242 exited 3: CUDA out of memory" in seven
+    assert "Traceback" not in seven, "a failure is one line"
+    assert "eval/code/loss 5.31 (eval)" in seven and "moe/drop_fraction 0.0213 (eval)" in seven
+    assert "train/loss" not in seven, "only the key metrics"
+    assert "measured 5.31 (+0.01): met" in seven and "measured 6.1 (+0.8): missed" in seven
+    assert "**Nightly verdict:** passed: nightly passed: 3 tracked metric(s)" in seven
+    assert "[prun_donew](https://wandb.ai/lab/openlab/runs/prun_donew) (pretrain)" in seven
+    assert "2 job(s), 2.00 h wall, 4.00 GPU-hours" in seven  # two 1 h jobs asking 2 GPUs each
+    assert "2 pipeline runs from 2026-12-04 07:00 to 2026-12-05 07:00 UTC" in seven
+    assert "**Still running**" in eight and "RUNNING" in eight and "so far" in eight
+    recorded = store.require(GithubDigest, digest_record_id("lab/exp#7", DAY))
+    assert recorded.pipeline_run_ids == ["prun_done", "prun_failed"] and recorded.comment_id is not None
+
+    # later the same day: the running run finished; the digest is edited, never posted twice
+    with store.transaction() as tx:
+        tx.update(tx.get(PipelineRun, "prun_running"), state="COMPLETED", ended_at=NOW + H)
+    again = post_digests(store, until=NOW + 2 * H)
+    assert {d.issue_id: d.outcome for d in again.digests} == {"lab/exp#7": "edited", "lab/exp#8": "edited"}
+    assert fake_github.count("POST", "/comments$") == 2
+    assert fake_github.count("GET", "/issues/8/comments") == 1, "the recorded id is edited; no second marker scan"
+    [eight_after] = _bodies(fake_github, 8)
+    assert len(_bodies(fake_github, 7)) == 1
+    assert "Still running" not in eight_after and "COMPLETED" in eight_after
+
+    # nothing changed: no API call at all
+    patches = fake_github.count("PATCH")
+    assert {d.outcome for d in post_digests(store, until=NOW + 2 * H).digests} == {"unchanged"}
+    assert fake_github.count("PATCH") == patches
+
+    # the next day is a new comment; the day before's stays as it was
+    post_digests(store, until=NOW + 24 * H)
+    assert len(_bodies(fake_github, 8)) == 2 and _bodies(fake_github, 8)[0] == eight_after
+    assert _bodies(fake_github, 7) == [_bodies(fake_github, 7)[0]], "no #7 run ended or ran in that window"
+
+
+def test_named_issues_only_and_quiet_ones_said(
+    fake_github: FakeGitHub, store: LineageStore, day: dict[str, PipelineRun]
+) -> None:
+    report = post_digests(store, until=NOW, issues=["#8", "lab/exp#9"])
+    assert [d.issue_id for d in report.digests] == ["lab/exp#8"] and report.quiet == ["lab/exp#9"]
+    assert _bodies(fake_github, 7) == [] and len(_bodies(fake_github, 8)) == 1
+    assert "lab/exp#9: no pipeline run in the window, nothing posted" in report.lines()
+
+
+def test_crash_between_create_and_record_never_duplicates(
+    fake_github: FakeGitHub, store: LineageStore, day: dict[str, PipelineRun], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def crash(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("process killed")
+
+    with monkeypatch.context() as m:
+        m.setattr(GithubLinker, "_record_digest_comment", crash)
+        with pytest.raises(RuntimeError):
+            post_digests(store, until=NOW, issues=["lab/exp#7"])
+    assert len(_bodies(fake_github, 7)) == 1
+    assert store.require(GithubDigest, digest_record_id("lab/exp#7", DAY)).comment_id is None
+
+    with store.transaction() as tx:
+        tx.update(tx.get(PipelineRun, "prun_failed"), error="reconciled")
+    [d] = post_digests(store, until=NOW + H, issues=["lab/exp#7"]).digests
+    [c] = fake_github.comments_on("lab/exp", 7)
+    assert d.outcome == "edited" and fake_github.count("POST", "/comments$") == 1
+    assert store.require(GithubDigest, digest_record_id("lab/exp#7", DAY)).comment_id == c["id"]
+
+
+def test_a_busy_day_stays_under_the_limit_and_says_what_was_left_out(store: LineageStore) -> None:
+    for i in range(12):
+        _run(
+            store,
+            f"prun_{i:02d}",
+            "lab/exp#7",
+            started=NOW - (12 - i) * H,
+            ended=None,
+            state="FAILED",
+            stages={f"s{j}": "FAILED" for j in range(6)},
+            error="x" * 400,
+        )
+    [digest] = collect_digests(store, digest_window("24h", until=NOW))
+    body = render_digest(digest, limit=6000)
+    assert len(body) <= 6000 and body.startswith(digest_marker(DAY))
+    assert 0 < digest.left_out < 12
+    kept = 12 - digest.left_out
+    assert body.count("#### ") == kept and f"prun_{kept - 1:02d}" in body and f"prun_{kept:02d}" not in body
+    assert f"_{digest.left_out} more run(s) left out to stay under GitHub's comment size limit" in body
+    whole = IssueDigest(issue_id=digest.issue_id, window=digest.window, runs=digest.runs)
+    assert render_digest(whole).count("#### ") == 12 and whole.left_out == 0
+
+
+# -- offline queue -----------------------------------------------------------------------------------
+def test_no_token_queues_then_sync_posts_it_once(
+    fake_github: FakeGitHub, store: LineageStore, day: dict[str, PipelineRun], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("GITHUB_TOKEN")
+    report = post_digests(store, until=NOW)
+    assert {d.outcome for d in report.digests} == {"queued"}
+    assert "no GitHub token" in (report.digests[0].error or "")
+    assert fake_github.requests == []
+    queued = sorted((u.id, u.action, u.state) for u in store.list(GithubUpdate))
+    assert queued == [
+        (f"digest:lab/exp#7:{DAY}", "digest", "pending"),
+        (f"digest:lab/exp#8:{DAY}", "digest", "pending"),
+    ]
+    runner = CliRunner()
+    listed = runner.invoke(github_app, ["queue"])
+    assert f"digest   lab/exp#7 {DAY} x1" in listed.output
+
+    monkeypatch.setenv("GITHUB_TOKEN", TOKEN)
+    result = runner.invoke(github_app, ["sync"])
+    assert result.exit_code == 0, result.output
+    assert "2 sent" in result.output
+    [seven] = _bodies(fake_github, 7)
+    # sent for the window it was made for, though "now" is long after it
+    assert seven.startswith(digest_marker(DAY)) and "prun_done" in seven and "prun_failed" in seven
+    assert len(_bodies(fake_github, 8)) == 1
+    again = runner.invoke(github_app, ["sync"])
+    assert again.exit_code == 0 and "0 sent" in again.output
+    assert fake_github.count("POST", "/comments$") == 2
+    assert {u.state for u in store.list(GithubUpdate)} == {"done"}
+
+
+def test_a_missing_issue_fails_the_command_in_one_line(
+    fake_github: FakeGitHub, store: LineageStore, openlab_env: Path
+) -> None:
+    _run(store, "prun_lost", "lab/exp#404", started=utcnow() - H, ended=utcnow(), state="COMPLETED")
+    result = CliRunner().invoke(github_app, ["digest"])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: digest on lab/exp#404 not posted: issue lab/exp#404 not found (404): check the repository "
+        "and number, and that the token in $GITHUB_TOKEN can read lab/exp"
+    ]
+    assert "lab/exp#404: digest" in result.stdout and "failed" in result.stdout
+    [entry] = store.list(GithubUpdate)
+    assert entry.state == "failed"
+
+
+# -- secrets ----------------------------------------------------------------------------------------
+def test_token_never_in_digest_logs_or_lineage(
+    fake_github: FakeGitHub, openlab_env: Path, store: LineageStore, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    _run(
+        store,
+        "prun_leaky",
+        "lab/exp#7",
+        started=NOW - 3 * H,
+        ended=NOW - 2 * H,
+        state="FAILED",
+        stages={"pretrain": "FAILED"},
+        error=f"git push https://x:{TOKEN}@github.com/lab/exp failed",
+    )
+    runner = CliRunner()
+    with caplog.at_level(logging.DEBUG), caplog.at_level(logging.DEBUG, logger="github"):
+        dry = runner.invoke(github_app, ["digest", "--since", "2026-12-04T07:00", "--dry-run", "--json"])
+        monkeypatch.delenv("GITHUB_TOKEN")
+        post_digests(store, until=NOW)  # queued
+        monkeypatch.setenv("GITHUB_TOKEN", TOKEN)
+        post_digests(store, until=NOW)  # posted
+    with caplog.at_level(logging.INFO):  # PyGithub's DEBUG log would show the body a server echoes
+        fake_github.fail("GET", r"/issues/7$", 500, {"message": f"boom {TOKEN}"})
+        [failed] = post_digests(store, until=NOW + H).digests
+    assert failed.outcome == "queued" and "(500 boom ***)" in (failed.error or "")
+    assert fake_github.comments, "the scenario must have posted"
+    assert any(r.name.startswith("github") for r in caplog.records), "PyGithub debug logs must be captured"
+    assert TOKEN not in caplog.text and TOKEN not in dry.output
+    for c in fake_github.comments.values():
+        assert TOKEN not in c["body"]
+        assert "git push https://x:***@github.com" in c["body"] or "prun_leaky" not in c["body"]
+    store.close()
+    files = [p for p in (openlab_env.parent / "home").rglob("*") if p.is_file()]
+    assert files
+    for path in files:
+        assert TOKEN.encode() not in path.read_bytes(), path
+
+
+# -- the command ------------------------------------------------------------------------------------
+def test_cli_dry_run_json_prints_bodies_and_sends_nothing(fake_github: FakeGitHub, store: LineageStore) -> None:
+    now = utcnow()
+    _run(store, "prun_a", "lab/exp#7", started=now - 3 * H, ended=now - 2 * H, state="COMPLETED")
+    _run(store, "prun_b", "lab/exp#7", started=now - 30 * H, ended=now - 29 * H, state="COMPLETED")
+    runner = CliRunner()
+    result = runner.invoke(github_app, ["digest", "--dry-run", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["dry_run"] is True and data["day"] == f"{now:%Y-%m-%d}"
+    [digest] = data["digests"]
+    assert digest["issue"] == "lab/exp#7" and digest["outcome"] == "dry run"
+    assert [r["pipeline_run"] for r in digest["runs"]] == ["prun_a"]
+    assert digest["runs"][0]["stages"] == {"pretrain": "COMPLETED", "eval": "COMPLETED"}
+    assert digest["body"].startswith(digest_marker(f"{now:%Y-%m-%d}")) and "prun_a" in digest["body"]
+    assert fake_github.requests == [] and store.list(GithubDigest) == [], "a dry run sends and records nothing"
+
+    wider = json.loads(runner.invoke(github_app, ["digest", "--dry-run", "--json", "--since", "2d"]).stdout)
+    assert [r["pipeline_run"] for r in wider["digests"][0]["runs"]] == ["prun_b", "prun_a"]
+    text = runner.invoke(github_app, ["digest", "--dry-run", "--issue", "#7"])
+    assert text.exit_code == 0 and text.stdout.startswith("--- lab/exp#7: digest")
+    assert digest_marker(f"{now:%Y-%m-%d}") in text.stdout
+    assert fake_github.requests == []
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--since", "yesterday"], "cannot read 'yesterday' as a time"),
+        (["--since", "2999-01-01"], "--since '2999-01-01' is not before"),
+        (["--issue", "lab/exp"], "malformed issue reference 'lab/exp'"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(fake_github: FakeGitHub, store: LineageStore, args, needle) -> None:
+    result = CliRunner().invoke(github_app, ["digest", *args])
+    assert result.exit_code == 2
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("error: ") and needle in line
+    assert "Traceback" not in result.output
+    assert fake_github.requests == []
+
+
+def test_digest_relates_to_its_issue_in_lineage(
+    fake_github: FakeGitHub, store: LineageStore, day: dict[str, PipelineRun]
+) -> None:
+    post_digests(store, until=NOW, issues=["lab/exp#8"])
+    rec = store.require(GithubDigest, digest_record_id("lab/exp#8", DAY))
+    [rel] = store.list(Relation, subject_id=rec.id)
+    assert (rel.relation, rel.object_id, rel.role) == ("wasDerivedFrom", "lab/exp#8", "digest-on")
+    assert store.find(rec.id).url == rec.url and rec.url.endswith(f"#issuecomment-{rec.comment_id}")
