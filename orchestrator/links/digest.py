@@ -188,6 +188,13 @@ class IssueDigest:
     def day(self) -> str:
         return self.window.day
 
+    def line(self) -> str:
+        """What happened to this digest, in one line (a terminal, a flow log)."""
+        where = f" {self.url}" if self.url else ""
+        why = f": {self.error}" if self.error else ""
+        more = f", {self.left_out} left out" if self.left_out else ""
+        return f"{self.issue_id}: digest {self.day} {self.outcome} ({len(self.runs)} run(s){more}){where}{why}"
+
     def to_dict(self, *, body: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {
             "issue": self.issue_id,
@@ -418,16 +425,12 @@ class DigestReport:
             "quiet": self.quiet,
         }
 
+    def quiet_lines(self) -> list[str]:
+        return [f"{issue}: no pipeline run in the window, nothing posted" for issue in self.quiet]
+
     def lines(self) -> list[str]:
         """One line per issue, for a terminal or a flow log."""
-        out = []
-        for d in self.digests:
-            where = f" {d.url}" if d.url else ""
-            why = f": {d.error}" if d.error else ""
-            more = f", {d.left_out} left out" if d.left_out else ""
-            out.append(f"{d.issue_id}: digest {d.day} {d.outcome} ({len(d.runs)} run(s){more}){where}{why}")
-        out.extend(f"{issue}: no pipeline run in the window, nothing posted" for issue in self.quiet)
-        return out
+        return [d.line() for d in self.digests] + self.quiet_lines()
 
 
 def post_digests(
@@ -457,7 +460,7 @@ def post_digests(
             digest.outcome = "dry run"
         else:
             linker.publish_digest(digest)
-        log.info("%s", DigestReport(window, [digest]).lines()[0])
+        log.info("%s", digest.line())
     quiet = [i for i in wanted or [] if i not in {d.issue_id for d in digests}]
     return DigestReport(window=window, digests=digests, quiet=quiet, dry_run=dry_run)
 

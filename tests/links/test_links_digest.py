@@ -7,26 +7,19 @@ issue and UTC day and posts it through the card's client, queue and marker logic
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import logging
 from pathlib import Path
-from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
 from orchestrator.cli.github import app as github_app
 from orchestrator.lineage.models import (
-    Attempt,
-    Commit,
     GithubDigest,
-    GithubIssue,
     GithubUpdate,
     PipelineRun,
     Relation,
-    StageRun,
-    WandbRun,
     utcnow,
 )
 from orchestrator.lineage.store import LineageStore
@@ -40,107 +33,8 @@ from orchestrator.links.digest import (
     render_digest,
 )
 from orchestrator.links.github import GithubLinker
+from tests.links.digest_runs import DAY, NOW, H, prereg, record_run
 from tests.links.links_fakes import TOKEN, FakeGitHub
-
-NOW = dt.datetime(2026, 12, 5, 7, 0, tzinfo=dt.UTC)
-DAY = "2026-12-05"
-H = dt.timedelta(hours=1)
-
-
-def _run(
-    store: LineageStore,
-    run_id: str,
-    issue: str,
-    *,
-    started: dt.datetime,
-    ended: dt.datetime | None,
-    state: str,
-    stages: dict[str, str] | None = None,
-    error: str | None = None,
-    metrics: dict[str, Any] | None = None,
-    preregistration: dict[str, Any] | None = None,
-    verdict: dict[str, Any] | None = None,
-    gpus: int = 1,
-) -> PipelineRun:
-    """A pipeline run linked to ``issue`` as a pipeline start links it: a commit, stage runs with one
-    job each (1 h, ``gpus`` GPUs asked), the last stage's metrics, a W&B run on the first stage."""
-    stages = stages or {"pretrain": "COMPLETED", "eval": "COMPLETED"}
-    with store.transaction() as tx:
-        repo, _, number = issue.partition("#")
-        gh = tx.get(GithubIssue, issue) or tx.add(GithubIssue(id=issue, repo=repo, number=int(number)))
-        run = tx.add(
-            PipelineRun(
-                id=run_id,
-                recipe="marin-535b-a23b",
-                replica="tiny",
-                backend="slurm",
-                state=state,
-                started_at=started,
-                ended_at=ended,
-                preregistration=preregistration,
-                verdict=verdict,
-            )
-        )
-        commit = tx.get(Commit, "c0ffee1234567890") or tx.add(
-            Commit(
-                id="c0ffee1234567890",
-                sha="c0ffee1234567890",
-                remote_url="git@github.com:lab/exp.git",
-                message="moe: quantile-balancing bias update\n\nlong body",
-            )
-        )
-        tx.relate("wasAssociatedWith", run, commit)
-        tx.relate("wasAssociatedWith", run, gh)
-        names = list(stages)
-        for i, (name, stage_state) in enumerate(stages.items()):
-            srun = tx.add(
-                StageRun(
-                    id=f"{run_id}-{name}",
-                    pipeline_run_id=run.id,
-                    stage=name,
-                    identity=f"{run_id}{name}".ljust(64, "0"),
-                    state=stage_state,
-                    error=error if stage_state == "FAILED" else None,
-                    metrics=(metrics or {}) if name == names[-1] else {},
-                    started_at=started + dt.timedelta(minutes=i),
-                )
-            )
-            ended_job = started + H if stage_state != "RUNNING" else None
-            tx.add(
-                Attempt(
-                    stage_run_id=srun.id,
-                    backend="slurm",
-                    job_id=f"{run_id}-{i}",
-                    state="FAILED" if stage_state == "FAILED" else stage_state,
-                    started_at=started,
-                    ended_at=ended_job,
-                    resources={"gpus": gpus, "cpus": 2},
-                )
-            )
-            if i == 0:
-                wb = tx.add(
-                    WandbRun(
-                        id=f"lab/openlab/{run_id}w",
-                        run_id=f"{run_id}w",
-                        project="openlab",
-                        mode="online",
-                        url=f"https://wandb.ai/lab/openlab/runs/{run_id}w",
-                    )
-                )
-                tx.relate("wasAssociatedWith", srun, wb)
-    return run
-
-
-def _prereg(actual: float, outcome: str) -> dict[str, Any]:
-    check = {
-        "metric": "eval/code/loss",
-        "stage": "eval",
-        "predicted": 5.3,
-        "tolerance": 0.4,
-        "actual": actual,
-        "outcome": outcome,
-    }
-    return {"checks": [{**check, "error": actual - 5.3}], "decided_at": NOW.isoformat()}
 
 
 @pytest.fixture
@@ -150,7 +44,7 @@ def day(fake_github: FakeGitHub, store: LineageStore) -> dict[str, PipelineRun]:
     for n in (8, 9):
         fake_github.add_issue("lab/exp", n, title=f"experiment {n}")
     return {
-        "done": _run(
+        "done": record_run(
             store,
             "prun_done",
             "lab/exp#7",
@@ -158,11 +52,11 @@ def day(fake_github: FakeGitHub, store: LineageStore) -> dict[str, PipelineRun]:
             ended=NOW - 18 * H,
             state="COMPLETED",
             metrics={"eval/code/loss": 5.31, "moe/drop_fraction": 0.0213, "train/loss": 4.9},
-            preregistration=_prereg(5.31, "met"),
+            preregistration=prereg(5.31, "met"),
             verdict={"status": "passed", "message": "nightly passed: 3 tracked metric(s) within tolerance"},
             gpus=2,
         ),
-        "failed": _run(
+        "failed": record_run(
             store,
             "prun_failed",
             "lab/exp#7",
@@ -171,9 +65,9 @@ def day(fake_github: FakeGitHub, store: LineageStore) -> dict[str, PipelineRun]:
             state="FAILED",
             stages={"pretrain": "FAILED"},
             error="job 4242 exited 3: CUDA out of memory\nTraceback (most recent call last): ...",
-            preregistration=_prereg(6.1, "missed"),
+            preregistration=prereg(6.1, "missed"),
         ),
-        "running": _run(
+        "running": record_run(
             store,
             "prun_running",
             "lab/exp#8",
@@ -182,7 +76,7 @@ def day(fake_github: FakeGitHub, store: LineageStore) -> dict[str, PipelineRun]:
             state="RUNNING",
             stages={"pretrain": "RUNNING"},
         ),
-        "old": _run(store, "prun_old", "lab/exp#7", started=NOW - 72 * H, ended=NOW - 70 * H, state="COMPLETED"),
+        "old": record_run(store, "prun_old", "lab/exp#7", started=NOW - 72 * H, ended=NOW - 70 * H, state="COMPLETED"),
     }
 
 
@@ -276,7 +170,7 @@ def test_crash_between_create_and_record_never_duplicates(
 
 def test_a_busy_day_stays_under_the_limit_and_says_what_was_left_out(store: LineageStore) -> None:
     for i in range(12):
-        _run(
+        record_run(
             store,
             f"prun_{i:02d}",
             "lab/exp#7",
@@ -332,7 +226,7 @@ def test_no_token_queues_then_sync_posts_it_once(
 def test_a_missing_issue_fails_the_command_in_one_line(
     fake_github: FakeGitHub, store: LineageStore, openlab_env: Path
 ) -> None:
-    _run(store, "prun_lost", "lab/exp#404", started=utcnow() - H, ended=utcnow(), state="COMPLETED")
+    record_run(store, "prun_lost", "lab/exp#404", started=utcnow() - H, ended=utcnow(), state="COMPLETED")
     result = CliRunner().invoke(github_app, ["digest"])
     assert result.exit_code == 2
     assert result.stderr.strip().splitlines() == [
@@ -348,7 +242,7 @@ def test_a_missing_issue_fails_the_command_in_one_line(
 def test_token_never_in_digest_logs_or_lineage(
     fake_github: FakeGitHub, openlab_env: Path, store: LineageStore, monkeypatch: pytest.MonkeyPatch, caplog
 ) -> None:
-    _run(
+    record_run(
         store,
         "prun_leaky",
         "lab/exp#7",
@@ -385,8 +279,8 @@ def test_token_never_in_digest_logs_or_lineage(
 # -- the command ------------------------------------------------------------------------------------
 def test_cli_dry_run_json_prints_bodies_and_sends_nothing(fake_github: FakeGitHub, store: LineageStore) -> None:
     now = utcnow()
-    _run(store, "prun_a", "lab/exp#7", started=now - 3 * H, ended=now - 2 * H, state="COMPLETED")
-    _run(store, "prun_b", "lab/exp#7", started=now - 30 * H, ended=now - 29 * H, state="COMPLETED")
+    record_run(store, "prun_a", "lab/exp#7", started=now - 3 * H, ended=now - 2 * H, state="COMPLETED")
+    record_run(store, "prun_b", "lab/exp#7", started=now - 30 * H, ended=now - 29 * H, state="COMPLETED")
     runner = CliRunner()
     result = runner.invoke(github_app, ["digest", "--dry-run", "--json"])
     assert result.exit_code == 0, result.output
