@@ -13,8 +13,12 @@ Three deployments, built the same way for ``openlab deploy`` (register only) and
   UTC, after the training nightly; ``[prefect] nightly_drops_cron`` changes it). A dispatch or
   routing change that moves drops is caught the next morning, before a full-scale run pays for it.
 
-The nightlies and the reaper carry a deployment concurrency limit of one with CANCEL_NEW: a
-scheduled run that finds the previous one still going is cancelled by the server, not queued.
+The reaper (``lineage-reconcile/reconcile``), the outputs gc (``outputs-gc/gc``) and the daily
+digest (``github-digest/daily``: one summary comment per experiment issue, default ``0 7 * * *`` UTC,
+``[prefect] digest_cron``; ``""`` registers it without a schedule) are registered with them.
+
+The nightlies, the reaper, the gc and the digest carry a deployment concurrency limit of one with
+CANCEL_NEW: a scheduled run that finds the previous one still going is cancelled by the server, not queued.
 
 Entrypoints are module paths (``flows.pipeline.replica_pipeline``), so a served run or a
 work-pool worker finds the flow wherever openlab is installed. Callers still serve from
@@ -46,6 +50,8 @@ DEFAULT_DROPS_NIGHTLY_CRON = "0 4 * * *"
 DEFAULT_NIGHTLY_TIMEZONE = "UTC"
 RECONCILE_DEPLOYMENT = "reconcile"
 GC_DEPLOYMENT = "gc"
+DIGEST_DEPLOYMENT = "daily"
+DEFAULT_DIGEST_CRON = "0 7 * * *"
 DEFAULT_RECONCILE_EVERY_S = 600
 TAGS = ["openlab"]
 
@@ -113,6 +119,15 @@ def gc_cron(settings: Settings | None = None) -> str | None:
     return nightly_cron(settings, str(raw), key="gc_cron") if raw else None
 
 
+def digest_cron(settings: Settings | None = None) -> str | None:
+    """When the daily digest is posted: ``[prefect] digest_cron``, 07:00 UTC when unset (after the
+    nightlies, so the morning's digest has their verdicts); ``""`` registers it with no schedule,
+    as ``reconcile_every_s = 0`` does the reaper (a lab that wants no bot comments, or only from the UI)."""
+    settings = settings or load_settings()
+    raw = settings.section("prefect").get("digest_cron", DEFAULT_DIGEST_CRON)
+    return nightly_cron(settings, str(raw), key="digest_cron") if str(raw).strip() else None
+
+
 def nightly_timezone(settings: Settings | None = None) -> str:
     """The nightly schedule's time zone (``[prefect] nightly_timezone``, UTC by default)."""
     settings = settings or load_settings()
@@ -126,8 +141,8 @@ def build_deployments(
     nightly_parameters: dict[str, Any] | None = None,
     paused_nightly: bool = False,
 ) -> list[RunnerDeployment]:
-    """The pipeline, the two nightlies, the reaper and the outputs gc (not yet registered). Call inside
-    :func:`in_repo_root`.
+    """The pipeline, the two nightlies, the reaper, the outputs gc and the daily digest (not yet
+    registered). Call inside :func:`in_repo_root`.
 
     ``paused_nightly`` registers every schedule paused (``make demo`` runs no runner to take them).
     """
@@ -135,6 +150,7 @@ def build_deployments(
     from prefect.deployments.runner import EntrypointType
     from prefect.schedules import Cron, Interval
 
+    from flows.digest import github_digest
     from flows.gc import collect_outputs
     from flows.nightly import nightly_replica
     from flows.pipeline import replica_pipeline
@@ -210,7 +226,21 @@ def build_deployments(
         concurrency_limit=one_at_a_time,
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
-    return [pipeline, nightly, drops, reaper, gc]
+    digest_schedule = digest_cron(settings)
+    digest = github_digest.to_deployment(
+        name=DIGEST_DEPLOYMENT,
+        description=(
+            "Post or update today's digest comment on each experiment issue with pipeline runs in the last "
+            "24 h: states, commits, failures, key metrics, predictions, verdicts, W&B runs, hours. "
+            "[prefect] digest_cron schedules it (07:00 UTC by default)."
+        ),
+        schedules=[Cron(digest_schedule, timezone=timezone)] if digest_schedule else None,
+        paused=paused_nightly,
+        tags=[*TAGS, "github"],
+        concurrency_limit=one_at_a_time,
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )
+    return [pipeline, nightly, drops, reaper, gc, digest]
 
 
 def apply_deployments(deployments: Iterable[RunnerDeployment], *, work_pool: str | None = None) -> dict[str, str]:
@@ -230,7 +260,9 @@ def serve_deployments(deployments: Iterable[RunnerDeployment], *, limit: int | N
 
 
 __all__ = [
+    "DEFAULT_DIGEST_CRON",
     "DEFAULT_DROPS_NIGHTLY_CRON",
+    "DIGEST_DEPLOYMENT",
     "DEFAULT_NIGHTLY_CRON",
     "DROPS_NIGHTLY_DEPLOYMENT",
     "GC_DEPLOYMENT",
@@ -239,6 +271,7 @@ __all__ = [
     "RECONCILE_DEPLOYMENT",
     "apply_deployments",
     "build_deployments",
+    "digest_cron",
     "gc_cron",
     "in_repo_root",
     "nightly_cron",

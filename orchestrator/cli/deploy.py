@@ -47,11 +47,13 @@ def deploy(
     paused_nightly: bool = typer.Option(False, "--paused-nightly", help="Register every schedule paused."),
 ) -> None:
     """Create or update the ``replica-pipeline/replica``, ``nightly-replica/nightly``,
-    ``nightly-replica/nightly-drops``, ``lineage-reconcile/reconcile`` and ``outputs-gc/gc`` deployments."""
+    ``nightly-replica/nightly-drops``, ``lineage-reconcile/reconcile``, ``outputs-gc/gc`` and
+    ``github-digest/daily`` deployments."""
     from flows.deployments import (
         DEFAULT_DROPS_NIGHTLY_CRON,
         apply_deployments,
         build_deployments,
+        digest_cron,
         gc_cron,
         in_repo_root,
         reconcile_every,
@@ -82,6 +84,13 @@ def deploy(
         f"{gc_schedule} (UTC){paused}" if gc_schedule else "none (a dry run from the UI; [prefect] gc_cron sets one)"
     )
     console.print(f"outputs gc schedule: {gc_says}", highlight=False)
+    digest_schedule = digest_cron(settings)
+    digest_says = (
+        f"{digest_schedule} (UTC){paused}"
+        if digest_schedule
+        else "none (run it from the UI or `openlab github digest`; [prefect] digest_cron sets one)"
+    )
+    console.print(f"github digest schedule: {digest_says}", highlight=False)
     if work_pool is None:
         console.print("runs execute where the deployments are served: keep `openlab server` running", highlight=False)
 

@@ -396,6 +396,31 @@ def test_outputs_gc_deployment_is_a_dry_run_until_told_otherwise(
     assert len(gone) == 2 and all("openlab gc by" in (a.removed_reason or "") for a in gone)
 
 
+def test_github_digest_deployment_renders_each_active_issue(served: Served) -> None:
+    """`github-digest/daily` from the API, as a dry run (the runner's environment may hold a real token):
+    the served flow finds the issue's run in the window and puts the digest it would post in its artifact."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    from orchestrator.lineage.models import GithubDigest, GithubUpdate, utcnow
+    from tests.links.digest_runs import H, record_run
+
+    now = utcnow()
+    with LineageStore(served.db_url) as store:
+        record_run(store, "prun_served_digest", "lab/exp#77", started=now - 2 * H, ended=now - H, state="COMPLETED")
+    run = wait_flow_run(start_run("github-digest/daily", {"issues": ["lab/exp#77"], "dry_run": True}), 120)
+    assert run.state.is_completed(), (run.state, served.log()[-3000:])
+    with get_client(sync_client=True) as client:
+        (artifact,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]))
+        )
+    said = str(artifact.data)
+    assert artifact.key == "github-digest" and "| lab/exp#77 | dry run | `prun_served_digest` |" in said, said
+    assert f"<!-- openlab:digest={now:%Y-%m-%d} -->" in said
+    with LineageStore(served.db_url) as store:
+        assert store.list(GithubDigest) == [] and store.list(GithubUpdate) == [], "a dry run records nothing"
+
+
 def _flow_process(flow_run_id: Any) -> int | None:
     """The pid of the process running ``flow_run_id`` (the runner puts the id in its environment)."""
     from pathlib import Path

@@ -21,6 +21,7 @@ NIGHTLY = "nightly-replica/nightly"
 DROPS_NIGHTLY = "nightly-replica/nightly-drops"
 RECONCILE = "lineage-reconcile/reconcile"
 GC = "outputs-gc/gc"
+DIGEST = "github-digest/daily"
 
 
 def _cli(module: str, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -78,11 +79,25 @@ def test_deploy_registers_parameter_schema_and_nightly_cron(prefect_server: Pref
     assert {"include_failed", "failed_unused_for"} <= gc_params.keys()
     assert gc_params["include_failed"]["default"] is False, "failed runs' checkpoints stay unless asked"
 
+    # the daily digest on experiment issues: 07:00 UTC unless [prefect] digest_cron says otherwise
+    assert "github digest schedule: 0 7 * * * (UTC)" in done.stdout
+    with get_client(sync_client=True) as client:
+        digest = client.read_deployment_by_name(DIGEST)
+    (digest_schedule,) = digest.schedules
+    assert digest_schedule.schedule.cron == "0 7 * * *" and digest_schedule.schedule.timezone == "UTC"
+    assert {"since", "issues", "dry_run"} <= digest.parameter_openapi_schema["properties"].keys()
+    # one at a time, like the nightlies: a run due while the last still goes is cancelled, not queued
+    assert digest.global_concurrency_limit is not None and digest.global_concurrency_limit.limit == 1
+    assert digest.concurrency_options.collision_strategy == "CANCEL_NEW"
+
     # Registering again updates in place; the default cron is 02:00 UTC; [prefect] gc_cron schedules
-    # the gc, and the schedule's runs delete (the deployment's default stays a dry run)
-    again = _cli("deploy", "--api-url", prefect_server.api_url, env={**env, "OPENLAB_PREFECT__GC_CRON": "0 6 * * 0"})
+    # the gc, and the schedule's runs delete (the deployment's default stays a dry run); an empty
+    # [prefect] digest_cron keeps the digest registered for the UI, with no schedule
+    schedules = {"OPENLAB_PREFECT__GC_CRON": "0 6 * * 0", "OPENLAB_PREFECT__DIGEST_CRON": ""}
+    again = _cli("deploy", "--api-url", prefect_server.api_url, env={**env, **schedules})
     assert again.returncode == 0, again.stderr
     assert "outputs gc schedule: 0 6 * * 0 (UTC)" in again.stdout
+    assert "github digest schedule: none" in again.stdout
     with get_client(sync_client=True) as client:
         (schedule,) = client.read_deployment_by_name(NIGHTLY).schedules
         assert client.read_deployment_by_name(PIPELINE).id == pipeline.id
@@ -91,6 +106,8 @@ def test_deploy_registers_parameter_schema_and_nightly_cron(prefect_server: Pref
     (gc_schedule,) = gc.schedules
     assert gc_schedule.schedule.cron == "0 6 * * 0" and gc_schedule.parameters == {"dry_run": False}
     assert gc.parameters.get("dry_run", True) is True
+    with get_client(sync_client=True) as client:
+        assert client.read_deployment_by_name(DIGEST).schedules == []
 
 
 def test_deploy_errors_are_one_clear_line(prefect_server: PrefectServer, tmp_path: Path) -> None:
@@ -108,6 +125,11 @@ def test_deploy_errors_are_one_clear_line(prefect_server: PrefectServer, tmp_pat
     bad_gc = _cli("deploy", "--api-url", prefect_server.api_url, env={**env, "OPENLAB_PREFECT__GC_CRON": "weekly"})
     assert bad_gc.returncode == 2 and "Traceback" not in bad_gc.stderr
     assert "error: invalid cron 'weekly' ([prefect] gc_cron)" in bad_gc.stderr, bad_gc.stderr
+    bad_digest = _cli(
+        "deploy", "--api-url", prefect_server.api_url, env={**env, "OPENLAB_PREFECT__DIGEST_CRON": "daily"}
+    )
+    assert bad_digest.returncode == 2 and "Traceback" not in bad_digest.stderr
+    assert "error: invalid cron 'daily' ([prefect] digest_cron)" in bad_digest.stderr, bad_digest.stderr
     nobody = f"http://127.0.0.1:{free_port()}/api"
     down = _cli("deploy", "--api-url", nobody, env=env)
     assert down.returncode == 2 and "openlab server" in down.stderr and "Traceback" not in down.stderr
