@@ -121,14 +121,18 @@ def digest(
 ) -> None:
     """Post (or update) today's digest comment on each experiment issue with runs in the window.
 
-    One comment per issue and UTC day, edited when run again the same day; issues without a run in
-    the window get nothing. Without a token or network the digests are queued for `openlab github sync`.
+    One comment per issue and UTC day, edited when run again the same day; quiet issues get nothing.
+
+    Without a token or network the digests are queued for `openlab github sync`.
     """
     from orchestrator.cli.output import print_json
     from orchestrator.lineage.store import open_store
-    from orchestrator.links.digest import post_digests
-    from orchestrator.links.github import GithubLinkError
+    from orchestrator.links.digest import digest_window, post_digests
+    from orchestrator.links.github import GithubConfig, GithubLinkError, parse_issue_ref
 
+    digest_window(since)  # a mistyped --since or --issue is the error to report, before the store
+    for ref in issue:
+        parse_issue_ref(ref, GithubConfig.from_settings().repo)
     with open_store(create=False) as store:
         report = post_digests(store, since=since, issues=issue, dry_run=dry_run)
     if json_out:

@@ -309,7 +309,8 @@ def test_cli_dry_run_json_prints_bodies_and_sends_nothing(fake_github: FakeGitHu
         (["--issue", "lab/exp"], "malformed issue reference 'lab/exp'"),
     ],
 )
-def test_cli_bad_input_is_one_line_and_exit_2(fake_github: FakeGitHub, store: LineageStore, args, needle) -> None:
+def test_cli_bad_input_is_one_line_and_exit_2(fake_github: FakeGitHub, args, needle) -> None:
+    """Said as it is even where nothing was recorded yet (no lineage database to open)."""
     result = CliRunner().invoke(github_app, ["digest", *args])
     assert result.exit_code == 2
     [line] = result.stderr.strip().splitlines()
