@@ -131,8 +131,9 @@ def digest(
     from orchestrator.links.github import GithubConfig, GithubLinkError, parse_issue_ref
 
     digest_window(since)  # a mistyped --since or --issue is the error to report, before the store
+    default_repo = GithubConfig.from_settings().repo
     for ref in issue:
-        parse_issue_ref(ref, GithubConfig.from_settings().repo)
+        parse_issue_ref(ref, default_repo)
     with open_store(create=False) as store:
         report = post_digests(store, since=since, issues=issue, dry_run=dry_run)
     if json_out:

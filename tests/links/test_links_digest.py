@@ -327,3 +327,30 @@ def test_digest_relates_to_its_issue_in_lineage(
     [rel] = store.list(Relation, subject_id=rec.id)
     assert (rel.relation, rel.object_id, rel.role) == ("wasDerivedFrom", "lab/exp#8", "digest-on")
     assert store.find(rec.id).url == rec.url and rec.url.endswith(f"#issuecomment-{rec.comment_id}")
+
+
+# -- through a real pipeline run ----------------------------------------------------------------------
+def test_a_real_pipeline_run_is_digested_beside_its_card(
+    fake_github: FakeGitHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The toy pipeline (git repo, local jobs) with its issue: the digest finds the run through the link
+    the pipeline recorded, with the commit it captured and the jobs it ran, as a second comment."""
+    from orchestrator.lineage.store import open_store
+    from orchestrator.links.github import marker
+    from orchestrator.pipeline import RunOptions, run_pipeline
+    from tests.pipeline.toy import make_repo, toy_configs, toy_pipeline
+
+    monkeypatch.setenv("TOY_LEDGER", str(tmp_path / "ledger.txt"))
+    repo = make_repo(tmp_path)
+    result = run_pipeline(toy_pipeline(repo), toy_configs(), options=RunOptions(wait_poll=0.05, issue="lab/exp#7"))
+    assert result.ok, result.error
+    with open_store() as store:
+        [digest] = post_digests(store).digests
+    card, posted = fake_github.comments_on("lab/exp", 7)
+    assert card["body"].startswith(marker(result.pipeline_run.id))
+    body = posted["body"]
+    assert body.startswith(digest_marker(f"{utcnow():%Y-%m-%d}")) and digest.outcome == "created"
+    assert f"`{result.pipeline_run.id}`" in body and "COMPLETED" in body
+    assert "**Stages:** gen ✅ · upper ✅ · count ✅" in body
+    assert " toy stages" in body, "the commit's subject"
+    assert "**Used:** 3 job(s)" in body
