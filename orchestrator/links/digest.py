@@ -451,8 +451,7 @@ def post_digests(
     """
     linker = linker or GithubLinker(store, settings=settings)
     window = digest_window(since, until=until)
-    wanted = [parse_issue_ref(ref, linker.config.repo).id for ref in issues] or None
-    wanted = list(dict.fromkeys(wanted)) if wanted else None
+    wanted = list(dict.fromkeys(parse_issue_ref(ref, linker.config.repo).id for ref in issues)) or None
     digests = collect_digests(store, window, wanted)
     for digest in digests:
         digest.body = linker.scrub(render_digest(digest, linker.config.web_hosts))
