@@ -367,7 +367,7 @@ class GithubUpdate(SQLModel, table=True):
 
 
 class GithubDigest(LineageRecord, table=True):
-    """The one daily-digest comment on an experiment issue for one UTC day (migration 0008).
+    """The one daily-digest comment on an experiment issue for one UTC day (migration 0009).
 
     ``openlab github digest`` summarises the runs of an issue over a window (the last 24 h by
     default) in a comment dated by the window's end. Its id is derived from (issue, day), so

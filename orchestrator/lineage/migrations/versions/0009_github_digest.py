@@ -1,7 +1,7 @@
 """github digest: the one daily-digest comment per experiment issue and UTC day
 
-Revision ID: 0008
-Revises: 0007
+Revision ID: 0009
+Revises: 0008
 Create Date: 2026-12-05 09:00:00
 
 Written by hand for ``GithubDigest`` in :mod:`orchestrator.lineage.models` (``openlab github digest``).
@@ -13,8 +13,8 @@ import sqlalchemy as sa
 import sqlmodel
 from alembic import op
 
-revision = "0008"
-down_revision = "0007"
+revision = "0009"
+down_revision = "0008"
 branch_labels = None
 depends_on = None
 
