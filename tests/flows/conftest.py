@@ -135,6 +135,8 @@ def runner_env(server: PrefectServer, home: Path) -> dict[str, str]:
         }
     )
     env.pop("OPENLAB_DB_URL", None)
+    for secret in ("GITHUB_TOKEN", "WANDB_API_KEY"):  # served test flows never reach the real services
+        env.pop(secret, None)
     try:  # the runner starts before any test calls require_slurm(): hand it the test cluster's config now
         from tests.services import setting
 
