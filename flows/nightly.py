@@ -50,8 +50,25 @@ def nightly_verdict(pipeline_run_id: str, recipe: str, replica: str) -> dict[str
         logger.warning("could not publish the verdict artifact: %s", exc)
     (logger.error if not verdict.passed else logger.info)(verdict.message)
     events.nightly_verdict(pipeline_run_id, verdict.to_dict())
+    _report_on_github(pipeline_run_id)
     raise_for_verdict(verdict)
     return verdict.to_dict()
+
+
+def _report_on_github(pipeline_run_id: str) -> None:
+    """Open, update or close the recipe's regression issue ([github] repo); never fails the verdict."""
+    from orchestrator.lineage.store import LineageStore
+    from orchestrator.links.regressions import report_verdict
+
+    logger = get_run_logger()
+    try:
+        with LineageStore.open() as store:
+            report = report_verdict(store, pipeline_run_id)
+    except Exception as exc:  # noqa: BLE001 - the verdict is recorded; the issue is a courtesy
+        logger.warning("could not report the verdict on GitHub: %s", exc)
+        return
+    if report.action != "off":
+        (logger.warning if report.action in ("queued", "failed") else logger.info)(report.line())
 
 
 @flow(

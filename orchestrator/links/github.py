@@ -395,17 +395,25 @@ class GithubLinker:
                 rec = tx.update(rec, updated_at=utcnow(), **fields)
             return rec
 
-    def _queue_id(self, action: str, ref: IssueRef, key: str | None) -> str:
-        """``<action>:<issue>:<key>``, the key being the pipeline run (a card) or the day (a digest)."""
-        return f"{action}:{ref.id}:{key or '-'}"
+    def _queue_id(self, action: str, ref: IssueRef, key: str | None, issue_id: str | None = None) -> str:
+        """``<action>:<issue>:<key>``, the key being the pipeline run (a card) or the day (a digest);
+        ``issue_id`` replaces the issue for an update about a repository (a regression issue to find)."""
+        return f"{action}:{issue_id or ref.id}:{key or '-'}"
 
     def _enqueue(
-        self, action: str, ref: IssueRef, pipeline_run_id: str | None, failure: _Failure, *, key: str | None = None
+        self,
+        action: str,
+        ref: IssueRef,
+        pipeline_run_id: str | None,
+        failure: _Failure,
+        *,
+        key: str | None = None,
+        issue_id: str | None = None,
     ) -> None:
-        qid = self._queue_id(action, ref, key or pipeline_run_id)
+        qid = self._queue_id(action, ref, key or pipeline_run_id, issue_id)
         with self.store.transaction() as tx:
             entry = tx.session.get(GithubUpdate, qid) or GithubUpdate(
-                id=qid, action=action, issue_id=ref.id, pipeline_run_id=pipeline_run_id
+                id=qid, action=action, issue_id=issue_id or ref.id, pipeline_run_id=pipeline_run_id
             )
             entry.state = "pending" if failure.retryable else "failed"
             entry.attempts += 1
@@ -414,8 +422,16 @@ class GithubLinker:
             entry.updated_at = utcnow()
             tx.session.add(entry)
 
-    def _mark_done(self, action: str, ref: IssueRef, pipeline_run_id: str | None, *, key: str | None = None) -> None:
-        qid = self._queue_id(action, ref, key or pipeline_run_id)
+    def _mark_done(
+        self,
+        action: str,
+        ref: IssueRef,
+        pipeline_run_id: str | None,
+        *,
+        key: str | None = None,
+        issue_id: str | None = None,
+    ) -> None:
+        qid = self._queue_id(action, ref, key or pipeline_run_id, issue_id)
         with self.store.transaction() as tx:
             entry = tx.session.get(GithubUpdate, qid)
             if entry is not None and entry.state != "done":
@@ -661,8 +677,16 @@ class GithubLinker:
             if not_before is not None and not_before > now:
                 report.deferred += 1
                 continue
-            ref = parse_issue_ref(entry.issue_id)
-            if entry.action == "resolve":
+            if entry.action == "regression":  # about a repository: its regression issue may not exist yet
+                from orchestrator.links.regressions import resend
+
+                resend(self, entry)
+                ref = None
+            else:
+                ref = parse_issue_ref(entry.issue_id)
+            if ref is None:
+                pass
+            elif entry.action == "resolve":
                 self.resolve(ref)
             elif entry.action == "publish" and entry.pipeline_run_id:
                 self.publish(entry.pipeline_run_id, issue_id=ref.id)

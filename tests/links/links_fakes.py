@@ -48,8 +48,20 @@ class FakeGitHub:
         self.server.expect_request(re.compile(r"^/api/v3/.*")).respond_with_handler(self.handle)
 
     # -- state helpers -------------------------------------------------------------------------
-    def add_issue(self, repo: str, number: int, title: str = "Experiment", state: str = "open", labels=()) -> None:
-        self.issues[(repo, number)] = {"title": title, "state": state, "labels": list(labels)}
+    def add_issue(
+        self, repo: str, number: int, title: str = "Experiment", state: str = "open", labels=(), body: str = ""
+    ) -> None:
+        self.issues[(repo, number)] = {
+            "title": title,
+            "state": state,
+            "labels": list(labels),
+            "body": body,
+            "state_reason": None,
+        }
+
+    def issues_in(self, repo: str) -> list[dict[str, Any]]:
+        """Every issue of ``repo`` as GitHub's JSON, oldest first."""
+        return [self._issue(r, n) for (r, n) in sorted(self.issues) if r == repo]
 
     def add_comment(self, repo: str, number: int, body: str) -> int:
         cid = self.next_id
@@ -79,7 +91,9 @@ class FakeGitHub:
             "id": number,
             "number": number,
             "title": data["title"],
+            "body": data.get("body") or None,
             "state": data["state"],
+            "state_reason": data.get("state_reason"),
             "labels": [self._label(repo, n) for n in data["labels"]],
             "url": url,
             "comments_url": f"{url}/comments",
@@ -123,6 +137,9 @@ class FakeGitHub:
             if (repo, number) not in self.issues:
                 return self._json(404, {"message": "Not Found"})
             return self._issue_route(request, repo, number, rest)
+        m = re.fullmatch(r"/repos/([^/]+/[^/]+)/issues", path)
+        if m:
+            return self._repo_issues(request, m.group(1))
         m = re.fullmatch(r"/repos/([^/]+/[^/]+)/issues/comments/(\d+)", path)
         if m:
             cid = int(m.group(2))
@@ -133,10 +150,43 @@ class FakeGitHub:
             return self._json(200, self._comment(cid))
         return self._json(404, {"message": "Not Found"})
 
+    def _repo_issues(self, request: Request, repo: str) -> Response:
+        """``GET /repos/R/issues`` (``state``, ``labels`` filters; one page: tests stay small) and
+        ``POST /repos/R/issues`` (title, body, labels)."""
+        if repo in self.disabled:
+            return self._json(410, {"message": "Issues are disabled for this repo"})
+        if request.method == "POST":
+            data = request.get_json()
+            if not data.get("title"):
+                return self._json(
+                    422, {"message": "Validation Failed", "errors": [{"field": "title", "code": "missing"}]}
+                )
+            number = max([n for (r, n) in self.issues if r == repo], default=0) + 1
+            self.add_issue(repo, number, data["title"], labels=data.get("labels") or [], body=data.get("body") or "")
+            return self._json(201, self._issue(repo, number))
+        state = request.args.get("state", "open")
+        wanted = [w for w in request.args.get("labels", "").split(",") if w]
+        found = [
+            i
+            for i in self.issues_in(repo)
+            if (state == "all" or i["state"] == state) and all(w in [lb["name"] for lb in i["labels"]] for w in wanted)
+        ]
+        return self._json(200, list(reversed(found)))  # newest first, as GitHub sorts by default
+
     def _issue_route(self, request: Request, repo: str, number: int, rest: str) -> Response:
         method = request.method
         issue = self.issues[(repo, number)]
         if rest == "" and method == "GET":
+            return self._json(200, self._issue(repo, number))
+        if rest == "" and method == "PATCH":
+            data = request.get_json()
+            if "state" in data and data["state"] not in ("open", "closed"):
+                return self._json(
+                    422, {"message": "Validation Failed", "errors": [{"field": "state", "code": "invalid"}]}
+                )
+            for key in ("title", "body", "state", "state_reason"):
+                if key in data:
+                    issue[key] = data[key]
             return self._json(200, self._issue(repo, number))
         if rest == "/comments" and method == "GET":
             page = int(request.args.get("page", "1"))

@@ -1,0 +1,113 @@
+"""A nightly that regresses opens a GitHub issue, a still-red one comments on it, the next good one
+closes it. Verdicts come from the real nightly comparison over planted runs; GitHub is the local
+fake speaking its REST JSON."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from orchestrator.lineage.models import GithubIssue, GithubUpdate, PipelineRun, Relation
+from orchestrator.lineage.store import LineageStore
+from orchestrator.links.github import GithubLinker
+from orchestrator.links.regressions import regression_marker, report_verdict
+from orchestrator.nightly import evaluate_nightly
+from tests.flows.test_nightly_library import TOLERANCES, plant_run
+from tests.links.links_fakes import TOKEN, FakeGitHub
+
+GOOD, BAD, WORSE, FIXED = "a" * 40, "b" * 40, "c" * 40, "d" * 40
+
+
+def _nightly(store: LineageStore, sha: str, loss: float, minutes: int) -> PipelineRun:
+    """A finished nightly at ``sha`` whose eval loss is ``loss``, judged (and recorded) as the flow does."""
+    run = plant_run(store, sha, loss, 0.03, minutes=minutes)
+    evaluate_nightly(store, run.id, TOLERANCES)
+    return store.require(PipelineRun, run.id)
+
+
+def _regression_issues(fake: FakeGitHub) -> list[dict]:
+    return [i for i in fake.issues_in("lab/exp") if "openlab:regression" in [lb["name"] for lb in i["labels"]]]
+
+
+def test_a_regression_opens_one_issue_that_the_next_good_nightly_closes(
+    fake_github: FakeGitHub, store: LineageStore
+) -> None:
+    baseline = _nightly(store, GOOD, 2.00, 0)
+    assert report_verdict(store, baseline.id).action == "none", "a baseline says nothing"
+    bad = _nightly(store, BAD, 2.30, 1)
+
+    opened = report_verdict(store, bad.id)
+    assert opened.action == "opened" and opened.issue_id == "lab/exp#8", opened
+    (issue,) = _regression_issues(fake_github)
+    assert issue["title"] == "Nightly regression: marin-535b-a23b/tiny: eval/loss"
+    body = issue["body"]
+    assert regression_marker("marin-535b-a23b", "tiny") in body
+    assert "| `eval/loss` ❌ | 2.0 | 2.3 |" in body
+    assert f"{fake_github.web}/lab/exp/compare/{GOOD[:12]}...{BAD[:12]}" in body
+    assert f"`openlab lineage diff {baseline.id} {bad.id}`" in body
+    assert TOKEN not in body
+
+    assert report_verdict(store, bad.id).action == "already", "the same verdict twice changes nothing"
+    worse = _nightly(store, WORSE, 2.40, 2)
+    assert report_verdict(store, worse.id).action == "commented"
+    assert len(_regression_issues(fake_github)) == 1, "still one issue"
+    (still,) = fake_github.comments_on("lab/exp", 8)
+    assert still["body"].splitlines()[1].startswith(f"**Still regressed** at commit `{WORSE[:12]}`")
+    assert "| `eval/loss` ❌ | 2.0 | 2.4 |" in still["body"], "judged against the last good nightly"
+
+    fixed = _nightly(store, FIXED, 2.01, 3)
+    closed = report_verdict(store, fixed.id)
+    assert closed.action == "closed" and closed.issue_id == "lab/exp#8"
+    (issue,) = _regression_issues(fake_github)
+    assert (issue["state"], issue["state_reason"]) == ("closed", "completed")
+    assert fake_github.comments_on("lab/exp", 8)[-1]["body"].splitlines()[1].startswith("**Passed again**")
+    assert report_verdict(store, _nightly(store, FIXED, 2.0, 4).id).action == "none", "nothing open: nothing said"
+
+    # in lineage: the issue, and each run that reported to it
+    recorded = store.require(GithubIssue, "lab/exp#8")
+    assert recorded.state == "closed" and recorded.url and recorded.url.endswith("/lab/exp/issues/8")
+    linked = store.list(Relation, where=[Relation.object_id == "lab/exp#8", Relation.role == "regression"])
+    assert {r.subject_id for r in linked} == {bad.id, worse.id, fixed.id}
+
+    # a new regression after the close is a new issue
+    again = report_verdict(store, _nightly(store, BAD, 2.5, 5).id)
+    assert again.action == "opened" and again.issue_id == "lab/exp#9"
+
+
+def test_another_replicas_open_issue_is_not_this_ones(fake_github: FakeGitHub, store: LineageStore) -> None:
+    fake_github.add_issue(
+        "lab/exp", 8, "Nightly regression: x/y", labels=["openlab:regression"], body=regression_marker("x", "y")
+    )
+    _nightly(store, GOOD, 2.0, 0)
+    report = report_verdict(store, _nightly(store, BAD, 2.3, 1).id)
+    assert report.action == "opened" and report.issue_id == "lab/exp#9"
+    assert fake_github.comments_on("lab/exp", 8) == []
+
+
+def test_without_a_token_the_report_is_queued_and_sync_sends_it_once(
+    fake_github: FakeGitHub, store: LineageStore, monkeypatch
+) -> None:
+    _nightly(store, GOOD, 2.0, 0)
+    bad = _nightly(store, BAD, 2.3, 1)
+    monkeypatch.delenv("GITHUB_TOKEN")
+    queued = report_verdict(store, bad.id)
+    assert queued.action == "queued" and "no GitHub token" in (queued.error or "")
+    (entry,) = store.list(GithubUpdate, state="pending")
+    assert (entry.action, entry.issue_id, entry.pipeline_run_id) == ("regression", "lab/exp", bad.id)
+    assert fake_github.requests == []
+
+    monkeypatch.setenv("GITHUB_TOKEN", TOKEN)
+    linker = GithubLinker(store)
+    report = linker.sync()
+    assert (report.sent, report.failed, report.pending) == (1, 0, 0), report
+    assert len(_regression_issues(fake_github)) == 1
+    assert linker.sync().sent == 0 and len(_regression_issues(fake_github)) == 1, "sent once"
+
+
+def test_turned_off_or_without_a_repository_nothing_is_asked(
+    fake_github: FakeGitHub, store: LineageStore, openlab_env: Path
+) -> None:
+    _nightly(store, GOOD, 2.0, 0)
+    bad = _nightly(store, BAD, 2.3, 1)
+    openlab_env.write_text(openlab_env.read_text() + "regression_issues = false\n")
+    assert report_verdict(store, bad.id).action == "off"
+    assert fake_github.requests == [] and _regression_issues(fake_github) == []
