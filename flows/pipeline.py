@@ -290,6 +290,13 @@ def run_replica(
         )
         ctx = start_recipe(resolved, options=options, settings=settings, repo_root=repo_root)
         logger.info("pipeline run %s: %s on %s (commit %s)", ctx.id, ctx.pipeline_run.name, backend, ctx.commit.id[:12])
+        if ctx.pipeline_run.params.get("retry_of"):
+            logger.info(
+                "this flow run is retried: pipeline run %s retries %s (completed stages are reused, a training "
+                "stage resumes from its checkpoint)",
+                ctx.id,
+                ctx.pipeline_run.params["retry_of"],
+            )
         run_stages_as_tasks(ctx, retries=_stage_retries(), watcher=watcher)
         summary = {
             "pipeline_run_id": ctx.id,

@@ -291,6 +291,8 @@ def render_pipeline(view: PipelineView, github_hosts: Iterable[str] = DEFAULT_GI
         facts.append(f"**Backend:** `{run.backend}`")
     if run.trigger:
         facts.append(f"**Trigger:** {run.trigger}")
+    if (run.params or {}).get("retry_of"):
+        facts.append(f"**Retry of:** `{run.params['retry_of']}`")
     facts.append(f"**Started:** {run.started_at:%Y-%m-%d %H:%M:%S} UTC")
     if run.ended_at:
         facts.append(f"**Ended:** {run.ended_at:%Y-%m-%d %H:%M:%S} UTC")

@@ -473,6 +473,9 @@ def _open_pipeline_run(
         params["stage_backends"] = stage_backends
     if recipe is not None:
         params["recipe"] = recipe.lineage()
+    retried = _retried_run(store, options.flow_run_id)
+    if retried is not None:
+        params["retry_of"] = retried.id
     run_id = new_id(PipelineRun.id_prefix)
     lease = leases.try_hold(
         store,
@@ -500,6 +503,8 @@ def _open_pipeline_run(
             )
             tx.relate("wasAssociatedWith", run, commit, role="code")
             tx.relate("wasAssociatedWith", run, environment, role="environment")
+            if retried is not None:
+                tx.relate("wasInformedBy", run, retried, role="retry-of")
     except BaseException:
         if lease is not None:
             lease.release()
@@ -536,6 +541,21 @@ def _open_pipeline_run(
         publish_issue_card(ctx)
     log.info("pipeline run %s started (%s, backend %s)", run.id, run.name, options.backend)
     return ctx
+
+
+def _retried_run(store: LineageStore, flow_run_id: str | None) -> PipelineRun | None:
+    """The pipeline run an earlier execution of the same Prefect flow run made, if any.
+
+    Prefect retries a flow run in place (the UI's *Retry* on a failed run, a flow's own
+    ``retries``): the same flow run id executes again and starts a new pipeline run. Linking the
+    two (``params.retry_of`` and ``wasInformedBy``, role ``retry-of``) keeps the recovery from
+    reading as a new, unrelated run; what the retry reuses (completed stages) and resumes (a
+    training stage's checkpoint, by identity) follows from the stage identities as always.
+    """
+    if not flow_run_id:
+        return None
+    earlier = store.list(PipelineRun, flow_run_id=flow_run_id, order_by=col(PipelineRun.started_at).desc(), limit=1)
+    return earlier[0] if earlier else None
 
 
 def pipeline_state(ctx: PipelineContext) -> str:

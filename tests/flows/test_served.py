@@ -421,6 +421,48 @@ def test_github_digest_deployment_renders_each_active_issue(served: Served) -> N
         assert store.list(GithubDigest) == [] and store.list(GithubUpdate) == [], "a dry run records nothing"
 
 
+def test_a_flow_run_retried_from_the_ui_is_linked_to_the_run_it_retries(served: Served) -> None:
+    """A run fails (its data path is missing); the path is fixed and the flow run is retried in place, as
+    the UI's Retry button does (AwaitingRetry). The retry's pipeline run names the failed one it retries,
+    in its params and as a PROV relation, instead of reading as a new, unrelated run."""
+    from prefect import get_client
+    from prefect.states import AwaitingRetry
+
+    from orchestrator.lineage.models import Relation
+    from orchestrator.pipeline.dag import REPO_ROOT
+
+    corpus = served.home / "retry-corpus"
+    recipe = served.home / "retry-recipe.yaml"
+    original = (REPO_ROOT / "recipes" / "marin-535b-a23b.yaml").read_text()
+    assert '    code: "stdlib:code"' in original
+    recipe.write_text(original.replace('    code: "stdlib:code"', f'    code: "path:{corpus}/*.txt"'))
+    flow_run_id = start_run(
+        "replica-pipeline/replica", {"recipe": str(recipe), "replica": "tiny", "backend": "local", "until": "data"}
+    )
+    first = wait_flow_run(flow_run_id, 180)
+    assert first.state.is_failed(), first.state
+
+    corpus.mkdir()
+    for i in range(40):
+        (corpus / f"part{i}.txt").write_text(f"def f{i}(x):\n    return x * {i}  # corpus line {i}\n" * 50)
+    with get_client(sync_client=True) as client:
+        accepted = client.set_flow_run_state(flow_run_id, AwaitingRetry(message="retried from the UI"))
+        assert accepted.status.value == "ACCEPT", accepted
+    second = wait_flow_run(flow_run_id, 180)
+    assert second.state.is_completed(), (second.state, served.log()[-3000:])
+
+    with LineageStore(served.db_url) as store:
+        failed, retry = store.list(PipelineRun, flow_run_id=str(flow_run_id), order_by=PipelineRun.started_at)
+        assert (failed.state, retry.state) == ("FAILED", "COMPLETED")
+        assert retry.params["retry_of"] == failed.id and "retry_of" not in failed.params
+        (link,) = store.list(Relation, where=[Relation.subject_id == retry.id, Relation.role == "retry-of"])
+        assert (link.relation, link.object_id) == ("wasInformedBy", failed.id)
+    from orchestrator.cards import pipeline_card
+
+    with LineageStore(served.db_url) as store:
+        assert f"**Retry of:** `{failed.id}`" in pipeline_card(store, retry.id)
+
+
 def _flow_process(flow_run_id: Any) -> int | None:
     """The pid of the process running ``flow_run_id`` (the runner puts the id in its environment)."""
     from pathlib import Path
