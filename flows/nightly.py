@@ -49,14 +49,19 @@ def nightly_verdict(pipeline_run_id: str, recipe: str, replica: str) -> dict[str
     except Exception as exc:  # noqa: BLE001 - the verdict is in lineage either way
         logger.warning("could not publish the verdict artifact: %s", exc)
     (logger.error if not verdict.passed else logger.info)(verdict.message)
-    events.nightly_verdict(pipeline_run_id, verdict.to_dict())
-    _report_on_github(pipeline_run_id)
+    issue_url = _report_on_github(pipeline_run_id)
+    payload = verdict.to_dict()
+    if issue_url:
+        payload["regression_issue"] = issue_url  # an Automation's Slack message can link it
+    events.nightly_verdict(pipeline_run_id, payload)
     raise_for_verdict(verdict)
     return verdict.to_dict()
 
 
-def _report_on_github(pipeline_run_id: str) -> None:
-    """Open, update or close the recipe's regression issue ([github] repo); never fails the verdict."""
+def _report_on_github(pipeline_run_id: str) -> str | None:
+    """Open, update or close the recipe's regression issue ([github] repo); its URL, if any.
+
+    Never fails the verdict: the verdict is recorded already, the issue is a courtesy."""
     from orchestrator.lineage.store import LineageStore
     from orchestrator.links.regressions import report_verdict
 
@@ -66,9 +71,10 @@ def _report_on_github(pipeline_run_id: str) -> None:
             report = report_verdict(store, pipeline_run_id)
     except Exception as exc:  # noqa: BLE001 - the verdict is recorded; the issue is a courtesy
         logger.warning("could not report the verdict on GitHub: %s", exc)
-        return
+        return None
     if report.action != "off":
         (logger.warning if report.action in ("queued", "failed") else logger.info)(report.line())
+    return report.url
 
 
 @flow(

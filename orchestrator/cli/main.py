@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from orchestrator.cli import backends, core, deploy, gc, github, job, lineage, run, server, wandb
+from orchestrator.cli import adopt, backends, core, deploy, gc, github, job, lineage, run, server, wandb
 from orchestrator.errors import OpenlabError
 
 app = typer.Typer(
@@ -25,6 +25,7 @@ app.command("snapshot")(core.snapshot_cmd)
 app.command("provenance")(core.provenance_cmd)
 app.command("run")(run.run)
 app.command("explain")(run.explain)
+app.command("adopt")(adopt.adopt_cmd)
 app.command("gc")(gc.gc_cmd)
 app.add_typer(lineage.app, name="lineage")
 app.add_typer(job.app, name="job")

@@ -47,7 +47,7 @@ def describe(record: Any) -> str:
         host = f" host={record.host}" if record.host else ""
         return f"#{record.number} {record.backend} job={record.job_id} {record.state} exit={record.exit_code}{host}"
     if kind == "snapshot":
-        return f"{record.path} files={record.files} bytes={record.bytes}"
+        return f"{record.path} files={record.files} bytes={record.bytes}{_removed(record)}"
     if kind == "commit":  # the id is the sha (plus the patch hash when dirty): say what it does not
         where = " ".join(x for x in (record.branch, record.remote_url) if x)
         first_line = (record.message or "").strip().splitlines()[:1]
@@ -57,12 +57,23 @@ def describe(record: Any) -> str:
         gpu = f" gpu={record.gpu}" if record.gpu else ""
         return f"python {record.python} on {record.hostname} ({record.platform}){gpu}{image}"
     if kind == "artifact":
-        return f"{record.name} {record.content_hash[:12]} {record.uri}"
+        return f"{record.name} {record.content_hash[:12]} {record.uri}{_removed(record)}"
     if kind == "github_issue":
         return f"{record.title or ''} ({record.state or 'unresolved'})"
     if kind == "wandb_run":
         return f"{record.mode} {record.url or record.local_dir or ''}".rstrip()
+    if kind == "github_comment":
+        return f"card comment on {record.issue_id} {record.url or '(not posted yet)'}"
+    if kind == "github_digest":
+        return f"digest of {record.day} on {record.issue_id} {record.url or '(not posted yet)'}"
     return ""
+
+
+def _removed(record: Any) -> str:
+    """`` (removed 2026-12-05: why)`` for a record whose bytes openlab deleted or replaced, else ``""``."""
+    if record.removed_at is None:
+        return ""
+    return f" (removed {record.removed_at:%Y-%m-%d}: {record.removed_reason or 'no reason recorded'})"
 
 
 @dataclass

@@ -512,6 +512,9 @@ def test_a_forced_rerun_marks_what_it_replaced_and_verify_stays_clean(
         f"replaced by a forced re-run of the same identity: stage run {forced.results['gen'].stage_run_id} "
         f"of {forced.pipeline_run.id}"
     )
+    from orchestrator.lineage.trace import describe
+
+    assert describe(replaced).endswith(f"(removed {replaced.removed_at:%Y-%m-%d}: {replaced.removed_reason})")
     old_snap, new_snap = (store.require(DataSnapshot, o["snapshot_id"]) for o in (old, new))
     assert old_snap.removed_at is not None and old_snap.removed_reason == replaced.removed_reason
     assert new_snap.removed_at is None and store.require(Artifact, new["artifact_id"]).removed_at is None

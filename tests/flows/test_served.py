@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from orchestrator.lineage import Attempt, Commit, LineageStore, PipelineRun, StageRun
+from orchestrator.lineage.models import GithubUpdate
 from tests.flows.conftest import Served, openlab_events, require_service, wait_flow_run
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
@@ -133,7 +134,13 @@ def test_nightly_flow_fails_on_planted_regression_and_records_verdict(served: Se
             assert first.state.is_completed(), first.state.message
         planted = _plant_better_nightly(store, 0.5)
     params = {"recipe": "marin-535b-a23b", "replica": "tiny", "backend": "local", "git_ref": "HEAD"}
-    bad = wait_flow_run(start_run("nightly-replica/nightly", params), 240)
+    config = served.home / "openlab.toml"
+    defaults = config.read_text()
+    config.write_text(defaults + '\n[github]\nrepo = "lab/nightly"\n')  # where regression issues go
+    try:
+        bad = wait_flow_run(start_run("nightly-replica/nightly", params), 240)
+    finally:
+        config.write_text(defaults)
     assert bad.state.is_failed()
     message = bad.state.message or ""
     assert "/loss" in message and "0123456789ab" in message and "regression" in message, message
@@ -143,6 +150,9 @@ def test_nightly_flow_fails_on_planted_regression_and_records_verdict(served: Se
         regressed = openlab_events(bad.id, {"openlab.nightly.regressed"})["openlab.nightly.regressed"]
         assert regressed.resource.id == f"openlab.pipeline-run.{run.id}"
         assert any(c["regressed"] and c["metric"].endswith("/loss") for c in regressed.payload["checks"])
+        # the regression issue: the runner has no token, so the report waits in the queue for `github sync`
+        (queued,) = store.list(GithubUpdate, action="regression", pipeline_run_id=run.id)
+        assert queued.issue_id == "lab/nightly" and "no GitHub token" in (queued.last_error or ""), queued
         # An unchanged nightly against an equal baseline passes, and is recorded too.
         with store.transaction() as tx:
             tx.update(store.require(PipelineRun, planted.id), verdict={"status": "regressed"})

@@ -1,0 +1,94 @@
+"""`openlab adopt`: a corpus built outside openlab becomes the data stage's output of a replica, the
+next run reuses it and tokenizes it, and what openlab refuses is refused before anything is recorded.
+Real workload stages, real SQLite, the command as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from orchestrator.lineage import Artifact, DataSnapshot, LineageStore, PipelineRun, StageRun
+
+TINY = ("marin-535b-a23b", "--replica", "tiny")
+
+
+def _corpus_made_elsewhere(run_cli, tmp_path: Path) -> Path:
+    """A corpus built by the data stage under another OPENLAB_HOME: a lab's existing data."""
+    elsewhere = tmp_path / "elsewhere"
+    made = run_cli("run", *TINY, "--until", "data", "--json", env={"OPENLAB_HOME": str(elsewhere)})
+    assert made.returncode == 0, made.stderr[-2000:]
+    (folder,) = [p for p in (elsewhere / "artifacts" / "data").iterdir() if p.is_dir()]
+    corpus = tmp_path / "our-corpus"
+    shutil.copytree(folder, corpus)
+    return corpus
+
+
+def test_an_adopted_corpus_is_reused_by_the_next_run(run_cli, openlab_home: Path, tmp_path: Path) -> None:
+    corpus = _corpus_made_elsewhere(run_cli, tmp_path)
+    refused = run_cli("adopt", *TINY, "--stage", "tokenize", str(corpus))
+    assert refused.returncode == 2 and "stage data, which tokenize is built on, has no completed outputs" in (
+        refused.stderr
+    ), refused.stderr
+    assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    with LineageStore.open() as store:
+        assert store.list(PipelineRun) == [], "a refusal records nothing"
+
+    adopted = run_cli("adopt", *TINY, "--stage", "data", str(corpus), "--json")
+    assert adopted.returncode == 0, adopted.stderr[-2000:]
+    said = json.loads(adopted.stdout)
+    assert said["adopted_from"] == str(corpus.resolve()) and corpus.is_dir(), "copied, the source left alone"
+    with LineageStore.open() as store:
+        run = store.require(PipelineRun, said["pipeline_run_id"])
+        assert (run.trigger, run.state, run.params["adopt"]["source"]) == ("adopt", "COMPLETED", str(corpus.resolve()))
+        stage = store.require(StageRun, said["stage_run_id"])
+        assert stage.state == "COMPLETED" and stage.outputs["out"]["adopted_by"] == run.params["adopt"]["by"]
+        art = store.require(Artifact, stage.outputs["out"]["artifact_id"])
+        assert art.uri == said["path"] and Path(art.uri).is_dir()
+        assert store.get(DataSnapshot, stage.outputs["out"]["snapshot_id"]) is not None, "a data stage's snapshot"
+        assert len(store.list(PipelineRun)) == 1
+
+    again = run_cli("adopt", *TINY, "--stage", "data", str(corpus))
+    assert again.returncode == 2 and "already has completed outputs" in again.stderr, again.stderr
+
+    tokenized = run_cli("run", *TINY, "--until", "tokenize", "--json")
+    assert tokenized.returncode == 0, tokenized.stderr[-2000:]
+    stages = {s["stage"]: s for s in json.loads(tokenized.stdout)["stages"]}
+    assert stages["data"]["state"] == "REUSED" and stages["data"]["reused_from"] == said["stage_run_id"]
+    assert stages["tokenize"]["state"] == "COMPLETED", stages["tokenize"]
+    verified = run_cli("lineage", "verify")
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
+def test_a_failed_recording_puts_a_moved_folder_back(
+    run_cli, openlab_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--move renames the user's folder into openlab's outputs; if recording it then fails, the folder
+    goes back where it was and no stage run claims anything (the adoption's pipeline run says FAILED)."""
+    from orchestrator.pipeline import adopt as adopt_module
+    from orchestrator.pipeline.execute import RunOptions, finish_pipeline, output_dir, start_recipe
+    from orchestrator.recipes import resolve
+
+    corpus = _corpus_made_elsewhere(run_cli, tmp_path)
+    files = sorted(p.relative_to(corpus) for p in corpus.rglob("*"))
+    ctx = start_recipe(resolve("marin-535b-a23b", "tiny").until("data"), options=RunOptions(trigger="adopt"))
+
+    def fail(*_args: object, **_kwargs: object) -> None:
+        raise RuntimeError("the database went away")
+
+    monkeypatch.setattr(adopt_module, "_record", fail)
+    with pytest.raises(RuntimeError, match="database went away"):
+        adopt_module.adopt_stage(ctx, "data", corpus, move=True)
+    finish_pipeline(ctx, "FAILED", "test")
+    assert sorted(p.relative_to(corpus) for p in corpus.rglob("*")) == files, "the user's folder is back, whole"
+    digest = adopt_module.stage_identity(ctx, ctx.pipeline.stage("data"), {}).digest
+    out = output_dir(ctx.settings, "data", digest)
+    assert not out.exists() and not list(out.parent.glob(f".{out.name}.*")), "nothing left in openlab's outputs"
+    assert ctx.store.list(StageRun, pipeline_run_id=ctx.id) == []
+
+    monkeypatch.undo()
+    moved = run_cli("adopt", *TINY, "--stage", "data", str(corpus), "--move", "--json")
+    assert moved.returncode == 0, moved.stderr[-2000:]
+    assert not corpus.exists() and Path(json.loads(moved.stdout)["path"]).is_dir()
