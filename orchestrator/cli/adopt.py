@@ -12,9 +12,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-from orchestrator.cli.output import console, print_json
+from orchestrator.cli.output import byte_progress, console, print_json
 from orchestrator.cli.run import JsonFlag, RecipeArg, ReplicaOpt
 
 
@@ -58,15 +57,7 @@ def adopt_cmd(
         if json_out or not console.is_terminal:
             result = adopt_stage(ctx, stage, path, move=move)
         else:
-            with Progress(
-                "[progress.description]{task.description}",
-                BarColumn(),
-                DownloadColumn(),
-                TransferSpeedColumn(),
-                TimeRemainingColumn(),
-                console=console,
-                transient=True,
-            ) as bar:
+            with byte_progress() as bar:
                 task = bar.add_task(f"copying {source}", total=None)
                 result = adopt_stage(
                     ctx,

@@ -7,9 +7,8 @@ from typing import Annotated
 
 import typer
 from rich.markup import escape
-from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-from orchestrator.cli.output import console, print_json
+from orchestrator.cli.output import byte_progress, console, print_json
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object for scripts.")]
 
@@ -29,15 +28,7 @@ def snapshot_cmd(
     if json_out or not console.is_terminal:
         snap = snapshot(path, settings=settings)
     else:
-        with Progress(
-            "[progress.description]{task.description}",
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            TimeRemainingColumn(),
-            console=console,
-            transient=True,
-        ) as bar:
+        with byte_progress() as bar:
             task = bar.add_task(f"hashing {path}", total=None)
 
             def report(done: int, total: int) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
 console = Console()
 err_console = Console(stderr=True)
@@ -34,3 +35,16 @@ def describe_task(end: Mapping[str, Any]) -> str:
     where = f" on {end['host']}" if end.get("host") else ""
     why = f" ({end['reason']})" if end.get("reason") else ""
     return f"{end.get('state')}{exit_code}{where}{why}"
+
+
+def byte_progress() -> Progress:
+    """A transient bar for work measured in bytes (hashing or copying a large folder)."""
+    return Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+    )

@@ -25,10 +25,8 @@ says it was adopted and from where, which is what an auditor needs to weigh it.
 
 from __future__ import annotations
 
-import getpass
 import os
 import shutil
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,7 +35,7 @@ from typing import Any
 from orchestrator.errors import ConfigError, OpenlabError
 from orchestrator.lineage import leases
 from orchestrator.lineage.models import Artifact, StageRun, new_id, utcnow
-from orchestrator.lineage.record import live_records_at, mark_removed, record_snapshot
+from orchestrator.lineage.record import live_records_at, mark_removed
 from orchestrator.pipeline.execute import (
     PipelineContext,
     StageResult,
@@ -47,9 +45,11 @@ from orchestrator.pipeline.execute import (
     find_reusable,
     hash_output,
     output_dir,
+    record_outputs,
     stage_identity,
 )
 from orchestrator.pipeline.gc import folder_bytes
+from orchestrator.provenance.environment import user_at_host
 
 #: ``progress(bytes_copied, bytes_total)`` while a source is copied.
 Progress = Callable[[int, int], None]
@@ -63,11 +63,7 @@ class AdoptError(OpenlabError):
 
 def adopter() -> str:
     """Who adopts: ``user@host`` (recorded with the claim)."""
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):
-        user = str(os.getuid())
-    return f"{user}@{socket.gethostname()}"
+    return user_at_host()
 
 
 def check_source(source: Path, artifacts_dir: Path) -> Path:
@@ -221,23 +217,7 @@ def _record(
             art = tx.get(Artifact, art_id) if art_id else None
             if art is not None:
                 tx.relate("used", run, art, role=key)
-        art = tx.add(
-            Artifact(
-                id=new_id(Artifact.id_prefix),
-                name=f"{spec.name}/out",
-                artifact_type="folder",
-                uri=str(out_dir),
-                content_hash=snap.id,
-                size=snap.bytes,
-            )
-        )
-        tx.relate("wasGeneratedBy", art, run)
-        hashed["artifact_id"] = art.id
-        if spec.snapshot_output:
-            data_snap = record_snapshot(tx, snap)
-            tx.relate("wasGeneratedBy", data_snap, run)
-            hashed["snapshot_id"] = data_snap.id
-        outputs = {"out": hashed}
+        outputs = record_outputs(tx, spec, run, out_dir, hashed, snap)
         run = tx.update(run, outputs=outputs)
     return _conclude(
         ctx, spec, identity, run.id, "COMPLETED", reason, started, out_dir=out_dir, outputs=outputs, metrics=metrics

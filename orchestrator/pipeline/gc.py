@@ -38,10 +38,8 @@ the stage again.
 from __future__ import annotations
 
 import datetime as dt
-import getpass
 import os
 import shutil
-import socket
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -57,6 +55,7 @@ from orchestrator.lineage.models import Artifact, DataSnapshot, PipelineRun, Sta
 from orchestrator.lineage.record import live_records_at, mark_removed
 from orchestrator.lineage.store import LineageStore, Transaction
 from orchestrator.pipeline.execute import output_dir
+from orchestrator.provenance.environment import user_at_host
 from orchestrator.settings import Settings
 
 #: How many of each recipe and replica's last completed pipeline runs keep their outputs.
@@ -356,7 +355,7 @@ def collect(
     aside, then its artifact records are marked removed in one transaction, then the bytes go: if
     recording fails the folder is put back as it was.
     """
-    who = f"{getpass.getuser()}@{socket.gethostname()}"
+    who = user_at_host()
     done: list[Output] = []
     for out in plan.removable:
         out.outcome = _remove_one(store, settings, out, who, plan)

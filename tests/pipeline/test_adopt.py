@@ -78,8 +78,8 @@ def test_a_failed_recording_puts_a_moved_folder_back(
     def fail(*_args: object, **_kwargs: object) -> None:
         raise RuntimeError("the database went away")
 
-    monkeypatch.setattr(adopt_module, "_record", fail)
-    with pytest.raises(RuntimeError, match="database went away"):
+    with monkeypatch.context() as patched, pytest.raises(RuntimeError, match="database went away"):
+        patched.setattr(adopt_module, "_record", fail)
         adopt_module.adopt_stage(ctx, "data", corpus, move=True)
     finish_pipeline(ctx, "FAILED", "test")
     assert sorted(p.relative_to(corpus) for p in corpus.rglob("*")) == files, "the user's folder is back, whole"
@@ -88,7 +88,6 @@ def test_a_failed_recording_puts_a_moved_folder_back(
     assert not out.exists() and not list(out.parent.glob(f".{out.name}.*")), "nothing left in openlab's outputs"
     assert ctx.store.list(StageRun, pipeline_run_id=ctx.id) == []
 
-    monkeypatch.undo()
     moved = run_cli("adopt", *TINY, "--stage", "data", str(corpus), "--move", "--json")
     assert moved.returncode == 0, moved.stderr[-2000:]
     assert not corpus.exists() and Path(json.loads(moved.stdout)["path"]).is_dir()
