@@ -1,7 +1,7 @@
-"""openlab's Prefect deployments: the replica pipeline (run from the UI) and the nightly.
+"""openlab's Prefect deployments: the replica pipeline (run from the UI), the nightlies and upkeep.
 
-Three deployments, built the same way for ``openlab deploy`` (register only) and
-``openlab server`` (register and serve):
+Six deployments, built the same way for ``openlab deploy`` (register only) and
+``openlab server`` (register and serve); the three that run training:
 
 - ``replica-pipeline/replica``: parameters recipe, replica, backend, issue, git ref,
   force and dry run, with the schema Prefect derives from the flow's type hints, so

@@ -284,6 +284,9 @@ class GithubLinker:
         if status == 403:
             msg = f"GitHub refused access to {ref.repo} (403 {detail or 'Forbidden'}): the token lacks permission"
             return _Failure(msg, retryable=False, status=status)
+        if status == 404 and ref.number == 0:  # a call about the repository (a regression issue to open)
+            msg = f"repository {ref.repo} not found (404): check [github] repo and that the token in ${env} can read it"
+            return _Failure(msg, retryable=False, status=status)
         if status == 404:
             msg = (
                 f"issue {ref.id} not found (404): check the repository and number, "

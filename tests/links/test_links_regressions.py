@@ -111,3 +111,15 @@ def test_turned_off_or_without_a_repository_nothing_is_asked(
     openlab_env.write_text(openlab_env.read_text() + "regression_issues = false\n")
     assert report_verdict(store, bad.id).action == "off"
     assert fake_github.requests == [] and _regression_issues(fake_github) == []
+
+
+def test_a_repository_github_does_not_know_is_one_line_and_not_queued(
+    fake_github: FakeGitHub, store: LineageStore
+) -> None:
+    _nightly(store, GOOD, 2.0, 0)
+    bad = _nightly(store, BAD, 2.3, 1)
+    fake_github.fail("GET", r"^/repos/lab/exp/issues$", 404, {"message": "Not Found"})
+    report = report_verdict(store, bad.id)
+    assert report.action == "failed" and report.error is not None
+    assert report.error.startswith("repository lab/exp not found (404): check [github] repo"), report.error
+    assert store.list(GithubUpdate, state="pending") == [], "retrying cannot help: nothing queued"
