@@ -349,7 +349,7 @@ def usage_cmd(
     issue: IssueOpt = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """What the jobs used: attempts, wall hours, CPU- and GPU-hours asked, and the hours lost.
+    """What the jobs used: attempts, wall hours, CPU- and GPU-hours asked, the hours lost, and what was used.
 
     `openlab lineage usage --replica small --since 30d --by stage` answers "what did the nightlies
     cost this month, and where"; lost hours are those of attempts that failed, were preempted or
@@ -369,7 +369,7 @@ def usage_cmd(
         return
     table = Table(title=f"job usage by {by}")
     table.add_column(by, overflow="fold")
-    for header in ("jobs", "by state", "wall h", "CPU-h", "GPU-h", "lost h"):
+    for header in ("jobs", "by state", "wall h", "CPU-h", "GPU-h", "lost h", "CPU-h used", "peak mem"):
         table.add_column(header, justify="right" if header != "by state" else "left")
     for g in [*report.groups, report.total]:
         states = " ".join(f"{n} {s.lower()}" for s, n in sorted(g.by_state.items()))
@@ -381,10 +381,20 @@ def usage_cmd(
             _hours(g.cpu_hours),
             _hours(g.gpu_hours),
             _hours(g.lost_hours),
+            _used(g),
+            f"{g.peak_rss_bytes / 2**30:.2f} GiB" if g.peak_rss_bytes is not None else "-",
             style="bold" if g is report.total else None,
             end_section=g is report.groups[-1],
         )
     console.print(table)
+
+
+def _used(g: Any) -> str:
+    """CPU-hours the measured jobs used, of what those jobs asked (``-`` when none was measured)."""
+    if not g.measured:
+        return "-"
+    share = f" of {_hours(g.cpu_hours_asked_measured)}" if g.cpu_hours_asked_measured else ""
+    return f"{_hours(g.cpu_hours_used)}{share}"
 
 
 def _hours(value: float) -> str:

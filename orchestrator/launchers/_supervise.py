@@ -134,9 +134,10 @@ def main(argv):
     if limit > 0:
         signal.setitimer(signal.ITIMER_REAL, limit)
 
+    usage = None
     while True:
-        try:
-            _, status = os.waitpid(pid, 0)
+        try:  # wait4: the exit status and what the job used (it and every process it waited for)
+            _, status, usage = os.wait4(pid, 0)
             break
         except ChildProcessError:
             status = 255 << 8
@@ -162,6 +163,8 @@ def main(argv):
     else:
         final, reason = "FAILED", f"exit code {code}"
     state.update(state=final, exit_code=code, reason=reason, ended_at=time.time())
+    if usage is not None:  # ru_maxrss is in KiB on Linux
+        state.update(max_rss_bytes=usage.ru_maxrss * 1024, cpu_seconds=round(usage.ru_utime + usage.ru_stime, 3))
     _write(run_path, state)
     return 0
 

@@ -140,6 +140,8 @@ def finish_attempt(store: LineageStore, attempt: Attempt, status: JobStatus) -> 
     }
     if status.tasks:
         changes["tasks"] = {task: _task_record(t) for task, t in status.tasks.items()}
+    if status.usage:
+        changes["used"] = dict(status.usage)
     with store.transaction() as tx:
         return tx.update(attempt, **changes)
 
@@ -149,6 +151,8 @@ def _task_record(status: JobStatus) -> dict[str, Any]:
     record = status.to_dict()
     record["state"] = lineage_state(status.state)
     record.pop("image_digest", None)  # a property of the job, kept on the attempt itself
+    if record.get("usage") is None:
+        record.pop("usage", None)
     return record
 
 

@@ -234,6 +234,8 @@ class JobStatus:
     ended_at: dt.datetime | None = None
     image_digest: str | None = None
     tasks: dict[str, JobStatus] | None = None
+    #: What the ended job used, where the backend can say (``max_rss_bytes``, ``cpu_seconds``).
+    usage: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tasks"}

@@ -392,6 +392,7 @@ class LocalLauncher(Launcher):
             host=state.get("host"),
             started_at=_ts(state.get("started_at")),
             ended_at=_ts(state.get("ended_at")),
+            usage={k: state[k] for k in ("max_rss_bytes", "cpu_seconds") if k in state} or None,
         )
 
     def logs(self, handle: JobHandle, *, follow: bool = False, tail: int | None = None) -> Iterator[str]:

@@ -255,6 +255,10 @@ class Attempt(LineageRecord, table=True):
     #: What the job asked the backend for (cpus, memory, gpus, time_limit; only those set), so an
     #: audit can say what a run was given, and a GPU-hour count needs no backend's memory.
     resources: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    #: What the job used, where openlab measures it (the local backend, whose supervisor is the job's
+    #: parent): ``max_rss_bytes`` (the largest process's peak resident memory) and ``cpu_seconds``
+    #: (user + system time of the job and every process it waited for). None where not measured.
+    used: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
 
 
 class Relation(LineageRecord, table=True):

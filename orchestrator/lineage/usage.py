@@ -13,6 +13,9 @@ its start, end, state and what it asked for (:attr:`Attempt.resources`), so the 
   for no CPU count (the backend's default) counts as 1 CPU per task; one that asked for no GPU as 0.
 - **lost hours**: the wall hours of attempts that did not complete (failed, preempted,
   cancelled, lost): what a retry or a resume had to redo, at most.
+- **used** (where openlab measures it: :attr:`Attempt.used`, the local backend today): the CPU-hours
+  the measured jobs used beside the CPU-hours those same jobs asked for, so a recipe that asks 8
+  CPUs and uses 1.5 shows it, and the largest peak resident memory of any of them.
 
 The same filters as ``lineage list`` pick the attempts (:class:`RecordFilter`).
 """
@@ -44,6 +47,12 @@ class Usage:
     cpu_hours: float = 0.0
     gpu_hours: float = 0.0
     lost_hours: float = 0.0
+    #: Attempts with a measurement (:attr:`Attempt.used`), their CPU-hours used and asked, and
+    #: the largest peak resident memory among them.
+    measured: int = 0
+    cpu_hours_used: float = 0.0
+    cpu_hours_asked_measured: float = 0.0
+    peak_rss_bytes: int | None = None
 
     def add(self, attempt: Attempt, hours: float) -> None:
         asked = attempt.resources or {}
@@ -52,10 +61,19 @@ class Usage:
         self.wall_hours += hours
         nodes = int(asked.get("nodes") or 1)
         tasks = nodes * int(asked.get("tasks_per_node") or 1)
-        self.cpu_hours += hours * float(asked.get("cpus") or 1) * tasks
+        cpu_hours = hours * float(asked.get("cpus") or 1) * tasks
+        self.cpu_hours += cpu_hours
         self.gpu_hours += hours * float(asked.get("gpus") or 0) * nodes
         if attempt.state not in ("COMPLETED", "RUNNING", "PENDING"):
             self.lost_hours += hours
+        used = attempt.used or {}
+        if used:
+            self.measured += 1
+            self.cpu_hours_used += float(used.get("cpu_seconds") or 0) / 3600
+            self.cpu_hours_asked_measured += cpu_hours
+            rss = used.get("max_rss_bytes")
+            if rss is not None:
+                self.peak_rss_bytes = max(self.peak_rss_bytes or 0, int(rss))
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

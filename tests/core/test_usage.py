@@ -55,6 +55,7 @@ def _month(store: LineageStore) -> dict[str, str]:
                 stage_run_id=data.id,
                 backend="local",
                 state="COMPLETED",  # asked for no CPU count: 1
+                used={"cpu_seconds": 1800.0, "max_rss_bytes": 3 * 2**30},  # measured: half its CPU-hour
                 submitted_at=NOW - 7 * H,
                 started_at=NOW - 7 * H,
                 ended_at=NOW - 6 * H,
@@ -123,6 +124,9 @@ def test_usage_sums_hours_and_what_was_asked_and_counts_the_lost(store: LineageS
     assert drops.lost_hours == pytest.approx(1.5) and drops.cpu_hours == pytest.approx(3.0)
     assert drops.by_state == {"FAILED": 1, "PENDING": 1}, "a job that has not started used nothing"
     assert report.total.wall_hours == pytest.approx(8.0) and report.total.lost_hours == pytest.approx(3.5)
+    # what was used, beside what the same (measured) jobs asked for; unmeasured jobs count in neither
+    assert (small.measured, small.cpu_hours_used, small.cpu_hours_asked_measured) == (1, 0.5, 1.0)
+    assert small.peak_rss_bytes == 3 * 2**30 and drops.measured == 0 and drops.peak_rss_bytes is None
 
     stages = {g.group: g.gpu_hours for g in usage(store, RecordFilter.from_options(recipe="marin"), by="stage").groups}
     assert stages == {"pretrain": pytest.approx(40.0), "midtrain": pytest.approx(8.0), "repro": 0.0, "data": 0.0}
@@ -141,10 +145,11 @@ def test_the_command_prints_the_table_and_json(run_cli, openlab_home) -> None:
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     assert data["by"] == "stage" and data["total"]["gpu_hours"] == pytest.approx(48.0)
-    table = run_cli("lineage", "usage", "--replica", "small")
+    table = run_cli("lineage", "usage", "--replica", "small", env={"COLUMNS": "200"})
     assert table.returncode == 0 and "job usage by recipe" in table.stdout, table.stdout
     assert "1 completed" not in table.stdout and "3 completed 1 preempted" in table.stdout, table.stdout
     assert " 6.50 " in table.stdout, table.stdout  # the nightly's wall hours
+    assert "0.50 of 1.00" in table.stdout and "3.00 GiB" in table.stdout, table.stdout  # used, of asked
     assert run_cli("lineage", "usage", "--recipe", "nope").stdout.strip() == "no jobs match"
     bad = run_cli("lineage", "usage", "--by", "team")
     assert bad.returncode == 2 and "cannot group usage by 'team'" in bad.stderr and "Traceback" not in bad.stderr
