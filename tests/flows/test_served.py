@@ -428,7 +428,9 @@ def test_github_digest_deployment_renders_each_active_issue(served: Served) -> N
     assert artifact.key == "github-digest" and "| lab/exp#77 | dry run | `prun_served_digest` |" in said, said
     assert f"<!-- openlab:digest={now:%Y-%m-%d} -->" in said
     with LineageStore(served.db_url) as store:
-        assert store.list(GithubDigest) == [] and store.list(GithubUpdate) == [], "a dry run records nothing"
+        assert store.list(GithubDigest) == [] and store.list(GithubUpdate, action="digest") == [], (
+            "a dry run records nothing"
+        )
 
 
 def test_a_flow_run_retried_from_the_ui_is_linked_to_the_run_it_retries(served: Served) -> None:
