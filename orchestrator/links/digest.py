@@ -233,6 +233,7 @@ def _runs_in_window(store: LineageStore, window: DigestWindow, issue_ids: Sequen
             Relation.relation == "wasAssociatedWith",
             Relation.subject_kind == PipelineRun.kind,
             Relation.object_kind == GithubIssue.kind,
+            Relation.role != "regression",  # a regression issue gets the nightlies' own comments
             active,
         )
         .order_by(col(PipelineRun.started_at))

@@ -4,9 +4,10 @@ fake speaking its REST JSON."""
 
 from __future__ import annotations
 
+import datetime as dt
 from pathlib import Path
 
-from orchestrator.lineage.models import GithubIssue, GithubUpdate, PipelineRun, Relation
+from orchestrator.lineage.models import GithubIssue, GithubUpdate, PipelineRun, Relation, utcnow
 from orchestrator.lineage.store import LineageStore
 from orchestrator.links.github import GithubLinker
 from orchestrator.links.regressions import regression_marker, report_verdict
@@ -67,6 +68,12 @@ def test_a_regression_opens_one_issue_that_the_next_good_nightly_closes(
     assert recorded.state == "closed" and recorded.url and recorded.url.endswith("/lab/exp/issues/8")
     linked = store.list(Relation, where=[Relation.object_id == "lab/exp#8", Relation.role == "regression"])
     assert {r.subject_id for r in linked} == {bad.id, worse.id, fixed.id}
+
+    # the daily digest is for experiment issues: a regression issue has its own comments
+    from orchestrator.links.digest import collect_digests, digest_window
+
+    window = digest_window("1000d", until=utcnow() + dt.timedelta(days=1))
+    assert "lab/exp#8" not in {d.issue_id for d in collect_digests(store, window)}
 
     # a new regression after the close is a new issue
     again = report_verdict(store, _nightly(store, BAD, 2.5, 5).id)
