@@ -209,6 +209,30 @@ def state_icon(state: str | None) -> str:
     return _STATE_ICONS.get((state or "").upper(), "")
 
 
+def _asked_used(a: Attempt) -> str:
+    """``; asked 8 CPUs, 32G; used 1.9 CPUs on average, peak 3.1 GiB`` (the parts lineage has)."""
+    asked = a.resources or {}
+    parts = []
+    if asked.get("cpus"):
+        parts.append(f"{asked['cpus']:g} CPUs" if isinstance(asked["cpus"], int | float) else f"{asked['cpus']} CPUs")
+    if asked.get("gpus"):
+        parts.append(f"{asked['gpus']} GPUs")
+    if asked.get("memory"):
+        parts.append(str(asked["memory"]))
+    text = f"; asked {', '.join(parts)}" if parts else ""
+    used = a.used or {}
+    if used:
+        bits = []
+        wall = (a.ended_at - a.started_at).total_seconds() if a.started_at and a.ended_at else 0.0
+        if used.get("cpu_seconds") is not None and wall > 0:
+            bits.append(f"{float(used['cpu_seconds']) / wall:.2f} CPUs on average")
+        if used.get("max_rss_bytes") is not None:
+            bits.append(f"peak {int(used['max_rss_bytes']) / 2**30:.2f} GiB")
+        if bits:
+            text += f"; used {', '.join(bits)}"
+    return text
+
+
 def _job_text(attempts: list[Attempt]) -> str:
     if not attempts:
         return "—"
@@ -332,10 +356,16 @@ def render_stage(view: StageView, github_hosts: Iterable[str] = DEFAULT_GITHUB_H
     lines.append(f"- identity: `{s.identity}`")
     if s.pipeline_run_id:
         lines.append(f"- pipeline run: `{s.pipeline_run_id}`")
+    adopted = (s.outputs.get("out") or {}).get("adopted_from") if isinstance(s.outputs, dict) else None
+    if adopted:
+        by = (s.outputs.get("out") or {}).get("adopted_by") or "someone"
+        lines.append(f"- adopted from `{md_cell(adopted)}` by {md_cell(by)} (not made by a job openlab ran)")
     for a in view.attempts:
         exit_text = f", exit {a.exit_code}" if a.exit_code is not None else ""
         reason = f", {md_cell(a.reason)}" if a.reason else ""
-        lines.append(f"- attempt {a.number}: `{a.backend}` job `{a.job_id or '—'}` {a.state}{exit_text}{reason}")
+        lines.append(
+            f"- attempt {a.number}: `{a.backend}` job `{a.job_id or '—'}` {a.state}{exit_text}{reason}{_asked_used(a)}"
+        )
     metrics = key_metrics(view, limit=10_000)
     if metrics:
         lines += ["", "| metric | value |", "|---|---|"]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 import pytest
 
 from orchestrator.cards import commit_url, pipeline_card, stage_card
-from orchestrator.lineage.models import GithubIssue, PipelineRun, StageRun, WandbRun
+from orchestrator.lineage.models import Attempt, GithubIssue, PipelineRun, StageRun, WandbRun
 
 
 @pytest.mark.parametrize(
@@ -74,6 +76,27 @@ def test_pipeline_card_shows_every_link(store, pipeline) -> None:
 def test_stage_card_lists_attempts_and_all_metrics(store, pipeline) -> None:
     card = stage_card(store, "srun_train")
     assert "- attempt 1: `slurm` job `4242` RUNNING" in card
+    # what a job asked for and, where measured, what it used
+    t0 = dt.datetime(2026, 12, 1, 4, 0, tzinfo=dt.UTC)
+    with store.transaction() as tx:
+        tx.add(
+            Attempt(
+                stage_run_id="srun_train",
+                number=2,
+                backend="local",
+                job_id="local-1",
+                state="COMPLETED",
+                resources={"cpus": 8, "memory": "32G"},
+                used={"cpu_seconds": 5400.0, "max_rss_bytes": 3 * 2**30},
+                started_at=t0,
+                ended_at=t0 + dt.timedelta(hours=1),
+            )
+        )
+    card = stage_card(store, "srun_train")
+    assert (
+        "- attempt 2: `local` job `local-1` COMPLETED; asked 8 CPUs, 32G; used 1.50 CPUs on average, peak 3.00 GiB"
+        in card
+    )
     assert "| loss | 2.5 |" in card
     assert "offline `/runs/wandb/offline-run-x-w1234567`" in card
     assert "b" * 64 in card

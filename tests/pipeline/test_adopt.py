@@ -48,6 +48,9 @@ def test_an_adopted_corpus_is_reused_by_the_next_run(run_cli, openlab_home: Path
         art = store.require(Artifact, stage.outputs["out"]["artifact_id"])
         assert art.uri == said["path"] and Path(art.uri).is_dir()
         assert store.get(DataSnapshot, stage.outputs["out"]["snapshot_id"]) is not None, "a data stage's snapshot"
+        from orchestrator.cards import stage_card
+
+        assert f"- adopted from `{corpus.resolve()}` by {run.params['adopt']['by']}" in stage_card(store, stage.id)
         assert len(store.list(PipelineRun)) == 1
 
     again = run_cli("adopt", *TINY, "--stage", "data", str(corpus))
