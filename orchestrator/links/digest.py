@@ -357,9 +357,14 @@ def render_run(rd: RunDigest, github_hosts: Iterable[str] = DEFAULT_GITHUB_HOSTS
         u = rd.usage
         so_far = " so far" if run.state in _ACTIVE_STATES else ""
         lost = f", {_hours(u.lost_hours)} lost to failed or preempted jobs" if u.lost_hours else ""
+        measured = (
+            f" ({u.cpu_hours_used:.2f} CPU-hours used of the {u.cpu_hours_asked_measured:.2f} the measured jobs asked)"
+            if u.measured
+            else ""
+        )
         lines.append(
             f"- **Used{so_far}:** {u.attempts} job(s), {_hours(u.wall_hours)} wall, "
-            f"{u.gpu_hours:.2f} GPU-hours, {u.cpu_hours:.2f} CPU-hours{lost}"
+            f"{u.gpu_hours:.2f} GPU-hours, {u.cpu_hours:.2f} CPU-hours{measured}{lost}"
         )
     return "\n".join(lines) + "\n"
 

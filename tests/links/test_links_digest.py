@@ -354,3 +354,4 @@ def test_a_real_pipeline_run_is_digested_beside_its_card(
     assert "**Stages:** gen ✅ · upper ✅ · count ✅" in body
     assert " toy stages" in body, "the commit's subject"
     assert "**Used:** 3 job(s)" in body
+    assert "CPU-hours used of the " in body and "the measured jobs asked" in body, "local jobs are measured"
