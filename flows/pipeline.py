@@ -317,18 +317,20 @@ def run_replica(
 def stage_tags(ctx: PipelineContext, stage: str) -> set[str]:
     """The Prefect tags of ``stage``'s task run: what to filter by in the UI, and what Prefect's
     tag concurrency limits count (``prefect concurrency-limit create backend:slurm 4``: at most
-    four openlab jobs on Slurm at once from this server; ``gpu 1``: one GPU job at a time).
+    four openlab jobs on Slurm at once from this server; ``stage:pretrain 1``: one pretrain job at
+    a time; ``gpu 1``: one GPU job at a time).
 
-    ``openlab``, ``stage:<name>``, ``recipe:<name>`` (``pipeline:<name>`` without one) and
-    ``replica:<name>`` always; the resource tags ``backend:<name>`` and ``gpu`` (when the stage
-    asks for GPUs) only on a stage that will launch a job: a stage about to be reused takes no
-    slot, so a limit on long GPU jobs never holds up a run that only reuses their outputs.
+    ``openlab``, ``recipe:<name>`` (``pipeline:<name>`` without one) and ``replica:<name>``
+    always. ``stage:<name>``, ``backend:<name>`` and ``gpu`` (when the stage asks for GPUs) only
+    on a stage that will launch a job; a stage about to be reused is tagged ``reused`` instead
+    (its task run is still named after the stage), so a limit on long jobs never holds up a run
+    that only reuses their outputs.
     """
     from orchestrator.pipeline.execute import would_reuse
 
     spec = ctx.pipeline.stage(stage)
     run = ctx.pipeline_run
-    tags = {"openlab", f"stage:{stage}", f"recipe:{run.recipe}" if run.recipe else f"pipeline:{ctx.pipeline.name}"}
+    tags = {"openlab", f"recipe:{run.recipe}" if run.recipe else f"pipeline:{ctx.pipeline.name}"}
     if run.replica:
         tags.add(f"replica:{run.replica}")
     try:
@@ -336,8 +338,10 @@ def stage_tags(ctx: PipelineContext, stage: str) -> set[str]:
     except Exception as exc:  # noqa: BLE001 - a forecast; the stage itself reports what is wrong
         get_run_logger().debug("could not forecast whether %s is reused: %s", stage, exc)
         reused = False
-    if not reused:
-        tags.add(f"backend:{ctx.backend_of(spec)}")
+    if reused:
+        tags.add("reused")
+    else:
+        tags |= {f"stage:{stage}", f"backend:{ctx.backend_of(spec)}"}
         if spec.gpus:
             tags.add("gpu")
     return tags

@@ -71,8 +71,14 @@ def test_a_tag_limit_of_one_runs_two_pipelines_jobs_one_after_the_other(
     tags = _task_run_tags(states[1].state_details.flow_run_id)
     assert tags == {"openlab", f"stage:{stage}", f"pipeline:{stage}-test", "backend:local", "gpu"}, tags
 
-    # the same identity again is reused: its task run takes no backend or gpu slot
-    again = run_one_stage_flow(stage, SLOW, n=1, gpus=1)
+    # the same identity again is reused: its task run takes no stage, backend or gpu slot
+    with get_client(sync_client=True) as client:
+        client.create_concurrency_limit(tag=f"stage:{stage}", concurrency_limit=0)  # would block any job of it
+    try:
+        again = run_one_stage_flow(stage, SLOW, n=1, gpus=1)
+    finally:
+        with get_client(sync_client=True) as client:
+            client.delete_concurrency_limit_by_tag(f"stage:{stage}")
     assert again.is_completed(), again.message
-    assert _task_run_tags(again.state_details.flow_run_id) == {"openlab", f"stage:{stage}", f"pipeline:{stage}-test"}
+    assert _task_run_tags(again.state_details.flow_run_id) == {"openlab", "reused", f"pipeline:{stage}-test"}
     assert len(log.read_text().splitlines()) == 4, "reused, not run"
