@@ -190,6 +190,14 @@ def status_cmd(
         print_json(data)
         return
     tasks = data.pop("tasks", None)
+    used = data.pop("usage", None)
+    if used:  # what the job used, as a person reads it
+        parts = []
+        if used.get("max_rss_bytes") is not None:
+            parts.append(f"peak memory {used['max_rss_bytes'] / 2**30:.2f} GiB")
+        if used.get("cpu_seconds") is not None:
+            parts.append(f"{used['cpu_seconds']:.1f} CPU-seconds")
+        data["used"] = ", ".join(parts)
     for key, value in data.items():
         if value is not None:
             console.print(f"{key:>12}: {value}", highlight=False, markup=False)
