@@ -49,7 +49,7 @@ def nightly_verdict(pipeline_run_id: str, recipe: str, replica: str) -> dict[str
     except Exception as exc:  # noqa: BLE001 - the verdict is in lineage either way
         logger.warning("could not publish the verdict artifact: %s", exc)
     (logger.error if not verdict.passed else logger.info)(verdict.message)
-    issue_url = _report_on_github(pipeline_run_id)
+    issue_url = _report_on_github(pipeline_run_id)  # the regression issue, then the commit's status linking it
     payload = verdict.to_dict()
     if issue_url:
         payload["regression_issue"] = issue_url  # an Automation's Slack message can link it
@@ -59,21 +59,25 @@ def nightly_verdict(pipeline_run_id: str, recipe: str, replica: str) -> dict[str
 
 
 def _report_on_github(pipeline_run_id: str) -> str | None:
-    """Open, update or close the recipe's regression issue ([github] repo); its URL, if any.
+    """Open, update or close the recipe's regression issue ([github] repo) and mark the tested
+    commit with the verdict; the issue's URL, if any.
 
     Never fails the verdict: the verdict is recorded already, the issue is a courtesy."""
     from orchestrator.lineage.store import LineageStore
     from orchestrator.links.regressions import report_verdict
+    from orchestrator.links.statuses import report_status
 
     logger = get_run_logger()
     try:
         with LineageStore.open() as store:
             report = report_verdict(store, pipeline_run_id)
-    except Exception as exc:  # noqa: BLE001 - the verdict is recorded; the issue is a courtesy
+            status = report_status(store, pipeline_run_id)
+    except Exception as exc:  # noqa: BLE001 - the verdict is recorded; GitHub is a courtesy
         logger.warning("could not report the verdict on GitHub: %s", exc)
         return None
-    if report.action != "off":
-        (logger.warning if report.action in ("queued", "failed") else logger.info)(report.line())
+    for done in (report, status):
+        if done.action != "off":
+            (logger.warning if done.action in ("queued", "failed") else logger.info)(done.line())
     return report.url
 
 

@@ -685,6 +685,16 @@ class GithubLinker:
 
                 resend(self, entry)
                 ref = None
+            elif entry.action == "status":  # a nightly's verdict on the commit it tested
+                from orchestrator.links.statuses import report_status
+
+                if self.store.get(PipelineRun, entry.pipeline_run_id or "") is not None:
+                    report_status(self.store, entry.pipeline_run_id or "", linker=self)
+                else:
+                    self._mark_done(
+                        "status", IssueRef(entry.issue_id, 0), entry.pipeline_run_id, issue_id=entry.issue_id
+                    )
+                ref = None
             else:
                 ref = parse_issue_ref(entry.issue_id)
             if ref is None:

@@ -153,6 +153,9 @@ def test_nightly_flow_fails_on_planted_regression_and_records_verdict(served: Se
         # the regression issue: the runner has no token, so the report waits in the queue for `github sync`
         (queued,) = store.list(GithubUpdate, action="regression", pipeline_run_id=run.id)
         assert queued.issue_id == "lab/nightly" and "no GitHub token" in (queued.last_error or ""), queued
+        if "+" not in (run.verdict.get("commit") or ""):  # a clean tree's commit also gets its status
+            (status,) = store.list(GithubUpdate, action="status", pipeline_run_id=run.id)
+            assert status.issue_id == "lab/nightly", status
         # An unchanged nightly against an equal baseline passes, and is recorded too.
         with store.transaction() as tx:
             tx.update(store.require(PipelineRun, planted.id), verdict={"status": "regressed"})

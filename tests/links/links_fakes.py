@@ -41,6 +41,9 @@ class FakeGitHub:
     scripted: list[Scripted] = field(default_factory=list)
     page_size: int = 30
     next_id: int = 5_000_000_001  # above 2**32, as real comment ids are
+    #: Commit statuses by sha, as posted; ``known_commits`` (when set) are the shas the repo has.
+    statuses: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    known_commits: set[str] | None = None
 
     def __post_init__(self) -> None:
         self.api = self.server.url_for("/api/v3").rstrip("/")
@@ -140,6 +143,17 @@ class FakeGitHub:
         m = re.fullmatch(r"/repos/([^/]+/[^/]+)/issues", path)
         if m:
             return self._repo_issues(request, m.group(1))
+        m = re.fullmatch(r"/repos/([^/]+/[^/]+)/statuses/([0-9a-f]{7,40})", path)
+        if m and method == "POST":
+            sha = m.group(2)
+            if self.known_commits is not None and sha not in self.known_commits:
+                return self._json(422, {"message": f"No commit found for SHA: {sha}"})
+            data = request.get_json()
+            posted = {k: data.get(k) for k in ("state", "target_url", "description", "context")}
+            self.statuses.setdefault(sha, []).append(posted)
+            return self._json(
+                201, {"id": len(self.statuses[sha]), "url": f"{self.api}/repos/{m.group(1)}/statuses/{sha}", **posted}
+            )
         m = re.fullmatch(r"/repos/([^/]+/[^/]+)/issues/comments/(\d+)", path)
         if m:
             cid = int(m.group(2))
