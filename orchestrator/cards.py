@@ -31,6 +31,7 @@ from orchestrator.lineage.models import (
     WandbRun,
 )
 from orchestrator.lineage.store import LineageStore
+from orchestrator.lineage.usage import attempt_hours
 from orchestrator.preregistration import outcome_lines
 
 #: Hosts whose remotes are turned into web commit links (GitHub Enterprise hosts can be added).
@@ -214,7 +215,7 @@ def _asked_used(a: Attempt) -> str:
     asked = a.resources or {}
     parts = []
     if asked.get("cpus"):
-        parts.append(f"{asked['cpus']:g} CPUs" if isinstance(asked["cpus"], int | float) else f"{asked['cpus']} CPUs")
+        parts.append(f"{asked['cpus']} CPUs")
     if asked.get("gpus"):
         parts.append(f"{asked['gpus']} GPUs")
     if asked.get("memory"):
@@ -223,7 +224,7 @@ def _asked_used(a: Attempt) -> str:
     used = a.used or {}
     if used:
         bits = []
-        wall = (a.ended_at - a.started_at).total_seconds() if a.started_at and a.ended_at else 0.0
+        wall = attempt_hours(a) * 3600 if a.ended_at else 0.0
         if used.get("cpu_seconds") is not None and wall > 0:
             bits.append(f"{float(used['cpu_seconds']) / wall:.2f} CPUs on average")
         if used.get("max_rss_bytes") is not None:

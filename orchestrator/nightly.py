@@ -94,7 +94,7 @@ def _fmt(value: float | None) -> str:
     return "missing" if value is None else f"{value:.6g}"
 
 
-def _short_commit(commit: str | None) -> str:
+def short_commit(commit: str | None) -> str:
     if not commit:
         return "unknown commit"
     sha, _, dirty = commit.partition("+")
@@ -127,8 +127,8 @@ def compare_metrics(
         checks=checks,
     )
     between = (
-        f"previous successful nightly {previous_run_id} at commit {_short_commit(previous_commit)} "
-        f"vs this run {pipeline_run_id} at commit {_short_commit(commit)}"
+        f"previous successful nightly {previous_run_id} at commit {short_commit(previous_commit)} "
+        f"vs this run {pipeline_run_id} at commit {short_commit(commit)}"
     )
     if bad:
         parts = []
@@ -138,8 +138,8 @@ def compare_metrics(
                 change = f", {c.delta:+.4g} ({c.delta / abs(c.previous):+.2%})"
             allowed = "" if c.allowed is None else f", allowed ±{c.allowed:.4g}"
             parts.append(
-                f"{c.metric}: {_fmt(c.previous)} at {_short_commit(previous_commit)} -> "
-                f"{_fmt(c.current)} at {_short_commit(commit)}{change}{allowed} ({c.note})"
+                f"{c.metric}: {_fmt(c.previous)} at {short_commit(previous_commit)} -> "
+                f"{_fmt(c.current)} at {short_commit(commit)}{change}{allowed} ({c.note})"
             )
         verdict.message = f"nightly regression in {len(bad)} tracked metric(s): " + "; ".join(parts) + f" [{between}]"
     else:
@@ -263,7 +263,7 @@ def evaluate_nightly(
             checks=checks,
             message=(
                 f"nightly baseline: no earlier successful nightly of {run.recipe}/{run.replica}; "
-                f"this run {run.id} at commit {_short_commit(commit)} is the reference from now on"
+                f"this run {run.id} at commit {short_commit(commit)} is the reference from now on"
             ),
         )
     else:
@@ -281,7 +281,7 @@ def evaluate_nightly(
         reported = ", ".join(sorted(k for k in current if "/" in k)[:12]) or "none"
         verdict.message = (
             f"nightly cannot judge: tracked metric(s) {', '.join(unreported)} not reported by run {run.id} at commit "
-            f"{_short_commit(commit)} (reported: {reported}); fix the recipe's tracked_metrics or the stage. "
+            f"{short_commit(commit)} (reported: {reported}); fix the recipe's tracked_metrics or the stage. "
             + verdict.message
         )
     if record:

@@ -37,8 +37,9 @@ def adopt_cmd(
     adopted), copies it into openlab's outputs, and says it was adopted, from where and by whom.
     """
     from orchestrator.pipeline import explain_recipe
-    from orchestrator.pipeline.adopt import AdoptError, adopt_stage, adopter, check_source, plan_adoption
+    from orchestrator.pipeline.adopt import AdoptError, adopt_stage, check_source, plan_adoption
     from orchestrator.pipeline.execute import RunOptions, execute_stage, finish_pipeline, start_recipe, would_reuse
+    from orchestrator.provenance.environment import user_at_host
     from orchestrator.recipes import resolve
     from orchestrator.settings import load_settings
 
@@ -47,7 +48,7 @@ def adopt_cmd(
     resolved = resolve(recipe, replica).until(stage)
     backend = backend or settings.default_backend
     plan_adoption(explain_recipe(resolved, backend=backend, settings=settings), stage)
-    params = {"adopt": {"stage": stage, "source": str(path), "by": adopter(), "move": move}}
+    params = {"adopt": {"stage": stage, "source": str(path), "by": user_at_host(), "move": move}}
     ctx = start_recipe(resolved, options=RunOptions(backend=backend, trigger="adopt", params=params), settings=settings)
     try:
         for name in ctx.pipeline.order[:-1]:

@@ -29,7 +29,7 @@ from typing import Any
 
 from orchestrator.errors import ConfigError
 from orchestrator.lineage.listing import RecordFilter, list_records
-from orchestrator.lineage.models import Attempt, PipelineRun, StageRun, utcnow
+from orchestrator.lineage.models import Attempt, PipelineRun, StageRun, as_utc, utcnow
 from orchestrator.lineage.store import LineageStore
 
 #: What usage can be grouped by.
@@ -92,13 +92,8 @@ def attempt_hours(attempt: Attempt, now: dt.datetime | None = None) -> float:
     """Hours from the job's start to its end (to ``now`` while it runs); 0 if it never started."""
     if attempt.started_at is None:
         return 0.0
-    end = attempt.ended_at or (now or utcnow())
-    start = attempt.started_at
-    if start.tzinfo is None:  # SQLite hands naive datetimes back; they were written in UTC
-        start = start.replace(tzinfo=dt.UTC)
-    if end.tzinfo is None:
-        end = end.replace(tzinfo=dt.UTC)
-    return max(0.0, (end - start).total_seconds() / 3600)
+    end = as_utc(attempt.ended_at or (now or utcnow()))  # SQLite hands naive datetimes back, written in UTC
+    return max(0.0, (end - as_utc(attempt.started_at)).total_seconds() / 3600)
 
 
 def usage(store: LineageStore, flt: RecordFilter | None = None, *, by: str = "recipe") -> UsageReport:

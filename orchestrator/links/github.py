@@ -74,6 +74,9 @@ DEFAULT_LABELS: dict[str, str] = {
     "regressed": "openlab:regressed",
     "failed": "openlab:failed",
 }
+#: Queued updates about a repository rather than an issue, from a nightly's verdict (``issue_id``
+#: holds the repository): its regression issue (which may not exist yet) and the tested commit's status.
+NIGHTLY_ACTIONS = ("regression", "status")
 #: GitHub refuses comment bodies over 65536 characters.
 MAX_BODY = 65_000
 #: Without headers, GitHub asks clients to wait at least a minute after a secondary rate limit.
@@ -666,6 +669,32 @@ class GithubLinker:
         """Queued updates not yet sent (oldest first)."""
         return self.store.list(GithubUpdate, state="pending", order_by=col(GithubUpdate.created_at))
 
+    def _resend_to_issue(self, entry: GithubUpdate, ref: IssueRef) -> None:
+        """A queued update of an experiment issue: resolve it, its run's card, or its daily digest."""
+        if entry.action == "resolve":
+            self.resolve(ref)
+        elif entry.action == "publish" and entry.pipeline_run_id:
+            self.publish(entry.pipeline_run_id, issue_id=ref.id)
+        elif entry.action == "digest":
+            from orchestrator.links.digest import resend_digest
+
+            day = entry.id.rsplit(":", 1)[-1]
+            if resend_digest(self.store, ref.id, day, self) is None:  # its runs are gone: nothing to say
+                self._mark_done("digest", ref, None, key=day)
+
+    def _resend_nightly(self, entry: GithubUpdate) -> None:
+        """A queued nightly report about a repository (its regression issue, the tested commit's
+        status), rendered again from the verdict in lineage."""
+        from orchestrator.links.regressions import report_verdict
+        from orchestrator.links.statuses import report_status
+
+        run_id = entry.pipeline_run_id or ""
+        if self.store.get(PipelineRun, run_id) is None:  # the run was deleted: nothing to say
+            self._mark_done(entry.action, IssueRef(entry.issue_id, 0), run_id, issue_id=entry.issue_id)
+            return
+        send = report_verdict if entry.action == "regression" else report_status
+        send(self.store, run_id, linker=self)
+
     def sync(self) -> SyncReport:
         """Send every queued update whose rate-limit time has come; resolves before cards."""
         if not self._token:
@@ -674,41 +703,14 @@ class GithubLinker:
         now = utcnow()
         entries = sorted(self.pending(), key=lambda e: (e.action != "resolve", e.created_at))
         for entry in entries:
-            not_before = entry.not_before
-            if not_before is not None and not_before.tzinfo is None:
-                not_before = not_before.replace(tzinfo=dt.UTC)
+            not_before = as_utc(entry.not_before) if entry.not_before is not None else None
             if not_before is not None and not_before > now:
                 report.deferred += 1
                 continue
-            if entry.action == "regression":  # about a repository: its regression issue may not exist yet
-                from orchestrator.links.regressions import resend
-
-                resend(self, entry)
-                ref = None
-            elif entry.action == "status":  # a nightly's verdict on the commit it tested
-                from orchestrator.links.statuses import report_status
-
-                if self.store.get(PipelineRun, entry.pipeline_run_id or "") is not None:
-                    report_status(self.store, entry.pipeline_run_id or "", linker=self)
-                else:
-                    self._mark_done(
-                        "status", IssueRef(entry.issue_id, 0), entry.pipeline_run_id, issue_id=entry.issue_id
-                    )
-                ref = None
+            if entry.action in NIGHTLY_ACTIONS:
+                self._resend_nightly(entry)
             else:
-                ref = parse_issue_ref(entry.issue_id)
-            if ref is None:
-                pass
-            elif entry.action == "resolve":
-                self.resolve(ref)
-            elif entry.action == "publish" and entry.pipeline_run_id:
-                self.publish(entry.pipeline_run_id, issue_id=ref.id)
-            elif entry.action == "digest":
-                from orchestrator.links.digest import resend_digest
-
-                day = entry.id.rsplit(":", 1)[-1]
-                if resend_digest(self.store, ref.id, day, self) is None:  # its runs are gone: nothing to say
-                    self._mark_done("digest", ref, None, key=day)
+                self._resend_to_issue(entry, parse_issue_ref(entry.issue_id))
             after = self.store.get(GithubUpdate, entry.id)
             state = after.state if after else "done"
             if state == "done":

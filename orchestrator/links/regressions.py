@@ -33,11 +33,11 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.lineage.models import GithubIssue, GithubUpdate, PipelineRun
+from orchestrator.lineage.models import GithubIssue, PipelineRun
 from orchestrator.lineage.store import LineageStore
 from orchestrator.links.github import GithubLinker, _Failure
 from orchestrator.links.refs import IssueRef
-from orchestrator.nightly import Verdict
+from orchestrator.nightly import Verdict, short_commit
 from orchestrator.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -77,13 +77,6 @@ class RegressionReport:
         return f"regression issue{where}: {self.action}{url}{why}"
 
 
-def _short(commit: str | None) -> str:
-    if not commit:
-        return "unknown commit"
-    sha, _, dirty = commit.partition("+")
-    return f"{sha[:12]}{'+dirty' if dirty else ''}"
-
-
 def web_url(linker: GithubLinker) -> str:
     """GitHub's web root for the configured API (``https://github.com``, or an Enterprise host)."""
     base = linker.config.base_url.rstrip("/")
@@ -118,14 +111,14 @@ def issue_body(linker: GithubLinker, repo: str, run: PipelineRun, verdict: Verdi
     """The new issue: what moved, between which commits, and how to find out why."""
     compare = _compare(linker, repo, verdict)
     against = (
-        f"compared with the last good nightly `{verdict.previous_run_id}` at `{_short(verdict.previous_commit)}`"
+        f"compared with the last good nightly `{verdict.previous_run_id}` at `{short_commit(verdict.previous_commit)}`"
         if verdict.previous_run_id
         else "the first nightly of this recipe and replica, with tracked metrics missing"
     )
     lines = [
         regression_marker(run.recipe, run.replica),
         run_marker(run.id),
-        f"The nightly **{run.recipe}/{run.replica}** regressed at commit `{_short(verdict.commit)}` "
+        f"The nightly **{run.recipe}/{run.replica}** regressed at commit `{short_commit(verdict.commit)}` "
         f"(pipeline run `{run.id}`), {against}.",
         "",
         *_table(verdict),
@@ -148,9 +141,9 @@ def issue_body(linker: GithubLinker, repo: str, run: PipelineRun, verdict: Verdi
 
 def _comment_body(run: PipelineRun, verdict: Verdict, *, passed: bool) -> str:
     head = (
-        f"**Passed again** at commit `{_short(verdict.commit)}` (pipeline run `{run.id}`): closing."
+        f"**Passed again** at commit `{short_commit(verdict.commit)}` (pipeline run `{run.id}`): closing."
         if passed
-        else f"**Still regressed** at commit `{_short(verdict.commit)}` (pipeline run `{run.id}`)."
+        else f"**Still regressed** at commit `{short_commit(verdict.commit)}` (pipeline run `{run.id}`)."
     )
     return "\n".join([run_marker(run.id), head, "", *_table(verdict), "", verdict.message])
 
@@ -235,14 +228,6 @@ def _record(linker: GithubLinker, repo: str, issue: Any, run: PipelineRun) -> No
     stored: GithubIssue = linker._record_issue(ref, issue)
     with linker.store.transaction() as tx:
         tx.relate("wasAssociatedWith", run, stored, role="regression")
-
-
-def resend(linker: GithubLinker, entry: GithubUpdate, settings: Settings | None = None) -> None:
-    """Send a queued regression report again (``openlab github sync``), from the verdict in lineage."""
-    if linker.store.get(PipelineRun, entry.pipeline_run_id or "") is None:
-        linker._mark_done(ACTION, IssueRef(entry.issue_id, 0), entry.pipeline_run_id, issue_id=entry.issue_id)
-        return
-    report_verdict(linker.store, entry.pipeline_run_id or "", settings=settings, linker=linker)
 
 
 __all__ = [

@@ -61,11 +61,6 @@ class AdoptError(OpenlabError):
     exit_code = 2
 
 
-def adopter() -> str:
-    """Who adopts: ``user@host`` (recorded with the claim)."""
-    return user_at_host()
-
-
 def check_source(source: Path, artifacts_dir: Path) -> Path:
     """The source as an absolute folder, or a one-line refusal."""
     path = source.expanduser().resolve()
@@ -191,7 +186,7 @@ def _record(
     """Hash the adopted folder and record the claim in one transaction."""
     hashed = hash_output(out_dir, ctx.settings, spec.volatile)
     snap = hashed.pop("_snapshot")
-    by = adopter()
+    by = user_at_host()
     hashed.update(adopted_from=str(source), adopted_by=by, adopted_by_move=move)
     metrics = _read_metrics(out_dir)
     now = utcnow()
@@ -244,4 +239,4 @@ def plan_adoption(plans: list[Any], stage: str) -> None:
     raise ConfigError(f"stage {stage} is not a stage of this recipe")
 
 
-__all__ = ["AdoptError", "adopt_stage", "adopter", "check_source", "plan_adoption"]
+__all__ = ["AdoptError", "adopt_stage", "check_source", "plan_adoption"]
