@@ -6,7 +6,9 @@ Domain sources (config `data.domains: {name: source}`):
   licenses           /usr/share/common-licenses/* and /usr/share/doc/*/copyright
   path:GLOB          any text files matching GLOB (recursive `**` allowed), one document each
 The held-out split is decided per source file by a seeded hash, so a file's code and its docstrings
-land in the same split (no leakage between the code and prose held-out sets). Files are visited in a
+land in the same split (no leakage between the code and prose held-out sets). A `path:` file is hashed by
+its path below the glob's fixed folder, so a moved corpus splits the same way; when the hash leaves a
+small domain's split empty, the document nearest the threshold moves across. Files are visited in a
 seeded order and taken until `max_bytes_per_domain`, so the corpus is a deterministic function of
 (machine's files, seed, caps). The SFT set pairs a function's signature with its docstring.
 
@@ -87,33 +89,61 @@ def _sft_pairs(source: str, min_chars: int) -> list[dict[str, str]]:
     return out
 
 
+def _split_score(key: str, seed: int) -> int:
+    """A document's seeded place in [0, 1e6): below ``heldout_fraction * 1e6`` it is held out."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "big") % 1_000_000
+
+
 def _split_of(key: str, seed: int, heldout_fraction: float) -> str:
-    h = int.from_bytes(hashlib.sha256(f"{seed}:{key}".encode()).digest()[:8], "big")
-    return "heldout" if (h % 1_000_000) < heldout_fraction * 1_000_000 else "train"
+    return "heldout" if _split_score(key, seed) < heldout_fraction * 1_000_000 else "train"
 
 
-def _source_docs(source: str, files_cache: dict[str, list[Path]], min_chars: int) -> Iterator[tuple[str, str]]:
-    """Yield (split key, text) documents of one domain source, in the seeded file order."""
+def _glob_root(pattern: str) -> Path:
+    """The folder a ``path:`` glob is anchored at (its leading parts without wildcards).
+
+    A file's split is decided by its path *below* this folder, so a corpus that is moved or
+    copied elsewhere (another checkout, a cluster's scratch) splits the same way.
+    """
+    fixed = []
+    for part in Path(pattern).parts:
+        if any(c in part for c in "*?["):
+            break
+        fixed.append(part)
+    return Path(*fixed) if fixed else Path(".")
+
+
+def _path_key(p: Path, root: Path) -> str:
+    try:
+        return str(p.relative_to(root))
+    except ValueError:
+        return str(p)
+
+
+def _source_docs(source: str, files_cache: dict[str, list[Path]], min_chars: int) -> Iterator[tuple[str, str, str]]:
+    """Yield (split key, source label, text) documents of one domain source, in the seeded file order."""
     if source == "stdlib:code":
         for p in files_cache["stdlib"]:
             t = _read(p)
             if t and len(t) >= min_chars:
-                yield str(p.relative_to(stdlib_dir())), t
+                key = str(p.relative_to(stdlib_dir()))
+                yield key, key, t
     elif source == "stdlib:docstrings":
         for p in files_cache["stdlib"]:
             text = "\n\n".join(_docstrings(_read(p) or ""))
             if len(text) >= min_chars:
-                yield str(p.relative_to(stdlib_dir())), text
+                key = str(p.relative_to(stdlib_dir()))
+                yield key, key, text
     elif source == "licenses":
         for p in files_cache["licenses"]:
             t = _read(p)
             if t and len(t) >= min_chars:
-                yield str(p), t
+                yield str(p), str(p), t
     elif source.startswith("path:"):
+        root = _glob_root(source[5:])
         for p in files_cache[source]:
             t = _read(p)
             if t and len(t) >= min_chars:
-                yield str(p), t
+                yield _path_key(p, root), str(p), t
     else:
         raise WorkloadError(
             f"data.domains: unknown source '{source}' (stdlib:code, stdlib:docstrings, licenses, path:GLOB)"
@@ -159,18 +189,38 @@ def run_data(cfg: Config, out: Path) -> dict[str, object]:
         d.mkdir(parents=True, exist_ok=True)
         buf: dict[str, list[str]] = {s: [] for s in SPLITS}
         size = {s: 0 for s in SPLITS}
-        for key, text in _source_docs(src, files_cache, dc.min_doc_chars):
-            split = _split_of(key, cfg.seed, dc.heldout_fraction)
+        # Per split, the document nearest the other split's side of the threshold: moved across when
+        # the hash left the other split empty (a small corpus: 40 files at 5% hold out none about one
+        # time in eight), so the split stays a deterministic function of the files and the seed.
+        edge: dict[str, tuple[int, int, str, str]] = {}  # split -> (distance, index in buf, label, text)
+        threshold = dc.heldout_fraction * 1_000_000
+        for key, label, text in _source_docs(src, files_cache, dc.min_doc_chars):
+            score = _split_score(key, cfg.seed)
+            split = "heldout" if score < threshold else "train"
             if size[split] >= caps[split]:
                 if all(size[s] >= caps[s] for s in SPLITS):
                     break
                 continue
+            distance = abs(score - threshold)
+            if split not in edge or distance < edge[split][0]:
+                edge[split] = (distance, len(buf[split]), label, text)
             text = text[: caps[split] - size[split] + 1]
-            buf[split].append(json.dumps({"text": text, "source": key}))
+            buf[split].append(json.dumps({"text": text, "source": label}))
             size[split] += len(text.encode())
+        for empty, full in (("heldout", "train"), ("train", "heldout")):
+            if not buf[empty] and len(buf[full]) >= 2:
+                _, index, label, text = edge[full]
+                size[full] -= len(json.loads(buf[full].pop(index))["text"].encode())
+                text = text[: caps[empty] + 1]
+                buf[empty].append(json.dumps({"text": text, "source": label}))
+                size[empty] += len(text.encode())
         for s in SPLITS:
             if not buf[s]:
-                raise WorkloadError(f"data: domain '{name}' ({src}) has no {s} documents; raise the size cap")
+                docs = sum(len(b) for b in buf.values())
+                raise WorkloadError(
+                    f"data: domain '{name}' ({src}) has {docs} document(s) of at least {dc.min_doc_chars} "
+                    "characters; it needs at least 2 (one is held out): add files or lower data.min_doc_chars"
+                )
             atomic_write_text(d / f"{s}.jsonl", "\n".join(buf[s]) + "\n")
         manifest["domains"][name] = {  # type: ignore[index]
             "source": src,
