@@ -109,6 +109,10 @@ class DigestWindow:
     def text(self) -> str:
         return f"{self.start.astimezone(dt.UTC):%Y-%m-%d %H:%M} to {self.end.astimezone(dt.UTC):%Y-%m-%d %H:%M} UTC"
 
+    def since_arg(self) -> str:
+        """The window's start as ``--since`` of ``openlab lineage list`` reads it."""
+        return f"{self.start.astimezone(dt.UTC):%Y-%m-%dT%H:%M}"
+
 
 def digest_window(since: str | None = None, *, until: dt.datetime | None = None) -> DigestWindow:
     """The window from ``since`` (``24h``, ``7d``, ``2026-12-01T07:00``: as ``lineage list --since``
@@ -187,6 +191,12 @@ class IssueDigest:
     @property
     def day(self) -> str:
         return self.window.day
+
+    def content_hash(self) -> str:
+        """The body's hash without the window's own times: the comment is edited when the runs or what
+        they say changed, not because the same day's digest was rendered again a minute later."""
+        body = self.body.replace(self.window.text(), "").replace(self.window.since_arg(), "")
+        return hashlib.sha256(body.encode()).hexdigest()
 
     def line(self) -> str:
         """What happened to this digest, in one line (a terminal, a flow log)."""
@@ -393,7 +403,7 @@ def render_digest(
     """
     head = [digest_marker(digest.day), f"### openlab daily digest: {digest.day}", "", _summary(digest), ""]
     body = "\n".join(head) + "\n"
-    since = digest.window.start.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M")
+    since = digest.window.since_arg()
     sections = [render_run(rd, github_hosts) for rd in digest.runs]
     reserve = 300  # room for the line that counts what was left out
     kept = 0

@@ -620,7 +620,7 @@ class GithubLinker:
     def _publish_digest_one(self, ref: IssueRef, digest: IssueDigest) -> None:
         from orchestrator.links.digest import digest_marker
 
-        body_hash = hashlib.sha256(digest.body.encode()).hexdigest()
+        body_hash = digest.content_hash()
         rec = self._remember_digest(ref, digest)
         if rec.comment_id and rec.body_hash == body_hash:
             self._mark_done("digest", ref, None, key=digest.day)

@@ -7,6 +7,7 @@ issue and UTC day and posts it through the card's client, queue and marker logic
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 from pathlib import Path
@@ -120,16 +121,18 @@ def test_one_digest_per_active_issue_with_its_runs_then_edited_the_same_day(
     with store.transaction() as tx:
         tx.update(tx.get(PipelineRun, "prun_running"), state="COMPLETED", ended_at=NOW + H)
     again = post_digests(store, until=NOW + 2 * H)
-    assert {d.issue_id: d.outcome for d in again.digests} == {"lab/exp#7": "edited", "lab/exp#8": "edited"}
+    # #7's runs say what they said: its comment is left alone though the window moved on two hours
+    assert {d.issue_id: d.outcome for d in again.digests} == {"lab/exp#7": "unchanged", "lab/exp#8": "edited"}
     assert fake_github.count("POST", "/comments$") == 2
     assert fake_github.count("GET", "/issues/8/comments") == 1, "the recorded id is edited; no second marker scan"
     [eight_after] = _bodies(fake_github, 8)
     assert len(_bodies(fake_github, 7)) == 1
     assert "Still running" not in eight_after and "COMPLETED" in eight_after
 
-    # nothing changed: no API call at all
+    # nothing changed (a few minutes later, so only the window's own times differ): no API call at all
     patches = fake_github.count("PATCH")
-    assert {d.outcome for d in post_digests(store, until=NOW + 2 * H).digests} == {"unchanged"}
+    later = post_digests(store, until=NOW + 2 * H + dt.timedelta(minutes=7))
+    assert {d.outcome for d in later.digests} == {"unchanged"}
     assert fake_github.count("PATCH") == patches
 
     # the next day is a new comment; the day before's stays as it was
@@ -259,6 +262,7 @@ def test_token_never_in_digest_logs_or_lineage(
         post_digests(store, until=NOW)  # queued
         monkeypatch.setenv("GITHUB_TOKEN", TOKEN)
         post_digests(store, until=NOW)  # posted
+    record_run(store, "prun_leaky_b", "lab/exp#7", started=NOW - H, ended=NOW + H / 2, state="COMPLETED")
     with caplog.at_level(logging.INFO):  # PyGithub's DEBUG log would show the body a server echoes
         fake_github.fail("GET", r"/issues/7$", 500, {"message": f"boom {TOKEN}"})
         [failed] = post_digests(store, until=NOW + H).digests
