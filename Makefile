@@ -10,6 +10,9 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.openlab-installed
 INFRA_STATE ?= $(or $(OPENLAB_INFRA_STATE),/var/tmp/openlab-infra)
 PYTEST_ARGS ?=
+# Two pytest-xdist workers: most tests wait on a job, a server or a container, not the CPU.
+# Tests marked `slurm` take turns on the cluster (tests/conftest.py). PYTEST_WORKERS=0 runs them in one process.
+PYTEST_WORKERS ?= 2
 BENCH_ARGS ?=
 
 export DO_NOT_TRACK := 1
@@ -38,7 +41,8 @@ services-down:
 
 test: install services-up
 	set -a; [ -f $(INFRA_STATE)/services.env ] && . $(INFRA_STATE)/services.env; set +a; \
-	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && $(PY) -m pytest -q -rs $(PYTEST_ARGS)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && \
+	$(PY) -m pytest -q -rs -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -rs -m "not slow" $(PYTEST_ARGS)

@@ -19,6 +19,34 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
+def _current_test(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Let the service helpers see which test asks for a service (its marks), and give a ``slurm`` test
+    the cluster to itself.
+
+    `make test` runs two pytest-xdist workers. The Slurm cluster is one 2-CPU node: a test filling it,
+    or preempting from the urgent partition, would starve or cancel the other worker's job. So a test
+    marked ``slurm`` holds a lock shared by the workers while it runs, and ``require_slurm`` refuses
+    a test that uses the cluster without the mark. (A lock, not ``--dist loadgroup``: pytest 9 names
+    items by ``_id``, and pytest-xdist 3.8 still renames ``_nodeid``, so its groups do nothing.)
+    """
+    import fcntl
+
+    from tests import services
+
+    services.current_test = request.node
+    lock = None
+    if os.environ.get("PYTEST_XDIST_WORKER") and request.node.get_closest_marker("slurm") is not None:
+        lock = (tmp_path_factory.getbasetemp().parent / "slurm-cluster.lock").open("a")
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+    try:
+        yield
+    finally:
+        services.current_test = None
+        if lock is not None:
+            lock.close()
+
+
+@pytest.fixture(autouse=True)
 def openlab_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A fresh, empty OPENLAB_HOME for every test; no project config leaks in."""
     home = tmp_path_factory.mktemp("openlab-home")

@@ -40,6 +40,9 @@ import pytest
 
 DEFAULT_STATE = "/var/tmp/openlab-infra"
 
+#: The test now running (tests/conftest.py sets it), so a helper can check the test's marks.
+current_test: pytest.Item | None = None
+
 
 def in_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
@@ -158,10 +161,17 @@ def docker_image(kind: str = "base") -> str:
 
 def require_slurm() -> str:
     """SLURM_CONF of the running test cluster (also exported into os.environ for the CLI tools and
-    subprocesses); skips/fails when slurmctld does not answer."""
+    subprocesses); skips/fails when slurmctld does not answer. A test must carry the ``slurm`` mark
+    to use the cluster: the mark makes xdist workers take turns on it (tests/conftest.py)."""
     up, reason = _declared("SLURM")
     if up is False:
         unavailable(_down_reason("slurm", reason))
+    if current_test is not None and current_test.get_closest_marker("slurm") is None:
+        pytest.fail(
+            f"{current_test.nodeid} uses the Slurm cluster without @pytest.mark.slurm: mark it, so that it "
+            "never shares the cluster with another worker's test",
+            pytrace=False,
+        )
     conf = setting("SLURM_CONF")
     if not conf:
         default = state_dir() / "slurm" / "etc" / "slurm.conf"

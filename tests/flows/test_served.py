@@ -205,7 +205,10 @@ def _live_pretrain_job(served: Served, flow_run_id: Any, backend: str, timeout: 
             time.sleep(0.3)
 
 
-@pytest.mark.parametrize("backend", ["local", "docker", "slurm"])
+@pytest.mark.parametrize(
+    "backend",
+    ["local", pytest.param("docker", marks=pytest.mark.docker), pytest.param("slurm", marks=pytest.mark.slurm)],
+)
 def test_cancel_through_api_stops_backend_job(served: Served, backend: str) -> None:
     """Cancelling the flow run via the API ends its running job and records CANCELLED in lineage."""
     if backend != "local":

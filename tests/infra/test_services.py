@@ -29,6 +29,7 @@ def test_docker_runs_a_container_without_network() -> None:
     assert "'lo'" in text and "eth0" not in text, text  # --network none: loopback only
 
 
+@pytest.mark.slurm
 def test_slurm_batch_job_completes_and_its_output_is_readable(tmp_path: Path) -> None:
     services.require_slurm()
     out_dir = services.state_dir() / "slurm" / "jobs"
@@ -67,6 +68,7 @@ def test_slurm_batch_job_completes_and_its_output_is_readable(tmp_path: Path) ->
         path.unlink(missing_ok=True)
 
 
+@pytest.mark.slurm
 def test_slurm_failed_job_reports_its_exit_code() -> None:
     services.require_slurm()
     submitted = subprocess.run(

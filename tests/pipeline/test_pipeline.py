@@ -417,6 +417,7 @@ def test_preemption_retries_setting(monkeypatch: pytest.MonkeyPatch, repo: Path)
         start_pipeline(toy_pipeline(repo), toy_configs(), options=fast())
 
 
+@pytest.mark.slurm
 def test_a_stage_can_run_on_its_own_backend_and_where_it_ran_is_not_its_identity(repo: Path, ledger: Path) -> None:
     """Data prep here, the heavy stage on the cluster: one pipeline run, each attempt on its stage's
     backend; the same stages all on one backend afterwards reuse every result."""

@@ -89,15 +89,17 @@ def test_drops_replica_runs_the_reproduction_stage_with_lineage_then_reuses() ->
     assert [s[1] for s in states] == ["REUSED"] * 3, states
 
 
-def _workload_pids(stage: str) -> list[int]:
-    """The stage's training process (not the local backend's supervisor, whose argv repeats it)."""
+def _workload_pids(stage: str, under: Path) -> list[int]:
+    """The stage's training process writing under ``under`` (this test's artifacts: another xdist
+    worker may be training too), not the local backend's supervisor, whose argv repeats it."""
     pids = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             argv = cmdline.read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"workloads.moe" in argv and stage.encode() in argv and not any(b"_supervise" in a for a in argv):
+        ours = any(a.startswith(str(under).encode()) for a in argv)
+        if b"workloads.moe" in argv and stage.encode() in argv and ours and not any(b"_supervise" in a for a in argv):
             pids.append(int(cmdline.parent.name))
     return pids
 
@@ -132,7 +134,7 @@ def test_a_preempted_training_stage_resumes_from_its_checkpoint_in_a_new_attempt
         while time.monotonic() < deadline and not stopped:
             for metrics in settings.artifacts_dir.glob("pretrain/*/metrics.jsonl"):
                 if len(metrics.read_text().splitlines()) >= 5:
-                    for pid in _workload_pids("pretrain"):
+                    for pid in _workload_pids("pretrain", settings.artifacts_dir):
                         os.kill(pid, signal.SIGTERM)
                         stopped["pid"] = pid
             time.sleep(0.02)

@@ -22,7 +22,7 @@ from orchestrator.recipes import RECIPES_DIR, resolve
 from orchestrator.settings import load_settings
 from tests.services import require_slurm
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
 STAGES = ["data", "tokenize", "pretrain", "midtrain", "posttrain", "eval"]
 
