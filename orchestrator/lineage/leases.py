@@ -22,6 +22,14 @@ lost its lease kept running a duplicate step).
 Leases are coordination state, not lineage: they change without events. Times are the
 holders' UTC clocks; keep machines within a few seconds of each other (NTP) and the TTL
 much longer than that.
+
+A holder that is provably gone does not keep its identity for the rest of the TTL. Each row
+records the process that took it (:func:`process_mark`: the kernel's boot id, the PID namespace,
+the pid and the process's start time). A reader on the same boot and in the same PID namespace
+can see whether that process still exists; when it does not (SIGKILL, the OOM killer, a crash)
+the lease is not live, so a re-run takes the identity over at once and ``openlab lineage
+reconcile`` frees its job at once, instead of 90 s later. From another machine, container or
+boot nothing is provable, and the expiry decides as before.
 """
 
 from __future__ import annotations
@@ -55,6 +63,58 @@ def new_holder(tag: str = "") -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{tag + ':' if tag else ''}{suffix}"
 
 
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii", errors="replace") as fh:
+            return fh.read()
+    except OSError:
+        return None
+
+
+def _start_ticks(pid: int) -> str | None:
+    """A process's start time (clock ticks since boot, field 22 of /proc/PID/stat), or None when gone."""
+    stat = _read_text(f"/proc/{pid}/stat")
+    if stat is None:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
+    return fields[19] if len(fields) > 19 else None
+
+
+def _boot_and_namespace() -> tuple[str, str] | None:
+    boot = _read_text("/proc/sys/kernel/random/boot_id")
+    try:
+        namespace = str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return None
+    return (boot.strip(), namespace) if boot else None
+
+
+def process_mark(pid: int | None = None) -> str | None:
+    """``boot id/PID namespace/pid/start ticks`` of a process (this one by default); None off Linux.
+
+    The start time tells a reused pid from the holder; the boot id and namespace say whether a
+    reader can look the holder up at all (the init namespace's inode is the same on every machine).
+    """
+    where = _boot_and_namespace()
+    pid = os.getpid() if pid is None else pid
+    start = _start_ticks(pid)
+    if where is None or start is None:
+        return None
+    return f"{where[0]}/{where[1]}/{pid}/{start}"
+
+
+def holder_gone(lease: Lease | None) -> bool:
+    """Whether the process that holds ``lease`` provably no longer runs (same boot and PID
+    namespace as this process, and its pid is gone or now names a younger process)."""
+    if lease is None or not lease.process:
+        return False
+    parts = lease.process.split("/")
+    where = _boot_and_namespace()
+    if len(parts) != 4 or where is None or (parts[0], parts[1]) != where or not parts[2].isdigit():
+        return False
+    return _start_ticks(int(parts[2])) != parts[3]
+
+
 def _write(store: LineageStore) -> Any:
     """A connection whose transaction takes SQLite's write lock at BEGIN (see the store)."""
     conn = store.engine.connect()
@@ -75,8 +135,10 @@ def acquire(
     *,
     ttl: float = DEFAULT_TTL,
     stage_run_id: str | None = None,
+    gone: str | None = None,
 ) -> bool:
-    """Take the lease on ``identity`` for ``holder`` if it is free, expired or already ours."""
+    """Take the lease on ``identity`` for ``holder`` if it is free, expired or already ours, or
+    held by ``gone`` (a holder :func:`holder_gone` judged dead: taken only if it still holds it)."""
     now = utcnow()
     expires = now + dt.timedelta(seconds=ttl)
     table = Lease.__table__  # type: ignore[attr-defined]
@@ -87,6 +149,7 @@ def acquire(
         acquired_at=now,
         heartbeat_at=now,
         expires_at=expires,
+        process=process_mark(),
     )
     stmt = stmt.on_conflict_do_update(
         index_elements=[table.c.identity],
@@ -96,8 +159,9 @@ def acquire(
             "acquired_at": stmt.excluded.acquired_at,
             "heartbeat_at": stmt.excluded.heartbeat_at,
             "expires_at": stmt.excluded.expires_at,
+            "process": stmt.excluded.process,
         },
-        where=sa.or_(table.c.expires_at < now, table.c.holder == holder),
+        where=sa.or_(table.c.expires_at < now, table.c.holder == holder, *([table.c.holder == gone] if gone else [])),
     )
     conn = _write(store)
     try:
@@ -147,13 +211,14 @@ def current(store: LineageStore, identity: str) -> Lease | None:
 
 
 def is_live(lease: Lease | None, now: dt.datetime | None = None) -> bool:
-    """Whether a lease row still protects its identity (exists and has not expired)."""
+    """Whether a lease row still protects its identity (exists, has not expired, and its holder's
+    process is not provably gone)."""
     if lease is None:
         return False
     expires = lease.expires_at
     if expires.tzinfo is None:
         expires = expires.replace(tzinfo=dt.UTC)
-    return expires >= (now or utcnow())
+    return expires >= (now or utcnow()) and not holder_gone(lease)
 
 
 class HeldLease:
@@ -248,7 +313,12 @@ def try_hold(
 ) -> HeldLease | None:
     """Acquire and start heartbeating, or None when another live holder has the identity."""
     if not acquire(store, identity, holder, ttl=ttl, stage_run_id=stage_run_id):
-        return None
+        other = current(store, identity)
+        if other is None or not holder_gone(other):
+            return None
+        if not acquire(store, identity, holder, ttl=ttl, stage_run_id=stage_run_id, gone=other.holder):
+            return None
+        log.info("took over %s from %s: its process is gone", identity[:24], other.holder)
     return HeldLease(store, identity, holder, ttl=ttl, heartbeat_interval=heartbeat_interval, on_lost=on_lost).start()
 
 
@@ -276,8 +346,10 @@ __all__ = [
     "acquire",
     "current",
     "heartbeat",
+    "holder_gone",
     "is_live",
     "new_holder",
+    "process_mark",
     "release",
     "set_stage_run",
     "try_hold",

@@ -300,6 +300,8 @@ class Lease(SQLModel, table=True):
     acquired_at: dt.datetime = Field(default_factory=utcnow)
     heartbeat_at: dt.datetime = Field(default_factory=utcnow)
     expires_at: dt.datetime
+    #: The holder's process (``leases.process_mark``): lets a reader on the same machine see it is gone.
+    process: str | None = None
 
 
 #: Every lineage table, by its ``kind``.

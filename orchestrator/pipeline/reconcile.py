@@ -111,13 +111,18 @@ def _judge(
         return "LOST", f"backend {attempt.backend} cannot report job {attempt.job_id}: {exc}", attempt, None
     if not status.state.terminal:
         if not cancel:
-            why = f"orphaned: lease expired while job {attempt.job_id} runs; it would be cancelled"
+            why = f"orphaned: no orchestrator looks after job {attempt.job_id}, which runs; it would be cancelled"
             return "CANCELLED", why, attempt, status
         try:
             launcher.cancel(handle)
         except LauncherError as exc:
             log.warning("could not cancel orphaned job %s: %s", attempt.job_id, exc)
-        return "CANCELLED", f"orphaned: lease expired while job {attempt.job_id} ran; job cancelled", attempt, status
+        return (
+            "CANCELLED",
+            f"orphaned: no orchestrator looked after job {attempt.job_id}, which ran; job cancelled",
+            attempt,
+            status,
+        )
     if status.state is JobState.SUCCEEDED:
         return (
             "LOST",
@@ -179,6 +184,8 @@ def _abandoned_since(lease: Lease | None, run: PipelineRun, grace: float) -> str
     may be an older openlab that took no pipeline lease, or one that is about to.
     """
     if lease is not None:
+        if leases.holder_gone(lease):
+            return f"its orchestrator {lease.holder} is gone (its process ended without closing the run)"
         if leases.is_live(lease):
             return None
         expired = lease.expires_at if lease.expires_at.tzinfo else lease.expires_at.replace(tzinfo=dt.UTC)
@@ -201,7 +208,7 @@ def reconcile_pipeline_runs(
     dry_run: bool = False,
     closing: Mapping[str, str] | None = None,
 ) -> list[ReconciledPipeline]:
-    """Close RUNNING pipeline runs whose lease expired and whose stages have all ended; return them.
+    """Close RUNNING pipeline runs whose lease is not live and whose stages have all ended; return them.
 
     Run after :func:`reconcile`, which closes the stale stage runs first. Each run is judged
     again inside the closing transaction (writers serialise on it), so a run its orchestrator
