@@ -72,12 +72,13 @@ def _read_text(path: str) -> str | None:
 
 
 def _start_ticks(pid: int) -> str | None:
-    """A process's start time (clock ticks since boot, field 22 of /proc/PID/stat), or None when gone."""
+    """A process's start time (clock ticks since boot, field 22 of /proc/PID/stat), or None when it
+    is gone or a zombie (dead, waiting for its parent to reap it)."""
     stat = _read_text(f"/proc/{pid}/stat")
     if stat is None:
         return None
     fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
-    return fields[19] if len(fields) > 19 else None
+    return fields[19] if len(fields) > 19 and fields[0] != "Z" else None
 
 
 def _boot_and_namespace() -> tuple[str, str] | None:

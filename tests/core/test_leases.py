@@ -7,6 +7,7 @@ import datetime as dt
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from orchestrator.lineage import LineageStore, leases
@@ -47,6 +48,11 @@ def test_a_killed_holders_lease_is_taken_over_at_once_and_a_live_ones_is_not(sto
         assert row is not None and row.process and row.process.endswith(f"/{proc.pid}/" + row.process.split("/")[3])
         assert leases.is_live(row) and not leases.holder_gone(row)
         assert leases.try_hold(store, "i-held", "me") is None, "a live holder keeps its identity"
+        proc.kill()
+        deadline = time.monotonic() + 20
+        while not leases.holder_gone(row):  # killed, not yet reaped: a zombie is gone too
+            assert time.monotonic() < deadline, "a killed, unreaped holder still counts as alive"
+            time.sleep(0.05)
     finally:
         proc.kill()
         proc.wait(timeout=30)
