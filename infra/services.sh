@@ -8,7 +8,8 @@
 # recorded as =0 with OPENLAB_TEST_<NAME>_REASON=...; each step's full output is in $OPENLAB_INFRA_STATE/logs/.
 # Env: OPENLAB_SERVICES="docker slurm postgres browser" (subset to bring up),
 #      OPENLAB_JOB_IMAGE=torch|notorch|skip (default torch: openlab/job:latest with a CPU torch;
-#      notorch: openlab/job:latest without torch), OPENLAB_STEP_TIMEOUT (default 1200 s per step).
+#      notorch: openlab/job:latest without torch), OPENLAB_STEP_TIMEOUT (default 1200 s per step),
+#      OPENLAB_SLURM_ACCOUNTING=0 (Slurm without mariadb + slurmdbd: no sacct, no measured job usage).
 set -uo pipefail
 LOG_TAG=services
 source "$(dirname "$0")/lib.sh"
@@ -77,10 +78,15 @@ up() {
     setkv OPENLAB_TEST_DOCKER 0; setkv OPENLAB_TEST_DOCKER_REASON "not requested (OPENLAB_SERVICES)"
   fi
   if wants slurm; then
-    if step slurm "$INFRA_DIR/slurm/start.sh"; then
+    # with accounting (mariadb + slurmdbd), as a real cluster has: sacct, and what each job used
+    acct=(--with-accounting); [ "${OPENLAB_SLURM_ACCOUNTING:-1}" = 0 ] && acct=()
+    if step slurm "$INFRA_DIR/slurm/start.sh" "${acct[@]}"; then
       setkv OPENLAB_TEST_SLURM 1; setkv OPENLAB_TEST_SLURM_REASON ""; setkv SLURM_CONF "${STEP_OUT#SLURM_CONF=}"
+      if [ ${#acct[@]} -gt 0 ]; then setkv OPENLAB_TEST_SLURM_ACCOUNTING 1; setkv OPENLAB_TEST_SLURM_ACCOUNTING_REASON ""
+      else setkv OPENLAB_TEST_SLURM_ACCOUNTING 0; setkv OPENLAB_TEST_SLURM_ACCOUNTING_REASON "OPENLAB_SLURM_ACCOUNTING=0"; fi
     else
       setkv OPENLAB_TEST_SLURM 0; setkv OPENLAB_TEST_SLURM_REASON "$STEP_REASON"
+      setkv OPENLAB_TEST_SLURM_ACCOUNTING 0; setkv OPENLAB_TEST_SLURM_ACCOUNTING_REASON "slurm: $STEP_REASON"
     fi
     write_env
   else

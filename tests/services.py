@@ -21,6 +21,7 @@ where it FAILS (a CI run must not go green by skipping everything).
 API (each ``require_*`` returns something useful or skips/fails):
     require_docker() -> docker.DockerClient      docker_image(kind="base"|"job") -> str
     require_slurm() -> str (SLURM_CONF path; also put into os.environ)
+    require_slurm_accounting() -> str (the same, and sacct answers: slurmdbd is up)
     postgres_url() -> str (SQLAlchemy URL, role may CREATE DATABASE)
     require_postgres() -> str (same as postgres_url)
     require_chromium() -> str (browser executable path)
@@ -187,6 +188,19 @@ def require_slurm() -> str:
         unavailable("slurm: `scontrol ping` timed out")
     if "UP" not in out.stdout:
         unavailable(f"slurmctld not reachable (SLURM_CONF={conf or 'default'}): {(out.stdout + out.stderr).strip()}")
+    return conf
+
+
+def require_slurm_accounting() -> str:
+    """:func:`require_slurm`, plus slurmdbd accounting (sacct), which ``infra/services.sh up`` starts
+    unless ``OPENLAB_SLURM_ACCOUNTING=0``."""
+    conf = require_slurm()
+    up, reason = _declared("SLURM_ACCOUNTING")
+    if up is False:
+        unavailable(f"slurm accounting is not running: {reason or 'infra/services.sh up started none'}")
+    out = subprocess.run(["sacct", "-n", "-X", "-j", "1"], capture_output=True, text=True, timeout=30, check=False)
+    if out.returncode != 0:
+        unavailable(f"slurm accounting: sacct fails: {(out.stderr or out.stdout).strip()}")
     return conf
 
 

@@ -16,6 +16,10 @@
   merged with a ``[task]`` prefix, or one task's alone through :meth:`SlurmLauncher.task_handle`
   (job id ``ARRAY_TASK``, which Slurm's own tools accept too). Cancelling the array
   handle cancels every task, pending ones included.
+- What an ended job used (``JobStatus.usage``: ``cpu_seconds``, ``max_rss_bytes``) comes from
+  ``sacct`` where the cluster keeps accounting: TotalCPU of the job, the largest MaxRSS of its
+  steps. MaxRSS is what ``jobacct_gather`` sampled (``JobAcctGatherFrequency``), so a step shorter
+  than one sample has none; without accounting nothing is measured.
 - ``scancel`` cancels; :meth:`SlurmLauncher.cancel` waits until the job has left the
   queue, so nothing of it is running when it returns.
 - sbatch/scontrol errors are quoted verbatim; "Socket timed out" and "Unable to contact
@@ -114,6 +118,24 @@ def _parse_dt(text: str | None) -> dt.datetime | None:
         return dt.datetime.fromisoformat(text).astimezone(dt.UTC)
     except ValueError:
         return None
+
+
+_RSS_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+
+
+def parse_sacct_bytes(text: str | None) -> int | None:
+    """sacct's MaxRSS (``277080K``, ``1.5G``, ``0``) in bytes; None when empty."""
+    match = re.fullmatch(r"([0-9.]+)([KMGT]?)", (text or "").strip())
+    return int(float(match.group(1)) * _RSS_UNITS[match.group(2)]) if match else None
+
+
+def parse_sacct_duration(text: str | None) -> float | None:
+    """sacct's TotalCPU (``00:01.731``, ``01:02:03``, ``2-01:02:03``) in seconds; None when empty."""
+    match = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+(?:\.\d+)?)", (text or "").strip())
+    if not match:
+        return None
+    days, hours, minutes, seconds = match.groups()
+    return int(days or 0) * 86400 + int(hours or 0) * 3600 + int(minutes) * 60 + float(seconds)
 
 
 def expand_task_ids(text: str | None) -> list[str]:
@@ -458,7 +480,49 @@ class SlurmLauncher(Launcher):
             return rows, "sacct"
         return self._jobcomp(job_id), "jobcomp"
 
+    def _usage(self, job_id: str, *, wait: float = 5.0) -> dict[str, float] | None:
+        """What an ended job used, from sacct (None without accounting, or before it has the job).
+
+        sacct's record of a job lags its end by a second or so: while it still shows the job
+        running, this asks again for up to ``wait`` seconds. A cluster without accounting is
+        asked once per launcher.
+        """
+        if self.config.get("sacct") is False:
+            return None
+        fields = ["JobID", "State", "MaxRSS", "TotalCPU"]
+        deadline = time.monotonic() + wait
+        while True:
+            proc = self._run("sacct", "-j", job_id, "-n", "-P", "-o", ",".join(fields), check=False)
+            if proc.returncode != 0:
+                if "accounting storage is disabled" in (proc.stderr + proc.stdout).lower():
+                    self.config["sacct"] = False
+                return None
+            rows = [dict(zip(fields, line.split("|"), strict=False)) for line in proc.stdout.splitlines() if line]
+            jobs = [r for r in rows if "." not in r.get("JobID", "")]  # the allocations; steps are ID.batch, ID.0
+            ended = jobs and all(
+                STATE_MAP.get(r.get("State", "").split(" ")[0].upper(), (JobState.LOST, None))[0].terminal for r in jobs
+            )
+            if ended or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        if not ended:
+            return None
+        cpu = [parse_sacct_duration(r.get("TotalCPU")) for r in jobs]
+        rss = [parse_sacct_bytes(r.get("MaxRSS")) for r in rows if "." in r.get("JobID", "")]
+        usage: dict[str, float] = {}
+        if cpu and all(c is not None for c in cpu):
+            usage["cpu_seconds"] = round(sum(c for c in cpu if c is not None), 3)
+        if any(r for r in rss):
+            usage["max_rss_bytes"] = max(r for r in rss if r is not None)
+        return usage or None
+
     def status(self, handle: JobHandle) -> JobStatus:
+        status = self._status(handle)
+        if status.state.terminal and status.state is not JobState.LOST and status.usage is None:
+            status.usage = self._usage(handle.job_id)
+        return status
+
+    def _status(self, handle: JobHandle) -> JobStatus:
         rows, _source = self._rows(handle.job_id)
         if not rows:
             reason = f"slurm no longer knows job {handle.job_id} (scontrol, sacct, jobcomp)"
