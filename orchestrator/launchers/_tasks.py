@@ -123,9 +123,13 @@ def main(argv: list[str]) -> int:
             if code is not None and code != 0 and first is None:
                 first = (rank, code if code >= 0 else 128 - code)
                 stop_at = time.monotonic() + GRACE_S
-                for other in procs:
-                    if other.poll() is None:
-                        other.terminate()
+                # Told to stop already (a cancel, a preemption)? Then every task has its SIGTERM, and
+                # one ending first is that stop, not a failure: a second one could cut the others'
+                # checkpoint saves short. Otherwise a task failed, and the rest are stopped.
+                if not any(sig in (signal.SIGTERM, signal.SIGINT) for sig in told):
+                    for other in procs:
+                        if other.poll() is None:
+                            other.terminate()
         if stop_at is not None and time.monotonic() > stop_at:
             for other in procs:
                 if other.poll() is None:
