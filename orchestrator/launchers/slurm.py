@@ -671,7 +671,7 @@ class SlurmLauncher(Launcher):
                 fh.close()
 
     def cancel(self, handle: JobHandle) -> None:
-        status = self.status(handle)
+        status = self._status(handle)  # whether it ended; what it used is not needed here
         if status.state.terminal:
             return
         self._run("scancel", handle.job_id)  # an array's id cancels every task, pending ones too
