@@ -46,6 +46,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from orchestrator.errors import OpenlabError
 from orchestrator.launchers.base import (
     TIME_LIMIT_REASON,
     BackendUnavailable,
@@ -56,6 +57,8 @@ from orchestrator.launchers.base import (
     Launcher,
     LauncherError,
     first_failed_task,
+    parse_duration,
+    parse_memory,
     stopped_from_outside,
     task_ends_prefix,
     with_notes,
@@ -120,22 +123,23 @@ def _parse_dt(text: str | None) -> dt.datetime | None:
         return None
 
 
-_RSS_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
-
-
 def parse_sacct_bytes(text: str | None) -> int | None:
     """sacct's MaxRSS (``277080K``, ``1.5G``, ``0``) in bytes; None when empty."""
-    match = re.fullmatch(r"([0-9.]+)([KMGT]?)", (text or "").strip())
-    return int(float(match.group(1)) * _RSS_UNITS[match.group(2)]) if match else None
+    try:
+        return parse_memory(text) if text and text.strip() else None
+    except OpenlabError:
+        return None
 
 
 def parse_sacct_duration(text: str | None) -> float | None:
     """sacct's TotalCPU (``00:01.731``, ``01:02:03``, ``2-01:02:03``) in seconds; None when empty."""
-    match = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+(?:\.\d+)?)", (text or "").strip())
-    if not match:
+    whole, _, fraction = (text or "").strip().partition(".")  # parse_duration takes whole seconds
+    if not whole:
         return None
-    days, hours, minutes, seconds = match.groups()
-    return int(days or 0) * 86400 + int(hours or 0) * 3600 + int(minutes) * 60 + float(seconds)
+    try:
+        return parse_duration(whole) + float(f"0.{fraction or 0}")
+    except (OpenlabError, ValueError):
+        return None
 
 
 def expand_task_ids(text: str | None) -> list[str]:
@@ -499,9 +503,7 @@ class SlurmLauncher(Launcher):
                 return None
             rows = [dict(zip(fields, line.split("|"), strict=False)) for line in proc.stdout.splitlines() if line]
             jobs = [r for r in rows if "." not in r.get("JobID", "")]  # the allocations; steps are ID.batch, ID.0
-            ended = jobs and all(
-                STATE_MAP.get(r.get("State", "").split(" ")[0].upper(), (JobState.LOST, None))[0].terminal for r in jobs
-            )
+            ended = bool(jobs) and all(self._row_status({"JobState": r.get("State", "")}).state.terminal for r in jobs)
             if ended or time.monotonic() >= deadline:
                 break
             time.sleep(0.5)
