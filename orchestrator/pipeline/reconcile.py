@@ -184,10 +184,10 @@ def _abandoned_since(lease: Lease | None, run: PipelineRun, grace: float) -> str
     may be an older openlab that took no pipeline lease, or one that is about to.
     """
     if lease is not None:
-        if leases.holder_gone(lease):
-            return f"its orchestrator {lease.holder} is gone (its process ended without closing the run)"
         if leases.is_live(lease):
             return None
+        if leases.holder_gone(lease):
+            return f"its orchestrator {lease.holder} is gone (its process ended without closing the run)"
         expired = lease.expires_at if lease.expires_at.tzinfo else lease.expires_at.replace(tzinfo=dt.UTC)
         return f"its orchestrator {lease.holder} stopped heartbeating (lease expired {expired:%Y-%m-%d %H:%M:%S} UTC)"
     started = run.started_at if run.started_at.tzinfo else run.started_at.replace(tzinfo=dt.UTC)
