@@ -91,6 +91,18 @@ def run(cmd: str, cwd: Path) -> None:
     subprocess.run(cmd, shell=True, cwd=cwd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
+def ensure_b3sum() -> None:
+    """Install Debian's ``b3sum`` (not timed) the way the infra scripts install packages,
+    so ``make bench`` needs nothing installed by hand; one clear line when it cannot."""
+    if shutil.which("b3sum"):
+        return
+    print("installing b3sum with apt (not timed) ...", flush=True)
+    lib = Path(__file__).resolve().parents[1] / "infra" / "lib.sh"
+    done = subprocess.run(["bash", "-c", f'source "{lib}" && apt_install b3sum'], check=False)
+    if done.returncode != 0 or not shutil.which("b3sum"):
+        sys.exit("bench_snapshot: b3sum is missing and apt could not install it; install Debian's b3sum and rerun")
+
+
 def ensure_dvc(venv: Path) -> Path:
     dvc = venv / "bin" / "dvc"
     if not dvc.exists():
@@ -124,6 +136,7 @@ def main() -> int:
     args = ap.parse_args()
     size = parse_size(args.size)
 
+    ensure_b3sum()
     dvc = None if args.no_dvc else ensure_dvc(args.dvc_venv)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="openlab-bench-"))
     work.mkdir(parents=True, exist_ok=True)
