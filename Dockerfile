@@ -89,3 +89,7 @@ RUN set -eu; \
     python -m pip install $idx --no-deps /src; \
     rm -rf /src; \
     cd /tmp && python -c "import orchestrator, workloads, flows; print('openlab installed')"
+
+# The interpreter the Docker launcher runs its usage wrapper with (launchers/_usage.py): an image
+# that names one has what its jobs used (CPU seconds, peak memory) recorded in lineage.
+LABEL openlab.io/python="python"

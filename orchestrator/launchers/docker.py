@@ -19,6 +19,14 @@
 - The time limit is enforced in the container by GNU ``timeout`` (so it holds with nobody
   watching; set ``time_limit_wrapper = false`` for images without coreutils) and by
   :meth:`DockerLauncher.status` as a backstop.
+- What a job used (CPU seconds, peak resident memory) is measured inside the container by
+  ``launchers/_usage.py``, the parent of the job's command, because the container's cgroup
+  and its counters are gone once it exits. The launcher copies that script into a per-job
+  folder under ``$OPENLAB_HOME/jobs/docker/usage/`` and mounts it at ``/.openlab``; so it
+  needs a Python in the image and an engine on this host. ``measure_usage = "auto"`` (the
+  default) does it for images that name their interpreter in the ``openlab.io/python``
+  label (the repo's Dockerfile does) on a local engine; ``true`` uses ``python`` (default
+  ``python``) in any image; ``false`` never.
 - Containers carry the spec's labels plus ``openlab.io/managed``; once a job ended and its
   logs were collected (:meth:`DockerLauncher.cleanup`, called by ``run_job``, or
   :meth:`DockerLauncher.cancel`) the log goes to ``logs_dir/ID.log``, the final status to
@@ -33,6 +41,7 @@ import datetime as dt
 import json
 import os
 import re
+import shutil
 import time
 import uuid
 from collections.abc import Iterator
@@ -61,6 +70,12 @@ MANAGED_LABEL = "openlab.io/managed"
 TIME_LIMIT_LABEL = "openlab.io/time-limit"
 #: Where a multi-task container's tasks write how they ended (under the mounted artifact root).
 TASK_ENDS_LABEL = "openlab.io/task-ends"
+#: Where the container's usage wrapper (launchers/_usage.py) leaves what the job used, on this host.
+USAGE_LABEL = "openlab.io/usage"
+#: The image label that names its Python interpreter (set by the repo's Dockerfile).
+PYTHON_LABEL = "openlab.io/python"
+#: Where the per-job usage folder is mounted in the container.
+USAGE_MOUNT = "/.openlab"
 CANCEL_EXIT_CODES = (137, 143)
 
 
@@ -205,6 +220,11 @@ class DockerLauncher(Launcher):
             if spec.artifact_root is not None:  # mounted at the same path: the ends are readable here
                 task_ends = str(Path(spec.artifact_root).resolve() / ".tasks" / f"{job_id}.ends")
                 labels[TASK_ENDS_LABEL] = task_ends
+        usage_dir, python = None, self._usage_python(image, opts)
+        if python is not None:  # the job runs under the usage wrapper, its parent in the container
+            usage_dir = self._usage_dir(job_id)
+            command = [python, "-I", "-S", f"{USAGE_MOUNT}/usage.py", f"{USAGE_MOUNT}/usage.json", "--", *command]
+            labels[USAGE_LABEL] = str(usage_dir / "usage.json")
         if spec.time_limit:
             labels[TIME_LIMIT_LABEL] = str(spec.time_limit)
             if opts.get("time_limit_wrapper", True):
@@ -228,6 +248,8 @@ class DockerLauncher(Launcher):
             # not whatever copy was baked into the image when it was last built.
             workdir = str(Path(spec.workdir).resolve())
             volumes.setdefault(workdir, {"bind": workdir, "mode": "ro"})
+        if usage_dir is not None:
+            volumes[str(usage_dir)] = {"bind": USAGE_MOUNT, "mode": "rw"}
         for host_path, target in (opts.get("mounts") or {}).items():
             bind, _, mode = str(target).partition(":")
             volumes[str(host_path)] = {"bind": bind, "mode": mode or "rw"}
@@ -261,9 +283,11 @@ class DockerLauncher(Launcher):
         try:
             container = self.client.containers.run(image.id, command, **kwargs)
         except errors.ImageNotFound as exc:
+            self._forget_usage(job_id)
             raise ImageNotFound(f"docker: {_api_message(exc)}") from None
         except errors.APIError as exc:
             self._remove_quietly(job_id)
+            self._forget_usage(job_id)
             raise LauncherError(f"docker refused to run the job: {_api_message(exc)}") from None
         digest = self.image_digest(image)
         return JobHandle(
@@ -272,6 +296,46 @@ class DockerLauncher(Launcher):
             str(self._log_path(job_id)),
             {"container_id": container.id, "image_digest": digest},
         )
+
+    def _usage_python(self, image: Any, opts: dict[str, Any]) -> str | None:
+        """The image's interpreter to run the usage wrapper with, or None to not measure (see the
+        module docstring: ``measure_usage``)."""
+        mode = opts.get("measure_usage", "auto")
+        if mode is False or str(mode).lower() in ("false", "0", "no", "off"):
+            return None
+        if mode is True or str(mode).lower() in ("true", "1", "yes", "on"):
+            return str(opts.get("python") or "python")
+        named = (image.labels or {}).get(PYTHON_LABEL)
+        base_url = str(self.config.get("base_url") or os.environ.get("DOCKER_HOST") or "unix://")
+        return str(named) if named and base_url.startswith("unix://") else None
+
+    def _usage_dir(self, job_id: str) -> Path:
+        """A folder for one job's usage record, holding this launcher's copy of the wrapper.
+
+        World-writable, so a job run as another user (``user = ...``) can still write its record.
+        """
+        folder = self.state_dir / "usage" / job_id
+        folder.mkdir(parents=True, exist_ok=True)
+        folder.chmod(0o777)
+        shutil.copyfile(Path(__file__).with_name("_usage.py"), folder / "usage.py")
+        return folder
+
+    def _forget_usage(self, job_id: str) -> None:
+        shutil.rmtree(self.state_dir / "usage" / job_id, ignore_errors=True)
+
+    @staticmethod
+    def _read_usage(labels: dict[str, str]) -> dict[str, float] | None:
+        """What the usage wrapper recorded for an ended container; None when it recorded nothing
+        (not measured, or killed with the job, as by the OOM killer)."""
+        path = labels.get(USAGE_LABEL)
+        if not path:
+            return None
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError):
+            return None
+        usage = {k: data[k] for k in ("cpu_seconds", "max_rss_bytes") if isinstance(data.get(k), int | float)}
+        return usage or None
 
     def _remove_quietly(self, job_id: str) -> None:
         try:
@@ -324,7 +388,7 @@ class DockerLauncher(Launcher):
             job_state, reason = JobState.LOST, "container is dead"
         if code:
             reason = with_notes(reason, first_failed_task(labels.get(TASK_ENDS_LABEL)))
-        return JobStatus(job_state, code, reason, host, started, ended, digest)
+        return JobStatus(job_state, code, reason, host, started, ended, digest, usage=self._read_usage(labels))
 
     def _cancel_marker(self, job_id: str) -> Path:
         return self.state_dir / f"{job_id}.cancelled"
@@ -343,6 +407,7 @@ class DockerLauncher(Launcher):
                     dt.datetime.fromisoformat(data["started_at"]) if data.get("started_at") else None,
                     dt.datetime.fromisoformat(data["ended_at"]) if data.get("ended_at") else None,
                     data.get("image_digest"),
+                    usage=data.get("usage"),
                 )
             return JobStatus(JobState.LOST, reason=f"container {handle.job_id} no longer exists")
         return self._status_of(container, handle.job_id)
@@ -438,6 +503,7 @@ class DockerLauncher(Launcher):
             container.remove(force=True)
         except self._errors().NotFound:
             pass
+        self._forget_usage(handle.job_id)  # kept in the final status now
 
     def check(self) -> tuple[bool, str]:
         try:

@@ -56,6 +56,8 @@ def test_tiny_replica_flow_runs_every_stage_in_docker(
             assert attempt.image_digest == image_id, (name, attempt.image_digest, image_id)
             assert attempt.command[0] == "python", "the image's interpreter, not this machine's venv path"
             assert not client.containers.list(all=True, filters={"name": attempt.job_id})
+            # what it used, measured in the container (the job image names its python)
+            assert attempt.used and attempt.used["cpu_seconds"] > 0 and attempt.used["max_rss_bytes"] > 0, name
 
     with get_client(sync_client=True) as prefect:
         artifacts = prefect.read_artifacts(

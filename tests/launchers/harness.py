@@ -162,7 +162,11 @@ def make_harness(name: str, request: pytest.FixtureRequest) -> Harness:
         _require("docker")
         image = docker_image()
         return Harness(
-            "docker", get_launcher("docker", image=image, grace=2), image=image, time_limit=2, wait_timeout=90
+            "docker",
+            get_launcher("docker", image=image, grace=2, measure_usage=True),
+            image=image,
+            time_limit=2,
+            wait_timeout=90,
         )
     if name == "slurm":
         _require("slurm")

@@ -1,0 +1,96 @@
+"""Measure what a command in a container used: ``python -I -S _usage.py OUT -- CMD...``.
+
+Why inside: a container's cgroup, where the engine keeps its CPU and memory counters, is
+deleted the moment the container exits, so nothing outside can read the totals of a job
+that has ended, and sampling ``docker stats`` while it runs misses its last second and
+sees page cache as memory. The parent of a process can read exactly what it used
+(``wait4``), as the local supervisor does (``_supervise.py``), so the Docker launcher
+runs the job's command under this, and the numbers mean the same on both backends:
+CPU seconds (user + system) of the command and every process it waited for, and the
+largest resident set among them.
+
+It runs the command as its child, passes on every signal a job may be sent (a stop, an
+interrupt, a preemption warning), writes ``{"cpu_seconds": ..., "max_rss_bytes": ...}``
+to ``OUT`` (atomically) once the command ended, and exits as the command did: its exit
+code, or 128 + the signal that killed it, which is what a shell, ``timeout`` and
+docker-init report for a killed child. If the command cannot start it exits 127, like
+a shell. When ``OUT`` cannot be written the job's outcome is unchanged; only the record
+of what it used is missing.
+
+The launcher copies this file into a folder it mounts into the container, so the copy
+that runs is the launcher's own, whatever the image holds. Stdlib only, no imports that
+need ``site``, nothing newer than Python 3.8: it runs on the image's interpreter.
+"""
+
+import os
+import sys
+
+try:  # the C module: ``signal`` wraps it in enums, which costs an import of ``enum``
+    import _signal as signal
+except ImportError:  # pragma: no cover - not CPython
+    import signal
+
+#: Signals passed on to the command: a stop (docker stop, timeout), an interrupt, a hang-up,
+#: and the warnings a scheduler or a user may send before a stop.
+FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+
+
+def _write(path, cpu_seconds, max_rss_bytes):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(f'{{"cpu_seconds": {cpu_seconds!r}, "max_rss_bytes": {max_rss_bytes:d}}}')
+    os.replace(tmp, path)
+
+
+def main(argv):
+    if len(argv) < 3 or argv[1] != "--":
+        sys.stderr.write("usage: python -I -S _usage.py OUT -- CMD...\n")
+        return 2
+    out, cmd = argv[0], argv[2:]
+    child = {"pid": None}
+    pending = []  # signals that came before the command existed
+
+    def forward(signum, _frame):
+        if child["pid"] is None:
+            pending.append(signum)
+            return
+        try:
+            os.kill(child["pid"], signum)
+        except OSError:
+            pass
+
+    sigs = [getattr(signal, name) for name in FORWARDED if hasattr(signal, name)]
+    for sig in sigs:
+        signal.signal(sig, forward)
+
+    pid = os.fork()
+    if pid == 0:
+        for sig in sigs:
+            signal.signal(sig, signal.SIG_DFL)
+        try:
+            os.execvp(cmd[0], cmd)
+        except OSError as exc:
+            sys.stderr.write(f"openlab: cannot run {cmd[0]!r}: {exc.strerror}\n")
+            sys.stderr.flush()
+            os._exit(127)
+    child["pid"] = pid
+    for sig in pending:
+        forward(sig, None)
+
+    while True:
+        try:
+            _, status, usage = os.wait4(pid, 0)
+            break
+        except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for old interpreters
+            continue
+    try:  # ru_maxrss is in KiB on Linux
+        _write(out, round(usage.ru_utime + usage.ru_stime, 3), usage.ru_maxrss * 1024)
+    except OSError as exc:
+        sys.stderr.write(f"openlab: could not record what the job used in {out}: {exc.strerror}\n")
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,88 @@
+"""A Docker job's attempt records what the job used, measured inside its container by the usage
+wrapper (launchers/_usage.py, the job command's parent): the container's cgroup is gone once it
+exits. Real engine, the project's job image (which names its interpreter in ``openlab.io/python``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.launchers import JobSpec, JobState, get_launcher
+from orchestrator.launchers.attempts import run_job
+from orchestrator.launchers.base import JobHandle
+from orchestrator.launchers.docker import USAGE_LABEL
+from orchestrator.lineage import Attempt, LineageStore
+from tests.launchers.test_local_usage import HUNGRY
+from tests.services import docker_image
+
+pytestmark = [pytest.mark.docker]
+
+
+def test_a_docker_job_records_its_peak_memory_and_cpu_time(store: LineageStore) -> None:
+    image = docker_image("job")
+    launcher = get_launcher("docker", image=image)  # measure_usage = "auto": the image names its python
+    attempt, status = run_job(store, launcher, JobSpec(name="hungry", command=["python", "-c", HUNGRY]), timeout=120)
+    assert status.state is JobState.SUCCEEDED, status
+    used = store.require(Attempt, attempt.id).used
+    assert used is not None and used["cpu_seconds"] >= 0.6, used
+    assert 256 * 2**20 <= used["max_rss_bytes"] < 2**30, used
+
+    # the container is removed and its usage folder too; the final status still says what it used
+    assert attempt.job_id is not None
+    assert not list((launcher.state_dir / "usage").glob("*")), "the per-job usage folder was left behind"
+    assert launcher.status(JobHandle("docker", attempt.job_id)).usage == used
+
+    # two tasks in one container: the wrapper waits for the task runner, which waits for both
+    attempt, status = run_job(
+        store,
+        launcher,
+        JobSpec(name="hungry2", command=["python", "-c", HUNGRY], tasks_per_node=2),
+        timeout=120,
+    )
+    assert status.state is JobState.SUCCEEDED, status
+    used = store.require(Attempt, attempt.id).used
+    assert used is not None and used["cpu_seconds"] >= 1.2 and used["max_rss_bytes"] >= 256 * 2**20, used
+
+
+def test_the_wrapper_keeps_the_jobs_exit_code_and_is_left_out_where_it_cannot_run(store: LineageStore) -> None:
+    image = docker_image("job")
+    launcher = get_launcher("docker", image=image)
+    attempt, status = run_job(store, launcher, JobSpec(name="fails", command=["sh", "-c", "exit 3"]), timeout=120)
+    assert (status.state, status.exit_code, status.reason) == (JobState.FAILED, 3, "exit code 3"), status
+    assert store.require(Attempt, attempt.id).used is not None  # a failed job's use is kept too
+
+    # an image that names no interpreter (the small base image) runs the command as it is
+    base = docker_image("base")
+    plain = get_launcher("docker", image=base)
+    handle = plain.submit(JobSpec(name="plain", command=["sh", "-c", "exit 0"], image=base))
+    try:
+        assert USAGE_LABEL not in plain.client.containers.get(handle.job_id).labels
+        assert plain.wait(handle, timeout=60).state is JobState.SUCCEEDED
+    finally:
+        plain.cleanup(handle)
+    # and measure_usage = false turns it off for an image that could run it
+    off = get_launcher("docker", image=image, measure_usage=False)
+    attempt, status = run_job(store, off, JobSpec(name="off", command=["true"]), timeout=120)
+    assert status.state is JobState.SUCCEEDED and store.require(Attempt, attempt.id).used is None
+
+
+def test_a_cancelled_job_under_the_wrapper_is_told_to_stop_and_may_save_first(store: LineageStore) -> None:
+    """docker stop's SIGTERM reaches the job's own process through the wrapper, so a workload
+    saves its checkpoint before it ends, as it does without the wrapper."""
+    image = docker_image("job")
+    launcher = get_launcher("docker", image=image, grace=10)
+    lines: list[str] = []
+    script = 'trap "echo saving; sleep 1; echo saved; exit 143" TERM; echo started; while :; do sleep 0.1; done'
+    attempt, status = run_job(
+        store,
+        launcher,
+        JobSpec(name="saver", command=["sh", "-c", script]),
+        on_log=lines.append,
+        should_cancel=lambda: "started" in lines,
+        timeout=120,
+    )
+    assert status.state is JobState.CANCELLED, status
+    assert attempt.job_id is not None
+    log = "\n".join(launcher.logs(JobHandle("docker", attempt.job_id)))
+    assert "saved" in log, log
+    used = store.require(Attempt, attempt.id).used
+    assert used is not None and used["cpu_seconds"] >= 0, used  # the wrapper outlived its job and wrote
