@@ -11,14 +11,16 @@ largest resident set among them.
 
 It runs the command as its child, passes on every signal a job may be sent (a stop, an
 interrupt, a preemption warning), writes ``{"cpu_seconds": ..., "max_rss_bytes": ...}``
-to ``OUT`` (atomically) once the command ended, and exits as the command did: its exit
+to ``OUT`` once the command ended, and exits as the command did: its exit
 code, or 128 + the signal that killed it, which is what a shell, ``timeout`` and
 docker-init report for a killed child. If the command cannot start it exits 127, like
 a shell. When ``OUT`` cannot be written the job's outcome is unchanged; only the record
 of what it used is missing.
 
-The launcher copies this file into a folder it mounts into the container, so the copy
-that runs is the launcher's own, whatever the image holds. Stdlib only, no imports that
+The Docker launcher copies this file into a folder it mounts into the container, so the
+copy that runs is its own, whatever the image holds; a Kubernetes pod runs the image's copy
+(``python -m orchestrator.launchers._usage``) and writes to its termination message file,
+which the kubelet hands back in the pod's status. Stdlib only, no imports that
 need ``site``, nothing newer than Python 3.8: it runs on the image's interpreter.
 """
 
@@ -36,10 +38,11 @@ FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 
 
 def _write(path, cpu_seconds, max_rss_bytes):
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as fh:
+    # In place, not through a renamed temp file: OUT may be a file mounted into the container
+    # (Kubernetes' /dev/termination-log), which cannot be replaced; and it is read only once the
+    # container has ended, so nobody sees it half-written.
+    with open(path, "w") as fh:
         fh.write(f'{{"cpu_seconds": {cpu_seconds!r}, "max_rss_bytes": {max_rss_bytes:d}}}')
-    os.replace(tmp, path)
 
 
 def main(argv):

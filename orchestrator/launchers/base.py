@@ -30,6 +30,7 @@ laptop, a Slurm cluster or Kubernetes with the same provenance.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import math
 import os
 import re
@@ -484,6 +485,40 @@ def task_ends(ends_prefix: str | None) -> list[TaskEnd]:
         except (OSError, ValueError):
             continue
     return sorted(ends, key=lambda e: (e.when, e.rank))
+
+
+#: The image label that names its Python interpreter (set by the repo's Dockerfile); an image with it
+#: also holds ``orchestrator.launchers._usage``, added with the label.
+PYTHON_LABEL = "openlab.io/python"
+
+
+def usage_python(opts: Mapping[str, Any], labels: Mapping[str, str] | None) -> str | None:
+    """The interpreter a container backend runs the usage wrapper (``launchers/_usage.py``) with,
+    or None to run the job's command as it is. ``measure_usage`` (in ``opts``): ``"auto"`` (the
+    default) for images whose ``labels`` name their Python, ``true`` for any image (with
+    ``python``, default ``python``), ``false`` never."""
+    mode = opts.get("measure_usage", "auto")
+    if mode is False or str(mode).lower() in ("false", "0", "no", "off"):
+        return None
+    if mode is True or str(mode).lower() in ("true", "1", "yes", "on"):
+        return str(opts.get("python") or "python")
+    named = (labels or {}).get(PYTHON_LABEL)
+    return str(named) if named else None
+
+
+def parse_usage(text: str | None) -> dict[str, float] | None:
+    """What the usage wrapper wrote (``{"cpu_seconds": ..., "max_rss_bytes": ...}``), or None
+    when it wrote nothing readable (not measured; killed with its job, as by the OOM killer)."""
+    if not text:
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    usage = {k: data[k] for k in ("cpu_seconds", "max_rss_bytes") if isinstance(data.get(k), int | float)}
+    return usage or None
 
 
 def with_notes(reason: str | None, *notes: str | None) -> str | None:

@@ -62,6 +62,8 @@ from orchestrator.launchers.base import (
     LauncherError,
     first_failed_task,
     parse_memory,
+    parse_usage,
+    usage_python,
     with_notes,
 )
 
@@ -72,8 +74,6 @@ TIME_LIMIT_LABEL = "openlab.io/time-limit"
 TASK_ENDS_LABEL = "openlab.io/task-ends"
 #: Where the container's usage wrapper (launchers/_usage.py) leaves what the job used, on this host.
 USAGE_LABEL = "openlab.io/usage"
-#: The image label that names its Python interpreter (set by the repo's Dockerfile).
-PYTHON_LABEL = "openlab.io/python"
 #: Where the per-job usage folder is mounted in the container.
 USAGE_MOUNT = "/.openlab"
 CANCEL_EXIT_CODES = (137, 143)
@@ -299,15 +299,12 @@ class DockerLauncher(Launcher):
 
     def _usage_python(self, image: Any, opts: dict[str, Any]) -> str | None:
         """The image's interpreter to run the usage wrapper with, or None to not measure (see the
-        module docstring: ``measure_usage``)."""
-        mode = opts.get("measure_usage", "auto")
-        if mode is False or str(mode).lower() in ("false", "0", "no", "off"):
-            return None
-        if mode is True or str(mode).lower() in ("true", "1", "yes", "on"):
-            return str(opts.get("python") or "python")
-        named = (image.labels or {}).get(PYTHON_LABEL)
+        module docstring: ``measure_usage``). "auto" also needs an engine on this host, which
+        sees the folder the wrapper is copied into."""
         base_url = str(self.config.get("base_url") or os.environ.get("DOCKER_HOST") or "unix://")
-        return str(named) if named and base_url.startswith("unix://") else None
+        if opts.get("measure_usage", "auto") == "auto" and not base_url.startswith("unix://"):
+            return None
+        return usage_python(opts, image.labels)
 
     def _usage_dir(self, job_id: str) -> Path:
         """A folder for one job's usage record, holding this launcher's copy of the wrapper.
@@ -325,17 +322,12 @@ class DockerLauncher(Launcher):
 
     @staticmethod
     def _read_usage(labels: dict[str, str]) -> dict[str, float] | None:
-        """What the usage wrapper recorded for an ended container; None when it recorded nothing
-        (not measured, or killed with the job, as by the OOM killer)."""
+        """What the usage wrapper recorded for an ended container (None: nothing measured)."""
         path = labels.get(USAGE_LABEL)
-        if not path:
-            return None
         try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, ValueError):
+            return parse_usage(Path(path).read_text()) if path else None
+        except OSError:
             return None
-        usage = {k: data[k] for k in ("cpu_seconds", "max_rss_bytes") if isinstance(data.get(k), int | float)}
-        return usage or None
 
     def _remove_quietly(self, job_id: str) -> None:
         try:

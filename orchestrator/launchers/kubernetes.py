@@ -17,6 +17,13 @@
 - Cancel deletes the Job with ``propagationPolicy=Background`` and waits until its pods
   are gone. A cancelled or cleaned-up Job's final status is kept in
   ``$OPENLAB_HOME/jobs/kubernetes/`` so status still answers after the Job is deleted.
+- What a job used (CPU seconds, peak resident memory) comes back in its pods' termination
+  messages: the first container runs the command under ``python -m
+  orchestrator.launchers._usage`` (its parent, reading ``wait4``), which writes it to
+  ``terminationMessagePath``, and the kubelet puts that in the pod's status. ``measure_usage``:
+  ``"auto"`` (default) for images a local Docker engine holds with the ``openlab.io/python``
+  label (the repo's Dockerfile sets it; such an image also has the wrapper), ``true`` for any
+  image with openlab installed (``python``), ``false`` never.
 - API errors quote the server's ``message``; 5xx and connection errors are retried a
   bounded number of times (``retries``, default 3).
 
@@ -66,7 +73,9 @@ from orchestrator.launchers.base import (
     Launcher,
     LauncherError,
     first_failed_task,
+    parse_usage,
     task_ends,
+    usage_python,
     with_notes,
 )
 
@@ -77,6 +86,8 @@ TASK_ENDS_ANNOTATION = "openlab.io/task-ends"
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 #: Where node 0 of a several-node job listens for its peers (``[backends.kubernetes] master_port``).
 DEFAULT_MASTER_PORT = 29500
+#: Where a container writes its termination message unless its spec says otherwise (Kubernetes' default).
+TERMINATION_MESSAGE_PATH = "/dev/termination-log"
 #: Longest wait before re-reading a pod log whose follow stream ended while the pod still runs.
 FOLLOW_RETRY_S = 1.0
 DEFAULT_TEMPLATE = Path(__file__).resolve().parents[2] / "infra" / "k8s" / "job-template.yaml"
@@ -182,6 +193,29 @@ def _exit_code(pod: Any) -> int | None:
         if term is not None:
             return int(term.exit_code)
     return None
+
+
+def _pods_usage(pods: list[Any]) -> dict[str, float] | None:
+    """What the pods' usage wrappers reported in their termination messages: CPU seconds summed
+    over the pods (the nodes of an indexed Job, and pods the Job controller replaced), the largest
+    peak memory; None when none did."""
+    reports = []
+    for pod in pods:
+        for cs in (pod.status.container_statuses or [])[:1] if pod.status else []:
+            term = cs.state.terminated if cs.state else None
+            usage = parse_usage(term.message) if term is not None else None
+            if usage is not None:
+                reports.append(usage)
+    if not reports:
+        return None
+    total: dict[str, float] = {}
+    cpu = [r["cpu_seconds"] for r in reports if "cpu_seconds" in r]
+    rss = [r["max_rss_bytes"] for r in reports if "max_rss_bytes" in r]
+    if cpu:
+        total["cpu_seconds"] = round(sum(cpu), 3)
+    if rss:
+        total["max_rss_bytes"] = max(rss)
+    return total
 
 
 def _failed(pod: Any) -> bool:
@@ -393,6 +427,13 @@ class KubernetesLauncher(Launcher):
         if spec.tasks > 1:  # one process per task in the pod, told its place (launchers/_tasks.py)
             python = str(opts.get("python") or "python")  # the image's, which has openlab installed
             main["command"] = tasks_command(python, spec.tasks_per_node, list(spec.command), spec.nodes)
+        if opts.get("measure_usage", "auto") == "auto":
+            wrapper = usage_python(opts, self.image_labels(main["image"]))
+        else:
+            wrapper = usage_python(opts, None)
+        if wrapper is not None:  # what the job used, written where the kubelet returns it in the pod's status
+            out = str(main.get("terminationMessagePath") or TERMINATION_MESSAGE_PATH)
+            main["command"] = [wrapper, "-m", "orchestrator.launchers._usage", out, "--", *main["command"]]
         main.pop("args", None)
         env = [e for e in main.get("env") or [] if e.get("name") not in spec.env]
         env += [{"name": str(k), "value": str(v)} for k, v in spec.env.items()]
@@ -565,6 +606,7 @@ class KubernetesLauncher(Launcher):
             _aware(data.get("started_at")),
             _aware(data.get("ended_at")),
             data.get("image_digest"),
+            usage=data.get("usage"),
         )
 
     def _save(self, job_id: str, status: JobStatus) -> None:
@@ -675,7 +717,8 @@ class KubernetesLauncher(Launcher):
             before = ", ".join(_pod_end(p) for p in replaced)
             notes.append(f"Kubernetes ran {len(pods)} pods (backoffLimit); before the last: {before}")
         reason = with_notes(reason, *notes)
-        return JobStatus(state, exit_code, reason, host, started, ended, digest)
+        usage = _pods_usage(pods) if state.terminal else None  # every pod of the Job, replaced ones too
+        return JobStatus(state, exit_code, reason, host, started, ended, digest, usage=usage)
 
     def _read_log(
         self, handle: JobHandle, *, tail: int | None = None, follow: bool = False, pods: list[Any] | None = None

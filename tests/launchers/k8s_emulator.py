@@ -88,6 +88,10 @@ class _Workload:
     image_id: str | None = None
     oom_killed = False
 
+    def termination_message(self) -> str | None:
+        """What the container wrote to its termination message file (the kubelet's part), if any."""
+        return None
+
     def poll(self) -> int | None:
         """Exit code once it has ended (128+N when killed by signal N), else None."""
         raise NotImplementedError
@@ -168,6 +172,15 @@ class _Container(_Workload):
             for m in container.get("volumeMounts") or []
             if m.get("name") in volumes
         }
+        # The kubelet's termination message: a file of the node's, mounted at terminationMessagePath,
+        # read once the container ends (at most 4096 bytes) into the terminated state's ``message``.
+        self.message_file = log.with_suffix(".termination-log")
+        self.message_file.write_bytes(b"")
+        self.message_file.chmod(0o666)
+        binds[str(self.message_file)] = {
+            "bind": container.get("terminationMessagePath") or "/dev/termination-log",
+            "mode": "rw",
+        }
         limits = (container.get("resources") or {}).get("limits") or {}
         kwargs: dict[str, Any] = {}
         if limits.get("memory") and _quantity(limits["memory"]):
@@ -225,6 +238,13 @@ class _Container(_Workload):
         finally:
             self._remove()  # before done: once the pod has ended, the engine has nothing of it left
             self._done.set()
+
+    def termination_message(self) -> str | None:
+        try:
+            text = self.message_file.read_bytes()[:4096].decode("utf-8", "replace")
+        except OSError:
+            return None
+        return text or None
 
     def _remove(self) -> None:
         if self.container is not None:
@@ -365,7 +385,8 @@ class EmulatedCluster:
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> EmulatedCluster:
-        threading.Thread(target=self._serve, name="kmock", daemon=True).start()
+        self._server = threading.Thread(target=self._serve, name="kmock", daemon=True)
+        self._server.start()
         if not self._ready.wait(15):
             raise RuntimeError("kmock emulator did not start")
         self._controller = threading.Thread(target=self._control, name="k8s-controller", daemon=True)
@@ -386,6 +407,11 @@ class EmulatedCluster:
                 self.docker.networks.get(self._network).remove()
             except Exception:  # noqa: BLE001 - already gone
                 pass
+        # Wait for the server to shut down here: kmock swaps a process-wide aiohttp resolver in and
+        # out, so two emulators must leave in the reverse order they came (a module's cluster
+        # before the session's); leaving it to the server thread let the second overtake the first.
+        if hasattr(self, "_server"):
+            self._server.join(15)
 
     def _serve(self) -> None:
         async def main() -> None:
@@ -651,6 +677,9 @@ class EmulatedCluster:
             "startedAt": run.started,
             "finishedAt": now,
         }
+        message = run.workload.termination_message()
+        if message:
+            terminated["message"] = message
         if run.workload.oom_killed:
             terminated["reason"] = "OOMKilled"
         if run.deadline_hit:

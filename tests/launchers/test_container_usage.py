@@ -1,6 +1,8 @@
-"""A Docker job's attempt records what the job used, measured inside its container by the usage
+"""A container job's attempt records what the job used, measured inside its container by the usage
 wrapper (launchers/_usage.py, the job command's parent): the container's cgroup is gone once it
-exits. Real engine, the project's job image (which names its interpreter in ``openlab.io/python``)."""
+exits. Docker: the real engine; Kubernetes: the emulated cluster, whose pods are containers on it
+and whose kubelet part returns the termination message. Both run the project's job image, which
+names its interpreter in ``openlab.io/python``."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ from orchestrator.launchers import JobSpec, JobState, get_launcher
 from orchestrator.launchers.attempts import run_job
 from orchestrator.launchers.base import JobHandle
 from orchestrator.launchers.docker import USAGE_LABEL
+from orchestrator.launchers.kubernetes import TERMINATION_MESSAGE_PATH
 from orchestrator.lineage import Attempt, LineageStore
+from tests.launchers.k8s_emulator import EmulatedCluster
 from tests.launchers.test_local_usage import HUNGRY
 from tests.services import docker_image
 
@@ -86,3 +90,29 @@ def test_a_cancelled_job_under_the_wrapper_is_told_to_stop_and_may_save_first(st
     assert "saved" in log, log
     used = store.require(Attempt, attempt.id).used
     assert used is not None and used["cpu_seconds"] >= 0, used  # the wrapper outlived its job and wrote
+
+
+def test_a_kubernetes_job_reports_what_it_used_in_its_termination_message(
+    k8s_cluster: EmulatedCluster, store: LineageStore
+) -> None:
+    assert k8s_cluster.runtime == "docker", k8s_cluster.runtime_reason
+    launcher = get_launcher("kubernetes", host=k8s_cluster.url, image=k8s_cluster.image)
+    launcher.poll_interval = 0.1
+    spec = JobSpec(name="hungry", command=["python", "-c", HUNGRY])
+    command = launcher.manifest(spec, "probe")["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:5] == ["python", "-m", "orchestrator.launchers._usage", TERMINATION_MESSAGE_PATH, "--"]
+    attempt, status = run_job(store, launcher, spec, timeout=120)
+    assert status.state is JobState.SUCCEEDED, status
+    used = store.require(Attempt, attempt.id).used
+    assert used is not None and used["cpu_seconds"] >= 0.6, used
+    assert 256 * 2**20 <= used["max_rss_bytes"] < 2**30, used
+    assert attempt.job_id is not None
+    assert launcher.status(JobHandle("kubernetes", attempt.job_id)).usage == used  # kept once the Job is gone
+
+    # a failing job's use is kept too, and its exit code is the command's
+    attempt, status = run_job(store, launcher, JobSpec(name="fails", command=["sh", "-c", "exit 3"]), timeout=120)
+    assert status.state is JobState.FAILED and status.exit_code == 3, status
+    assert store.require(Attempt, attempt.id).used is not None
+
+    off = get_launcher("kubernetes", host=k8s_cluster.url, image=k8s_cluster.image, measure_usage=False)
+    assert off.manifest(spec, "probe")["spec"]["template"]["spec"]["containers"][0]["command"] == spec.command
