@@ -378,7 +378,6 @@ class EmulatedCluster:
         self._runs: dict[tuple[str, str], list[_Run]] = {}
         self._ended: dict[tuple[str, str], list[_Run]] = {}
         self._settled: set[tuple[str, str]] = set()  # indexed Jobs whose final condition is written
-        self._uids: dict[tuple[str, str], str | None] = {}  # each live Job's uid, for the garbage collector
         self._network: str | None = None  # this cluster's Docker network, made for the first pod DNS asks for
         self._logdir = Path(tempfile.mkdtemp(prefix="k8s-emulator-"))
         self.errors: list[BaseException] = []
@@ -510,19 +509,18 @@ class EmulatedCluster:
             for run in runs:
                 run.workload.kill()
                 self.on_loop(lambda k=key, r=run: self.km.objects.__delitem__((PODS, k[0], r.pod)))
-            self._collect_dependents(key[0], self._uids.pop(key, None))
+        self._collect_orphans({str((job.get("metadata") or {}).get("uid")) for job in jobs.values()})
 
-    def _collect_dependents(self, ns: str, owner_uid: str | None) -> None:
-        """The garbage collector's part: delete what names a deleted owner in ``ownerReferences``."""
-        if not owner_uid:
-            return
+    def _collect_orphans(self, live_uids: set[str]) -> None:
+        """The garbage collector's part: delete a Service whose owners in ``ownerReferences`` are all
+        gone, whether or not the controller ever saw them (a Job deleted before it started)."""
 
         def collect() -> None:
             for key, obj in list(self.km.objects.items()):
-                if key[0] != SERVICES or key[1] != ns or obj.deleted:
+                if key[0] != SERVICES or obj.deleted:
                     continue
                 owners = (obj.last.raw.get("metadata") or {}).get("ownerReferences") or []
-                if any(o.get("uid") == owner_uid for o in owners):
+                if owners and not any(str(o.get("uid")) in live_uids for o in owners):
                     del self.km.objects[key]
 
         self.on_loop(collect)
@@ -555,7 +553,6 @@ class EmulatedCluster:
 
     def _start_job(self, key: tuple[str, str], job: dict[str, Any]) -> None:
         """The Job controller's first pods: one, or one per index of an indexed Job."""
-        self._uids[key] = (job.get("metadata") or {}).get("uid")
         if job["spec"].get("completionMode") == "Indexed":
             count = int(job["spec"].get("completions") or 1)
             self._runs[key] = [self._start_pod(key, job, index=i) for i in range(count)]

@@ -116,3 +116,22 @@ def test_a_kubernetes_job_reports_what_it_used_in_its_termination_message(
 
     off = get_launcher("kubernetes", host=k8s_cluster.url, image=k8s_cluster.image, measure_usage=False)
     assert off.manifest(spec, "probe")["spec"]["template"]["spec"]["containers"][0]["command"] == spec.command
+
+
+def test_the_pods_of_an_indexed_job_add_up_their_cpu_and_keep_the_largest_peak() -> None:
+    from types import SimpleNamespace as NS
+
+    from orchestrator.launchers.kubernetes import _pods_usage
+
+    def pod(message: str | None) -> NS:
+        terminated = NS(message=message)
+        return NS(status=NS(container_statuses=[NS(state=NS(terminated=terminated))]))
+
+    pods = [
+        pod('{"cpu_seconds": 1.25, "max_rss_bytes": 100}'),
+        pod('{"cpu_seconds": 2.5, "max_rss_bytes": 300}'),
+        pod(None),  # killed with its job: no message
+        pod("not json: a message the job wrote itself"),
+    ]
+    assert _pods_usage(pods) == {"cpu_seconds": 3.75, "max_rss_bytes": 300}
+    assert _pods_usage([pod(None)]) is None

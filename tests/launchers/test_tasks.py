@@ -274,6 +274,8 @@ def test_kubernetes_runs_several_nodes_as_an_indexed_job_whose_pods_find_each_ot
     assert (namespace, name) not in cluster.services(), "and went with the Job"
     stored = store.require(Attempt, attempt.id)
     assert stored.resources is not None and (stored.resources["nodes"], stored.resources["tasks_per_node"]) == (2, 2)
+    # what the four tasks used, from both pods' termination messages (summed by the launcher)
+    assert stored.used is not None and stored.used["cpu_seconds"] > 0 and stored.used["max_rss_bytes"] > 0
 
     crash = "import os, sys, time\nif os.environ['RANK'] == '3':\n    time.sleep(0.5); sys.exit(3)\ntime.sleep(300)"
     attempt, status = run_job(
