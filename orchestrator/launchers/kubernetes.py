@@ -201,7 +201,7 @@ def _pods_usage(pods: list[Any]) -> dict[str, float] | None:
     peak memory; None when none did."""
     reports = []
     for pod in pods:
-        for cs in (pod.status.container_statuses or [])[:1] if pod.status else []:
+        for cs in (pod.status.container_statuses or []) if pod.status else []:  # a sidecar's is not JSON of ours
             term = cs.state.terminated if cs.state else None
             usage = parse_usage(term.message) if term is not None else None
             if usage is not None:
@@ -427,10 +427,8 @@ class KubernetesLauncher(Launcher):
         if spec.tasks > 1:  # one process per task in the pod, told its place (launchers/_tasks.py)
             python = str(opts.get("python") or "python")  # the image's, which has openlab installed
             main["command"] = tasks_command(python, spec.tasks_per_node, list(spec.command), spec.nodes)
-        if opts.get("measure_usage", "auto") == "auto":
-            wrapper = usage_python(opts, self.image_labels(main["image"]))
-        else:
-            wrapper = usage_python(opts, None)
+        auto = opts.get("measure_usage", "auto") == "auto"  # then the image's labels decide
+        wrapper = usage_python(opts, self.image_labels(main["image"]) if auto else None)
         if wrapper is not None:  # what the job used, written where the kubelet returns it in the pod's status
             out = str(main.get("terminationMessagePath") or TERMINATION_MESSAGE_PATH)
             main["command"] = [wrapper, "-m", "orchestrator.launchers._usage", out, "--", *main["command"]]
