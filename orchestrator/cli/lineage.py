@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import Annotated, Any
 
 import typer
@@ -399,7 +400,10 @@ def _used(g: Any) -> str:
 
 def _hours(value: float) -> str:
     """Hours to two decimals, or two significant digits below 0.1 (a minute-long job is not 0.00)."""
-    return f"{value:.2f}" if value == 0 or value >= 0.1 else f"{value:.2g}"
+    if value == 0 or value >= 0.1:
+        return f"{value:.2f}"
+    digits = 1 - math.floor(math.log10(abs(value)))  # two significant digits, never "6e-05"
+    return f"{value:.{digits}f}"
 
 
 @app.command("export")

@@ -153,3 +153,9 @@ def test_the_command_prints_the_table_and_json(run_cli, openlab_home) -> None:
     assert run_cli("lineage", "usage", "--recipe", "nope").stdout.strip() == "no jobs match"
     bad = run_cli("lineage", "usage", "--by", "team")
     assert bad.returncode == 2 and "cannot group usage by 'team'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_small_hours_read_as_decimals_not_scientific_notation() -> None:
+    from orchestrator.cli.lineage import _hours
+
+    assert [_hours(v) for v in (0, 6e-05, 0.0123, 0.1, 2.5)] == ["0.00", "0.000060", "0.012", "0.10", "2.50"]
