@@ -72,6 +72,8 @@ class PipelineView:
     commits: list[Commit] = field(default_factory=list)
     snapshots: list[DataSnapshot] = field(default_factory=list)
     issues: list[GithubIssue] = field(default_factory=list)
+    #: The event that recorded the run's start (``SEQ:HASH``), which the card publishes.
+    anchor: str | None = None
 
 
 # -- reading lineage ------------------------------------------------------------------------------
@@ -111,15 +113,19 @@ def collect_stage(store: LineageStore, stage_run_id: str) -> StageView:
 
 def collect_pipeline(store: LineageStore, pipeline_run_id: str) -> PipelineView:
     """Gather a pipeline run, its stage runs (in start order) and what is linked to them."""
+    from orchestrator.lineage.verify import anchor_of
+
     run = store.require(PipelineRun, pipeline_run_id)
     linked = _linked(store, run.id)
     stages = store.list(StageRun, pipeline_run_id=run.id, order_by=col(StageRun.started_at))
+    anchor = anchor_of(store, run.id)
     return PipelineView(
         run=run,
         stages=[collect_stage(store, s.id) for s in stages],
         commits=linked.get(Commit.kind, []),  # type: ignore[arg-type]
         snapshots=linked.get(DataSnapshot.kind, []),  # type: ignore[arg-type]
         issues=linked.get(GithubIssue.kind, []),  # type: ignore[arg-type]
+        anchor=str(anchor) if anchor is not None else None,
     )
 
 
@@ -346,6 +352,13 @@ def render_pipeline(view: PipelineView, github_hosts: Iterable[str] = DEFAULT_GI
     errors = [(sv.stage.stage, sv.stage.error) for sv in view.stages if sv.stage.error]
     if errors:
         lines += ["", "**Errors:**", *(f"- `{name}`: {md_cell(err)[:300]}" for name, err in errors)]
+    if view.anchor:
+        lines += [
+            "",
+            f"<sub>Lineage anchor: `{view.anchor}`, the event that recorded this run's start (its recipe and "
+            "pre-registration included). `openlab lineage verify --anchor` with it, or `--github-anchors`, "
+            "proves the log still holds it.</sub>",
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -273,29 +273,70 @@ def diff_cmd(
 
 
 @app.command("verify")
-def verify_cmd(json_out: JsonFlag = False) -> None:
-    """Re-hash data and artifacts, re-walk the event chain and check commits; exit 1 if anything is broken."""
-    from orchestrator.lineage.verify import verify
+def verify_cmd(
+    anchor: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--anchor",
+            help="SEQ:HASH of an event published outside the database (a lineage card prints one): "
+            "the log must still hold it. Repeatable.",
+        ),
+    ] = None,
+    github_anchors: Annotated[
+        bool,
+        typer.Option(
+            "--github-anchors",
+            help="Also check the anchor of every run card posted on GitHub, read back from GitHub (needs a token).",
+        ),
+    ] = False,
+    json_out: JsonFlag = False,
+) -> None:
+    """Re-hash data and artifacts, re-walk the event chain and check commits; exit 1 if anything is broken.
+
+    The chain shows nothing was changed piecemeal; an anchor published elsewhere (each run's card
+    on its experiment issue carries the event that recorded the run's start) also shows the log
+    was not rewritten as a whole, hashes recomputed, since then.
+    """
+    from orchestrator.lineage.store import LineageStore
+    from orchestrator.lineage.verify import parse_anchor, verify
     from orchestrator.settings import load_settings
 
     settings = load_settings()
-    from orchestrator.lineage.store import LineageStore
-
+    anchors = [parse_anchor(text) for text in anchor or []]
     store = LineageStore.open(settings, create=False)
+    notes: list[str] = []
+    if github_anchors:
+        from orchestrator.links.github import GithubLinker
+
+        found, notes = GithubLinker(store, settings=settings).published_anchors()
+        anchors += found
     if json_out or not console.is_terminal:
-        problems = verify(store, settings)
+        problems = verify(store, settings, anchors=anchors)
     else:
         with console.status("verifying lineage…") as status:
-            problems = verify(store, settings, progress=lambda what: status.update(f"verifying {what}"))
+            problems = verify(
+                store, settings, anchors=anchors, progress=lambda what: status.update(f"verifying {what}")
+            )
     if json_out:
-        print_json({"ok": not problems, "problems": [p.to_dict() for p in problems]})
-    elif problems:
+        print_json(
+            {
+                "ok": not problems,
+                "problems": [p.to_dict() for p in problems],
+                "anchors": [{"anchor": str(a), "where": a.where} for a in anchors],
+                "notes": notes,
+            }
+        )
+        raise typer.Exit(1 if problems else 0)
+    for note in notes:
+        console.print(f"note: {note}", highlight=False, soft_wrap=True, markup=False)
+    if problems:
         console.print(f"[bold red]{len(problems)} problem(s)[/]")
         for p in problems:
             console.print(f"  {p}", highlight=False, soft_wrap=True, markup=False)
     else:
+        held = f"; {len(anchors)} published anchor(s) held" if anchors else ""
         console.print(
-            "[green]lineage verified: event chain intact, records match their log, data and commits present[/]"
+            f"[green]lineage verified: event chain intact, records match their log, data and commits present{held}[/]"
         )
     raise typer.Exit(1 if problems else 0)
 

@@ -11,13 +11,23 @@ Four checks, each naming every broken record it finds:
    ``openlab gc``) are re-hashed (not trusted from a stat cache) and compared with what was
    recorded;
 4. the code: every recorded commit still exists in its repository, and every dirty
-   patch is still in the blob store with the recorded hash.
+   patch is still in the blob store with the recorded hash;
+5. anchors, when given: each names an event (``SEQ:HASH``) that was published outside the
+   database, and the log must still hold exactly that event.
+
+Why anchors: the chain proves that nothing was changed *piecemeal*, but whoever controls the
+database can rewrite the whole log and recompute every hash, and checks 1 and 2 would pass.
+An event hash that was published somewhere they do not control (the lineage card on the
+experiment issue shows the event that recorded the run's start, its recipe and pre-registered
+predictions included) pins everything up to that event: the log cannot be rewritten before it
+without the anchor failing. This is what makes a pre-registration worth its name.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -44,6 +54,67 @@ class Problem:
 
     def __str__(self) -> str:
         return f"{self.record}: {self.message}"
+
+
+_ANCHOR = re.compile(r"(?P<seq>[1-9][0-9]*):(?P<hash>[0-9a-f]{64})")
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """An event of the log as it was published outside the database: its number and hash, and
+    where it was published (a comment URL), for the report."""
+
+    seq: int
+    hash: str
+    where: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.seq}:{self.hash}"
+
+
+def parse_anchor(text: str, where: str = "") -> Anchor:
+    """``SEQ:HASH`` (the event number, a colon, its 64 hex digit hash) as an :class:`Anchor`."""
+    match = _ANCHOR.fullmatch(text.strip())
+    if match is None:
+        raise OpenlabError(
+            f"invalid anchor {text!r}: give the event number and its hash as SEQ:HASH "
+            "(64 lowercase hex digits), as the lineage card prints it"
+        )
+    return Anchor(int(match["seq"]), match["hash"], where)
+
+
+def find_anchors(text: str, where: str = "") -> list[Anchor]:
+    """Every ``SEQ:HASH`` anchor written in ``text`` in backticks (a card, a comment)."""
+    return [Anchor(int(m["seq"]), m["hash"], where) for m in re.finditer(rf"`{_ANCHOR.pattern}`", text)]
+
+
+def anchor_of(store: LineageStore, record_id: str) -> Anchor | None:
+    """The event that created ``record_id``, as an anchor to publish (None: no such record)."""
+    with store.session() as session:
+        first = session.exec(select(Event).where(Event.record_id == record_id).order_by(col(Event.seq))).first()
+    return Anchor(first.seq, first.hash) if first is not None else None
+
+
+def check_anchors(store: LineageStore, anchors: Iterable[Anchor]) -> list[Problem]:
+    """Each anchor's event must still be in the log with the published hash."""
+    problems: list[Problem] = []
+    with store.session() as session:
+        for anchor in anchors:
+            where = f" (published at {anchor.where})" if anchor.where else ""
+            event = session.get(Event, anchor.seq)
+            if event is None:
+                problems.append(
+                    Problem(f"anchor:{anchor.seq}", f"the log has no event #{anchor.seq}{where}: it was truncated")
+                )
+            elif event.hash != anchor.hash:
+                problems.append(
+                    Problem(
+                        f"anchor:{anchor.seq}",
+                        f"event #{anchor.seq} has hash {event.hash[:16]}…, not the published {anchor.hash[:16]}…"
+                        f"{where}: the log was rewritten after the anchor was published",
+                    )
+                )
+    return problems
 
 
 def _check_chain(store: LineageStore) -> tuple[list[Problem], dict[tuple[str, str], dict]]:
@@ -160,11 +231,18 @@ def _check_commits(store: LineageStore, settings: Settings) -> list[Problem]:
     return problems
 
 
-def verify(store: LineageStore, settings: Settings | None = None, *, progress: Progress | None = None) -> list[Problem]:
-    """Run every check; an empty list means lineage is intact."""
+def verify(
+    store: LineageStore,
+    settings: Settings | None = None,
+    *,
+    progress: Progress | None = None,
+    anchors: Iterable[Anchor] = (),
+) -> list[Problem]:
+    """Run every check (anchors only when given); an empty list means lineage is intact."""
     settings = settings or load_settings()
     chain_problems, latest = _check_chain(store)
     problems = chain_problems + _check_records(store, latest)
     problems += _check_data(store, settings, progress)
     problems += _check_commits(store, settings)
+    problems += check_anchors(store, anchors)
     return problems

@@ -38,7 +38,7 @@ import logging
 import os
 import time
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -61,6 +61,7 @@ from orchestrator.links.refs import GithubLinkError, IssueRef, parse_issue_ref
 from orchestrator.settings import Settings, load_settings
 
 if TYPE_CHECKING:
+    from orchestrator.lineage.verify import Anchor
     from orchestrator.links.digest import IssueDigest
 
 log = logging.getLogger(__name__)
@@ -664,6 +665,37 @@ class GithubLinker:
             return tx.update(
                 rec, comment_id=int(comment.id), url=comment.html_url, body_hash=body_hash, updated_at=utcnow()
             )
+
+    def published_anchors(self, pipeline_run_ids: Iterable[str] | None = None) -> tuple[list[Anchor], list[str]]:
+        """The lineage anchors that run cards carry on GitHub, read back from GitHub: the copy that
+        whoever controls the database cannot rewrite. Also one note per card that could not be read
+        or carries no anchor. Needs a token that can read the issues."""
+        from orchestrator.lineage.verify import find_anchors
+
+        if not self._token:
+            raise GithubLinkError(f"reading the published anchors needs a GitHub token: set {self.config.token_env}")
+        wanted = set(pipeline_run_ids) if pipeline_run_ids is not None else None
+        client = self.client()
+        anchors: list[Anchor] = []
+        notes: list[str] = []
+        for rec in self.store.list(GithubComment, order_by=col(GithubComment.updated_at)):
+            if rec.comment_id is None or (wanted is not None and rec.pipeline_run_id not in wanted):
+                continue
+            ref = parse_issue_ref(rec.issue_id)
+            where = rec.url or f"{ref.id} comment {rec.comment_id}"
+            comment_id = int(rec.comment_id)
+            self._waited = 0.0
+            issue = client.get_repo(ref.repo).get_issue(ref.number)  # lazy client: no request yet
+            try:
+                body = self._call(ref, lambda i=issue, c=comment_id: i.get_comment(c).body)
+            except _Failure as failure:
+                notes.append(f"{where}: the card of {rec.pipeline_run_id} could not be read: {failure.message}")
+                continue
+            found = find_anchors(body or "", where=where)
+            if not found:
+                notes.append(f"{where}: the card of {rec.pipeline_run_id} carries no lineage anchor")
+            anchors.extend(found)
+        return anchors, notes
 
     def pending(self) -> list[GithubUpdate]:
         """Queued updates not yet sent (oldest first)."""

@@ -82,6 +82,7 @@ def test_provenance_outside_git_warns_not_crashes(run_cli, tmp_path: Path) -> No
         ("snapshot", "/no/such/path"),
         ("lineage", "show", "srun_doesnotexist"),
         ("lineage", "list", "--kind", "bogus"),
+        ("lineage", "verify", "--anchor", "12:not-a-hash"),
         # a typo in a forced stage would quietly reuse the stage meant to re-run
         ("explain", "marin-535b-a23b", "--force-stage", "pretrian"),
         ("run", "marin-535b-a23b", "--replica", "drops-tiny", "--force-stage", "pretrain"),
@@ -98,7 +99,7 @@ def test_verify_reports_data_drift_and_tampering(run_cli, data: Path, openlab_ho
     snap = json.loads(run_cli("snapshot", str(data), "--json").stdout)
     ok = run_cli("lineage", "verify", "--json")
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert json.loads(ok.stdout) == {"ok": True, "problems": []}
+    assert json.loads(ok.stdout) == {"ok": True, "problems": [], "anchors": [], "notes": []}
 
     (data / "f1.txt").write_text("drifted\n")
     drift = run_cli("lineage", "verify", "--json")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from orchestrator.errors import StoreError
+from orchestrator.errors import OpenlabError, StoreError
 from orchestrator.lineage import (
     Experiment,
     LineageStore,
@@ -252,3 +252,28 @@ def test_migrations_build_the_schema_the_models_declare(tmp_path: Path) -> None:
     with store.engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), SQLModel.metadata)
     assert diff == []
+
+
+def test_a_log_rewritten_whole_passes_the_chain_but_not_an_anchor_published_before(store: LineageStore) -> None:
+    """The attack the chain alone cannot see: whoever controls the database edits what a run recorded
+    at its start (its recipe, its pre-registered prediction) and recomputes every hash after it. An
+    anchor published before (the run card on GitHub carries one) catches it."""
+    from orchestrator.lineage.verify import Anchor, anchor_of, check_anchors, parse_anchor
+    from tests.core.forgery import rewrite_whole_log
+
+    run, _ = _populate(store)
+    anchor = anchor_of(store, run.id)
+    assert anchor is not None and store.events(run.id)[0].seq == anchor.seq
+    assert verify(store, load_settings(), anchors=[parse_anchor(str(anchor))]) == []
+
+    rewrite_whole_log(store, "pipeline_run", run.id, params={"lr": 9.0})
+    assert store.require(PipelineRun, run.id).params == {"lr": 9.0}
+    assert verify(store, load_settings()) == [], "a consistent rewrite passes the chain and the records"
+    problems = verify(store, load_settings(), anchors=[Anchor(anchor.seq, anchor.hash, "the card")])
+    assert [p.record for p in problems] == [f"anchor:{anchor.seq}"]
+    assert "published at the card" in problems[0].message and "rewritten" in problems[0].message
+
+    (gone,) = check_anchors(store, [Anchor(10_000, anchor.hash)])
+    assert "no event #10000" in gone.message
+    with pytest.raises(OpenlabError, match="SEQ:HASH"):
+        parse_anchor("12:not-a-hash")

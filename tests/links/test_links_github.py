@@ -159,6 +159,49 @@ def test_card_comment_created_once_then_edited_and_labels_follow_state(
     assert store.get(GithubIssue, ISSUE).labels == ["experiment", "openlab:regressed"]
 
 
+def test_the_card_publishes_a_lineage_anchor_that_verify_reads_back_from_github(
+    fake_github: FakeGitHub, store, pipeline, monkeypatch
+) -> None:
+    """The run card carries the event that recorded the run's start; `lineage verify --github-anchors`
+    reads it back from GitHub (not from the database it checks) and so catches a log rewritten whole
+    after the card was posted, which the chain alone cannot."""
+    import json
+
+    from orchestrator.cli.lineage import app as lineage_app
+    from orchestrator.lineage.verify import Anchor, anchor_of
+    from tests.core.forgery import rewrite_whole_log
+
+    resolve_issue(store, ISSUE, pipeline)
+    [rec] = publish_card(store, pipeline.id)
+    anchor = anchor_of(store, pipeline.id)
+    assert anchor is not None
+    [c] = fake_github.comments_on("lab/exp", 7)
+    assert f"`{anchor}`" in c["body"]
+    assert GithubLinker(store).published_anchors() == ([Anchor(anchor.seq, anchor.hash, str(rec.url))], [])
+
+    runner = CliRunner()
+    report = json.loads(runner.invoke(lineage_app, ["verify", "--github-anchors", "--json"]).stdout)
+    assert report["anchors"] == [{"anchor": str(anchor), "where": rec.url}] and report["notes"] == []
+    assert not [p for p in report["problems"] if p["record"].startswith("anchor:")], report
+
+    rewrite_whole_log(store, "pipeline_run", pipeline.id, backend="local")  # "it never ran on Slurm"
+    result = runner.invoke(lineage_app, ["verify", "--github-anchors", "--json"])
+    assert result.exit_code == 1
+    (broken,) = [p for p in json.loads(result.stdout)["problems"] if p["record"].startswith("anchor:")]
+    assert broken["record"] == f"anchor:{anchor.seq}" and str(rec.url) in broken["message"], broken
+    assert not [p for p in json.loads(result.stdout)["problems"] if p["record"].startswith("event:")], (
+        "the rewrite is consistent: only the anchor tells"
+    )
+
+    # a card someone edited the anchor out of is named, not silently passed
+    fake_github.comments[c["id"]]["body"] = "edited by hand"
+    anchors, notes = GithubLinker(store).published_anchors()
+    assert anchors == [] and len(notes) == 1 and "carries no lineage anchor" in notes[0]
+    monkeypatch.delenv("GITHUB_TOKEN")
+    with pytest.raises(GithubLinkError, match="needs a GitHub token"):
+        GithubLinker(store).published_anchors()
+
+
 def test_crash_between_create_and_record_never_duplicates(
     fake_github: FakeGitHub, store, pipeline, monkeypatch
 ) -> None:
