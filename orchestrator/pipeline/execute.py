@@ -957,6 +957,9 @@ def _wandb_section(ctx: PipelineContext, spec: StageSpec, identity: str, stage_r
         except ValueError:
             issue_number = None
     data = ctx.results.get("data")
+    from orchestrator.lineage.verify import anchor_of
+
+    anchor = anchor_of(ctx.store, ctx.id)  # the run's start, published with its W&B runs too
     try:
         return links_wandb.stage_wandb_settings(
             identity,
@@ -974,6 +977,7 @@ def _wandb_section(ctx: PipelineContext, spec: StageSpec, identity: str, stage_r
                 "commit": ctx.commit.id,
                 "environment": ctx.environment.id,
                 "issue": ctx.issue_id,
+                "lineage_anchor": str(anchor) if anchor is not None else None,
             },
             settings=ctx.settings,
         )

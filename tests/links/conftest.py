@@ -6,6 +6,9 @@ import datetime as dt
 from collections.abc import Iterator
 from pathlib import Path
 
+# PyGithub sets its logger's level when first imported, which undid a test's earlier
+# caplog.at_level(DEBUG, logger="github") when that test was the first to use GitHub in its process.
+import github  # noqa: F401
 import pytest
 from pytest_httpserver import HTTPServer
 
