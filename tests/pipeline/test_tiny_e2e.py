@@ -58,7 +58,9 @@ def test_drops_replica_runs_the_reproduction_stage_with_lineage_then_reuses() ->
     """The token-dropping reproduction through the pipeline: data -> tokenize -> repro, the headline
     late-window medians recorded on the repro stage run (what the nightly verdict compares), its W&B
     run linked; a second run reuses all three stages."""
-    from orchestrator.lineage import LineageStore, StageRun
+    from orchestrator.lineage import LineageStore, StageRun, WandbRun
+    from orchestrator.lineage.verify import anchor_of
+    from orchestrator.links.wandb import find_run_dirs, read_run_dir
     from orchestrator.settings import load_settings
 
     # `--until tokenize` prepares the data now; the full run then reuses it and trains.
@@ -83,7 +85,14 @@ def test_drops_replica_runs_the_reproduction_stage_with_lineage_then_reuses() ->
         srun = store.require(StageRun, repro["stage_run_id"])
         assert srun.state == "COMPLETED" and srun.metrics["repro"] == headline
         linked = {r.object_kind for r in store.relations(srun.id) if r.subject_id == srun.id}
+        (wrun,) = [
+            store.require(WandbRun, r.object_id) for r in store.relations(srun.id) if r.object_kind == "wandb_run"
+        ]
+        anchor = anchor_of(store, first["pipeline_run_id"])
     assert {"wandb_run", "artifact"} <= linked, linked  # its W&B run and the token shards it used
+    # the W&B run (public once synced) carries the run's lineage anchor too, read back from its files
+    back = read_run_dir(find_run_dirs(str(wrun.local_dir), wrun.run_id)[0])
+    assert anchor is not None and back.config["openlab"]["lineage_anchor"] == str(anchor), back.config
     second = openlab_run("--replica", "drops-tiny", "--json")
     states = [(s["stage"], s["state"], s["reason"]) for s in second["stages"]]
     assert [s[1] for s in states] == ["REUSED"] * 3, states
