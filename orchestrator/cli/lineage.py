@@ -298,18 +298,22 @@ def verify_cmd(
     was not rewritten as a whole, hashes recomputed, since then.
     """
     from orchestrator.lineage.store import LineageStore
-    from orchestrator.lineage.verify import parse_anchor, verify
+    from orchestrator.lineage.verify import Problem, parse_anchor, verify
     from orchestrator.settings import load_settings
 
     settings = load_settings()
     anchors = [parse_anchor(text) for text in anchor or []]
     store = LineageStore.open(settings, create=False)
     notes: list[str] = []
+    unchecked: list[Problem] = []
     if github_anchors:
         from orchestrator.links.github import GithubLinker
 
-        found, notes = GithubLinker(store, settings=settings).published_anchors()
-        anchors += found
+        published = GithubLinker(store, settings=settings).published_anchors()
+        anchors += published.anchors
+        notes = published.without_anchor
+        # asked to check them and could not: that is not a pass
+        unchecked = [Problem("card", line) for line in published.unreadable]
     if json_out or not console.is_terminal:
         problems = verify(store, settings, anchors=anchors)
     else:
@@ -317,6 +321,7 @@ def verify_cmd(
             problems = verify(
                 store, settings, anchors=anchors, progress=lambda what: status.update(f"verifying {what}")
             )
+    problems += unchecked
     if json_out:
         print_json(
             {

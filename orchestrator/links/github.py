@@ -186,6 +186,17 @@ class _Failure(Exception):
 
 
 @dataclass
+class PublishedAnchors:
+    """What :meth:`GithubLinker.published_anchors` read back from GitHub."""
+
+    anchors: list[Anchor] = field(default_factory=list)
+    #: Cards that could not be read (deleted, no access, GitHub down): their anchors went unchecked.
+    unreadable: list[str] = field(default_factory=list)
+    #: Cards that carry no anchor (posted before openlab published them, or edited by hand).
+    without_anchor: list[str] = field(default_factory=list)
+
+
+@dataclass
 class SyncReport:
     """What one flush of the queue did."""
 
@@ -666,18 +677,17 @@ class GithubLinker:
                 rec, comment_id=int(comment.id), url=comment.html_url, body_hash=body_hash, updated_at=utcnow()
             )
 
-    def published_anchors(self, pipeline_run_ids: Iterable[str] | None = None) -> tuple[list[Anchor], list[str]]:
+    def published_anchors(self, pipeline_run_ids: Iterable[str] | None = None) -> PublishedAnchors:
         """The lineage anchors that run cards carry on GitHub, read back from GitHub: the copy that
-        whoever controls the database cannot rewrite. Also one note per card that could not be read
-        or carries no anchor. Needs a token that can read the issues."""
+        whoever controls the database cannot rewrite; and the cards that could not be read (not
+        verified: a failure for an audit) or carry no anchor. Needs a token that can read the issues."""
         from orchestrator.lineage.verify import find_anchors
 
         if not self._token:
             raise GithubLinkError(f"reading the published anchors needs a GitHub token: set {self.config.token_env}")
         wanted = set(pipeline_run_ids) if pipeline_run_ids is not None else None
         client = self.client()
-        anchors: list[Anchor] = []
-        notes: list[str] = []
+        found = PublishedAnchors()
         for rec in self.store.list(GithubComment, order_by=col(GithubComment.updated_at)):
             if rec.comment_id is None or (wanted is not None and rec.pipeline_run_id not in wanted):
                 continue
@@ -689,13 +699,13 @@ class GithubLinker:
             try:
                 body = self._call(ref, lambda i=issue, c=comment_id: i.get_comment(c).body)
             except _Failure as failure:
-                notes.append(f"{where}: the card of {rec.pipeline_run_id} could not be read: {failure.message}")
+                found.unreadable.append(f"{where}: the card of {rec.pipeline_run_id} cannot be read: {failure.message}")
                 continue
-            found = find_anchors(body or "", where=where)
-            if not found:
-                notes.append(f"{where}: the card of {rec.pipeline_run_id} carries no lineage anchor")
-            anchors.extend(found)
-        return anchors, notes
+            anchors = find_anchors(body or "", where=where)
+            if not anchors:
+                found.without_anchor.append(f"{where}: the card of {rec.pipeline_run_id} carries no lineage anchor")
+            found.anchors.extend(anchors)
+        return found
 
     def pending(self) -> list[GithubUpdate]:
         """Queued updates not yet sent (oldest first)."""

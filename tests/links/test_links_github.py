@@ -177,7 +177,9 @@ def test_the_card_publishes_a_lineage_anchor_that_verify_reads_back_from_github(
     assert anchor is not None
     [c] = fake_github.comments_on("lab/exp", 7)
     assert f"`{anchor}`" in c["body"]
-    assert GithubLinker(store).published_anchors() == ([Anchor(anchor.seq, anchor.hash, str(rec.url))], [])
+    published = GithubLinker(store).published_anchors()
+    assert published.anchors == [Anchor(anchor.seq, anchor.hash, str(rec.url))]
+    assert published.unreadable == [] and published.without_anchor == []
 
     runner = CliRunner()
     report = json.loads(runner.invoke(lineage_app, ["verify", "--github-anchors", "--json"]).stdout)
@@ -195,8 +197,14 @@ def test_the_card_publishes_a_lineage_anchor_that_verify_reads_back_from_github(
 
     # a card someone edited the anchor out of is named, not silently passed
     fake_github.comments[c["id"]]["body"] = "edited by hand"
-    anchors, notes = GithubLinker(store).published_anchors()
-    assert anchors == [] and len(notes) == 1 and "carries no lineage anchor" in notes[0]
+    published = GithubLinker(store).published_anchors()
+    assert published.anchors == [] and len(published.without_anchor) == 1
+    assert "carries no lineage anchor" in published.without_anchor[0]
+    # and a card that cannot be read fails the audit: its anchor went unchecked
+    del fake_github.comments[c["id"]]
+    result = runner.invoke(lineage_app, ["verify", "--github-anchors", "--json"])
+    (unread,) = [p for p in json.loads(result.stdout)["problems"] if p["record"] == "card"]
+    assert result.exit_code == 1 and "cannot be read" in unread["message"], unread
     monkeypatch.delenv("GITHUB_TOKEN")
     with pytest.raises(GithubLinkError, match="needs a GitHub token"):
         GithubLinker(store).published_anchors()
