@@ -44,6 +44,7 @@ def _server(home: Path):  # type: ignore[no-untyped-def]
 
 def main() -> int:
     from orchestrator.lineage.store import open_store
+    from orchestrator.lineage.verify import anchor_of
     from orchestrator.prefect_server import use_api
     from orchestrator.settings import load_settings
 
@@ -73,6 +74,9 @@ def main() -> int:
         console.print(f"everything it made    openlab lineage trace {pipeline_run_id} --down  (an output id: up)")
     console.print("all runs              openlab lineage list")
     console.print("prove nothing changed openlab lineage verify")
+    anchor = anchor_of(store, pipeline_run_id) if pipeline_run_id else None
+    if anchor is not None:  # what its card publishes; with an experiment issue, on GitHub too
+        console.print(f"not rewritten since   openlab lineage verify --anchor {anchor}", highlight=False)
     console.print("what would re-run     openlab explain marin-535b-a23b --replica tiny")
     if pipeline_run_id:
         console.print(f"export (Marquez/PROV) openlab lineage export {pipeline_run_id} --format openlineage")
