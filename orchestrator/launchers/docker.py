@@ -18,7 +18,11 @@
   run's tree (``image_code_check``, see :mod:`orchestrator.provenance.image`).
 - The time limit is enforced in the container by GNU ``timeout`` (so it holds with nobody
   watching; set ``time_limit_wrapper = false`` for images without coreutils) and by
-  :meth:`DockerLauncher.status` as a backstop.
+  :meth:`DockerLauncher.status` as a backstop. ``--foreground``: the job's process is told
+  once, as a ``docker stop`` tells it; without it timeout signals the job and then its whole
+  process group, so a job could hear its time limit or a cancel twice, and one that saves on
+  the first SIGTERM and quits on the second would lose its checkpoint. What the job started
+  ends with the container.
 - What a job used (CPU seconds, peak resident memory) is measured inside the container by
   ``launchers/_usage.py``, the parent of the job's command, because the container's cgroup
   and its counters are gone once it exits. The launcher copies that script into a per-job
@@ -220,16 +224,18 @@ class DockerLauncher(Launcher):
             if spec.artifact_root is not None:  # mounted at the same path: the ends are readable here
                 task_ends = str(Path(spec.artifact_root).resolve() / ".tasks" / f"{job_id}.ends")
                 labels[TASK_ENDS_LABEL] = task_ends
-        usage_dir, python = None, self._usage_python(image, opts)
-        if python is not None:  # the job runs under the usage wrapper, its parent in the container
-            usage_dir = self._usage_dir(job_id)
-            command = [python, "-I", "-S", f"{USAGE_MOUNT}/usage.py", f"{USAGE_MOUNT}/usage.json", "--", *command]
-            labels[USAGE_LABEL] = str(usage_dir / "usage.json")
         if spec.time_limit:
             labels[TIME_LIMIT_LABEL] = str(spec.time_limit)
             if opts.get("time_limit_wrapper", True):
                 grace = int(opts.get("grace", 5))
-                command = ["timeout", "-k", str(grace), str(spec.time_limit), *command]
+                command = ["timeout", "--foreground", "-k", str(grace), str(spec.time_limit), *command]
+        usage_dir, python = None, self._usage_python(image, opts)
+        if python is not None:  # the job runs under the usage wrapper, its parent in the container
+            # Outside `timeout`, which signals its whole process group: inside it, the job would get
+            # the time limit's SIGTERM from timeout and again from the wrapper passing it on.
+            usage_dir = self._usage_dir(job_id)
+            command = [python, "-I", "-S", f"{USAGE_MOUNT}/usage.py", f"{USAGE_MOUNT}/usage.json", "--", *command]
+            labels[USAGE_LABEL] = str(usage_dir / "usage.json")
         env = {
             **{str(k): str(v) for k, v in spec.env.items()},
             **({"OPENLAB_TASK_ENDS": task_ends} if task_ends else {}),

@@ -6,6 +6,8 @@ names its interpreter in ``openlab.io/python``."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from orchestrator.launchers import JobSpec, JobState, get_launcher
@@ -135,3 +137,39 @@ def test_the_pods_of_an_indexed_job_add_up_their_cpu_and_keep_the_largest_peak()
     ]
     assert _pods_usage(pods) == {"cpu_seconds": 3.75, "max_rss_bytes": 300}
     assert _pods_usage([pod(None)]) is None
+
+
+#: Counts the SIGTERMs it is sent while it runs 3 s, then says how many.
+COUNTS_TERMS = (
+    "import signal, time\n"
+    "n = [0]\n"
+    "signal.signal(signal.SIGTERM, lambda s, f: n.__setitem__(0, n[0] + 1))\n"
+    "print('started', flush=True)\n"
+    "t = time.time()\n"
+    "while time.time() - t < 3: time.sleep(0.01)\n"
+    "print('TERMs', n[0], flush=True)\n"
+)
+
+
+@pytest.mark.parametrize("measure_usage", [True, False], ids=["wrapper", "no-wrapper"])
+@pytest.mark.parametrize("how", ["cancel", "time-limit"])
+def test_a_docker_job_is_told_to_stop_once(how: str, measure_usage: bool) -> None:
+    """A workload that saves on the first SIGTERM and quits on the second (a common pattern) must
+    get one. GNU timeout signals its child and then its whole process group, so the job heard a
+    cancel or its time limit twice (and three times under a wrapper that passes signals on);
+    timeout --foreground, with the usage wrapper outside it, tells the job once."""
+    image = docker_image("job")
+    launcher = get_launcher("docker", image=image, grace=5, measure_usage=measure_usage)
+    limit = 30 if how == "cancel" else 1
+    handle = launcher.submit(JobSpec(name="counts", command=["python", "-c", COUNTS_TERMS], time_limit=limit))
+    try:
+        if how == "cancel":
+            deadline = time.monotonic() + 60
+            while "started" not in list(launcher.logs(handle)) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            launcher.cancel(handle)
+        status = launcher.wait(handle, timeout=60)
+        assert status.state is (JobState.CANCELLED if how == "cancel" else JobState.FAILED), status
+        assert "TERMs 1" in list(launcher.logs(handle)), list(launcher.logs(handle))
+    finally:
+        launcher.cleanup(handle)
