@@ -208,13 +208,23 @@ sys.exit(143)
 """
 
 
-def test_a_local_multi_task_job_that_is_cancelled_tells_each_task_once(store: LineageStore) -> None:
-    """A cancel (or a time limit) of a local job of several tasks reaches each task once, as srun
-    and a container's stop deliver it: the supervisor signals the task runner, which passes it on.
+@pytest.mark.parametrize("backend", ["local", pytest.param("docker", marks=pytest.mark.docker)])
+def test_a_multi_task_job_that_is_cancelled_tells_each_task_once(backend: str, store: LineageStore) -> None:
+    """A cancel (or a time limit) of a job of several tasks on one machine reaches each task once, as
+    srun delivers it: the supervisor (local) or the container's stop, through the usage wrapper and
+    `timeout` (Docker), signals the task runner, which passes it on.
     A task told twice could have its checkpoint save cut short by the second: rank 1 ends (143) while
     rank 0 still saves, and the runner must not take that for a failure and stop rank 0 again."""
-    launcher = get_launcher("local")
-    handle = launcher.submit(JobSpec(name="stops", command=[sys.executable, "-c", COUNT_STOPS], tasks_per_node=2))
+    if backend == "docker":
+        from tests.services import docker_image
+
+        launcher = get_launcher("docker", image=docker_image("job"), grace=10)
+        python, limit = "python", 120  # a time limit: the job runs under `timeout` too
+    else:
+        launcher, python, limit = get_launcher("local"), sys.executable, None
+    handle = launcher.submit(
+        JobSpec(name="stops", command=[python, "-c", COUNT_STOPS], tasks_per_node=2, time_limit=limit)
+    )
     try:
         deadline = time.monotonic() + 60
         while sum("ready" in line for line in launcher.logs(handle)) < 2 and time.monotonic() < deadline:
