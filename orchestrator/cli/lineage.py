@@ -309,7 +309,12 @@ def verify_cmd(
     if github_anchors:
         from orchestrator.links.github import GithubLinker
 
-        published = GithubLinker(store, settings=settings).published_anchors()
+        linker = GithubLinker(store, settings=settings)
+        if json_out or not console.is_terminal:
+            published = linker.published_anchors()
+        else:
+            with console.status("reading the run cards' anchors back from GitHub…"):
+                published = linker.published_anchors()
         anchors += published.anchors
         notes = published.without_anchor
         # asked to check them and could not: that is not a pass
