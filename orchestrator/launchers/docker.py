@@ -512,8 +512,11 @@ class DockerLauncher(Launcher):
             return False, f"docker engine error: {_api_message(exc)}"
         image = self.config.get("image") or DEFAULT_IMAGE
         try:
-            self.client.images.get(image)
-            has_image = f"image {image} present"
+            found = self.client.images.get(image)
+            measured = self._usage_python(found, self.config) is not None
+            has_image = f"image {image} present; " + (
+                "what jobs use is measured" if measured else "what jobs use is not measured (see measure_usage)"
+            )
         except Exception:  # noqa: BLE001
             has_image = f"image {image} missing: run infra/docker/build-job-image.sh"
         return True, f"engine {info.get('ServerVersion')} on {info.get('Name')} ({info.get('Driver')}); {has_image}"
