@@ -509,18 +509,25 @@ class EmulatedCluster:
             for run in runs:
                 run.workload.kill()
                 self.on_loop(lambda k=key, r=run: self.km.objects.__delitem__((PODS, k[0], r.pod)))
-        self._collect_orphans({str((job.get("metadata") or {}).get("uid")) for job in jobs.values()})
+        self._collect_orphans()
 
-    def _collect_orphans(self, live_uids: set[str]) -> None:
+    def _collect_orphans(self) -> None:
         """The garbage collector's part: delete a Service whose owners in ``ownerReferences`` are all
-        gone, whether or not the controller ever saw them (a Job deleted before it started)."""
+        gone, whether or not the controller ever saw them (a Job deleted before it started). Jobs and
+        Services are read in one step on the server's loop, so an owner created meanwhile counts."""
 
         def collect() -> None:
-            for key, obj in list(self.km.objects.items()):
+            objects = list(self.km.objects.items())
+            live = {
+                str((obj.last.raw.get("metadata") or {}).get("uid"))
+                for key, obj in objects
+                if key[0] == JOBS and not obj.deleted
+            }
+            for key, obj in objects:
                 if key[0] != SERVICES or obj.deleted:
                     continue
                 owners = (obj.last.raw.get("metadata") or {}).get("ownerReferences") or []
-                if owners and not any(str(o.get("uid")) in live_uids for o in owners):
+                if owners and not any(str(o.get("uid")) in live for o in owners):
                     del self.km.objects[key]
 
         self.on_loop(collect)
