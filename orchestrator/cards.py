@@ -355,9 +355,9 @@ def render_pipeline(view: PipelineView, github_hosts: Iterable[str] = DEFAULT_GI
     if view.anchor:
         lines += [
             "",
-            f"<sub>Lineage anchor: `{view.anchor}`, the event that recorded this run's start (its recipe and "
-            "pre-registration included). `openlab lineage verify --anchor` with it, or `--github-anchors`, "
-            "proves the log still holds it.</sub>",
+            f"**Lineage anchor:** `{view.anchor}`, the event that recorded this run's start (its recipe and "
+            "pre-registration included); `openlab lineage verify --anchor` with it, or `--github-anchors`, "
+            "proves the log still holds it.",
         ]
     return "\n".join(lines) + "\n"
 
