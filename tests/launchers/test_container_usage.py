@@ -173,3 +173,22 @@ def test_a_docker_job_is_told_to_stop_once(how: str, measure_usage: bool) -> Non
         assert "TERMs 1" in list(launcher.logs(handle)), list(launcher.logs(handle))
     finally:
         launcher.cleanup(handle)
+
+
+def test_an_evicted_kubernetes_pod_under_the_wrapper_tells_its_job_once(k8s_cluster: EmulatedCluster) -> None:
+    """The kubelet's SIGTERM goes to the container's first process, the usage wrapper, which passes
+    it on to the job once."""
+    assert k8s_cluster.runtime == "docker", k8s_cluster.runtime_reason
+    launcher = get_launcher("kubernetes", host=k8s_cluster.url, image=k8s_cluster.image)
+    launcher.poll_interval = 0.1
+    handle = launcher.submit(JobSpec(name="counts", command=["python", "-c", COUNTS_TERMS]))
+    try:
+        deadline = time.monotonic() + 60
+        while "started" not in list(launcher.logs(handle)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        k8s_cluster.evict(handle.job_id, grace=10.0)
+        status = launcher.wait(handle, timeout=60)
+        assert status.state.terminal, status
+        assert "TERMs 1" in list(launcher.logs(handle)), list(launcher.logs(handle))
+    finally:
+        launcher.cleanup(handle)
