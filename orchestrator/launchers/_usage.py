@@ -80,12 +80,7 @@ def main(argv):
     for sig in pending:
         forward(sig, None)
 
-    while True:
-        try:
-            _, status, usage = os.wait4(pid, 0)
-            break
-        except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for old interpreters
-            continue
+    _, status, usage = os.wait4(pid, 0)  # a signal handled meanwhile does not end the wait (PEP 475)
     try:  # ru_maxrss is in KiB on Linux
         _write(out, round(usage.ru_utime + usage.ru_stime, 3), usage.ru_maxrss * 1024)
     except OSError as exc:

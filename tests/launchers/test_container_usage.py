@@ -90,8 +90,7 @@ def test_a_cancelled_job_under_the_wrapper_is_told_to_stop_and_may_save_first(st
     assert attempt.job_id is not None
     log = "\n".join(launcher.logs(JobHandle("docker", attempt.job_id)))
     assert "saved" in log, log
-    used = store.require(Attempt, attempt.id).used
-    assert used is not None and used["cpu_seconds"] >= 0, used  # the wrapper outlived its job and wrote
+    assert store.require(Attempt, attempt.id).used is not None  # the wrapper outlived its job and wrote
 
 
 def test_a_kubernetes_job_reports_what_it_used_in_its_termination_message(
