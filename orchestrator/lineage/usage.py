@@ -96,13 +96,17 @@ def attempt_hours(attempt: Attempt, now: dt.datetime | None = None) -> float:
     return max(0.0, (end - as_utc(attempt.started_at)).total_seconds() / 3600)
 
 
-def usage(store: LineageStore, flt: RecordFilter | None = None, *, by: str = "recipe") -> UsageReport:
-    """Sum the attempts that pass ``flt`` (the ``lineage list`` filters) by ``by``."""
+def usage(
+    store: LineageStore, flt: RecordFilter | None = None, *, by: str = "recipe", now: dt.datetime | None = None
+) -> UsageReport:
+    """Sum the attempts that pass ``flt`` (the ``lineage list`` filters) by ``by``. A job still
+    running counts up to ``now`` (the wall clock by default); a report made for a past moment, as a
+    digest is for its window's end, passes that moment so the same report reads the same later."""
     if by not in GROUPS:
         raise ConfigError(f"cannot group usage by {by!r}: use one of {', '.join(GROUPS)}")
     attempts: list[Attempt] = list_records(store, ["attempt"], flt or RecordFilter(), limit=None, strict=True).records
     stages, runs = _owners(store, attempts)
-    now = utcnow()
+    now = now or utcnow()
     groups: dict[str, Usage] = {}
     total = Usage(group="total")
     for attempt in attempts:

@@ -298,7 +298,9 @@ def collect_digests(
     by_issue = _runs_in_window(store, window, issue_ids)
     digests = []
     for issue_id in sorted(by_issue):
-        spent = {u.group: u for u in usage(store, RecordFilter(issue=issue_id), by="pipeline_run").groups}
+        spent = {
+            u.group: u for u in usage(store, RecordFilter(issue=issue_id), by="pipeline_run", now=window.end).groups
+        }
         runs = []
         for run_id in by_issue[issue_id]:
             view = collect_pipeline(store, run_id)

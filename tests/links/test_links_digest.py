@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 from orchestrator.cli.github import app as github_app
 from orchestrator.lineage.models import (
+    Attempt,
     GithubDigest,
     GithubUpdate,
     PipelineRun,
@@ -113,13 +114,17 @@ def test_one_digest_per_active_issue_with_its_runs_then_edited_the_same_day(
     assert "[prun_donew](https://wandb.ai/lab/openlab/runs/prun_donew) (pretrain)" in seven
     assert "2 job(s), 2.00 h wall, 4.00 GPU-hours" in seven  # two 1 h jobs asking 2 GPUs each
     assert "2 pipeline runs from 2026-12-04 07:00 to 2026-12-05 07:00 UTC" in seven
-    assert "**Still running**" in eight and "RUNNING" in eight and "so far" in eight
+    assert "**Still running**" in eight and "RUNNING" in eight
+    # a running job counts up to the window's end, not the wall clock, so the same window reads the same
+    assert "- **Used so far:** 1 job(s), 2.00 h wall" in eight
     recorded = store.require(GithubDigest, digest_record_id("lab/exp#7", DAY))
     assert recorded.pipeline_run_ids == ["prun_done", "prun_failed"] and recorded.comment_id is not None
 
     # later the same day: the running run finished; the digest is edited, never posted twice
     with store.transaction() as tx:
         tx.update(tx.get(PipelineRun, "prun_running"), state="COMPLETED", ended_at=NOW + H)
+        [job] = store.list(Attempt, stage_run_id="prun_running-pretrain")
+        tx.update(tx.get(Attempt, job.id), state="COMPLETED", ended_at=NOW + H)
     again = post_digests(store, until=NOW + 2 * H)
     # #7's runs say what they said: its comment is left alone though the window moved on two hours
     assert {d.issue_id: d.outcome for d in again.digests} == {"lab/exp#7": "unchanged", "lab/exp#8": "edited"}
@@ -128,6 +133,7 @@ def test_one_digest_per_active_issue_with_its_runs_then_edited_the_same_day(
     [eight_after] = _bodies(fake_github, 8)
     assert len(_bodies(fake_github, 7)) == 1
     assert "Still running" not in eight_after and "COMPLETED" in eight_after
+    assert "- **Used:** 1 job(s), 3.00 h wall" in eight_after
 
     # nothing changed (a few minutes later, so only the window's own times differ): no API call at all
     patches = fake_github.count("PATCH")
