@@ -14,8 +14,10 @@ interrupt, a preemption warning), writes ``{"cpu_seconds": ..., "max_rss_bytes":
 to ``OUT`` once the command ended, and exits as the command did: its exit
 code, or 128 + the signal that killed it, which is what a shell, ``timeout`` and
 docker-init report for a killed child. If the command cannot start it exits 127, like
-a shell. When ``OUT`` cannot be written the job's outcome is unchanged; only the record
-of what it used is missing.
+a shell. Where it is the container's first process (a Kubernetes pod, which has no
+docker-init) it reaps orphans as an init does, and counts what they used. When ``OUT``
+cannot be written the job's outcome is unchanged; only the record of what it used is
+missing.
 
 The Docker launcher copies this file into a folder it mounts into the container, so the
 copy that runs is its own, whatever the image holds; a Kubernetes pod runs the image's copy
@@ -80,9 +82,18 @@ def main(argv):
     for sig in pending:
         forward(sig, None)
 
-    _, status, usage = os.wait4(pid, 0)  # a signal handled meanwhile does not end the wait (PEP 475)
+    # Any child, not just the command: as a pod's first process (PID 1) the wrapper is also the
+    # parent of every orphan in the container, and an init that does not reap them leaves them as
+    # zombies until the pod ends. What a reaped orphan used counts with the job's.
+    cpu_seconds, max_rss = 0.0, 0
+    while True:
+        ended, status, usage = os.wait4(-1, 0)  # a signal handled meanwhile does not end the wait (PEP 475)
+        cpu_seconds += usage.ru_utime + usage.ru_stime
+        max_rss = max(max_rss, usage.ru_maxrss)
+        if ended == pid:
+            break
     try:  # ru_maxrss is in KiB on Linux
-        _write(out, round(usage.ru_utime + usage.ru_stime, 3), usage.ru_maxrss * 1024)
+        _write(out, round(cpu_seconds, 3), max_rss * 1024)
     except OSError as exc:
         sys.stderr.write(f"openlab: could not record what the job used in {out}: {exc.strerror}\n")
     if os.WIFSIGNALED(status):

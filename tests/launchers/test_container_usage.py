@@ -191,3 +191,39 @@ def test_an_evicted_kubernetes_pod_under_the_wrapper_tells_its_job_once(k8s_clus
         assert "TERMs 1" in list(launcher.logs(handle)), list(launcher.logs(handle))
     finally:
         launcher.cleanup(handle)
+
+
+#: Leaves an orphan that burns 0.5 s of CPU and ends; then counts the zombies in the container.
+ORPHAN = """
+import os, time
+if os.fork() == 0:
+    if os.fork() == 0:
+        start = time.process_time()
+        while time.process_time() - start < 0.5:
+            pass
+        os._exit(0)
+    os._exit(0)
+os.wait()
+time.sleep(2)
+def state(pid):
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()[0]
+print("zombies", sum(state(p) == "Z" for p in os.listdir("/proc") if p.isdigit()), flush=True)
+"""
+
+
+def test_a_kubernetes_pods_wrapper_reaps_orphans_and_counts_them(
+    k8s_cluster: EmulatedCluster, store: LineageStore
+) -> None:
+    """A pod has no docker-init: the wrapper is its first process, so every orphan in the
+    container becomes its child. Left unreaped they stay zombies until the pod ends (a job that
+    keeps starting daemonised helpers fills the process table); reaped, what they used counts."""
+    assert k8s_cluster.runtime == "docker", k8s_cluster.runtime_reason
+    launcher = get_launcher("kubernetes", host=k8s_cluster.url, image=k8s_cluster.image)
+    launcher.poll_interval = 0.1
+    attempt, status = run_job(store, launcher, JobSpec(name="orphans", command=["python", "-c", ORPHAN]), timeout=120)
+    assert status.state is JobState.SUCCEEDED, status
+    assert attempt.job_id is not None
+    assert "zombies 0" in list(launcher.logs(JobHandle("kubernetes", attempt.job_id)))
+    used = store.require(Attempt, attempt.id).used
+    assert used is not None and used["cpu_seconds"] >= 0.5, used  # the orphan's, which the job never waited for
