@@ -21,6 +21,7 @@ from sqlmodel import col, select
 from orchestrator.errors import ConfigError
 from orchestrator.lineage.models import (
     RECORD_TYPES,
+    STATES,
     Attempt,
     LineageRecord,
     PipelineRun,
@@ -88,14 +89,20 @@ class RecordFilter:
         """A filter from command-line text (times as :func:`parse_when` reads them)."""
         if commit is not None and len(commit.strip()) < 7:
             raise ConfigError(f"--commit {commit!r}: give at least 7 characters of the sha")
+        unknown = [s for s in state or () if s.upper() not in KNOWN_STATES]
+        if unknown:  # a typo (FAILD) would list nothing, which reads as "nothing failed"
+            raise ConfigError(f"--state {unknown[0]!r}: not a state; known states: {', '.join(KNOWN_STATES)}")
+        start, end = (parse_when(since) if since else None), (parse_when(until) if until else None)
+        if start is not None and end is not None and start >= end:
+            raise ConfigError(f"--since {since!r} is not before --until {until!r}: nothing could match; swap them")
         return cls(
             state=tuple(state or ()),
             stage=tuple(stage or ()),
             recipe=recipe,
             replica=replica,
             backend=backend,
-            since=parse_when(since) if since else None,
-            until=parse_when(until) if until else None,
+            since=start,
+            until=end,
             commit=commit.strip().lower() if commit else None,
             issue=issue.strip() if issue else None,
         )
@@ -103,6 +110,11 @@ class RecordFilter:
     def given(self) -> list[str]:
         """The filters that are set, by option name."""
         return [f.name for f in fields(self) if getattr(self, f.name) not in (None, ())]
+
+
+#: What ``--state`` may name: pipeline and stage run states, and SUCCEEDED, how an attempt (a
+#: job, :class:`orchestrator.launchers.JobState`) says it ended well.
+KNOWN_STATES = (*STATES, "SUCCEEDED")
 
 
 #: For each kind, the filters it can answer (time filters apply to every kind with a time).

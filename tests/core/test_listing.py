@@ -143,6 +143,14 @@ def test_a_filter_no_kind_can_answer_is_an_error_not_an_empty_list(store: Lineag
         list_records(store, ["bogus"])
 
 
+def test_every_state_a_job_or_run_can_be_in_can_be_asked_for() -> None:
+    from orchestrator.launchers import JobState
+    from orchestrator.lineage.listing import KNOWN_STATES
+
+    assert {s.value for s in JobState} <= set(KNOWN_STATES)
+    assert RecordFilter.from_options(state=["succeeded", "Failed"]).state == ("succeeded", "Failed")
+
+
 def test_parse_when_forms() -> None:
     assert parse_when("7d", now=NOW) == NOW - dt.timedelta(days=7)
     assert parse_when("90m", now=NOW) == NOW - dt.timedelta(minutes=90)
@@ -175,6 +183,9 @@ def test_the_command_answers_which_pretrain_jobs_failed_this_week(run_cli, openl
         (("--since", "last tuesday"), "cannot read 'last tuesday' as a time"),
         (("--kind", "snapshot", "--state", "FAILED"), "--state cannot be answered by snapshot"),
         (("--commit", "a1b2"), "--commit 'a1b2': give at least 7 characters"),
+        # a misspelt state listed nothing, which reads as "nothing failed"
+        (("--state", "FAILD"), "--state 'FAILD': not a state; known states: PENDING, RUNNING, COMPLETED"),
+        (("--since", "2026-12-02", "--until", "2026-12-01"), "--since '2026-12-02' is not before --until"),
     ):
         bad = run_cli("lineage", "list", *args)
         assert bad.returncode == 2, bad.stdout
