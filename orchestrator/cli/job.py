@@ -35,6 +35,22 @@ def _pairs(values: list[str] | None, what: str) -> dict[str, str]:
     return out
 
 
+def _options(values: list[str] | None) -> dict[str, Any]:
+    """``--option`` pairs, each value read as a TOML value, as the same key would be in
+    ``openlab.toml`` (``mount_workdir=false`` is false, ``grace=10`` a number,
+    ``extra_args=["--exclusive"]`` a list); a value that is not TOML (``partition=debug``,
+    ``array=0-7%2``) is the string given."""
+    import tomllib
+
+    out: dict[str, Any] = {}
+    for key, value in _pairs(values, "--option").items():
+        try:
+            out[key] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key] = value
+    return out
+
+
 def _default_backend() -> str:
     from orchestrator.settings import load_settings
 
@@ -66,7 +82,10 @@ def run_cmd(
     time_limit: str = typer.Option(None, "--time-limit", help="seconds, MM:SS, HH:MM:SS, 1h, 30m"),
     env: list[str] = typer.Option(None, "--env", "-e", help="KEY=VALUE for the job's environment (repeatable)"),
     option: list[str] = typer.Option(
-        None, "--option", "-o", help="backend option KEY=VALUE, e.g. partition=debug, namespace=ml (repeatable)"
+        None,
+        "--option",
+        "-o",
+        help="backend option KEY=VALUE, valued as in openlab.toml: partition=debug, mount_workdir=false (repeatable)",
     ),
     name: str = typer.Option(None, "--name", help="job name (default: the command's first word)"),
     workdir: str = typer.Option(None, "--workdir", help="working directory of the job"),
@@ -103,7 +122,7 @@ def run_cmd(
         tasks_per_node=tasks_per_node,
         time_limit=parse_duration(time_limit) if time_limit else None,
         labels=labels,
-        options=_pairs(option, "--option"),
+        options=_options(option),
     )
 
     def echo(line: str) -> None:

@@ -160,6 +160,10 @@ class JobSpec:
             value = getattr(self, what)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise OpenlabError(f"{what.replace('_', ' ')} must be a whole number of at least 1, got {value!r}")
+        if self.cpus is not None and (isinstance(self.cpus, bool) or not self.cpus > 0):
+            raise OpenlabError(f"cpus must be a positive number, got {self.cpus!r}")
+        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 0:
+            raise OpenlabError(f"gpus must be a whole number of 0 or more, got {self.gpus!r}")
         if self.memory is not None:
             parse_memory(self.memory)  # fail early on "lots"
         if self.time_limit is not None and self.time_limit <= 0:
@@ -264,17 +268,12 @@ class Launcher(ABC):
 
         self.settings = settings or load_settings()
         self.config: dict[str, Any] = dict(config or {})
+        try:
+            self.check_options(self.config)
+        except ConfigError as exc:
+            raise ConfigError(f"[backends.{self.name}] {exc}") from None
         if "poll_interval" in self.config:  # ``[backends.NAME] poll_interval = 5``: gentler on a busy controller
-            raw = self.config["poll_interval"]
-            try:
-                value = float(raw)
-            except (TypeError, ValueError):
-                value = math.nan
-            if not value > 0:
-                raise ConfigError(
-                    f"[backends.{self.name}] poll_interval must be a positive number of seconds, got {raw!r}"
-                )
-            self.poll_interval = value
+            self.poll_interval = float(self.config["poll_interval"])
 
     def image_name(self, spec: JobSpec) -> str | None:
         """The image reference a job of ``spec`` runs in (None where jobs run on the host)."""
@@ -321,11 +320,28 @@ class Launcher(ABC):
             )
         return None
 
+    @classmethod
+    def check_options(cls, opts: Mapping[str, Any]) -> None:
+        """Raise :class:`ConfigError` for a backend option of the wrong kind (``"flase"`` for a
+        yes/no, text for a list), so a typo fails in one line instead of doing the opposite of what
+        was asked. Called on the backend's settings when the launcher is made, and on a job's
+        options before the job is recorded (a recipe's options are checked by its own schema).
+        Backends add theirs."""
+        if "poll_interval" in opts:
+            raw = opts["poll_interval"]
+            try:
+                value = float(raw) if not isinstance(raw, bool) else math.nan
+            except (TypeError, ValueError):
+                value = math.nan
+            if not value > 0:
+                raise ConfigError(f"poll_interval must be a positive number of seconds, got {raw!r}")
+
     def refuse_unsupported(self, spec: JobSpec) -> None:
         """Refuse, before anything is submitted or recorded, a job this backend cannot run as asked."""
         why = self.cannot_run(spec.nodes, spec.tasks_per_node)
         if why:
             raise ConfigError(why)
+        self.check_options({**self.config, **spec.options})
 
     @abstractmethod
     def submit(self, spec: JobSpec) -> JobHandle:
@@ -487,9 +503,68 @@ def task_ends(ends_prefix: str | None) -> list[TaskEnd]:
     return sorted(ends, key=lambda e: (e.when, e.rank))
 
 
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def flag_option(opts: Mapping[str, Any], name: str, default: bool) -> bool:
+    """A yes/no backend option. Strings count as well as booleans (``true``, ``off``...), since
+    an option may come from an environment or a form as text; any other value is a
+    :class:`ConfigError`, because treating ``"false"`` as a non-empty string, true, would do the
+    opposite of what was asked."""
+    value = opts.get(name, default)
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(f"backend option {name} = {value!r} is not yes or no: give true or false")
+
+
+def number_option(opts: Mapping[str, Any], name: str, default: float) -> float:
+    """A numeric backend option (seconds, a count), from a number or its text; anything else,
+    or a negative number, is a :class:`ConfigError` before the job starts."""
+    value = opts.get(name, default)
+    try:
+        number = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        number = math.nan
+    if not math.isfinite(number) or number < 0:
+        raise ConfigError(
+            f"backend option {name} = {value!r} is not a number of zero or more: give one, e.g. {default}"
+        )
+    return number
+
+
+def table_option(opts: Mapping[str, Any], name: str, example: str) -> dict[str, Any]:
+    """A backend option that is a table (``mounts``, ``node_selector``); empty when unset, a
+    :class:`ConfigError` naming an example when it is something else."""
+    value = opts.get(name) or {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"backend option {name} = {value!r} is not a table: give one, e.g. {name} = {example}")
+    return dict(value)
+
+
+def list_option(opts: Mapping[str, Any], name: str, example: str) -> list[Any]:
+    """A backend option that is a list (``extra_args``, ``tolerations``); empty when unset, a
+    :class:`ConfigError` naming an example when it is something else."""
+    value = opts.get(name) or []
+    if not isinstance(value, list | tuple):
+        raise ConfigError(f"backend option {name} = {value!r} is not a list: give one, e.g. {name} = {example}")
+    return list(value)
+
+
 #: The image label that names its Python interpreter (set by the repo's Dockerfile); an image with it
 #: also holds ``orchestrator.launchers._usage``, added with the label.
 PYTHON_LABEL = "openlab.io/python"
+
+
+def measure_usage_option(opts: Mapping[str, Any]) -> bool | None:
+    """``measure_usage``: True or False as set, None for ``"auto"`` (the default)."""
+    if str(opts.get("measure_usage", "auto")).strip().lower() == "auto":
+        return None
+    return flag_option(opts, "measure_usage", False)
 
 
 def usage_python(opts: Mapping[str, Any], labels: Mapping[str, str] | None) -> str | None:
@@ -497,11 +572,9 @@ def usage_python(opts: Mapping[str, Any], labels: Mapping[str, str] | None) -> s
     or None to run the job's command as it is. ``measure_usage`` (in ``opts``): ``"auto"`` (the
     default) for images whose ``labels`` name their Python, ``true`` for any image (with
     ``python``, default ``python``), ``false`` never."""
-    mode = opts.get("measure_usage", "auto")
-    if mode is False or str(mode).lower() in ("false", "0", "no", "off"):
-        return None
-    if mode is True or str(mode).lower() in ("true", "1", "yes", "on"):
-        return str(opts.get("python") or "python")
+    mode = measure_usage_option(opts)
+    if mode is not None:
+        return str(opts.get("python") or "python") if mode else None
     named = (labels or {}).get(PYTHON_LABEL)
     return str(named) if named else None
 
@@ -593,4 +666,9 @@ __all__ = [
     "launcher_class",
     "parse_duration",
     "parse_memory",
+    "flag_option",
+    "list_option",
+    "measure_usage_option",
+    "number_option",
+    "table_option",
 ]

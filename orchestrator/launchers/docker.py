@@ -30,7 +30,10 @@
   needs a Python in the image and an engine on this host. ``measure_usage = "auto"`` (the
   default) does it for images that name their interpreter in the ``openlab.io/python``
   label (the repo's Dockerfile does) on a local engine; ``true`` uses ``python`` (default
-  ``python``) in any image; ``false`` never.
+  ``python``) in any image, and is refused with a remote engine; ``false`` never.
+- Yes/no options (``mount_workdir``, ``time_limit_wrapper``, ``init``, ``pull``,
+  ``measure_usage``) take booleans or ``true``/``false``-like text; anything else is refused
+  before the job starts (:func:`~orchestrator.launchers.base.flag_option`).
 - Containers carry the spec's labels plus ``openlab.io/managed``; once a job ended and its
   logs were collected (:meth:`DockerLauncher.cleanup`, called by ``run_job``, or
   :meth:`DockerLauncher.cancel`) the log goes to ``logs_dir/ID.log``, the final status to
@@ -48,10 +51,11 @@ import re
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from orchestrator.errors import ConfigError
 from orchestrator.launchers._tasks import command as tasks_command
 from orchestrator.launchers.base import (
     TIME_LIMIT_REASON,
@@ -65,13 +69,18 @@ from orchestrator.launchers.base import (
     Launcher,
     LauncherError,
     first_failed_task,
+    flag_option,
+    measure_usage_option,
+    number_option,
     parse_memory,
     parse_usage,
+    table_option,
     usage_python,
     with_notes,
 )
 
 DEFAULT_IMAGE = "openlab/job:latest"
+MOUNTS_EXAMPLE = '{"/data" = "/data:ro"}'
 MANAGED_LABEL = "openlab.io/managed"
 TIME_LIMIT_LABEL = "openlab.io/time-limit"
 #: Where a multi-task container's tasks write how they ended (under the mounted artifact root).
@@ -131,11 +140,12 @@ class DockerLauncher(Launcher):
 
             base_url = self.config.get("base_url") or os.environ.get("DOCKER_HOST")
             where = base_url or "unix:///var/run/docker.sock"
+            timeout = int(number_option(self.config, "timeout", 60))
             try:
                 if base_url:
-                    self._client = docker.DockerClient(base_url=base_url, timeout=int(self.config.get("timeout", 60)))
+                    self._client = docker.DockerClient(base_url=base_url, timeout=timeout)
                 else:
-                    self._client = docker.from_env(timeout=int(self.config.get("timeout", 60)))
+                    self._client = docker.from_env(timeout=timeout)
                 self._client.ping()
             except DockerException as exc:
                 self._client = None
@@ -159,6 +169,16 @@ class DockerLauncher(Launcher):
                 self._engine_host = None
         return self._engine_host
 
+    @classmethod
+    def check_options(cls, opts: Mapping[str, Any]) -> None:
+        super().check_options(opts)
+        for name, default in (("mount_workdir", True), ("time_limit_wrapper", True), ("init", True), ("pull", False)):
+            flag_option(opts, name, default)
+        for name, number in (("grace", 5), ("pids_limit", 4096), ("timeout", 60)):
+            number_option(opts, name, number)
+        table_option(opts, "mounts", MOUNTS_EXAMPLE)
+        measure_usage_option(opts)
+
     def image_name(self, spec: JobSpec) -> str | None:
         return spec.image or self.config.get("image") or DEFAULT_IMAGE
 
@@ -167,7 +187,7 @@ class DockerLauncher(Launcher):
         try:
             return self.client.images.get(name)
         except errors.ImageNotFound:
-            if self.config.get("pull"):
+            if flag_option(self.config, "pull", False):
                 try:
                     return self.client.images.pull(name)
                 except errors.APIError as exc:
@@ -181,7 +201,7 @@ class DockerLauncher(Launcher):
         return self.image_digest(self._image(str(self.image_ref(image))))
 
     def runs_image_code(self) -> bool:
-        return not self.config.get("mount_workdir", True)
+        return not flag_option(self.config, "mount_workdir", True)
 
     def image_labels(self, image: str | None = None) -> dict[str, str] | None:
         return dict(self._image(str(self.image_ref(image))).labels or {})
@@ -226,8 +246,8 @@ class DockerLauncher(Launcher):
                 labels[TASK_ENDS_LABEL] = task_ends
         if spec.time_limit:
             labels[TIME_LIMIT_LABEL] = str(spec.time_limit)
-            if opts.get("time_limit_wrapper", True):
-                grace = int(opts.get("grace", 5))
+            if flag_option(opts, "time_limit_wrapper", True):
+                grace = int(number_option(opts, "grace", 5))
                 command = ["timeout", "--foreground", "-k", str(grace), str(spec.time_limit), *command]
         usage_dir, python = None, self._usage_python(image, opts)
         if python is not None:  # the job runs under the usage wrapper, its parent in the container
@@ -249,14 +269,14 @@ class DockerLauncher(Launcher):
             Path(root).mkdir(parents=True, exist_ok=True)
             volumes[root] = {"bind": root, "mode": "rw"}
             env["OPENLAB_ARTIFACT_ROOT"] = root
-        if spec.workdir and opts.get("mount_workdir", True) and Path(spec.workdir).is_dir():
+        if spec.workdir and flag_option(opts, "mount_workdir", True) and Path(spec.workdir).is_dir():
             # The job runs the code in the host's working tree — the code lineage hashed —
             # not whatever copy was baked into the image when it was last built.
             workdir = str(Path(spec.workdir).resolve())
             volumes.setdefault(workdir, {"bind": workdir, "mode": "ro"})
         if usage_dir is not None:
             volumes[str(usage_dir)] = {"bind": USAGE_MOUNT, "mode": "rw"}
-        for host_path, target in (opts.get("mounts") or {}).items():
+        for host_path, target in table_option(opts, "mounts", MOUNTS_EXAMPLE).items():
             bind, _, mode = str(target).partition(":")
             volumes[str(host_path)] = {"bind": bind, "mode": mode or "rw"}
         kwargs: dict[str, Any] = {
@@ -265,11 +285,11 @@ class DockerLauncher(Launcher):
             "labels": labels,
             "environment": env,
             "network_mode": opts.get("network_mode", "none"),
-            "pids_limit": int(opts.get("pids_limit", 4096)),
+            "pids_limit": int(number_option(opts, "pids_limit", 4096)),
             "volumes": volumes,
             # docker-init as PID 1 forwards SIGTERM to the job and reaps its zombies, so a
             # cancel ends the job at once instead of after the stop timeout
-            "init": bool(opts.get("init", True)),
+            "init": flag_option(opts, "init", True),
         }
         if spec.workdir:
             kwargs["working_dir"] = spec.workdir
@@ -308,9 +328,15 @@ class DockerLauncher(Launcher):
         module docstring: ``measure_usage``). "auto" also needs an engine on this host, which
         sees the folder the wrapper is copied into."""
         base_url = str(self.config.get("base_url") or os.environ.get("DOCKER_HOST") or "unix://")
-        if opts.get("measure_usage", "auto") == "auto" and not base_url.startswith("unix://"):
+        python = usage_python(opts, image.labels)
+        if python is None or base_url.startswith("unix://"):
+            return python
+        if measure_usage_option(opts) is None:
             return None
-        return usage_python(opts, image.labels)
+        # the wrapper and its record live in a folder on this host, which a remote engine cannot mount
+        raise ConfigError(
+            f"measure_usage = true needs a Docker engine on this host, not {base_url}: set it to auto or false"
+        )
 
     def _usage_dir(self, job_id: str) -> Path:
         """A folder for one job's usage record, holding this launcher's copy of the wrapper.
@@ -510,13 +536,15 @@ class DockerLauncher(Launcher):
             return False, str(exc)
         except Exception as exc:  # noqa: BLE001 - report, do not crash `backends check`
             return False, f"docker engine error: {_api_message(exc)}"
+        engine = f"engine {info.get('ServerVersion')} on {info.get('Name')} ({info.get('Driver')})"
         image = self.config.get("image") or DEFAULT_IMAGE
         try:
             found = self.client.images.get(image)
-            measured = self._usage_python(found, self.config) is not None
-            has_image = f"image {image} present; " + (
-                "what jobs use is measured" if measured else "what jobs use is not measured (see measure_usage)"
-            )
         except Exception:  # noqa: BLE001
-            has_image = f"image {image} missing: run infra/docker/build-job-image.sh"
-        return True, f"engine {info.get('ServerVersion')} on {info.get('Name')} ({info.get('Driver')}); {has_image}"
+            return True, f"{engine}; image {image} missing: run infra/docker/build-job-image.sh"
+        try:
+            measured = self._usage_python(found, self.config) is not None
+        except ConfigError as exc:  # a job would be refused: say so now
+            return False, f"{engine}; image {image} present; {exc}"
+        how = "what jobs use is measured" if measured else "what jobs use is not measured (see measure_usage)"
+        return True, f"{engine}; image {image} present; {how}"

@@ -56,7 +56,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -73,7 +73,12 @@ from orchestrator.launchers.base import (
     Launcher,
     LauncherError,
     first_failed_task,
+    flag_option,
+    list_option,
+    measure_usage_option,
+    number_option,
     parse_usage,
+    table_option,
     task_ends,
     usage_python,
     with_notes,
@@ -86,6 +91,8 @@ TASK_ENDS_ANNOTATION = "openlab.io/task-ends"
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 #: Where node 0 of a several-node job listens for its peers (``[backends.kubernetes] master_port``).
 DEFAULT_MASTER_PORT = 29500
+NODE_SELECTOR_EXAMPLE = '{"nvidia.com/gpu.product" = "H100"}'
+TOLERATIONS_EXAMPLE = '[{key = "gpu", operator = "Exists"}]'
 #: Where a container writes its termination message unless its spec says otherwise (Kubernetes' default).
 TERMINATION_MESSAGE_PATH = "/dev/termination-log"
 #: Longest wait before re-reading a pod log whose follow stream ended while the pod still runs.
@@ -249,11 +256,22 @@ class KubernetesLauncher(Launcher):
     multi_task = True
     max_nodes = None
 
+    @classmethod
+    def check_options(cls, opts: Mapping[str, Any]) -> None:
+        super().check_options(opts)
+        table_option(opts, "node_selector", NODE_SELECTOR_EXAMPLE)
+        list_option(opts, "tolerations", TOLERATIONS_EXAMPLE)
+        flag_option(opts, "verify_ssl", True)
+        flag_option(opts, "delete_finished", True)
+        measure_usage_option(opts)
+        for name, default in (("retries", 3), ("cancel_timeout", 30), ("master_port", DEFAULT_MASTER_PORT)):
+            number_option(opts, name, default)
+
     def __init__(self, settings: Any = None, config: Any = None) -> None:
         super().__init__(settings, config)
         self.namespace = str(self.config.get("namespace", "default"))
         self.version = str(self.config.get("version", DEFAULT_VERSION))
-        self.retries = int(self.config.get("retries", 3))
+        self.retries = int(number_option(self.config, "retries", 3))
         self.state_dir = self.settings.home / "jobs" / "kubernetes"
         self._api_client: Any = None
 
@@ -267,7 +285,7 @@ class KubernetesLauncher(Launcher):
                 if self.config.get("host"):
                     cfg = client.Configuration()
                     cfg.host = str(self.config["host"]).rstrip("/")
-                    cfg.verify_ssl = bool(self.config.get("verify_ssl", True))
+                    cfg.verify_ssl = flag_option(self.config, "verify_ssl", True)
                     token_env = self.config.get("token_env")
                     if token_env and os.environ.get(str(token_env)):
                         cfg.api_key = {"authorization": "Bearer " + os.environ[str(token_env)]}
@@ -409,10 +427,10 @@ class KubernetesLauncher(Launcher):
         if spec.nodes > 1:
             pod_spec["subdomain"] = name  # <job>-<index>.<job>: the headless Service's DNS names
         # Placement (a recipe's `resources.<stage>.kubernetes`, or [backends.kubernetes]) over the template's.
-        if opts.get("node_selector"):
-            pod_spec["nodeSelector"] = {**(pod_spec.get("nodeSelector") or {}), **opts["node_selector"]}
-        if opts.get("tolerations"):
-            pod_spec["tolerations"] = [*(pod_spec.get("tolerations") or []), *opts["tolerations"]]
+        if selector := table_option(opts, "node_selector", NODE_SELECTOR_EXAMPLE):
+            pod_spec["nodeSelector"] = {**(pod_spec.get("nodeSelector") or {}), **selector}
+        if tolerations := list_option(opts, "tolerations", TOLERATIONS_EXAMPLE):
+            pod_spec["tolerations"] = [*(pod_spec.get("tolerations") or []), *tolerations]
         if opts.get("priority_class"):
             pod_spec["priorityClassName"] = str(opts["priority_class"])
         if opts.get("service_account"):
@@ -427,7 +445,7 @@ class KubernetesLauncher(Launcher):
         if spec.tasks > 1:  # one process per task in the pod, told its place (launchers/_tasks.py)
             python = str(opts.get("python") or "python")  # the image's, which has openlab installed
             main["command"] = tasks_command(python, spec.tasks_per_node, list(spec.command), spec.nodes)
-        auto = opts.get("measure_usage", "auto") == "auto"  # then the image's labels decide
+        auto = measure_usage_option(opts) is None  # then the image's labels decide
         wrapper = usage_python(opts, self.image_labels(main["image"]) if auto else None)
         if wrapper is not None:  # what the job used, written where the kubelet returns it in the pod's status
             out = str(main.get("terminationMessagePath") or TERMINATION_MESSAGE_PATH)
@@ -880,7 +898,7 @@ class KubernetesLauncher(Launcher):
             ),
             not_found=lambda: None,
         )
-        timeout = float(self.config.get("cancel_timeout", 30))
+        timeout = number_option(self.config, "cancel_timeout", 30)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.pods(handle.job_id):
@@ -912,7 +930,7 @@ class KubernetesLauncher(Launcher):
             return
         self._save_logs(handle)
         self._save(handle.job_id, status)
-        if self.config.get("delete_finished", True):
+        if flag_option(self.config, "delete_finished", True):
             namespace, name = self._split(handle.job_id)
             if self._nodes(handle.job_id) > 1:
                 self._delete_service(handle.job_id)

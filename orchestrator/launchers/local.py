@@ -28,7 +28,7 @@ import sys
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,8 @@ from orchestrator.launchers.base import (
     Launcher,
     LauncherError,
     first_failed_task,
+    flag_option,
+    number_option,
     task_ends_prefix,
     with_notes,
 )
@@ -211,6 +213,12 @@ class LocalLauncher(Launcher):
     #: bounds only how soon a cancel request is acted on, and the lateness where pidfds are missing.
     poll_interval = 0.5
 
+    @classmethod
+    def check_options(cls, opts: Mapping[str, Any]) -> None:
+        super().check_options(opts)
+        number_option(opts, "grace", 5)
+        flag_option(opts, "inherit_env", True)
+
     def __init__(self, settings: Any = None, config: Any = None) -> None:
         super().__init__(settings, config)
         self.state_dir = self.settings.home / "jobs" / "local"
@@ -262,7 +270,9 @@ class LocalLauncher(Launcher):
         workdir = spec.workdir
         if workdir and not Path(workdir).is_dir():
             raise LauncherError(f"working directory {workdir} does not exist")
-        env = dict(os.environ) if self.config.get("inherit_env", True) else {"PATH": os.environ.get("PATH", "")}
+        env = (
+            dict(os.environ) if flag_option(self.config, "inherit_env", True) else {"PATH": os.environ.get("PATH", "")}
+        )
         env.update(spec.env)
         env.update(
             OPENLAB_JOB_ID=job_id,
@@ -292,7 +302,7 @@ class LocalLauncher(Launcher):
             "host": os.uname().nodename,
         }
         path = self._state_path(job_id)
-        grace = float(spec.options.get("grace", self.config.get("grace", 5)))
+        grace = number_option({**self.config, **spec.options}, "grace", 5)
         argv = [
             sys.executable,
             "-I",
@@ -410,7 +420,7 @@ class LocalLauncher(Launcher):
         if JobState(state.get("state", "PENDING")).terminal:
             return
         sup = self._supervisor_pid(handle.job_id, state)
-        grace = float(self.config.get("grace", 5))
+        grace = number_option(self.config, "grace", 5)
         if sup is not None and _alive(sup):
             try:
                 os.kill(sup, signal.SIGTERM)

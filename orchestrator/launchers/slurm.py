@@ -42,7 +42,7 @@ import shlex
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +57,8 @@ from orchestrator.launchers.base import (
     Launcher,
     LauncherError,
     first_failed_task,
+    list_option,
+    number_option,
     parse_duration,
     parse_memory,
     stopped_from_outside,
@@ -238,6 +240,9 @@ def _exit_code(text: str | None) -> tuple[int | None, int]:
         return None, 0
 
 
+EXTRA_ARGS_EXAMPLE = '["--exclusive"]'
+
+
 class SlurmLauncher(Launcher):
     """Runs jobs with sbatch (see the module docstring)."""
 
@@ -246,10 +251,17 @@ class SlurmLauncher(Launcher):
     multi_task = True
     max_nodes = None
 
+    @classmethod
+    def check_options(cls, opts: Mapping[str, Any]) -> None:
+        super().check_options(opts)
+        list_option(opts, "extra_args", EXTRA_ARGS_EXAMPLE)
+        number_option(opts, "retries", 3)
+        number_option(opts, "cancel_timeout", 30)
+
     def __init__(self, settings: Any = None, config: Any = None) -> None:
         super().__init__(settings, config)
         self.script_dir = self.settings.home / "jobs" / "slurm"
-        self.retries = int(self.config.get("retries", 3))
+        self.retries = int(number_option(self.config, "retries", 3))
 
     # -- running the Slurm CLI --------------------------------------------------------
     def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -318,7 +330,7 @@ class SlurmLauncher(Launcher):
                 lines.append(f"#SBATCH --{key}={opts[key]}")
         if spec.workdir:
             lines.append(f"#SBATCH --chdir={spec.workdir}")
-        for flag in opts.get("extra_args") or []:
+        for flag in list_option(opts, "extra_args", EXTRA_ARGS_EXAMPLE):
             lines.append(f"#SBATCH {flag}")
         lines.append("")
         if spec.tasks > 1:
@@ -677,7 +689,7 @@ class SlurmLauncher(Launcher):
         if status.state.terminal:
             return
         self._run("scancel", handle.job_id)  # an array's id cancels every task, pending ones too
-        timeout = float(self.config.get("cancel_timeout", 30))
+        timeout = number_option(self.config, "cancel_timeout", 30)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             proc = self._run("squeue", "-h", "-j", handle.job_id, "-o", "%T", check=False)

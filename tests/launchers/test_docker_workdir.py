@@ -7,6 +7,9 @@ an edited stage would re-run with the old code under the new identity.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,6 +66,28 @@ def test_mount_workdir_can_be_turned_off(tmp_path: Path, mount: bool) -> None:
     state, lines = _run(spec, image=image, mount_workdir=mount)
     assert state == "SUCCEEDED", lines
     assert ("only-on-host.txt" in lines) is mount
+
+
+def test_mount_workdir_false_on_the_command_line_is_false(tmp_path: Path) -> None:
+    """``-o mount_workdir=false`` is read as openlab.toml would read it: the text "false" once
+    counted as true (a non-empty string) and the folder was mounted all the same."""
+    require_docker()
+    image = docker_image("job")
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "only-on-host.txt").write_text("host")
+    cli = [sys.executable, str(Path(__file__).with_name("cli_entry.py")), "job", "run", "-b", "docker"]
+    ls = ["--image", image, "--workdir", str(tree), "--", "ls", "-1", str(tree)]
+    env = {**os.environ, "OPENLAB_HOME": str(tmp_path / "home")}
+    for value, listed in (("true", True), ("false", False)):
+        proc = subprocess.run(
+            [*cli, "-o", f"mount_workdir={value}", *ls], capture_output=True, text=True, env=env, timeout=120
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert ("only-on-host.txt" in proc.stdout) is listed, (value, proc.stdout)
+    proc = subprocess.run([*cli, "-o", "mount_workdir=nah", *ls], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and "backend option mount_workdir = 'nah' is not yes or no" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_a_stage_can_ask_for_a_bigger_dev_shm(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from pytest_httpserver import HTTPServer
 
-from orchestrator.errors import OpenlabError
+from orchestrator.errors import ConfigError, OpenlabError
 from orchestrator.launchers import (
     BackendUnavailable,
     ImageNotFound,
@@ -28,6 +28,7 @@ from orchestrator.launchers import (
     parse_memory,
 )
 from orchestrator.launchers.attempts import handle_from_attempt, run_job
+from orchestrator.launchers.base import flag_option, list_option, number_option, table_option, usage_python
 from orchestrator.launchers.local import group_members
 from orchestrator.lineage.models import Attempt, StageRun
 from orchestrator.lineage.store import LineageStore
@@ -80,6 +81,64 @@ def test_memory_parses_and_rejects() -> None:
 def test_handle_round_trips_through_a_dict() -> None:
     handle = JobHandle("slurm", "123", "/tmp/x.log", {"array": True})
     assert JobHandle.from_dict(json.loads(json.dumps(handle.to_dict()))) == handle
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(True, True), (False, False), ("false", False), ("Off", False), ("0", False), ("yes", True)]
+)
+def test_yes_no_options_read_text_as_well_as_booleans(value: object, expected: bool) -> None:
+    assert flag_option({"mount_workdir": value}, "mount_workdir", not expected) is expected
+
+
+def test_yes_no_and_number_options_refuse_anything_else() -> None:
+    """``"flase"`` is a non-empty string, true to Python: the opposite of what was meant."""
+    assert flag_option({}, "init", True) is True and number_option({}, "grace", 5) == 5
+    assert number_option({"grace": "2.5"}, "grace", 5) == 2.5
+    with pytest.raises(ConfigError, match=r"backend option mount_workdir = 'flase' is not yes or no"):
+        flag_option({"mount_workdir": "flase"}, "mount_workdir", True)
+    for bad in ("soon", -1, True, "nan"):
+        with pytest.raises(ConfigError, match=r"backend option grace = .* is not a number of zero or more"):
+            number_option({"grace": bad}, "grace", 5)
+    with pytest.raises(ConfigError, match="measure_usage = 'sometimes' is not yes or no"):
+        usage_python({"measure_usage": "sometimes"}, {"openlab.io/python": "python"})
+    assert usage_python({"measure_usage": "off"}, {"openlab.io/python": "python"}) is None
+    assert usage_python({"measure_usage": "auto"}, {"openlab.io/python": "/opt/py"}) == "/opt/py"
+
+
+def test_table_and_list_options_refuse_text_instead_of_misreading_it() -> None:
+    """A string where a list belongs was walked one character at a time: ``extra_args =
+    "--exclusive"`` became eleven ``#SBATCH`` lines of one character each."""
+    slurm = get_launcher("slurm")
+    spec = JobSpec(name="x", command=["true"], options={"extra_args": ["--exclusive"]})
+    assert "#SBATCH --exclusive\n" in slurm.batch_script(spec, "/tmp/x.log")
+    bad = JobSpec(name="x", command=["true"], options={"extra_args": "--exclusive"})
+    with pytest.raises(ConfigError, match=r"extra_args = '--exclusive' is not a list: give one, e.g. extra_args = \["):
+        slurm.batch_script(bad, "/tmp/x.log")
+    with pytest.raises(ConfigError, match="node_selector = 'gpu=a100' is not a table"):
+        table_option({"node_selector": "gpu=a100"}, "node_selector", '{gpu = "a100"}')
+    assert table_option({}, "mounts", "") == {} and list_option({}, "tolerations", "") == []
+
+
+def test_a_bad_option_value_is_one_line_before_anything_is_recorded(store: LineageStore) -> None:
+    proc = cli("job", "run", "--backend", "local", "-o", "grace=soon", "--", "true")
+    assert proc.returncode == 2, proc.stderr
+    assert "backend option grace = 'soon' is not a number" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert store.list(Attempt) == [], "a job refused for its options leaves no attempt"
+    with pytest.raises(ConfigError, match=r"^\[backends.docker\] backend option pull = 'maybe' is not yes or no"):
+        get_launcher("docker", pull="maybe")  # a setting in openlab.toml: refused when the launcher is made
+    proc = cli("job", "run", "--backend", "local", "-q", "-o", "grace=0.5", "--", "true")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_measuring_usage_is_refused_with_an_engine_elsewhere(tmp_path: Path) -> None:
+    """The wrapper lives in a folder on this host, which a remote engine would mount empty: the job
+    would fail to start. "auto" just does not measure there."""
+    launcher = get_launcher("docker", base_url="tcp://gpu-box:2376", measure_usage=True)
+    image = type("Image", (), {"labels": {"openlab.io/python": "python"}})()
+    with pytest.raises(ConfigError, match="measure_usage = true needs a Docker engine on this host, not tcp://gpu-box"):
+        launcher._usage_python(image, {**launcher.config})
+    assert get_launcher("docker", base_url="tcp://gpu-box:2376")._usage_python(image, {}) is None
 
 
 # -- unknown backend, docker faults ---------------------------------------------------------------

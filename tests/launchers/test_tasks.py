@@ -362,9 +362,21 @@ def test_backends_refuse_what_they_cannot_run_before_recording_anything(
     assert store.list(Attempt) == [], "a job that cannot run as asked leaves no attempt"
 
 
-@pytest.mark.parametrize("bad", [{"nodes": 0}, {"tasks_per_node": -1}, {"nodes": 1.5}, {"tasks_per_node": True}])
-def test_task_counts_are_whole_numbers(bad: dict) -> None:
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ({"nodes": 0}, "nodes must be a whole number of at least 1"),
+        ({"tasks_per_node": -1}, "tasks per node must be a whole number of at least 1"),
+        ({"nodes": 1.5}, "nodes must be a whole number of at least 1"),
+        ({"tasks_per_node": True}, "tasks per node must be a whole number of at least 1"),
+        ({"cpus": -1}, "cpus must be a positive number, got -1"),  # was accepted and ran as if unset
+        ({"cpus": 0}, "cpus must be a positive number"),
+        ({"gpus": -1}, "gpus must be a whole number of 0 or more"),
+        ({"gpus": 0.5}, "gpus must be a whole number of 0 or more"),
+    ],
+)
+def test_task_counts_and_resources_are_checked(bad: dict, message: str) -> None:
     from orchestrator.errors import OpenlabError
 
-    with pytest.raises(OpenlabError, match="must be a whole number of at least 1"):
+    with pytest.raises(OpenlabError, match=message):
         JobSpec(name="x", command=["true"], **bad)
