@@ -7,6 +7,7 @@ import math
 from typing import Annotated, Any
 
 import typer
+from rich import box
 from rich.markup import escape
 from rich.table import Table
 
@@ -419,25 +420,38 @@ def usage_cmd(
     if not report.groups:
         console.print("no jobs match", markup=False)
         return
-    table = Table(title=f"job usage by {by}")
-    table.add_column(by, overflow="fold")
-    for header in ("jobs", "by state", "wall h", "CPU-h", "GPU-h", "lost h", "CPU-h used", "peak mem"):
-        table.add_column(header, justify="right" if header != "by state" else "left")
-    for g in [*report.groups, report.total]:
-        states = " ".join(f"{n} {s.lower()}" for s, n in sorted(g.by_state.items()))
-        table.add_row(
+    rows = [
+        [
             escape(g.group),
             str(g.attempts),
-            states,
+            " ".join(f"{n} {s.lower()}" for s, n in sorted(g.by_state.items())),
             _hours(g.wall_hours),
             _hours(g.cpu_hours),
             _hours(g.gpu_hours),
             _hours(g.lost_hours),
             _used(g),
             f"{g.peak_rss_bytes / 2**30:.2f} GiB" if g.peak_rss_bytes is not None else "-",
-            style="bold" if g is report.total else None,
-            end_section=g is report.groups[-1],
-        )
+        ]
+        for g in [*report.groups, report.total]
+    ]
+    # A narrow terminal squeezes the words, never the numbers: a number cut to "0.000…" says nothing.
+    # No column rules, and below 100 characters no padding beside them, so nine columns fit in 80.
+    table = Table(
+        title=f"job usage by {by}",
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1 if console.width >= 100 else 0),
+        show_edge=False,
+        pad_edge=False,
+    )
+    table.add_column(by, overflow="fold", min_width=min(12, max(len(r[0]) for r in rows)))
+    for i, header in enumerate(("jobs", "by state", "wall h", "CPU-h", "GPU-h", "lost h", "CPU-h used", "peak mem"), 1):
+        if header == "by state":  # whole words: "1 completed", not "complete" and "d"
+            table.add_column(header, overflow="fold", min_width=max(len(w) for r in rows for w in r[i].split()))
+        else:
+            widest = max(len(word) for r in rows for word in r[i].split())
+            table.add_column(header, justify="right", overflow="fold", min_width=widest)
+    for g, row in zip([*report.groups, report.total], rows, strict=True):
+        table.add_row(*row, style="bold" if g is report.total else None, end_section=g is report.groups[-1])
     console.print(table)
 
 
