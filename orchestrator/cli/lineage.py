@@ -96,9 +96,18 @@ def list_cmd(
     if not rows:
         console.print("no records match", markup=False)
         return
-    table = Table(title=f"lineage ({store.url.split('://')[0]})", show_lines=False)
-    for header in ("kind", "id", "when", "summary"):
-        table.add_column(header, overflow="fold")
+    # ids are what a reader copies into `lineage show`: whole, on one line; the summary wraps instead
+    table = Table(
+        title=f"lineage ({store.url.split('://')[0]})",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        padding=(0, 1 if console.width >= 100 else 0),
+    )
+    table.add_column("kind", no_wrap=True)
+    table.add_column("id", no_wrap=True, min_width=max(len(r.id) for r in rows))
+    table.add_column("when", no_wrap=True, min_width=19)
+    table.add_column("summary", overflow="fold")
     for r in rows:
         field = time_field(type(r))
         when = getattr(r, field) if field else None

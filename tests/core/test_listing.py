@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import re
 
 import pytest
 
@@ -174,9 +175,12 @@ def test_the_command_answers_which_pretrain_jobs_failed_this_week(run_cli, openl
         ("attempt", h["retry1"]),
         ("attempt", h["retry2"]),
     }
-    table = run_cli("lineage", "list", "--state", "FAILED", "-n", "2")
+    table = run_cli("lineage", "list", "--state", "FAILED", "-n", "2", env={"COLUMNS": "80"})
     assert table.returncode == 0, table.stderr
     assert "2 of 7 matching records shown" in table.stdout, table.stdout
+    # ids are copied from here into `lineage show`: each whole on its line, even 80 columns wide
+    whole = re.findall(r"\b(?:prun|srun|att)_[0-9a-f]{20}\b", table.stdout)
+    assert len(whole) == 2 and set(whole) <= set(h.values()), table.stdout
     none = run_cli("lineage", "list", "--recipe", "nope")
     assert none.returncode == 0 and none.stdout.strip() == "no records match", none.stdout
     for args, needle in (
