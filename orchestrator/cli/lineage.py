@@ -7,11 +7,9 @@ import math
 from typing import Annotated, Any
 
 import typer
-from rich import box
 from rich.markup import escape
-from rich.table import Table
 
-from orchestrator.cli.output import console, describe_task, print_json
+from orchestrator.cli.output import compact_table, console, describe_task, print_json
 from orchestrator.errors import ConfigError, NotFoundError, OpenlabError
 from orchestrator.lineage.trace import describe
 
@@ -97,13 +95,7 @@ def list_cmd(
         console.print("no records match", markup=False)
         return
     # ids are what a reader copies into `lineage show`: whole, on one line; the summary wraps instead
-    table = Table(
-        title=f"lineage ({store.url.split('://')[0]})",
-        box=box.SIMPLE_HEAD,
-        show_edge=False,
-        pad_edge=False,
-        padding=(0, 1 if console.width >= 100 else 0),
-    )
+    table = compact_table(f"lineage ({store.url.split('://')[0]})", title_justify="center")
     table.add_column("kind", no_wrap=True)
     table.add_column("id", no_wrap=True, min_width=max(len(r.id) for r in rows))
     table.add_column("when", no_wrap=True, min_width=19)
@@ -444,14 +436,7 @@ def usage_cmd(
         for g in [*report.groups, report.total]
     ]
     # A narrow terminal squeezes the words, never the numbers: a number cut to "0.000…" says nothing.
-    # No column rules, and below 100 characters no padding beside them, so nine columns fit in 80.
-    table = Table(
-        title=f"job usage by {by}",
-        box=box.SIMPLE_HEAD,
-        padding=(0, 1 if console.width >= 100 else 0),
-        show_edge=False,
-        pad_edge=False,
-    )
+    table = compact_table(f"job usage by {by}", title_justify="center")
     table.add_column(by, overflow="fold", min_width=min(12, max(len(r[0]) for r in rows)))
     for i, header in enumerate(("jobs", "by state", "wall h", "CPU-h", "GPU-h", "lost h", "CPU-h used", "peak mem"), 1):
         if header == "by state":  # whole words: "1 completed", not "complete" and "d"

@@ -9,6 +9,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+from rich.table import Table
 
 console = Console()
 err_console = Console(stderr=True)
@@ -26,6 +27,24 @@ def print_error(message: object) -> None:
     from rich.markup import escape
 
     err_console.print(f"[bold red]error:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
+
+
+def compact_table(title: str, **options: Any) -> Table:
+    """A table for many columns: a rule under the header and none between columns, with the
+    padding beside them dropped below 100 characters, so it fits an 80-column terminal or a pipe
+    (which rich takes as 80) before anything has to wrap. Callers keep what is copied or compared
+    (ids, numbers) on one line with ``no_wrap`` or a ``min_width``, and let prose wrap."""
+    from rich import box
+
+    options.setdefault("title_justify", "left")
+    return Table(
+        title=title,
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        pad_edge=False,
+        padding=(0, 1 if console.width >= 100 else 0),
+        **options,
+    )
 
 
 def describe_task(end: Mapping[str, Any]) -> str:
