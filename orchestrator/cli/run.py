@@ -230,13 +230,16 @@ def explain(
     if json_out:
         print_json({"recipe": resolved.lineage(), "stages": [p.to_dict() for p in plans]})
         return
+    colours = {"reuse": "green", "run": "bold blue", "wait": "yellow", "depends": "cyan"}
+    if console.width < 110:  # six columns of prose do not fit: one block per stage instead
+        _explain_blocks(resolved, plans, colours)
+        return
     table = Table(title=f"openlab explain {resolved.name}", title_justify="left")
     columns = ["stage", "action", "identity", "why", "changed fields"]
     if resolved.resources:  # what each job would ask its backend for, when the recipe says
         columns.append("job asks")
     for column in columns:
         table.add_column(column, overflow="fold")
-    colours = {"reuse": "green", "run": "bold blue", "wait": "yellow", "depends": "cyan"}
     for p in plans:
         table.add_row(
             p.stage,
@@ -247,6 +250,31 @@ def explain(
             *([_asks(resolved.resources.get(p.stage) or {})] if resolved.resources else []),
         )
     console.print(table)
+
+
+def _explain_blocks(resolved: Any, plans: list[Any], colours: dict[str, str]) -> None:
+    """``explain`` for a narrow terminal: per stage a line with its action, identity and what its
+    job asks, then why, then each changed field on its own line. Wrapped by word, so ids stay
+    whole (they are what a reader copies into ``lineage show``)."""
+    from rich.padding import Padding
+    from rich.text import Text
+
+    console.print(Text(f"openlab explain {resolved.name}", style="italic"))
+    for p in plans:
+        line = Text.assemble(
+            (f"{p.stage:<10}", "bold"),
+            (f"{p.action:<8}", colours.get(p.action, "")),
+            (p.identity or "(after upstream)")[:16],
+        )
+        if resolved.resources:
+            line.append(f"  asks {_asks(resolved.resources.get(p.stage) or {})}")
+        console.print(line)
+        reason = p.reason
+        if p.changes and reason.startswith("changed since "):  # the list below says what, in full
+            reason = reason.split(": ", 1)[0] + ":"
+        console.print(Padding(Text(reason), (0, 0, 0, 4)))
+        for change in p.changes:
+            console.print(Padding(Text(f"- {change}"), (0, 0, 0, 4)))
 
 
 def _asks(resources: dict[str, object]) -> str:

@@ -188,3 +188,22 @@ def test_run_at_a_terminal_shows_live_progress_and_the_summary(run_cli_tty) -> N
     assert "Traceback" not in out
     assert "pipeline run prun_" in out and "COMPLETED" in out  # the summary table
     assert "tokenize" in out and "lineage: openlab lineage show prun_" in out
+
+
+def test_explain_in_a_narrow_terminal_gives_each_stage_a_block_with_its_identity_whole(
+    run_cli, openlab_home: Path
+) -> None:
+    """Six columns of prose cut identities and run ids in two at 80 characters (or in a pipe, which
+    rich takes as 80): there each stage gets a block, with what changed one field per line."""
+    planned = json.loads(run_cli("explain", "marin-535b-a23b", "--replica", "tiny", "--json").stdout)["stages"]
+    out = run_cli("explain", "marin-535b-a23b", "--replica", "tiny", env={"COLUMNS": "80"})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, out.stdout
+    for plan in planned:  # a header line per stage: name, action, the identity's first 16 digits whole
+        header = next(line for line in lines if line.startswith(plan["stage"] + " "))
+        assert plan["action"] in header and (plan["identity"] or "(after upstream)")[:16] in header, header
+        assert "asks cpus=" in header, header  # the tiny replica says what each job asks for
+    assert "no earlier completed run of this stage" in out.stdout
+    wide = run_cli("explain", "marin-535b-a23b", "--replica", "tiny", env={"COLUMNS": "160"})
+    assert "changed fields" in wide.stdout, "a wide terminal keeps the table"
