@@ -123,6 +123,27 @@ def _summary_table(result: Any) -> Table:
     return table
 
 
+def _summary_blocks(result: Any) -> None:
+    """The run's summary for a narrow terminal: per stage a line with its state, stage run id and
+    seconds, then its identity and what it reused or which job ran it, then why; ids whole."""
+    from rich.padding import Padding
+    from rich.text import Text
+
+    console.print(Text(f"pipeline run {result.pipeline_run.id}: {result.state}", style="italic"))
+    for r in result.results.values():
+        console.print(
+            Text.assemble(
+                (f"{r.stage:<10}", "bold"),
+                (f"{r.state:<10}", _STYLE.get(r.state, "")),
+                f"{r.stage_run_id}  {r.seconds:.2f} s",
+            )
+        )
+        source = f"reused from {r.reused_from}" if r.reused_from else (f"job {r.job_id}" if r.job_id else "")
+        console.print(Padding(Text(f"identity {r.identity[:16]}" + (f" · {source}" if source else "")), (0, 0, 0, 4)))
+        if r.reason:
+            console.print(Padding(Text(r.reason), (0, 0, 0, 4)))
+
+
 @app.command("run")
 def run(
     recipe: RecipeArg,
@@ -192,7 +213,10 @@ def run(
         data["preregistration"] = result.pipeline_run.preregistration
         print_json(data)
     else:
-        console.print(_summary_table(result))
+        if console.width < 110:  # seven columns of ids and prose do not fit: one block per stage
+            _summary_blocks(result)
+        else:
+            console.print(_summary_table(result))
         console.print(
             f"commit {ctx.commit.id} · environment {ctx.environment.id[:16]} · "
             f"recipe {resolved.name} · backend {options.backend}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -181,13 +182,24 @@ def test_a_bad_retry_setting_stops_a_run_before_anything_is_recorded(run_cli, op
     assert negative.returncode == 2 and "Traceback" not in negative.stderr
 
 
-def test_run_at_a_terminal_shows_live_progress_and_the_summary(run_cli_tty) -> None:
+def test_run_at_a_terminal_shows_live_progress_and_the_summary(run_cli_tty, run_cli) -> None:
     """The display only a terminal gets (rich progress bars) must work: it is what people see first."""
     code, out = run_cli_tty("run", "marin-535b-a23b", "--replica", "drops-tiny", "--until", "tokenize")
     assert code == 0, out[-3000:]
     assert "Traceback" not in out
     assert "pipeline run prun_" in out and "COMPLETED" in out  # the summary table
     assert "tokenize" in out and "lineage: openlab lineage show prun_" in out
+
+    # 80 columns, or a pipe: a block per stage, its run ids whole (they are copied into lineage show)
+    again = run_cli("run", "marin-535b-a23b", "--replica", "drops-tiny", "--until", "tokenize", env={"COLUMNS": "80"})
+    assert again.returncode == 0, again.stderr
+    lines = again.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, again.stdout
+    header = next(line for line in lines if line.startswith("tokenize "))
+    assert "REUSED" in header and re.search(r"srun_[0-9a-f]{20}  \d+\.\d\d s$", header), header
+    assert any(re.search(r"^    identity [0-9a-f]{16} · reused from srun_[0-9a-f]{20}\s*$", line) for line in lines), (
+        lines
+    )
 
 
 def test_explain_in_a_narrow_terminal_gives_each_stage_a_block_with_its_identity_whole(
