@@ -95,9 +95,10 @@ def list_cmd(
         console.print("no records match", markup=False)
         return
     # ids are what a reader copies into `lineage show`: whole, on one line; the summary wraps instead
-    table = compact_table(f"lineage ({store.url.split('://')[0]})", title_justify="center")
+    table = compact_table(f"lineage ({store.url.split('://')[0]})")
     table.add_column("kind", no_wrap=True)
-    table.add_column("id", no_wrap=True, min_width=max(len(r.id) for r in rows))
+    # run, stage run and attempt ids (up to 25 characters) whole; a 40-digit commit sha may fold
+    table.add_column("id", overflow="fold", min_width=min(26, max(len(r.id) for r in rows)))
     table.add_column("when", no_wrap=True, min_width=19)
     table.add_column("summary", overflow="fold")
     for r in rows:
@@ -436,14 +437,13 @@ def usage_cmd(
         for g in [*report.groups, report.total]
     ]
     # A narrow terminal squeezes the words, never the numbers: a number cut to "0.000…" says nothing.
-    table = compact_table(f"job usage by {by}", title_justify="center")
+    # Each column at least as wide as its widest word ("completed", not "complete" and "d").
+    table = compact_table(f"job usage by {by}")
     table.add_column(by, overflow="fold", min_width=min(12, max(len(r[0]) for r in rows)))
     for i, header in enumerate(("jobs", "by state", "wall h", "CPU-h", "GPU-h", "lost h", "CPU-h used", "peak mem"), 1):
-        if header == "by state":  # whole words: "1 completed", not "complete" and "d"
-            table.add_column(header, overflow="fold", min_width=max(len(w) for r in rows for w in r[i].split()))
-        else:
-            widest = max(len(word) for r in rows for word in r[i].split())
-            table.add_column(header, justify="right", overflow="fold", min_width=widest)
+        widest = max(len(word) for r in rows for word in r[i].split())
+        justify = "left" if header == "by state" else "right"
+        table.add_column(header, justify=justify, overflow="fold", min_width=widest)
     for g, row in zip([*report.groups, report.total], rows, strict=True):
         table.add_row(*row, style="bold" if g is report.total else None, end_section=g is report.groups[-1])
     console.print(table)

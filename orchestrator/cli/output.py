@@ -29,22 +29,25 @@ def print_error(message: object) -> None:
     err_console.print(f"[bold red]error:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
 
 
-def compact_table(title: str, **options: Any) -> Table:
-    """A table for many columns: a rule under the header and none between columns, with the
-    padding beside them dropped below 100 characters, so it fits an 80-column terminal or a pipe
-    (which rich takes as 80) before anything has to wrap. Callers keep what is copied or compared
-    (ids, numbers) on one line with ``no_wrap`` or a ``min_width``, and let prose wrap."""
+#: Below this many columns (an 80-column terminal, or a pipe, which rich takes as 80) tables with
+#: several columns of ids and prose cut the ids in two: the commands print tighter tables or one
+#: block per row instead.
+NARROW_BELOW = 110
+
+
+def narrow() -> bool:
+    """Whether stdout is narrower than :data:`NARROW_BELOW` columns."""
+    return console.width < NARROW_BELOW
+
+
+def compact_table(title: str) -> Table:
+    """A table for many columns: a rule under the header and none between columns, and no
+    padding beside them when :func:`narrow`, so it fits 80 columns before anything has to wrap.
+    Callers keep what is copied or compared (ids, numbers) on one line with ``no_wrap`` or a
+    ``min_width``, and let prose wrap."""
     from rich import box
 
-    options.setdefault("title_justify", "left")
-    return Table(
-        title=title,
-        box=box.SIMPLE_HEAD,
-        show_edge=False,
-        pad_edge=False,
-        padding=(0, 1 if console.width >= 100 else 0),
-        **options,
-    )
+    return Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0 if narrow() else 1))
 
 
 def describe_task(end: Mapping[str, Any]) -> str:

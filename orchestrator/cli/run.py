@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
-from orchestrator.cli.output import console, err_console, print_json
+from orchestrator.cli.output import console, err_console, narrow, print_json
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -213,7 +213,7 @@ def run(
         data["preregistration"] = result.pipeline_run.preregistration
         print_json(data)
     else:
-        if console.width < 110:  # seven columns of ids and prose do not fit: one block per stage
+        if narrow():  # seven columns of ids and prose do not fit: one block per stage
             _summary_blocks(result)
         else:
             console.print(_summary_table(result))
@@ -255,7 +255,7 @@ def explain(
         print_json({"recipe": resolved.lineage(), "stages": [p.to_dict() for p in plans]})
         return
     colours = {"reuse": "green", "run": "bold blue", "wait": "yellow", "depends": "cyan"}
-    if console.width < 110:  # six columns of prose do not fit: one block per stage instead
+    if narrow():  # six columns of prose do not fit: one block per stage instead
         _explain_blocks(resolved, plans, colours)
         return
     table = Table(title=f"openlab explain {resolved.name}", title_justify="left")
