@@ -137,6 +137,10 @@ def runner_env(server: PrefectServer, home: Path) -> dict[str, str]:
     env.pop("OPENLAB_DB_URL", None)
     for secret in ("GITHUB_TOKEN", "WANDB_API_KEY"):  # served test flows never reach the real services
         env.pop(secret, None)
+    # ...but a test may point [github] at the local fake with `token_env = "OPENLAB_TEST_GITHUB_TOKEN"`
+    from tests.links.links_fakes import TOKEN
+
+    env["OPENLAB_TEST_GITHUB_TOKEN"] = TOKEN
     try:  # the runner starts before any test calls require_slurm(): hand it the test cluster's config now
         from tests.services import setting
 

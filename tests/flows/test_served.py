@@ -7,10 +7,12 @@ import time
 from typing import Any
 
 import pytest
+from pytest_httpserver import HTTPServer
 
 from orchestrator.lineage import Attempt, Commit, LineageStore, PipelineRun, StageRun
 from orchestrator.lineage.models import GithubUpdate
 from tests.flows.conftest import Served, openlab_events, require_service, wait_flow_run
+from tests.links.links_fakes import TOKEN, FakeGitHub
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 
@@ -126,7 +128,7 @@ def _plant_better_nightly(store: LineageStore, loss_factor: float) -> PipelineRu
     return run
 
 
-def test_nightly_flow_fails_on_planted_regression_and_records_verdict(served: Served) -> None:
+def test_nightly_flow_fails_on_planted_regression_and_records_verdict(served: Served, httpserver: HTTPServer) -> None:
     """The nightly deployment fails naming metric, values and commits when the last good nightly was better."""
     with LineageStore(served.db_url) as store:
         if not store.list(StageRun, stage="eval", state="COMPLETED"):
@@ -166,6 +168,33 @@ def test_nightly_flow_fails_on_planted_regression_and_records_verdict(served: Se
         (run,) = store.list(PipelineRun, flow_run_id=str(good.id))
         assert run.verdict["status"] == "passed"
     assert "openlab.nightly.passed" in openlab_events(good.id, {"openlab.nightly.passed"})
+
+    # With a token the runner reports at once: the regression issue is opened on GitHub (the local
+    # fake) and its address is in the event an Automation's message links to.
+    fake = FakeGitHub(httpserver)
+    with LineageStore(served.db_url) as store:
+        with store.transaction() as tx:
+            tx.update(store.require(PipelineRun, run.id), verdict={"status": "regressed"})
+        _plant_better_nightly(store, 0.5)
+    config.write_text(
+        defaults
+        + f'\n[github]\nrepo = "lab/nightly"\nbase_url = "{fake.api}"\ntoken_env = "OPENLAB_TEST_GITHUB_TOKEN"\n'
+        "seconds_between_requests = 0\nseconds_between_writes = 0\nmax_wait_s = 5\n"
+    )
+    try:
+        reported = wait_flow_run(start_run("nightly-replica/nightly", params), 240)
+    finally:
+        config.write_text(defaults)
+    assert reported.state.is_failed(), reported.state.message
+    (issue,) = fake.issues_in("lab/nightly")
+    assert issue["title"].startswith("Nightly regression: marin-535b-a23b/tiny: "), issue["title"]
+    assert "openlab:regression" in [label["name"] for label in issue["labels"]] and TOKEN not in issue["body"]
+    regressed = openlab_events(reported.id, {"openlab.nightly.regressed"})["openlab.nightly.regressed"]
+    assert regressed.payload["regression_issue"] == f"{fake.web}/lab/nightly/issues/1", regressed.payload
+    with LineageStore(served.db_url) as store:
+        (run,) = store.list(PipelineRun, flow_run_id=str(reported.id))
+        assert not store.list(GithubUpdate, action="regression", pipeline_run_id=run.id, state="pending")
+    assert TOKEN not in served.log(), "the token never reaches the runner's log"
 
 
 def _job_alive(served: Served, backend: str, job_id: str) -> bool:
