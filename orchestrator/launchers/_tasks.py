@@ -9,8 +9,10 @@ others are stopped (SIGTERM, SIGKILL after a grace period) and this exits with t
 that failed first, saying which; SIGTERM and SIGUSR1 sent to this process are passed to every task
 (a container's stop reaches only its first process, and so does a local cancel or time limit:
 the local supervisor signals this process, not its group, so each task is told once). It sits
-between the supervisor and the job, so it imports nothing beyond what ``orchestrator.launchers``
-already loads.
+between the supervisor and the job, so it imports nothing but the standard library: the Docker
+launcher mounts its own copy of this file into the container and runs it as a script, so a
+multi-task job runs in any image with a Python 3.8 or later, openlab installed or not, and never
+under a stale copy baked into an old image.
 
 On one machine (``--nodes`` 1) the tasks meet on 127.0.0.1 at a free port. With ``--nodes M`` this
 runs one node's share (a pod of a Kubernetes indexed Job): its node rank is ``$NODE_RANK``, else the
@@ -29,25 +31,33 @@ import sys
 import threading
 import time
 
-from orchestrator.prefect_server import free_port
-
 GRACE_S = 10.0
 
 
 USAGE = "usage: python -m orchestrator.launchers._tasks N [--nodes M] -- CMD...\n"
 
 
-def command(python: str, tasks: int, job: list[str], nodes: int = 1) -> list[str]:
+def command(python: str, tasks: int, job: list[str], nodes: int = 1, *, script: str | None = None) -> list[str]:
     """The command that runs ``job`` as ``tasks`` tasks (of each of ``nodes`` nodes) under this
-    module, with interpreter ``python`` (the host's for local jobs, the image's in a container or pod)."""
+    module, with interpreter ``python`` (the host's for local jobs, the image's in a container or pod);
+    with ``script``, a copy of this file at that path, run in isolated mode (it needs only the stdlib)."""
     across = ["--nodes", str(nodes)] if nodes > 1 else []
-    return [python, "-m", "orchestrator.launchers._tasks", str(tasks), *across, "--", *job]
+    runner = ["-I", "-S", script] if script else ["-m", "orchestrator.launchers._tasks"]
+    return [python, *runner, str(tasks), *across, "--", *job]
+
+
+def _free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on right now. (``orchestrator.prefect_server`` has
+    the same for the server; this file imports nothing of openlab, see the module docstring.)"""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _placement(nodes: int) -> tuple[int, str, str] | str:
     """(node rank, master address, master port) of this node, or what is missing."""
     if nodes == 1:
-        return 0, "127.0.0.1", str(free_port())
+        return 0, "127.0.0.1", str(_free_port())
     raw = os.environ.get("NODE_RANK") or os.environ.get("JOB_COMPLETION_INDEX")
     if raw is None or not raw.isdigit() or int(raw) >= nodes:
         return f"{nodes} nodes need this node's rank below {nodes} in $NODE_RANK or $JOB_COMPLETION_INDEX"

@@ -26,11 +26,15 @@
 - What a job used (CPU seconds, peak resident memory) is measured inside the container by
   ``launchers/_usage.py``, the parent of the job's command, because the container's cgroup
   and its counters are gone once it exits. The launcher copies that script into a per-job
-  folder under ``$OPENLAB_HOME/jobs/docker/usage/`` and mounts it at ``/.openlab``; so it
+  folder under ``$OPENLAB_HOME/jobs/docker/mounted/`` and mounts it at ``/.openlab``; so it
   needs a Python in the image and an engine on this host. ``measure_usage = "auto"`` (the
   default) does it for images that name their interpreter in the ``openlab.io/python``
   label (the repo's Dockerfile does) on a local engine; ``true`` uses ``python`` (default
   ``python``) in any image, and is refused with a remote engine; ``false`` never.
+- A job of several tasks runs them under this launcher's copy of ``launchers/_tasks.py``
+  (stdlib only), mounted the same way, so it runs in any image with a Python, openlab
+  installed or not, and never under a stale copy an old image holds; with an engine on
+  another host, under the image's own ``python -m orchestrator.launchers._tasks``.
 - Yes/no options (``mount_workdir``, ``time_limit_wrapper``, ``init``, ``pull``,
   ``measure_usage``) take booleans or ``true``/``false``-like text; anything else is refused
   before the job starts (:func:`~orchestrator.launchers.base.flag_option`).
@@ -88,7 +92,7 @@ TASK_ENDS_LABEL = "openlab.io/task-ends"
 #: Where the container's usage wrapper (launchers/_usage.py) leaves what the job used, on this host.
 USAGE_LABEL = "openlab.io/usage"
 #: Where the per-job usage folder is mounted in the container.
-USAGE_MOUNT = "/.openlab"
+MOUNT = "/.openlab"
 CANCEL_EXIT_CODES = (137, 143)
 
 
@@ -238,9 +242,14 @@ class DockerLauncher(Launcher):
         labels["openlab.io/job-name"] = spec.name
         command = list(spec.command)
         task_ends = None
+        mounted = None  # this launcher's helper scripts, mounted into the container at MOUNT
         if spec.tasks > 1:  # one process per task in the container, told its place (launchers/_tasks.py)
-            python = str(opts.get("python") or "python")  # the image's, which has openlab installed
-            command = tasks_command(python, spec.tasks, command)
+            python = str(opts.get("python") or "python")
+            if self._engine_is_local():  # this launcher's copy: any image with a Python, never a stale one
+                mounted = self._mounted(job_id, "_tasks.py", "tasks.py")
+                command = tasks_command(python, spec.tasks, command, script=f"{MOUNT}/tasks.py")
+            else:  # an engine elsewhere cannot mount a folder of this host: the image's copy of openlab
+                command = tasks_command(python, spec.tasks, command)
             if spec.artifact_root is not None:  # mounted at the same path: the ends are readable here
                 task_ends = str(Path(spec.artifact_root).resolve() / ".tasks" / f"{job_id}.ends")
                 labels[TASK_ENDS_LABEL] = task_ends
@@ -249,13 +258,13 @@ class DockerLauncher(Launcher):
             if flag_option(opts, "time_limit_wrapper", True):
                 grace = int(number_option(opts, "grace", 5))
                 command = ["timeout", "--foreground", "-k", str(grace), str(spec.time_limit), *command]
-        usage_dir, python = None, self._usage_python(image, opts)
+        python = self._usage_python(image, opts)
         if python is not None:  # the job runs under the usage wrapper, its parent in the container
             # Outside `timeout`, which signals its whole process group: inside it, the job would get
             # the time limit's SIGTERM from timeout and again from the wrapper passing it on.
-            usage_dir = self._usage_dir(job_id)
-            command = [python, "-I", "-S", f"{USAGE_MOUNT}/usage.py", f"{USAGE_MOUNT}/usage.json", "--", *command]
-            labels[USAGE_LABEL] = str(usage_dir / "usage.json")
+            mounted = self._mounted(job_id, "_usage.py", "usage.py")
+            command = [python, "-I", "-S", f"{MOUNT}/usage.py", f"{MOUNT}/usage.json", "--", *command]
+            labels[USAGE_LABEL] = str(mounted / "usage.json")
         env = {
             **{str(k): str(v) for k, v in spec.env.items()},
             **({"OPENLAB_TASK_ENDS": task_ends} if task_ends else {}),
@@ -274,8 +283,8 @@ class DockerLauncher(Launcher):
             # not whatever copy was baked into the image when it was last built.
             workdir = str(Path(spec.workdir).resolve())
             volumes.setdefault(workdir, {"bind": workdir, "mode": "ro"})
-        if usage_dir is not None:
-            volumes[str(usage_dir)] = {"bind": USAGE_MOUNT, "mode": "rw"}
+        if mounted is not None:
+            volumes[str(mounted)] = {"bind": MOUNT, "mode": "rw"}
         for host_path, target in table_option(opts, "mounts", MOUNTS_EXAMPLE).items():
             bind, _, mode = str(target).partition(":")
             volumes[str(host_path)] = {"bind": bind, "mode": mode or "rw"}
@@ -309,11 +318,11 @@ class DockerLauncher(Launcher):
         try:
             container = self.client.containers.run(image.id, command, **kwargs)
         except errors.ImageNotFound as exc:
-            self._forget_usage(job_id)
+            self._forget_mounted(job_id)
             raise ImageNotFound(f"docker: {_api_message(exc)}") from None
         except errors.APIError as exc:
             self._remove_quietly(job_id)
-            self._forget_usage(job_id)
+            self._forget_mounted(job_id)
             raise LauncherError(f"docker refused to run the job: {_api_message(exc)}") from None
         digest = self.image_digest(image)
         return JobHandle(
@@ -327,30 +336,36 @@ class DockerLauncher(Launcher):
         """The image's interpreter to run the usage wrapper with, or None to not measure (see the
         module docstring: ``measure_usage``). "auto" also needs an engine on this host, which
         sees the folder the wrapper is copied into."""
-        base_url = str(self.config.get("base_url") or os.environ.get("DOCKER_HOST") or "unix://")
         python = usage_python(opts, image.labels)
-        if python is None or base_url.startswith("unix://"):
+        if python is None or self._engine_is_local():
             return python
         if measure_usage_option(opts) is None:
             return None
         # the wrapper and its record live in a folder on this host, which a remote engine cannot mount
+        where = self.config.get("base_url") or os.environ.get("DOCKER_HOST")
         raise ConfigError(
-            f"measure_usage = true needs a Docker engine on this host, not {base_url}: set it to auto or false"
+            f"measure_usage = true needs a Docker engine on this host, not {where}: set it to auto or false"
         )
 
-    def _usage_dir(self, job_id: str) -> Path:
-        """A folder for one job's usage record, holding this launcher's copy of the wrapper.
+    def _engine_is_local(self) -> bool:
+        """Whether the engine runs on this host, so it can mount a folder of this host."""
+        base_url = str(self.config.get("base_url") or os.environ.get("DOCKER_HOST") or "unix://")
+        return base_url.startswith("unix://")
+
+    def _mounted(self, job_id: str, source: str, name: str) -> Path:
+        """The job's folder of this launcher's helper scripts (mounted at ``/.openlab``), with a
+        copy of ``launchers/<source>`` in it as ``name``; it also takes the usage record.
 
         World-writable, so a job run as another user (``user = ...``) can still write its record.
         """
-        folder = self.state_dir / "usage" / job_id
+        folder = self.state_dir / "mounted" / job_id
         folder.mkdir(parents=True, exist_ok=True)
         folder.chmod(0o777)
-        shutil.copyfile(Path(__file__).with_name("_usage.py"), folder / "usage.py")
+        shutil.copyfile(Path(__file__).with_name(source), folder / name)
         return folder
 
-    def _forget_usage(self, job_id: str) -> None:
-        shutil.rmtree(self.state_dir / "usage" / job_id, ignore_errors=True)
+    def _forget_mounted(self, job_id: str) -> None:
+        shutil.rmtree(self.state_dir / "mounted" / job_id, ignore_errors=True)
 
     @staticmethod
     def _read_usage(labels: dict[str, str]) -> dict[str, float] | None:
@@ -527,7 +542,7 @@ class DockerLauncher(Launcher):
             container.remove(force=True)
         except self._errors().NotFound:
             pass
-        self._forget_usage(handle.job_id)  # kept in the final status now
+        self._forget_mounted(handle.job_id)  # kept in the final status now
 
     def check(self) -> tuple[bool, str]:
         try:

@@ -34,7 +34,7 @@ def test_a_docker_job_records_its_peak_memory_and_cpu_time(store: LineageStore) 
 
     # the container is removed and its usage folder too; the final status still says what it used
     assert attempt.job_id is not None
-    assert not list((launcher.state_dir / "usage").glob("*")), "the per-job usage folder was left behind"
+    assert not list((launcher.state_dir / "mounted").glob("*")), "the per-job folder was left behind"
     assert launcher.status(JobHandle("docker", attempt.job_id)).usage == used
 
     # two tasks in one container: the wrapper waits for the task runner, which waits for both

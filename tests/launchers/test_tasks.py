@@ -191,6 +191,27 @@ def test_one_machine_tasks_find_each_other_and_a_failure_names_its_task(
     assert "task 1 of 2 on " in (attempt.reason or "") and "failed first (exit 3)" in (attempt.reason or "")
 
 
+@pytest.mark.docker
+def test_a_docker_job_of_several_tasks_runs_in_an_image_without_openlab(store: LineageStore) -> None:
+    """The launcher mounts its own copy of the task runner (stdlib only), so a lab's own image
+    (here the bare Python base image, which has no openlab) runs a job of two tasks; before, the
+    container ran `python -m orchestrator.launchers._tasks` and failed with no such module."""
+    from tests.services import docker_image
+
+    base = docker_image("base")
+    launcher = get_launcher("docker", image=base)
+    launcher.poll_interval = 0.2
+    lines: list[str] = []
+    tell = (
+        "import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], os.environ['MASTER_PORT'] != '')"
+    )
+    spec = JobSpec(name="two", command=["python", "-c", tell], image=base, tasks_per_node=2)
+    _, status = run_job(store, launcher, spec, on_log=lines.append, timeout=120)
+    assert status.state is JobState.SUCCEEDED, (status, lines)
+    assert sorted(line for line in lines if "rank" in line) == ["0: rank 0 of 2 True", "1: rank 1 of 2 True"], lines
+    assert not list((launcher.state_dir / "mounted").glob("*")), "the job's folder of helper scripts is removed"
+
+
 #: Each task counts the SIGTERMs it gets, says so, and ends a moment after the first (time for a second).
 COUNT_STOPS = """
 import os, signal, sys, time
