@@ -218,8 +218,8 @@ def status_cmd(
             parts.append(f"{used['cpu_seconds']:.1f} CPU-seconds")
         data["used"] = ", ".join(parts)
     for key, value in data.items():
-        if value is not None:
-            console.print(f"{key:>12}: {value}", highlight=False, markup=False)
+        if value is not None:  # not wrapped by rich: a digest or a path is copied whole
+            console.print(f"{key:>12}: {value}", highlight=False, markup=False, soft_wrap=True)
     if tasks:  # a job array: one line per task, so a failed shard is easy to spot
         console.print(f"{'tasks':>12}: {len(tasks)}", highlight=False)
         for task, task_status in sorted(tasks.items(), key=lambda kv: (len(kv[0]), kv[0])):

@@ -586,7 +586,9 @@ def test_cli_job_run_status_logs_cancel(store: LineageStore) -> None:
     status = json.loads(cli("job", "status", attempt.job_id, "--json").stdout)  # type: ignore[arg-type]
     assert status["state"] == "FAILED" and status["exit_code"] == 4 and status["attempt"] == attempt.id
     assert status["usage"]["cpu_seconds"] >= 0 and status["usage"]["max_rss_bytes"] > 0, status
-    assert "        used: peak memory " in cli("job", "status", attempt.job_id).stdout  # type: ignore[arg-type]
+    shown = cli("job", "status", attempt.job_id, env={"COLUMNS": "60"}).stdout  # type: ignore[arg-type]
+    assert "        used: peak memory " in shown
+    assert f"    log_path: {attempt.log_path}\n" in shown, "a path is copied whole, not wrapped at the width"
     assert cli("job", "logs", attempt.id).stdout == "hi bar\n"
 
     runner = subprocess.Popen(
