@@ -68,24 +68,28 @@ def main() -> int:
     result = state.result(raise_on_failure=False) if state.is_completed() else None
     pipeline_run_id = (result or {}).get("pipeline_run_id") if isinstance(result, dict) else None
     console.rule("where to look")
-    console.print(f"Prefect UI            {server.ui_url}  (flow runs, stage logs, progress bars, lineage cards)")
+
+    def where(label: str, text: str) -> None:  # one line each, never wrapped: the commands are copied whole
+        console.print(f"{label:<22}{text}", soft_wrap=True, highlight=False)
+
+    where("Prefect UI", f"{server.ui_url}  (flow runs, stage logs, progress bars, lineage cards)")
     if pipeline_run_id:
-        console.print(f"this run's lineage    openlab lineage show {pipeline_run_id}")
-        console.print(f"everything it made    openlab lineage trace {pipeline_run_id} --down  (an output id: up)")
-    console.print("all runs              openlab lineage list")
-    console.print("prove nothing changed openlab lineage verify")
+        where("this run's lineage", f"openlab lineage show {pipeline_run_id}")
+        where("everything it made", f"openlab lineage trace {pipeline_run_id} --down  (an output id: up)")
+    where("all runs", "openlab lineage list")
+    where("prove nothing changed", "openlab lineage verify")
     anchor = anchor_of(store, pipeline_run_id) if pipeline_run_id else None
     if anchor is not None:  # what its card publishes; with an experiment issue, on GitHub too
-        console.print(f"not rewritten since   openlab lineage verify --anchor {anchor}", highlight=False)
-    console.print("what would re-run     openlab explain marin-535b-a23b --replica tiny")
+        where("not rewritten since", f"openlab lineage verify --anchor {anchor}")
+    where("what would re-run", "openlab explain marin-535b-a23b --replica tiny")
     if pipeline_run_id:
-        console.print(f"export (Marquez/PROV) openlab lineage export {pipeline_run_id} --format openlineage")
-    console.print(f"lineage store         {store.url}")
+        where("export (Marquez/PROV)", f"openlab lineage export {pipeline_run_id} --format openlineage")
+    where("lineage store", str(store.url))
     if shutil.which("openlab") is None:
         console.print("`openlab` is .venv/bin/openlab: `source .venv/bin/activate` puts it on PATH", highlight=False)
     if started:
         pid = server.process.pid  # type: ignore[union-attr]
-        console.print(f"stop the Prefect server with: kill {pid}  (trigger runs from the UI: openlab server)")
+        where("stop the server", f"kill {pid}  (trigger runs from the UI: openlab server)")
     if not state.is_completed():
         console.print(f"[bold red]the pipeline ended {state.type.value}: {state.message}[/]")
         return 1
