@@ -119,6 +119,17 @@ def _api_message(exc: Exception) -> str:
     return str(exc)
 
 
+def _engine_url(opts: Mapping[str, Any]) -> str:
+    """The engine's address: ``base_url`` (in [backends.docker]), else ``$DOCKER_HOST``, else the
+    local socket."""
+    return str(opts.get("base_url") or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock")
+
+
+def _engine_is_local(opts: Mapping[str, Any]) -> bool:
+    """Whether the engine runs on this host, so it can mount a folder of this host."""
+    return _engine_url(opts).startswith("unix://")
+
+
 class DockerLauncher(Launcher):
     """Runs jobs as Docker containers (see the module docstring)."""
 
@@ -143,7 +154,7 @@ class DockerLauncher(Launcher):
             from docker.errors import DockerException
 
             base_url = self.config.get("base_url") or os.environ.get("DOCKER_HOST")
-            where = base_url or "unix:///var/run/docker.sock"
+            where = _engine_url(self.config)
             timeout = int(number_option(self.config, "timeout", 60))
             try:
                 if base_url:
@@ -181,7 +192,12 @@ class DockerLauncher(Launcher):
         for name, number in (("grace", 5), ("pids_limit", 4096), ("timeout", 60)):
             number_option(opts, name, number)
         table_option(opts, "mounts", MOUNTS_EXAMPLE)
-        measure_usage_option(opts)
+        if measure_usage_option(opts) and not _engine_is_local(opts):
+            # the wrapper and its record live in a folder on this host, which a remote engine cannot mount
+            raise ConfigError(
+                f"measure_usage = true needs a Docker engine on this host, not {_engine_url(opts)}: "
+                "set it to auto or false"
+            )
 
     def image_name(self, spec: JobSpec) -> str | None:
         return spec.image or self.config.get("image") or DEFAULT_IMAGE
@@ -245,7 +261,7 @@ class DockerLauncher(Launcher):
         mounted = None  # this launcher's helper scripts, mounted into the container at MOUNT
         if spec.tasks > 1:  # one process per task in the container, told its place (launchers/_tasks.py)
             python = str(opts.get("python") or "python")
-            if self._engine_is_local():  # this launcher's copy: any image with a Python, never a stale one
+            if _engine_is_local(opts):  # this launcher's copy: any image with a Python, never a stale one
                 mounted = self._mounted(job_id, "_tasks.py", "tasks.py")
                 command = tasks_command(python, spec.tasks, command, script=f"{MOUNT}/tasks.py")
             else:  # an engine elsewhere cannot mount a folder of this host: the image's copy of openlab
@@ -334,23 +350,10 @@ class DockerLauncher(Launcher):
 
     def _usage_python(self, image: Any, opts: dict[str, Any]) -> str | None:
         """The image's interpreter to run the usage wrapper with, or None to not measure (see the
-        module docstring: ``measure_usage``). "auto" also needs an engine on this host, which
-        sees the folder the wrapper is copied into."""
-        python = usage_python(opts, image.labels)
-        if python is None or self._engine_is_local():
-            return python
-        if measure_usage_option(opts) is None:
-            return None
-        # the wrapper and its record live in a folder on this host, which a remote engine cannot mount
-        where = self.config.get("base_url") or os.environ.get("DOCKER_HOST")
-        raise ConfigError(
-            f"measure_usage = true needs a Docker engine on this host, not {where}: set it to auto or false"
-        )
-
-    def _engine_is_local(self) -> bool:
-        """Whether the engine runs on this host, so it can mount a folder of this host."""
-        base_url = str(self.config.get("base_url") or os.environ.get("DOCKER_HOST") or "unix://")
-        return base_url.startswith("unix://")
+        module docstring: ``measure_usage``). It needs an engine on this host, which sees the
+        folder the wrapper is copied into: "auto" does not measure elsewhere, and ``true`` with
+        an engine elsewhere was refused by :meth:`check_options`."""
+        return usage_python(opts, image.labels) if _engine_is_local(self.config) else None
 
     def _mounted(self, job_id: str, source: str, name: str) -> Path:
         """The job's folder of this launcher's helper scripts (mounted at ``/.openlab``), with a
@@ -557,9 +560,6 @@ class DockerLauncher(Launcher):
             found = self.client.images.get(image)
         except Exception:  # noqa: BLE001
             return True, f"{engine}; image {image} missing: run infra/docker/build-job-image.sh"
-        try:
-            measured = self._usage_python(found, self.config) is not None
-        except ConfigError as exc:  # a job would be refused: say so now
-            return False, f"{engine}; image {image} present; {exc}"
+        measured = self._usage_python(found, self.config) is not None
         how = "what jobs use is measured" if measured else "what jobs use is not measured (see measure_usage)"
         return True, f"{engine}; image {image} present; {how}"
