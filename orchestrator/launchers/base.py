@@ -558,6 +558,16 @@ def list_option(opts: Mapping[str, Any], name: str, example: str) -> list[Any]:
 #: The image label that names its Python interpreter (set by the repo's Dockerfile); an image with it
 #: also holds ``orchestrator.launchers._usage``, added with the label.
 PYTHON_LABEL = "openlab.io/python"
+#: Where the container backends put their own copies of the helper scripts a job runs under
+#: (``launchers/_tasks.py`` as ``tasks.py``, ``launchers/_usage.py`` as ``usage.py``): stdlib-only
+#: files run with ``python -I -S``, so a job needs only a Python in its image, not openlab.
+HELPERS_MOUNT = "/.openlab"
+
+
+def helper_script(name: str) -> Path:
+    """This launcher's copy of the helper a container runs as ``HELPERS_MOUNT/<name>`` (``tasks.py``,
+    ``usage.py``): ``launchers/_<name>``."""
+    return Path(__file__).with_name(f"_{name}")
 
 
 def measure_usage_option(opts: Mapping[str, Any]) -> bool | None:

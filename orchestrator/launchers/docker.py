@@ -62,6 +62,7 @@ from typing import Any
 from orchestrator.errors import ConfigError
 from orchestrator.launchers._tasks import command as tasks_command
 from orchestrator.launchers.base import (
+    HELPERS_MOUNT,
     TIME_LIMIT_REASON,
     BackendUnavailable,
     ImageNotFound,
@@ -74,6 +75,7 @@ from orchestrator.launchers.base import (
     LauncherError,
     first_failed_task,
     flag_option,
+    helper_script,
     measure_usage_option,
     number_option,
     parse_memory,
@@ -91,8 +93,8 @@ TIME_LIMIT_LABEL = "openlab.io/time-limit"
 TASK_ENDS_LABEL = "openlab.io/task-ends"
 #: Where the container's usage wrapper (launchers/_usage.py) leaves what the job used, on this host.
 USAGE_LABEL = "openlab.io/usage"
-#: Where the per-job usage folder is mounted in the container.
-MOUNT = "/.openlab"
+#: Where the per-job folder of helper scripts (and the usage record) is mounted in the container.
+MOUNT = HELPERS_MOUNT
 CANCEL_EXIT_CODES = (137, 143)
 
 
@@ -262,7 +264,7 @@ class DockerLauncher(Launcher):
         if spec.tasks > 1:  # one process per task in the container, told its place (launchers/_tasks.py)
             python = str(opts.get("python") or "python")
             if _engine_is_local(opts):  # this launcher's copy: any image with a Python, never a stale one
-                mounted = self._mounted(job_id, "_tasks.py", "tasks.py")
+                mounted = self._mounted(job_id, "tasks.py")
                 command = tasks_command(python, spec.tasks, command, script=f"{MOUNT}/tasks.py")
             else:  # an engine elsewhere cannot mount a folder of this host: the image's copy of openlab
                 command = tasks_command(python, spec.tasks, command)
@@ -278,7 +280,7 @@ class DockerLauncher(Launcher):
         if python is not None:  # the job runs under the usage wrapper, its parent in the container
             # Outside `timeout`, which signals its whole process group: inside it, the job would get
             # the time limit's SIGTERM from timeout and again from the wrapper passing it on.
-            mounted = self._mounted(job_id, "_usage.py", "usage.py")
+            mounted = self._mounted(job_id, "usage.py")
             command = [python, "-I", "-S", f"{MOUNT}/usage.py", f"{MOUNT}/usage.json", "--", *command]
             labels[USAGE_LABEL] = str(mounted / "usage.json")
         env = {
@@ -355,16 +357,16 @@ class DockerLauncher(Launcher):
         an engine elsewhere was refused by :meth:`check_options`."""
         return usage_python(opts, image.labels) if _engine_is_local(self.config) else None
 
-    def _mounted(self, job_id: str, source: str, name: str) -> Path:
+    def _mounted(self, job_id: str, name: str) -> Path:
         """The job's folder of this launcher's helper scripts (mounted at ``/.openlab``), with a
-        copy of ``launchers/<source>`` in it as ``name``; it also takes the usage record.
+        copy of helper ``name`` in it (:func:`helper_script`); it also takes the usage record.
 
         World-writable, so a job run as another user (``user = ...``) can still write its record.
         """
         folder = self.state_dir / "mounted" / job_id
         folder.mkdir(parents=True, exist_ok=True)
         folder.chmod(0o777)
-        shutil.copyfile(Path(__file__).with_name(source), folder / name)
+        shutil.copyfile(helper_script(name), folder / name)
         return folder
 
     def _forget_mounted(self, job_id: str) -> None:

@@ -18,12 +18,19 @@
   are gone. A cancelled or cleaned-up Job's final status is kept in
   ``$OPENLAB_HOME/jobs/kubernetes/`` so status still answers after the Job is deleted.
 - What a job used (CPU seconds, peak resident memory) comes back in its pods' termination
-  messages: the first container runs the command under ``python -m
-  orchestrator.launchers._usage`` (its parent, reading ``wait4``), which writes it to
+  messages: the first container runs the command under the usage wrapper
+  (``launchers/_usage.py``, its parent, reading ``wait4``), which writes it to
   ``terminationMessagePath``, and the kubelet puts that in the pod's status. ``measure_usage``:
   ``"auto"`` (default) for images a local Docker engine holds with the ``openlab.io/python``
-  label (the repo's Dockerfile sets it; such an image also has the wrapper), ``true`` for any
-  image with openlab installed (``python``), ``false`` never.
+  label (the repo's Dockerfile sets it), ``true`` for any image with a ``python`` (option
+  ``python``), ``false`` never.
+- The helper scripts a pod runs (the usage wrapper; ``launchers/_tasks.py`` for several tasks)
+  are this launcher's own copies, sent in a ConfigMap ``<job>-openlab`` made just before the Job
+  and mounted read-only at ``/.openlab``: stdlib-only, run with ``python -I -S``, so the image
+  needs a Python, not openlab, and never runs a stale copy. The ConfigMap is owned by the Job
+  (Kubernetes' garbage collector deletes it with the Job) and deleted with it by cancel and
+  cleanup. It needs the right to create ConfigMaps in the namespace; ``helpers_configmap =
+  false`` runs the image's own ``python -m orchestrator.launchers._tasks`` / ``._usage`` instead.
 - API errors quote the server's ``message``; 5xx and connection errors are retried a
   bounded number of times (``retries``, default 3).
 
@@ -31,7 +38,8 @@ Config (``[backends.kubernetes]``): namespace (default "default"), version, temp
 image, host (API URL, e.g. an emulator), kubeconfig, context, verify_ssl, token_env (name
 of the variable holding a bearer token), backoff_limit, ttl_seconds, retries,
 image_code_check (require | warn | off: pipeline stages refuse an image not built from the
-run's tree, see :mod:`orchestrator.provenance.image`), master_port (several-node jobs).
+run's tree, see :mod:`orchestrator.provenance.image`), master_port (several-node jobs),
+measure_usage, python, helpers_configmap (above).
 The job id is ``namespace/name``.
 
 A job of several nodes (``JobSpec.nodes`` > 1) is an *indexed* Job, one pod per node
@@ -62,6 +70,7 @@ from typing import Any, TypeVar
 
 from orchestrator.launchers._tasks import command as tasks_command
 from orchestrator.launchers.base import (
+    HELPERS_MOUNT,
     TIME_LIMIT_REASON,
     BackendUnavailable,
     Backoff,
@@ -74,6 +83,7 @@ from orchestrator.launchers.base import (
     LauncherError,
     first_failed_task,
     flag_option,
+    helper_script,
     list_option,
     measure_usage_option,
     number_option,
@@ -95,6 +105,8 @@ NODE_SELECTOR_EXAMPLE = '{"nvidia.com/gpu.product" = "H100"}'
 TOLERATIONS_EXAMPLE = '[{key = "gpu", operator = "Exists"}]'
 #: Where a container writes its termination message unless its spec says otherwise (Kubernetes' default).
 TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+#: The pod volume of the job's helper scripts (a ConfigMap of :meth:`KubernetesLauncher.helpers_manifest`).
+HELPERS_VOLUME = "openlab-helpers"
 #: Longest wait before re-reading a pod log whose follow stream ended while the pod still runs.
 FOLLOW_RETRY_S = 1.0
 DEFAULT_TEMPLATE = Path(__file__).resolve().parents[2] / "infra" / "k8s" / "job-template.yaml"
@@ -119,6 +131,11 @@ def k8s_name(name: str) -> str:
     """A DNS-1123 name (``openlab-<slug>-<hex>``, at most 63 characters)."""
     slug = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")[:40].strip("-") or "job"
     return f"openlab-{slug}-{uuid.uuid4().hex[:8]}"
+
+
+def helpers_name(job: str) -> str:
+    """The name of the ConfigMap that holds a Job's helper scripts."""
+    return f"{job}-openlab"
 
 
 def k8s_memory(nbytes: int) -> str:
@@ -263,6 +280,7 @@ class KubernetesLauncher(Launcher):
         list_option(opts, "tolerations", TOLERATIONS_EXAMPLE)
         flag_option(opts, "verify_ssl", True)
         flag_option(opts, "delete_finished", True)
+        flag_option(opts, "helpers_configmap", True)
         measure_usage_option(opts)
         for name, default in (("retries", 3), ("cancel_timeout", 30), ("master_port", DEFAULT_MASTER_PORT)):
             number_option(opts, name, default)
@@ -442,15 +460,30 @@ class KubernetesLauncher(Launcher):
         main.setdefault("name", "job")
         main["image"] = spec.image or opts.get("image") or main.get("image") or "openlab/job:latest"
         main["command"] = list(spec.command)
+        # The helper scripts from this launcher's ConfigMap (module docstring), or the image's openlab.
+        shipped = flag_option(opts, "helpers_configmap", True)
         if spec.tasks > 1:  # one process per task in the pod, told its place (launchers/_tasks.py)
-            python = str(opts.get("python") or "python")  # the image's, which has openlab installed
-            main["command"] = tasks_command(python, spec.tasks_per_node, list(spec.command), spec.nodes)
+            python = str(opts.get("python") or "python")
+            script = f"{HELPERS_MOUNT}/tasks.py" if shipped else None
+            main["command"] = tasks_command(python, spec.tasks_per_node, list(spec.command), spec.nodes, script=script)
         auto = measure_usage_option(opts) is None  # then the image's labels decide
         wrapper = usage_python(opts, self.image_labels(main["image"]) if auto else None)
         if wrapper is not None:  # what the job used, written where the kubelet returns it in the pod's status
             out = str(main.get("terminationMessagePath") or TERMINATION_MESSAGE_PATH)
-            main["command"] = [wrapper, "-m", "orchestrator.launchers._usage", out, "--", *main["command"]]
+            runner = ["-I", "-S", f"{HELPERS_MOUNT}/usage.py"] if shipped else ["-m", "orchestrator.launchers._usage"]
+            main["command"] = [wrapper, *runner, out, "--", *main["command"]]
         main.pop("args", None)
+        volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") != HELPERS_VOLUME]
+        mounts = [m for m in main.get("volumeMounts") or [] if m.get("name") != HELPERS_VOLUME]
+        if shipped and (spec.tasks > 1 or wrapper is not None):
+            configmap = {"name": helpers_name(name), "defaultMode": 0o444}
+            volumes.append({"name": HELPERS_VOLUME, "configMap": configmap})
+            mounts.append({"name": HELPERS_VOLUME, "mountPath": HELPERS_MOUNT, "readOnly": True})
+        for owner, key, items in ((pod_spec, "volumes", volumes), (main, "volumeMounts", mounts)):
+            if items:
+                owner[key] = items
+            else:
+                owner.pop(key, None)
         env = [e for e in main.get("env") or [] if e.get("name") not in spec.env]
         env += [{"name": str(k), "value": str(v)} for k, v in spec.env.items()]
         env += [
@@ -514,6 +547,26 @@ class KubernetesLauncher(Launcher):
         self.validate(service)
         return service
 
+    def helpers_manifest(self, job: dict[str, Any]) -> dict[str, Any] | None:
+        """The ConfigMap of helper scripts a Job's pods mount (validated like the Job), or None when
+        its manifest mounts none (one task, no usage wrapper, or ``helpers_configmap = false``)."""
+        volumes = job["spec"]["template"]["spec"].get("volumes") or []
+        if not any(v.get("name") == HELPERS_VOLUME for v in volumes):
+            return None
+        meta = job["metadata"]
+        configmap = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": helpers_name(meta["name"]),
+                "namespace": meta["namespace"],
+                "labels": dict(meta.get("labels") or {}),
+            },
+            "data": {name: helper_script(name).read_text() for name in ("tasks.py", "usage.py")},
+        }
+        self.validate(configmap)
+        return configmap
+
     def template_source(self) -> str:
         """Where the base manifest comes from, for error messages: the user's file or the built-in one."""
         path = self.config.get("template")
@@ -555,46 +608,69 @@ class KubernetesLauncher(Launcher):
         name = k8s_name(spec.name)
         manifest = self.manifest(spec, name)
         namespace = manifest["metadata"]["namespace"]
-        service = self.service_manifest(manifest) if spec.nodes > 1 else None
-        if service is not None:  # first, so pod 0's name resolves when its peers look it up
-            self._call(
-                f"create Service {namespace}/{name}",
-                lambda: self.core.create_namespaced_service(namespace, service),
-            )
-        try:
-            created = self._call(
-                f"create Job {namespace}/{name}", lambda: self.batch.create_namespaced_job(namespace, manifest)
-            )
-        except LauncherError:
-            if service is not None:
-                self._delete_service(f"{namespace}/{name}")
-            raise
-        if service is not None:
-            self._own_service(namespace, name, created)
         job_id = f"{namespace}/{name}"
+        helpers = self.helpers_manifest(manifest)
+        service = self.service_manifest(manifest) if spec.nodes > 1 else None
+        # Both before the Job: its pods cannot start without their ConfigMap, and pod 0's name must
+        # resolve when its peers look it up.
+        if helpers is not None:
+            try:
+                self._call(
+                    f"create ConfigMap {namespace}/{helpers_name(name)}",
+                    lambda: self.core.create_namespaced_config_map(namespace, helpers),
+                )
+            except BackendUnavailable:
+                raise
+            except LauncherError as exc:
+                raise LauncherError(
+                    f"{exc} (the job's helper scripts go in a ConfigMap; without the right to create one, "
+                    "set [backends.kubernetes] helpers_configmap = false to run the image's own openlab)"
+                ) from None
+        try:
+            if service is not None:
+                self._call(
+                    f"create Service {job_id}",
+                    lambda: self.core.create_namespaced_service(namespace, service),
+                )
+            created = self._call(f"create Job {job_id}", lambda: self.batch.create_namespaced_job(namespace, manifest))
+        except LauncherError:
+            self._delete_companions(job_id, service=service is not None, helpers=helpers is not None)
+            raise
+        uid = getattr(getattr(created, "metadata", None), "uid", None)
+        if service is not None:
+            self._own(job_id, uid, "Service", name, self.core.patch_namespaced_service)
+        if helpers is not None:
+            self._own(job_id, uid, "ConfigMap", helpers_name(name), self.core.patch_namespaced_config_map)
         return JobHandle(self.name, job_id, str(self.settings.logs_dir / f"k8s-{namespace}-{name}.log"))
 
-    def _own_service(self, namespace: str, name: str, job: Any) -> None:
-        """Make the Job the Service's owner, so Kubernetes deletes the Service with the Job (its
-        TTL, or a user's ``kubectl delete``) even if openlab never gets to."""
-        uid = getattr(getattr(job, "metadata", None), "uid", None)
-        if not uid:  # an API server always assigns one; without it, deleting the Service is openlab's alone
+    def _own(self, job_id: str, uid: str | None, kind: str, name: str, patch: Callable[..., Any]) -> None:
+        """Make the Job the owner of its Service or ConfigMap, so Kubernetes deletes that with the
+        Job (its TTL, or a user's ``kubectl delete``) even if openlab never gets to."""
+        if not uid:  # an API server always assigns one; without it, deleting it is openlab's alone
             return
-        owner = {"apiVersion": "batch/v1", "kind": "Job", "name": name, "uid": uid, "blockOwnerDeletion": False}
+        namespace, job = self._split(job_id)
+        owner = {"apiVersion": "batch/v1", "kind": "Job", "name": job, "uid": uid, "blockOwnerDeletion": False}
         self._call(
-            f"make Job {namespace}/{name} own its Service",
-            lambda: self.core.patch_namespaced_service(name, namespace, {"metadata": {"ownerReferences": [owner]}}),
+            f"make Job {job_id} own its {kind} {name}",
+            lambda: patch(name, namespace, {"metadata": {"ownerReferences": [owner]}}),
             not_found=lambda: None,
         )
 
-    def _delete_service(self, job_id: str) -> None:
-        """Delete a several-node Job's headless Service (gone already: nothing to do)."""
+    def _delete_companions(self, job_id: str, *, service: bool = True, helpers: bool = True) -> None:
+        """Delete a Job's headless Service and helpers ConfigMap (either gone or never made: nothing to do)."""
         namespace, name = self._split(job_id)
-        self._call(
-            f"delete Service {job_id}",
-            lambda: self.core.delete_namespaced_service(name, namespace),
-            not_found=lambda: None,
-        )
+        if service:
+            self._call(
+                f"delete Service {job_id}",
+                lambda: self.core.delete_namespaced_service(name, namespace),
+                not_found=lambda: None,
+            )
+        if helpers:
+            self._call(
+                f"delete ConfigMap {namespace}/{helpers_name(name)}",
+                lambda: self.core.delete_namespaced_config_map(helpers_name(name), namespace),
+                not_found=lambda: None,
+            )
 
     def _nodes(self, job_id: str) -> int:
         """How many pods (nodes) a Job runs at once: its ``completions`` when indexed, else 1."""
@@ -605,6 +681,21 @@ class KubernetesLauncher(Launcher):
         if job is None or job.spec is None or job.spec.completion_mode != "Indexed":
             return 1
         return int(job.spec.completions or 1)
+
+    def _companions(self, job_id: str) -> dict[str, bool]:
+        """Which of its Service and helpers ConfigMap a Job was given (both, to be sure, when the Job
+        is gone already: deleting what does not exist is a no-op)."""
+        namespace, name = self._split(job_id)
+        job = self._call(
+            f"read Job {job_id}", lambda: self.batch.read_namespaced_job(name, namespace), not_found=lambda: None
+        )
+        if job is None or job.spec is None:
+            return {"service": True, "helpers": True}
+        volumes = (job.spec.template.spec.volumes or []) if job.spec.template and job.spec.template.spec else []
+        return {
+            "service": job.spec.completion_mode == "Indexed",
+            "helpers": any(v.name == HELPERS_VOLUME for v in volumes),
+        }
 
     def _final_path(self, job_id: str) -> Path:
         return self.state_dir / (job_id.replace("/", "__") + ".json")
@@ -889,8 +980,7 @@ class KubernetesLauncher(Launcher):
         self._save_logs(handle)
         status.state, status.reason, status.ended_at = JobState.CANCELLED, "cancelled", dt.datetime.now(dt.UTC)
         self._save(handle.job_id, status)
-        if self._nodes(handle.job_id) > 1:
-            self._delete_service(handle.job_id)
+        self._delete_companions(handle.job_id, **self._companions(handle.job_id))
         self._call(
             f"delete Job {handle.job_id}",
             lambda: self.batch.delete_namespaced_job(
@@ -932,8 +1022,7 @@ class KubernetesLauncher(Launcher):
         self._save(handle.job_id, status)
         if flag_option(self.config, "delete_finished", True):
             namespace, name = self._split(handle.job_id)
-            if self._nodes(handle.job_id) > 1:
-                self._delete_service(handle.job_id)
+            self._delete_companions(handle.job_id, **self._companions(handle.job_id))
             self._call(
                 f"delete Job {handle.job_id}",
                 lambda: self.batch.delete_namespaced_job(

@@ -14,8 +14,8 @@ controller makes them: the ``batch.kubernetes.io/job-completion-index`` label an
 ``JOB_COMPLETION_INDEX`` env var, hostname ``<job>-<index>``. It completes when every index has
 succeeded; the first failure beyond ``backoffLimit`` fails it and the others are stopped (SIGTERM,
 SIGKILL after a grace period), and its Failed condition is written once all have ended. Services
-are stored (kmock serves them), and deleting a Job deletes the Services whose ``ownerReferences``
-name its uid, as the garbage collector does (every created object gets a ``uid`` and a
+and ConfigMaps are stored (kmock serves them), and deleting a Job deletes the Services and ConfigMaps
+whose ``ownerReferences`` name its uid, as the garbage collector does (every created object gets a ``uid`` and a
 ``creationTimestamp``, as from an API server); a pod whose ``subdomain`` names a Service of its namespace gets the
 DNS names cluster DNS would give it (``<hostname>.<subdomain>[.<ns>.svc[.cluster.local]]``): its
 container joins this cluster's own Docker network with those names as aliases.
@@ -24,11 +24,17 @@ Where the pod runs (``runtime``), as a kubelet would as far as the launcher can 
 
 - ``docker`` (chosen when the engine is up and the test job image exists): a real
   container of the pod's image, ``command``/``args`` as entrypoint/cmd, env, workingDir,
-  hostPath volumes as bind mounts, cpu/memory limits (so an OOM kill is ``OOMKilled``),
-  the image's real id as ``imageID``. Manifests are then exercised the way a cluster
-  would run them, not just accepted.
+  hostPath volumes as bind mounts, configMap volumes as read-only bind mounts of a folder holding
+  the ConfigMap's keys as files (as the kubelet projects them), cpu/memory limits (so an OOM kill
+  is ``OOMKilled``), the image's real id as ``imageID``. Manifests are then exercised the way a
+  cluster would run them, not just accepted.
 - ``process`` (otherwise): the command as a local process in its own process group, with
-  the manifest's env and workingDir and this machine's PATH.
+  the manifest's env and workingDir and this machine's PATH; a process has no mounts of its own,
+  so an argument under a configMap volume's ``mountPath`` is rewritten to that folder.
+
+A pod that mounts a ConfigMap that does not exist would wait in ``ContainerCreating`` on a real
+node; here that is an error of the emulator (:attr:`EmulatedCluster.errors`, which the fixtures
+assert empty), since every launcher path that makes such a pod is a bug.
 
 The emulator's event loop runs in one thread and the controller in another; every read
 or write of the emulator's objects is done on the loop thread.
@@ -57,6 +63,7 @@ from kmock._internal.references import resource
 JOBS = resource("batch", "v1", "jobs")
 PODS = resource("", "v1", "pods")
 SERVICES = resource("", "v1", "services")
+CONFIGMAPS = resource("", "v1", "configmaps")
 NODE = "emulated-node"
 INDEX = "batch.kubernetes.io/job-completion-index"
 #: Seconds between SIGTERM and SIGKILL when a failed Job stops its other pods (30 in Kubernetes).
@@ -160,6 +167,7 @@ class _Container(_Workload):
         labels: dict[str, str],
         network: str | None = None,
         aliases: list[str] | None = None,
+        sources: dict[str, Path] | None = None,
     ) -> None:
         import docker.errors
 
@@ -172,6 +180,9 @@ class _Container(_Workload):
             for m in container.get("volumeMounts") or []
             if m.get("name") in volumes
         }
+        for m in container.get("volumeMounts") or []:  # a configMap volume is read-only whatever the mount says
+            if m.get("name") in (sources or {}):
+                binds[str((sources or {})[m["name"]])] = {"bind": m["mountPath"], "mode": "ro"}
         # The kubelet's termination message: a file of the node's, mounted at terminationMessagePath,
         # read once the container ends (at most 4096 bytes) into the terminated state's ``message``.
         self.message_file = log.with_suffix(".termination-log")
@@ -418,6 +429,7 @@ class EmulatedCluster:
                 km.resources["v1/pods"] = {}
                 km.resources["batch/v1/jobs"] = {}
                 km.resources["v1/services"] = {}
+                km.resources["v1/configmaps"] = {}
                 self.km, self._loop = km, asyncio.get_running_loop()
                 self.url = str(server.url).rstrip("/")
                 self._ready.set()
@@ -512,9 +524,10 @@ class EmulatedCluster:
         self._collect_orphans()
 
     def _collect_orphans(self) -> None:
-        """The garbage collector's part: delete a Service whose owners in ``ownerReferences`` are all
-        gone, whether or not the controller ever saw them (a Job deleted before it started). Jobs and
-        Services are read in one step on the server's loop, so an owner created meanwhile counts."""
+        """The garbage collector's part: delete a Service or ConfigMap whose owners in
+        ``ownerReferences`` are all gone, whether or not the controller ever saw them (a Job deleted
+        before it started). Jobs and owned objects are read in one step on the server's loop, so an
+        owner created meanwhile counts."""
 
         def collect() -> None:
             objects = list(self.km.objects.items())
@@ -524,13 +537,57 @@ class EmulatedCluster:
                 if key[0] == JOBS and not obj.deleted
             }
             for key, obj in objects:
-                if key[0] != SERVICES or obj.deleted:
+                if key[0] not in (SERVICES, CONFIGMAPS) or obj.deleted:
                     continue
                 owners = (obj.last.raw.get("metadata") or {}).get("ownerReferences") or []
                 if owners and not any(str(o.get("uid")) in live for o in owners):
                     del self.km.objects[key]
 
         self.on_loop(collect)
+
+    def requests(self) -> list[tuple[str, str, dict[str, str]]]:
+        """Every request the API server has answered, as (HTTP method, path, query): what a client
+        (the launcher) asked of it; the controller's own reads and writes do not go over HTTP."""
+
+        def read() -> list[tuple[str, str, dict[str, str]]]:
+            return [(str(r.method.value).upper(), r.url.path, dict(r.params)) for r in list(self.km._requests)]
+
+        return self.on_loop(read)
+
+    def configmaps(self) -> list[tuple[str, str]]:
+        return self.on_loop(
+            lambda: [(k[1], k[2]) for k, obj in list(self.km.objects.items()) if k[0] == CONFIGMAPS and not obj.deleted]
+        )
+
+    def configmap(self, ns: str, name: str) -> dict[str, Any] | None:
+        """A stored ConfigMap as the API serves it (None when there is none)."""
+
+        def read() -> dict[str, Any] | None:
+            key = (CONFIGMAPS, ns, name)
+            obj = self.km.objects[key] if key in self.km.objects else None
+            return None if obj is None or obj.deleted else copy.deepcopy(dict(obj.last.raw))
+
+        return self.on_loop(read)
+
+    def _project(self, ns: str, pod: str, pod_spec: dict[str, Any]) -> dict[str, Path]:
+        """The kubelet's part for configMap volumes: each volume's ConfigMap keys as files in a folder
+        of their own (mode ``defaultMode``), by volume name. A ConfigMap that does not exist is an
+        emulator error (see the module docstring)."""
+        sources: dict[str, Path] = {}
+        for volume in pod_spec.get("volumes") or []:
+            ref = volume.get("configMap")
+            if not ref:
+                continue
+            data = (self.configmap(ns, ref["name"]) or {}).get("data")
+            if data is None:
+                raise RuntimeError(f"pod {ns}/{pod} mounts ConfigMap {ref['name']}, which does not exist")
+            folder = self._logdir / f"{ns}-{pod}-{volume['name']}"
+            folder.mkdir()
+            for key, text in data.items():
+                (folder / key).write_text(text)
+                (folder / key).chmod(int(ref.get("defaultMode", 0o644)))
+            sources[volume["name"]] = folder
+        return sources
 
     def services(self) -> list[tuple[str, str]]:
         return self.on_loop(
@@ -587,14 +644,20 @@ class EmulatedCluster:
         else:
             pod = f"{name}-{uuid.uuid4().hex[:5]}"
         log = self._logdir / f"{ns}-{pod}.log"
+        sources = self._project(ns, pod, pod_spec)
         workload: _Workload
         if self.docker is not None:
             network, aliases = self._dns(ns, pod_spec)
             tags = {"openlab-test.emulator": self.id, "openlab-test.pod": f"{ns}/{pod}"}
-            workload = _Container(self.docker, pod, container, pod_spec, log, tags, network, aliases)
+            workload = _Container(self.docker, pod, container, pod_spec, log, tags, network, aliases, sources)
         else:
             env = {e["name"]: e.get("value", "") for e in container.get("env") or []}
             argv = container.get("command", []) + container.get("args", [])
+            for mount in container.get("volumeMounts") or []:  # no mounts for a process: point at the folder
+                if mount.get("name") in sources:
+                    at = mount["mountPath"].rstrip("/")
+                    here = str(sources[mount["name"]])
+                    argv = [here + a[len(at) :] if a == at or a.startswith(at + "/") else a for a in argv]
             workload = _Process(argv, env, container.get("workingDir"), log)
         image_id = f"docker://{workload.image_id}" if workload.image_id else f"docker-pullable://x@sha256:{'0' * 64}"
         deadline = job["spec"].get("activeDeadlineSeconds")

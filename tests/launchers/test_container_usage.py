@@ -101,7 +101,7 @@ def test_a_kubernetes_job_reports_what_it_used_in_its_termination_message(
     launcher.poll_interval = 0.1
     spec = JobSpec(name="hungry", command=["python", "-c", HUNGRY])
     command = launcher.manifest(spec, "probe")["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert command[:5] == ["python", "-m", "orchestrator.launchers._usage", TERMINATION_MESSAGE_PATH, "--"]
+    assert command[:6] == ["python", "-I", "-S", "/.openlab/usage.py", TERMINATION_MESSAGE_PATH, "--"]
     attempt, status = run_job(store, launcher, spec, timeout=120)
     assert status.state is JobState.SUCCEEDED, status
     used = store.require(Attempt, attempt.id).used
@@ -117,6 +117,21 @@ def test_a_kubernetes_job_reports_what_it_used_in_its_termination_message(
 
     off = get_launcher("kubernetes", host=k8s_cluster.url, image=k8s_cluster.image, measure_usage=False)
     assert off.manifest(spec, "probe")["spec"]["template"]["spec"]["containers"][0]["command"] == spec.command
+
+    # without the helpers ConfigMap, the image's own copy of the wrapper
+    own = get_launcher("kubernetes", host=k8s_cluster.url, image=k8s_cluster.image, helpers_configmap=False)
+    pod = own.manifest(spec, "probe")["spec"]["template"]["spec"]
+    assert pod["containers"][0]["command"][:5] == [
+        "python",
+        "-m",
+        "orchestrator.launchers._usage",
+        TERMINATION_MESSAGE_PATH,
+        "--",
+    ]
+    assert "volumes" not in pod and own.helpers_manifest(own.manifest(spec, "probe")) is None
+    attempt, status = run_job(store, own, spec, timeout=120)
+    assert status.state is JobState.SUCCEEDED, status
+    assert store.require(Attempt, attempt.id).used is not None
 
 
 def test_the_pods_of_an_indexed_job_add_up_their_cpu_and_keep_the_largest_peak() -> None:

@@ -283,11 +283,51 @@ def test_kubernetes_4xx_quotes_the_api_message(httpserver: HTTPServer) -> None:
     httpserver.expect_request("/apis/batch/v1/namespaces/ml/jobs", method="POST").respond_with_data(
         _status(403, message, "Forbidden"), status=403, content_type="application/json"
     )
-    launcher = get_launcher("kubernetes", host=httpserver.url_for("/").rstrip("/"), namespace="ml")
+    # (no usage wrapper, so no helpers ConfigMap to create first: that path is the next test's)
+    launcher = get_launcher("kubernetes", host=httpserver.url_for("/").rstrip("/"), namespace="ml", measure_usage=False)
     expected = "kubernetes API refused to create Job ml/openlab-x-.*: jobs.batch is forbidden"
     with pytest.raises(LauncherError, match=expected):
         launcher.submit(JobSpec(name="x", command=["true"]))
     assert len(httpserver.log) == 1  # a 4xx is not retried
+
+
+def test_kubernetes_helpers_configmap_refused_or_left_behind(httpserver: HTTPServer) -> None:
+    """A job under the usage wrapper (or of several tasks) gets its helper scripts in a ConfigMap
+    made before the Job. A namespace where that is forbidden gets one line saying how to do
+    without; a Job refused after its ConfigMap was made does not leave the ConfigMap behind."""
+    import re
+
+    message = 'configmaps is forbidden: User "ci" cannot create resource "configmaps" in API group "" in namespace "ml"'
+    httpserver.expect_request("/api/v1/namespaces/ml/configmaps", method="POST").respond_with_data(
+        _status(403, message, "Forbidden"), status=403, content_type="application/json"
+    )
+    url = httpserver.url_for("/").rstrip("/")
+    launcher = get_launcher("kubernetes", host=url, namespace="ml", measure_usage=True)
+    with pytest.raises(LauncherError) as refused:
+        launcher.submit(JobSpec(name="x", command=["true"]))
+    assert re.fullmatch(
+        r"kubernetes API refused to create ConfigMap ml/openlab-x-\w+-openlab: configmaps is forbidden: .* "
+        r"\(the job's helper scripts go in a ConfigMap; without the right to create one, "
+        r"set \[backends.kubernetes\] helpers_configmap = false to run the image's own openlab\)",
+        str(refused.value),
+    ), refused.value
+    assert [r.path for r, _ in httpserver.log] == ["/api/v1/namespaces/ml/configmaps"], "no Job is sent"
+
+    httpserver.clear()
+    made = {"kind": "ConfigMap", "apiVersion": "v1", "metadata": {"name": "c", "namespace": "ml"}}
+    httpserver.expect_request("/api/v1/namespaces/ml/configmaps", method="POST").respond_with_json(made, status=201)
+    jobs_forbidden = 'jobs.batch is forbidden: User "ci" cannot create resource "jobs"'
+    httpserver.expect_request("/apis/batch/v1/namespaces/ml/jobs", method="POST").respond_with_data(
+        _status(403, jobs_forbidden, "Forbidden"), status=403, content_type="application/json"
+    )
+    deleted = re.compile(r"/api/v1/namespaces/ml/configmaps/openlab-x-\w+-openlab")
+    httpserver.expect_request(deleted, method="DELETE").respond_with_json({"kind": "Status", "status": "Success"})
+    with pytest.raises(LauncherError, match="refused to create Job ml/openlab-x-.*: jobs.batch is forbidden"):
+        launcher.submit(JobSpec(name="x", command=["true"]))
+    calls = [(r.method, r.path) for r, _ in httpserver.log]
+    assert [m for m, _ in calls] == ["POST", "POST", "DELETE"], calls
+    created = json.loads(httpserver.log[0][0].get_data())["metadata"]["name"]
+    assert calls[2][1].endswith("/" + created), calls
 
 
 def test_kubernetes_5xx_is_retried_then_reported(httpserver: HTTPServer) -> None:
@@ -303,7 +343,9 @@ def test_kubernetes_5xx_is_retried_then_reported(httpserver: HTTPServer) -> None
         content_type="application/json",
     )
     url = httpserver.url_for("/").rstrip("/")
-    handle = get_launcher("kubernetes", host=url, retries=3).submit(JobSpec(name="x", command=["true"]))
+    handle = get_launcher("kubernetes", host=url, retries=3, measure_usage=False).submit(
+        JobSpec(name="x", command=["true"])
+    )
     assert handle.job_id.startswith("default/openlab-x-")
 
     httpserver.clear()
@@ -311,7 +353,7 @@ def test_kubernetes_5xx_is_retried_then_reported(httpserver: HTTPServer) -> None
         _status(500, "internal error: etcd is down", "InternalError"), status=500, content_type="application/json"
     )
     with pytest.raises(LauncherError, match="etcd is down"):
-        get_launcher("kubernetes", host=url, retries=2).submit(JobSpec(name="x", command=["true"]))
+        get_launcher("kubernetes", host=url, retries=2, measure_usage=False).submit(JobSpec(name="x", command=["true"]))
     assert len(httpserver.log) == 3
 
 
@@ -324,7 +366,7 @@ def test_kubernetes_unreachable_api(tmp_path: Path) -> None:
 
 
 def test_the_manifest_carries_the_spec_and_passes_strict_validation(tmp_path: Path) -> None:
-    launcher = get_launcher("kubernetes", host="http://127.0.0.1:9")
+    launcher = get_launcher("kubernetes", host="http://127.0.0.1:9", measure_usage=False)  # no helpers' mount
     job = JobSpec(
         name="Train Big!",
         command=["python", "train.py"],
@@ -467,7 +509,8 @@ def test_manifests_are_validated_for_the_configured_kubernetes_version(tmp_path:
 
 
 def test_every_manifest_sent_was_validated(tmp_path: Path, httpserver: HTTPServer, monkeypatch: Any) -> None:
-    """The one create call the launcher makes carries exactly the manifest that passed strict validation."""
+    """Each create call the launcher makes (the helpers ConfigMap, then the Job) carries exactly the
+    manifest that passed strict validation; then the Job is made the ConfigMap's owner."""
     import kubernetes_validate
 
     validated: list[dict[str, Any]] = []
@@ -479,15 +522,30 @@ def test_every_manifest_sent_was_validated(tmp_path: Path, httpserver: HTTPServe
         return real(manifest, version, strict, *args, **kwargs)
 
     monkeypatch.setattr(kubernetes_validate, "validate", spy)
+    import re
+
+    made = {"kind": "ConfigMap", "apiVersion": "v1", "metadata": {"name": "c"}}
+    configmaps = "/api/v1/namespaces/default/configmaps"
+    httpserver.expect_request(configmaps, method="POST").respond_with_json(made, status=201)
     httpserver.expect_request("/apis/batch/v1/namespaces/default/jobs", method="POST").respond_with_data(
-        json.dumps({"kind": "Job", "apiVersion": "batch/v1", "metadata": {"name": "x"}}),
+        json.dumps({"kind": "Job", "apiVersion": "batch/v1", "metadata": {"name": "x", "uid": "u-1"}}),
         status=201,
         content_type="application/json",
     )
+    owned = re.compile(r"/api/v1/namespaces/default/configmaps/openlab-x-\w+-openlab")
+    httpserver.expect_request(owned, method="PATCH").respond_with_json(made)
     launcher = get_launcher("kubernetes", host=httpserver.url_for("/").rstrip("/"), version="1.32")
-    launcher.submit(JobSpec(name="x", command=["echo", "hi"], env={"A": "1"}, artifact_root=tmp_path, cpus=1))
-    ((request, _response),) = httpserver.log
-    assert validated == [json.loads(request.get_data())]
+    job = JobSpec(name="x", command=["echo", "hi"], env={"A": "1"}, artifact_root=tmp_path, cpus=1, tasks_per_node=2)
+    handle = launcher.submit(job)
+    (cm, _), (sent, _), (patch, _) = httpserver.log
+    assert validated == [json.loads(sent.get_data()), json.loads(cm.get_data())]  # built Job first, sent second
+    assert set(validated[1]["data"]) == {"tasks.py", "usage.py"}
+    volumes = validated[0]["spec"]["template"]["spec"]["volumes"]
+    helpers = {"name": validated[1]["metadata"]["name"], "defaultMode": 0o444}
+    assert {"name": "openlab-helpers", "configMap": helpers} in volumes
+    assert validated[1]["metadata"]["name"] == handle.job_id.split("/")[1] + "-openlab"
+    owner = json.loads(patch.get_data())["metadata"]["ownerReferences"]
+    assert [(o["kind"], o["uid"]) for o in owner] == [("Job", "u-1")]
 
 
 # -- interrupted and timed-out runs are still recorded -----------------------------------------------

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -210,6 +211,52 @@ def test_a_docker_job_of_several_tasks_runs_in_an_image_without_openlab(store: L
     assert status.state is JobState.SUCCEEDED, (status, lines)
     assert sorted(line for line in lines if "rank" in line) == ["0: rank 0 of 2 True", "1: rank 1 of 2 True"], lines
     assert not list((launcher.state_dir / "mounted").glob("*")), "the job's folder of helper scripts is removed"
+
+
+@pytest.mark.docker
+def test_a_kubernetes_job_of_several_tasks_runs_in_an_image_without_openlab(
+    k8s_cluster: Any, store: LineageStore
+) -> None:
+    """A pod cannot mount a folder of this host, so the launcher sends its own copies of the task
+    runner and the usage wrapper in a ConfigMap owned by the Job, mounted read-only at /.openlab:
+    two tasks in the bare Python base image (no openlab) find their ranks and the job's usage is
+    measured. Before, the pod ran `python -m orchestrator.launchers._tasks` (no such module there).
+    The ConfigMap goes when the Job goes."""
+    from orchestrator.launchers.kubernetes import helpers_name
+    from tests.services import docker_image
+
+    assert k8s_cluster.runtime == "docker", k8s_cluster.runtime_reason
+    base = docker_image("base")
+    launcher = get_launcher("kubernetes", host=k8s_cluster.url, image=base, measure_usage=True)
+    launcher.poll_interval = 0.2
+    tell = (
+        "import os, time; t = time.process_time()\n"
+        "while time.process_time() - t < 0.3: pass\n"
+        "print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], os.environ['MASTER_PORT'] != '')"
+    )
+    spec = JobSpec(name="two", command=["python", "-c", tell], image=base, tasks_per_node=2)
+    lines: list[str] = []
+    running: list[tuple[dict[str, str], dict[str, list[str]]]] = []
+
+    def seen(line: str) -> None:
+        lines.append(line)
+        if not running:  # while the Job runs: its ConfigMap, owned by it
+            jobs = {name: job["metadata"]["uid"] for (_, name), job in k8s_cluster.jobs().items() if "-two-" in name}
+            owned = {
+                name: [ref["uid"] for ref in (k8s_cluster.configmap(ns, name) or {})["metadata"]["ownerReferences"]]
+                for ns, name in k8s_cluster.configmaps()
+                if "-two-" in name
+            }
+            running.append((jobs, owned))
+
+    attempt, status = run_job(store, launcher, spec, on_log=seen, timeout=120)
+    assert status.state is JobState.SUCCEEDED, (status, lines)
+    assert sorted(line for line in lines if "rank" in line) == ["0: rank 0 of 2 True", "1: rank 1 of 2 True"], lines
+    jobs, owned = running[0]
+    assert owned == {helpers_name(name): [uid] for name, uid in jobs.items()} and len(jobs) == 1, running
+    used = store.require(Attempt, attempt.id).used
+    assert used is not None and used["cpu_seconds"] >= 0.6, used  # both tasks', under the mounted wrapper
+    assert not [n for _, n in k8s_cluster.configmaps() if "-two-" in n], "deleted with the Job"
 
 
 #: Each task counts the SIGTERMs it gets, says so, and ends a moment after the first (time for a second).
