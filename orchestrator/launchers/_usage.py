@@ -1,4 +1,4 @@
-"""Measure what a command in a container used: ``python -I -S _usage.py OUT -- CMD...``.
+"""Measure what a command in a container used: ``python -I -S _usage.py [--no-forward] OUT -- CMD...``.
 
 Why inside: a container's cgroup, where the engine keeps its CPU and memory counters, is
 deleted the moment the container exits, so nothing outside can read the totals of a job
@@ -19,11 +19,17 @@ docker-init) it reaps orphans as an init does, and counts what they used. When `
 cannot be written the job's outcome is unchanged; only the record of what it used is
 missing.
 
-The Docker launcher copies this file into a folder it mounts into the container, so the
-copy that runs is its own, whatever the image holds; a Kubernetes pod runs the image's copy
-(``python -m orchestrator.launchers._usage``) and writes to its termination message file,
-which the kubelet hands back in the pod's status. Stdlib only, no imports that
-need ``site``, nothing newer than Python 3.8: it runs on the image's interpreter.
+With ``--no-forward`` it passes nothing on and only outlives the signals: under Slurm, which
+signals every process of a job step (a cancel, a preemption, ``--signal``), the command has
+been sent each signal already, and passing it on would deliver it twice. The command's own
+handlers decide what a signal does; the wrapper stays to record what it used.
+
+The Docker launcher copies this file into a folder it mounts into the container, and the
+Kubernetes launcher sends it in a ConfigMap mounted into the pod, so the copy that runs is
+their own, whatever the image holds; a pod writes to its termination message file, which the
+kubelet hands back in the pod's status. The Slurm launcher copies it next to the job logs
+(a folder the nodes share). Stdlib only, no imports that need ``site``, nothing newer than
+Python 3.8: it runs on the image's (or node's) interpreter.
 """
 
 import os
@@ -48,14 +54,18 @@ def _write(path, cpu_seconds, max_rss_bytes):
 
 
 def main(argv):
+    relay = not (argv and argv[0] == "--no-forward")
+    argv = argv if relay else argv[1:]
     if len(argv) < 3 or argv[1] != "--":
-        sys.stderr.write("usage: python -I -S _usage.py OUT -- CMD...\n")
+        sys.stderr.write("usage: python -I -S _usage.py [--no-forward] OUT -- CMD...\n")
         return 2
     out, cmd = argv[0], argv[2:]
     child = {"pid": None}
     pending = []  # signals that came before the command existed
 
     def forward(signum, _frame):
+        if not relay:  # the command got it too (see the module docstring); outlive it, nothing more
+            return
         if child["pid"] is None:
             pending.append(signum)
             return

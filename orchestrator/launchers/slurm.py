@@ -16,17 +16,29 @@
   merged with a ``[task]`` prefix, or one task's alone through :meth:`SlurmLauncher.task_handle`
   (job id ``ARRAY_TASK``, which Slurm's own tools accept too). Cancelling the array
   handle cancels every task, pending ones included.
-- What an ended job used (``JobStatus.usage``: ``cpu_seconds``, ``max_rss_bytes``) comes from
-  ``sacct`` where the cluster keeps accounting: TotalCPU of the job, the largest MaxRSS of its
-  steps. MaxRSS is what ``jobacct_gather`` sampled (``JobAcctGatherFrequency``), so a step shorter
-  than one sample has none; without accounting nothing is measured.
+- What an ended job used (``JobStatus.usage``: ``cpu_seconds``, ``max_rss_bytes``) is measured
+  by the usage wrapper (``launchers/_usage.py``, the command's parent, reading ``wait4``) as on
+  the Docker and Kubernetes backends: CPU seconds of the command and every process it waited
+  for, and the largest resident set among them, exact, with or without slurmdbd. The launcher
+  copies the wrapper next to the job logs (``.openlab-usage-<hash>.py``: a folder the nodes
+  share, since they write the logs there) and the batch script runs the command under it with
+  ``python3`` from the node's PATH (option ``python``), with ``--no-forward``, since Slurm
+  signals every process of the step itself. It writes ``<log>.usage`` (``.usage.<rank>`` per
+  task of a multi-task job, summed; one per array task, summed). ``measure_usage``: ``"auto"``
+  (default) where the node has that Python (else the command runs as it is), ``true`` always,
+  ``false`` never. Where the wrapper wrote nothing (a task killed with SIGKILL, ``false``) the
+  numbers come from ``sacct`` where the cluster keeps accounting: TotalCPU of the job, the
+  largest MaxRSS of its steps, which is what ``jobacct_gather`` sampled
+  (``JobAcctGatherFrequency``), so a step shorter than one sample has none. ``sacct = false``
+  never asks sacct (a cluster without accounting is found out once per launcher anyway).
 - ``scancel`` cancels; :meth:`SlurmLauncher.cancel` waits until the job has left the
   queue, so nothing of it is running when it returns.
 - sbatch/scontrol errors are quoted verbatim; "Socket timed out" and "Unable to contact
   slurm controller" are retried a bounded number of times (``retries``, default 3).
 
 Config (``[backends.slurm]``): partition, account, qos, slurm_conf (exported as
-SLURM_CONF), bin_dir, extra_args (list of sbatch flags), retries, log_dir.
+SLURM_CONF), bin_dir, extra_args (list of sbatch flags), retries, log_dir, measure_usage,
+python, sacct (above).
 """
 
 from __future__ import annotations
@@ -34,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import glob
+import hashlib
 import json
 import math
 import os
@@ -57,10 +70,14 @@ from orchestrator.launchers.base import (
     Launcher,
     LauncherError,
     first_failed_task,
+    flag_option,
+    helper_script,
     list_option,
+    measure_usage_option,
     number_option,
     parse_duration,
     parse_memory,
+    parse_usage,
     stopped_from_outside,
     task_ends_prefix,
     with_notes,
@@ -105,6 +122,29 @@ _KV = re.compile(r"(\S+?)=(.*?)(?=\s+[A-Za-z][\w:/]*=|$)")
 def parse_scontrol(line: str) -> dict[str, str]:
     """``scontrol show job -o`` output (one job per line) as a dict; values may contain spaces."""
     return {m.group(1): m.group(2) for m in _KV.finditer(line.strip())}
+
+
+#: What the ``%`` patterns of ``--output`` are in the job's environment.
+_PATTERN_VARS = {"%A": "$SLURM_ARRAY_JOB_ID", "%a": "$SLURM_ARRAY_TASK_ID", "%j": "$SLURM_JOB_ID"}
+
+
+def shell_path(pattern: str) -> str:
+    """A log-name pattern (``.../slurm-%j.usage``, ``slurm-%A_%a.usage``) as one bash word that the
+    batch script expands to this job's own path."""
+    parts = re.split(r"(%[Aaj])", pattern)
+    return "".join(f'"{_PATTERN_VARS[p]}"' if p in _PATTERN_VARS else shlex.quote(p) for p in parts if p)
+
+
+def usage_prefix(log_path: str | Path) -> str:
+    """Where a job's usage wrapper writes (each task's: ``.<rank>``): ``<log without .log>.usage``."""
+    return str(log_path).removesuffix(".log") + ".usage"
+
+
+def wrapper_path(log_dir: Path) -> Path:
+    """The launcher's copy of the usage wrapper in the (shared) log folder, named by its content,
+    so a job never runs a copy another openlab version left there."""
+    digest = hashlib.sha256(helper_script("usage.py").read_bytes()).hexdigest()[:12]
+    return log_dir / f".openlab-usage-{digest}.py"
 
 
 def slurm_time(seconds: int) -> str:
@@ -257,6 +297,8 @@ class SlurmLauncher(Launcher):
         list_option(opts, "extra_args", EXTRA_ARGS_EXAMPLE)
         number_option(opts, "retries", 3)
         number_option(opts, "cancel_timeout", 30)
+        measure_usage_option(opts)
+        flag_option(opts, "sacct", True)
 
     def __init__(self, settings: Any = None, config: Any = None) -> None:
         super().__init__(settings, config)
@@ -333,11 +375,43 @@ class SlurmLauncher(Launcher):
         for flag in list_option(opts, "extra_args", EXTRA_ARGS_EXAMPLE):
             lines.append(f"#SBATCH {flag}")
         lines.append("")
+        measured = self._usage_lines(opts, log_pattern)
+        lines.extend(measured)
         if spec.tasks > 1:
             lines.extend(self._task_lines(spec, log_pattern))
+        elif measured:
+            command = " ".join(shlex.quote(c) for c in spec.command)
+            lines.append(
+                'if [ -n "$OPENLAB_USAGE_PY" ]; then "$OPENLAB_USAGE_PY" -I -S "$OPENLAB_USAGE_WRAPPER" --no-forward '
+                f'"$OPENLAB_USAGE" -- {command}; else {command}; fi'
+            )
         else:
             lines.append(" ".join(shlex.quote(c) for c in spec.command))
         return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def _usage_lines(opts: Mapping[str, Any], log_pattern: str) -> list[str]:
+        """Set up the usage wrapper (module docstring): where it writes, with which Python ("" when
+        ``measure_usage = "auto"`` and the node has no such Python, or no copy of the wrapper: the
+        command then runs as it is). No lines for ``measure_usage = false``."""
+        mode = measure_usage_option(opts)
+        if mode is False:
+            return []
+        python = str(opts.get("python") or "python3")
+        lines = [
+            f"OPENLAB_USAGE={shell_path(usage_prefix(log_pattern))}",
+            f"OPENLAB_USAGE_WRAPPER={shlex.quote(str(wrapper_path(Path(log_pattern).parent)))}",
+            f"OPENLAB_USAGE_PY={shlex.quote(python)}",
+        ]
+        if mode is None:
+            lines.append(
+                '[ -r "$OPENLAB_USAGE_WRAPPER" ] && command -v "$OPENLAB_USAGE_PY" >/dev/null 2>&1 || OPENLAB_USAGE_PY='
+            )
+        lines += [
+            'rm -f "$OPENLAB_USAGE" "$OPENLAB_USAGE".*  # a requeued job starts afresh',
+            "export OPENLAB_USAGE OPENLAB_USAGE_WRAPPER OPENLAB_USAGE_PY",
+        ]
+        return lines
 
     def _task_lines(self, spec: JobSpec, log_pattern: str) -> list[str]:
         """Start one process per task with ``srun``, each told its place; end with the exit code of
@@ -353,12 +427,13 @@ class SlurmLauncher(Launcher):
         stays a preemption. ``--label`` puts the rank in front of each log line.
         """
         cpus = f" --cpus-per-task={max(1, math.ceil(spec.cpus))}" if spec.cpus else ""  # srun no longer inherits it
-        before, _, after = log_pattern.removesuffix(".log").partition("%j")
-        ends = f'{shlex.quote(before)}"$SLURM_JOB_ID"{shlex.quote(after + ".ends")}'
+        ends = shell_path(task_ends_prefix(log_pattern))
         place = (
             'export RANK="$SLURM_PROCID" LOCAL_RANK="$SLURM_LOCALID" NODE_RANK="$SLURM_NODEID" '
             f"LOCAL_WORLD_SIZE={spec.tasks_per_node}\n"
-            '"$@" &\nchild=$!\n'
+            # each task under the usage wrapper, when the batch script set one up (see _usage_lines)
+            'if [ -n "${OPENLAB_USAGE_PY:-}" ]; then "$OPENLAB_USAGE_PY" -I -S "$OPENLAB_USAGE_WRAPPER" --no-forward '
+            '"$OPENLAB_USAGE.$RANK" -- "$@" & else "$@" & fi\nchild=$!\n'
             # Slurm signals every process of the step, the task with this wrapper: the wrapper only has to
             # outlive the signal to record the task's end (forwarding would deliver it twice)
             "trap : TERM\ntrap : USR1\n"
@@ -385,7 +460,9 @@ class SlurmLauncher(Launcher):
             "first=$(cat \"$OPENLAB_TASK_ENDS\".* 2>/dev/null | sort -n -k4 | awk '$2 != 0 {print; exit}')",
             'if [ -n "$first" ]; then',
             "    set -- $first",
-            '    echo "openlab: task $1 on $3 failed first (exit $2); srun stopped the other tasks" >&2',
+            # 143/137 first: every task was stopped from outside (a cancel, a preemption), none failed
+            '    case "$2" in 143|137) ;; *) echo "openlab: task $1 on $3 failed first (exit $2); srun stopped the'
+            ' other tasks" >&2 ;; esac',
             '    exit "$2"',
             "fi",
             "exit $code",
@@ -398,6 +475,8 @@ class SlurmLauncher(Launcher):
         is_array = bool(opts.get("array"))
         log_pattern = str(log_dir / ("slurm-%A_%a.log" if is_array else "slurm-%j.log"))
         script = self.batch_script(spec, log_pattern)
+        if measure_usage_option(opts) is not False:
+            self._install_wrapper(wrapper_path(log_dir))
         self.script_dir.mkdir(parents=True, exist_ok=True)
         script_path = self.script_dir / f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', spec.name)[:40]}-{uuid.uuid4().hex[:8]}.sh"
         script_path.write_text(script)
@@ -421,6 +500,18 @@ class SlurmLauncher(Launcher):
             raise LauncherError(f"sbatch --parsable printed no job id: {proc.stdout.strip()!r}")
         log_path = log_pattern.replace("%A", job_id).replace("%j", job_id)
         return JobHandle(self.name, job_id, log_path, {"script": str(script_path), "array": is_array})
+
+    @staticmethod
+    def _install_wrapper(path: Path) -> None:
+        """Put the launcher's copy of the usage wrapper at ``path`` (whole or not at all: a job
+        starting meanwhile must not run half a file)."""
+        text = helper_script("usage.py").read_bytes()
+        if path.exists() and path.read_bytes() == text:
+            return
+        tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        tmp.write_bytes(text)
+        tmp.chmod(0o644)
+        tmp.replace(path)
 
     # -- status ------------------------------------------------------------------------
     def _scontrol(self, job_id: str) -> list[dict[str, str]] | None:
@@ -496,6 +587,30 @@ class SlurmLauncher(Launcher):
             return rows, "sacct"
         return self._jobcomp(job_id), "jobcomp"
 
+    @staticmethod
+    def _wrapper_usage(handle: JobHandle) -> dict[str, float] | None:
+        """What the usage wrapper recorded for an ended job: its file, or each task's (summed CPU,
+        largest peak), every array task's for an array; None when it wrote nothing."""
+        if not handle.log_path:
+            return None
+        prefix = glob.escape(usage_prefix(handle.log_path)).replace("%a", "*")
+        found: list[dict[str, float]] = []
+        for path in sorted({*glob.glob(prefix), *glob.glob(prefix + ".*")}):
+            try:
+                usage = parse_usage(Path(path).read_text())
+            except OSError:
+                usage = None
+            if usage is not None:
+                found.append(usage)
+        if not found:
+            return None
+        total: dict[str, float] = {}
+        if cpu := [u["cpu_seconds"] for u in found if "cpu_seconds" in u]:
+            total["cpu_seconds"] = round(sum(cpu), 3)
+        if rss := [u["max_rss_bytes"] for u in found if "max_rss_bytes" in u]:
+            total["max_rss_bytes"] = max(rss)
+        return total or None
+
     def _usage(self, job_id: str, *, wait: float = 5.0) -> dict[str, float] | None:
         """What an ended job used, from sacct (None without accounting, or before it has the job).
 
@@ -503,7 +618,7 @@ class SlurmLauncher(Launcher):
         running, this asks again for up to ``wait`` seconds. A cluster without accounting is
         asked once per launcher.
         """
-        if self.config.get("sacct") is False:
+        if not flag_option(self.config, "sacct", True):
             return None
         fields = ["JobID", "State", "MaxRSS", "TotalCPU"]
         deadline = time.monotonic() + wait
@@ -533,7 +648,7 @@ class SlurmLauncher(Launcher):
     def status(self, handle: JobHandle) -> JobStatus:
         status = self._status(handle)
         if status.state.terminal and status.state is not JobState.LOST and status.usage is None:
-            status.usage = self._usage(handle.job_id)
+            status.usage = self._wrapper_usage(handle) or self._usage(handle.job_id)
         return status
 
     def _status(self, handle: JobHandle) -> JobStatus:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -264,9 +265,17 @@ def test_batch_script_carries_every_resource() -> None:
         "#SBATCH --qos=high",
         "#SBATCH --array=0-3",
         "#SBATCH --chdir=/tmp",
-        "python -c 'print('\"'\"'a b'\"'\"')'",
+        # each array task's usage wrapper writes its own record next to its log
+        'OPENLAB_USAGE=/logs/slurm-"$SLURM_ARRAY_JOB_ID"_"$SLURM_ARRAY_TASK_ID".usage',
     ):
         assert line in script.splitlines(), (line, script)
+    assert script.splitlines()[-1].endswith(
+        "-- python -c 'print('\"'\"'a b'\"'\"')'; else python -c 'print('\"'\"'a b'\"'\"')'; fi"
+    )
+
+    plain = launcher.batch_script(dataclasses.replace(job, options={**job.options, "measure_usage": False}), "/l/x.log")
+    assert plain.splitlines()[-1] == "python -c 'print('\"'\"'a b'\"'\"')'", plain
+    assert "OPENLAB_USAGE" not in plain
 
 
 # -- kubernetes faults --------------------------------------------------------------------------------

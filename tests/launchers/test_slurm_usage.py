@@ -1,9 +1,12 @@
-"""A Slurm job's attempt records what the job used, from the cluster's accounting (sacct): the job's
-TotalCPU and the largest MaxRSS its steps sampled. Real single-node cluster with slurmdbd."""
+"""A Slurm job's attempt records what the job used: measured by the usage wrapper the batch script
+runs it under (exact, with or without accounting), else from the cluster's accounting (sacct): the
+job's TotalCPU and the largest MaxRSS its steps sampled. Real single-node cluster (with slurmdbd
+for the sacct test; ``sacct = false`` is a cluster whose accounting openlab does not ask)."""
 
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 
@@ -11,7 +14,7 @@ from orchestrator.launchers import JobSpec, JobState, get_launcher
 from orchestrator.launchers.attempts import run_job
 from orchestrator.launchers.slurm import parse_sacct_bytes, parse_sacct_duration
 from orchestrator.lineage import Attempt, LineageStore
-from tests.services import require_slurm_accounting
+from tests.services import require_slurm, require_slurm_accounting
 
 #: Touches 256 MiB (so it is resident) and burns 3 s of CPU: longer than one accounting sample (2 s).
 HUNGRY = (
@@ -23,10 +26,34 @@ HUNGRY = (
 )
 
 
+#: Touches 256 MiB and burns 0.5 s: shorter than one accounting sample, so sacct would see no memory.
+QUICK = (
+    "import os, time\n"
+    "b = bytearray(256 * 2**20)\n"
+    "for i in range(0, len(b), 4096): b[i] = 1\n"
+    "t = time.process_time()\n"
+    "while time.process_time() - t < 0.5: pass\n"
+    "print('rank', os.environ.get('RANK', '-'), 'done', flush=True)\n"
+)
+
+#: Counts the SIGTERMs it gets, says so, and ends 1.5 s after the first (time for a second one).
+STOPS = """
+import signal, sys, time
+got = []
+signal.signal(signal.SIGTERM, lambda *_: got.append(1) or print("got SIGTERM", len(got), flush=True))
+print("ready", flush=True)
+start = time.time()
+while not got and time.time() - start < 60:
+    time.sleep(0.05)
+time.sleep(1.5)
+sys.exit(143)
+"""
+
+
 @pytest.mark.slurm
 def test_a_slurm_job_records_what_sacct_says_it_used(store: LineageStore) -> None:
     require_slurm_accounting()
-    launcher = get_launcher("slurm")
+    launcher = get_launcher("slurm", measure_usage=False)  # sacct's numbers alone
     attempt, status = run_job(
         store, launcher, JobSpec(name="hungry", command=[sys.executable, "-c", HUNGRY]), timeout=150
     )
@@ -45,3 +72,59 @@ def test_sacct_numbers_are_read_in_its_own_units() -> None:
     assert parse_sacct_duration("01:02:03") == 3723
     assert parse_sacct_duration("2-01:02:03") == 2 * 86400 + 3723
     assert parse_sacct_duration("") is None
+
+
+@pytest.mark.slurm
+def test_without_accounting_the_wrapper_measures_each_task_exactly(store: LineageStore) -> None:
+    """The batch script runs the command (each task's) under the usage wrapper with the node's
+    python3, so a cluster without slurmdbd records what a job used, and a job shorter than one
+    accounting sample still has its peak memory. Tasks' CPU adds up; the peak is the largest one's."""
+    require_slurm()
+    launcher = get_launcher("slurm", sacct=False)
+    lines: list[str] = []
+    attempt, status = run_job(
+        store, launcher, JobSpec(name="quick", command=[sys.executable, "-c", QUICK]), on_log=lines.append, timeout=150
+    )
+    assert status.state is JobState.SUCCEEDED and "rank - done" in lines, (status, lines)
+    used = store.require(Attempt, attempt.id).used
+    assert used is not None and used["cpu_seconds"] >= 0.5, used
+    assert 256 * 2**20 <= used["max_rss_bytes"] < 512 * 2**20, used
+
+    spec = JobSpec(name="quick2", command=[sys.executable, "-c", QUICK], tasks_per_node=2)
+    attempt, status = run_job(store, launcher, spec, on_log=lines.append, timeout=150)
+    assert status.state is JobState.SUCCEEDED, (status, lines)
+    used = store.require(Attempt, attempt.id).used
+    assert used is not None and used["cpu_seconds"] >= 1.0, used  # both tasks'
+    assert 256 * 2**20 <= used["max_rss_bytes"] < 512 * 2**20, used  # the larger task's, not the sum
+
+    # "auto" with no such Python on the node: the command runs as it is, unmeasured
+    missing = get_launcher("slurm", sacct=False, python="no-such-python3")
+    attempt, status = run_job(store, missing, JobSpec(name="bare", command=["true"]), timeout=150)
+    assert status.state is JobState.SUCCEEDED and store.require(Attempt, attempt.id).used is None, status
+    # measure_usage = true asks for it: the job fails as a missing command does
+    forced = get_launcher("slurm", sacct=False, python="no-such-python3", measure_usage=True)
+    _, status = run_job(store, forced, JobSpec(name="forced", command=["true"]), timeout=150)
+    assert status.state is JobState.FAILED and status.exit_code == 127, status
+
+
+@pytest.mark.slurm
+def test_a_cancelled_slurm_job_under_the_wrapper_is_told_once_and_its_use_kept() -> None:
+    """Slurm signals every process of the step: the wrapper outlives the SIGTERM without passing it
+    on (the command got its own), so the job saves on its one SIGTERM and what it used is kept."""
+    require_slurm()
+    launcher = get_launcher("slurm", sacct=False)
+    handle = launcher.submit(JobSpec(name="stops", command=[sys.executable, "-c", STOPS]))
+    try:
+        deadline = time.monotonic() + 60
+        while "ready" not in list(launcher.logs(handle)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        launcher.cancel(handle)
+    finally:
+        launcher.cleanup(handle)
+    deadline = time.monotonic() + 10  # the job ends 1.5 s after its SIGTERM; the record follows
+    while launcher.status(handle).usage is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    told = [line for line in launcher.logs(handle) if "got SIGTERM" in line]
+    assert told == ["got SIGTERM 1"], list(launcher.logs(handle))
+    status = launcher.status(handle)
+    assert status.state is JobState.CANCELLED and status.usage is not None, status

@@ -276,11 +276,15 @@ sys.exit(143)
 """
 
 
-@pytest.mark.parametrize("backend", ["local", pytest.param("docker", marks=pytest.mark.docker)])
+BACKENDS = ["local", pytest.param("docker", marks=pytest.mark.docker), pytest.param("slurm", marks=pytest.mark.slurm)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_multi_task_job_that_is_cancelled_tells_each_task_once(backend: str, store: LineageStore) -> None:
     """A cancel (or a time limit) of a job of several tasks on one machine reaches each task once, as
     srun delivers it: the supervisor (local) or the container's stop, through the usage wrapper and
-    `timeout` (Docker), signals the task runner, which passes it on.
+    `timeout` (Docker), signals the task runner, which passes it on; on Slurm, where every process
+    of the step is signalled, the batch script's task wrappers and usage wrappers pass nothing on.
     A task told twice could have its checkpoint save cut short by the second: rank 1 ends (143) while
     rank 0 still saves, and the runner must not take that for a failure and stop rank 0 again."""
     if backend == "docker":
@@ -288,6 +292,11 @@ def test_a_multi_task_job_that_is_cancelled_tells_each_task_once(backend: str, s
 
         launcher = get_launcher("docker", image=docker_image("job"), grace=10)
         python, limit = "python", 120  # a time limit: the job runs under `timeout` too
+    elif backend == "slurm":  # srun's tasks, each under the usage wrapper, which passes nothing on
+        from tests.services import require_slurm
+
+        require_slurm()
+        launcher, python, limit = get_launcher("slurm"), sys.executable, None
     else:
         launcher, python, limit = get_launcher("local"), sys.executable, None
     handle = launcher.submit(
