@@ -566,6 +566,10 @@ def find_recipe(ref: str | Path, recipes_dir: Path | None = None, *, root: Path 
         recipes_dir = recipes_dir or root / "recipes"
     if candidate.is_file():
         return candidate
+    if candidate.is_dir():
+        inside = ", ".join(sorted(p.name for p in candidate.glob("*.y*ml"))[:10])
+        hint = f"one of its recipes ({inside})" if inside else "a recipe file (a .yaml)"
+        raise ConfigError(f"recipe {ref}: is a folder, not a recipe; give {hint} or a recipe name")
     folder = recipes_dir or RECIPES_DIR
     for name in (str(ref), f"{ref}.yaml", f"{ref}.yml"):
         path = folder / name

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from orchestrator.errors import ConfigError
-from orchestrator.recipes import RECIPES_DIR, identity_config, load_recipe, resolve
+from orchestrator.recipes import RECIPES_DIR, find_recipe, identity_config, load_recipe, resolve
 
 RECIPE = RECIPES_DIR / "marin-535b-a23b.yaml"
 
@@ -144,6 +144,12 @@ def test_missing_key_and_bad_split_and_unknown_replica(tmp_path: Path) -> None:
         resolve("marin-535b-a23b", "huge")
     with pytest.raises(ConfigError, match="no recipe of that name"):
         load_recipe("no-such-recipe")
+    # a folder is not "no such file": it exists, it is just not a recipe
+    with pytest.raises(ConfigError, match=r"is a folder, not a recipe; give one of its recipes \(marin-535b"):
+        find_recipe(RECIPES_DIR)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"is a folder, not a recipe; give a recipe file \(a \.yaml\)"):
+        find_recipe(tmp_path / "empty")
 
 
 def test_yaml_is_loaded_safely(tmp_path: Path) -> None:
