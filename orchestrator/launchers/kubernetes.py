@@ -24,6 +24,12 @@
   ``"auto"`` (default) for images a local Docker engine holds with the ``openlab.io/python``
   label (the repo's Dockerfile sets it), ``true`` for any image with a ``python`` (option
   ``python``), ``false`` never.
+- A container's first process is its PID 1, which the kernel gives no default action for SIGTERM
+  and which inherits every orphan: the usage wrapper, when it runs, is written to be that (it
+  passes signals on and reaps, counting what orphans used). A pod without it gets
+  ``shareProcessNamespace: true`` (unless the template says otherwise), so the pause container is
+  PID 1 and reaps, and the command is an ordinary process: a job with no SIGTERM handler ends on a
+  cancel or an eviction instead of lasting the grace period out until SIGKILL.
 - The helper scripts a pod runs (the usage wrapper; ``launchers/_tasks.py`` for several tasks)
   are this launcher's own copies, sent in a ConfigMap ``<job>-openlab`` made just before the Job
   and mounted read-only at ``/.openlab``: stdlib-only, run with ``python -I -S``, so the image
@@ -473,6 +479,8 @@ class KubernetesLauncher(Launcher):
             runner = ["-I", "-S", f"{HELPERS_MOUNT}/usage.py"] if shipped else ["-m", "orchestrator.launchers._usage"]
             main["command"] = [wrapper, *runner, out, "--", *main["command"]]
         main.pop("args", None)
+        if wrapper is None:  # the pod's pause container as PID 1, not the command (module docstring)
+            pod_spec.setdefault("shareProcessNamespace", True)
         volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") != HELPERS_VOLUME]
         mounts = [m for m in main.get("volumeMounts") or [] if m.get("name") != HELPERS_VOLUME]
         if shipped and (spec.tasks > 1 or wrapper is not None):

@@ -26,7 +26,10 @@ Where the pod runs (``runtime``), as a kubelet would as far as the launcher can 
   container of the pod's image, ``command``/``args`` as entrypoint/cmd, env, workingDir,
   hostPath volumes as bind mounts, configMap volumes as read-only bind mounts of a folder holding
   the ConfigMap's keys as files (as the kubelet projects them), cpu/memory limits (so an OOM kill
-  is ``OOMKilled``), the image's real id as ``imageID``. Manifests are then exercised the way a
+  is ``OOMKilled``), the image's real id as ``imageID``. Without ``shareProcessNamespace`` the
+  command is the container's PID 1, as in a pod (no default action for SIGTERM, orphans left as
+  zombies); with it, Docker's init plays the pause container's part (PID 1, reaping orphans; the
+  command gets the stop signal as an ordinary process). Manifests are then exercised the way a
   cluster would run them, not just accepted.
 - ``process`` (otherwise): the command as a local process in its own process group, with
   the manifest's env and workingDir and this machine's PATH; a process has no mounts of its own,
@@ -201,6 +204,8 @@ class _Container(_Workload):
             kwargs["nano_cpus"] = int((_quantity(limits["cpu"], cpu=True) or 0) * 1e9)
         if pod_spec.get("hostname"):
             kwargs["hostname"] = pod_spec["hostname"]
+        if pod_spec.get("shareProcessNamespace"):  # the pause container is PID 1 (module docstring)
+            kwargs["init"] = True
         if network is not None:  # cluster DNS: the names a headless Service gives the pod
             kwargs["network"] = network
             kwargs["networking_config"] = {network: client.api.create_endpoint_config(aliases=aliases or [])}

@@ -243,3 +243,40 @@ def test_a_kubernetes_pods_wrapper_reaps_orphans_and_counts_them(
     assert "zombies 0" in lines, lines
     used = store.require(Attempt, attempt.id).used
     assert used is not None and used["cpu_seconds"] >= 0.5, used  # the orphan's, which the job never waited for
+
+
+#: Leaves an orphan, counts the zombies, then waits with no SIGTERM handler of its own.
+UNHANDLED = (
+    ORPHAN
+    + """
+print("started", flush=True)
+time.sleep(120)
+"""
+)
+
+
+def test_a_kubernetes_pod_without_the_wrapper_is_not_its_own_init(k8s_cluster: EmulatedCluster) -> None:
+    """Without the usage wrapper the command would be the pod's PID 1: the kernel gives PID 1 no
+    default action for SIGTERM, so a job without a handler of its own would ignore an eviction or
+    a cancel until SIGKILL at the end of the grace period (137, no chance to end cleanly), and its
+    orphans would stay zombies. The pod shares its process namespace instead: the pause container
+    is PID 1 and reaps, and SIGTERM ends the job (143)."""
+    assert k8s_cluster.runtime == "docker", k8s_cluster.runtime_reason
+    launcher = get_launcher("kubernetes", host=k8s_cluster.url, image=k8s_cluster.image, measure_usage=False)
+    launcher.poll_interval = 0.1
+    spec = JobSpec(name="plain", command=["python", "-c", UNHANDLED])
+    assert launcher.manifest(spec, "probe")["spec"]["template"]["spec"]["shareProcessNamespace"] is True
+    handle = launcher.submit(spec)
+    try:
+        deadline = time.monotonic() + 60
+        while "started" not in list(launcher.logs(handle)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "zombies 0" in list(launcher.logs(handle)), list(launcher.logs(handle))
+        k8s_cluster.evict(handle.job_id, grace=20.0)
+        status = launcher.wait(handle, timeout=60)
+        assert status.state is JobState.PREEMPTED and status.exit_code == 143, status
+    finally:
+        launcher.cleanup(handle)
+
+    measured = get_launcher("kubernetes", host=k8s_cluster.url, image=k8s_cluster.image, measure_usage=True)
+    assert "shareProcessNamespace" not in measured.manifest(spec, "probe")["spec"]["template"]["spec"]
