@@ -111,6 +111,16 @@ NODE_SELECTOR_EXAMPLE = '{"nvidia.com/gpu.product" = "H100"}'
 TOLERATIONS_EXAMPLE = '[{key = "gpu", operator = "Exists"}]'
 #: Where a container writes its termination message unless its spec says otherwise (Kubernetes' default).
 TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+#: What the launcher asks of the API server in its namespace: (API group, resource, verbs, what
+#: needs it). ``infra/k8s/rbac.yaml`` grants exactly this (a test holds both to the requests the
+#: launcher really makes); ``backends check`` asks the server which of it is allowed.
+API_NEEDS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
+    ("batch", "jobs", ("create", "get", "list", "delete"), "every job"),
+    ("", "pods", ("list",), "every job"),
+    ("", "pods/log", ("get",), "every job's log"),
+    ("", "services", ("create", "patch", "delete"), "jobs of several nodes"),
+    ("", "configmaps", ("create", "patch", "delete"), "jobs of several tasks or measured: helpers_configmap"),
+)
 #: The pod volume of the job's helper scripts (a ConfigMap of :meth:`KubernetesLauncher.helpers_manifest`).
 HELPERS_VOLUME = "openlab-helpers"
 #: Longest wait before re-reading a pod log whose follow stream ended while the pod still runs.
@@ -1045,7 +1055,45 @@ class KubernetesLauncher(Launcher):
                 f"list Jobs in namespace {self.namespace}",
                 lambda: self.batch.list_namespaced_job(self.namespace, limit=1),
             )
+            refused = self.refused_rights()
         except LauncherError as exc:
             return False, str(exc)
         host = self.api_client.configuration.host
-        return True, f"API at {host}, namespace {self.namespace}, manifests validated for Kubernetes {self.version}"
+        where = f"API at {host}, namespace {self.namespace}"
+        if refused:
+            return False, f"{where}: may not {'; '.join(refused)} (grant the Role in infra/k8s/rbac.yaml)"
+        rights = "rights not checked: the server answers no SelfSubjectAccessReview" if refused is None else "rights ok"
+        return True, f"{where}, {rights}, manifests validated for Kubernetes {self.version}"
+
+    def refused_rights(self) -> list[str] | None:
+        """What of :data:`API_NEEDS` the server says this client may not do in its namespace, one
+        entry per resource (``create, patch configmaps (jobs of several tasks...)``), as ``kubectl
+        auth can-i`` asks it (SelfSubjectAccessReview); None when the server answers no such review.
+        ConfigMaps are not needed with ``helpers_configmap = false``."""
+        from kubernetes import client
+
+        auth = client.AuthorizationV1Api(self.api_client)
+        refused: list[str] = []
+        for group, resource, verbs, why in API_NEEDS:
+            if resource == "configmaps" and not flag_option(self.config, "helpers_configmap", True):
+                continue
+            name, _, sub = resource.partition("/")
+            denied = []
+            for verb in verbs:
+                attrs = client.V1ResourceAttributes(
+                    namespace=self.namespace, verb=verb, group=group, resource=name, subresource=sub or None
+                )
+                review = client.V1SelfSubjectAccessReview(
+                    spec=client.V1SelfSubjectAccessReviewSpec(resource_attributes=attrs)
+                )
+                try:
+                    answer = self._call(
+                        f"review access to {resource}", lambda r=review: auth.create_self_subject_access_review(r)
+                    )
+                except LauncherError:  # an API server without the review (or that refuses it to us)
+                    return None
+                if not (answer.status and answer.status.allowed):
+                    denied.append(verb)
+            if denied:
+                refused.append(f"{', '.join(denied)} {resource} ({why})")
+        return refused

@@ -35,6 +35,12 @@ Where the pod runs (``runtime``), as a kubelet would as far as the launcher can 
   the manifest's env and workingDir and this machine's PATH; a process has no mounts of its own,
   so an argument under a configMap volume's ``mountPath`` is rewritten to that folder.
 
+Authorization, when a test asks for it (:meth:`EmulatedCluster.rbac`, a Role's rules): each
+namespaced request is mapped to RBAC's (API group, resource[/subresource], verb) as the API server
+does (:func:`rbac_of`), and one the rules do not grant is refused with the API server's 403
+``Forbidden`` Status; ``SelfSubjectAccessReview`` (``kubectl auth can-i``) answers from the same
+rules. Without rules every request is allowed, as for a cluster admin.
+
 A pod that mounts a ConfigMap that does not exist would wait in ``ContainerCreating`` on a real
 node; here that is an error of the emulator (:attr:`EmulatedCluster.errors`, which the fixtures
 assert empty), since every launcher path that makes such a pod is a bug.
@@ -55,10 +61,12 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import aiohttp.web
 import kmock
 from kmock._internal import apps
 from kmock._internal.references import resource
@@ -350,11 +358,61 @@ def _failed(reason: str, now: str) -> dict[str, str]:
     }
 
 
+#: HTTP methods that write, as RBAC names them (a GET is ``get``, ``list`` or ``watch``).
+WRITES = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}
+#: Who the client is to the API server, in its 403 messages.
+USER = "system:serviceaccount:default:openlab"
+ACCESS_REVIEW = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
+
+
+def rbac_of(method: str, path: str, params: dict[str, str]) -> tuple[str, str, str]:
+    """The (API group, resource[/subresource], verb) that RBAC checks for one namespaced request."""
+    parts = path.strip("/").split("/")
+    group, rest = ("", parts[2:]) if parts[0] == "api" else (parts[1], parts[3:])
+    if rest[:1] != ["namespaces"]:
+        raise ValueError(f"not a namespaced request: {path}")
+    resource, name, sub = (rest[2:] + [None, None])[:3]
+    if sub:
+        resource = f"{resource}/{sub}"
+    verb = WRITES.get(method) or ("get" if name else "watch" if params.get("watch") == "true" else "list")
+    return group, str(resource), verb
+
+
+def _status(code: int, reason: str, message: str) -> aiohttp.web.Response:
+    body = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message, "reason": reason}
+    return aiohttp.web.json_response({**body, "code": code}, status=code)
+
+
 class _ApiServer(kmock.KubernetesEmulator):
     """kmock's emulator, plus what every API server writes into an object it creates: a
-    ``metadata.uid`` (what ``ownerReferences`` name) and a ``creationTimestamp``."""
+    ``metadata.uid`` (what ``ownerReferences`` name) and a ``creationTimestamp``; and RBAC when
+    :attr:`rules` is set (module docstring)."""
+
+    rules: frozenset[tuple[str, str, str]] | None = None
+
+    def _allowed(self, group: str, resource: str, verb: str) -> bool:
+        return self.rules is None or (group, resource, verb) in self.rules
 
     async def _handle(self, request: Any) -> Any:
+        method, path = str(request.method.value).upper(), request.url.path
+        if method == "POST" and path == ACCESS_REVIEW:
+            spec = (request.data or {}).get("spec") or {}
+            attrs = spec.get("resourceAttributes") or {}
+            resource = attrs.get("resource", "") + (f"/{attrs['subresource']}" if attrs.get("subresource") else "")
+            allowed = self._allowed(attrs.get("group", ""), resource, attrs.get("verb", ""))
+            review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview", "spec": spec}
+            return aiohttp.web.json_response({**review, "status": {"allowed": allowed}}, status=201)
+        if self.rules is not None and "/namespaces/" in path:
+            group, resource, verb = rbac_of(method, path, dict(request.params))
+            if not self._allowed(group, resource, verb):
+                ns = path.split("/namespaces/", 1)[1].split("/", 1)[0]
+                kind = resource.split("/")[0] + (f".{group}" if group else "")
+                return _status(
+                    403,
+                    "Forbidden",
+                    f'{kind} is forbidden: User "{USER}" cannot {verb} resource "{resource}" '
+                    f'in API group "{group}" in the namespace "{ns}"',
+                )
         if request.action == kmock.action.CREATE and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {})
             meta["uid"] = str(uuid.uuid4())
@@ -549,6 +607,16 @@ class EmulatedCluster:
                     del self.km.objects[key]
 
         self.on_loop(collect)
+
+    @contextmanager
+    def rbac(self, rules: set[tuple[str, str, str]] | frozenset[tuple[str, str, str]]) -> Iterator[None]:
+        """While inside, the API server allows only ``rules`` ((API group, resource, verb) triples,
+        as a Role grants them) and refuses the rest with 403 (module docstring)."""
+        self.km.rules = frozenset(rules)
+        try:
+            yield
+        finally:
+            self.km.rules = None
 
     def requests(self) -> list[tuple[str, str, dict[str, str]]]:
         """Every request the API server has answered, as (HTTP method, path, query): what a client
