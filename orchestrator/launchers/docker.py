@@ -370,7 +370,10 @@ class DockerLauncher(Launcher):
         return folder
 
     def _forget_mounted(self, job_id: str) -> None:
-        shutil.rmtree(self.state_dir / "mounted" / job_id, ignore_errors=True)
+        # ``usage/``: where openlab before the task runner was mounted too kept the same folder, for a
+        # job that was running across the upgrade
+        for kind in ("mounted", "usage"):
+            shutil.rmtree(self.state_dir / kind / job_id, ignore_errors=True)
 
     @staticmethod
     def _read_usage(labels: dict[str, str]) -> dict[str, float] | None:

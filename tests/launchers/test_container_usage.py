@@ -49,6 +49,19 @@ def test_a_docker_job_records_its_peak_memory_and_cpu_time(store: LineageStore) 
     assert used is not None and used["cpu_seconds"] >= 1.2 and used["max_rss_bytes"] >= 256 * 2**20, used
 
 
+def test_cleanup_also_removes_the_folder_an_older_openlab_kept_for_the_job() -> None:
+    """Before the task runner was mounted too, the per-job folder was ``usage/<job>``; a job that ran
+    across the upgrade is cleaned up from there as well, not left behind for good."""
+    launcher = get_launcher("docker", image=docker_image("job"))
+    handle = launcher.submit(JobSpec(name="upgraded", command=["true"]))
+    old = launcher.state_dir / "usage" / handle.job_id
+    old.mkdir(parents=True)
+    (old / "usage.json").write_text("{}")
+    assert launcher.wait(handle, timeout=60).state is JobState.SUCCEEDED
+    launcher.cleanup(handle)
+    assert not old.exists() and not (launcher.state_dir / "mounted" / handle.job_id).exists()
+
+
 def test_the_wrapper_keeps_the_jobs_exit_code_and_is_left_out_where_it_cannot_run(store: LineageStore) -> None:
     image = docker_image("job")
     launcher = get_launcher("docker", image=image)
