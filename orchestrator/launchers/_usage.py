@@ -1,4 +1,4 @@
-"""Measure what a command in a container used: ``python -I -S _usage.py [--no-forward] OUT -- CMD...``.
+"""Measure what a command used (in a container, a Slurm job): ``python -I -S _usage.py [--no-forward] OUT -- CMD``.
 
 Why inside: a container's cgroup, where the engine keeps its CPU and memory counters, is
 deleted the moment the container exits, so nothing outside can read the totals of a job

@@ -555,8 +555,8 @@ def list_option(opts: Mapping[str, Any], name: str, example: str) -> list[Any]:
     return list(value)
 
 
-#: The image label that names its Python interpreter (set by the repo's Dockerfile); an image with it
-#: also holds ``orchestrator.launchers._usage``, added with the label.
+#: The image label that names its Python interpreter (set by the repo's Dockerfile): with it,
+#: ``measure_usage = "auto"`` runs the usage wrapper in that image, with that interpreter.
 PYTHON_LABEL = "openlab.io/python"
 #: Where the container backends put their own copies of the helper scripts a job runs under
 #: (``launchers/_tasks.py`` as ``tasks.py``, ``launchers/_usage.py`` as ``usage.py``): stdlib-only
