@@ -25,16 +25,17 @@
   ends with the container.
 - What a job used (CPU seconds, peak resident memory) is measured inside the container by
   ``launchers/_usage.py``, the parent of the job's command, because the container's cgroup
-  and its counters are gone once it exits. The launcher copies that script into a per-job
-  folder under ``$OPENLAB_HOME/jobs/docker/mounted/`` and mounts it at ``/.openlab``; so it
-  needs a Python in the image and an engine on this host. ``measure_usage = "auto"`` (the
-  default) does it for images that name their interpreter in the ``openlab.io/python``
-  label (the repo's Dockerfile does) on a local engine; ``true`` uses ``python`` (default
-  ``python``) in any image, and is refused with a remote engine; ``false`` never.
-- A job of several tasks runs them under this launcher's copy of ``launchers/_tasks.py``
-  (stdlib only), mounted the same way, so it runs in any image with a Python, openlab
-  installed or not, and never under a stale copy an old image holds; with an engine on
-  another host, under the image's own ``python -m orchestrator.launchers._tasks``.
+  and its counters are gone once it exits. It writes ``/.openlab/usage.json`` in the
+  container, which the launcher reads back from the ended container (``get_archive``).
+  ``measure_usage = "auto"`` (the default) does it for images that name their interpreter in
+  the ``openlab.io/python`` label (the repo's Dockerfile does); ``true`` uses ``python``
+  (default ``python``) in any image; ``false`` never.
+- A job of several tasks runs them under this launcher's copy of ``launchers/_tasks.py``.
+- Both helper scripts are this launcher's own copies (stdlib only, run with ``python -I -S``),
+  copied into the container at ``/.openlab`` between its creation and its start
+  (``put_archive``), so a job needs a Python in its image, not openlab, never runs a stale copy
+  an old image holds, and an engine on another host (``base_url``, ``DOCKER_HOST``) gets them
+  the same way as a local one: nothing of this host is mounted for them.
 - Yes/no options (``mount_workdir``, ``time_limit_wrapper``, ``init``, ``pull``,
   ``measure_usage``) take booleans or ``true``/``false``-like text; anything else is refused
   before the job starts (:func:`~orchestrator.launchers.base.flag_option`).
@@ -49,17 +50,18 @@ The job id is the container name (``openlab-<name>-<hex>``).
 from __future__ import annotations
 
 import datetime as dt
+import io
 import json
 import os
 import re
 import shutil
+import tarfile
 import time
 import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import ConfigError
 from orchestrator.launchers._tasks import command as tasks_command
 from orchestrator.launchers.base import (
     HELPERS_MOUNT,
@@ -93,8 +95,10 @@ TIME_LIMIT_LABEL = "openlab.io/time-limit"
 TASK_ENDS_LABEL = "openlab.io/task-ends"
 #: Where the container's usage wrapper (launchers/_usage.py) leaves what the job used, on this host.
 USAGE_LABEL = "openlab.io/usage"
-#: Where the per-job folder of helper scripts (and the usage record) is mounted in the container.
+#: Where the helper scripts (and the usage record) are in the container.
 MOUNT = HELPERS_MOUNT
+#: The folders older openlab versions kept per job on this host for them (removed at cleanup).
+LEGACY_FOLDERS = ("mounted", "usage")
 CANCEL_EXIT_CODES = (137, 143)
 
 
@@ -127,9 +131,21 @@ def _engine_url(opts: Mapping[str, Any]) -> str:
     return str(opts.get("base_url") or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock")
 
 
-def _engine_is_local(opts: Mapping[str, Any]) -> bool:
-    """Whether the engine runs on this host, so it can mount a folder of this host."""
-    return _engine_url(opts).startswith("unix://")
+def _helpers_archive(names: list[str]) -> bytes:
+    """A tar of this launcher's helper scripts ``names`` (:func:`helper_script`) under ``.openlab/``,
+    for ``put_archive`` at ``/``: the folder writable by anyone, so a job run as another user
+    (``user = ...``) can still write its usage record there."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        folder = tarfile.TarInfo(MOUNT.strip("/"))
+        folder.type, folder.mode, folder.mtime = tarfile.DIRTYPE, 0o777, int(time.time())
+        tar.addfile(folder)
+        for name in names:
+            data = helper_script(name).read_bytes()
+            info = tarfile.TarInfo(f"{MOUNT.strip('/')}/{name}")
+            info.size, info.mode, info.mtime = len(data), 0o444, int(time.time())
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
 
 
 class DockerLauncher(Launcher):
@@ -194,12 +210,7 @@ class DockerLauncher(Launcher):
         for name, number in (("grace", 5), ("pids_limit", 4096), ("timeout", 60)):
             number_option(opts, name, number)
         table_option(opts, "mounts", MOUNTS_EXAMPLE)
-        if measure_usage_option(opts) and not _engine_is_local(opts):
-            # the wrapper and its record live in a folder on this host, which a remote engine cannot mount
-            raise ConfigError(
-                f"measure_usage = true needs a Docker engine on this host, not {_engine_url(opts)}: "
-                "set it to auto or false"
-            )
+        measure_usage_option(opts)
 
     def image_name(self, spec: JobSpec) -> str | None:
         return spec.image or self.config.get("image") or DEFAULT_IMAGE
@@ -260,14 +271,11 @@ class DockerLauncher(Launcher):
         labels["openlab.io/job-name"] = spec.name
         command = list(spec.command)
         task_ends = None
-        mounted = None  # this launcher's helper scripts, mounted into the container at MOUNT
+        helpers: list[str] = []  # this launcher's helper scripts, copied into the container at MOUNT
         if spec.tasks > 1:  # one process per task in the container, told its place (launchers/_tasks.py)
             python = str(opts.get("python") or "python")
-            if _engine_is_local(opts):  # this launcher's copy: any image with a Python, never a stale one
-                mounted = self._mounted(job_id, "tasks.py")
-                command = tasks_command(python, spec.tasks, command, script=f"{MOUNT}/tasks.py")
-            else:  # an engine elsewhere cannot mount a folder of this host: the image's copy of openlab
-                command = tasks_command(python, spec.tasks, command)
+            helpers.append("tasks.py")
+            command = tasks_command(python, spec.tasks, command, script=f"{MOUNT}/tasks.py")
             if spec.artifact_root is not None:  # mounted at the same path: the ends are readable here
                 task_ends = str(Path(spec.artifact_root).resolve() / ".tasks" / f"{job_id}.ends")
                 labels[TASK_ENDS_LABEL] = task_ends
@@ -280,9 +288,9 @@ class DockerLauncher(Launcher):
         if python is not None:  # the job runs under the usage wrapper, its parent in the container
             # Outside `timeout`, which signals its whole process group: inside it, the job would get
             # the time limit's SIGTERM from timeout and again from the wrapper passing it on.
-            mounted = self._mounted(job_id, "usage.py")
+            helpers.append("usage.py")
             command = [python, "-I", "-S", f"{MOUNT}/usage.py", f"{MOUNT}/usage.json", "--", *command]
-            labels[USAGE_LABEL] = str(mounted / "usage.json")
+            labels[USAGE_LABEL] = f"{MOUNT}/usage.json"
         env = {
             **{str(k): str(v) for k, v in spec.env.items()},
             **({"OPENLAB_TASK_ENDS": task_ends} if task_ends else {}),
@@ -301,14 +309,11 @@ class DockerLauncher(Launcher):
             # not whatever copy was baked into the image when it was last built.
             workdir = str(Path(spec.workdir).resolve())
             volumes.setdefault(workdir, {"bind": workdir, "mode": "ro"})
-        if mounted is not None:
-            volumes[str(mounted)] = {"bind": MOUNT, "mode": "rw"}
         for host_path, target in table_option(opts, "mounts", MOUNTS_EXAMPLE).items():
             bind, _, mode = str(target).partition(":")
             volumes[str(host_path)] = {"bind": bind, "mode": mode or "rw"}
         kwargs: dict[str, Any] = {
             "name": job_id,
-            "detach": True,
             "labels": labels,
             "environment": env,
             "network_mode": opts.get("network_mode", "none"),
@@ -334,13 +339,15 @@ class DockerLauncher(Launcher):
         if opts.get("shm_size"):
             kwargs["shm_size"] = parse_memory(str(opts["shm_size"]))
         try:
-            container = self.client.containers.run(image.id, command, **kwargs)
+            container = self.client.containers.create(image.id, command, **kwargs)
+            if helpers:
+                container.put_archive("/", _helpers_archive(helpers))
+            container.start()
         except errors.ImageNotFound as exc:
-            self._forget_mounted(job_id)
+            self._remove_quietly(job_id)
             raise ImageNotFound(f"docker: {_api_message(exc)}") from None
         except errors.APIError as exc:
             self._remove_quietly(job_id)
-            self._forget_mounted(job_id)
             raise LauncherError(f"docker refused to run the job: {_api_message(exc)}") from None
         digest = self.image_digest(image)
         return JobHandle(
@@ -350,38 +357,35 @@ class DockerLauncher(Launcher):
             {"container_id": container.id, "image_digest": digest},
         )
 
-    def _usage_python(self, image: Any, opts: dict[str, Any]) -> str | None:
+    @staticmethod
+    def _usage_python(image: Any, opts: dict[str, Any]) -> str | None:
         """The image's interpreter to run the usage wrapper with, or None to not measure (see the
-        module docstring: ``measure_usage``). It needs an engine on this host, which sees the
-        folder the wrapper is copied into: "auto" does not measure elsewhere, and ``true`` with
-        an engine elsewhere was refused by :meth:`check_options`."""
-        return usage_python(opts, image.labels) if _engine_is_local(self.config) else None
+        module docstring: ``measure_usage``)."""
+        return usage_python(opts, image.labels)
 
-    def _mounted(self, job_id: str, name: str) -> Path:
-        """The job's folder of this launcher's helper scripts (mounted at ``/.openlab``), with a
-        copy of helper ``name`` in it (:func:`helper_script`); it also takes the usage record.
-
-        World-writable, so a job run as another user (``user = ...``) can still write its record.
-        """
-        folder = self.state_dir / "mounted" / job_id
-        folder.mkdir(parents=True, exist_ok=True)
-        folder.chmod(0o777)
-        shutil.copyfile(helper_script(name), folder / name)
-        return folder
-
-    def _forget_mounted(self, job_id: str) -> None:
-        # ``usage/``: where openlab before the task runner was mounted too kept the same folder, for a
-        # job that was running across the upgrade
-        for kind in ("mounted", "usage"):
+    def _forget_legacy(self, job_id: str) -> None:
+        """Remove what an older openlab kept on this host for a job it started (a per-job folder of
+        the helper scripts, mounted into the container), for a job that ran across the upgrade."""
+        for kind in LEGACY_FOLDERS:
             shutil.rmtree(self.state_dir / kind / job_id, ignore_errors=True)
 
-    @staticmethod
-    def _read_usage(labels: dict[str, str]) -> dict[str, float] | None:
-        """What the usage wrapper recorded for an ended container (None: nothing measured)."""
+    def _read_usage(self, container: Any, labels: dict[str, str]) -> dict[str, float] | None:
+        """What the usage wrapper recorded in an ended container (None: nothing measured, or the
+        wrapper was killed with the job before it could write)."""
         path = labels.get(USAGE_LABEL)
+        if not path:
+            return None
+        if not path.startswith(f"{MOUNT}/"):  # an older openlab's record, in a folder of this host
+            try:
+                return parse_usage(Path(path).read_text())
+            except OSError:
+                return None
         try:
-            return parse_usage(Path(path).read_text()) if path else None
-        except OSError:
+            stream, _ = container.get_archive(path)
+            with tarfile.open(fileobj=io.BytesIO(b"".join(stream))) as tar:
+                member = tar.extractfile(tar.getmembers()[0])
+                return parse_usage(member.read().decode(errors="replace")) if member is not None else None
+        except (self._errors().APIError, tarfile.TarError, IndexError):
             return None
 
     def _remove_quietly(self, job_id: str) -> None:
@@ -435,7 +439,8 @@ class DockerLauncher(Launcher):
             job_state, reason = JobState.LOST, "container is dead"
         if code:
             reason = with_notes(reason, first_failed_task(labels.get(TASK_ENDS_LABEL)))
-        return JobStatus(job_state, code, reason, host, started, ended, digest, usage=self._read_usage(labels))
+        usage = self._read_usage(container, labels)
+        return JobStatus(job_state, code, reason, host, started, ended, digest, usage=usage)
 
     def _cancel_marker(self, job_id: str) -> Path:
         return self.state_dir / f"{job_id}.cancelled"
@@ -550,7 +555,7 @@ class DockerLauncher(Launcher):
             container.remove(force=True)
         except self._errors().NotFound:
             pass
-        self._forget_mounted(handle.job_id)  # kept in the final status now
+        self._forget_legacy(handle.job_id)
 
     def check(self) -> tuple[bool, str]:
         try:

@@ -32,9 +32,8 @@ def test_a_docker_job_records_its_peak_memory_and_cpu_time(store: LineageStore) 
     assert used is not None and used["cpu_seconds"] >= 0.6, used
     assert 256 * 2**20 <= used["max_rss_bytes"] < 2**30, used
 
-    # the container is removed and its usage folder too; the final status still says what it used
+    # the container is removed; the final status still says what it used
     assert attempt.job_id is not None
-    assert not list((launcher.state_dir / "mounted").glob("*")), "the per-job folder was left behind"
     assert launcher.status(JobHandle("docker", attempt.job_id)).usage == used
 
     # two tasks in one container: the wrapper waits for the task runner, which waits for both
@@ -49,17 +48,29 @@ def test_a_docker_job_records_its_peak_memory_and_cpu_time(store: LineageStore) 
     assert used is not None and used["cpu_seconds"] >= 1.2 and used["max_rss_bytes"] >= 256 * 2**20, used
 
 
+def test_a_job_run_as_another_user_still_records_what_it_used(store: LineageStore) -> None:
+    """The helpers' folder is copied in writable by anyone: a job run as an unprivileged user
+    (``user = "65534:65534"``, nobody) runs its two tasks and its wrapper writes its record."""
+    launcher = get_launcher("docker", image=docker_image("job"), user="65534:65534")
+    spec = JobSpec(name="nobody", command=["python", "-c", HUNGRY], tasks_per_node=2)
+    attempt, status = run_job(store, launcher, spec, timeout=120)
+    assert status.state is JobState.SUCCEEDED, status
+    used = store.require(Attempt, attempt.id).used
+    assert used is not None and used["cpu_seconds"] >= 1.2, used
+
+
 def test_cleanup_also_removes_the_folder_an_older_openlab_kept_for_the_job() -> None:
-    """Before the task runner was mounted too, the per-job folder was ``usage/<job>``; a job that ran
-    across the upgrade is cleaned up from there as well, not left behind for good."""
+    """Older versions mounted a per-job folder of this host for the helpers (``usage/<job>``, then
+    ``mounted/<job>``); a job that ran across the upgrade is cleaned up from there, not left behind."""
     launcher = get_launcher("docker", image=docker_image("job"))
     handle = launcher.submit(JobSpec(name="upgraded", command=["true"]))
-    old = launcher.state_dir / "usage" / handle.job_id
-    old.mkdir(parents=True)
-    (old / "usage.json").write_text("{}")
+    old = [launcher.state_dir / kind / handle.job_id for kind in ("usage", "mounted")]
+    for folder in old:
+        folder.mkdir(parents=True)
+        (folder / "usage.json").write_text("{}")
     assert launcher.wait(handle, timeout=60).state is JobState.SUCCEEDED
     launcher.cleanup(handle)
-    assert not old.exists() and not (launcher.state_dir / "mounted" / handle.job_id).exists()
+    assert not any(folder.exists() for folder in old)
 
 
 def test_the_wrapper_keeps_the_jobs_exit_code_and_is_left_out_where_it_cannot_run(store: LineageStore) -> None:

@@ -132,19 +132,6 @@ def test_a_bad_option_value_is_one_line_before_anything_is_recorded(store: Linea
     assert proc.returncode == 0, proc.stderr
 
 
-def test_measuring_usage_is_refused_with_an_engine_elsewhere(tmp_path: Path) -> None:
-    """The wrapper lives in a folder on this host, which a remote engine would mount empty: the job
-    would fail to start. "auto" just does not measure there."""
-    refused = "measure_usage = true needs a Docker engine on this host, not tcp://gpu-box"
-    with pytest.raises(ConfigError, match=rf"^\[backends.docker\] {refused}"):
-        get_launcher("docker", base_url="tcp://gpu-box:2376", measure_usage=True)  # the setting
-    remote = get_launcher("docker", base_url="tcp://gpu-box:2376")
-    with pytest.raises(ConfigError, match=refused):  # a job's option, refused before anything is recorded
-        remote.refuse_unsupported(JobSpec(name="x", command=["true"], options={"measure_usage": "true"}))
-    image = type("Image", (), {"labels": {"openlab.io/python": "python"}})()
-    assert remote._usage_python(image, {}) is None, '"auto" does not measure with an engine elsewhere'
-
-
 # -- unknown backend, docker faults ---------------------------------------------------------------
 
 
