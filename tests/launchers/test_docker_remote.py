@@ -17,6 +17,7 @@ import pytest
 from orchestrator.launchers import JobSpec, JobState, get_launcher
 from orchestrator.launchers.attempts import run_job
 from orchestrator.lineage import Attempt, LineageStore
+from tests.launchers.test_tasks import BURN_AND_TELL
 from tests.services import docker_image
 
 pytestmark = [pytest.mark.docker]
@@ -69,12 +70,7 @@ def test_a_remote_engine_runs_tasks_under_the_wrapper_in_an_image_without_openla
     base = docker_image("base")
     launcher = get_launcher("docker", base_url=engine_over_tcp, image=base, measure_usage=True)
     launcher.poll_interval = 0.2
-    tell = (
-        "import os, time; t = time.process_time()\n"
-        "while time.process_time() - t < 0.3: pass\n"
-        "print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], flush=True)"
-    )
-    spec = JobSpec(name="remote", command=["python", "-c", tell], image=base, tasks_per_node=2)
+    spec = JobSpec(name="remote", command=["python", "-c", BURN_AND_TELL], image=base, tasks_per_node=2)
     mounts: list[Any] = []
     lines: list[str] = []
 
@@ -86,7 +82,7 @@ def test_a_remote_engine_runs_tasks_under_the_wrapper_in_an_image_without_openla
 
     attempt, status = run_job(store, launcher, spec, on_log=seen, timeout=120)
     assert status.state is JobState.SUCCEEDED, status
-    assert sorted(line for line in lines if "rank" in line) == ["0: rank 0 of 2", "1: rank 1 of 2"], lines
+    assert sorted(line for line in lines if "rank" in line) == ["0: rank 0 of 2 True", "1: rank 1 of 2 True"], lines
     assert mounts and "/.openlab" not in mounts[0], mounts
     used = store.require(Attempt, attempt.id).used
     assert used is not None and used["cpu_seconds"] >= 0.6, used  # both tasks', read out of the container

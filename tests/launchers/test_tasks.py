@@ -212,6 +212,14 @@ def test_a_docker_job_of_several_tasks_runs_in_an_image_without_openlab(store: L
     assert sorted(line for line in lines if "rank" in line) == ["0: rank 0 of 2 True", "1: rank 1 of 2 True"], lines
 
 
+#: Each task burns 0.3 s of CPU (so the job's usage has something to add up), then says where it is.
+BURN_AND_TELL = (
+    "import os, time; t = time.process_time()\n"
+    "while time.process_time() - t < 0.3: pass\n"
+    "print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], os.environ['MASTER_PORT'] != '', flush=True)"
+)
+
+
 @pytest.mark.docker
 def test_a_kubernetes_job_of_several_tasks_runs_in_an_image_without_openlab(
     k8s_cluster: Any, store: LineageStore
@@ -228,12 +236,7 @@ def test_a_kubernetes_job_of_several_tasks_runs_in_an_image_without_openlab(
     base = docker_image("base")
     launcher = get_launcher("kubernetes", host=k8s_cluster.url, image=base, measure_usage=True)
     launcher.poll_interval = 0.2
-    tell = (
-        "import os, time; t = time.process_time()\n"
-        "while time.process_time() - t < 0.3: pass\n"
-        "print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], os.environ['MASTER_PORT'] != '')"
-    )
-    spec = JobSpec(name="two", command=["python", "-c", tell], image=base, tasks_per_node=2)
+    spec = JobSpec(name="two", command=["python", "-c", BURN_AND_TELL], image=base, tasks_per_node=2)
     lines: list[str] = []
     running: list[tuple[dict[str, str], dict[str, list[str]]]] = []
 
