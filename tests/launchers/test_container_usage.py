@@ -60,17 +60,18 @@ def test_a_job_run_as_another_user_still_records_what_it_used(store: LineageStor
 
 
 def test_cleanup_also_removes_the_folder_an_older_openlab_kept_for_the_job() -> None:
-    """Older versions mounted a per-job folder of this host for the helpers (``usage/<job>``, then
-    ``mounted/<job>``); a job that ran across the upgrade is cleaned up from there, not left behind."""
+    """Before the task runner was mounted too, the per-job folder was ``usage/<job>``; a job that ran
+    across the upgrade is cleaned up from there as well, not left behind for good (and the job's
+    folder of today, ``mounted/<job>``, goes too)."""
     launcher = get_launcher("docker", image=docker_image("job"))
     handle = launcher.submit(JobSpec(name="upgraded", command=["true"]))
-    old = [launcher.state_dir / kind / handle.job_id for kind in ("usage", "mounted")]
-    for folder in old:
-        folder.mkdir(parents=True)
-        (folder / "usage.json").write_text("{}")
+    old = launcher.state_dir / "usage" / handle.job_id
+    old.mkdir(parents=True)
+    (old / "usage.json").write_text("{}")
+    assert (launcher.state_dir / "mounted" / handle.job_id / "usage.py").is_file()
     assert launcher.wait(handle, timeout=60).state is JobState.SUCCEEDED
     launcher.cleanup(handle)
-    assert not any(folder.exists() for folder in old)
+    assert not old.exists() and not (launcher.state_dir / "mounted" / handle.job_id).exists()
 
 
 def test_the_wrapper_keeps_the_jobs_exit_code_and_is_left_out_where_it_cannot_run(store: LineageStore) -> None:
