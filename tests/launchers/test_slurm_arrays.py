@@ -25,6 +25,8 @@ from orchestrator.lineage.store import LineageStore
 from tests.launchers.harness import Harness, jobcomp_only_slurm
 
 SHARD = 'echo "shard $SLURM_ARRAY_TASK_ID of $SLURM_ARRAY_TASK_COUNT"; '
+#: 0.3 s of CPU in each shard, which the usage wrapper counts.
+BURN = 'python3 -c "import time; t = time.process_time()\nwhile time.process_time() - t < 0.3: pass"'
 
 
 def _queue(job_id: str) -> list[str]:
@@ -89,7 +91,7 @@ def test_array_that_succeeds_reports_every_task_and_keeps_each_log(slurm_harness
     attempt, status = run_job(
         store,
         launcher,
-        JobSpec(name="shards", command=["sh", "-c", SHARD + "true"], options={"array": "0-2"}),
+        JobSpec(name="shards", command=["sh", "-c", SHARD + BURN], options={"array": "0-2"}),
         on_log=lines.append,
         timeout=slurm_harness.wait_timeout,
     )
@@ -111,6 +113,10 @@ def test_array_that_succeeds_reports_every_task_and_keeps_each_log(slurm_harness
     assert list(launcher.logs(JobHandle("slurm", f"{stored.job_id}_1"))) == ["shard 1 of 3"]
     assert launcher.status(one).state is JobState.SUCCEEDED and launcher.status(one).tasks is None
     assert status.to_dict()["tasks"]["2"]["state"] == "SUCCEEDED"
+    # what the array used is every shard's, each measured by its own wrapper; one shard's is its own
+    assert stored.used is not None and stored.used["cpu_seconds"] >= 0.9, stored.used
+    one_used = launcher.status(one).usage
+    assert one_used is not None and 0.3 <= one_used["cpu_seconds"] < stored.used["cpu_seconds"], one_used
 
 
 @pytest.mark.slurm
