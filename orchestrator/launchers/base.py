@@ -30,6 +30,7 @@ laptop, a Slurm cluster or Kubernetes with the same provenance.
 from __future__ import annotations
 
 import datetime as dt
+import difflib
 import json
 import math
 import os
@@ -262,6 +263,10 @@ class Launcher(ABC):
     #: and on how many machines at most (None: as many as the cluster has).
     multi_task: bool = False
     max_nodes: int | None = 1
+    #: Every option this backend reads (``[backends.NAME]`` keys, a job's ``-o``, a recipe's stage
+    #: options): any other name is refused by :meth:`check_options`, since a misspelt one
+    #: (``partiton``) would otherwise be ignored without a word and the job run somewhere else.
+    known_options: frozenset[str] = frozenset({"poll_interval", "python"})
 
     def __init__(self, settings: Settings | None = None, config: Mapping[str, Any] | None = None) -> None:
         from orchestrator.settings import load_settings
@@ -326,7 +331,12 @@ class Launcher(ABC):
         yes/no, text for a list), so a typo fails in one line instead of doing the opposite of what
         was asked. Called on the backend's settings when the launcher is made, and on a job's
         options before the job is recorded (a recipe's options are checked by its own schema).
-        Backends add theirs."""
+        Backends add theirs. An option this backend does not know is refused too (:attr:`known_options`)."""
+        unknown = sorted(str(key) for key in opts if str(key) not in cls.known_options)
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], sorted(cls.known_options), n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"it has {', '.join(sorted(cls.known_options))}"
+            raise ConfigError(f"the {cls.name} backend has no option {unknown[0]!r}: {hint}")
         if "poll_interval" in opts:
             raw = opts["poll_interval"]
             try:

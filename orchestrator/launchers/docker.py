@@ -166,6 +166,10 @@ class DockerLauncher(Launcher):
     multi_task = True
     #: Seconds between status looks while a job runs; :meth:`pause` wakes as soon as it ends.
     poll_interval = 2.0
+    known_options = Launcher.known_options | {
+        "base_url", "timeout", "image", "pull", "image_code_check", "mount_workdir", "mounts", "network_mode",
+        "pids_limit", "shm_size", "user", "init", "time_limit_wrapper", "grace", "measure_usage",
+    }  # fmt: skip
 
     def __init__(self, settings: Any = None, config: Any = None) -> None:
         super().__init__(settings, config)

@@ -288,6 +288,12 @@ class KubernetesLauncher(Launcher):
     #: with a headless Service for the rendezvous (one pod per node).
     multi_task = True
     max_nodes = None
+    known_options = Launcher.known_options | {
+        "host", "kubeconfig", "context", "verify_ssl", "token_env", "version", "retries", "namespace",
+        "template", "image", "image_code_check", "backoff_limit", "ttl_seconds", "delete_finished",
+        "cancel_timeout", "master_port", "node_selector", "tolerations", "priority_class", "service_account",
+        "measure_usage", "helpers_configmap",
+    }  # fmt: skip
 
     @classmethod
     def check_options(cls, opts: Mapping[str, Any]) -> None:

@@ -212,6 +212,7 @@ class LocalLauncher(Launcher):
     #: Longest gap between status looks; :meth:`pause` wakes on the job's end (a pidfd), so this
     #: bounds only how soon a cancel request is acted on, and the lateness where pidfds are missing.
     poll_interval = 0.5
+    known_options = Launcher.known_options | {"grace", "inherit_env"}
 
     @classmethod
     def check_options(cls, opts: Mapping[str, Any]) -> None:

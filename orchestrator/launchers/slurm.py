@@ -290,6 +290,11 @@ class SlurmLauncher(Launcher):
     poll_interval = 0.5
     multi_task = True
     max_nodes = None
+    known_options = Launcher.known_options | {
+        "partition", "account", "qos", "constraint", "nodelist", "array", "extra_args", "log_dir",
+        "slurm_conf", "bin_dir", "retries", "cancel_timeout", "measure_usage", "sacct",
+        "jobcomp_loc",  # where jobcomp/filetxt writes: read from `scontrol show config` unless set
+    }  # fmt: skip
 
     @classmethod
     def check_options(cls, opts: Mapping[str, Any]) -> None:

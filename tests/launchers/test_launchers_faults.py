@@ -17,6 +17,7 @@ from pytest_httpserver import HTTPServer
 
 from orchestrator.errors import ConfigError, OpenlabError
 from orchestrator.launchers import (
+    BACKENDS,
     BackendUnavailable,
     ImageNotFound,
     JobHandle,
@@ -130,6 +131,38 @@ def test_a_bad_option_value_is_one_line_before_anything_is_recorded(store: Linea
         get_launcher("docker", pull="maybe")  # a setting in openlab.toml: refused when the launcher is made
     proc = cli("job", "run", "--backend", "local", "-q", "-o", "grace=0.5", "--", "true")
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_misspelt_option_is_refused_naming_the_one_meant(store: LineageStore, tmp_path: Path) -> None:
+    """``partiton = "gpu"`` was ignored without a word and the job went to the default partition."""
+    proc = cli("job", "run", "--backend", "local", "-o", "gracee=3", "--", "true")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == "error: the local backend has no option 'gracee': did you mean 'grace'?"
+    assert store.list(Attempt) == [], "a job refused for its options leaves no attempt"
+    with pytest.raises(ConfigError, match=r"^\[backends.slurm\] the slurm backend has no option 'partiton': did you "):
+        get_launcher("slurm", partiton="gpu")  # a setting in openlab.toml: refused when the launcher is made
+    with pytest.raises(ConfigError, match=r"no option 'zzz': it has .*poll_interval"):
+        get_launcher("kubernetes").refuse_unsupported(JobSpec(name="x", command=["true"], options={"zzz": 1}))
+
+
+@pytest.mark.parametrize("name", sorted(BACKENDS))
+def test_every_option_a_backend_reads_is_one_it_knows(name: str) -> None:
+    """The known names are a list beside the code that reads the options: an option read but not
+    listed would be refused as a typo. Every name the backend's module reads from its options is
+    listed (the names read through a loop over a tuple are listed by hand, and checked here too)."""
+    import inspect
+    import re
+    import sys
+
+    from orchestrator.launchers.base import launcher_class
+
+    cls = launcher_class(name)
+    source = inspect.getsource(sys.modules[cls.__module__])
+    read = set(re.findall(r'(?:opts|self\.config|config)(?:\.get\(|\[)"([a-z_]+)"', source))
+    read |= set(re.findall(r'_option\((?:opts|self\.config|config), "([a-z_]+)"', source))
+    read |= {"partition", "account", "qos", "array", "nodelist", "constraint"} if name == "slurm" else set()
+    assert read, "the scan found nothing: the pattern no longer matches how options are read"
+    assert read <= cls.known_options, read - cls.known_options
 
 
 # -- unknown backend, docker faults ---------------------------------------------------------------
