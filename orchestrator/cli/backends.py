@@ -2,8 +2,10 @@
 
 Run before a long pipeline: it asks each backend the cheapest question that proves it
 can take jobs (docker: engine info and the job image; slurm: ``scontrol ping`` and
-partitions; kubernetes: list Jobs in the namespace; local: the state folder is
-writable). Backends are those under ``[backends]`` in the config, else all four.
+partitions; kubernetes: list Jobs in the namespace, then whether it grants what the
+launcher needs, asked as ``kubectl auth can-i`` does; local: the state folder is writable). A
+backend whose settings name an option it does not have is unreachable, naming the one meant.
+Backends are those under ``[backends]`` in the config, else all four.
 """
 
 from __future__ import annotations
