@@ -1,4 +1,4 @@
-"""Measure what a command used (in a container, a Slurm job): ``python -I -S _usage.py [--no-forward] OUT -- CMD``.
+"""Measure what a command used (a container, a Slurm job): ``python -I -S _usage.py [--forward=...] OUT -- CMD``.
 
 Why inside: a container's cgroup, where the engine keeps its CPU and memory counters, is
 deleted the moment the container exits, so nothing outside can read the totals of a job
@@ -19,10 +19,14 @@ docker-init) it reaps orphans as an init does, and counts what they used. When `
 cannot be written the job's outcome is unchanged; only the record of what it used is
 missing.
 
-With ``--no-forward`` it passes nothing on and only outlives the signals: under Slurm, which
-signals every process of a job step (a cancel, a preemption, ``--signal``), the command has
-been sent each signal already, and passing it on would deliver it twice. The command's own
-handlers decide what a signal does; the wrapper stays to record what it used.
+``--forward=SIGUSR1,SIGUSR2`` passes on only those and outlives the others; ``--no-forward``
+passes on nothing. Under Slurm, which signals every process of a job step (a cancel, a
+preemption, ``--signal`` without ``B:``), the command has been sent those signals already, and
+passing them on would deliver them twice: a task under ``srun`` takes ``--no-forward``. The
+batch script of a one-task job execs the wrapper, so the wrapper is what a signal for the batch
+shell alone reaches (``--signal=B:USR1@300``, ``scancel --batch``): it passes on USR1 and USR2,
+the warnings, and not TERM, which a cancel sends the command too. The command's own handlers
+decide what a signal does; the wrapper stays to record what it used.
 
 The Docker launcher copies this file into a folder it mounts into the container, and the
 Kubernetes launcher sends it in a ConfigMap mounted into the pod, so the copy that runs is
@@ -54,17 +58,21 @@ def _write(path, cpu_seconds, max_rss_bytes):
 
 
 def main(argv):
-    relay = not (argv and argv[0] == "--no-forward")
-    argv = argv if relay else argv[1:]
+    relay = set(FORWARDED)
+    if argv and argv[0] == "--no-forward":
+        relay, argv = set(), argv[1:]
+    elif argv and argv[0].startswith("--forward="):
+        relay, argv = {n for n in argv[0].split("=", 1)[1].split(",") if n}, argv[1:]
     if len(argv) < 3 or argv[1] != "--":
-        sys.stderr.write("usage: python -I -S _usage.py [--no-forward] OUT -- CMD...\n")
+        sys.stderr.write("usage: python -I -S _usage.py [--forward=SIG,... | --no-forward] OUT -- CMD...\n")
         return 2
     out, cmd = argv[0], argv[2:]
     child = {"pid": None}
     pending = []  # signals that came before the command existed
+    relayed = {getattr(signal, name) for name in relay if hasattr(signal, name)}
 
     def forward(signum, _frame):
-        if not relay:  # the command got it too (see the module docstring); outlive it, nothing more
+        if signum not in relayed:  # the command got it too (see the module docstring); outlive it, nothing more
             return
         if child["pid"] is None:
             pending.append(signum)

@@ -22,8 +22,10 @@
   for, and the largest resident set among them, exact, with or without slurmdbd. The launcher
   copies the wrapper next to the job logs (``.openlab-usage-<hash>.py``: a folder the nodes
   share, since they write the logs there) and the batch script runs the command under it with
-  ``python3`` from the node's PATH (option ``python``), with ``--no-forward``, since Slurm
-  signals every process of the step itself. It writes ``<log>.usage`` (``.usage.<rank>`` per
+  ``python3`` from the node's PATH (option ``python``): each task of a multi-task job with
+  ``--no-forward``, since Slurm signals every process of a step itself; a one-task job exec'd
+  as the batch shell's process (so is a job not measured), passing on only USR1 and USR2, which
+  a ``--signal=B:...`` warning sends the batch shell alone. It writes ``<log>.usage`` (``.usage.<rank>`` per
   task of a multi-task job, summed; one per array task, summed). ``measure_usage``: ``"auto"``
   (default) where the node has that Python (else the command runs as it is), ``true`` always,
   ``false`` never. Where the wrapper wrote nothing (a task killed with SIGKILL, ``false``) the
@@ -384,21 +386,26 @@ class SlurmLauncher(Launcher):
         lines.extend(measured)
         if spec.tasks > 1:
             lines.extend(self._task_lines(spec, log_pattern))
-        elif measured:
+        elif measured:  # exec: see _usage_lines
             command = " ".join(shlex.quote(c) for c in spec.command)
             lines.append(
-                'if [ -n "$OPENLAB_USAGE_PY" ]; then "$OPENLAB_USAGE_PY" -I -S "$OPENLAB_USAGE_WRAPPER" --no-forward '
-                f'"$OPENLAB_USAGE" -- {command}; else {command}; fi'
+                'if [ -n "$OPENLAB_USAGE_PY" ]; then exec "$OPENLAB_USAGE_PY" -I -S "$OPENLAB_USAGE_WRAPPER" '
+                f'--forward=SIGUSR1,SIGUSR2 "$OPENLAB_USAGE" -- {command}; else exec {command}; fi'
             )
         else:
-            lines.append(" ".join(shlex.quote(c) for c in spec.command))
+            lines.append("exec " + " ".join(shlex.quote(c) for c in spec.command))
         return "\n".join(lines) + "\n"
 
     @staticmethod
     def _usage_lines(opts: Mapping[str, Any], log_pattern: str) -> list[str]:
         """Set up the usage wrapper (module docstring): where it writes, with which Python ("" when
         ``measure_usage = "auto"`` and the node has no such Python, or no copy of the wrapper: the
-        command then runs as it is). No lines for ``measure_usage = false``."""
+        command then runs as it is). No lines for ``measure_usage = false``.
+
+        A job of one task is exec'd (under the wrapper, or alone), so it is the batch shell's process:
+        a signal for the batch shell alone (``--signal=B:USR1@300``, ``scancel --batch``) reaches
+        it, where bash, with no trap, died of it (exit by signal 10: the job FAILED, and the warning
+        never reached the training, which Slurm then killed with the step)."""
         mode = measure_usage_option(opts)
         if mode is False:
             return []

@@ -289,12 +289,13 @@ def test_batch_script_carries_every_resource() -> None:
         'OPENLAB_USAGE=/logs/slurm-"$SLURM_ARRAY_JOB_ID"_"$SLURM_ARRAY_TASK_ID".usage',
     ):
         assert line in script.splitlines(), (line, script)
+    # the job is the batch shell's own process (exec), so a --signal=B:... warning reaches it
     assert script.splitlines()[-1].endswith(
-        "-- python -c 'print('\"'\"'a b'\"'\"')'; else python -c 'print('\"'\"'a b'\"'\"')'; fi"
+        "-- python -c 'print('\"'\"'a b'\"'\"')'; else exec python -c 'print('\"'\"'a b'\"'\"')'; fi"
     )
 
     plain = launcher.batch_script(dataclasses.replace(job, options={**job.options, "measure_usage": False}), "/l/x.log")
-    assert plain.splitlines()[-1] == "python -c 'print('\"'\"'a b'\"'\"')'", plain
+    assert plain.splitlines()[-1] == "exec python -c 'print('\"'\"'a b'\"'\"')'", plain
     assert "OPENLAB_USAGE" not in plain
 
 

@@ -128,3 +128,44 @@ def test_a_cancelled_slurm_job_under_the_wrapper_is_told_once_and_its_use_kept()
     assert told == ["got SIGTERM 1"], list(launcher.logs(handle))
     status = launcher.status(handle)
     assert status.state is JobState.CANCELLED and status.usage is not None, status
+
+
+#: Says when it is warned (USR1), and ends normally 3 s after.
+WARNED = """
+import signal, sys, time
+got = []
+signal.signal(signal.SIGUSR1, lambda *_: got.append(1) or print("warned", len(got), flush=True))
+print("ready", flush=True)
+start = time.time()
+while not got and time.time() - start < 60:
+    time.sleep(0.05)
+time.sleep(3)
+print("saved and done", flush=True)
+"""
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("measure_usage", [True, False], ids=["under the wrapper", "not measured"])
+def test_a_warning_for_the_batch_shell_reaches_a_one_task_job_once(measure_usage: bool) -> None:
+    """``--signal=B:USR1@300`` (Slurm's warning before the time limit, for the batch shell alone)
+    and ``scancel --batch -s USR1`` signal only the batch script's own process. That was bash, which
+    has no USR1 handler: it died of it, the job ended FAILED (signal 10) and the training never
+    heard the warning. The job is now that process (exec'd, under the wrapper or alone)."""
+    import subprocess
+
+    require_slurm()
+    launcher = get_launcher("slurm", sacct=False, measure_usage=measure_usage)
+    handle = launcher.submit(JobSpec(name="warned", command=[sys.executable, "-c", WARNED]))
+    try:
+        deadline = time.monotonic() + 60
+        while "ready" not in list(launcher.logs(handle)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        subprocess.run(["scancel", "--batch", "--signal=USR1", handle.job_id], check=True, env=launcher._env())
+        status = launcher.wait(handle, timeout=60)
+    finally:
+        launcher.cleanup(handle)
+    lines = list(launcher.logs(handle))
+    assert [line for line in lines if line.startswith("warned")] == ["warned 1"], lines
+    assert "saved and done" in lines, lines
+    assert status.state is JobState.SUCCEEDED and status.exit_code == 0, status
+    assert (status.usage is not None) is measure_usage, status
