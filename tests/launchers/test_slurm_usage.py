@@ -36,18 +36,25 @@ QUICK = (
     "print('rank', os.environ.get('RANK', '-'), 'done', flush=True)\n"
 )
 
-#: Counts the SIGTERMs it gets, says so, and ends 1.5 s after the first (time for a second one).
-STOPS = """
+
+def counting(sig: str, word: str, after: float, end: str) -> str:
+    """A job that says ``<word> N`` for each ``sig`` it gets, and runs ``end`` ``after`` seconds
+    after the first (time for a second one to arrive and be counted)."""
+    return f"""
 import signal, sys, time
 got = []
-signal.signal(signal.SIGTERM, lambda *_: got.append(1) or print("got SIGTERM", len(got), flush=True))
+signal.signal(signal.{sig}, lambda *_: got.append(1) or print("{word}", len(got), flush=True))
 print("ready", flush=True)
 start = time.time()
 while not got and time.time() - start < 60:
     time.sleep(0.05)
-time.sleep(1.5)
-sys.exit(143)
+time.sleep({after})
+{end}
 """
+
+
+#: Counts the SIGTERMs it gets and ends 1.5 s after the first, as a job that saves on a stop.
+STOPS = counting("SIGTERM", "got SIGTERM", 1.5, "sys.exit(143)")
 
 
 @pytest.mark.slurm
@@ -130,18 +137,8 @@ def test_a_cancelled_slurm_job_under_the_wrapper_is_told_once_and_its_use_kept()
     assert status.state is JobState.CANCELLED and status.usage is not None, status
 
 
-#: Says when it is warned (USR1), and ends normally 3 s after.
-WARNED = """
-import signal, sys, time
-got = []
-signal.signal(signal.SIGUSR1, lambda *_: got.append(1) or print("warned", len(got), flush=True))
-print("ready", flush=True)
-start = time.time()
-while not got and time.time() - start < 60:
-    time.sleep(0.05)
-time.sleep(3)
-print("saved and done", flush=True)
-"""
+#: Says when it is warned (USR1), and ends normally 3 s after, as a job that saves on the warning.
+WARNED = counting("SIGUSR1", "warned", 3, 'print("saved and done", flush=True)')
 
 
 @pytest.mark.slurm
