@@ -443,14 +443,14 @@ class SlurmLauncher(Launcher):
         place = (
             'export RANK="$SLURM_PROCID" LOCAL_RANK="$SLURM_LOCALID" NODE_RANK="$SLURM_NODEID" '
             f"LOCAL_WORLD_SIZE={spec.tasks_per_node}\n"
+            # Slurm signals every process of the step, the task and this script: the script only has to
+            # outlive the signal to record the task's end (passing it on would deliver it twice). The task
+            # runs in the foreground, with every signal's default: bash starts a background command with
+            # SIGINT and SIGQUIT ignored, so `scancel -s INT` did not reach it.
+            "trap : TERM INT QUIT HUP USR1 USR2\n"
             # each task under the usage wrapper, when the batch script set one up (see _usage_lines)
             'if [ -n "${OPENLAB_USAGE_PY:-}" ]; then "$OPENLAB_USAGE_PY" -I -S "$OPENLAB_USAGE_WRAPPER" --no-forward '
-            '"$OPENLAB_USAGE.$RANK" -- "$@" & else "$@" & fi\nchild=$!\n'
-            # Slurm signals every process of the step, the task with this wrapper: the wrapper only has to
-            # outlive the signal to record the task's end (forwarding would deliver it twice)
-            "trap : TERM\ntrap : USR1\n"
-            # a trapped signal interrupts `wait`: wait again while the task lives (its status is the last wait's)
-            "while :; do wait $child; code=$?; kill -0 $child 2>/dev/null || break; done\n"
+            '"$OPENLAB_USAGE.$RANK" -- "$@"; else "$@"; fi\ncode=$?\n'
             'echo "$RANK $code ${SLURMD_NODENAME:-$(hostname)} $(date +%s.%N)" > "$OPENLAB_TASK_ENDS.$RANK"\n'
             "exit $code"
         )

@@ -141,6 +141,42 @@ def test_a_signal_to_the_batch_script_reaches_every_task(slurm_harness: Harness,
     assert status.state is JobState.PREEMPTED and status.exit_code == 138, status
 
 
+@pytest.mark.slurm
+def test_an_interrupt_reaches_every_task_with_pythons_default_handling(
+    slurm_harness: Harness, store: LineageStore
+) -> None:
+    """`scancel --signal=INT` signals the job's steps. Each task ran in the background of a bash,
+    which starts it with SIGINT ignored: Python then sets up no KeyboardInterrupt, and the tasks
+    slept on. Not measured here, so no wrapper stands between (it resets SIGINT for its command)."""
+
+    def on_log(line: str) -> None:
+        if line.endswith("waiting") and sum(x.endswith("waiting") for x in lines) == 2 and not started.is_set():
+            started.set()
+            subprocess.run(["scancel", "--signal=INT", _job_named("interrupted")], check=True)
+
+    started = threading.Event()
+    wait = (
+        "import os, sys, time\nprint('waiting', flush=True)\n"
+        "try:\n    time.sleep(120)\n"
+        "except KeyboardInterrupt:\n    print('rank', os.environ['RANK'], 'interrupted', flush=True)\n    sys.exit(130)"
+    )
+    lines: list[str] = []
+
+    def record(line: str) -> None:
+        lines.append(line)
+        threading.Thread(target=on_log, args=(line,)).start()
+
+    spec = JobSpec(
+        name="interrupted",
+        command=[sys.executable, "-c", wait],
+        tasks_per_node=2,
+        options={"measure_usage": False},
+    )
+    _, status = run_job(store, slurm_harness.launcher, spec, on_log=record, timeout=90)
+    assert sorted(x for x in lines if "interrupted" in x) == ["0: rank 0 interrupted", "1: rank 1 interrupted"], lines
+    assert status.exit_code == 130, status
+
+
 def _job_named(name: str) -> str:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
