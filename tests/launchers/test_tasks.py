@@ -105,18 +105,30 @@ def test_every_task_stopped_from_outside_is_a_preemption(slurm_harness: Harness,
     assert store.require(Attempt, attempt.id).state == "PREEMPTED"
 
 
+def _run_then_scancel(harness: Harness, store: LineageStore, spec: JobSpec, *scancel: str) -> tuple[list[str], Any]:
+    """Run ``spec`` on Slurm and, once every task has said "waiting", ``scancel ARGS JOB`` (from a
+    thread of its own: the log pump must not wait for it). The log lines and the end status."""
+    lines: list[str] = []
+    sent = threading.Event()
+
+    def on_log() -> None:
+        if sum(line.endswith("waiting") for line in lines) == spec.tasks and not sent.is_set():
+            sent.set()
+            subprocess.run(["scancel", *scancel, _job_named(spec.name)], check=True)
+
+    def record(line: str) -> None:
+        lines.append(line)
+        threading.Thread(target=on_log).start()
+
+    _, status = run_job(store, harness.launcher, spec, on_log=record, timeout=90)
+    return lines, status
+
+
 @pytest.mark.slurm
 def test_a_signal_to_the_batch_script_reaches_every_task(slurm_harness: Harness, store: LineageStore) -> None:
     """`--signal=B:USR1@300` (Slurm's warning ahead of the time limit) signals the batch script
     only: it goes on to srun and from there to every task, which saves and stops; the attempt is
     PREEMPTED (a stop from outside), not left to run into the limit."""
-
-    def on_log(line: str) -> None:
-        if line.endswith("waiting") and not started.is_set():
-            started.set()
-            subprocess.run(["scancel", "--batch", "--signal=USR1", _job_named("warned")], check=True)
-
-    started = threading.Event()
     wait = (
         "import os, signal, sys, time\n"
         "def stop(signum, frame):\n"
@@ -124,19 +136,8 @@ def test_a_signal_to_the_batch_script_reaches_every_task(slurm_harness: Harness,
         "    sys.exit(128 + signum)\n"
         "signal.signal(signal.SIGUSR1, stop)\nprint('waiting', flush=True)\ntime.sleep(300)"
     )
-    lines: list[str] = []
-
-    def record(line: str) -> None:
-        lines.append(line)
-        threading.Thread(target=on_log, args=(line,)).start()
-
-    attempt, status = run_job(
-        store,
-        slurm_harness.launcher,
-        JobSpec(name="warned", command=[sys.executable, "-c", wait], tasks_per_node=2),
-        on_log=record,
-        timeout=90,
-    )
+    spec = JobSpec(name="warned", command=[sys.executable, "-c", wait], tasks_per_node=2)
+    lines, status = _run_then_scancel(slurm_harness, store, spec, "--batch", "--signal=USR1")
     assert sorted(line for line in lines if " got " in line) == ["0: rank 0 got SIGUSR1", "1: rank 1 got SIGUSR1"]
     assert status.state is JobState.PREEMPTED and status.exit_code == 138, status
 
@@ -148,31 +149,18 @@ def test_an_interrupt_reaches_every_task_with_pythons_default_handling(
     """`scancel --signal=INT` signals the job's steps. Each task ran in the background of a bash,
     which starts it with SIGINT ignored: Python then sets up no KeyboardInterrupt, and the tasks
     slept on. Not measured here, so no wrapper stands between (it resets SIGINT for its command)."""
-
-    def on_log(line: str) -> None:
-        if line.endswith("waiting") and sum(x.endswith("waiting") for x in lines) == 2 and not started.is_set():
-            started.set()
-            subprocess.run(["scancel", "--signal=INT", _job_named("interrupted")], check=True)
-
-    started = threading.Event()
     wait = (
         "import os, sys, time\nprint('waiting', flush=True)\n"
         "try:\n    time.sleep(120)\n"
         "except KeyboardInterrupt:\n    print('rank', os.environ['RANK'], 'interrupted', flush=True)\n    sys.exit(130)"
     )
-    lines: list[str] = []
-
-    def record(line: str) -> None:
-        lines.append(line)
-        threading.Thread(target=on_log, args=(line,)).start()
-
     spec = JobSpec(
         name="interrupted",
         command=[sys.executable, "-c", wait],
         tasks_per_node=2,
         options={"measure_usage": False},
     )
-    _, status = run_job(store, slurm_harness.launcher, spec, on_log=record, timeout=90)
+    lines, status = _run_then_scancel(slurm_harness, store, spec, "--signal=INT")
     assert sorted(x for x in lines if "interrupted" in x) == ["0: rank 0 interrupted", "1: rank 1 interrupted"], lines
     assert status.exit_code == 130, status
 
