@@ -566,15 +566,15 @@ def find_recipe(ref: str | Path, recipes_dir: Path | None = None, *, root: Path 
         recipes_dir = recipes_dir or root / "recipes"
     if candidate.is_file():
         return candidate
-    if candidate.is_dir():
-        inside = ", ".join(sorted(p.name for p in candidate.glob("*.y*ml"))[:10])
-        hint = f"one of its recipes ({inside})" if inside else "a recipe file (a .yaml)"
-        raise ConfigError(f"recipe {ref}: is a folder, not a recipe; give {hint} or a recipe name")
     folder = recipes_dir or RECIPES_DIR
     for name in (str(ref), f"{ref}.yaml", f"{ref}.yml"):
         path = folder / name
         if path.is_file():
             return path
+    if candidate.is_dir():  # after the names: a folder here called like a recipe does not hide it
+        inside = ", ".join(sorted(p.name for p in candidate.glob("*.y*ml"))[:10])
+        hint = f"one of its recipes ({inside})" if inside else "a recipe file (a .yaml)"
+        raise ConfigError(f"recipe {ref}: is a folder, not a recipe; give {hint} or a recipe name")
     known = ", ".join(sorted(p.stem for p in folder.glob("*.y*ml"))) if folder.is_dir() else "none"
     raise ConfigError(f"recipe {ref}: no such file, and no recipe of that name in {folder} (known: {known})")
 

@@ -131,7 +131,7 @@ def test_a_tracked_metric_without_a_tolerance_is_refused_by_the_verdicts_rule(tm
     )
 
 
-def test_missing_key_and_bad_split_and_unknown_replica(tmp_path: Path) -> None:
+def test_missing_key_and_bad_split_and_unknown_replica(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     data = base()
     del data["model"]["top_k"]
     with pytest.raises(ConfigError, match=r"model\.top_k: missing"):
@@ -150,6 +150,10 @@ def test_missing_key_and_bad_split_and_unknown_replica(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"is a folder, not a recipe; give a recipe file \(a \.yaml\)"):
         find_recipe(tmp_path / "empty")
+    # a folder in the working directory named like a recipe (an output folder, say) does not hide it
+    (tmp_path / "marin-535b-a23b").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert find_recipe("marin-535b-a23b") == RECIPES_DIR / "marin-535b-a23b.yaml"
 
 
 def test_yaml_is_loaded_safely(tmp_path: Path) -> None:
