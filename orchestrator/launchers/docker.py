@@ -99,9 +99,7 @@ TIME_LIMIT_LABEL = "openlab.io/time-limit"
 TASK_ENDS_LABEL = "openlab.io/task-ends"
 #: Where the container's usage wrapper (launchers/_usage.py) leaves what the job used, on this host.
 USAGE_LABEL = "openlab.io/usage"
-#: Where the helper scripts (and the usage record) are in the container.
-MOUNT = HELPERS_MOUNT
-#: Per-job folders of this host for them, mounted at MOUNT: ``mounted`` (now), ``usage`` (older openlab,
+#: Per-job folders of this host for them, mounted at HELPERS_MOUNT: ``mounted`` (now), ``usage`` (older openlab,
 #: for a job that ran across the upgrade); removed at cleanup.
 JOB_FOLDERS = ("mounted", "usage")
 CANCEL_EXIT_CODES = (137, 143)
@@ -147,12 +145,12 @@ def _helpers_archive(names: list[str]) -> bytes:
     (``user = ...``) can still write its usage record there."""
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w") as tar:
-        folder = tarfile.TarInfo(MOUNT.strip("/"))
+        folder = tarfile.TarInfo(HELPERS_MOUNT.strip("/"))
         folder.type, folder.mode, folder.mtime = tarfile.DIRTYPE, 0o777, int(time.time())
         tar.addfile(folder)
         for name in names:
             data = helper_script(name).read_bytes()
-            info = tarfile.TarInfo(f"{MOUNT.strip('/')}/{name}")
+            info = tarfile.TarInfo(f"{HELPERS_MOUNT.strip('/')}/{name}")
             info.size, info.mode, info.mtime = len(data), 0o444, int(time.time())
             tar.addfile(info, io.BytesIO(data))
     return buffer.getvalue()
@@ -286,11 +284,11 @@ class DockerLauncher(Launcher):
         labels["openlab.io/job-name"] = spec.name
         command = list(spec.command)
         task_ends = None
-        helpers: list[str] = []  # this launcher's helper scripts, at MOUNT in the container (module docstring)
+        helpers: list[str] = []  # this launcher's helper scripts, at HELPERS_MOUNT in the container (module docstring)
         if spec.tasks > 1:  # one process per task in the container, told its place (launchers/_tasks.py)
             python = str(opts.get("python") or "python")
             helpers.append("tasks.py")
-            command = tasks_command(python, spec.tasks, command, script=f"{MOUNT}/tasks.py")
+            command = tasks_command(python, spec.tasks, command, script=f"{HELPERS_MOUNT}/tasks.py")
             if spec.artifact_root is not None:  # mounted at the same path: the ends are readable here
                 task_ends = str(Path(spec.artifact_root).resolve() / ".tasks" / f"{job_id}.ends")
                 labels[TASK_ENDS_LABEL] = task_ends
@@ -299,16 +297,16 @@ class DockerLauncher(Launcher):
             if flag_option(opts, "time_limit_wrapper", True):
                 grace = int(number_option(opts, "grace", 5))
                 command = ["timeout", "--foreground", "-k", str(grace), str(spec.time_limit), *command]
-        python = self._usage_python(image, opts)
+        python = usage_python(opts, image.labels)  # module docstring: measure_usage
         if python is not None:  # the job runs under the usage wrapper, its parent in the container
             # Outside `timeout`, which signals its whole process group: inside it, the job would get
             # the time limit's SIGTERM from timeout and again from the wrapper passing it on.
             helpers.append("usage.py")
-            command = [python, "-I", "-S", f"{MOUNT}/usage.py", f"{MOUNT}/usage.json", "--", *command]
-            labels[USAGE_LABEL] = f"{MOUNT}/usage.json"  # in the container; on this host, below
+            record = f"{HELPERS_MOUNT}/usage.json"
+            command = [python, "-I", "-S", f"{HELPERS_MOUNT}/usage.py", record, "--", *command]
         mounted = self._mounted(job_id, helpers) if helpers and _engine_is_local(self.config) else None
-        if mounted is not None and "usage.py" in helpers:
-            labels[USAGE_LABEL] = str(mounted / "usage.json")
+        if "usage.py" in helpers:  # where this side reads the record: the job's folder, else the container
+            labels[USAGE_LABEL] = str(mounted / "usage.json") if mounted is not None else record
         env = {
             **{str(k): str(v) for k, v in spec.env.items()},
             **({"OPENLAB_TASK_ENDS": task_ends} if task_ends else {}),
@@ -328,7 +326,7 @@ class DockerLauncher(Launcher):
             workdir = str(Path(spec.workdir).resolve())
             volumes.setdefault(workdir, {"bind": workdir, "mode": "ro"})
         if mounted is not None:
-            volumes[str(mounted)] = {"bind": MOUNT, "mode": "rw"}
+            volumes[str(mounted)] = {"bind": HELPERS_MOUNT, "mode": "rw"}
         for host_path, target in table_option(opts, "mounts", MOUNTS_EXAMPLE).items():
             bind, _, mode = str(target).partition(":")
             volumes[str(host_path)] = {"bind": bind, "mode": mode or "rw"}
@@ -379,15 +377,9 @@ class DockerLauncher(Launcher):
             {"container_id": container.id, "image_digest": digest},
         )
 
-    @staticmethod
-    def _usage_python(image: Any, opts: dict[str, Any]) -> str | None:
-        """The image's interpreter to run the usage wrapper with, or None to not measure (see the
-        module docstring: ``measure_usage``)."""
-        return usage_python(opts, image.labels)
-
     def _mounted(self, job_id: str, names: list[str]) -> Path:
         """The job's folder of this launcher's helper scripts ``names`` (:func:`helper_script`),
-        mounted at MOUNT with an engine on this host; it also takes the usage record.
+        mounted at HELPERS_MOUNT with an engine on this host; it also takes the usage record.
 
         World-writable, so a job run as another user (``user = ...``) can still write its record.
         """
@@ -409,7 +401,7 @@ class DockerLauncher(Launcher):
         path = labels.get(USAGE_LABEL)
         if not path:
             return None
-        if not path.startswith(f"{MOUNT}/"):
+        if not path.startswith(f"{HELPERS_MOUNT}/"):
             try:
                 return parse_usage(Path(path).read_text())
             except OSError:
@@ -608,6 +600,6 @@ class DockerLauncher(Launcher):
             found = self.client.images.get(image)
         except Exception:  # noqa: BLE001
             return True, f"{engine}; image {image} missing: run infra/docker/build-job-image.sh"
-        measured = self._usage_python(found, self.config) is not None
+        measured = usage_python(self.config, found.labels) is not None
         how = "what jobs use is measured" if measured else "what jobs use is not measured (see measure_usage)"
         return True, f"{engine}; image {image} present; {how}"
