@@ -20,6 +20,7 @@ where it FAILS (a CI run must not go green by skipping everything).
 
 API (each ``require_*`` returns something useful or skips/fails):
     require_docker() -> docker.DockerClient      docker_image(kind="base"|"job") -> str
+    python3_only_image() -> str (a lab's image with python3 and no plain python, made from the base)
     require_slurm() -> str (SLURM_CONF path; also put into os.environ)
     require_slurm_accounting() -> str (the same, and sacct answers: slurmdbd is up)
     postgres_url() -> str (SQLAlchemy URL, role may CREATE DATABASE)
@@ -155,6 +156,23 @@ def docker_image(kind: str = "base") -> str:
         script = "build-base-image.sh" if kind == "base" else "build-job-image.sh"
         unavailable(f"docker image {image} does not exist; build it with: sudo infra/docker/{script}")
     return image
+
+
+def python3_only_image() -> str:
+    """An image as a lab builds on Debian's or Ubuntu's ``python3`` package: ``python3`` and no plain
+    ``python`` (the base image less the ``python-is-python3`` link), made from the base image once."""
+    import io
+
+    import docker.errors
+
+    base, client = docker_image("base"), require_docker()
+    tag = "openlab/python3-only:test"
+    try:
+        client.images.get(tag)
+    except docker.errors.ImageNotFound:
+        dockerfile = f"FROM {base}\nRUN rm /usr/bin/python && python3 -c 'print(1)'\n"
+        client.images.build(fileobj=io.BytesIO(dockerfile.encode()), tag=tag, rm=True, network_mode="none")
+    return tag
 
 
 # --- slurm --------------------------------------------------------------------------------------

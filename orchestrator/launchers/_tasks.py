@@ -105,7 +105,13 @@ def main(argv: list[str]) -> int:
         }
         if nodes == 1 and os.path.exists("/sys/class/net/lo"):  # every task is here: gloo binds the
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback (a container may have no resolvable hostname)
-        proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        except OSError as exc:  # every task runs the same command: none of them can start
+            sys.stderr.write(f"openlab: cannot run {command[0]!r}: {exc.strerror}\n")
+            for started in procs:
+                started.kill()
+            return 127
         procs.append(proc)
         pump = threading.Thread(target=_pump, args=(rank, proc.stdout, lock), daemon=True)
         pump.start()

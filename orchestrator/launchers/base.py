@@ -38,7 +38,7 @@ import re
 import signal
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from pathlib import Path
@@ -587,14 +587,27 @@ def measure_usage_option(opts: Mapping[str, Any]) -> bool | None:
     return flag_option(opts, "measure_usage", False)
 
 
+#: The interpreter the helper scripts run with unless a backend's ``python`` option says otherwise:
+#: ``python3``, which every image or node with a Python 3 has (Debian's and Ubuntu's packages, the
+#: official images, conda, virtualenvs); plain ``python`` exists only where something added it
+#: (Debian's ``python-is-python3``).
+DEFAULT_PYTHON = "python3"
+
+
+def helpers_python(opts: Mapping[str, Any]) -> str:
+    """The interpreter a backend runs its helper scripts with: option ``python``, else
+    :data:`DEFAULT_PYTHON`."""
+    return str(opts.get("python") or DEFAULT_PYTHON)
+
+
 def usage_python(opts: Mapping[str, Any], labels: Mapping[str, str] | None) -> str | None:
     """The interpreter a container backend runs the usage wrapper (``launchers/_usage.py``) with,
     or None to run the job's command as it is. ``measure_usage`` (in ``opts``): ``"auto"`` (the
     default) for images whose ``labels`` name their Python, ``true`` for any image (with
-    ``python``, default ``python``), ``false`` never."""
+    :func:`helpers_python`), ``false`` never."""
     mode = measure_usage_option(opts)
     if mode is not None:
-        return str(opts.get("python") or "python") if mode else None
+        return helpers_python(opts) if mode else None
     named = (labels or {}).get(PYTHON_LABEL)
     return str(named) if named else None
 
@@ -612,6 +625,33 @@ def parse_usage(text: str | None) -> dict[str, float] | None:
         return None
     usage = {k: data[k] for k in ("cpu_seconds", "max_rss_bytes") if isinstance(data.get(k), int | float)}
     return usage or None
+
+
+#: A program that could not be started, as docker-init (tini) says it (``exec python failed: No
+#: such file or directory``, exit 127), as runc says it (``exec: "python": executable file not
+#: found in $PATH``, a container runtime's StartError) and as the helper scripts say it
+#: (``openlab: cannot run 'python': No such file or directory``, exit 127).
+_NOT_STARTED = re.compile(
+    r"exec (?P<tini>\S+) failed: No such file or directory"
+    r'|exec: "(?P<runc>[^"]+)": executable file not found'
+    r"|openlab: cannot run '(?P<ours>[^']+)': No such file or directory"
+)
+
+
+def not_started(text: str | None, helpers: Collection[str], backend: str) -> str | None:
+    """What a container's runtime said about a program it could not start (``text``: the
+    container's output or the runtime's message), in a user's words: ``the image has no
+    'python3'``, and, when that program is a Python the backend runs its helper scripts with
+    (``helpers``), which option to set. None when ``text`` says no such thing. Without this a job
+    ends "exit code 127" (or 128), and only its log says why."""
+    found = _NOT_STARTED.search(text or "")
+    if found is None:
+        return None
+    program = next(name for name in found.groups() if name)
+    note = f"the image has no {program!r}"
+    if program in helpers:
+        note += f" to run openlab's helper scripts with: set the {backend} backend's python option to its Python"
+    return note
 
 
 def with_notes(reason: str | None, *notes: str | None) -> str | None:

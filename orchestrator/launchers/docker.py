@@ -29,8 +29,12 @@
   container (below: how that comes back).
   ``measure_usage = "auto"`` (the default) does it for images that name their interpreter in
   the ``openlab.io/python`` label (the repo's Dockerfile does); ``true`` uses ``python``
-  (default ``python``) in any image; ``false`` never.
+  (default ``python3``, which every image with a Python 3 has; plain ``python`` only some) in any
+  image; ``false`` never.
 - A job of several tasks runs them under this launcher's copy of ``launchers/_tasks.py``.
+- A program the container cannot start (the helpers' Python, the job's command) ends the job with
+  exit code 127 and only docker-init's or the helpers' line in its log; the attempt's reason names
+  it (``the image has no 'python3'``) and, for the helpers' Python, the option to set.
 - Both helper scripts are this launcher's own copies (stdlib only, run with ``python -I -S``) at
   ``/.openlab`` in the container, so a job needs a Python in its image, not openlab, and never
   runs a stale copy an old image holds. With an engine on this host they are in a per-job folder
@@ -82,7 +86,9 @@ from orchestrator.launchers.base import (
     first_failed_task,
     flag_option,
     helper_script,
+    helpers_python,
     measure_usage_option,
+    not_started,
     number_option,
     parse_memory,
     parse_usage,
@@ -99,6 +105,9 @@ TIME_LIMIT_LABEL = "openlab.io/time-limit"
 TASK_ENDS_LABEL = "openlab.io/task-ends"
 #: Where the container's usage wrapper (launchers/_usage.py) leaves what the job used, on this host.
 USAGE_LABEL = "openlab.io/usage"
+#: The Python(s) the container runs the helper scripts with, so that a job whose image has no such
+#: program is told which option to set (base.not_started).
+HELPERS_PYTHON_LABEL = "openlab.io/helpers-python"
 #: Per-job folders of this host for them, mounted at HELPERS_MOUNT: ``mounted`` (now), ``usage`` (older openlab,
 #: for a job that ran across the upgrade); removed at cleanup.
 JOB_FOLDERS = ("mounted", "usage")
@@ -126,6 +135,14 @@ def _api_message(exc: Exception) -> str:
     if explanation:
         return explanation.decode() if isinstance(explanation, bytes) else str(explanation)
     return str(exc)
+
+
+def _tail(container: Any, lines: int = 20) -> str:
+    """The last ``lines`` of a container's output ("" when the engine has none)."""
+    try:
+        return container.logs(tail=lines).decode("utf-8", "replace")
+    except Exception:  # noqa: BLE001 - removed meanwhile, or the log driver keeps nothing to read back
+        return ""
 
 
 def _engine_url(opts: Mapping[str, Any]) -> str:
@@ -285,10 +302,11 @@ class DockerLauncher(Launcher):
         command = list(spec.command)
         task_ends = None
         helpers: list[str] = []  # this launcher's helper scripts, at HELPERS_MOUNT in the container (module docstring)
+        pythons: list[str] = []  # what they run with
         if spec.tasks > 1:  # one process per task in the container, told its place (launchers/_tasks.py)
-            python = str(opts.get("python") or "python")
+            pythons.append(helpers_python(opts))
             helpers.append("tasks.py")
-            command = tasks_command(python, spec.tasks, command, script=f"{HELPERS_MOUNT}/tasks.py")
+            command = tasks_command(pythons[-1], spec.tasks, command, script=f"{HELPERS_MOUNT}/tasks.py")
             if spec.artifact_root is not None:  # mounted at the same path: the ends are readable here
                 task_ends = str(Path(spec.artifact_root).resolve() / ".tasks" / f"{job_id}.ends")
                 labels[TASK_ENDS_LABEL] = task_ends
@@ -302,9 +320,12 @@ class DockerLauncher(Launcher):
             # Outside `timeout`, which signals its whole process group: inside it, the job would get
             # the time limit's SIGTERM from timeout and again from the wrapper passing it on.
             helpers.append("usage.py")
+            pythons.append(python)
             record = f"{HELPERS_MOUNT}/usage.json"
             command = [python, "-I", "-S", f"{HELPERS_MOUNT}/usage.py", record, "--", *command]
         mounted = self._mounted(job_id, helpers) if helpers and _engine_is_local(self.config) else None
+        if pythons:
+            labels[HELPERS_PYTHON_LABEL] = " ".join(dict.fromkeys(pythons))
         if "usage.py" in helpers:  # where this side reads the record: the job's folder, else the container
             labels[USAGE_LABEL] = str(mounted / "usage.json") if mounted is not None else record
         env = {
@@ -368,7 +389,9 @@ class DockerLauncher(Launcher):
         except errors.APIError as exc:
             self._remove_quietly(job_id)
             self._forget_folders(job_id)
-            raise LauncherError(f"docker refused to run the job: {_api_message(exc)}") from None
+            why = _api_message(exc)
+            hint = not_started(why, pythons, "docker")
+            raise LauncherError(f"docker refused to run the job: {why}" + (f" ({hint})" if hint else "")) from None
         digest = self.image_digest(image)
         return JobHandle(
             self.name,
@@ -467,6 +490,9 @@ class DockerLauncher(Launcher):
             job_state, reason = JobState.FAILED, f"exit code {code}"
         if status_text == "dead" and job_state is JobState.SUCCEEDED:
             job_state, reason = JobState.LOST, "container is dead"
+        if code == 127:  # a program that could not start, named by docker-init or the helper scripts
+            pythons = labels.get(HELPERS_PYTHON_LABEL, "").split()
+            reason = with_notes(reason, not_started(_tail(container), pythons, "docker"))
         if code:
             reason = with_notes(reason, first_failed_task(labels.get(TASK_ENDS_LABEL)))
         usage = self._read_usage(container, labels)

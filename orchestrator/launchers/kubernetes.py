@@ -22,8 +22,11 @@
   (``launchers/_usage.py``, its parent, reading ``wait4``), which writes it to
   ``terminationMessagePath``, and the kubelet puts that in the pod's status. ``measure_usage``:
   ``"auto"`` (default) for images a local Docker engine holds with the ``openlab.io/python``
-  label (the repo's Dockerfile sets it), ``true`` for any image with a ``python`` (option
-  ``python``), ``false`` never.
+  label (the repo's Dockerfile sets it), ``true`` for any image with a ``python3`` (option
+  ``python``), ``false`` never. A pod whose runtime could not start the command (a
+  ``StartError``: no such program in the image) or whose helper could not start the job's command
+  (exit 127) fails with a reason that names the program, and the option to set when it is the
+  helpers' Python.
 - A container's first process is its PID 1, which the kernel gives no default action for SIGTERM
   and which inherits every orphan: the usage wrapper, when it runs, is written to be that (it
   passes signals on and reaps, counting what orphans used). A pod without it gets
@@ -90,8 +93,10 @@ from orchestrator.launchers.base import (
     first_failed_task,
     flag_option,
     helper_script,
+    helpers_python,
     list_option,
     measure_usage_option,
+    not_started,
     number_option,
     parse_usage,
     table_option,
@@ -103,6 +108,11 @@ from orchestrator.launchers.base import (
 DEFAULT_VERSION = "1.33"
 #: The Job annotation naming where a multi-task pod's tasks write how they ended (artifact root).
 TASK_ENDS_ANNOTATION = "openlab.io/task-ends"
+#: The Python(s) a pod runs the helper scripts with, so that a job whose image has no such program
+#: is told which option to set (base.not_started).
+HELPERS_PYTHON_ANNOTATION = "openlab.io/helpers-python"
+#: The terminated reasons a kubelet gives a container its runtime could not start (containerd, dockershim).
+START_ERRORS = ("StartError", "ContainerCannotRun")
 #: The pod label (and annotation) an indexed Job's controller gives each pod: its index, our node rank.
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 #: Where node 0 of a several-node job listens for its peers (``[backends.kubernetes] master_port``).
@@ -484,8 +494,10 @@ class KubernetesLauncher(Launcher):
         main["command"] = list(spec.command)
         # The helper scripts from this launcher's ConfigMap (module docstring), or the image's openlab.
         shipped = flag_option(opts, "helpers_configmap", True)
+        pythons: list[str] = []  # what the helper scripts run with
         if spec.tasks > 1:  # one process per task in the pod, told its place (launchers/_tasks.py)
-            python = str(opts.get("python") or "python")
+            python = helpers_python(opts)
+            pythons.append(python)
             script = f"{HELPERS_MOUNT}/tasks.py" if shipped else None
             main["command"] = tasks_command(python, spec.tasks_per_node, list(spec.command), spec.nodes, script=script)
         auto = measure_usage_option(opts) is None  # then the image's labels decide
@@ -494,6 +506,9 @@ class KubernetesLauncher(Launcher):
             out = str(main.get("terminationMessagePath") or TERMINATION_MESSAGE_PATH)
             runner = ["-I", "-S", f"{HELPERS_MOUNT}/usage.py"] if shipped else ["-m", "orchestrator.launchers._usage"]
             main["command"] = [wrapper, *runner, out, "--", *main["command"]]
+            pythons.append(wrapper)
+        if pythons:
+            meta["annotations"][HELPERS_PYTHON_ANNOTATION] = " ".join(dict.fromkeys(pythons))
         main.pop("args", None)
         if wrapper is None:  # the pod's pause container as PID 1, not the command (module docstring)
             pod_spec.setdefault("shareProcessNamespace", True)
@@ -780,7 +795,7 @@ class KubernetesLauncher(Launcher):
         conditions = {c.type: c for c in (st.conditions or []) if st is not None and c.status == "True"} if st else {}
         started = _aware(st.start_time) if st else None
         ended = _aware(st.completion_time) if st else None
-        exit_code, host, digest, pod_reason = None, None, None, None
+        exit_code, host, digest, pod_reason, pod_message = None, None, None, None, None
         disruption = None
         pods = self.pods(handle.job_id) if (st and (st.active or st.succeeded or st.failed or conditions)) else []
         current = _current(pods)  # one pod per index (the last one); the last pod of a plain Job
@@ -805,6 +820,7 @@ class KubernetesLauncher(Launcher):
                 if term is not None:
                     exit_code = term.exit_code
                     pod_reason = term.reason if term.reason not in (None, "Completed", "Error") else None
+                    pod_message = term.message
                     started = started or _aware(term.started_at)
                     ended = ended or _aware(term.finished_at)
         if "Complete" in conditions or "SuccessCriteriaMet" in conditions:
@@ -838,6 +854,8 @@ class KubernetesLauncher(Launcher):
         if not state.terminal:
             exit_code, ended = None, None
         notes = []
+        if current and state is JobState.FAILED and (pod_reason in START_ERRORS or exit_code == 127):  # not started
+            notes.append(self._not_started(handle, job, pod, pod_message if pod_reason in START_ERRORS else None))
         if state.terminal and exit_code:  # a multi-task pod: which task failed first
             notes.append(first_failed_task(ends_prefix))
         if state.terminal and len(current) > 1 and exit_code:  # several nodes: which pod ended the job
@@ -850,6 +868,15 @@ class KubernetesLauncher(Launcher):
         reason = with_notes(reason, *notes)
         usage = _pods_usage(pods) if state.terminal else None  # every pod of the Job, replaced ones too
         return JobStatus(state, exit_code, reason, host, started, ended, digest, usage=usage)
+
+    def _not_started(self, handle: JobHandle, job: Any, pod: Any, runtime_said: str | None) -> str | None:
+        """What could not start in the pod that decided the Job: from the runtime's message (a
+        StartError), else from the end of the pod's log (a helper script's "cannot run")."""
+        pythons = ((job.metadata.annotations or {}).get(HELPERS_PYTHON_ANNOTATION) or "").split()
+        if runtime_said is not None:
+            return not_started(runtime_said, pythons, "kubernetes") or runtime_said
+        resp = self._read_log(handle, tail=20, pods=[pod])
+        return not_started(resp.data.decode("utf-8", "replace") if resp is not None else "", pythons, "kubernetes")
 
     def _read_log(
         self, handle: JobHandle, *, tail: int | None = None, follow: bool = False, pods: list[Any] | None = None

@@ -74,6 +74,7 @@ from orchestrator.launchers.base import (
     first_failed_task,
     flag_option,
     helper_script,
+    helpers_python,
     list_option,
     measure_usage_option,
     number_option,
@@ -409,7 +410,7 @@ class SlurmLauncher(Launcher):
         mode = measure_usage_option(opts)
         if mode is False:
             return []
-        python = str(opts.get("python") or "python3")
+        python = helpers_python(opts)
         lines = [
             f"OPENLAB_USAGE={shell_path(usage_prefix(log_pattern))}",
             f"OPENLAB_USAGE_WRAPPER={shlex.quote(str(wrapper_path(Path(log_pattern).parent)))}",

@@ -55,6 +55,7 @@ import asyncio
 import copy
 import datetime as dt
 import os
+import re
 import signal
 import subprocess
 import tempfile
@@ -105,6 +106,8 @@ class _Workload:
 
     image_id: str | None = None
     oom_killed = False
+    #: Why the container runtime could not start the command (a kubelet's ``StartError``), if so.
+    start_error: str | None = None
 
     def termination_message(self) -> str | None:
         """What the container wrote to its termination message file (the kubelet's part), if any."""
@@ -233,7 +236,9 @@ class _Container(_Workload):
                 **kwargs,
             )
         except (docker.errors.ImageNotFound, docker.errors.APIError) as exc:
-            log.write_bytes(f"container failed to start: {getattr(exc, 'explanation', None) or exc}\n".encode())
+            explanation = getattr(exc, "explanation", None) or exc
+            self.start_error = explanation.decode() if isinstance(explanation, bytes) else str(explanation)
+            log.write_bytes(b"")  # the runtime's message is in the pod's status, as a kubelet reports it
             try:  # created but not started (e.g. no such executable): do not leave it behind
                 client.containers.get(pod).remove(force=True)
             except docker.errors.APIError:
@@ -254,6 +259,8 @@ class _Container(_Workload):
             code = int(self.container.wait(timeout=30).get("StatusCode", 1))
             self.container.reload()
             self.oom_killed = bool(self.container.attrs.get("State", {}).get("OOMKilled"))
+            if code == 127 and self.container.attrs.get("HostConfig", {}).get("Init"):
+                code = self._not_started_under_init(code)
             self.code = code
         except Exception as exc:  # noqa: BLE001 - the engine went away: a failed pod, said in its log
             with self.log.open("ab") as fh:
@@ -262,6 +269,24 @@ class _Container(_Workload):
         finally:
             self._remove()  # before done: once the pod has ended, the engine has nothing of it left
             self._done.set()
+
+    def _not_started_under_init(self, code: int) -> int:
+        """Docker's init standing in for the pause container execs the command itself, and says so
+        when it cannot (``[FATAL tini (7)] exec X failed: No such file or directory``, exit 127). In a
+        pod the runtime execs the command and fails to start it: a ``StartError`` (exit 128) with
+        runc's message and no log line. Tell it as a kubelet would."""
+        lines = self.log.read_bytes().decode("utf-8", "replace").splitlines(keepends=True)
+        fatal = [line for line in lines if line.startswith("[FATAL tini") and " exec " in line]
+        found = re.search(r"exec (\S+) failed: No such file or directory", fatal[-1]) if fatal else None
+        if found is None:
+            return code
+        self.log.write_text("".join(line for line in lines if line not in fatal))
+        self.start_error = (
+            "failed to create containerd task: failed to create shim task: OCI runtime create failed: runc create "
+            f'failed: unable to start container process: exec: "{found.group(1)}": executable file not found in '
+            "$PATH: unknown"
+        )
+        return 128
 
     def termination_message(self) -> str | None:
         try:
@@ -820,6 +845,8 @@ class EmulatedCluster:
         message = run.workload.termination_message()
         if message:
             terminated["message"] = message
+        if run.workload.start_error is not None:  # what a kubelet reports when the runtime could not start it
+            terminated["reason"], terminated["message"] = "StartError", run.workload.start_error
         if run.workload.oom_killed:
             terminated["reason"] = "OOMKilled"
         if run.deadline_hit:
