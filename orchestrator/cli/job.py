@@ -67,8 +67,23 @@ def _exit_code(status: Any) -> int:
     return 130 if status.state is JobState.CANCELLED else 1
 
 
+def _refuse_unknown_option(ctx: typer.Context, first: str) -> None:
+    """``job run`` passes options it does not know on to the command (so ``job run python -c X``
+    works without ``--``), which made a misspelt option (``--tasks 2 -- train``) the program to
+    run: a job that failed with exit 127. No program is named like an option, so refuse it."""
+    import difflib
+
+    if not first.startswith("-"):
+        return
+    known = [name for param in ctx.command.params for name in param.opts if name.startswith("-")]
+    close = difflib.get_close_matches(first.split("=", 1)[0], known, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]}?" if close else "see openlab job run --help"
+    raise OpenlabError(f"job run has no option {first!r}: {hint} (the command goes after --)")
+
+
 @app.command("run", context_settings=_RUN_CONTEXT)
 def run_cmd(
+    ctx: typer.Context,
     command: list[str] = typer.Argument(None, help="the command to run, after --"),
     backend: str = typer.Option(None, "--backend", "-b", help="local, docker, slurm or kubernetes"),
     image: str = typer.Option(None, "--image", help="container image (docker, kubernetes)"),
@@ -102,6 +117,7 @@ def run_cmd(
 
     if not command:
         raise OpenlabError("no command given: openlab job run [OPTIONS] -- CMD [ARGS...]")
+    _refuse_unknown_option(ctx, command[0])
     settings = load_settings()
     backend = backend or _default_backend()
     launcher = get_launcher(backend, settings)

@@ -108,19 +108,29 @@ def main(argv):
         signal.signal(sig, on_cancel)
     signal.signal(signal.SIGALRM, on_alarm)
 
+    # Why the command could not start, if it could not: the child writes it here; the pipe is
+    # close-on-exec, so a command that did start leaves it empty. Exit 127 alone cannot tell a
+    # program that is not there from a program that exited 127 (as a shell does for its own).
+    not_started, told = os.pipe()
     pid = os.fork()
     if pid == 0:  # the job, in its own process group (the supervisor already has its own session)
+        os.close(not_started)
         os.setpgid(0, 0)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGALRM):
             signal.signal(sig, signal.SIG_DFL)
+        what = f"cannot run {cmd[0]!r}"
         try:
             if workdir:
+                what = f"cannot enter the working directory {workdir!r}"
                 os.chdir(workdir)
+                what = f"cannot run {cmd[0]!r}"
             os.execvp(cmd[0], cmd)
         except OSError as exc:
-            sys.stderr.write(f"openlab: cannot run {cmd[0]!r}: {exc.strerror}\n")
+            sys.stderr.write(f"openlab: {what}: {exc.strerror}\n")
             sys.stderr.flush()
+            os.write(told, f"{what}: {exc.strerror}".encode())
             os._exit(127)
+    os.close(told)
     try:  # set it from both sides, so the group exists before anyone signals it
         os.setpgid(pid, pid)
     except OSError:
@@ -152,6 +162,8 @@ def main(argv):
         code = 128 + os.WTERMSIG(status)
     else:
         code = os.WEXITSTATUS(status)
+    with os.fdopen(not_started, "rb") as fh:  # every writer is gone: the job exec'd or exited
+        start_error = fh.read(1000).decode("utf-8", "replace")
     if why["stop"] == "cancelled":
         final, reason = "CANCELLED", "cancelled"
     elif why["stop"] == "time limit exceeded":
@@ -160,6 +172,8 @@ def main(argv):
         final, reason = "SUCCEEDED", None
     elif os.WIFSIGNALED(status):
         final, reason = "FAILED", f"killed by signal {os.WTERMSIG(status)}"
+    elif start_error:
+        final, reason = "FAILED", f"exit code {code}: {start_error}"
     else:
         final, reason = "FAILED", f"exit code {code}"
     state.update(state=final, exit_code=code, reason=reason, ended_at=time.time())

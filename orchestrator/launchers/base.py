@@ -629,26 +629,30 @@ def parse_usage(text: str | None) -> dict[str, float] | None:
 
 #: A program that could not be started, as docker-init (tini) says it (``exec python failed: No
 #: such file or directory``, exit 127), as runc says it (``exec: "python": executable file not
-#: found in $PATH``, a container runtime's StartError) and as the helper scripts say it
-#: (``openlab: cannot run 'python': No such file or directory``, exit 127).
+#: found in $PATH``, a container runtime's StartError), as bash says it (``exec: python: not
+#: found``, ``python: command not found``, exit 127: Slurm's batch script) and as the helper
+#: scripts say it (``openlab: cannot run 'python': No such file or directory``, exit 127).
 _NOT_STARTED = re.compile(
     r"exec (?P<tini>\S+) failed: No such file or directory"
     r'|exec: "(?P<runc>[^"]+)": executable file not found'
+    r"|exec: (?P<bash_exec>\S+): not found"
+    r"|: (?P<bash>[^\s:]+): command not found"
     r"|openlab: cannot run '(?P<ours>[^']+)': No such file or directory"
 )
 
 
-def not_started(text: str | None, helpers: Collection[str], backend: str) -> str | None:
-    """What a container's runtime said about a program it could not start (``text``: the
-    container's output or the runtime's message), in a user's words: ``the image has no
-    'python3'``, and, when that program is a Python the backend runs its helper scripts with
-    (``helpers``), which option to set. None when ``text`` says no such thing. Without this a job
-    ends "exit code 127" (or 128), and only its log says why."""
-    found = _NOT_STARTED.search(text or "")
-    if found is None:
+def not_started(text: str | None, helpers: Collection[str], backend: str, where: str = "the image") -> str | None:
+    """What a runtime or shell said about a program it could not start (``text``: the end of the
+    job's output, or the runtime's message), in a user's words: ``the image has no 'python3'``
+    (``where``: "the image", "the node"), and, when that program is a Python the backend runs its
+    helper scripts with (``helpers``), which option to set. None when ``text`` says no such thing.
+    Without this a job ends "exit code 127" (or 128), and only its log says why."""
+    said = list(_NOT_STARTED.finditer(text or ""))
+    if not said:
         return None
+    found = said[-1]  # the last: the one that ended the job
     program = next(name for name in found.groups() if name)
-    note = f"the image has no {program!r}"
+    note = f"{where} has no {program!r}"
     if program in helpers:
         note += f" to run openlab's helper scripts with: set the {backend} backend's python option to its Python"
     return note

@@ -77,6 +77,7 @@ from orchestrator.launchers.base import (
     helpers_python,
     list_option,
     measure_usage_option,
+    not_started,
     number_option,
     parse_duration,
     parse_memory,
@@ -688,6 +689,10 @@ class SlurmLauncher(Launcher):
         if chosen.state.terminal and chosen.exit_code:
             first = first_failed_task(task_ends_prefix(handle.log_path) if handle.log_path else None)
             chosen.reason = with_notes(chosen.reason, first)
+        if chosen.state.terminal and chosen.exit_code == 127 and handle.log_path:  # a program not on the node
+            tail = "\n".join(self.logs(handle, tail=20))
+            said = not_started(tail, [helpers_python(self.config)], "slurm", "the node")
+            chosen.reason = with_notes(chosen.reason, said)
         return chosen
 
     def _tasks(self, job_id: str, rows: list[dict[str, str]]) -> dict[str, JobStatus] | None:

@@ -94,6 +94,32 @@ def test_nonzero_exit_code(harness: Harness, store: LineageStore) -> None:
     assert stored is not None and stored.state == "FAILED" and stored.exit_code == 3
 
 
+#: How each backend names a program it could not start (the image's, the node's or this machine's).
+NOT_THERE = {
+    "local": "cannot run 'no-such-trainer': No such file or directory",
+    "docker": "the image has no 'no-such-trainer'",
+    "slurm": "the node has no 'no-such-trainer'",
+    "kubernetes": "the image has no 'no-such-trainer'",
+}
+
+
+def test_a_program_that_is_not_there_is_named_and_one_that_exits_127_is_not(
+    harness: Harness, store: LineageStore
+) -> None:
+    """Exit 127 is what every runtime gives a program it could not start, and only the job's log
+    said which; the attempt's reason, where a user looks, now names it. A program that started
+    and exited 127 itself is not blamed on a missing one."""
+    missing = spec(harness, "missing", ["no-such-trainer", "--steps", "3"])
+    attempt, status = run_job(store, harness.launcher, missing, timeout=harness.wait_timeout)
+    assert status.state is JobState.FAILED, status
+    stored = store.require(Attempt, attempt.id)
+    assert NOT_THERE[harness.name] in (stored.reason or ""), stored.reason
+    attempt, status = run_job(store, harness.launcher, spec(harness, "own127", ["sh", "-c", "exit 127"]))
+    assert status.state is JobState.FAILED and status.exit_code == 127, status
+    reason = store.require(Attempt, attempt.id).reason or ""
+    assert reason.startswith("exit code 127") and "has no" not in reason and "cannot run" not in reason, reason
+
+
 def test_a_job_that_stops_on_a_schedulers_signal_is_preempted_not_failed(harness: Harness, store: LineageStore) -> None:
     """A workload that catches SIGTERM (preemption, eviction), saves a checkpoint and exits
     128 + 15: every backend reports that exit, and the attempt says PREEMPTED, so the pipeline

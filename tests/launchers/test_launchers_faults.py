@@ -145,6 +145,18 @@ def test_a_misspelt_option_is_refused_naming_the_one_meant(store: LineageStore, 
         get_launcher("kubernetes").refuse_unsupported(JobSpec(name="x", command=["true"], options={"zzz": 1}))
 
 
+def test_a_misspelt_job_run_option_is_refused_not_run_as_the_command(store: LineageStore) -> None:
+    """``job run`` passes options it does not know on to the command, so that ``job run python -c X``
+    needs no ``--``; ``--tasks 2 -- train`` (for --tasks-per-node) ran a program named --tasks."""
+    proc = cli("job", "run", "--backend", "local", "--tasks", "2", "--", "true")
+    assert proc.returncode == 2, proc.stderr
+    want = "error: job run has no option '--tasks': did you mean --tasks-per-node? (the command goes after --)"
+    assert proc.stderr.strip() == want, proc.stderr
+    assert store.list(Attempt) == [], "nothing was run or recorded"
+    proc = cli("job", "run", "--backend", "local", "-q", "sh", "-c", "exit 4")  # unknown options after the program
+    assert proc.returncode == 4, proc.stderr
+
+
 @pytest.mark.parametrize("name", sorted(BACKENDS))
 def test_every_option_a_backend_reads_is_one_it_knows(name: str) -> None:
     """The known names are a list beside the code that reads the options: an option read but not
