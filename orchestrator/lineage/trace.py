@@ -43,9 +43,14 @@ def describe(record: Any) -> str:
     if kind == "stage_run":
         reused = f" (reused {record.reused_from})" if record.reused_from else ""
         return f"{record.stage} {record.state} identity={record.identity[:12]}{reused}"
-    if kind == "attempt":
-        host = f" host={record.host}" if record.host else ""
-        return f"#{record.number} {record.backend} job={record.job_id} {record.state} exit={record.exit_code}{host}"
+    if kind == "attempt":  # what is known: an attempt refused before it had a job has no job id, exit or host
+        parts = [f"#{record.number}", str(record.backend)]
+        parts += [f"job={record.job_id}"] if record.job_id else []
+        parts += [str(record.state)]
+        parts += [f"exit={record.exit_code}"] if record.exit_code is not None else []
+        parts += [f"host={record.host}"] if record.host else []
+        why = f": {record.reason}" if record.reason and record.state != "COMPLETED" else ""  # why it did not complete
+        return " ".join(parts) + why
     if kind == "snapshot":
         return f"{record.path} files={record.files} bytes={record.bytes}{_removed(record)}"
     if kind == "commit":  # the id is the sha (plus the patch hash when dirty): say what it does not

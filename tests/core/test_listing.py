@@ -197,6 +197,29 @@ def test_the_command_answers_which_pretrain_jobs_failed_this_week(run_cli, openl
         assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
 
 
+def test_the_list_says_why_an_attempt_did_not_complete_and_nothing_it_does_not_know(run_cli, openlab_home) -> None:
+    """An auditor reading ``lineage list`` wants the reason a job failed beside it; an attempt refused
+    before it had a job printed ``job=None ... exit=None`` instead of why."""
+    from orchestrator.lineage import open_store
+
+    with open_store() as store, store.transaction() as tx:
+        srun = tx.add(StageRun(stage="pretrain", identity="i1", state="FAILED"))
+        refused = "submit failed: LauncherError: working directory /nonexistent does not exist"
+        tx.add(Attempt(stage_run_id=srun.id, backend="local", state="FAILED", reason=refused))
+        missing = "exit code 127: cannot run 'no-such-trainer': No such file or directory"
+        kw = {"backend": "slurm", "host": "n1", "stage_run_id": srun.id}
+        tx.add(Attempt(number=2, job_id="71", state="FAILED", exit_code=127, reason=missing, **kw))
+        tx.add(Attempt(number=3, job_id="72", state="COMPLETED", exit_code=0, reason="requeued once", **kw))
+    out = run_cli("lineage", "list", "-k", "attempt", env={"COLUMNS": "250"})
+    assert out.returncode == 0, out.stderr
+    lines = [" ".join(line.split()[4:]) for line in out.stdout.splitlines() if line.startswith("attempt ")]
+    assert sorted(lines) == [
+        f"#1 local FAILED: {refused}",
+        f"#2 slurm job=71 FAILED exit=127 host=n1: {missing}",
+        "#3 slurm job=72 COMPLETED exit=0 host=n1",
+    ], out.stdout
+
+
 def test_export_takes_the_same_filters_and_never_reads_no_match_as_everything(run_cli, openlab_home, tmp_path) -> None:
     from orchestrator.lineage import open_store
 
