@@ -4,7 +4,9 @@ Run before a long pipeline: it asks each backend the cheapest question that prov
 can take jobs (docker: engine info and the job image; slurm: ``scontrol ping`` and
 partitions; kubernetes: list Jobs in the namespace, then whether it grants what the
 launcher needs, asked as ``kubectl auth can-i`` does; local: the state folder is writable). A
-backend whose settings name an option it does not have is unreachable, naming the one meant.
+backend whose settings name an option it does not have is unreachable, naming the one meant; a
+``[backends]`` key that names no backend (``default = "slurmm"``, ``[backends.kubernets]``) is
+an error before any backend is asked.
 Backends are those under ``[backends]`` in the config, else all four.
 """
 
@@ -25,9 +27,11 @@ def check_cmd(
     from orchestrator.cli.output import console, print_json
     from orchestrator.errors import OpenlabError
     from orchestrator.launchers import configured_backends, get_launcher
+    from orchestrator.launchers.base import check_backends_section
     from orchestrator.settings import load_settings
 
     settings = load_settings()
+    check_backends_section(settings)  # a misspelt [backends] key is the answer, not one row per backend
     names = backend or configured_backends(settings)
     results = []
     for name in names:

@@ -689,12 +689,37 @@ def launcher_class(name: str) -> type[Launcher]:
     return getattr(importlib.import_module(module_name), cls_name)
 
 
+def check_backends_section(settings: Settings) -> None:
+    """Raise :class:`ConfigError` for a ``[backends]`` section that names no backend: ``default =
+    "slurmm"``, or a table ``[backends.kubernets]`` whose settings no launcher would ever read
+    (the jobs would run with none of them). One line, naming the one meant."""
+    section = settings.section("backends")
+    where = f"{settings.config_path}: " if settings.config_path else ""
+    for key, value in section.items():
+        if key == "default":
+            if str(value).strip().lower() in BACKENDS:
+                continue
+            named, what = str(value), f"[backends] default = {value!r}"
+        elif key in BACKENDS and isinstance(value, dict):
+            continue
+        elif key in BACKENDS:
+            raise ConfigError(
+                f"{where}[backends] {key} = {value!r}: the {key} backend's settings are a table, [backends.{key}]"
+            )
+        else:
+            named, what = str(key), f"[backends.{key}]"
+        close = difflib.get_close_matches(named.lower(), list(BACKENDS), n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"known backends: {', '.join(BACKENDS)}"
+        raise ConfigError(f"{where}{what} is not a backend: {hint}")
+
+
 def get_launcher(name: str, settings: Settings | None = None, **overrides: Any) -> Launcher:
     """The launcher for backend ``name``, configured from ``[backends.<name>]`` plus ``overrides``."""
     from orchestrator.settings import load_settings
 
-    cls = launcher_class(name)
     settings = settings or load_settings()
+    check_backends_section(settings)
+    cls = launcher_class(name)
     config = {**settings.section(f"backends.{cls.name}"), **{k: v for k, v in overrides.items() if v is not None}}
     return cls(settings, config)
 

@@ -145,6 +145,33 @@ def test_a_misspelt_option_is_refused_naming_the_one_meant(store: LineageStore, 
         get_launcher("kubernetes").refuse_unsupported(JobSpec(name="x", command=["true"], options={"zzz": 1}))
 
 
+def test_a_backends_key_that_names_no_backend_is_refused_naming_the_one_meant(
+    store: LineageStore, tmp_path: Path
+) -> None:
+    """``[backends.kubernets]`` was never read (its jobs ran with none of its settings), and
+    ``default = "slurmm"`` surfaced only as an unknown backend, not where it was written."""
+    config = tmp_path / "openlab.toml"
+    for text, want in (
+        (
+            '[backends.kubernets]\nnamespace = "training"\n',
+            "[backends.kubernets] is not a backend: did you mean 'kubernetes'?",
+        ),
+        ('[backends]\ndefault = "slurmm"\n', "[backends] default = 'slurmm' is not a backend: did you mean 'slurm'?"),
+        (
+            '[backends]\nslurm = "gpu"\n',
+            "[backends] slurm = 'gpu': the slurm backend's settings are a table, [backends.slurm]",
+        ),
+    ):
+        config.write_text(text)
+        for args in (("backends", "check"), ("job", "run", "-q", "--", "true")):
+            proc = cli(*args, env={"OPENLAB_CONFIG": str(config)})
+            assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
+            assert proc.stderr.strip() == f"error: {config}: {want}", proc.stderr
+    assert store.list(Attempt) == [], "nothing was run or recorded"
+    config.write_text('[backends]\ndefault = "local"\n[backends.local]\ngrace = 2\n')
+    assert cli("job", "run", "-q", "--", "true", env={"OPENLAB_CONFIG": str(config)}).returncode == 0
+
+
 def test_a_misspelt_job_run_option_is_refused_not_run_as_the_command(store: LineageStore) -> None:
     """``job run`` passes options it does not know on to the command, so that ``job run python -c X``
     needs no ``--``; ``--tasks 2 -- train`` (for --tasks-per-node) ran a program named --tasks."""
