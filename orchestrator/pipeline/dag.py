@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import ConfigError
+from orchestrator.launchers.base import DEFAULT_PYTHON
 from orchestrator.settings import Settings
 
 #: Where this repository lives (the MoE workload's stage programs are under it).
@@ -269,9 +270,11 @@ def moe_pipeline(
 def default_python(backend: str, settings: Settings | None = None, *, in_image: bool = False) -> str:
     """The interpreter a stage command starts with.
 
-    ``[backends.<name>] python`` in the config wins. Otherwise ``python`` inside the image when
-    the job runs in one (``in_image``: the launcher's ``environment_image()`` answered, so the
-    stage identity is the image's and the command must use the image's interpreter too), else
+    ``[backends.<name>] python`` in the config wins (the same option names the interpreter the
+    launcher runs its helper scripts with). Otherwise ``python3`` inside the image when the job
+    runs in one (``in_image``: the launcher's ``environment_image()`` answered, so the stage
+    identity is the image's and the command must use the image's interpreter too; ``python3``,
+    the launchers' default, is in every image with a Python 3, plain ``python`` only in some), else
     this interpreter: on the local backend and on Slurm a job inherits the submitter's
     environment, and clusters share the filesystem the project's venv lives on, so the path is
     valid on the node; a bare ``python`` there would be the node's system Python without the
@@ -280,7 +283,7 @@ def default_python(backend: str, settings: Settings | None = None, *, in_image: 
     configured = settings.section(f"backends.{backend}").get("python") if settings is not None else None
     if configured:
         return str(configured)
-    return "python" if in_image else sys.executable
+    return DEFAULT_PYTHON if in_image else sys.executable
 
 
 __all__ = [

@@ -54,7 +54,7 @@ def test_tiny_replica_flow_runs_every_stage_in_docker(
             # the job id is the container's name; the container is removed once its log is kept
             assert attempt.job_id and attempt.job_id.startswith(f"openlab-openlab-{name}-"), (name, attempt.job_id)
             assert attempt.image_digest == image_id, (name, attempt.image_digest, image_id)
-            assert attempt.command[0] == "python", "the image's interpreter, not this machine's venv path"
+            assert attempt.command[0] == "python3", "the image's interpreter, not this machine's venv path"
             assert not client.containers.list(all=True, filters={"name": attempt.job_id})
             # what it used, measured in the container (the job image names its python)
             assert attempt.used and attempt.used["cpu_seconds"] > 0 and attempt.used["max_rss_bytes"] > 0, name

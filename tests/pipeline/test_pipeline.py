@@ -549,11 +549,12 @@ def test_moe_pipeline_declares_which_stages_track_wandb() -> None:
 
 
 def test_stage_interpreter_follows_where_the_job_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A job in an image starts the image's `python`; on the host (local, Slurm) this venv's, so a
-    node's bare system Python never runs a stage; `[backends.<name>] python` overrides either."""
+    """A job in an image starts the image's `python3` (every image with a Python 3 has it; plain
+    `python` only some); on the host (local, Slurm) this venv's, so a node's bare system Python
+    never runs a stage; `[backends.<name>] python` overrides either."""
     from orchestrator.pipeline.dag import default_python
 
-    assert default_python("docker", None, in_image=True) == "python"
+    assert default_python("docker", None, in_image=True) == "python3"
     assert default_python("slurm", None) == sys.executable
     cfg = tmp_path / "openlab.toml"
     cfg.write_text('[backends.kubernetes]\npython = "/opt/py/bin/python3"\n')
