@@ -32,6 +32,7 @@ def check_cmd(
 
     settings = load_settings()
     check_backends_section(settings)  # a misspelt [backends] key is the answer, not one row per backend
+    default = settings.default_backend.strip().lower()  # where a job without --backend goes
     names = backend or configured_backends(settings)
     results = []
     for name in names:
@@ -43,7 +44,7 @@ def check_cmd(
             ok, detail = False, str(exc)
         except Exception as exc:  # noqa: BLE001 - one broken backend must not hide the others
             ok, detail = False, f"{type(exc).__name__}: {exc}"
-        results.append({"backend": name, "reachable": ok, "detail": detail})
+        results.append({"backend": name, "default": name == default, "reachable": ok, "detail": detail})
     if as_json:
         print_json(results)
     else:
@@ -52,7 +53,8 @@ def check_cmd(
 
         table = Table("backend", "reachable", "detail")
         for row in results:
-            table.add_row(row["backend"], "[green]yes[/]" if row["reachable"] else "[red]no[/]", escape(row["detail"]))
+            name = f"{row['backend']} (default)" if row["default"] else row["backend"]
+            table.add_row(name, "[green]yes[/]" if row["reachable"] else "[red]no[/]", escape(row["detail"]))
         console.print(table)
     if strict and not all(r["reachable"] for r in results):
         raise typer.Exit(1)

@@ -755,6 +755,9 @@ def test_cli_backends_check_json(tmp_path: Path) -> None:
     rows = {r["backend"]: r for r in json.loads(proc.stdout)}
     assert rows["local"]["reachable"] is True
     assert rows["kubernetes"]["reachable"] is False and "not reachable" in rows["kubernetes"]["detail"]
+    assert rows["local"]["default"] is True and rows["kubernetes"]["default"] is False  # no [backends] default: local
+    table = cli("backends", "check", "local", env={"OPENLAB_BACKENDS__DEFAULT": "Local", "COLUMNS": "120"})
+    assert "local (default)" in table.stdout, table.stdout
 
 
 def test_slurm_status_falls_back_to_jobcomp_when_scontrol_forgot_the_job(tmp_path: Path) -> None:
