@@ -1,4 +1,4 @@
-"""Measure what a command used (a container, a Slurm job): ``python -I -S _usage.py [--forward=...] OUT -- CMD``.
+"""Measure what a command used (a container, a Slurm job): ``python -I -S _usage.py [FORWARDING] OUT -- CMD``.
 
 Why inside: a container's cgroup, where the engine keeps its CPU and memory counters, is
 deleted the moment the container exits, so nothing outside can read the totals of a job
@@ -24,9 +24,14 @@ passes on nothing. Under Slurm, which signals every process of a job step (a can
 preemption, ``--signal`` without ``B:``), the command has been sent those signals already, and
 passing them on would deliver them twice: a task under ``srun`` takes ``--no-forward``. The
 batch script of a one-task job execs the wrapper, so the wrapper is what a signal for the batch
-shell alone reaches (``--signal=B:USR1@300``, ``scancel --batch``): it passes on USR1 and USR2,
-the warnings, and not TERM, which a cancel sends the command too. The command's own handlers
-decide what a signal does; the wrapper stays to record what it used.
+shell alone reaches (``--signal=B:USR1@300``, ``--signal=B:TERM@120``, ``scancel --batch``),
+and that one the command has not had. ``--slurm-batch`` tells the two apart: Slurm ends a job
+(a cancel, its time limit, a preemption) by sending every process of it SIGCONT and then SIGTERM,
+while a signal for the batch shell comes alone. So a signal within a second of a SIGCONT is not
+passed on, and any other is, a moment later (by then the SIGCONT sent just before it has been
+seen: Python runs the handlers of signals that arrived together lowest number first, TERM
+before CONT). The command's own handlers decide what a signal does; the wrapper stays to record
+what it used.
 
 The Docker launcher copies this file into a folder it mounts into the container, and the
 Kubernetes launcher sends it in a ConfigMap mounted into the pod, so the copy that runs is
@@ -38,6 +43,7 @@ Python 3.8: it runs on the image's (or node's) interpreter.
 
 import os
 import sys
+import time
 
 try:  # the C module: ``signal`` wraps it in enums, which costs an import of ``enum``
     import _signal as signal
@@ -57,23 +63,36 @@ def _write(path, cpu_seconds, max_rss_bytes):
         fh.write(f'{{"cpu_seconds": {cpu_seconds!r}, "max_rss_bytes": {max_rss_bytes:d}}}')
 
 
+#: How close to a SIGCONT (seconds) a signal is Slurm ending the job (``--slurm-batch``).
+SLURM_END_WINDOW = 1.0
+#: How long ``--slurm-batch`` holds a signal before deciding (seconds): ample for the SIGCONT sent
+#: just before it to have been handled.
+HOLD = 0.1
+
+
 def main(argv):
-    relay = set(FORWARDED)
-    if argv and argv[0] == "--no-forward":
-        relay, argv = set(), argv[1:]
-    elif argv and argv[0].startswith("--forward="):
-        relay, argv = {n for n in argv[0].split("=", 1)[1].split(",") if n}, argv[1:]
+    relay, slurm_batch = set(FORWARDED), False
+    while argv and argv[0] in ("--no-forward", "--slurm-batch") or (argv and argv[0].startswith("--forward=")):
+        flag, argv = argv[0], argv[1:]
+        if flag == "--no-forward":
+            relay = set()
+        elif flag == "--slurm-batch":
+            slurm_batch = True
+        else:
+            relay = {n for n in flag.split("=", 1)[1].split(",") if n}
     if len(argv) < 3 or argv[1] != "--":
-        sys.stderr.write("usage: python -I -S _usage.py [--forward=SIG,... | --no-forward] OUT -- CMD...\n")
+        sys.stderr.write(
+            "usage: python -I -S _usage.py [--forward=SIG,... | --no-forward | --slurm-batch] OUT -- CMD...\n"
+        )
         return 2
     out, cmd = argv[0], argv[2:]
     child = {"pid": None}
     pending = []  # signals that came before the command existed
     relayed = {getattr(signal, name) for name in relay if hasattr(signal, name)}
+    held = []  # --slurm-batch: (signal, when) not yet passed on
+    cont = {"at": None}  # --slurm-batch: when the last SIGCONT came
 
-    def forward(signum, _frame):
-        if signum not in relayed:  # the command got it too (see the module docstring); outlive it, nothing more
-            return
+    def send(signum):
         if child["pid"] is None:
             pending.append(signum)
             return
@@ -82,13 +101,35 @@ def main(argv):
         except OSError:
             pass
 
+    def forward(signum, _frame):
+        if signum not in relayed:  # the command got it too (see the module docstring); outlive it, nothing more
+            return
+        if slurm_batch:  # decide once a SIGCONT that came with it has been seen (module docstring)
+            held.append((signum, time.monotonic()))
+            signal.setitimer(signal.ITIMER_REAL, HOLD)
+            return
+        send(signum)
+
+    def on_cont(_signum, _frame):
+        cont["at"] = time.monotonic()
+
+    def decide(_signum, _frame):
+        while held:
+            signum, at = held.pop(0)
+            if cont["at"] is None or abs(at - cont["at"]) > SLURM_END_WINDOW:  # for the batch shell alone
+                send(signum)
+
+    if slurm_batch:
+        signal.signal(signal.SIGCONT, on_cont)
+        signal.signal(signal.SIGALRM, decide)
+
     sigs = [getattr(signal, name) for name in FORWARDED if hasattr(signal, name)]
     for sig in sigs:
         signal.signal(sig, forward)
 
     pid = os.fork()
     if pid == 0:
-        for sig in sigs:
+        for sig in [*sigs, signal.SIGCONT, signal.SIGALRM]:
             signal.signal(sig, signal.SIG_DFL)
         try:
             os.execvp(cmd[0], cmd)
@@ -98,7 +139,7 @@ def main(argv):
             os._exit(127)
     child["pid"] = pid
     for sig in pending:
-        forward(sig, None)
+        send(sig)
 
     # Any child, not just the command: as a pod's first process (PID 1) the wrapper is also the
     # parent of every orphan in the container, and an init that does not reap them leaves them as

@@ -24,8 +24,10 @@
   share, since they write the logs there) and the batch script runs the command under it with
   ``python3`` from the node's PATH (option ``python``): each task of a multi-task job with
   ``--no-forward``, since Slurm signals every process of a step itself; a one-task job exec'd
-  as the batch shell's process (so is a job not measured), passing on only USR1 and USR2, which
-  a ``--signal=B:...`` warning sends the batch shell alone. It writes ``<log>.usage`` (``.usage.<rank>`` per
+  as the batch shell's process (so is a job not measured), passing on what a ``--signal=B:...``
+  warning or ``scancel --batch`` sends the batch shell alone (USR1, TERM, ...) and not the
+  SIGTERM with which Slurm ends a job, which the command gets itself (``--slurm-batch``: that
+  one follows a SIGCONT). It writes ``<log>.usage`` (``.usage.<rank>`` per
   task of a multi-task job, summed; one per array task, summed). ``measure_usage``: ``"auto"``
   (default) where the node has that Python (else the command runs as it is), ``true`` always,
   ``false`` never. Where the wrapper wrote nothing (a task killed with SIGKILL, ``false``) the
@@ -392,7 +394,7 @@ class SlurmLauncher(Launcher):
             command = " ".join(shlex.quote(c) for c in spec.command)
             lines.append(
                 'if [ -n "$OPENLAB_USAGE_PY" ]; then exec "$OPENLAB_USAGE_PY" -I -S "$OPENLAB_USAGE_WRAPPER" '
-                f'--forward=SIGUSR1,SIGUSR2 "$OPENLAB_USAGE" -- {command}; else exec {command}; fi'
+                f'--slurm-batch "$OPENLAB_USAGE" -- {command}; else exec {command}; fi'
             )
         else:
             lines.append("exec " + " ".join(shlex.quote(c) for c in spec.command))

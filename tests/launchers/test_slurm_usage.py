@@ -5,8 +5,10 @@ for the sacct test; ``sacct = false`` is a cluster whose accounting openlab does
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -137,27 +139,62 @@ def test_a_cancelled_slurm_job_under_the_wrapper_is_told_once_and_its_use_kept()
     assert status.state is JobState.CANCELLED and status.usage is not None, status
 
 
-#: Says when it is warned (USR1), and ends normally 3 s after, as a job that saves on the warning.
-WARNED = counting("SIGUSR1", "warned", 3, 'print("saved and done", flush=True)')
+@pytest.mark.parametrize(
+    "how", ["a warning for the batch shell", "Slurm ends the job", "Slurm ends the job, TERM handled first"]
+)
+def test_the_batch_shells_wrapper_passes_on_a_warning_and_not_slurms_end_of_the_job(how: str, tmp_path: Path) -> None:
+    """The wrapper a one-task job is exec'd under (``--slurm-batch``), signalled as Slurm does it,
+    without a cluster: a warning comes to it alone and is passed on; Slurm's end of a job (a
+    cancel, a time limit: SIGCONT then SIGTERM to every process, the command included) is not
+    passed on, whichever of the two the wrapper's Python handles first. Told once either way."""
+    import signal
+    import subprocess
+
+    from orchestrator.launchers.base import helper_script
+
+    record = tmp_path / "usage.json"
+    wrapper = [sys.executable, "-I", "-S", str(helper_script("usage.py")), "--slurm-batch", str(record), "--"]
+    proc = subprocess.Popen([*wrapper, sys.executable, "-c", STOPS], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    command = int(subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()[0])
+    if how == "a warning for the batch shell":
+        os.kill(proc.pid, signal.SIGTERM)
+    else:  # every process of the job, as slurmstepd does it
+        order = [signal.SIGCONT, signal.SIGTERM]
+        for pid in (proc.pid, command):
+            for sig in order if how == "Slurm ends the job" else order[::-1]:
+                os.kill(pid, sig)
+    out, _ = proc.communicate(timeout=30)
+    assert [line for line in out.splitlines() if "SIGTERM" in line] == ["got SIGTERM 1"], out
+    assert proc.returncode == 143 and record.exists(), (proc.returncode, out)
+
+
+def warned(sig: str) -> str:
+    """Says when it is warned (``sig``), and ends normally 3 s after, as a job that saves on the warning."""
+    return counting(sig, "warned", 3, 'print("saved and done", flush=True)')
 
 
 @pytest.mark.slurm
+@pytest.mark.parametrize("sig", ["USR1", "TERM"])
 @pytest.mark.parametrize("measure_usage", [True, False], ids=["under the wrapper", "not measured"])
-def test_a_warning_for_the_batch_shell_reaches_a_one_task_job_once(measure_usage: bool) -> None:
-    """``--signal=B:USR1@300`` (Slurm's warning before the time limit, for the batch shell alone)
-    and ``scancel --batch -s USR1`` signal only the batch script's own process. That was bash, which
-    has no USR1 handler: it died of it, the job ended FAILED (signal 10) and the training never
-    heard the warning. The job is now that process (exec'd, under the wrapper or alone)."""
+def test_a_warning_for_the_batch_shell_reaches_a_one_task_job_once(measure_usage: bool, sig: str) -> None:
+    """``--signal=B:USR1@300`` or ``B:TERM@120`` (Slurm's warning before the time limit, for the
+    batch shell alone) and ``scancel --batch -s USR1`` signal only the batch script's own process.
+    That was bash, which has no USR1 handler: it died of it, the job ended FAILED (signal 10) and
+    the training never heard the warning. The job is now that process (exec'd, under the wrapper
+    or alone). Under the wrapper a TERM was not passed on at all (a cancel's TERM reaches the
+    command itself); the wrapper now tells the two apart by the SIGCONT Slurm sends before
+    ending a job (the cancel test above checks the other half: told once)."""
     import subprocess
 
     require_slurm()
     launcher = get_launcher("slurm", sacct=False, measure_usage=measure_usage)
-    handle = launcher.submit(JobSpec(name="warned", command=[sys.executable, "-c", WARNED]))
+    handle = launcher.submit(JobSpec(name="warned", command=[sys.executable, "-c", warned(f"SIG{sig}")]))
     try:
         deadline = time.monotonic() + 60
         while "ready" not in list(launcher.logs(handle)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        subprocess.run(["scancel", "--batch", "--signal=USR1", handle.job_id], check=True, env=launcher._env())
+        subprocess.run(["scancel", "--batch", f"--signal={sig}", handle.job_id], check=True, env=launcher._env())
         status = launcher.wait(handle, timeout=60)
     finally:
         launcher.cleanup(handle)
