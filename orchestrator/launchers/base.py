@@ -694,8 +694,10 @@ def check_backends_section(settings: Settings) -> None:
     "slurmm"``, or a table ``[backends.kubernets]`` whose settings no launcher would ever read
     (the jobs would run with none of them). One line, naming the one meant."""
     section = settings.section("backends")
-    where = f"{settings.config_path}: " if settings.config_path else ""
     for key, value in section.items():
+        # where it was written: an OPENLAB_BACKENDS__<KEY>... variable wins over the file
+        variables = sorted(n for n in os.environ if n.upper().startswith(f"OPENLAB_BACKENDS__{key.upper()}"))
+        where = f"{variables[0]}: " if variables else f"{settings.config_path}: " if settings.config_path else ""
         if key == "default":
             if str(value).strip().lower() in BACKENDS:
                 continue

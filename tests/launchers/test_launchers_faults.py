@@ -169,6 +169,10 @@ def test_a_backends_key_that_names_no_backend_is_refused_naming_the_one_meant(
             assert proc.stderr.strip() == f"error: {config}: {want}", proc.stderr
     assert store.list(Attempt) == [], "nothing was run or recorded"
     config.write_text('[backends]\ndefault = "local"\n[backends.local]\ngrace = 2\n')
+    typo = {"OPENLAB_CONFIG": str(config), "OPENLAB_BACKENDS__SLRUM__PARTITION": "gpu"}  # said where it was written
+    proc = cli("job", "run", "-q", "--", "true", env=typo)
+    want = "error: OPENLAB_BACKENDS__SLRUM__PARTITION: [backends.slrum] is not a backend: did you mean 'slurm'?"
+    assert proc.returncode == 2 and proc.stderr.strip() == want, proc.stderr
     assert cli("job", "run", "-q", "--", "true", env={"OPENLAB_CONFIG": str(config)}).returncode == 0
 
 
