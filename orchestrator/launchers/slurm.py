@@ -693,9 +693,21 @@ class SlurmLauncher(Launcher):
             chosen.reason = with_notes(chosen.reason, first)
         if chosen.state.terminal and chosen.exit_code == 127 and handle.log_path:  # a program not on the node
             tail = "\n".join(self.logs(handle, tail=20))
-            said = not_started(tail, [helpers_python(self.config)], "slurm", "the node")
+            said = not_started(tail, [self._helpers_python_of(handle)], "slurm", "the node")
             chosen.reason = with_notes(chosen.reason, said)
         return chosen
+
+    def _helpers_python_of(self, handle: JobHandle) -> str:
+        """The Python the job's batch script ran the usage wrapper with (a job's own ``python``
+        option included), read back from the script; this launcher's setting when the script is
+        gone or the handle does not name it (one rebuilt from lineage)."""
+        script = (handle.extra or {}).get("script")
+        try:
+            text = Path(script).read_text() if script else ""
+        except OSError:
+            text = ""
+        found = re.search(r"^OPENLAB_USAGE_PY=(.+)$", text, re.MULTILINE)
+        return shlex.split(found.group(1))[0] if found else helpers_python(self.config)
 
     def _tasks(self, job_id: str, rows: list[dict[str, str]]) -> dict[str, JobStatus] | None:
         """Per-task statuses when ``job_id`` is an array job (not one task of it), else None."""

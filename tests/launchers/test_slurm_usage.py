@@ -114,6 +114,12 @@ def test_without_accounting_the_wrapper_measures_each_task_exactly(store: Lineag
     forced = get_launcher("slurm", sacct=False, python="no-such-python3", measure_usage=True)
     _, status = run_job(store, forced, JobSpec(name="forced", command=["true"]), timeout=150)
     assert status.state is JobState.FAILED and status.exit_code == 127, status
+    hint = "to run openlab's helper scripts with: set the slurm backend's python option to its Python"
+    assert f"the node has no 'no-such-python3' {hint}" in (status.reason or ""), status
+    # a job's own python option, which the status reads back from the job's batch script
+    own = JobSpec(name="own", command=["true"], options={"python": "no-such-python3b", "measure_usage": True})
+    _, status = run_job(store, get_launcher("slurm", sacct=False), own, timeout=150)
+    assert f"the node has no 'no-such-python3b' {hint}" in (status.reason or ""), status
 
 
 @pytest.mark.slurm
