@@ -38,7 +38,7 @@ import re
 import signal
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from pathlib import Path
@@ -656,6 +656,19 @@ def not_started(text: str | None, helpers: Collection[str], backend: str, where:
     if program in helpers:
         note += f" to run openlab's helper scripts with: set the {backend} backend's python option to its Python"
     return note
+
+
+def combine_usage(reports: Iterable[Mapping[str, float]]) -> dict[str, float] | None:
+    """What several usage records add up to (the tasks of a job, the pods of an indexed Job, the
+    shards of an array): CPU seconds summed, the largest peak memory (the processes ran side by
+    side, each with its own memory); None when there is none."""
+    reports = list(reports)
+    total: dict[str, float] = {}
+    if cpu := [r["cpu_seconds"] for r in reports if "cpu_seconds" in r]:
+        total["cpu_seconds"] = round(sum(cpu), 3)
+    if rss := [r["max_rss_bytes"] for r in reports if "max_rss_bytes" in r]:
+        total["max_rss_bytes"] = max(rss)
+    return total or None
 
 
 def with_notes(reason: str | None, *notes: str | None) -> str | None:

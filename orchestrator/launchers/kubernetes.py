@@ -90,6 +90,7 @@ from orchestrator.launchers.base import (
     JobStatus,
     Launcher,
     LauncherError,
+    combine_usage,
     first_failed_task,
     flag_option,
     helper_script,
@@ -256,16 +257,7 @@ def _pods_usage(pods: list[Any]) -> dict[str, float] | None:
             usage = parse_usage(term.message) if term is not None else None
             if usage is not None:
                 reports.append(usage)
-    if not reports:
-        return None
-    total: dict[str, float] = {}
-    cpu = [r["cpu_seconds"] for r in reports if "cpu_seconds" in r]
-    rss = [r["max_rss_bytes"] for r in reports if "max_rss_bytes" in r]
-    if cpu:
-        total["cpu_seconds"] = round(sum(cpu), 3)
-    if rss:
-        total["max_rss_bytes"] = max(rss)
-    return total
+    return combine_usage(reports)
 
 
 def _failed(pod: Any) -> bool:

@@ -73,6 +73,7 @@ from orchestrator.launchers.base import (
     JobStatus,
     Launcher,
     LauncherError,
+    combine_usage,
     first_failed_task,
     flag_option,
     helper_script,
@@ -618,14 +619,7 @@ class SlurmLauncher(Launcher):
                 usage = None
             if usage is not None:
                 found.append(usage)
-        if not found:
-            return None
-        total: dict[str, float] = {}
-        if cpu := [u["cpu_seconds"] for u in found if "cpu_seconds" in u]:
-            total["cpu_seconds"] = round(sum(cpu), 3)
-        if rss := [u["max_rss_bytes"] for u in found if "max_rss_bytes" in u]:
-            total["max_rss_bytes"] = max(rss)
-        return total or None
+        return combine_usage(found)
 
     def _usage(self, job_id: str, *, wait: float = 5.0) -> dict[str, float] | None:
         """What an ended job used, from sacct (None without accounting, or before it has the job).
