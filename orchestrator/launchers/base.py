@@ -627,6 +627,10 @@ def parse_usage(text: str | None) -> dict[str, float] | None:
     return usage or None
 
 
+#: The label (Docker) or annotation (Kubernetes) naming the Python(s) a job's helper scripts run
+#: with, so that a job whose image has no such program is told which option to set (not_started).
+HELPERS_PYTHON_KEY = "openlab.io/helpers-python"
+
 #: A program that could not be started, as docker-init (tini) says it (``exec python failed: No
 #: such file or directory``, exit 127), as runc says it (``exec: "python": executable file not
 #: found in $PATH``, a container runtime's StartError), as bash says it (``exec: python: not

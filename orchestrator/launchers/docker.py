@@ -73,6 +73,7 @@ from typing import Any
 from orchestrator.launchers._tasks import command as tasks_command
 from orchestrator.launchers.base import (
     HELPERS_MOUNT,
+    HELPERS_PYTHON_KEY,
     TIME_LIMIT_REASON,
     BackendUnavailable,
     ImageNotFound,
@@ -105,9 +106,6 @@ TIME_LIMIT_LABEL = "openlab.io/time-limit"
 TASK_ENDS_LABEL = "openlab.io/task-ends"
 #: Where the container's usage wrapper (launchers/_usage.py) leaves what the job used, on this host.
 USAGE_LABEL = "openlab.io/usage"
-#: The Python(s) the container runs the helper scripts with, so that a job whose image has no such
-#: program is told which option to set (base.not_started).
-HELPERS_PYTHON_LABEL = "openlab.io/helpers-python"
 #: Per-job folders of this host for them, mounted at HELPERS_MOUNT: ``mounted`` (now), ``usage`` (older openlab,
 #: for a job that ran across the upgrade); removed at cleanup.
 JOB_FOLDERS = ("mounted", "usage")
@@ -325,7 +323,7 @@ class DockerLauncher(Launcher):
             command = [python, "-I", "-S", f"{HELPERS_MOUNT}/usage.py", record, "--", *command]
         mounted = self._mounted(job_id, helpers) if helpers and _engine_is_local(self.config) else None
         if pythons:
-            labels[HELPERS_PYTHON_LABEL] = " ".join(dict.fromkeys(pythons))
+            labels[HELPERS_PYTHON_KEY] = " ".join(dict.fromkeys(pythons))
         if "usage.py" in helpers:  # where this side reads the record: the job's folder, else the container
             labels[USAGE_LABEL] = str(mounted / "usage.json") if mounted is not None else record
         env = {
@@ -491,7 +489,7 @@ class DockerLauncher(Launcher):
         if status_text == "dead" and job_state is JobState.SUCCEEDED:
             job_state, reason = JobState.LOST, "container is dead"
         if code == 127:  # a program that could not start, named by docker-init or the helper scripts
-            pythons = labels.get(HELPERS_PYTHON_LABEL, "").split()
+            pythons = labels.get(HELPERS_PYTHON_KEY, "").split()
             reason = with_notes(reason, not_started(_tail(container), pythons, "docker"))
         if code:
             reason = with_notes(reason, first_failed_task(labels.get(TASK_ENDS_LABEL)))

@@ -80,6 +80,7 @@ from typing import Any, TypeVar
 from orchestrator.launchers._tasks import command as tasks_command
 from orchestrator.launchers.base import (
     HELPERS_MOUNT,
+    HELPERS_PYTHON_KEY,
     TIME_LIMIT_REASON,
     BackendUnavailable,
     Backoff,
@@ -109,9 +110,6 @@ from orchestrator.launchers.base import (
 DEFAULT_VERSION = "1.33"
 #: The Job annotation naming where a multi-task pod's tasks write how they ended (artifact root).
 TASK_ENDS_ANNOTATION = "openlab.io/task-ends"
-#: The Python(s) a pod runs the helper scripts with, so that a job whose image has no such program
-#: is told which option to set (base.not_started).
-HELPERS_PYTHON_ANNOTATION = "openlab.io/helpers-python"
 #: The terminated reasons a kubelet gives a container its runtime could not start (containerd, dockershim).
 START_ERRORS = ("StartError", "ContainerCannotRun")
 #: The pod label (and annotation) an indexed Job's controller gives each pod: its index, our node rank.
@@ -500,7 +498,7 @@ class KubernetesLauncher(Launcher):
             main["command"] = [wrapper, *runner, out, "--", *main["command"]]
             pythons.append(wrapper)
         if pythons:
-            meta["annotations"][HELPERS_PYTHON_ANNOTATION] = " ".join(dict.fromkeys(pythons))
+            meta["annotations"][HELPERS_PYTHON_KEY] = " ".join(dict.fromkeys(pythons))
         main.pop("args", None)
         if wrapper is None:  # the pod's pause container as PID 1, not the command (module docstring)
             pod_spec.setdefault("shareProcessNamespace", True)
@@ -864,7 +862,7 @@ class KubernetesLauncher(Launcher):
     def _not_started(self, handle: JobHandle, job: Any, pod: Any, runtime_said: str | None) -> str | None:
         """What could not start in the pod that decided the Job: from the runtime's message (a
         StartError), else from the end of the pod's log (a helper script's "cannot run")."""
-        pythons = ((job.metadata.annotations or {}).get(HELPERS_PYTHON_ANNOTATION) or "").split()
+        pythons = ((job.metadata.annotations or {}).get(HELPERS_PYTHON_KEY) or "").split()
         if runtime_said is not None:
             return not_started(runtime_said, pythons, "kubernetes") or runtime_said
         resp = self._read_log(handle, tail=20, pods=[pod])
