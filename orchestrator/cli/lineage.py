@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import math
+import shlex
 from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
 
-from orchestrator.cli.output import compact_table, console, describe_task, print_json
+from orchestrator.cli.output import compact_table, console, describe_task, print_fields, print_json
 from orchestrator.errors import ConfigError, NotFoundError, OpenlabError
 from orchestrator.lineage.trace import describe
 
@@ -134,13 +135,16 @@ def show_cmd(
         )
         return
     console.print(f"[bold]{record.kind}[/] {record.id}")
-    for key, value in record_payload(record).items():
-        if key == "tasks" and isinstance(value, dict) and value:
-            console.print(f"  {'tasks':<16}{len(value)}")
-            for task, end in value.items():  # one line per array task: which shard failed, where
-                console.print(f"    {task:<14}{describe_task(end)}", highlight=False, markup=False)
-        elif key != "id" and value not in (None, {}, []):
-            console.print(f"  {key:<16}{value}", highlight=False, soft_wrap=True, markup=False)
+    payload = record_payload(record)
+    tasks = payload.pop("tasks", None)
+    payload.pop("id", None)
+    if isinstance(payload.get("command"), list):  # as a shell would take it: copied to run it again
+        payload["command"] = shlex.join(str(part) for part in payload["command"])
+    print_fields(payload)
+    if isinstance(tasks, dict) and tasks:
+        console.print(f"  {'tasks':<16}{len(tasks)}")
+        for task, end in tasks.items():  # one line per array task: which shard failed, where
+            console.print(f"    {task:<14}{describe_task(end)}", highlight=False, markup=False)
     if linked:
         console.print("[bold]links[/]")
         for key, value in linked.items():
@@ -152,7 +156,7 @@ def show_cmd(
                 line = f"  {rel.relation} -> {rel.object_kind}:{rel.object_id} {rel.role}"
             else:
                 line = f"  {rel.subject_kind}:{rel.subject_id} {rel.relation} -> this {rel.role}"
-            console.print(line.rstrip(), markup=False)
+            console.print(line.rstrip(), markup=False, highlight=False, soft_wrap=True)
     console.print(f"[bold]history[/] {len(events)} event(s), last {events[-1].hash[:16] if events else '-'}")
 
 

@@ -59,6 +59,61 @@ def describe_task(end: Mapping[str, Any]) -> str:
     return f"{end.get('state')}{exit_code}{where}{why}"
 
 
+def _scalar(value: Any) -> str:
+    """A leaf value as people read it: floats to six significant digits (the JSON keeps them whole)."""
+    if isinstance(value, bool) or value is None:
+        return str(value).lower() if isinstance(value, bool) else "-"
+    if isinstance(value, float):
+        return format(value, ".6g")
+    return str(value)
+
+
+def _flat(value: Any) -> bool:
+    """Whether ``value`` is a leaf, or a mapping or list of leaves only."""
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    elif not isinstance(value, list | tuple):
+        return True
+    return not any(isinstance(v, Mapping | list | tuple) for v in value)
+
+
+def _inline(value: Any) -> str:
+    """A leaf, a list of leaves (``a, b``) or a mapping of leaves (``k=v, k=v``) on one line."""
+    if isinstance(value, Mapping):
+        return ", ".join(f"{k}={_scalar(v)}" for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return ", ".join(_scalar(v) for v in value)
+    return _scalar(value)
+
+
+def print_fields(fields: Mapping[str, Any], indent: int = 2, min_key: int = 16) -> None:
+    """Print a record's fields for an auditor: one ``key  value`` line per plain field first, then
+    each nested one (a recipe, a stage's identity fields, its metrics) as an indented block, one
+    line per leaf, where ``str(dict)`` made one line of a thousand characters.
+
+    A mapping or list whose leaves fit on the rest of the line is printed there (``k=v, k=v``).
+    Empty values are left out. Text is printed as recorded, never read as rich markup; the
+    ``--json`` form keeps every value exactly.
+    """
+    shown = {k: v for k, v in fields.items() if v not in (None, {}, [], ())}
+    if not shown:
+        return
+    width = max(min_key, min(max(len(str(k)) for k in shown) + 2, 52))
+    room = max(console.width - indent - width, 20)
+    plain = [(k, v) for k, v in shown.items() if not isinstance(v, Mapping | list | tuple)]
+    nested = [(k, v) for k, v in shown.items() if isinstance(v, Mapping | list | tuple)]
+    for key, value in plain + nested:
+        head = f"{' ' * indent}{str(key):<{width - 1}} "
+        if not isinstance(value, Mapping | list | tuple) or (_flat(value) and len(_inline(value)) <= room):
+            console.print(f"{head}{_inline(value)}".rstrip(), highlight=False, soft_wrap=True, markup=False)
+        elif isinstance(value, Mapping):
+            console.print(f"{' ' * indent}{key}", highlight=False, soft_wrap=True, markup=False)
+            print_fields(value, indent + 2, min_key=0)
+        else:
+            console.print(f"{' ' * indent}{key}", highlight=False, soft_wrap=True, markup=False)
+            print_fields({f"[{i}]": item for i, item in enumerate(value)}, indent + 2, min_key=0)
+
+
 def byte_progress() -> Progress:
     """A transient bar for work measured in bytes (hashing or copying a large folder)."""
     return Progress(

@@ -388,20 +388,30 @@ class LineageStore:
         """The record with this id (or unique id prefix, at least 6 characters), of any kind.
 
         A W&B run is also found by its run id alone (``2d5eb8fa``, what the W&B UI shows),
-        not only by ``entity/project/run_id``.
+        not only by ``entity/project/run_id``. ``kind:id`` (``environment:40b288d4``), the form
+        ``openlab lineage show`` prints a related record in, looks among that kind only.
         """
         matches: list[LineageRecord] = []
+        models = list(RECORD_TYPES.values())
+        asked = record_id
+        kind, qualified, rest = record_id.partition(":")
         with self.session() as session:
-            for model in RECORD_TYPES.values():
+            for model in models:
                 exact = session.get(model, record_id)
                 if exact is not None:
                     return exact
-            runs = list(session.exec(select(WandbRun).where(WandbRun.run_id == record_id).limit(3)))
-            if len(runs) == 1:
-                return runs[0]
-            matches.extend(runs)
+            if qualified and kind in RECORD_TYPES and rest:
+                models, record_id = [RECORD_TYPES[kind]], rest
+                exact = session.get(models[0], record_id)
+                if exact is not None:
+                    return exact
+            if WandbRun in models:
+                runs = list(session.exec(select(WandbRun).where(WandbRun.run_id == record_id).limit(3)))
+                if len(runs) == 1:
+                    return runs[0]
+                matches.extend(runs)
             if len(record_id) >= 6:
-                for model in RECORD_TYPES.values():
+                for model in models:
                     id_col = model.id  # type: ignore[attr-defined]
                     matches.extend(session.exec(select(model).where(id_col.startswith(record_id)).limit(3)))
         if len(matches) == 1:
@@ -409,7 +419,7 @@ class LineageStore:
         if matches:
             ids = ", ".join(m.id for m in matches[:3])  # type: ignore[attr-defined]
             raise NotFoundError(f"id prefix {record_id!r} is ambiguous ({ids}, ...): give more characters")
-        raise NotFoundError(f"no lineage record with id {record_id!r}; `openlab lineage list` shows ids")
+        raise NotFoundError(f"no lineage record with id {asked!r}; `openlab lineage list` shows ids")
 
     def relations(self, record_id: str) -> list[Relation]:
         """Every relation where ``record_id`` is the subject or the object."""

@@ -155,6 +155,57 @@ def test_show_list_and_diff(run_cli, openlab_home: Path) -> None:
     assert diff["changes"]["pretrain"] == [{"path": "config.steps", "old": 10, "new": 20}]
 
 
+def test_show_prints_nested_fields_one_leaf_a_line_and_takes_the_related_ids_it_prints(
+    run_cli, openlab_home: Path
+) -> None:
+    """An auditor reads a stage's identity fields and metrics in ``lineage show``: nested values are
+    indented blocks, not one ``{'config': {...}}`` line; a recorded command reads as a shell line
+    that gives back the same words; and the ``kind:id`` a relation is printed as opens that record."""
+    import shlex
+
+    from orchestrator.identity import compute_identity
+    from orchestrator.lineage import Attempt, Environment, StageRun, open_store
+
+    moe = {"dispatch": "pooled_wave", "ranks": 4, "capacity_factor": 1.15, "transport_capacity_factor": 1.15}
+    config = {"moe": {**moe, "waves": 3, "chunks": 2, "qb": True}, "train": {"mixture": {"code": 0.3, "prose": 0.7}}}
+    metrics = {f"layer_{i}/routing_entropy": 1.8627980947494507 + i for i in range(4)}
+    ident = compute_identity("midtrain", config, inputs={"tokens": "t" * 64})
+    command = ["python", "-m", "workloads.moe", "midtrain", "--out", "/data/run 1/out"]
+    with open_store() as store, store.transaction() as tx:
+        stage = tx.add(
+            StageRun(
+                stage="midtrain",
+                identity=ident.digest,
+                identity_fields=ident.fields(),
+                metrics={"train/loss": 5.316871643066406, **metrics},
+            )
+        )
+        attempt = tx.add(Attempt(stage_run_id=stage.id, number=1, backend="local", command=command))
+        env = tx.add(
+            Environment(id="e" * 64, python="CPython 3.11.7", platform="Linux", hostname="h", packages_hash="p")
+        )
+        tx.relate("wasAssociatedWith", stage, env, role="environment")
+    shown = run_cli("lineage", "show", stage.id, env={"COLUMNS": "100"})
+    assert shown.returncode == 0, shown.stderr
+    out = shown.stdout
+    assert "{'" not in out, out  # no Python dict repr anywhere
+    assert re.search(r"^ {4}config$", out, re.M) and re.search(r"^ {6}moe$", out, re.M), out
+    assert re.search(r"^ {8}capacity_factor\s+1\.15$", out, re.M), out
+    assert re.search(r"^ {8}mixture\s+code=0\.3, prose=0\.7$", out, re.M), out  # a short mapping stays on one line
+    assert re.search(r"^ {4}train/loss\s+5\.31687$", out, re.M), out  # six significant digits for people
+    recorded = json.loads(run_cli("lineage", "show", stage.id, "--json").stdout)["record"]["metrics"]
+    assert recorded["train/loss"] == 5.316871643066406  # the JSON keeps every digit
+    related = re.search(r"wasAssociatedWith -> (environment:\S+) environment$", out, re.M)
+    assert related, out
+    opened = run_cli("lineage", "show", related.group(1))
+    assert opened.returncode == 0 and opened.stdout.startswith(f"environment {env.id}"), opened.stdout + opened.stderr
+    wrong_kind = run_cli("lineage", "show", f"commit:{env.id}")
+    assert wrong_kind.returncode == 2 and f"'commit:{env.id}'" in wrong_kind.stderr, wrong_kind.stderr
+
+    line = next(x for x in run_cli("lineage", "show", attempt.id).stdout.splitlines() if x.startswith("  command"))
+    assert shlex.split(line.split(None, 1)[1]) == command
+
+
 def test_recorded_text_is_printed_as_recorded_not_as_markup(run_cli, openlab_home: Path) -> None:
     """`[rank 3]` in an error or `[WIP]` in a commit subject is data: the audit output must not eat it."""
     from orchestrator.lineage import Commit, StageRun, open_store
