@@ -180,16 +180,18 @@ def test_extends_starts_from_another_config_and_lays_this_files_keys_on_top(tmp_
 
 def test_a_training_stage_reports_progress_on_stderr(tmp_path: Path, tiny_tokens: Path) -> None:
     """A training stage says how far it is (step, loss, drop, time per step, time left) on stderr, which a
-    launcher streams into the Prefect logs: at its first step, at most every 10 s, and at its last;
-    stdout stays the one-line JSON result. A resumed stage counts from where it resumed."""
+    launcher streams into the Prefect logs: at its first step, at most every 10 s, and at its last.
+    stdout ends with one line of headline figures (the log's last word on the stage), or with
+    ``--json`` every scalar metric as JSON. A resumed stage counts from where it resumed."""
     from .conftest import train_cfg
 
     cfg = tmp_path / "c.json"
 
-    def pretrain(steps: int) -> subprocess.CompletedProcess[str]:
+    def pretrain(steps: int, *extra: str) -> subprocess.CompletedProcess[str]:
         cfg.write_text(json.dumps(train_cfg(tiny_tokens, steps=steps, checkpoint_every=3)))
+        out = str(tmp_path / "p")
         return subprocess.run(
-            [sys.executable, "-m", "workloads.moe", "pretrain", "--config", str(cfg), "--out", str(tmp_path / "p")],
+            [sys.executable, "-m", "workloads.moe", "pretrain", "--config", str(cfg), "--out", out, *extra],
             cwd=ROOT,
             capture_output=True,
             text=True,
@@ -202,9 +204,20 @@ def test_a_training_stage_reports_progress_on_stderr(tmp_path: Path, tiny_tokens
     assert lines[0].startswith("step 1/6 (16%) | loss ") and " | drop " in lines[0], lines
     assert "s/step | about " in lines[0] and lines[0].endswith(" left"), lines
     assert lines[-1].startswith("step 6/6 (100%)") and lines[-1].endswith(" | done"), lines
-    assert len(lines) <= 6 and json.loads(proc.stdout.strip().splitlines()[-1])["stage"] == "pretrain"
+    assert len(lines) <= 6
+    metrics = json.loads((tmp_path / "p" / "metrics.json").read_text())
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert summary.startswith("done: step 6/6 | "), summary
+    assert f" | loss {metrics['train/loss']:.4f} | drop {metrics['moe/drop_fraction']:.2%} | " in summary, summary
+    assert f"eval loss code {metrics['eval/code/loss']:.4f}, " in summary, summary
+    assert summary.endswith(
+        f" | eval drop {metrics['eval/moe/drop_fraction']:.2%} | all metrics in {cfg.parent}/p/metrics.json"
+    )
 
-    proc = pretrain(9)  # resumes from the step-6 checkpoint
+    proc = pretrain(9, "--json")  # resumes from the step-6 checkpoint
     assert proc.returncode == 0, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("step ")]
     assert lines[0].startswith("step 7/9 (77%)") and lines[-1].startswith("step 9/9"), lines
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    metrics = json.loads((tmp_path / "p" / "metrics.json").read_text())
+    assert result["resumed_from_step"] == 6 and result["train/loss"] == metrics["train/loss"], result

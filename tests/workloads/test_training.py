@@ -142,7 +142,7 @@ def test_a_stop_signal_saves_the_step_and_a_rerun_finishes_as_if_uninterrupted(
     done = max(_losses(out))
     assert 5 <= done < steps, done
     assert f"stopped by {signame} after step {done}; checkpoint saved" in stderr
-    rerun = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    rerun = subprocess.run([*cmd, "--json"], env=env, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert json.loads(rerun.stdout.strip().splitlines()[-1])["resumed_from_step"] == done
     a, b = _losses(straight), _losses(out)
