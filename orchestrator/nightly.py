@@ -31,12 +31,12 @@ from typing import Any, Literal
 from sqlmodel import col
 
 from orchestrator.errors import NotFoundError, OpenlabError
+from orchestrator.lineage.diff import stage_metrics
 from orchestrator.lineage.models import PipelineRun, Relation, StageRun, utcnow
 from orchestrator.lineage.store import LineageStore
 from orchestrator.tolerances import (
     MetricCheck,
     Tolerance,
-    as_number,
     check_metric,
     parse_tolerances,
 )
@@ -166,32 +166,6 @@ def pipeline_metrics(store: LineageStore, pipeline_run_id: str) -> dict[str, flo
     return out
 
 
-def stage_metrics(store: LineageStore, srun: StageRun) -> dict[str, float]:
-    """One stage run's numeric metrics, flattened (``eval/code/loss``); a reused stage run's are
-    those of the run it reused, which is what the pipeline run actually has for that stage."""
-    metrics = dict(srun.metrics or {})
-    source, seen = srun, {srun.id}
-    while not metrics and source.reused_from and source.reused_from not in seen:
-        seen.add(source.reused_from)
-        found = store.get(StageRun, source.reused_from)
-        if found is None:
-            break
-        source, metrics = found, dict(found.metrics or {})
-    numbers = {name: as_number(value) for name, value in _flatten_metrics(metrics).items()}
-    return {name: number for name, number in numbers.items() if number is not None}
-
-
-def _flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in metrics.items():
-        name = f"{prefix}/{key}" if prefix else str(key)
-        if isinstance(value, Mapping):
-            out.update(_flatten_metrics(value, name))
-        else:
-            out[name] = value
-    return out
-
-
 def pipeline_commit(store: LineageStore, run: PipelineRun) -> str | None:
     """The commit a pipeline run (or, failing that, its stages) was associated with."""
     candidates = [run.id] + [s.id for s in store.list(StageRun, pipeline_run_id=run.id)]
@@ -311,5 +285,4 @@ __all__ = [
     "previous_nightly",
     "raise_for_verdict",
     "record_verdict",
-    "stage_metrics",
 ]

@@ -5,14 +5,17 @@ from __future__ import annotations
 import logging
 import math
 import shlex
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
 
 from orchestrator.cli.output import compact_table, console, describe_task, print_fields, print_json
-from orchestrator.errors import ConfigError, NotFoundError, OpenlabError
+from orchestrator.errors import ConfigError, NotFoundError
 from orchestrator.lineage.trace import describe
+
+if TYPE_CHECKING:
+    from orchestrator.lineage.diff import Section
 
 app = typer.Typer(help="Audit lineage: which commit, data, environment and job produced what.", no_args_is_help=True)
 
@@ -227,56 +230,67 @@ def _linked(store: Any, record: Any) -> dict[str, str]:
 
 @app.command("diff")
 def diff_cmd(
-    a: Annotated[str, typer.Argument(help="First stage run or pipeline run id.")],
+    a: Annotated[str, typer.Argument(help="First stage run or pipeline run id (the earlier: changes read a -> b).")],
     b: Annotated[str, typer.Argument(help="Second stage run or pipeline run id.")],
+    metric: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--metric",
+            "-m",
+            help="Also compare the metrics matching this shell pattern ('eval/*/loss', 'moe/drop_fraction', '*' "
+            "for all), per stage: old -> new, the change and the change relative to old. Repeatable.",
+        ),
+    ] = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """Say field by field what differs between two stage runs' identities (or two pipeline runs' stages)."""
-    from orchestrator.identity import diff_identities
-    from orchestrator.lineage.models import StageRun
-    from orchestrator.lineage.store import record_payload
+    """Say field by field what differs between two stage runs' identities (or two pipeline runs' stages),
+    and with --metric how their results moved."""
+    from orchestrator.lineage.diff import diff_records
 
     store = _open()
     left, right = store.find(a), store.find(b)
-    if left.kind != right.kind:
-        raise OpenlabError(f"cannot diff a {left.kind} with a {right.kind}: give two records of the same kind")
-    result: dict[str, list[dict[str, Any]]] = {}
-    if left.kind == "stage_run":
-        result[f"{left.stage}"] = [c.__dict__ for c in diff_identities(left.identity_fields, right.identity_fields)]
-    elif left.kind == "pipeline_run":
-        ls = {s.stage: s for s in store.list(StageRun, pipeline_run_id=left.id)}
-        rs = {s.stage: s for s in store.list(StageRun, pipeline_run_id=right.id)}
-        for stage in sorted(ls.keys() | rs.keys()):
-            if stage not in ls or stage not in rs:
-                result[stage] = [
-                    {"path": "stage", "old": stage if stage in ls else None, "new": stage if stage in rs else None}
-                ]
-            else:
-                result[stage] = [
-                    c.__dict__ for c in diff_identities(ls[stage].identity_fields, rs[stage].identity_fields)
-                ]
-    else:
-        pa, pb = record_payload(left), record_payload(right)
-        result[left.kind] = [
-            {"path": k, "old": pa.get(k), "new": pb.get(k)}
-            for k in sorted(pa.keys() | pb.keys())
-            if pa.get(k) != pb.get(k)
-        ]
+    sections = diff_records(store, left, right, metric or ())
     if json_out:
-        print_json({"a": left.id, "b": right.id, "kind": left.kind, "changes": result})
+        out: dict[str, Any] = {
+            "a": left.id,
+            "b": right.id,
+            "kind": left.kind,
+            "changes": {s.name: s.fields for s in sections},
+        }
+        if metric:
+            out["metrics"] = {s.name: [c.to_dict() for c in s.metrics] for s in sections}
+        print_json(out)
         return
-    for section, changes in result.items():
-        if not changes:
-            console.print(f"[green]{section}: identical[/]")
-            continue
-        console.print(f"[bold]{section}[/]: {len(changes)} field(s) differ")
-        for change in changes:
+    for section in sections:
+        if not section.fields:
+            console.print(f"[green]{escape(section.name)}: identical[/]")
+        else:
+            console.print(f"[bold]{escape(section.name)}[/]: {len(section.fields)} field(s) differ")
+        for change in section.fields:
             console.print(
                 f"  {change['path']}: {change['old']!r} -> {change['new']!r}",
                 highlight=False,
                 soft_wrap=True,
                 markup=False,
             )
+        if metric:
+            _print_metric_changes(section)
+
+
+def _print_metric_changes(section: Section) -> None:
+    """``metrics: 3 of 12 moved`` and one aligned line per moved metric under a stage's field changes."""
+    if not section.compared:
+        console.print("  metrics: none matches --metric", highlight=False, markup=False)
+        return
+    console.print(f"  metrics: {len(section.metrics)} of {section.compared} moved", highlight=False, markup=False)
+    width = max((len(c.metric) for c in section.metrics), default=0)
+    for c in section.metrics:
+        old = "-" if c.old is None else format(c.old, ".6g")
+        new = "-" if c.new is None else format(c.new, ".6g")
+        change = "" if c.delta is None else f"  ({c.delta:+.4g}"
+        if change:
+            change += ")" if c.relative is None else f", {c.relative:+.2%})"
+        console.print(f"    {c.metric:<{width}}  {old} -> {new}{change}", highlight=False, soft_wrap=True, markup=False)
 
 
 @app.command("verify")

@@ -47,6 +47,7 @@ from orchestrator.cards import (
     wandb_text,
 )
 from orchestrator.errors import ConfigError
+from orchestrator.lineage.diff import stage_metrics
 from orchestrator.lineage.listing import RecordFilter, parse_when
 from orchestrator.lineage.models import (
     Attempt,
@@ -62,7 +63,6 @@ from orchestrator.lineage.store import LineageStore
 from orchestrator.lineage.usage import Usage, usage
 from orchestrator.links.github import MAX_BODY, GithubLinker
 from orchestrator.links.refs import parse_issue_ref
-from orchestrator.nightly import stage_metrics
 from orchestrator.preregistration import outcome_lines
 from orchestrator.settings import Settings
 

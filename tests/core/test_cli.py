@@ -206,6 +206,81 @@ def test_show_prints_nested_fields_one_leaf_a_line_and_takes_the_related_ids_it_
     assert shlex.split(line.split(None, 1)[1]) == command
 
 
+def test_diff_of_two_pipeline_runs_says_what_went_in_differently_and_how_the_results_moved(
+    run_cli, openlab_home: Path
+) -> None:
+    """Last night's run against tonight's: per stage, in pipeline order, the identity fields that
+    differ and, with --metric, the metrics that moved (a reused stage compares with the metrics of
+    the run it reused, so it reads as unchanged rather than as missing)."""
+    from orchestrator.identity import compute_identity
+    from orchestrator.lineage import PipelineRun, StageRun, open_store
+
+    tok = compute_identity("tokenize", {"vocab": 512})
+    old_pt = compute_identity("pretrain", {"lr": 0.01}, inputs={"tokens": tok.digest})
+    new_pt = compute_identity("pretrain", {"lr": 0.02}, inputs={"tokens": tok.digest})
+    with open_store() as store, store.transaction() as tx:
+        night1 = tx.add(PipelineRun(recipe="r", replica="tiny", backend="local"))
+        night2 = tx.add(PipelineRun(recipe="r", replica="tiny", backend="local"))
+        done = {"eval": {"code": {"loss": 5.25}}, "moe/drop_fraction": 0.031, "train/loss": 5.0}
+        t1 = tx.add(
+            StageRun(
+                pipeline_run_id=night1.id,
+                stage="tokenize",
+                identity=tok.digest,
+                identity_fields=tok.fields(),
+                metrics={"tokens": 1000},
+            )
+        )
+        tx.add(
+            StageRun(
+                pipeline_run_id=night1.id,
+                stage="pretrain",
+                identity=old_pt.digest,
+                identity_fields=old_pt.fields(),
+                metrics=done,
+            )
+        )
+        tx.add(
+            StageRun(
+                pipeline_run_id=night2.id,
+                stage="tokenize",
+                identity=tok.digest,
+                identity_fields=tok.fields(),
+                state="REUSED",
+                reused_from=t1.id,
+            )
+        )
+        moved = {"eval": {"code": {"loss": 5.5}}, "moe/drop_fraction": 0.045, "train/loss": 5.0, "new/x": 1.0}
+        tx.add(
+            StageRun(
+                pipeline_run_id=night2.id,
+                stage="pretrain",
+                identity=new_pt.digest,
+                identity_fields=new_pt.fields(),
+                metrics=moved,
+            )
+        )
+    shown = run_cli("lineage", "diff", night1.id, night2.id, "--metric", "eval/*/loss", "-m", "moe/*", "-m", "new/*")
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[0] == "tokenize: identical" and lines[1] == "  metrics: none matches --metric", lines
+    start = lines.index("pretrain: 1 field(s) differ")
+    assert lines[start + 1 :] == [
+        "  config.lr: 0.01 -> 0.02",
+        "  metrics: 3 of 3 moved",
+        "    eval/code/loss     5.25 -> 5.5  (+0.25, +4.76%)",
+        "    moe/drop_fraction  0.031 -> 0.045  (+0.014, +45.16%)",
+        "    new/x              - -> 1",
+    ], lines
+    data = json.loads(run_cli("lineage", "diff", night1.id, night2.id, "-m", "*", "--json").stdout)
+    assert data["changes"]["tokenize"] == [] and data["metrics"]["tokenize"] == []  # reused: the same numbers
+    assert {c["metric"] for c in data["metrics"]["pretrain"]} == {"eval/code/loss", "moe/drop_fraction", "new/x"}
+    drop = next(c for c in data["metrics"]["pretrain"] if c["metric"] == "moe/drop_fraction")
+    assert drop["old"] == 0.031 and drop["new"] == 0.045 and abs(drop["relative"] - 0.014 / 0.031) < 1e-12
+    wrong = run_cli("lineage", "diff", night1.id, t1.id)
+    assert wrong.returncode == 2 and "cannot diff a pipeline_run with a stage_run" in wrong.stderr, wrong.stderr
+
+
 def test_recorded_text_is_printed_as_recorded_not_as_markup(run_cli, openlab_home: Path) -> None:
     """`[rank 3]` in an error or `[WIP]` in a commit subject is data: the audit output must not eat it."""
     from orchestrator.lineage import Commit, StageRun, open_store

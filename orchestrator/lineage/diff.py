@@ -1,0 +1,137 @@
+"""What differs between two recorded runs: what went in (identity fields) and what came out (metrics).
+
+``openlab lineage diff`` answers the morning question after a nightly moved: *tonight's
+drop fraction went from 3.1% to 4.5%, and pretrain's ``moe.capacity_factor`` changed*. The
+inputs side compares the stage identities field by field (:func:`orchestrator.identity.
+diff_identities`); the outputs side compares the numbers each stage recorded, which a reused
+stage run takes from the run it reused (:func:`stage_metrics`), so two runs that share a stage
+show that stage's metrics as unchanged instead of missing.
+
+Two stage runs are compared as one section named after the stage; two pipeline runs as one
+section per stage either ran; any other two records of one kind field by field.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlmodel import col
+
+from orchestrator.errors import OpenlabError
+from orchestrator.identity import diff_identities
+from orchestrator.lineage.models import LineageRecord, StageRun
+from orchestrator.lineage.store import LineageStore, record_payload
+from orchestrator.tolerances import as_number
+
+
+def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"repro": {"ragged": {"late_median_drop": x}}}`` as ``{"repro/ragged/late_median_drop": x}``."""
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        name = f"{prefix}/{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            out.update(flatten_metrics(value, name))
+        else:
+            out[name] = value
+    return out
+
+
+def stage_metrics(store: LineageStore, srun: StageRun) -> dict[str, float]:
+    """One stage run's numeric metrics, flattened (``eval/code/loss``); a reused stage run's are
+    those of the run it reused, which is what the pipeline run actually has for that stage."""
+    metrics = dict(srun.metrics or {})
+    source, seen = srun, {srun.id}
+    while not metrics and source.reused_from and source.reused_from not in seen:
+        seen.add(source.reused_from)
+        found = store.get(StageRun, source.reused_from)
+        if found is None:
+            break
+        source, metrics = found, dict(found.metrics or {})
+    numbers = {name: as_number(value) for name, value in flatten_metrics(metrics).items()}
+    return {name: number for name, number in numbers.items() if number is not None}
+
+
+@dataclass(frozen=True)
+class MetricChange:
+    """One metric that moved (or that only one of the two runs reported: the other side is None)."""
+
+    metric: str
+    old: float | None
+    new: float | None
+
+    @property
+    def delta(self) -> float | None:
+        return None if self.old is None or self.new is None else self.new - self.old
+
+    @property
+    def relative(self) -> float | None:
+        """The change as a fraction of the old value's magnitude; None from zero or a missing side."""
+        return None if self.delta is None or not self.old else self.delta / abs(self.old)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"metric": self.metric, "old": self.old, "new": self.new, "delta": self.delta, "relative": self.relative}
+
+
+def _matches(name: str, patterns: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def diff_metrics(
+    old: Mapping[str, float], new: Mapping[str, float], patterns: Iterable[str] = ("*",)
+) -> list[MetricChange]:
+    """Every metric matching one of the shell-style ``patterns`` (``eval/*/loss``) whose value
+    differs between ``old`` and ``new``, by name; equal values are left out."""
+    wanted = list(patterns)
+    names = sorted(n for n in old.keys() | new.keys() if _matches(n, wanted))
+    return [MetricChange(n, old.get(n), new.get(n)) for n in names if old.get(n) != new.get(n)]
+
+
+@dataclass
+class Section:
+    """One stage (or one record kind) of a diff: the input fields and the metrics that differ."""
+
+    name: str
+    fields: list[dict[str, Any]] = field(default_factory=list)
+    metrics: list[MetricChange] = field(default_factory=list)
+    #: How many metrics the patterns picked on either side (so "none moved" can be told from "none matched").
+    compared: int = 0
+
+
+def diff_records(
+    store: LineageStore, left: LineageRecord, right: LineageRecord, metric_patterns: Iterable[str] = ()
+) -> list[Section]:
+    """The sections of ``lineage diff`` for two records of one kind; metrics only when
+    ``metric_patterns`` names some (stage runs and pipeline runs carry metrics)."""
+    if left.kind != right.kind:
+        raise OpenlabError(f"cannot diff a {left.kind} with a {right.kind}: give two records of the same kind")
+    patterns = list(metric_patterns)
+    if left.kind == "stage_run":
+        pairs: dict[str, tuple[StageRun | None, StageRun | None]] = {left.stage: (left, right)}  # type: ignore[attr-defined,dict-item]
+    elif left.kind == "pipeline_run":
+        order = col(StageRun.started_at)
+        ls = {s.stage: s for s in store.list(StageRun, pipeline_run_id=left.id, order_by=order)}
+        rs = {s.stage: s for s in store.list(StageRun, pipeline_run_id=right.id, order_by=order)}
+        stages = list(ls) + [s for s in rs if s not in ls]  # pipeline order, not the alphabet's
+        pairs = {s: (ls.get(s), rs.get(s)) for s in stages}
+    else:
+        if patterns:
+            raise OpenlabError(f"{left.kind} records have no metrics: --metric compares stage runs or pipeline runs")
+        pa, pb = record_payload(left), record_payload(right)
+        changed = [{"path": k, "old": pa.get(k), "new": pb.get(k)} for k in sorted(pa.keys() | pb.keys())]
+        return [Section(left.kind, [c for c in changed if c["old"] != c["new"]])]
+    sections = []
+    for stage, (a, b) in pairs.items():
+        if a is None or b is None:
+            section = Section(stage, [{"path": "stage", "old": stage if a else None, "new": stage if b else None}])
+        else:
+            section = Section(stage, [c.__dict__ for c in diff_identities(a.identity_fields, b.identity_fields)])
+        if patterns:
+            old = stage_metrics(store, a) if a is not None else {}
+            new = stage_metrics(store, b) if b is not None else {}
+            section.metrics = diff_metrics(old, new, patterns)
+            section.compared = sum(1 for n in old.keys() | new.keys() if _matches(n, patterns))
+        sections.append(section)
+    return sections
