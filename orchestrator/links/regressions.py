@@ -29,6 +29,7 @@ changed between the two runs.
 from __future__ import annotations
 
 import logging
+import shlex
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any
@@ -127,9 +128,11 @@ def issue_body(linker: GithubLinker, repo: str, run: PipelineRun, verdict: Verdi
         "",
     ]
     if verdict.previous_run_id:
+        metric_flags = "".join(f" -m {shlex.quote(c.metric)}" for c in verdict.regressions)
         lines += [
             f"- Commits to bisect: {compare}" if compare else "- Commits: not a clean range of pushed commits",
-            f"- What changed between the runs: `openlab lineage diff {verdict.previous_run_id} {run.id}`",
+            "- What went in differently, stage by stage, and how the regressed metrics moved: "
+            f"`openlab lineage diff {verdict.previous_run_id} {run.id}{metric_flags}`",
         ]
     lines += [
         f"- The run's lineage: `openlab lineage trace {run.id}`",

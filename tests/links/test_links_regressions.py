@@ -5,8 +5,10 @@ fake speaking its REST JSON."""
 from __future__ import annotations
 
 import datetime as dt
+import shlex
 from pathlib import Path
 
+from orchestrator.lineage.diff import diff_records
 from orchestrator.lineage.models import GithubIssue, GithubUpdate, PipelineRun, Relation, utcnow
 from orchestrator.lineage.store import LineageStore
 from orchestrator.links.github import GithubLinker
@@ -44,7 +46,13 @@ def test_a_regression_opens_one_issue_that_the_next_good_nightly_closes(
     assert regression_marker("marin-535b-a23b", "tiny") in body
     assert "| `eval/loss` ❌ | 2.0 | 2.3 |" in body
     assert f"{fake_github.web}/lab/exp/compare/{GOOD[:12]}...{BAD[:12]}" in body
-    assert f"`openlab lineage diff {baseline.id} {bad.id}`" in body
+    command = f"openlab lineage diff {baseline.id} {bad.id} -m eval/loss"
+    assert f"`{command}`" in body
+    # what that command compares: the regressed metric, moved, in the stage that reported it
+    patterns = shlex.split(command)[6::2]
+    sections = diff_records(store, store.find(baseline.id), store.find(bad.id), patterns)
+    moved = {(s.name, c.metric): (c.old, c.new) for s in sections for c in s.metrics}
+    assert moved == {("eval", "eval/loss"): (2.0, 2.3)}, moved
     assert TOKEN not in body
 
     assert report_verdict(store, bad.id).action == "already", "the same verdict twice changes nothing"
