@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.markup import escape
 
-from orchestrator.cli.output import compact_table, console, describe_task, print_fields, print_json
+from orchestrator.cli.output import (
+    compact_table,
+    console,
+    describe_task,
+    fit_last_column,
+    print_fields,
+    print_json,
+)
 from orchestrator.errors import ConfigError, NotFoundError
 from orchestrator.lineage.trace import describe
 
@@ -109,7 +116,7 @@ def list_cmd(
         field = time_field(type(r))
         when = getattr(r, field) if field else None
         table.add_row(r.kind, r.id, when.strftime("%Y-%m-%d %H:%M:%S") if when else "", escape(describe(r)))
-    console.print(table)
+    console.print(fit_last_column(table))
     if listing.matched > len(rows):
         console.print(f"{len(rows)} of {listing.matched} matching records shown; --limit shows more", markup=False)
 

@@ -50,6 +50,27 @@ def compact_table(title: str) -> Table:
     return Table(title=title, box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, padding=(0, 0 if narrow() else 1))
 
 
+def fit_last_column(table: Table) -> Table:
+    """Cap a :func:`compact_table`'s last (wrapping) column to the room the others leave.
+
+    Rich collapses wrapping columns to fit the terminal, but not below their minimum widths (the
+    ids': copied whole); the table then came out a few columns too wide and the console cropped
+    the last words of the summaries (``backend=local COMPLET``). Call after the rows are added."""
+    from rich.cells import cell_len
+
+    columns = table.columns
+    if len(columns) < 2:
+        return table
+    used = sum(
+        max([cell_len(str(cell)) for cell in column.cells] + [cell_len(str(column.header)), column.min_width or 0])
+        for column in columns[:-1]
+    )
+    left, right = table.padding[3], table.padding[1]
+    gaps = (len(columns) - 1) * (1 + left + right)  # one separator and the padding between each two columns
+    columns[-1].max_width = max(console.width - used - gaps, 12)
+    return table
+
+
 def describe_task(end: Mapping[str, Any]) -> str:
     """One array task in a few words, ``FAILED exit 7 on node1 (reason)``: the same line for a live
     ``openlab job status`` and for the attempt's record in ``openlab lineage show``."""

@@ -201,6 +201,7 @@ def test_the_list_says_why_an_attempt_did_not_complete_and_nothing_it_does_not_k
     """An auditor reading ``lineage list`` wants the reason a job failed beside it; an attempt refused
     before it had a job printed ``job=None ... exit=None`` instead of why."""
     from orchestrator.lineage import open_store
+    from orchestrator.lineage.trace import describe
 
     with open_store() as store, store.transaction() as tx:
         srun = tx.add(StageRun(stage="pretrain", identity="i1", state="FAILED"))
@@ -218,6 +219,20 @@ def test_the_list_says_why_an_attempt_did_not_complete_and_nothing_it_does_not_k
         f"#2 slurm job=71 FAILED exit=127 host=n1: {missing}",
         "#3 slurm job=72 COMPLETED exit=0 host=n1",
     ], out.stdout
+
+    # 80 columns: the summaries wrap, and not one character of them is cropped at the edge
+    with store.transaction() as tx:
+        tx.add(PipelineRun(recipe="marin-535b-a23b", replica="tiny", backend="local", state="COMPLETED"))
+    kinds = ("-k", "attempt", "-k", "stage_run", "-k", "pipeline_run")
+    narrow = run_cli("lineage", "list", *kinds, env={"COLUMNS": "80"})
+    assert narrow.returncode == 0, narrow.stderr
+    table = narrow.stdout.splitlines()
+    assert max(len(line) for line in table) <= 80, narrow.stdout
+    start = next(line for line in table if line.lstrip().startswith("kind")).index("summary")
+    printed = "".join("".join(line[start:].split()) for line in table[3:])
+    listed = json.loads(run_cli("lineage", "list", *kinds, "--json").stdout)
+    expected = "".join("".join(describe(store.find(r["id"])).split()) for r in listed)
+    assert printed == expected, narrow.stdout
 
 
 def test_export_takes_the_same_filters_and_never_reads_no_match_as_everything(run_cli, openlab_home, tmp_path) -> None:
