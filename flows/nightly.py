@@ -32,6 +32,7 @@ def nightly_verdict(pipeline_run_id: str, recipe: str, replica: str) -> dict[str
     tolerances = parse_tolerances(resolve(recipe, replica).tracked_metrics)
     with LineageStore.open() as store:
         verdict = evaluate_nightly(store, pipeline_run_id, tolerances)
+        changes = _changes_since(store, verdict.previous_run_id, pipeline_run_id)
     lines = [
         f"**Nightly verdict: {verdict.status}**",
         "",
@@ -44,6 +45,7 @@ def nightly_verdict(pipeline_run_id: str, recipe: str, replica: str) -> dict[str
         flag = " ❌" if check.regressed else ""
         noise = "" if check.noise is None else f"{check.noise:.4g}"
         lines.append(f"| {check.metric}{flag} | {check.previous} | {check.current} | {check.allowed} | {noise} |")
+    lines += ["", *changes]
     try:
         create_markdown_artifact(key="nightly-verdict", markdown="\n".join(lines), description=verdict.message[:500])
     except Exception as exc:  # noqa: BLE001 - the verdict is in lineage either way
@@ -56,6 +58,21 @@ def nightly_verdict(pipeline_run_id: str, recipe: str, replica: str) -> dict[str
     events.nightly_verdict(pipeline_run_id, payload)
     raise_for_verdict(verdict)
     return verdict.to_dict()
+
+
+def _changes_since(store: Any, previous_run_id: str | None, pipeline_run_id: str) -> list[str]:
+    """The verdict artifact's account of what went in differently since the run it was judged against."""
+    from orchestrator.cards import render_changes
+    from orchestrator.lineage.diff import diff_records
+
+    if not previous_run_id:
+        return []
+    try:
+        sections = diff_records(store, store.find(previous_run_id), store.find(pipeline_run_id))
+    except Exception as exc:  # noqa: BLE001 - the verdict stands without it
+        get_run_logger().warning("could not compare with %s: %s", previous_run_id, exc)
+        return []
+    return render_changes(sections, previous_run_id, pipeline_run_id)
 
 
 def _report_on_github(pipeline_run_id: str) -> str | None:

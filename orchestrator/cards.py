@@ -20,6 +20,7 @@ from typing import Any
 
 from sqlmodel import col
 
+from orchestrator.lineage.diff import Section
 from orchestrator.lineage.models import (
     Attempt,
     Commit,
@@ -417,3 +418,43 @@ __all__ = [
     "verdict_status",
     "wandb_text",
 ]
+
+
+_HASH = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+
+
+def _short(value: Any) -> str:
+    """A changed field's value for a card: a commit or content hash cut to 12 characters."""
+    if value is None:
+        return "—"
+    text = str(value)
+    return f"`{text[:12]}`" if _HASH.fullmatch(text) else f"`{md_cell(text)}`"
+
+
+def render_changes(sections: Iterable[Section], before: str, after: str, limit: int = 25) -> list[str]:
+    """What went in differently between two pipeline runs (:func:`orchestrator.lineage.diff.diff_records`),
+    as markdown lines for a nightly's verdict: per stage the fields that changed, a source file named
+    rather than its two tree hashes. At most ``limit`` lines of fields; the command prints them all."""
+    lines = [f"**What went in differently** since `{before}` (`openlab lineage diff {before} {after}`):", ""]
+    shown = 0
+    unchanged: list[str] = []
+    for section in sections:
+        if not section.fields:
+            unchanged.append(section.name)
+            continue
+        if [c["path"] for c in section.fields] == ["stage"]:  # a stage only one of the two runs had
+            where = "only in this run" if section.fields[0]["old"] is None else f"only in `{before}`"
+            lines.append(f"- **{md_cell(section.name)}**: {where}")
+            continue
+        code = [c["path"].removeprefix("code.") for c in section.fields if str(c["path"]).startswith("code.")]
+        rest = [c for c in section.fields if not str(c["path"]).startswith("code.")]
+        parts = [f"`{md_cell(c['path'])}` {_short(c['old'])} → {_short(c['new'])}" for c in rest]
+        if code:
+            parts.insert(0, "source " + ", ".join(f"`{md_cell(p)}`" for p in code))
+        if shown + len(parts) > limit:
+            parts = parts[: max(limit - shown, 0)] + ["…"]
+        shown += len(parts)
+        lines.append(f"- **{md_cell(section.name)}**: " + "; ".join(parts))
+    if unchanged:
+        lines.append(f"- unchanged: {', '.join(unchanged)}")
+    return lines

@@ -114,7 +114,8 @@ def diff_records(
         order = col(StageRun.started_at)
         ls = {s.stage: s for s in store.list(StageRun, pipeline_run_id=left.id, order_by=order)}
         rs = {s.stage: s for s in store.list(StageRun, pipeline_run_id=right.id, order_by=order)}
-        stages = list(ls) + [s for s in rs if s not in ls]  # pipeline order, not the alphabet's
+        base, other = (rs, ls) if len(rs) >= len(ls) else (ls, rs)
+        stages = list(base) + [s for s in other if s not in base]  # pipeline order, not the alphabet's
         pairs = {s: (ls.get(s), rs.get(s)) for s in stages}
     else:
         if patterns:

@@ -128,6 +128,19 @@ def _plant_better_nightly(store: LineageStore, loss_factor: float) -> PipelineRu
     return run
 
 
+def _verdict_artifact(flow_run_id: Any) -> str:
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        (artifact,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), key=ArtifactFilterKey(any_=["nightly-verdict"])
+            )
+        )
+    return str(artifact.data)
+
+
 def test_nightly_flow_fails_on_planted_regression_and_records_verdict(served: Served, httpserver: HTTPServer) -> None:
     """The nightly deployment fails naming metric, values and commits when the last good nightly was better."""
     with LineageStore(served.db_url) as store:
@@ -146,6 +159,9 @@ def test_nightly_flow_fails_on_planted_regression_and_records_verdict(served: Se
     assert bad.state.is_failed()
     message = bad.state.message or ""
     assert "/loss" in message and "0123456789ab" in message and "regression" in message, message
+    verdict_md = _verdict_artifact(bad.id)  # beside the table: what went in differently since the baseline
+    assert f"**What went in differently** since `{planted.id}`" in verdict_md, verdict_md
+    assert "- **data**: only in this run" in verdict_md and "- **eval**: " in verdict_md, verdict_md
     with LineageStore(served.db_url) as store:
         (run,) = store.list(PipelineRun, flow_run_id=str(bad.id))
         assert run.verdict["status"] == "regressed" and run.verdict["previous_run_id"] == planted.id

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 import pytest
 
@@ -100,3 +101,44 @@ def test_stage_card_lists_attempts_and_all_metrics(store, pipeline) -> None:
     assert "| loss | 2.5 |" in card
     assert "offline `/runs/wandb/offline-run-x-w1234567`" in card
     assert "b" * 64 in card
+
+
+def test_the_changes_a_nightly_verdict_lists_name_source_files_and_short_hashes(store) -> None:
+    """The verdict artifact says what went in differently since the run it was judged against: per
+    stage, a changed source file by name (not its two tree hashes), a changed input's content hash cut
+    short, a config value as it was and is; stages with nothing changed on one line."""
+    from orchestrator.cards import render_changes
+    from orchestrator.identity import compute_identity
+    from orchestrator.lineage.diff import diff_records
+
+    tok = compute_identity("tokenize", {"vocab": 512}, code={"workloads/moe/tokenizing.py": "a" * 40})
+
+    def pretrain(lr: float, source: str, tokens: str) -> Any:
+        return compute_identity(
+            "pretrain", {"lr": lr}, inputs={"tokens": tokens}, code={"workloads/moe/dispatch.py": source}
+        )
+
+    runs = []
+    for lr, source, tokens in ((0.01, "b" * 40, "c" * 64), (0.02, "d" * 40, "e" * 64)):
+        with store.transaction() as tx:
+            run = tx.add(PipelineRun(recipe="r", replica="tiny", backend="local"))
+            for ident in (tok, pretrain(lr, source, tokens)):
+                tx.add(
+                    StageRun(
+                        pipeline_run_id=run.id,
+                        stage=ident.stage,
+                        identity=ident.digest,
+                        identity_fields=ident.fields(),
+                    )
+                )
+        runs.append(run)
+    before, after = runs
+    lines = render_changes(diff_records(store, before, after), before.id, after.id)
+    assert (
+        lines[0] == f"**What went in differently** since `{before.id}` (`openlab lineage diff {before.id} {after.id}`):"
+    )
+    assert lines[2:] == [
+        "- **pretrain**: source `workloads/moe/dispatch.py`; `config.lr` `0.01` → `0.02`; "
+        f"`inputs.tokens` `{'c' * 12}` → `{'e' * 12}`",
+        "- unchanged: tokenize",
+    ], lines
