@@ -133,16 +133,18 @@ def show_cmd(
     relations = store.relations(record.id)
     events = store.events(record.id)
     linked = _linked(store, record)
+    parts_name, parts = _parts(store, record)
     if json_out:
-        print_json(
-            {
-                "kind": record.kind,
-                "record": record_payload(record),
-                "relations": [record_payload(r) for r in relations],
-                "linked": linked,
-                "events": [{"seq": e.seq, "at": e.at, "action": e.action, "hash": e.hash} for e in events],
-            }
-        )
+        doc = {
+            "kind": record.kind,
+            "record": record_payload(record),
+            "relations": [record_payload(r) for r in relations],
+            "linked": linked,
+            "events": [{"seq": e.seq, "at": e.at, "action": e.action, "hash": e.hash} for e in events],
+        }
+        if parts_name:
+            doc[parts_name] = [{"id": p.id, "summary": describe(p)} for p in parts]
+        print_json(doc)
         return
     console.print(f"[bold]{record.kind}[/] {record.id}")
     payload = record_payload(record)
@@ -155,6 +157,10 @@ def show_cmd(
         console.print(f"  {'tasks':<16}{len(tasks)}")
         for task, end in tasks.items():  # one line per array task: which shard failed, where
             console.print(f"    {task:<14}{describe_task(end)}", highlight=False, markup=False)
+    if parts:  # a run's stages, a stage run's jobs: what `lineage show` is most often asked for
+        console.print(f"[bold]{parts_name}[/]")
+        for part in parts:
+            console.print(f"  {part.id}  {describe(part)}", highlight=False, soft_wrap=True, markup=False)
     if linked:
         console.print("[bold]links[/]")
         for key, value in linked.items():
@@ -211,6 +217,20 @@ def trace_cmd(
     # In a terminal long lines fold under their branch; piped, each record stays on one line for grep.
     out = console if console.is_terminal else Console(width=100_000, no_color=True, highlight=False)
     out.print(tree)
+
+
+def _parts(store: Any, record: Any) -> tuple[str, list[Any]]:
+    """A pipeline run's stage runs, or a stage run's attempts, in the order they started: the
+    records that point at this one by their own field, so no relation lists them."""
+    from sqlmodel import col
+
+    from orchestrator.lineage.models import Attempt, StageRun
+
+    if record.kind == "pipeline_run":
+        return "stages", store.list(StageRun, pipeline_run_id=record.id, order_by=col(StageRun.started_at))
+    if record.kind == "stage_run":
+        return "attempts", store.list(Attempt, stage_run_id=record.id, order_by=col(Attempt.number))
+    return "", []
 
 
 def _linked(store: Any, record: Any) -> dict[str, str]:

@@ -195,6 +195,9 @@ def test_show_prints_nested_fields_one_leaf_a_line_and_takes_the_related_ids_it_
     assert re.search(r"^ {4}train/loss\s+5\.31687$", out, re.M), out  # six significant digits for people
     recorded = json.loads(run_cli("lineage", "show", stage.id, "--json").stdout)["record"]["metrics"]
     assert recorded["train/loss"] == 5.316871643066406  # the JSON keeps every digit
+    assert f"\nattempts\n  {attempt.id}  #1 local PENDING\n" in out, out  # its jobs, which no relation lists
+    as_json = json.loads(run_cli("lineage", "show", stage.id, "--json").stdout)
+    assert as_json["attempts"] == [{"id": attempt.id, "summary": "#1 local PENDING"}]
     related = re.search(r"wasAssociatedWith -> (environment:\S+) environment$", out, re.M)
     assert related, out
     opened = run_cli("lineage", "show", related.group(1))
@@ -277,6 +280,10 @@ def test_diff_of_two_pipeline_runs_says_what_went_in_differently_and_how_the_res
     assert {c["metric"] for c in data["metrics"]["pretrain"]} == {"eval/code/loss", "moe/drop_fraction", "new/x"}
     drop = next(c for c in data["metrics"]["pretrain"] if c["metric"] == "moe/drop_fraction")
     assert drop["old"] == 0.031 and drop["new"] == 0.045 and abs(drop["relative"] - 0.014 / 0.031) < 1e-12
+    shown = run_cli("lineage", "show", night2.id).stdout  # a run lists its stages, in the order they ran
+    assert re.search(
+        r"^stages\n  srun_\w+  tokenize REUSED identity=\w+ \(reused srun_\w+\)\n  srun_\w+  pretrain ", shown, re.M
+    ), shown
     wrong = run_cli("lineage", "diff", night1.id, t1.id)
     assert wrong.returncode == 2 and "cannot diff a pipeline_run with a stage_run" in wrong.stderr, wrong.stderr
 
