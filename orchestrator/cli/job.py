@@ -242,6 +242,100 @@ def status_cmd(
             console.print(f"{task:>12}  {describe_task(task_status)}", highlight=False, markup=False)
 
 
+@app.command("list")
+def list_cmd(
+    backend: list[str] | None = typer.Option(None, "--backend", "-b", help="only this backend's jobs; repeatable"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON"),
+) -> None:
+    """The jobs openlab has out now (pending or running in lineage), each asked of its backend.
+
+    What ``squeue`` is to a Slurm user, across backends: per job its attempt, backend, job id,
+    stage, state now, host and age. A job that ended while no openlab process watched it (its
+    orchestrator died, a node was lost) is recorded as ended here, as ``job status`` does.
+    """
+    from sqlmodel import col
+
+    from orchestrator.cli.output import compact_table, console, print_json
+    from orchestrator.launchers import get_launcher
+    from orchestrator.launchers.attempts import handle_from_attempt, lineage_state
+    from orchestrator.lineage.models import Attempt, StageRun, utcnow
+    from orchestrator.lineage.store import open_store
+
+    rows: list[dict[str, Any]] = []
+    launchers: dict[str, Any] = {}
+    with open_store() as store:
+        where = [col(Attempt.state).in_(["PENDING", "RUNNING"])]
+        if backend:
+            where.append(col(Attempt.backend).in_(backend))
+        attempts = store.list(Attempt, where=where, order_by=col(Attempt.submitted_at).desc())
+        stage_ids = {a.stage_run_id for a in attempts if a.stage_run_id}
+        stages = {s.id: s for s in store.list(StageRun, where=[col(StageRun.id).in_(stage_ids)])} if stage_ids else {}
+        for attempt in attempts:
+            srun = stages.get(attempt.stage_run_id or "")
+            row: dict[str, Any] = {
+                "attempt": attempt.id,
+                "backend": attempt.backend,
+                "job_id": attempt.job_id,
+                "stage": srun.stage if srun else None,
+                "pipeline_run": srun.pipeline_run_id if srun else None,
+                "state": attempt.state,
+                "host": attempt.host,
+                "submitted_at": attempt.submitted_at,
+                "note": None,
+            }
+            try:
+                if attempt.backend not in launchers:
+                    launchers[attempt.backend] = get_launcher(attempt.backend)
+                status = launchers[attempt.backend].status(handle_from_attempt(attempt))
+            except OpenlabError as exc:  # one unreachable backend must not hide the others' jobs
+                row["note"] = f"not asked: {exc}"
+            else:
+                _refresh(store, attempt, status)
+                row["state"] = lineage_state(status.state)
+                row["host"] = status.host or attempt.host
+                if status.state.terminal:
+                    row["note"] = f"ended; recorded now{': ' + status.reason if status.reason else ''}"
+            rows.append(row)
+    if as_json:
+        print_json(rows)
+        return
+    if not rows:
+        console.print("no jobs pending or running", markup=False)
+        return
+    now = utcnow()
+    table = compact_table("openlab jobs out now")
+    for header in ("attempt", "backend", "job", "stage", "state", "host", "age"):
+        table.add_column(header, no_wrap=True)
+    for row in rows:
+        submitted = row["submitted_at"]
+        age = _age((now - submitted).total_seconds()) if submitted else ""
+        table.add_row(
+            row["attempt"],
+            row["backend"],
+            row["job_id"] or "",
+            row["stage"] or "",
+            row["state"],
+            row["host"] or "",
+            age,
+        )
+    console.print(table)
+    for row in rows:  # below the table, whole: a reason is too long for a column
+        if row["note"]:
+            console.print(f"{row['attempt']}: {row['note']}", highlight=False, soft_wrap=True, markup=False)
+
+
+def _age(seconds: float) -> str:
+    """``45s``, ``12m``, ``3h05m``, ``2d04h``: how long ago, as squeue's TIME column reads."""
+    s = max(int(seconds), 0)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
 @app.command("logs")
 def logs_cmd(
     ident: str = typer.Argument(..., metavar="ID", help="attempt id (att_...) or backend job id"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -738,10 +739,33 @@ def test_cli_job_run_status_logs_cancel(store: LineageStore) -> None:
             break
         time.sleep(0.2)
     assert running, "the second job never showed up as RUNNING in lineage"
+    (out_now,) = json.loads(cli("job", "list", "--json").stdout)  # type: ignore[arg-type]
+    assert (out_now["attempt"], out_now["state"], out_now["job_id"]) == (running[0].id, "RUNNING", running[0].job_id)
+    table = cli("job", "list", env={"COLUMNS": "80"}).stdout  # type: ignore[arg-type]
+    assert re.search(rf"^{running[0].id} +local +{running[0].job_id} +RUNNING +\S+ +\d+s *$", table, re.M), table
     cancelled = cli("job", "cancel", running[0].id)
     assert cancelled.returncode == 0, cancelled.stderr
     assert runner.wait(30) == 143  # the runner exits with the job's code: 128 + SIGTERM
     assert store.get(Attempt, running[0].id).state == "CANCELLED"  # type: ignore[union-attr]
+    assert cli("job", "list").stdout == "no jobs pending or running\n"  # type: ignore[union-attr]
+
+    # the process that watched a job dies (SIGKILL) and the job ends on its own: `job list` asks the
+    # backend, shows it ended and records its end, where lineage said RUNNING forever
+    orphan = subprocess.Popen([*CLI, "job", "run", "-q", "--backend", "local", "--", "sh", "-c", "sleep 2; exit 3"])
+    deadline = time.monotonic() + 30
+    while not (watched := [a for a in store.list(Attempt) if a.state == "RUNNING"]):
+        assert time.monotonic() < deadline, "the third job never showed up as RUNNING in lineage"
+        time.sleep(0.1)
+    orphan.kill()
+    orphan.wait(10)
+    time.sleep(3)
+    assert store.get(Attempt, watched[0].id).state == "RUNNING"  # type: ignore[union-attr]
+    listed = cli("job", "list")
+    assert listed.returncode == 0, listed.stderr
+    assert f"{watched[0].id}: ended; recorded now" in listed.stdout and " FAILED " in listed.stdout, listed.stdout
+    ended = store.get(Attempt, watched[0].id)
+    assert ended is not None and ended.state == "FAILED" and ended.exit_code == 3, ended
+    assert cli("job", "list").stdout == "no jobs pending or running\n"  # type: ignore[union-attr]
 
     assert cli("job", "status", "att_nope").returncode == 2
 
