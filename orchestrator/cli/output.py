@@ -82,8 +82,10 @@ def describe_task(end: Mapping[str, Any]) -> str:
 
 def _scalar(value: Any) -> str:
     """A leaf value as people read it: floats to six significant digits (the JSON keeps them whole)."""
-    if isinstance(value, bool) or value is None:
-        return str(value).lower() if isinstance(value, bool) else "-"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "-"
     if isinstance(value, float):
         return format(value, ".6g")
     return str(value)
