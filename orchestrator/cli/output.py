@@ -55,16 +55,20 @@ def fit_last_column(table: Table) -> Table:
 
     Rich collapses wrapping columns to fit the terminal, but not below their minimum widths (the
     ids': copied whole); the table then came out a few columns too wide and the console cropped
-    the last words of the summaries (``backend=local COMPLET``). Call after the rows are added."""
+    the last words of the summaries (``backend=local COMPLET``). A column that may fold (overflow
+    ``fold`` with a ``min_width``) is counted at that minimum. Call after the rows are added."""
     from rich.cells import cell_len
 
     columns = table.columns
     if len(columns) < 2:
         return table
-    used = sum(
-        max([cell_len(str(cell)) for cell in column.cells] + [cell_len(str(column.header)), column.min_width or 0])
-        for column in columns[:-1]
-    )
+    used = 0
+    for column in columns[:-1]:
+        widest = max([cell_len(str(cell)) for cell in column.cells] + [cell_len(str(column.header))])
+        # a column that may fold (a 40-digit commit sha) gives up what is beyond its minimum width
+        minimum = column.min_width or 0
+        folds = not column.no_wrap and column.overflow == "fold" and minimum > 0
+        used += min(widest, minimum) if folds else max(widest, minimum)
     left, right = table.padding[3], table.padding[1]
     gaps = (len(columns) - 1) * (1 + left + right)  # one separator and the padding between each two columns
     columns[-1].max_width = max(console.width - used - gaps, 12)

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -221,48 +222,20 @@ def test_diff_of_two_pipeline_runs_says_what_went_in_differently_and_how_the_res
     tok = compute_identity("tokenize", {"vocab": 512})
     old_pt = compute_identity("pretrain", {"lr": 0.01}, inputs={"tokens": tok.digest})
     new_pt = compute_identity("pretrain", {"lr": 0.02}, inputs={"tokens": tok.digest})
+    done = {"eval": {"code": {"loss": 5.25}}, "moe/drop_fraction": 0.031, "train/loss": 5.0}
+    moved = {"eval": {"code": {"loss": 5.5}}, "moe/drop_fraction": 0.045, "train/loss": 5.0, "new/x": 1.0}
     with open_store() as store, store.transaction() as tx:
         night1 = tx.add(PipelineRun(recipe="r", replica="tiny", backend="local"))
         night2 = tx.add(PipelineRun(recipe="r", replica="tiny", backend="local"))
-        done = {"eval": {"code": {"loss": 5.25}}, "moe/drop_fraction": 0.031, "train/loss": 5.0}
-        t1 = tx.add(
-            StageRun(
-                pipeline_run_id=night1.id,
-                stage="tokenize",
-                identity=tok.digest,
-                identity_fields=tok.fields(),
-                metrics={"tokens": 1000},
-            )
-        )
-        tx.add(
-            StageRun(
-                pipeline_run_id=night1.id,
-                stage="pretrain",
-                identity=old_pt.digest,
-                identity_fields=old_pt.fields(),
-                metrics=done,
-            )
-        )
-        tx.add(
-            StageRun(
-                pipeline_run_id=night2.id,
-                stage="tokenize",
-                identity=tok.digest,
-                identity_fields=tok.fields(),
-                state="REUSED",
-                reused_from=t1.id,
-            )
-        )
-        moved = {"eval": {"code": {"loss": 5.5}}, "moe/drop_fraction": 0.045, "train/loss": 5.0, "new/x": 1.0}
-        tx.add(
-            StageRun(
-                pipeline_run_id=night2.id,
-                stage="pretrain",
-                identity=new_pt.digest,
-                identity_fields=new_pt.fields(),
-                metrics=moved,
-            )
-        )
+
+        def stage(run: PipelineRun, ident: Any, **kw: Any) -> StageRun:
+            fields = {"identity": ident.digest, "identity_fields": ident.fields()}
+            return tx.add(StageRun(pipeline_run_id=run.id, stage=ident.stage, **fields, **kw))
+
+        t1 = stage(night1, tok, metrics={"tokens": 1000})
+        stage(night1, old_pt, metrics=done)
+        stage(night2, tok, state="REUSED", reused_from=t1.id)  # no metrics of its own: t1's are its
+        stage(night2, new_pt, metrics=moved)
     shown = run_cli("lineage", "diff", night1.id, night2.id, "--metric", "eval/*/loss", "-m", "moe/*", "-m", "new/*")
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
