@@ -283,6 +283,10 @@ def list_cmd(
                 "submitted_at": attempt.submitted_at,
                 "note": None,
             }
+            if not attempt.job_id:  # recorded before its submission returned a job id
+                row["note"] = "no job id yet: being submitted, or its submitter died before the backend answered"
+                rows.append(row)
+                continue
             try:
                 if attempt.backend not in launchers:
                     launchers[attempt.backend] = get_launcher(attempt.backend)

@@ -770,6 +770,33 @@ def test_cli_job_run_status_logs_cancel(store: LineageStore) -> None:
     assert cli("job", "status", "att_nope").returncode == 2
 
 
+def test_job_list_names_what_it_could_not_ask_and_still_lists_the_rest(store: LineageStore, tmp_path: Path) -> None:
+    """One unreachable cluster must not hide the other backends' jobs; a job its scheduler forgot is
+    recorded as ended; an attempt still being submitted is not called a failed submission."""
+    with store.transaction() as tx:
+        k8s = tx.add(Attempt(backend="kubernetes", job_id="default/openlab-x", state="RUNNING"))
+        forgotten = tx.add(Attempt(backend="slurm", job_id="999999", state="PENDING"))
+        submitting = tx.add(Attempt(backend="local", state="PENDING"))
+    jobcomp = tmp_path / "jobcomp.log"
+    jobcomp.write_text("")
+    jobcomp_only_slurm(tmp_path / "bin", jobcomp)  # a cluster that has forgotten job 999999
+    env = {
+        "OPENLAB_BACKENDS__KUBERNETES__HOST": "http://127.0.0.1:9",
+        "OPENLAB_BACKENDS__KUBERNETES__RETRIES": "0",
+        "OPENLAB_BACKENDS__SLURM__BIN_DIR": str(tmp_path / "bin"),
+    }
+    listed = cli("job", "list", "--json", env=env)
+    assert listed.returncode == 0, listed.stderr
+    rows = {r["attempt"]: r for r in json.loads(listed.stdout)}
+    assert rows[k8s.id]["state"] == "RUNNING" and "kubernetes API at http://127.0.0.1:9 not reachable" in (
+        rows[k8s.id]["note"] or ""
+    ), rows
+    assert rows[forgotten.id]["state"] == "LOST" and rows[forgotten.id]["note"].startswith("ended; recorded now")
+    assert rows[submitting.id]["note"].startswith("no job id yet"), rows
+    assert store.get(Attempt, forgotten.id).state == "LOST"  # type: ignore[union-attr]
+    assert store.get(Attempt, k8s.id).state == "RUNNING"  # type: ignore[union-attr]
+
+
 def test_cli_backends_check_json(tmp_path: Path) -> None:
     proc = cli(
         "backends",
