@@ -258,9 +258,11 @@ def list_cmd(
     from orchestrator.cli.output import compact_table, console, print_json
     from orchestrator.launchers import get_launcher
     from orchestrator.launchers.attempts import handle_from_attempt, lineage_state
+    from orchestrator.lineage.listing import known_backend
     from orchestrator.lineage.models import Attempt, StageRun, utcnow
     from orchestrator.lineage.store import open_store
 
+    backend = [known_backend(b) for b in backend or ()]
     rows: list[dict[str, Any]] = []
     launchers: dict[str, Any] = {}
     with open_store() as store:

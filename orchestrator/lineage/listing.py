@@ -92,6 +92,8 @@ class RecordFilter:
         unknown = [s for s in state or () if s.upper() not in KNOWN_STATES]
         if unknown:  # a typo (FAILD) would list nothing, which reads as "nothing failed"
             raise ConfigError(f"--state {unknown[0]!r}: not a state; known states: {', '.join(KNOWN_STATES)}")
+        if backend is not None:
+            backend = known_backend(backend)
         start, end = (parse_when(since) if since else None), (parse_when(until) if until else None)
         if start is not None and end is not None and start >= end:
             raise ConfigError(f"--since {since!r} is not before --until {until!r}: nothing could match; swap them")
@@ -110,6 +112,21 @@ class RecordFilter:
     def given(self) -> list[str]:
         """The filters that are set, by option name."""
         return [f.name for f in fields(self) if getattr(self, f.name) not in (None, ())]
+
+
+def known_backend(name: str, option: str = "--backend") -> str:
+    """``name`` as lineage records a backend (``Slurm`` is ``slurm``), or :class:`ConfigError`
+    naming the backends: a misspelt one (``slurmm``) matched nothing, which read as "nothing ran there"."""
+    import difflib
+
+    from orchestrator.launchers.base import BACKENDS
+
+    key = name.strip().lower()
+    if key not in BACKENDS:
+        close = difflib.get_close_matches(key, list(BACKENDS), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(f"{option} {name!r}: not a backend; {hint}known backends: {', '.join(BACKENDS)}")
+    return key
 
 
 #: What ``--state`` may name: pipeline and stage run states, and SUCCEEDED, how an attempt (a

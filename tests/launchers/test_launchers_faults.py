@@ -795,6 +795,11 @@ def test_job_list_names_what_it_could_not_ask_and_still_lists_the_rest(store: Li
     assert rows[submitting.id]["note"].startswith("no job id yet"), rows
     assert store.get(Attempt, forgotten.id).state == "LOST"  # type: ignore[union-attr]
     assert store.get(Attempt, k8s.id).state == "RUNNING"  # type: ignore[union-attr]
+    misspelt = cli("job", "list", "--backend", "kubernets")  # listed nothing: "no jobs out" was a lie
+    assert misspelt.returncode == 2 and misspelt.stderr.strip().splitlines() == [
+        "error: --backend 'kubernets': not a backend; did you mean 'kubernetes'? "
+        "known backends: local, docker, slurm, kubernetes"
+    ], misspelt.stderr
 
 
 def test_cli_backends_check_json(tmp_path: Path) -> None:
