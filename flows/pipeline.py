@@ -193,9 +193,8 @@ def _forward_to_prefect(ctx: PipelineContext, watcher: CancelWatcher | None, flo
     def on_transition(event: StageTransition) -> None:
         if own.on_transition is not None:
             own.on_transition(event)
-        reason = f": {event.reason}" if event.reason else ""
         level = "warning" if event.state in ("FAILED", "CANCELLED", "PREEMPTED") else "info"
-        base.copy().run(getattr(logger_for(event.stage), level), "%s %s%s", event.stage, event.state, reason)
+        base.copy().run(getattr(logger_for(event.stage), level), "%s", event.line())
 
     def on_progress(stage: str, done: int, total: int) -> None:
         if own.on_progress is not None:

@@ -155,6 +155,16 @@ class StageTransition:
     result: StageResult | None = None
     at: dt.datetime = field(default_factory=utcnow)
 
+    def line(self) -> str:
+        """``pretrain COMPLETED in 5.2 s, job local-1a2b (it ran because: ...)``: the transition as a
+        log line. A completed stage says how long it took and which job did it; the reason it ran
+        (given again when it ends) is put in brackets, where it read as the reason it completed."""
+        if self.state == "COMPLETED" and self.result is not None:
+            job = f", job {self.result.job_id}" if self.result.job_id else ""
+            why = f" (it ran because: {self.reason})" if self.reason else ""
+            return f"{self.stage} COMPLETED in {self.result.seconds:.1f} s{job}{why}"
+        return f"{self.stage} {self.state}{': ' + self.reason if self.reason else ''}"
+
 
 @dataclass
 class PipelineHooks:
@@ -282,7 +292,7 @@ class PipelineContext:
         """Send a transition to the hook and, when an issue is linked, refresh its card."""
         event = StageTransition(pipeline_run_id=self.id, stage=stage, state=state, **kw)
         level = logging.WARNING if state in ("FAILED", "CANCELLED", "PREEMPTED") else logging.INFO
-        transition_log.log(level, "%s: %s%s", stage, state, f" - {event.reason}" if event.reason else "")
+        transition_log.log(level, "%s", event.line())
         _call_hook(self.hooks.on_transition, event)
         if self.issue_id and state not in ("CHECKING",):
             publish_issue_card(self)

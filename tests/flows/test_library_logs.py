@@ -4,6 +4,7 @@ helper threads, and only while the flow runs."""
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -104,3 +105,6 @@ def test_a_custom_flow_on_run_stages_as_tasks_shows_its_stages_like_the_replica_
     assert any(m.startswith("custom RUNNING") for m in in_task) and any(
         m.startswith("custom COMPLETED") for m in in_task
     ), in_task
+    # the end says how long it took and which job did it; why it ran is not read as why it completed
+    done = next(m for m in in_task if m.startswith("custom COMPLETED"))
+    assert re.fullmatch(r"custom COMPLETED in \d+\.\d s, job local-\w+ \(it ran because: .+\)", done), done
