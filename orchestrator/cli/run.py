@@ -191,7 +191,9 @@ def run(
     if json_out or not console.is_terminal:
         hooks = PipelineHooks(
             on_transition=(
-                None if json_out else lambda e: err_console.print(f"{e.stage}: {e.state} {e.reason}", markup=False)
+                None
+                if json_out
+                else lambda e: err_console.print(e.line(), markup=False, highlight=False, soft_wrap=True)
             ),
             on_log=(
                 (lambda s, line: err_console.print(f"{s} | {line}", highlight=False, markup=False)) if verbose else None
