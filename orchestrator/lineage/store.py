@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import logging
+import os
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -34,6 +35,9 @@ from orchestrator.hashing import canonical, hash_json
 from orchestrator.lineage.models import (
     RECORD_TYPES,
     RELATION_KINDS,
+    Artifact,
+    Attempt,
+    DataSnapshot,
     Event,
     LineageRecord,
     Relation,
@@ -389,7 +393,8 @@ class LineageStore:
 
         A W&B run is also found by its run id alone (``2d5eb8fa``, what the W&B UI shows),
         not only by ``entity/project/run_id``. ``kind:id`` (``environment:40b288d4``), the form
-        ``openlab lineage show`` prints a related record in, looks among that kind only.
+        ``openlab lineage show`` prints a related record in, looks among that kind only. A path on
+        this machine (a checkpoint file, an output folder) finds the output recorded there.
         """
         matches: list[LineageRecord] = []
         models = list(RECORD_TYPES.values())
@@ -405,6 +410,9 @@ class LineageStore:
                 exact = session.get(models[0], record_id)
                 if exact is not None:
                     return exact
+            at_path = self._recorded_at(session, record_id) if len(models) > 1 else None
+            if at_path is not None:
+                return at_path
             if WandbRun in models:
                 runs = list(session.exec(select(WandbRun).where(WandbRun.run_id == record_id).limit(3)))
                 if len(runs) == 1:
@@ -420,6 +428,34 @@ class LineageStore:
             ids = ", ".join(m.id for m in matches[:3])  # type: ignore[attr-defined]
             raise NotFoundError(f"id prefix {record_id!r} is ambiguous ({ids}, ...): give more characters")
         raise NotFoundError(f"no lineage record with id {asked!r}; `openlab lineage list` shows ids")
+
+    @staticmethod
+    def _recorded_at(session: Session, text: str) -> LineageRecord | None:
+        """The output (artifact) or snapshot recorded at the existing path ``text`` or at the
+        nearest folder above it, or the job whose log it is: "what made this checkpoint?" asked
+        with the file in hand. The deepest match wins, an artifact over a snapshot of the same
+        folder (the artifact knows the stage run that made it), then the newest; None when
+        ``text`` is no path on this machine."""
+        path = Path(text).expanduser()
+        try:
+            if not path.exists():
+                return None
+        except OSError:  # a name too long to be a path, say
+            return None
+        places = {str(p) for p in (Path(os.path.abspath(path)), path.resolve())}
+        places |= {str(parent) for place in list(places) for parent in Path(place).parents}
+        found: list[tuple[int, int, dt.datetime, LineageRecord]] = []
+        kinds = (
+            (2, Attempt, "log_path", "submitted_at"),  # a job's log file: the job that wrote it
+            (1, Artifact, "uri", "created_at"),
+            (0, DataSnapshot, "path", "created_at"),
+        )
+        for rank, model, field, when in kinds:
+            for rec in session.exec(select(model).where(col(getattr(model, field)).in_(places))):
+                found.append((len(getattr(rec, field)), rank, getattr(rec, when), rec))
+        if not found:
+            return None
+        return max(found, key=lambda f: f[:3])[3]
 
     def relations(self, record_id: str) -> list[Relation]:
         """Every relation where ``record_id`` is the subject or the object."""

@@ -261,6 +261,37 @@ def test_diff_of_two_pipeline_runs_says_what_went_in_differently_and_how_the_res
     assert wrong.returncode == 2 and "cannot diff a pipeline_run with a stage_run" in wrong.stderr, wrong.stderr
 
 
+def test_a_path_in_hand_finds_what_made_it(run_cli, openlab_home: Path, tmp_path: Path) -> None:
+    """ "Which run made this checkpoint?" asked with the file: a file inside a recorded output folder
+    finds that output (over a snapshot of the same folder), a job's log file finds the job, and a
+    path nothing was recorded at is the usual one-line miss."""
+    from orchestrator.lineage import Artifact, Attempt, DataSnapshot, StageRun, open_store
+
+    out = tmp_path / "artifacts" / "pretrain" / "abc"
+    (out / "checkpoint").mkdir(parents=True)
+    (out / "checkpoint" / "state.pt").write_bytes(b"weights")
+    log = tmp_path / "logs" / "local-1.log"
+    log.parent.mkdir()
+    log.write_text("step 1/1\n")
+    with open_store() as store, store.transaction() as tx:
+        stage = tx.add(StageRun(stage="pretrain", identity="i-path", state="COMPLETED"))
+        made = tx.add(Artifact(name="pretrain/out", artifact_type="folder", uri=str(out), content_hash="c" * 64))
+        tx.relate("wasGeneratedBy", made, stage, role="out")
+        tx.add(DataSnapshot(id="s" * 64, path=str(out), files=1, bytes=7, manifest_path="/m.json"))
+        job = tx.add(Attempt(stage_run_id=stage.id, backend="local", job_id="local-1", log_path=str(log)))
+    for asked, cwd in ((str(out / "checkpoint" / "state.pt"), None), ("checkpoint/state.pt", out), (str(out), None)):
+        shown = run_cli("lineage", "show", asked, "--json", cwd=cwd)
+        assert shown.returncode == 0, shown.stderr
+        assert json.loads(shown.stdout)["record"]["id"] == made.id, (asked, shown.stdout)
+    traced = run_cli("lineage", "trace", str(out / "checkpoint" / "state.pt"))
+    assert f"wasGeneratedBy (out) stage_run {stage.id}" in traced.stdout, traced.stdout
+    assert json.loads(run_cli("lineage", "show", str(log), "--json").stdout)["record"]["id"] == job.id
+    stray = tmp_path / "elsewhere.bin"
+    stray.write_bytes(b"x")
+    missed = run_cli("lineage", "show", str(stray))
+    assert missed.returncode == 2 and missed.stderr.startswith(f"error: no lineage record with id '{stray}'")
+
+
 def test_recorded_text_is_printed_as_recorded_not_as_markup(run_cli, openlab_home: Path) -> None:
     """`[rank 3]` in an error or `[WIP]` in a commit subject is data: the audit output must not eat it."""
     from orchestrator.lineage import Commit, StageRun, open_store
