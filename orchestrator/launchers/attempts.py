@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -230,6 +231,31 @@ def _pause(launcher: Launcher, handle: JobHandle, seconds: float, should_cancel:
             return
 
 
+#: A line that says what went wrong: ``error: ...`` (openlab's workloads and most command-line
+#: tools), ``fatal: ...``, or a Python exception's last line (``ValueError: lr must be positive``,
+#: ``torch.OutOfMemoryError: CUDA out of memory``).
+ERROR_LINE = re.compile(r"(?i:error|fatal)\b.*|(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)(?::.*)?")
+#: ``0: `` before a task's line in a job of several tasks (srun --label, our task runner).
+_TASK_LABEL = re.compile(r"^\d+: ")
+
+
+def error_line(launcher: Launcher, handle: JobHandle, secrets: list[str], lines: int = 40) -> str | None:
+    """The last line among the job log's last ``lines`` that says what went wrong (see
+    :data:`ERROR_LINE`), with secret values masked; None when there is none or the log cannot
+    be read. A failed job's attempt carries it in its reason, so ``lineage list``, the Prefect
+    run's state and the regression issue say *why* without anyone opening the log."""
+    try:
+        tail = list(launcher.logs(handle, tail=lines))
+    except Exception as exc:  # noqa: BLE001 - the reason without it is still the reason
+        log.debug("could not read the end of %s job %s's log: %s", launcher.name, handle.job_id, _one_line(exc))
+        return None
+    for raw in reversed(tail):
+        line = _TASK_LABEL.sub("", raw).strip()
+        if ERROR_LINE.fullmatch(line):
+            return scrub(line if len(line) <= 300 else line[:299] + "…", secrets)
+    return None
+
+
 def run_job(
     store: LineageStore,
     launcher: Launcher,
@@ -293,6 +319,10 @@ def run_job(
             status = dataclasses.replace(
                 status, state=JobState.CANCELLED, reason=f"cancelled by request after {status.reason}"
             )
+        if status.state is JobState.FAILED and not cancelled_by_caller:
+            said = error_line(launcher, handle, spec.secret_values())
+            if said and said not in (status.reason or ""):  # what went wrong, where only the log said it
+                status = dataclasses.replace(status, reason=f"{status.reason}: {said}" if status.reason else said)
         attempt = finish_attempt(store, attempt, status)
     except BaseException as exc:
         stopped = interruption_reason(exc)

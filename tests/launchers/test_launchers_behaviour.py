@@ -78,11 +78,14 @@ def test_success_streams_logs_and_records_the_attempt(harness: Harness, store: L
 
 
 def test_nonzero_exit_code(harness: Harness, store: LineageStore) -> None:
+    """A failed job's attempt says why in its reason: the last line of its log that names an error
+    (a Python exception's, ``error: ...``), secret values masked, where only the log said it."""
     lines: list[str] = []
+    script = 'echo oops >&2; echo "RuntimeError: shard 3 of $API_TOKEN is empty" >&2; echo cleaning up; exit 3'
     attempt, status = run_job(
         store,
         harness.launcher,
-        spec(harness, "fails", ["sh", "-c", "echo oops >&2; exit 3"]),
+        spec(harness, "fails", ["sh", "-c", script], env={"API_TOKEN": "tok-0123456789"}),
         on_log=lines.append,
         timeout=harness.wait_timeout,
     )
@@ -92,6 +95,10 @@ def test_nonzero_exit_code(harness: Harness, store: LineageStore) -> None:
     assert "oops" in lines, "stderr is part of the log"
     stored = store.get(Attempt, attempt.id)
     assert stored is not None and stored.state == "FAILED" and stored.exit_code == 3
+    assert (stored.reason or "").endswith(": RuntimeError: shard 3 of *** is empty"), stored.reason
+    # a log with no such line leaves the reason as the backend gave it
+    _, plain = run_job(store, harness.launcher, spec(harness, "quiet", ["sh", "-c", "echo done; exit 4"]))
+    assert plain.state is JobState.FAILED and "done" not in (plain.reason or ""), plain.reason
 
 
 #: How each backend names a program it could not start (the image's, the node's or this machine's).
