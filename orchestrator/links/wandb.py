@@ -296,8 +296,11 @@ def _read_with_protobuf(run_dir: Path) -> dict[str, Any]:
                 put(out["summary"], item)
             for item in rec.summary.remove:
                 out["summary"].pop(item.key, None)
+        elif kind == "preempting":  # run.mark_preempting(): stopped from outside, to be resumed
+            out["preempting"] = True
         elif kind == "exit":
-            out["state"] = "finished" if rec.exit.exit_code == 0 else "failed"
+            failed = "preempted" if out.get("preempting") else "failed"
+            out["state"] = "finished" if rec.exit.exit_code == 0 else failed
     return out
 
 

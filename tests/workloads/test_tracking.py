@@ -66,6 +66,35 @@ def test_tracker_run_carries_lineage_config_and_resumes(tmp_path: Path) -> None:
     assert _stage(tmp_path, {"seed": 0}, {"project": "replica"}) == first_id
 
 
+ENDING = r"""
+import sys
+from pathlib import Path
+from workloads.moe.tracking import open_tracker
+from workloads.moe.util import Preempted
+how = sys.argv[2]
+with open_tracker(Path(sys.argv[1]), "pretrain", {}, {"project": "replica"}) as tr:
+    tr.log({"train/loss": 2.5}, step=1)
+    if how == "raises":
+        raise ValueError("lr must be positive")
+    if how == "preempted":
+        raise Preempted(15, 1)
+"""
+
+
+@pytest.mark.parametrize(("how", "state"), [("ends", "finished"), ("raises", "failed"), ("preempted", "preempted")])
+def test_the_wandb_run_ends_as_the_stage_did(tmp_path: Path, how: str, state: str) -> None:
+    """A stage that crashed was a *finished* run in W&B, beside its successful ones; now W&B is told
+    it failed, or that a scheduler stopped it (preempting) when the stage saved a checkpoint and
+    stopped on a signal, as read back from the run's own files."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    proc = subprocess.run(
+        [sys.executable, "-c", ENDING, str(tmp_path), how], capture_output=True, text=True, env=env, cwd=ROOT
+    )
+    assert proc.returncode == (0 if how == "ends" else 1), proc.stderr
+    (run_dir,) = find_run_dirs(tmp_path)
+    assert read_run_dir(run_dir, reader="protobuf").state == state, (how, proc.stderr[-2000:])
+
+
 def test_unknown_wandb_key_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"unknown key 'wandb.projekt'"):
         open_tracker(tmp_path, "eval", {}, {"projekt": "x"})

@@ -70,16 +70,29 @@ class Tracker:
                 if isinstance(v, int | float | str):
                     self.run.summary[k] = v
 
-    def close(self) -> None:
+    def close(self, exit_code: int = 0) -> None:
         self._fh.close()
         if self.run is not None:
-            self.run.finish()
+            self.run.finish(exit_code=exit_code)
 
     def __enter__(self) -> Tracker:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        """Finish the W&B run as the stage ended: a stage that raised is a failed run in W&B, not a
+        finished one, and one stopped by a scheduler's signal (:class:`~workloads.moe.util.Preempted`)
+        is marked preempting first, so W&B shows it stopped from outside, to be resumed."""
+        from .util import Preempted
+
+        if exc is None:
+            self.close()
+            return
+        if isinstance(exc, Preempted) and self.run is not None:
+            try:
+                self.run.mark_preempting()
+            except Exception:  # noqa: BLE001 - the state is a courtesy; finishing the run is not
+                pass
+        self.close(exit_code=exc.exit_code if isinstance(exc, Preempted) else 1)
 
 
 class SilentTracker:
