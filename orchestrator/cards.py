@@ -450,7 +450,12 @@ def render_changes(sections: Iterable[Section], before: str, after: str, limit: 
         rest = [c for c in section.fields if not str(c["path"]).startswith("code.")]
         parts = [f"`{md_cell(c['path'])}` {_short(c['old'])} → {_short(c['new'])}" for c in rest]
         if code:
-            parts.insert(0, "source " + ", ".join(f"`{md_cell(p)}`" for p in code))
+            touched = ""
+            if section.commits:  # where to bisect: the commits between the runs that changed that code
+                shown_commits = [f"`{sha[:7]}` {md_cell(subject[:72])}" for sha, subject in section.commits[:3]]
+                more = f" and {len(section.commits) - 3} more" if len(section.commits) > 3 else ""
+                touched = f" (changed by {', '.join(shown_commits)}{more})"
+            parts.insert(0, "source " + ", ".join(f"`{md_cell(p)}`" for p in code) + touched)
         if shown + len(parts) > limit:
             parts = parts[: max(limit - shown, 0)] + ["…"]
         shown += len(parts)

@@ -286,6 +286,11 @@ def diff_cmd(
         }
         if metric:
             out["metrics"] = {s.name: [c.to_dict() for c in s.metrics] for s in sections}
+        out["code_commits"] = {
+            s.name: {"range": list(s.commit_range), "commits": [{"sha": c, "subject": m} for c, m in s.commits or []]}
+            for s in sections
+            if s.commit_range
+        }
         print_json(out)
         return
     for section in sections:
@@ -300,8 +305,33 @@ def diff_cmd(
                 soft_wrap=True,
                 markup=False,
             )
+        if section.commit_range:
+            _print_code_commits(section)
         if metric:
             _print_metric_changes(section)
+
+
+def _print_code_commits(section: Section) -> None:
+    """The commits between the two runs that touched a stage's changed source files: where to bisect."""
+    old, new = (c[:12] for c in section.commit_range or ("", ""))
+    if section.commits is None:
+        console.print(
+            f"  code changed between {old} and {new} (not in this repository: no commit list)",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
+    elif section.commits:
+        console.print(f"  commits touching that code, {old}..{new}:", highlight=False, markup=False)
+        for sha, subject in section.commits:
+            console.print(f"    {sha[:12]} {subject}", highlight=False, soft_wrap=True, markup=False)
+    else:  # the same commit, or commits that did not touch it: the difference is in a working tree
+        console.print(
+            f"  no commit {old}..{new} touches that code: it changed in an uncommitted working tree",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
 
 
 def _print_metric_changes(section: Section) -> None:

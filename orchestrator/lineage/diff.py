@@ -22,7 +22,7 @@ from sqlmodel import col
 
 from orchestrator.errors import OpenlabError
 from orchestrator.identity import diff_identities
-from orchestrator.lineage.models import LineageRecord, StageRun
+from orchestrator.lineage.models import Commit, LineageRecord, Relation, StageRun
 from orchestrator.lineage.store import LineageStore, record_payload
 from orchestrator.tolerances import as_number
 
@@ -98,6 +98,36 @@ class Section:
     metrics: list[MetricChange] = field(default_factory=list)
     #: How many metrics the patterns picked on either side (so "none moved" can be told from "none matched").
     compared: int = 0
+    #: The two runs' commits (``sha`` or ``sha+patch``) when this stage's code changed between them.
+    commit_range: tuple[str, str] | None = None
+    #: ``(sha, subject)`` of the commits in that range that touched the changed code, newest first;
+    #: None when the repository or a commit is not on this machine.
+    commits: list[tuple[str, str]] | None = None
+
+
+def _commit_of(store: LineageStore, record: LineageRecord) -> Commit | None:
+    """The commit a stage run (else its pipeline run) or a pipeline run was recorded at."""
+    subjects = [record.id]  # type: ignore[attr-defined]
+    if getattr(record, "pipeline_run_id", None):
+        subjects.append(record.pipeline_run_id)  # type: ignore[attr-defined]
+    for subject in subjects:
+        for rel in store.list(Relation, where=[Relation.subject_id == subject, Relation.object_kind == "commit"]):
+            found = store.get(Commit, rel.object_id)
+            if found is not None:
+                return found
+    return None
+
+
+def _code_commits(section: Section, old: Commit | None, new: Commit | None) -> None:
+    """Fill ``section``'s commit range and the commits that touched its changed source files."""
+    paths = [str(c["path"]).removeprefix("code.") for c in section.fields if str(c["path"]).startswith("code.")]
+    if not paths or old is None or new is None:
+        return
+    from orchestrator.provenance.git import commits_touching  # git only when code changed
+
+    section.commit_range = (old.id, new.id)
+    if old.sha and new.sha and new.repo_path:
+        section.commits = commits_touching(new.repo_path, old.sha, new.sha, paths)
 
 
 def diff_records(
@@ -124,11 +154,17 @@ def diff_records(
         changed = [{"path": k, "old": pa.get(k), "new": pb.get(k)} for k in sorted(pa.keys() | pb.keys())]
         return [Section(left.kind, [c for c in changed if c["old"] != c["new"]])]
     sections = []
+    commits = {side.id: _commit_of(store, side) for side in (left, right)}  # type: ignore[attr-defined]
     for stage, (a, b) in pairs.items():
         if a is None or b is None:
             section = Section(stage, [{"path": "stage", "old": stage if a else None, "new": stage if b else None}])
         else:
             section = Section(stage, [c.__dict__ for c in diff_identities(a.identity_fields, b.identity_fields)])
+            _code_commits(
+                section,
+                _commit_of(store, a) or commits[left.id],  # type: ignore[attr-defined]
+                _commit_of(store, b) or commits[right.id],  # type: ignore[attr-defined]
+            )
         if patterns:
             old = stage_metrics(store, a) if a is not None else {}
             new = stage_metrics(store, b) if b is not None else {}

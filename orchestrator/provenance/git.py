@@ -396,3 +396,24 @@ def commit_exists(repo_path: Path, sha: str) -> bool:
         return False
     finally:
         repo.close()
+
+
+def commits_touching(
+    repo_path: str | Path, old_sha: str, new_sha: str, paths: Sequence[str], limit: int = 20
+) -> list[tuple[str, str]] | None:
+    """``(sha, subject)`` of each commit after ``old_sha`` up to ``new_sha`` that touched one of
+    ``paths``, newest first, at most ``limit``: which commits changed the code whose tree hash
+    differs between two stage runs. None when the repository or either commit is not here."""
+    if not all(re.fullmatch(r"[0-9a-fA-F]{7,64}", s or "") for s in (old_sha, new_sha)):
+        return None
+    try:
+        repo = _open_repo(Path(repo_path))
+    except (InvalidGitRepositoryError, NoSuchPathError, GitCommandNotFound):
+        return None
+    try:
+        found = repo.iter_commits(f"{old_sha}..{new_sha}", paths=list(paths), max_count=limit)
+        return [(c.hexsha, str(c.message).strip().splitlines()[0] if c.message else "") for c in found]
+    except (GitCommandError, ValueError):
+        return None
+    finally:
+        repo.close()

@@ -261,6 +261,38 @@ def test_diff_of_two_pipeline_runs_says_what_went_in_differently_and_how_the_res
     assert wrong.returncode == 2 and "cannot diff a pipeline_run with a stage_run" in wrong.stderr, wrong.stderr
 
 
+def test_diff_names_the_commits_that_touched_the_code_that_changed(run_cli, repo: Path) -> None:
+    """Two runs whose pretrain code differs: the diff lists the commits between their commits that
+    touched that file (where to bisect), and says so when no commit did (a dirty working tree)."""
+    from orchestrator.identity import compute_identity
+    from orchestrator.lineage import Commit, StageRun, open_store
+
+    first = _git(repo, "rev-parse", "HEAD").strip()
+    (repo / "train.py").write_text("print('train, faster')\n")
+    (repo / "notes.md").write_text("unrelated\n")
+    _git(repo, "commit", "-qam", "train: a faster loop")
+    _git(repo, "add", "notes.md")
+    _git(repo, "commit", "-qm", "notes only")
+    last = _git(repo, "rev-parse", "HEAD").strip()
+    ids = []
+    with open_store() as store, store.transaction() as tx:
+        for sha, dirty, tree in ((first, "", "1" * 40), (last, "", "2" * 40), (last, "+p1", "3" * 40)):
+            ident = compute_identity("pretrain", {"lr": 0.01}, code={"train.py": tree})
+            run = tx.add(StageRun(stage="pretrain", identity=ident.digest, identity_fields=ident.fields()))
+            commit = tx.ensure(Commit(id=sha + dirty, sha=sha, repo_path=str(repo), dirty=bool(dirty)))
+            tx.relate("wasAssociatedWith", run, commit, role="code")
+            ids.append(run.id)
+    shown = run_cli("lineage", "diff", ids[0], ids[1])
+    assert shown.returncode == 0, shown.stderr
+    assert f"  commits touching that code, {first[:12]}..{last[:12]}:\n" in shown.stdout, shown.stdout
+    listed = shown.stdout.split("commits touching that code")[1].splitlines()[1:]
+    assert [line.split(None, 1)[1] for line in listed] == ["train: a faster loop"], shown.stdout  # not "notes only"
+    as_json = json.loads(run_cli("lineage", "diff", ids[0], ids[1], "--json").stdout)
+    assert [c["subject"] for c in as_json["code_commits"]["pretrain"]["commits"]] == ["train: a faster loop"]
+    dirty = run_cli("lineage", "diff", ids[1], ids[2]).stdout
+    assert f"no commit {last[:12]}..{last[:12]} touches that code: it changed in an uncommitted working tree" in dirty
+
+
 def test_a_path_in_hand_finds_what_made_it(run_cli, openlab_home: Path, tmp_path: Path) -> None:
     """ "Which run made this checkpoint?" asked with the file: a file inside a recorded output folder
     finds that output (over a snapshot of the same folder), a job's log file finds the job, and a

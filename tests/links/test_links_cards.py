@@ -142,3 +142,19 @@ def test_the_changes_a_nightly_verdict_lists_name_source_files_and_short_hashes(
         f"`inputs.tokens` `{'c' * 12}` → `{'e' * 12}`",
         "- unchanged: tokenize",
     ], lines
+
+
+def test_the_changes_name_the_commits_that_changed_a_stages_source() -> None:
+    """Beside a changed source file, the verdict names the commits between the two runs that
+    touched it (from ``lineage diff``), the first three and how many more."""
+    from orchestrator.cards import render_changes
+    from orchestrator.lineage.diff import Section
+
+    commits = [(f"{i}" * 40, f"dispatch: fix {i}") for i in range(1, 6)]
+    section = Section("pretrain", [{"path": "code.workloads/moe/dispatch.py", "old": "a" * 40, "new": "b" * 40}])
+    section.commits = commits
+    (line,) = render_changes([section], "prun_a", "prun_b")[2:]
+    assert line == (
+        "- **pretrain**: source `workloads/moe/dispatch.py` (changed by `1111111` dispatch: fix 1, "
+        "`2222222` dispatch: fix 2, `3333333` dispatch: fix 3 and 2 more)"
+    ), line
