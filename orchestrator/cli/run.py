@@ -272,7 +272,7 @@ def explain(
             f"[{colours.get(p.action, '')}]{p.action}[/]",
             (p.identity or "(after upstream)")[:16],
             escape(p.reason),
-            escape("\n".join(p.changes)) or "-",
+            escape("\n".join([*p.changes, *(f"by {c}" for c in p.commits)])) or "-",
             *([_asks(resolved.resources.get(p.stage) or {})] if resolved.resources else []),
         )
     console.print(table)
@@ -301,6 +301,10 @@ def _explain_blocks(resolved: Any, plans: list[Any], colours: dict[str, str]) ->
         console.print(Padding(Text(reason), (0, 0, 0, 4)))
         for change in p.changes:
             console.print(Padding(Text(f"- {change}"), (0, 0, 0, 4)))
+        if p.commits:  # where the code changes came from: the commits since, newest first
+            console.print(Padding(Text("changed by:"), (0, 0, 0, 4)))
+            for commit in p.commits:
+                console.print(Padding(Text(f"- {commit}"), (0, 0, 0, 4)))
 
 
 def _asks(resources: dict[str, object]) -> str:

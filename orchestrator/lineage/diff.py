@@ -105,7 +105,7 @@ class Section:
     commits: list[tuple[str, str]] | None = None
 
 
-def _commit_of(store: LineageStore, record: LineageRecord) -> Commit | None:
+def commit_of(store: LineageStore, record: LineageRecord) -> Commit | None:
     """The commit a stage run (else its pipeline run) or a pipeline run was recorded at."""
     subjects = [record.id]  # type: ignore[attr-defined]
     if getattr(record, "pipeline_run_id", None):
@@ -154,7 +154,7 @@ def diff_records(
         changed = [{"path": k, "old": pa.get(k), "new": pb.get(k)} for k in sorted(pa.keys() | pb.keys())]
         return [Section(left.kind, [c for c in changed if c["old"] != c["new"]])]
     sections = []
-    commits = {side.id: _commit_of(store, side) for side in (left, right)}  # type: ignore[attr-defined]
+    commits = {side.id: commit_of(store, side) for side in (left, right)}  # type: ignore[attr-defined]
     for stage, (a, b) in pairs.items():
         if a is None or b is None:
             section = Section(stage, [{"path": "stage", "old": stage if a else None, "new": stage if b else None}])
@@ -162,8 +162,8 @@ def diff_records(
             section = Section(stage, [c.__dict__ for c in diff_identities(a.identity_fields, b.identity_fields)])
             _code_commits(
                 section,
-                _commit_of(store, a) or commits[left.id],  # type: ignore[attr-defined]
-                _commit_of(store, b) or commits[right.id],  # type: ignore[attr-defined]
+                commit_of(store, a) or commits[left.id],  # type: ignore[attr-defined]
+                commit_of(store, b) or commits[right.id],  # type: ignore[attr-defined]
             )
         if patterns:
             old = stage_metrics(store, a) if a is not None else {}

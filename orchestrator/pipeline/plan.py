@@ -45,6 +45,9 @@ class StagePlan:
     identity: str | None = None
     #: Identity fields that differ from ``previous`` (the last completed run of the stage).
     changes: list[str] = field(default_factory=list)
+    #: ``sha subject`` of each commit since the previous run's that touched a changed source file
+    #: of this stage, newest first (and a last line when the working tree changes it too).
+    commits: list[str] = field(default_factory=list)
     previous: str | None = None
     reused_from: str | None = None
     lease_holder: str | None = None
@@ -58,6 +61,7 @@ class StagePlan:
             "reason": self.reason,
             "identity": self.identity,
             "changes": list(self.changes),
+            "commits": list(self.commits),
             "previous": self.previous,
             "reused_from": self.reused_from,
             "lease_holder": self.lease_holder,
@@ -121,13 +125,19 @@ def plan(
                     for key in pending:
                         old_inputs.pop(key, None)
                     old["inputs"] = old_inputs
-                changes = describe_changes(diff_identities(old, identity.fields()))
+                fields = diff_identities(old, identity.fields())
+                changes = describe_changes(fields)
+                code = [c.path.removeprefix("code.") for c in fields if c.path.startswith("code.")]
+                commits = _commits_since(store, previous, prov.git, code) if code else []
+            else:
+                commits = []
             item = StagePlan(
                 stage=spec.name,
                 action="run",
                 reason="",
                 identity=None if pending else identity.digest,
                 changes=changes,
+                commits=commits,
                 previous=previous.id if previous is not None else None,
                 pending_inputs=pending,
             )
@@ -153,7 +163,7 @@ def plan(
                 original, why = find_reusable(store, identity.digest, settings)
                 if original is not None:
                     item.action, item.reason, item.reused_from = "reuse", why, original.id
-                    item.changes = []
+                    item.changes, item.commits = [], []
                     item.previous = original.id
                     out = original.outputs.get("out") or {}
                     known[spec.name] = out.get("input_hash") or out.get("content_hash")
@@ -180,6 +190,25 @@ def plan(
     finally:
         if owns:
             store.close()
+
+
+def _commits_since(store: LineageStore, previous: Any, git: Any, paths: list[str]) -> list[str]:
+    """What changed ``paths`` since ``previous`` ran: the commits from its commit to HEAD that
+    touched them, and the working tree when it changes them too. Empty when that cannot be told
+    (the previous run's commit is not in this repository)."""
+    from orchestrator.lineage.diff import commit_of
+    from orchestrator.provenance.git import commits_touching, uncommitted
+
+    then = commit_of(store, previous)
+    if then is None or not then.sha or not git.commit or not git.root:
+        return []
+    found = commits_touching(git.root, then.sha, git.commit, paths)
+    if found is None:
+        return []
+    lines = [f"{sha[:12]} {subject}" for sha, subject in found]
+    if git.dirty and uncommitted(git.root, paths):
+        lines.append("uncommitted changes in the working tree")
+    return lines
 
 
 def explain_recipe(
@@ -222,7 +251,7 @@ def plan_markdown(title: str, plans: list[StagePlan]) -> str:
         "|---|---|---|---|---|",
     ]
     for p in plans:
-        changed = "<br>".join(md_cell(c) for c in p.changes) or "-"
+        changed = "<br>".join([*(md_cell(c) for c in p.changes), *(f"by {md_cell(c)}" for c in p.commits)]) or "-"
         identity = f"`{p.identity[:16]}`" if p.identity else "(after upstream)"
         lines.append(f"| {p.stage} | **{p.action}** | {identity} | {md_cell(p.reason)} | {changed} |")
     return "\n".join(lines) + "\n"

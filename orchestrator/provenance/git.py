@@ -417,3 +417,18 @@ def commits_touching(
         return None
     finally:
         repo.close()
+
+
+def uncommitted(repo_path: str | Path, paths: Sequence[str]) -> bool | None:
+    """Whether the working tree at ``repo_path`` differs from HEAD under ``paths`` (edited, staged,
+    added or deleted files), None when there is no repository there."""
+    try:
+        repo = _open_repo(Path(repo_path))
+    except (InvalidGitRepositoryError, NoSuchPathError, GitCommandNotFound):
+        return None
+    try:
+        return bool(repo.git.status("--porcelain", "--", *paths).strip())
+    except GitCommandError:
+        return None
+    finally:
+        repo.close()

@@ -36,7 +36,7 @@ from orchestrator.pipeline import (
     start_pipeline,
 )
 from orchestrator.settings import load_settings
-from tests.pipeline.toy import make_repo, toy_configs, toy_pipeline
+from tests.pipeline.toy import git, make_repo, toy_configs, toy_pipeline
 
 HERE = Path(__file__).resolve().parent
 
@@ -114,10 +114,16 @@ def test_one_line_change_reruns_that_stage_and_only_stages_whose_input_changed(r
 
     # 1. a one-line edit that does not change upper's output: upper re-runs, count is reused
     script.write_text(script.read_text() + "# a comment\n")
+    git(repo, "commit", "-qam", "upper: a comment")
+    (repo / "README").write_text("a commit that touches no stage's code\n")
+    git(repo, "commit", "-qam", "readme")
     planned = {p.stage: p for p in plan(pipeline, toy_configs())}
     assert planned["gen"].action == "reuse"
     assert planned["upper"].action == "run"
     assert planned["upper"].changes and all(c.startswith("code.stages/upper.py") for c in planned["upper"].changes)
+    # ... and which commits since the last run changed that code: where to look
+    sha = git(repo, "rev-parse", "HEAD~1").strip()
+    assert planned["upper"].commits == [f"{sha[:12]} upper: a comment"], planned["upper"].commits
     assert planned["count"].action == "depends"
     result = run_pipeline(pipeline, toy_configs(), options=fast())
     assert {k: r.state for k, r in result.results.items()} == {"gen": "REUSED", "upper": "COMPLETED", "count": "REUSED"}
@@ -126,6 +132,8 @@ def test_one_line_change_reruns_that_stage_and_only_stages_whose_input_changed(r
 
     # 2. a one-line edit that changes upper's output: upper and count re-run, gen does not
     script.write_text(script.read_text().replace("text.upper()", "text.upper() + 'X'"))
+    planned = {p.stage: p for p in plan(pipeline, toy_configs())}
+    assert planned["upper"].commits == ["uncommitted changes in the working tree"], planned["upper"].commits
     result = run_pipeline(pipeline, toy_configs(), options=fast())
     assert {k: r.state for k, r in result.results.items()} == {
         "gen": "REUSED",
