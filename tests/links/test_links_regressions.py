@@ -9,6 +9,7 @@ import shlex
 from pathlib import Path
 
 from orchestrator.lineage.diff import diff_records
+from orchestrator.lineage.listing import RecordFilter, list_records
 from orchestrator.lineage.models import GithubIssue, GithubUpdate, PipelineRun, Relation, utcnow
 from orchestrator.lineage.store import LineageStore
 from orchestrator.links.github import GithubLinker
@@ -76,6 +77,9 @@ def test_a_regression_opens_one_issue_that_the_next_good_nightly_closes(
     assert recorded.state == "closed" and recorded.url and recorded.url.endswith("/lab/exp/issues/8")
     linked = store.list(Relation, where=[Relation.object_id == "lab/exp#8", Relation.role == "regression"])
     assert {r.subject_id for r in linked} == {bad.id, worse.id, fixed.id}
+    # so `openlab lineage list --issue lab/exp#8` is the history of that regression, red to green
+    reported = list_records(store, ["pipeline_run"], RecordFilter.from_options(issue="lab/exp#8")).records
+    assert [r.id for r in reported] == [fixed.id, worse.id, bad.id]
 
     # the daily digest is for experiment issues: a regression issue has its own comments
     from orchestrator.links.digest import collect_digests, digest_window
