@@ -206,7 +206,7 @@ def status_cmd(
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
     """Show a job's state, exit code, reason, host and times (and update its attempt)."""
-    from orchestrator.cli.output import console, describe_task, print_json
+    from orchestrator.cli.output import console, describe_task, describe_usage, print_json
     from orchestrator.launchers import get_launcher
     from orchestrator.lineage.store import open_store
 
@@ -227,12 +227,7 @@ def status_cmd(
     tasks = data.pop("tasks", None)
     used = data.pop("usage", None)
     if used:  # what the job used, as a person reads it
-        parts = []
-        if used.get("max_rss_bytes") is not None:
-            parts.append(f"peak memory {used['max_rss_bytes'] / 2**30:.2f} GiB")
-        if used.get("cpu_seconds") is not None:
-            parts.append(f"{used['cpu_seconds']:.1f} CPU-seconds")
-        data["used"] = ", ".join(parts)
+        data["used"] = describe_usage(used)
     for key, value in data.items():
         if value is not None:  # not wrapped by rich: a digest or a path is copied whole
             console.print(f"{key:>12}: {value}", highlight=False, markup=False, soft_wrap=True)

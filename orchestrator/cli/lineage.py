@@ -14,6 +14,7 @@ from orchestrator.cli.output import (
     compact_table,
     console,
     describe_task,
+    describe_usage,
     fit_last_column,
     print_fields,
     print_json,
@@ -152,6 +153,8 @@ def show_cmd(
     payload.pop("id", None)
     if isinstance(payload.get("command"), list):  # as a shell would take it: copied to run it again
         payload["command"] = shlex.join(str(part) for part in payload["command"])
+    if isinstance(payload.get("used"), dict) and describe_usage(payload["used"]):
+        payload["used"] = describe_usage(payload["used"])
     print_fields(payload)
     if isinstance(tasks, dict) and tasks:
         console.print(f"  {'tasks':<16}{len(tasks)}")

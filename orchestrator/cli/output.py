@@ -84,6 +84,17 @@ def describe_task(end: Mapping[str, Any]) -> str:
     return f"{end.get('state')}{exit_code}{where}{why}"
 
 
+def describe_usage(used: Mapping[str, Any]) -> str:
+    """What a job used as a person reads it, ``peak memory 0.34 GiB, 3.7 CPU-seconds``: the same
+    words in ``openlab job status`` and ``openlab lineage show`` of its attempt."""
+    parts = []
+    if used.get("max_rss_bytes") is not None:
+        parts.append(f"peak memory {used['max_rss_bytes'] / 2**30:.2f} GiB")
+    if used.get("cpu_seconds") is not None:
+        parts.append(f"{used['cpu_seconds']:.1f} CPU-seconds")
+    return ", ".join(parts)
+
+
 def _scalar(value: Any) -> str:
     """A leaf value as people read it: floats to six significant digits (the JSON keeps them whole)."""
     if isinstance(value, bool):

@@ -181,7 +181,8 @@ def test_show_prints_nested_fields_one_leaf_a_line_and_takes_the_related_ids_it_
                 metrics={"train/loss": 5.316871643066406, **metrics},
             )
         )
-        attempt = tx.add(Attempt(stage_run_id=stage.id, number=1, backend="local", command=command))
+        used = {"max_rss_bytes": 2**30, "cpu_seconds": 3.71}
+        attempt = tx.add(Attempt(stage_run_id=stage.id, number=1, backend="local", command=command, used=used))
         env = tx.add(
             Environment(id="e" * 64, python="CPython 3.11.7", platform="Linux", hostname="h", packages_hash="p")
         )
@@ -206,8 +207,10 @@ def test_show_prints_nested_fields_one_leaf_a_line_and_takes_the_related_ids_it_
     wrong_kind = run_cli("lineage", "show", f"commit:{env.id}")
     assert wrong_kind.returncode == 2 and f"'commit:{env.id}'" in wrong_kind.stderr, wrong_kind.stderr
 
-    line = next(x for x in run_cli("lineage", "show", attempt.id).stdout.splitlines() if x.startswith("  command"))
+    job = run_cli("lineage", "show", attempt.id).stdout.splitlines()
+    line = next(x for x in job if x.startswith("  command"))
     assert shlex.split(line.split(None, 1)[1]) == command
+    assert "  used            peak memory 1.00 GiB, 3.7 CPU-seconds" in job  # as `job status` says it
 
 
 def test_diff_of_two_pipeline_runs_says_what_went_in_differently_and_how_the_results_moved(
