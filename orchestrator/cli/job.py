@@ -206,7 +206,7 @@ def status_cmd(
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
     """Show a job's state, exit code, reason, host and times (and update its attempt)."""
-    from orchestrator.cli.output import console, describe_task, describe_usage, print_json
+    from orchestrator.cli.output import console, describe_task, describe_usage, print_json, say
     from orchestrator.launchers import get_launcher
     from orchestrator.lineage.store import open_store
 
@@ -230,7 +230,7 @@ def status_cmd(
         data["used"] = describe_usage(used)
     for key, value in data.items():
         if value is not None:  # not wrapped by rich: a digest or a path is copied whole
-            console.print(f"{key:>12}: {value}", highlight=False, markup=False, soft_wrap=True)
+            say(f"{key:>12}: {value}")
     if tasks:  # a job array: one line per task, so a failed shard is easy to spot
         console.print(f"{'tasks':>12}: {len(tasks)}", highlight=False)
         for task, task_status in sorted(tasks.items(), key=lambda kv: (len(kv[0]), kv[0])):
@@ -250,7 +250,7 @@ def list_cmd(
     """
     from sqlmodel import col
 
-    from orchestrator.cli.output import compact_table, console, print_json
+    from orchestrator.cli.output import compact_table, console, print_json, say
     from orchestrator.launchers import get_launcher
     from orchestrator.launchers.attempts import handle_from_attempt, lineage_state
     from orchestrator.lineage.listing import known_backend
@@ -322,7 +322,7 @@ def list_cmd(
     console.print(table)
     for row in rows:  # below the table, whole: a reason is too long for a column
         if row["note"]:
-            console.print(f"{row['attempt']}: {row['note']}", highlight=False, soft_wrap=True, markup=False)
+            say(f"{row['attempt']}: {row['note']}")
 
 
 def _age(seconds: float) -> str:

@@ -18,6 +18,7 @@ from orchestrator.cli.output import (
     fit_last_column,
     print_fields,
     print_json,
+    say,
 )
 from orchestrator.errors import ConfigError, NotFoundError
 from orchestrator.lineage.trace import describe
@@ -163,11 +164,11 @@ def show_cmd(
     if parts:  # a run's stages, a stage run's jobs: what `lineage show` is most often asked for
         console.print(f"[bold]{parts_name}[/]")
         for part in parts:
-            console.print(f"  {part.id}  {describe(part)}", highlight=False, soft_wrap=True, markup=False)
+            say(f"  {part.id}  {describe(part)}")
     if linked:
         console.print("[bold]links[/]")
         for key, value in linked.items():
-            console.print(f"  {key:<16}{value}", highlight=False, soft_wrap=True, markup=False)
+            say(f"  {key:<16}{value}")
     if relations:
         console.print("[bold]relations[/]")
         for rel in relations:
@@ -175,7 +176,7 @@ def show_cmd(
                 line = f"  {rel.relation} -> {rel.object_kind}:{rel.object_id} {rel.role}"
             else:
                 line = f"  {rel.subject_kind}:{rel.subject_id} {rel.relation} -> this {rel.role}"
-            console.print(line.rstrip(), markup=False, highlight=False, soft_wrap=True)
+            say(line.rstrip())
     console.print(f"[bold]history[/] {len(events)} event(s), last {events[-1].hash[:16] if events else '-'}")
 
 
@@ -302,12 +303,7 @@ def diff_cmd(
         else:
             console.print(f"[bold]{escape(section.name)}[/]: {len(section.fields)} field(s) differ")
         for change in section.fields:
-            console.print(
-                f"  {change['path']}: {change['old']!r} -> {change['new']!r}",
-                highlight=False,
-                soft_wrap=True,
-                markup=False,
-            )
+            say(f"  {change['path']}: {change['old']!r} -> {change['new']!r}")
         if section.commit_range:
             _print_code_commits(section)
         if metric:
@@ -318,23 +314,13 @@ def _print_code_commits(section: Section) -> None:
     """The commits between the two runs that touched a stage's changed source files: where to bisect."""
     old, new = (c[:12] for c in section.commit_range or ("", ""))
     if section.commits is None:
-        console.print(
-            f"  code changed between {old} and {new} (not in this repository: no commit list)",
-            highlight=False,
-            markup=False,
-            soft_wrap=True,
-        )
+        say(f"  code changed between {old} and {new} (not in this repository: no commit list)")
     elif section.commits:
         console.print(f"  commits touching that code, {old}..{new}:", highlight=False, markup=False)
         for sha, subject in section.commits:
-            console.print(f"    {sha[:12]} {subject}", highlight=False, soft_wrap=True, markup=False)
+            say(f"    {sha[:12]} {subject}")
     else:  # the same commit, or commits that did not touch it: the difference is in a working tree
-        console.print(
-            f"  no commit {old}..{new} touches that code: it changed in an uncommitted working tree",
-            highlight=False,
-            markup=False,
-            soft_wrap=True,
-        )
+        say(f"  no commit {old}..{new} touches that code: it changed in an uncommitted working tree")
 
 
 def _print_metric_changes(section: Section) -> None:
@@ -350,7 +336,7 @@ def _print_metric_changes(section: Section) -> None:
         change = "" if c.delta is None else f"  ({c.delta:+.4g}"
         if change:
             change += ")" if c.relative is None else f", {c.relative:+.2%})"
-        console.print(f"    {c.metric:<{width}}  {old} -> {new}{change}", highlight=False, soft_wrap=True, markup=False)
+        say(f"    {c.metric:<{width}}  {old} -> {new}{change}")
 
 
 @app.command("verify")
@@ -419,11 +405,11 @@ def verify_cmd(
         )
         raise typer.Exit(1 if problems else 0)
     for note in notes:
-        console.print(f"note: {note}", highlight=False, soft_wrap=True, markup=False)
+        say(f"note: {note}")
     if problems:
         console.print(f"[bold red]{len(problems)} problem(s)[/]")
         for p in problems:
-            console.print(f"  {p}", highlight=False, soft_wrap=True, markup=False)
+            say(f"  {p}")
     else:
         held = f"; {len(anchors)} published anchor(s) held" if anchors else ""
         console.print(
@@ -463,7 +449,7 @@ def reconcile_cmd(
         console.print("[green]nothing to reconcile: every RUNNING run has a live orchestrator[/]")
         return
     for line in report.lines():
-        console.print(line, highlight=False, soft_wrap=True, markup=False)
+        say(line)
 
 
 @app.command("usage")

@@ -21,6 +21,12 @@ def print_json(data: Any) -> None:
     sys.stdout.flush()
 
 
+def say(text: str) -> None:
+    """Print recorded text as it was recorded: not read as rich markup (``[rank 3]`` stays), not
+    highlighted, and not wrapped inside (an id or a path is copied whole)."""
+    console.print(text, highlight=False, markup=False, soft_wrap=True)
+
+
 def print_error(message: object) -> None:
     """One ``error: ...`` line on stderr: never wrapped at the terminal's width, and the text is not
     read as rich markup (``[prefect] nightly_cron`` in a message must print as written)."""
@@ -143,12 +149,12 @@ def print_fields(fields: Mapping[str, Any], indent: int = 2, min_key: int = 16) 
     for key, value in plain + nested:
         head = f"{' ' * indent}{str(key):<{width - 1}} "
         if not isinstance(value, Mapping | list | tuple) or (_flat(value) and len(_inline(value)) <= room):
-            console.print(f"{head}{_inline(value)}".rstrip(), highlight=False, soft_wrap=True, markup=False)
+            say(f"{head}{_inline(value)}".rstrip())
         elif isinstance(value, Mapping):
-            console.print(f"{' ' * indent}{key}", highlight=False, soft_wrap=True, markup=False)
+            say(f"{' ' * indent}{key}")
             print_fields(value, indent + 2, min_key=0)
         else:
-            console.print(f"{' ' * indent}{key}", highlight=False, soft_wrap=True, markup=False)
+            say(f"{' ' * indent}{key}")
             print_fields({f"[{i}]": item for i, item in enumerate(value)}, indent + 2, min_key=0)
 
 
