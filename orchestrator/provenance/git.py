@@ -24,6 +24,7 @@ stage identity silently missing its code would defeat the cache key.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -31,7 +32,7 @@ import shutil
 import tempfile
 import urllib.parse
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -381,21 +382,33 @@ def path_hashes(path: Path, paths: Sequence[str]) -> dict[str, str | None]:
         repo.close()
 
 
+@contextlib.contextmanager
+def _existing_repo(repo_path: str | Path) -> Iterator[gitpython.Repo | None]:
+    """The repository at ``repo_path`` (closed afterwards), or None where there is none (or no git):
+    for the questions asked of a recorded commit later, which have no answer then, not an error."""
+    try:
+        repo = _open_repo(Path(repo_path))
+    except (InvalidGitRepositoryError, NoSuchPathError, GitCommandNotFound):
+        yield None
+        return
+    try:
+        yield repo
+    finally:
+        repo.close()
+
+
 def commit_exists(repo_path: Path, sha: str) -> bool:
     """Whether ``sha`` names a commit in the repository at ``repo_path`` (for verify)."""
     if not sha or not re.fullmatch(r"[0-9a-fA-F]{4,64}", sha):
         return False
-    try:
-        repo = _open_repo(Path(repo_path))
-    except (InvalidGitRepositoryError, NoSuchPathError, GitCommandNotFound):
-        return False
-    try:
-        repo.git.cat_file("-e", f"{sha}^{{commit}}")
-        return True
-    except GitCommandError:
-        return False
-    finally:
-        repo.close()
+    with _existing_repo(repo_path) as repo:
+        if repo is None:
+            return False
+        try:
+            repo.git.cat_file("-e", f"{sha}^{{commit}}")
+            return True
+        except GitCommandError:
+            return False
 
 
 def commits_touching(
@@ -406,29 +419,23 @@ def commits_touching(
     differs between two stage runs. None when the repository or either commit is not here."""
     if not all(re.fullmatch(r"[0-9a-fA-F]{7,64}", s or "") for s in (old_sha, new_sha)):
         return None
-    try:
-        repo = _open_repo(Path(repo_path))
-    except (InvalidGitRepositoryError, NoSuchPathError, GitCommandNotFound):
-        return None
-    try:
-        found = repo.iter_commits(f"{old_sha}..{new_sha}", paths=list(paths), max_count=limit)
-        return [(c.hexsha, str(c.message).strip().splitlines()[0] if c.message else "") for c in found]
-    except (GitCommandError, ValueError):
-        return None
-    finally:
-        repo.close()
+    with _existing_repo(repo_path) as repo:
+        if repo is None:
+            return None
+        try:
+            found = repo.iter_commits(f"{old_sha}..{new_sha}", paths=list(paths), max_count=limit)
+            return [(c.hexsha, str(c.message).strip().splitlines()[0] if c.message else "") for c in found]
+        except (GitCommandError, ValueError):
+            return None
 
 
 def uncommitted(repo_path: str | Path, paths: Sequence[str]) -> bool | None:
     """Whether the working tree at ``repo_path`` differs from HEAD under ``paths`` (edited, staged,
     added or deleted files), None when there is no repository there."""
-    try:
-        repo = _open_repo(Path(repo_path))
-    except (InvalidGitRepositoryError, NoSuchPathError, GitCommandNotFound):
-        return None
-    try:
-        return bool(repo.git.status("--porcelain", "--", *paths).strip())
-    except GitCommandError:
-        return None
-    finally:
-        repo.close()
+    with _existing_repo(repo_path) as repo:
+        if repo is None:
+            return None
+        try:
+            return bool(repo.git.status("--porcelain", "--", *paths).strip())
+        except GitCommandError:
+            return None
