@@ -39,7 +39,10 @@ def describe(record: Any) -> str:
     """One line that says what a record is, for lists and trees."""
     kind = record.kind
     if kind == "pipeline_run":
-        return f"{record.recipe or record.name} replica={record.replica} backend={record.backend} {record.state}"
+        verdict = (record.verdict or {}).get("status")  # a nightly's: baseline, passed or regressed
+        judged = f" nightly {verdict}" if verdict else ""
+        where = f"replica={record.replica} backend={record.backend}"
+        return f"{record.recipe or record.name} {where} {record.state}{judged}"
     if kind == "stage_run":
         reused = f" (reused {record.reused_from})" if record.reused_from else ""
         return f"{record.stage} {record.state} identity={record.identity[:12]}{reused}"

@@ -12,6 +12,7 @@ from orchestrator.lineage.diff import diff_records
 from orchestrator.lineage.listing import RecordFilter, list_records
 from orchestrator.lineage.models import GithubIssue, GithubUpdate, PipelineRun, Relation, utcnow
 from orchestrator.lineage.store import LineageStore
+from orchestrator.lineage.trace import describe
 from orchestrator.links.github import GithubLinker
 from orchestrator.links.regressions import regression_marker, report_verdict
 from orchestrator.nightly import evaluate_nightly
@@ -80,6 +81,9 @@ def test_a_regression_opens_one_issue_that_the_next_good_nightly_closes(
     # so `openlab lineage list --issue lab/exp#8` is the history of that regression, red to green
     reported = list_records(store, ["pipeline_run"], RecordFilter.from_options(issue="lab/exp#8")).records
     assert [r.id for r in reported] == [fixed.id, worse.id, bad.id]
+    # ... each line saying how its nightly was judged
+    judged = [describe(r).rsplit(" ", 2)[1:] for r in reported]
+    assert judged == [["nightly", "passed"], ["nightly", "regressed"], ["nightly", "regressed"]], judged
 
     # the daily digest is for experiment issues: a regression issue has its own comments
     from orchestrator.links.digest import collect_digests, digest_window
