@@ -159,7 +159,8 @@ def run_cmd(
 
 
 def _find(store: Any, ident: str, backend: str | None) -> tuple[Any, Any]:
-    """(attempt or None, handle) for an attempt id/prefix or a backend job id."""
+    """(attempt or None, handle) for an attempt id/prefix, a stage run id/prefix (its last attempt:
+    "show me pretrain's log" starts from the run's stage list) or a backend job id."""
     from sqlmodel import col
 
     from orchestrator.launchers import JobHandle
@@ -167,6 +168,16 @@ def _find(store: Any, ident: str, backend: str | None) -> tuple[Any, Any]:
     from orchestrator.lineage.models import Attempt
 
     attempt = store.get(Attempt, ident)
+    if attempt is None and ident.startswith("srun_"):  # a stage run: the job that ran it last
+        from orchestrator.lineage.models import StageRun
+
+        stage = store.find(ident)
+        if not isinstance(stage, StageRun):
+            raise NotFoundError(f"{ident!r} is no stage run")
+        tried = store.list(Attempt, stage_run_id=stage.id, order_by=col(Attempt.number).desc(), limit=1)
+        if not tried:
+            raise NotFoundError(f"stage run {stage.id} ({stage.stage}, {stage.state}) ran no job: nothing to show")
+        attempt = tried[0]
     if attempt is None:
         where = [Attempt.job_id == ident]
         if backend:
@@ -201,7 +212,9 @@ def _refresh(store: Any, attempt: Any, status: Any) -> None:
 
 @app.command("status")
 def status_cmd(
-    ident: str = typer.Argument(..., metavar="ID", help="attempt id (att_...) or backend job id"),
+    ident: str = typer.Argument(
+        ..., metavar="ID", help="attempt id (att_...), stage run id (srun_...: its last job) or backend job id"
+    ),
     backend: str = typer.Option(None, "--backend", "-b", help="backend, for a job id not in lineage"),
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
@@ -339,7 +352,9 @@ def _age(seconds: float) -> str:
 
 @app.command("logs")
 def logs_cmd(
-    ident: str = typer.Argument(..., metavar="ID", help="attempt id (att_...) or backend job id"),
+    ident: str = typer.Argument(
+        ..., metavar="ID", help="attempt id (att_...), stage run id (srun_...: its last job) or backend job id"
+    ),
     follow: bool = typer.Option(False, "--follow", "-f", help="keep printing until the job ends"),
     tail: int = typer.Option(None, "--tail", "-n", help="only the last N lines"),
     backend: str = typer.Option(None, "--backend", "-b", help="backend, for a job id not in lineage"),
@@ -359,7 +374,9 @@ def logs_cmd(
 
 @app.command("cancel")
 def cancel_cmd(
-    ident: str = typer.Argument(..., metavar="ID", help="attempt id (att_...) or backend job id"),
+    ident: str = typer.Argument(
+        ..., metavar="ID", help="attempt id (att_...), stage run id (srun_...: its last job) or backend job id"
+    ),
     backend: str = typer.Option(None, "--backend", "-b", help="backend, for a job id not in lineage"),
 ) -> None:
     """Cancel a job (and everything it started) and record it in its attempt."""

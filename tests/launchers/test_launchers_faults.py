@@ -725,6 +725,13 @@ def test_cli_job_run_status_logs_cancel(store: LineageStore) -> None:
     assert "        used: peak memory " in shown
     assert f"    log_path: {attempt.log_path}\n" in shown, "a path is copied whole, not wrapped at the width"
     assert cli("job", "logs", attempt.id).stdout == "hi bar\n"
+    with store.transaction() as tx:  # a stage run's jobs: `job logs srun_...` is its last one's
+        srun = tx.add(StageRun(stage="pretrain", identity="i-logs"))
+        tx.update(attempt, stage_run_id=srun.id)
+        idle = tx.add(StageRun(stage="eval", identity="i-idle"))
+    assert cli("job", "logs", srun.id[:12]).stdout == "hi bar\n"
+    never = cli("job", "logs", idle.id)
+    assert never.returncode == 2 and "ran no job" in never.stderr, never.stderr
 
     runner = subprocess.Popen(
         [*CLI, "job", "run", "-q", "--backend", "local", "--", "sleep", "60"],
