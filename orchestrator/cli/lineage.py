@@ -174,9 +174,14 @@ def show_cmd(
         for rel in relations:
             if rel.subject_id == record.id:
                 line = f"  {rel.relation} -> {rel.object_kind}:{rel.object_id} {rel.role}"
+                other = (rel.object_kind, rel.object_id)
             else:
                 line = f"  {rel.subject_kind}:{rel.subject_id} {rel.relation} -> this {rel.role}"
+                other = (rel.subject_kind, rel.subject_id)
             say(line.rstrip())
+            what = _what(store, *other)
+            if what:  # which tokens, which commit: the related record in a few words, under its id
+                say(f"      {what}")
     console.print(f"[bold]history[/] {len(events)} event(s), last {events[-1].hash[:16] if events else '-'}")
 
 
@@ -221,6 +226,16 @@ def trace_cmd(
     # In a terminal long lines fold under their branch; piped, each record stays on one line for grep.
     out = console if console.is_terminal else Console(width=100_000, no_color=True, highlight=False)
     out.print(tree)
+
+
+def _what(store: Any, kind: str, record_id: str) -> str:
+    """A related record in a few words (``lineage list``'s summary); empty when the store no longer
+    holds it (``lineage verify`` names that)."""
+    from orchestrator.lineage.models import RECORD_TYPES
+
+    model = RECORD_TYPES.get(kind)
+    found = store.get(model, record_id) if model is not None else None
+    return describe(found) if found is not None else ""
 
 
 def _parts(store: Any, record: Any) -> tuple[str, list[Any]]:

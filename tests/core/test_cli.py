@@ -200,8 +200,8 @@ def test_show_prints_nested_fields_one_leaf_a_line_and_takes_the_related_ids_it_
     assert f"\nattempts\n  {attempt.id}  #1 local PENDING\n" in out, out  # its jobs, which no relation lists
     as_json = json.loads(run_cli("lineage", "show", stage.id, "--json").stdout)
     assert as_json["attempts"] == [{"id": attempt.id, "summary": "#1 local PENDING"}]
-    related = re.search(r"wasAssociatedWith -> (environment:\S+) environment$", out, re.M)
-    assert related, out
+    related = re.search(r"wasAssociatedWith -> (environment:\S+) environment\n {6}python CPython 3.11.7 on h", out)
+    assert related, out  # the related record's id, and under it what it is
     opened = run_cli("lineage", "show", related.group(1))
     assert opened.returncode == 0 and opened.stdout.startswith(f"environment {env.id}"), opened.stdout + opened.stderr
     wrong_kind = run_cli("lineage", "show", f"commit:{env.id}")
