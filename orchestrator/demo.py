@@ -76,7 +76,12 @@ def main() -> int:
     if pipeline_run_id:
         where("this run's lineage", f"openlab lineage show {pipeline_run_id}")
         where("everything it made", f"openlab lineage trace {pipeline_run_id} --down  (an output id: up)")
+    stages = (result or {}).get("stages") if isinstance(result, dict) else None
+    checkpoint = _checkpoint_of(stages)
+    if checkpoint is not None:
+        where("what made this file", f"openlab lineage trace {checkpoint}")
     where("all runs", "openlab lineage list")
+    where("jobs out now", "openlab job list  (a stage's log: openlab job logs SRUN_ID)")
     where("prove nothing changed", "openlab lineage verify")
     anchor = anchor_of(store, pipeline_run_id) if pipeline_run_id else None
     if anchor is not None:  # what its card publishes; with an experiment issue, on GitHub too
@@ -94,6 +99,15 @@ def main() -> int:
         console.print(f"[bold red]the pipeline ended {state.type.value}: {state.message}[/]")
         return 1
     return 0
+
+
+def _checkpoint_of(stages: object) -> Path | None:
+    """The post-trained checkpoint the demo made, if it is there: a file to ask "what made this?" of."""
+    if not isinstance(stages, dict):
+        return None
+    out = (stages.get("posttrain") or {}).get("out_dir")
+    found = sorted(Path(out).glob("checkpoint/*.pt")) if out else []
+    return found[0] if found else None
 
 
 if __name__ == "__main__":
