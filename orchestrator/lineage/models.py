@@ -177,6 +177,10 @@ class WandbRun(LineageRecord, table=True):
     url: str | None = None
     local_dir: str | None = None
     summary: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))
+    #: How the run ended, as its own files say: ``finished``, ``failed`` (the stage raised),
+    #: ``preempted`` (stopped by a scheduler, to be resumed), ``crashed`` (its process died
+    #: without a word: killed, out of memory) or ``running``. None for runs recorded before.
+    state: str | None = None
     updated_at: dt.datetime = Field(default_factory=utcnow)
 
 

@@ -69,7 +69,8 @@ def describe(record: Any) -> str:
     if kind == "github_issue":
         return f"{record.title or ''} ({record.state or 'unresolved'})"
     if kind == "wandb_run":
-        return f"{record.mode} {record.url or record.local_dir or ''}".rstrip()
+        state = f" {record.state}" if record.state else ""
+        return f"{record.mode}{state} {record.url or record.local_dir or ''}".rstrip()
     if kind == "github_comment":
         return f"card comment on {record.issue_id} {record.url or '(not posted yet)'}"
     if kind == "github_digest":

@@ -359,13 +359,21 @@ def app_url(environ: Mapping[str, str] | None = None) -> str:
 
 
 def record_wandb_run(
-    store: LineageStore, stage_run: StageRun | str, run_dir_or_out_dir: str | Path, *, reader: str = "auto"
+    store: LineageStore,
+    stage_run: StageRun | str,
+    run_dir_or_out_dir: str | Path,
+    *,
+    reader: str = "auto",
+    job_ended: bool = False,
 ) -> WandbRun:
     """Read back the stage's W&B run and record it (``stage_run --wasAssociatedWith--> wandb_run``).
 
     Looks for the run id derived from the stage identity first (every attempt's directory,
     merged oldest to newest), else the newest run found. Warns when the run's
     ``config.openlab`` names another stage identity: the two directions must agree.
+
+    The record keeps how the run ended (``state``); with ``job_ended`` (its job is over), a run
+    whose files never say it ended is ``crashed``, W&B's word for a process that died unheard.
     """
     stage = stage_run if isinstance(stage_run, StageRun) else store.require(StageRun, stage_run)
     expected = wandb_run_id(stage.identity) if stage.identity else None
@@ -408,6 +416,7 @@ def record_wandb_run(
             "url": url or (existing.url if existing is not None else None),
             "local_dir": str(last.local_dir),
             "summary": summary,
+            "state": "crashed" if job_ended and last.state in (None, "running") else last.state,
         }
         if existing is None:
             run = tx.add(WandbRun(id=record_id, **fields))

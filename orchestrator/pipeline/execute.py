@@ -997,12 +997,14 @@ def _wandb_section(ctx: PipelineContext, spec: StageSpec, identity: str, stage_r
 
 
 def _record_wandb(ctx: PipelineContext, stage_run: StageRun, out_dir: Path) -> None:
+    """Link the stage run to the W&B run its job logged to (and how that run ended); also for a
+    failed or preempted stage, whose curves up to the failure are what a person debugs with."""
     try:
         from orchestrator.links import wandb as links_wandb
     except ImportError:
         return
     try:
-        links_wandb.record_wandb_run(ctx.store, stage_run, out_dir)
+        links_wandb.record_wandb_run(ctx.store, stage_run, out_dir, job_ended=True)
     except Exception as exc:  # noqa: BLE001 - optional link
         log.warning("could not record the W&B run of %s: %s", stage_run.stage, exc)
 
@@ -1278,6 +1280,8 @@ def _finish_failed(
             run = tx.update(run, state=state, error=reason, ended_at=utcnow())
     except Exception:  # noqa: BLE001 - the original failure matters more
         log.exception("could not record the end of stage run %s", run.id)
+    if attempt is not None and (out_dir / "wandb").is_dir():  # its job logged to W&B before it ended
+        _record_wandb(ctx, run, out_dir)
     return _conclude(
         ctx,
         spec,

@@ -102,6 +102,24 @@ def stage(store) -> StageRun:
         return tx.add(StageRun(id="srun_w1", stage="pretrain", identity=IDENTITY, state="RUNNING"))
 
 
+def test_a_run_whose_job_died_unheard_is_recorded_crashed(tmp_path: Path, store, stage) -> None:
+    """A job killed outright (out of memory, SIGKILL) never tells W&B it ended: once the job is
+    over, its run is recorded ``crashed``, not left looking like it is still going."""
+    killed = JOB.replace("run.finish()", "import os; os._exit(137)")
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-c", killed, json.dumps(_section()), str(out), json.dumps(ATTEMPT1)],
+        env=_job_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 137, proc.stderr[-2000:]
+    assert record_wandb_run(store, stage, out).state == "running"  # asked while the job may still run
+    assert record_wandb_run(store, stage, out, job_ended=True).state == "crashed"
+
+
 def test_section_carries_lineage_ids_deterministic_id_and_tags() -> None:
     s = _section()
     assert s["id"] == wandb_run_id(IDENTITY) and len(s["id"]) >= 8
@@ -164,6 +182,7 @@ def test_metrics_read_back_from_offline_files_match_what_the_job_logged(job_out,
     last_step, last = ATTEMPT2[-1]
     assert {k: run.summary[k] for k in ("loss", "tokens", "_step")} == {**last, "_step": last_step}
     assert run.summary["attempt_id"] == first["id"]
+    assert run.state == "finished"  # how the run ended, as its last attempt's files say
     [rel] = store.list(Relation, relation="wasAssociatedWith", subject_id=stage.id, object_kind=WandbRun.kind)
     assert rel.object_id == run.id
     assert store.get(WandbRun, run.id).summary == run.summary

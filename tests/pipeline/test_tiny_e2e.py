@@ -122,7 +122,7 @@ def test_a_preempted_training_stage_resumes_from_its_checkpoint_in_a_new_attempt
     import threading
     import time
 
-    from orchestrator.lineage import Attempt, LineageStore, StageRun
+    from orchestrator.lineage import Attempt, LineageStore, Relation, StageRun
     from orchestrator.pipeline import PipelineHooks, RunOptions, moe_pipeline, run_stages, start_pipeline
     from orchestrator.recipes import resolve
     from orchestrator.settings import load_settings
@@ -135,7 +135,9 @@ def test_a_preempted_training_stage_resumes_from_its_checkpoint_in_a_new_attempt
     settings = load_settings()
     seen: list[tuple[str, str]] = []
     hooks = PipelineHooks(on_transition=lambda e: seen.append((e.stage, e.state)))
-    ctx = start_pipeline(pipeline, configs, options=RunOptions(backend="local"), hooks=hooks, settings=settings)
+    ctx = start_pipeline(
+        pipeline, configs, options=RunOptions(backend="local"), hooks=hooks, settings=settings, recipe=resolved
+    )  # the recipe's W&B project: pretrain logs to a W&B run (offline)
     stopped: dict[str, int] = {}
 
     def preempt_pretrain() -> None:  # once pretrain has trained a few steps
@@ -159,6 +161,12 @@ def test_a_preempted_training_stage_resumes_from_its_checkpoint_in_a_new_attempt
         (pretrain,) = store.list(StageRun, pipeline_run_id=result.pipeline_run.id, stage="pretrain")
         first, second = store.list(Attempt, stage_run_id=pretrain.id, order_by=Attempt.number)
         assert (first.state, first.exit_code, second.state) == ("PREEMPTED", 143, "COMPLETED")
+        # its W&B run was linked when the job was preempted (as W&B then said: preempted), and the
+        # same run, resumed, when it finished: a person sees the curve of a stopped job too
+        linked = store.list(Relation, where=[Relation.subject_id == pretrain.id, Relation.object_kind == "wandb_run"])
+        (wandb_id,) = {r.object_id for r in linked}
+        states = [e.payload.get("state") for e in store.events(wandb_id)]
+        assert states[0] == "preempted" and states[-1] == "finished", states
     log = Path(first.log_path).read_text()
     done = int(log.split("stopped by SIGTERM after step ")[1].split(";")[0])
     assert 5 <= done < steps
