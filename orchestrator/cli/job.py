@@ -257,9 +257,9 @@ def list_cmd(
 ) -> None:
     """The jobs openlab has out now (pending or running in lineage), each asked of its backend.
 
-    What ``squeue`` is to a Slurm user, across backends: per job its attempt, backend, job id,
+    What `squeue` is to a Slurm user, across backends: per job its attempt, backend, job id,
     stage, state now, host and age. A job that ended while no openlab process watched it (its
-    orchestrator died, a node was lost) is recorded as ended here, as ``job status`` does.
+    orchestrator died, a node was lost) is recorded as ended here, as `job status` does.
     """
     from sqlmodel import col
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+import click
 import typer
 
 from orchestrator.cli import adopt, backends, core, deploy, gc, github, job, lineage, run, server, wandb
@@ -36,10 +37,31 @@ app.add_typer(server.app, name="server")
 app.add_typer(deploy.app, name="deploy")
 
 
+def reflow(text: str | None) -> str | None:
+    """A command's help with each paragraph on one line, for the terminal to wrap: the docstrings
+    are wrapped at 120 columns in the source, and typer printed those breaks as they were, so
+    every help in an 80-column terminal came out ragged. Lists and indented lines are kept."""
+    if not text:
+        return text
+    paragraphs = []
+    for paragraph in text.split("\n\n"):
+        lines = paragraph.splitlines()
+        kept = any(line.startswith((" ", "\b")) or line.lstrip().startswith(("- ", "* ", "|")) for line in lines)
+        paragraphs.append(paragraph if kept else " ".join(line.strip() for line in lines))
+    return "\n\n".join(paragraphs)
+
+
+def _reflow_all(command: click.Command) -> click.Command:
+    command.help = reflow(command.help)
+    for sub in getattr(command, "commands", {}).values():
+        _reflow_all(sub)
+    return command
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI, turning user errors into one clear line and a non-zero exit."""
     try:
-        app(args=argv, prog_name="openlab", standalone_mode=True)
+        _reflow_all(typer.main.get_command(app))(args=argv, prog_name="openlab", standalone_mode=True)
     except OpenlabError as exc:
         from orchestrator.cli.output import print_error
 

@@ -391,3 +391,32 @@ def test_explain_in_a_narrow_terminal_gives_each_stage_a_block_with_its_identity
     assert "no earlier completed run of this stage" in out.stdout
     wide = run_cli("explain", "marin-535b-a23b", "--replica", "tiny", env={"COLUMNS": "160"})
     assert "changed fields" in wide.stdout, "a wide terminal keeps the table"
+
+
+def test_every_command_has_help_whose_paragraphs_the_terminal_wraps() -> None:
+    """Every command's --help works, and a paragraph of its help is one line to the terminal,
+    wrapped at its width, where the source's line breaks made 80 columns ragged."""
+    import click
+    import typer
+    from click.testing import CliRunner
+
+    from orchestrator.cli.main import _reflow_all, app, reflow
+
+    assert (
+        reflow("Run it.\n\nA long\nparagraph here.\n\n- one\n- two")
+        == "Run it.\n\nA long paragraph here.\n\n- one\n- two"
+    )
+    root = _reflow_all(typer.main.get_command(app))
+
+    def paths(command: click.Command, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+        found = [prefix]
+        for name, sub in getattr(command, "commands", {}).items():
+            found += paths(sub, (*prefix, name))
+        return found
+
+    every = paths(root)
+    assert ("job", "list") in every and ("lineage", "diff") in every and len(every) > 30
+    for path in every:
+        shown = CliRunner().invoke(root, [*path, "--help"], prog_name="openlab", terminal_width=80)
+        assert shown.exit_code == 0, (path, shown.output)
+        assert "Usage: openlab" in shown.output, (path, shown.output)
