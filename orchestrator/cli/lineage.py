@@ -16,6 +16,7 @@ from orchestrator.cli.output import (
     describe_task,
     describe_usage,
     fit_last_column,
+    narrow,
     print_fields,
     print_json,
     say,
@@ -515,7 +516,9 @@ def usage_cmd(
         ]
         for g in [*report.groups, report.total]
     ]
-    # A narrow terminal squeezes the words, never the numbers: a number cut to "0.000…" says nothing.
+    if narrow():  # nine columns do not fit 80: a block per group, its name whole, each figure named
+        _usage_blocks(by, rows)
+        return
     # Each column at least as wide as its widest word ("completed", not "complete" and "d").
     table = compact_table(f"job usage by {by}")
     table.add_column(by, overflow="fold", min_width=min(12, max(len(r[0]) for r in rows)))
@@ -526,6 +529,21 @@ def usage_cmd(
     for g, row in zip([*report.groups, report.total], rows, strict=True):
         table.add_row(*row, style="bold" if g is report.total else None, end_section=g is report.groups[-1])
     console.print(table)
+
+
+def _usage_blocks(by: str, rows: list[list[str]]) -> None:
+    """``lineage usage`` below 110 columns: per group (the total last) a line with its name and its
+    jobs by state, then one with each figure named. Names stay whole (a recipe name folded in two
+    read as two), and a number is never cut."""
+    console.print(f"job usage by {by}", style="italic", highlight=False)
+    for i, (group, jobs, states, wall, cpu, gpu, lost, used, peak) in enumerate(rows):
+        name = "total" if i == len(rows) - 1 else group
+        say(f"{name}  {jobs} job{'s' if jobs != '1' else ''}: {states}")
+        say(f"    wall {wall} h · CPU {cpu} h · GPU {gpu} h asked · lost {lost} h")
+        if used == "-":
+            say("    measured: none of these jobs")
+        else:  # what the measured jobs used, of what those jobs asked
+            say(f"    measured: CPU {used.replace(' of ', ' h used of ')} h asked · peak memory {peak}")
 
 
 def _used(g: Any) -> str:

@@ -150,12 +150,14 @@ def test_the_command_prints_the_table_and_json(run_cli, openlab_home) -> None:
     assert "1 completed" not in table.stdout and "3 completed 1 preempted" in table.stdout, table.stdout
     assert " 6.50 " in table.stdout, table.stdout  # the nightly's wall hours
     assert "0.50 of 1.00" in table.stdout and "3.00 GiB" in table.stdout, table.stdout  # used, of asked
-    # in an 80-column terminal (and a pipe, which rich takes as 80) the words wrap, the numbers stay whole
+    # in an 80-column terminal (and a pipe, which rich takes as 80) a block per group: its name whole,
+    # each figure named, no number cut
     narrow = run_cli("lineage", "usage", "--replica", "small", env={"COLUMNS": "80"})
     lines = narrow.stdout.splitlines()
     assert max(len(line) for line in lines) <= 80 and "…" not in narrow.stdout, narrow.stdout
-    assert "peak mem" in narrow.stdout and "3.00 GiB" in narrow.stdout and " 6.50 " in narrow.stdout, narrow.stdout
-    assert any("0.50 of" in line for line in lines) and "completed" in narrow.stdout, narrow.stdout
+    assert "marin  4 jobs: 3 completed 1 preempted" in lines, narrow.stdout
+    assert "    wall 6.50 h · CPU " in narrow.stdout, narrow.stdout
+    assert "    measured: CPU 0.50 h used of 1.00 h asked · peak memory 3.00 GiB" in lines, narrow.stdout
     assert run_cli("lineage", "usage", "--recipe", "nope").stdout.strip() == "no jobs match"
     bad = run_cli("lineage", "usage", "--by", "team")
     assert bad.returncode == 2 and "cannot group usage by 'team'" in bad.stderr and "Traceback" not in bad.stderr
