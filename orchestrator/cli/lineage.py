@@ -108,6 +108,19 @@ def list_cmd(
     if not rows:
         console.print("no records match", markup=False)
         return
+    if narrow():  # a table squeezed the summaries to a few words a line: a block per record instead
+        from rich.padding import Padding
+        from rich.text import Text
+
+        console.print(f"lineage ({store.url.split('://')[0]})", style="italic", highlight=False)
+        for r in rows:
+            field = time_field(type(r))
+            when = getattr(r, field) if field else None
+            say(f"{r.kind} {r.id}  {when:%Y-%m-%d %H:%M:%S}" if when else f"{r.kind} {r.id}")
+            console.print(Padding(Text(describe(r)), (0, 0, 0, 4)))  # wrapped by word, under its record
+        if listing.matched > len(rows):
+            say(f"{len(rows)} of {listing.matched} matching records shown; --limit shows more")
+        return
     # ids are what a reader copies into `lineage show`: whole, on one line; the summary wraps instead
     table = compact_table(f"lineage ({store.url.split('://')[0]})")
     table.add_column("kind", no_wrap=True)

@@ -222,19 +222,33 @@ def test_the_list_says_why_an_attempt_did_not_complete_and_nothing_it_does_not_k
         "#3 slurm job=72 COMPLETED exit=0 host=n1",
     ], out.stdout
 
-    # 80 columns: the summaries wrap, and not one character of them is cropped at the edge
     with store.transaction() as tx:
         tx.add(PipelineRun(recipe="marin-535b-a23b", replica="tiny", backend="local", state="COMPLETED"))
     kinds = ("-k", "attempt", "-k", "stage_run", "-k", "pipeline_run")
+    listed = json.loads(run_cli("lineage", "list", *kinds, "--json").stdout)
+    summaries = [" ".join(describe(store.find(r["id"])).split()) for r in listed]
+
+    # 80 columns (and a pipe): a block per record, its kind and id whole on the first line, its summary
+    # wrapped by word under it, nothing cropped at the edge
     narrow = run_cli("lineage", "list", *kinds, env={"COLUMNS": "80"})
     assert narrow.returncode == 0, narrow.stderr
-    table = narrow.stdout.splitlines()
-    assert max(len(line) for line in table) <= 80, narrow.stdout
+    lines = narrow.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, narrow.stdout
+    blocks: list[tuple[str, list[str]]] = []
+    for line in lines[1:]:
+        if line.startswith("    "):
+            blocks[-1][1].append(line.strip())
+        else:
+            blocks.append((line, []))
+    assert [tuple(head.split()[:2]) for head, _ in blocks] == [(r["kind"], r["id"]) for r in listed], narrow.stdout
+    assert [" ".join(words) for _, words in blocks] == summaries, narrow.stdout
+
+    # a wide terminal: the table, whose summary column wraps and is not cropped at the edge either
+    wide = run_cli("lineage", "list", *kinds, env={"COLUMNS": "120"})
+    table = wide.stdout.splitlines()
+    assert max(len(line) for line in table) <= 120, wide.stdout
     start = next(line for line in table if line.lstrip().startswith("kind")).index("summary")
-    printed = "".join("".join(line[start:].split()) for line in table[3:])
-    listed = json.loads(run_cli("lineage", "list", *kinds, "--json").stdout)
-    expected = "".join("".join(describe(store.find(r["id"])).split()) for r in listed)
-    assert printed == expected, narrow.stdout
+    assert "".join("".join(line[start:].split()) for line in table[3:]) == "".join(summaries).replace(" ", "")
 
 
 def test_export_takes_the_same_filters_and_never_reads_no_match_as_everything(run_cli, openlab_home, tmp_path) -> None:
