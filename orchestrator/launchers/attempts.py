@@ -235,8 +235,9 @@ def _pause(launcher: Launcher, handle: JobHandle, seconds: float, should_cancel:
 #: tools), ``fatal: ...``, or a Python exception's last line (``ValueError: lr must be positive``,
 #: ``torch.OutOfMemoryError: CUDA out of memory``).
 ERROR_LINE = re.compile(r"(?i:error|fatal)\b.*|(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)(?::.*)?")
-#: ``0: `` before a task's line in a job of several tasks (srun --label, our task runner).
-_TASK_LABEL = re.compile(r"^\d+: ")
+#: ``0: `` before a task's line in a job of several tasks (srun --label, our task runner), ``[3] ``
+#: before an array task's (the Slurm launcher's log of a whole array).
+_TASK_LABEL = re.compile(r"^(?:\d+: |\[\d+\] )")
 
 
 def error_line(launcher: Launcher, handle: JobHandle, secrets: list[str], lines: int = 40) -> str | None:

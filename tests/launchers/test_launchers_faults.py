@@ -844,3 +844,36 @@ def test_slurm_status_falls_back_to_jobcomp_when_scontrol_forgot_the_job(tmp_pat
     assert status.host == "node7" and status.exit_code == 128 + 15
     assert status.started_at is not None and status.ended_at is not None
     assert launcher.status(JobHandle("slurm", "78")).state is JobState.LOST
+
+
+def test_the_error_line_a_failed_jobs_reason_ends_with() -> None:
+    """Which log line is "why it failed": the last one naming an error, whatever task labelled it,
+    with secret values masked and a runaway line cut; none when no line names one or the log is gone."""
+    from orchestrator.launchers.attempts import error_line
+
+    class Logs:
+        name = "fake"
+
+        def __init__(self, lines: list[str] | None) -> None:
+            self.lines = lines
+
+        def logs(self, handle: JobHandle, *, follow: bool = False, tail: int | None = None):  # noqa: ANN202
+            if self.lines is None:
+                raise OSError("log file gone")
+            return iter(self.lines[-(tail or len(self.lines)) :])
+
+    handle = JobHandle("fake", "1")
+
+    def said(lines: list[str] | None, secrets: list[str] = ()) -> str | None:  # type: ignore[assignment]
+        return error_line(Logs(lines), handle, list(secrets))  # type: ignore[arg-type]
+
+    traceback = ["step 3/9", "Traceback (most recent call last):", '  File "t.py", line 1', "ValueError: lr < 0"]
+    assert said([*traceback, "cleaning up"]) == "ValueError: lr < 0"
+    assert said(["1: torch.OutOfMemoryError: CUDA out of memory", "0: step 4/9"]) == (
+        "torch.OutOfMemoryError: CUDA out of memory"
+    )
+    assert said(["[3] error: shard 3 is empty"]) == "error: shard 3 is empty"  # an array task's line
+    assert said(["error: token hunter2secret refused"], ["hunter2secret"]) == "error: token *** refused"
+    assert said(["RuntimeError: " + "x" * 500]).endswith("…") and len(said(["RuntimeError: " + "x" * 500])) == 300
+    assert said(["step 9/9", "bye"]) is None and said([]) is None
+    assert said(None) is None  # an unreadable log leaves the reason as it was
