@@ -205,11 +205,13 @@ def commit_text(commit: Commit, github_hosts: Iterable[str] = DEFAULT_GITHUB_HOS
 
 
 def wandb_text(run: WandbRun) -> str:
-    """A W&B run as a link when it has a URL, else its id and where its offline files are."""
+    """A W&B run as a link when it has a URL, else its id and where its offline files are; how it
+    ended when that was not ``finished`` (a failed or crashed run's curve is why one opens it)."""
+    ended = f" {run.state}" if run.state and run.state != "finished" else ""
     if run.url:
-        return f"[{run.run_id}]({run.url})"
+        return f"[{run.run_id}]({run.url}){ended}"
     where = f" `{run.local_dir}`" if run.local_dir else ""
-    return f"`{run.run_id}` ({run.mode}{where})"
+    return f"`{run.run_id}` ({run.mode}{ended}{where})"
 
 
 def state_icon(state: str | None) -> str:

@@ -50,7 +50,9 @@ def test_pipeline_card_shows_every_link(store, pipeline) -> None:
         }
         tx.update(run, state="COMPLETED", verdict={"status": "regressed", "loss_delta": 0.0312}, preregistration=prereg)
         tx.update(tx.get(StageRun, "srun_train"), state="COMPLETED", metrics={"eval|loss": 2.25})
-        tx.update(tx.get(WandbRun, "/openlab/w1234567"), url="https://wandb.ai/lab/openlab/runs/w1234567")
+        tx.update(
+            tx.get(WandbRun, "/openlab/w1234567"), url="https://wandb.ai/lab/openlab/runs/w1234567", state="failed"
+        )
         issue = tx.add(GithubIssue(id="lab/exp#7", repo="lab/exp", number=7, url="https://github.com/lab/exp/issues/7"))
         tx.relate("wasAssociatedWith", run, issue)
     card = pipeline_card(store, pipeline.id)
@@ -60,7 +62,7 @@ def test_pipeline_card_shows_every_link(store, pipeline) -> None:
         "`b3snapshot01`",
         "reused from `srun_older`",
         "`slurm:4242`",
-        "[w1234567](https://wandb.ai/lab/openlab/runs/w1234567)",
+        "[w1234567](https://wandb.ai/lab/openlab/runs/w1234567) failed",  # how it ended, when not finished
         "eval\\|loss=2.25",  # a pipe inside a cell is escaped
         "loss=2.5",
         "**Nightly verdict:** regressed",
