@@ -23,6 +23,8 @@ app = typer.Typer(
 )
 
 _RUN_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
+#: What ``status``, ``logs`` and ``cancel`` take to name a job.
+_ID_HELP = "attempt id (att_...), stage run id (srun_...: its last job) or backend job id"
 
 
 def _pairs(values: list[str] | None, what: str) -> dict[str, str]:
@@ -212,9 +214,7 @@ def _refresh(store: Any, attempt: Any, status: Any) -> None:
 
 @app.command("status")
 def status_cmd(
-    ident: str = typer.Argument(
-        ..., metavar="ID", help="attempt id (att_...), stage run id (srun_...: its last job) or backend job id"
-    ),
+    ident: str = typer.Argument(..., metavar="ID", help=_ID_HELP),
     backend: str = typer.Option(None, "--backend", "-b", help="backend, for a job id not in lineage"),
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
@@ -301,8 +301,8 @@ def list_cmd(
                 if attempt.backend not in launchers:
                     launchers[attempt.backend] = get_launcher(attempt.backend)
                 status = launchers[attempt.backend].status(handle_from_attempt(attempt))
-            except OpenlabError as exc:  # one unreachable backend must not hide the others' jobs
-                row["note"] = f"not asked: {exc}"
+            except Exception as exc:  # noqa: BLE001 - one unreachable backend must not hide the others' jobs
+                row["note"] = f"not asked: {exc}" if isinstance(exc, OpenlabError) else f"not asked: {exc!r}"
             else:
                 _refresh(store, attempt, status)
                 row["state"] = lineage_state(status.state)
@@ -352,9 +352,7 @@ def _age(seconds: float) -> str:
 
 @app.command("logs")
 def logs_cmd(
-    ident: str = typer.Argument(
-        ..., metavar="ID", help="attempt id (att_...), stage run id (srun_...: its last job) or backend job id"
-    ),
+    ident: str = typer.Argument(..., metavar="ID", help=_ID_HELP),
     follow: bool = typer.Option(False, "--follow", "-f", help="keep printing until the job ends"),
     tail: int = typer.Option(None, "--tail", "-n", help="only the last N lines"),
     backend: str = typer.Option(None, "--backend", "-b", help="backend, for a job id not in lineage"),
@@ -374,9 +372,7 @@ def logs_cmd(
 
 @app.command("cancel")
 def cancel_cmd(
-    ident: str = typer.Argument(
-        ..., metavar="ID", help="attempt id (att_...), stage run id (srun_...: its last job) or backend job id"
-    ),
+    ident: str = typer.Argument(..., metavar="ID", help=_ID_HELP),
     backend: str = typer.Option(None, "--backend", "-b", help="backend, for a job id not in lineage"),
 ) -> None:
     """Cancel a job (and everything it started) and record it in its attempt."""
