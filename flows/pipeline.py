@@ -310,6 +310,11 @@ def run_replica(
             logger.info("pre-registered %s", line)
         summary["preregistration"] = ctx.pipeline_run.preregistration
         logger.info("pipeline run %s %s; `openlab lineage show %s`", ctx.id, ctx.pipeline_run.state, ctx.id)
+        from orchestrator.lineage.diff import compare_hint
+
+        hint = compare_hint(ctx.store, ctx.pipeline_run)
+        if hint:  # what changed since the last run of this replica, and how the results moved
+            logger.info("compared with the previous run: `%s`", hint)
         return summary
 
 

@@ -228,6 +228,12 @@ def run(
         if result.error:
             err_console.print(f"[bold red]error:[/] {escape(result.error)}")
         console.print(f"lineage: [bold]openlab lineage show {result.pipeline_run.id}[/]")
+        from orchestrator.lineage.diff import previous_run
+
+        before = previous_run(ctx.store, result.pipeline_run)
+        if before is not None:  # what changed since the last run of this replica (the command whole on its line)
+            console.print("what changed since the last run (add -m 'eval/*' for how the metrics moved):")
+            console.print(f"  openlab lineage diff {before.id} {result.pipeline_run.id}", highlight=False)
     raise typer.Exit(0 if result.ok else 1)
 
 

@@ -22,7 +22,7 @@ from sqlmodel import col
 
 from orchestrator.errors import OpenlabError
 from orchestrator.identity import diff_identities
-from orchestrator.lineage.models import Commit, LineageRecord, Relation, StageRun
+from orchestrator.lineage.models import Commit, LineageRecord, PipelineRun, Relation, StageRun
 from orchestrator.lineage.store import LineageStore, record_payload
 from orchestrator.tolerances import as_number
 
@@ -103,6 +103,31 @@ class Section:
     #: ``(sha, subject)`` of the commits in that range that touched the changed code, newest first;
     #: None when the repository or a commit is not on this machine.
     commits: list[tuple[str, str]] | None = None
+
+
+def previous_run(store: LineageStore, run: PipelineRun) -> PipelineRun | None:
+    """The latest completed run of ``run``'s recipe and replica that started before it: what a
+    person compares a new run with ("what changed since last time, and how did it move?")."""
+    if not run.recipe:
+        return None
+    earlier = store.list(
+        PipelineRun,
+        where=[PipelineRun.id != run.id, col(PipelineRun.started_at) < run.started_at],
+        order_by=col(PipelineRun.started_at).desc(),
+        limit=1,
+        recipe=run.recipe,
+        replica=run.replica,
+        state="COMPLETED",
+    )
+    return earlier[0] if earlier else None
+
+
+def compare_hint(store: LineageStore, run: PipelineRun) -> str | None:
+    """``openlab lineage diff PREVIOUS RUN -m 'eval/*' -m moe/drop_fraction``, when there is a run to compare with."""
+    before = previous_run(store, run)
+    if before is None:
+        return None
+    return f"openlab lineage diff {before.id} {run.id} -m 'eval/*' -m moe/drop_fraction"
 
 
 def commit_of(store: LineageStore, record: LineageRecord) -> Commit | None:

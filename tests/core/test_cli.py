@@ -369,6 +369,8 @@ def test_run_at_a_terminal_shows_live_progress_and_the_summary(run_cli_tty, run_
     assert max(len(line) for line in lines) <= 80, again.stdout
     header = next(line for line in lines if line.startswith("tokenize "))
     assert "REUSED" in header and re.search(r"srun_[0-9a-f]{20}  \d+\.\d\d s$", header), header
+    # the command that compares it with the run before, whole on its line
+    assert re.search(r"^  openlab lineage diff prun_[0-9a-f]{20} prun_[0-9a-f]{20}$", again.stdout, re.M), again.stdout
     assert any(re.search(r"^    identity [0-9a-f]{16} · reused from srun_[0-9a-f]{20}\s*$", line) for line in lines), (
         lines
     )
