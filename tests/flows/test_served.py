@@ -101,6 +101,20 @@ def test_replica_deployment_runs_tiny_then_reuses(served: Served) -> None:
     with LineageStore(served.db_url) as store:
         (run,) = store.list(PipelineRun, flow_run_id=str(again.id))
         assert [s.state for s in store.list(StageRun, pipeline_run_id=run.id)] == ["REUSED"] * 6
+        (before,) = store.list(PipelineRun, flow_run_id=str(first.id))
+    # the run's log ends with the command that compares it with the run before
+    hint = (
+        f"compared with the previous run: `openlab lineage diff {before.id} {run.id} -m 'eval/*' -m moe/drop_fraction`"
+    )
+    with get_client(sync_client=True) as client:
+        deadline = time.monotonic() + 20
+        while True:
+            of_again = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[again.id]))
+            text = "\n".join(log.message for log in client.read_logs(log_filter=of_again, limit=200))
+            if hint in text or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    assert hint in text, text[-3000:]
     print(f"tiny replica via deployment: first {first_seconds:.0f}s, all reused {again_seconds:.0f}s")
 
 
