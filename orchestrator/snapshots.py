@@ -620,6 +620,11 @@ def verify_snapshot(
     return problems
 
 
+def file_hash(path: Path) -> str:
+    """The BLAKE3 digest of one file, as a manifest's entry for it holds it (read in full)."""
+    return _hash_file(str(path), os.stat(path))
+
+
 def content_hash(path: Path) -> str:
     """Content hash of an output file or folder: the id its snapshot would have.
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import logging
 import math
 import shlex
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
+from rich.padding import Padding
+from rich.text import Text
 
 from orchestrator.cli.output import (
     compact_table,
@@ -109,9 +112,6 @@ def list_cmd(
         console.print("no records match", markup=False)
         return
     if narrow():  # a table squeezed the summaries to a few words a line: a block per record instead
-        from rich.padding import Padding
-        from rich.text import Text
-
         console.print(f"lineage ({store.url.split('://')[0]})", style="italic", highlight=False)
         for r in rows:
             field = time_field(type(r))
@@ -197,6 +197,34 @@ def show_cmd(
             if what:  # which tokens, which commit: the related record in a few words, under its id
                 say(f"      {what}")
     console.print(f"[bold]history[/] {len(events)} event(s), last {events[-1].hash[:16] if events else '-'}")
+
+
+@app.command("which")
+def which_cmd(
+    path: Annotated[Path, typer.Argument(help="A file (a checkpoint, a shard) or a folder, wherever it is now.")],
+    json_out: JsonFlag = False,
+) -> None:
+    """Which recorded output holds this content: found by hash, so a copied or renamed checkpoint
+    leads back to the output that had it, and `lineage trace` from there to what made it."""
+    from orchestrator.lineage.which import holders
+    from orchestrator.settings import load_settings
+
+    store = _open()
+    digest, found = holders(store, load_settings(), path)
+    if json_out:
+        print_json({"path": str(path), "blake3": digest, "holders": [h.to_dict() for h in found]})
+        return
+    if not found:
+        raise NotFoundError(
+            f"no recorded output holds {path}'s content (blake3 {digest[:16]}…); "
+            "`openlab lineage show PATH` finds an output by where it was written"
+        )
+    for holder in found:
+        where = f" as {holder.entry}" if holder.entry else ""
+        for record in holder.records:
+            say(f"{record.kind} {record.id} holds it{where}")
+            console.print(Padding(Text(describe(record)), (0, 0, 0, 4)))
+    say(f"what made it: openlab lineage trace {found[0].records[0].id}")
 
 
 @app.command("trace")

@@ -327,6 +327,46 @@ def test_a_path_in_hand_finds_what_made_it(run_cli, openlab_home: Path, tmp_path
     assert missed.returncode == 2 and missed.stderr.startswith(f"error: no lineage record with id '{stray}'")
 
 
+def test_which_finds_the_output_that_held_a_copied_file_by_its_content(
+    run_cli, openlab_home: Path, tmp_path: Path
+) -> None:
+    """A checkpoint copied and renamed for a release still leads back to the output that had it
+    (and from there to what made it); a folder copied whole is matched whole; content nothing
+    recorded is one line and exit 2."""
+    import shutil
+
+    from orchestrator.lineage import Artifact, StageRun, open_store
+    from orchestrator.snapshots import snapshot
+
+    out = tmp_path / "artifacts" / "pretrain" / "abc"
+    (out / "checkpoint").mkdir(parents=True)
+    (out / "checkpoint" / "state.pt").write_bytes(os.urandom(4096))
+    (out / "notes.txt").write_text("trained\n")
+    snap = snapshot(out)
+    with open_store() as store, store.transaction() as tx:
+        stage = tx.add(StageRun(stage="pretrain", identity="i-which", state="COMPLETED"))
+        made = tx.add(Artifact(name="pretrain/out", artifact_type="folder", uri=str(out), content_hash=snap.id))
+        tx.relate("wasGeneratedBy", made, stage, role="out")
+    release = tmp_path / "release" / "model-v1.pt"
+    release.parent.mkdir()
+    shutil.copy(out / "checkpoint" / "state.pt", release)
+    shown = run_cli("lineage", "which", str(release))
+    assert shown.returncode == 0, shown.stderr
+    assert f"artifact {made.id} holds it as checkpoint/state.pt" in shown.stdout, shown.stdout
+    assert f"what made it: openlab lineage trace {made.id}" in shown.stdout, shown.stdout
+    as_json = json.loads(run_cli("lineage", "which", str(release), "--json").stdout)
+    assert as_json["holders"] == [
+        {"content_hash": snap.id, "entry": "checkpoint/state.pt", "records": [{"kind": "artifact", "id": made.id}]}
+    ]
+    copied = tmp_path / "copy"
+    shutil.copytree(out, copied)
+    assert f"artifact {made.id} holds it\n" in run_cli("lineage", "which", str(copied)).stdout
+    stray = tmp_path / "other.pt"
+    stray.write_bytes(b"not a recorded checkpoint")
+    missed = run_cli("lineage", "which", str(stray))
+    assert missed.returncode == 2 and missed.stderr.count("\n") == 1 and "no recorded output holds" in missed.stderr
+
+
 def test_recorded_text_is_printed_as_recorded_not_as_markup(run_cli, openlab_home: Path) -> None:
     """`[rank 3]` in an error or `[WIP]` in a commit subject is data: the audit output must not eat it."""
     from orchestrator.lineage import Commit, StageRun, open_store
