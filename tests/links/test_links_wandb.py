@@ -66,16 +66,23 @@ def _job_env(wandb_dir: Path) -> dict[str, str]:
     return env
 
 
-def _run_job(out: Path, section: dict[str, Any], steps: list[tuple[int, dict[str, float]]]) -> dict[str, Any]:
+def _run_job(
+    out: Path,
+    section: dict[str, Any],
+    steps: list[tuple[int, dict[str, float]]],
+    *,
+    code: str = JOB,
+    exit_code: int = 0,
+) -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, "-c", JOB, json.dumps(section), str(out), json.dumps(steps)],
+        [sys.executable, "-c", code, json.dumps(section), str(out), json.dumps(steps)],
         env=_job_env(out.parent),
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == exit_code, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -105,17 +112,9 @@ def stage(store) -> StageRun:
 def test_a_run_whose_job_died_unheard_is_recorded_crashed(tmp_path: Path, store, stage) -> None:
     """A job killed outright (out of memory, SIGKILL) never tells W&B it ended: once the job is
     over, its run is recorded ``crashed``, not left looking like it is still going."""
-    killed = JOB.replace("run.finish()", "import os; os._exit(137)")
+    killed = JOB.replace("run.finish()", "import os; sys.stdout.flush(); os._exit(137)")
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-c", killed, json.dumps(_section()), str(out), json.dumps(ATTEMPT1)],
-        env=_job_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 137, proc.stderr[-2000:]
+    _run_job(out, _section(), ATTEMPT1, code=killed, exit_code=137)
     assert record_wandb_run(store, stage, out).state == "running"  # asked while the job may still run
     assert record_wandb_run(store, stage, out, job_ended=True).state == "crashed"
 
