@@ -210,7 +210,10 @@ def which_cmd(
     from orchestrator.settings import load_settings
 
     store = _open()
-    digest, found = holders(store, load_settings(), path)
+    size = path.stat().st_size if path.is_file() else None
+    what = f"{path} ({size / 2**30:.1f} GiB)" if size and size >= 2**30 else str(path)
+    with console.status(f"hashing {what} and looking it up in the snapshot manifests…"):  # a terminal's spinner
+        digest, found = holders(store, load_settings(), path)
     if json_out:
         print_json({"path": str(path), "blake3": digest, "holders": [h.to_dict() for h in found]})
         return
