@@ -402,26 +402,6 @@ def stage_card(store: LineageStore, stage_run_id: str, github_hosts: Iterable[st
     return render_stage(collect_stage(store, stage_run_id), github_hosts)
 
 
-__all__ = [
-    "DEFAULT_GITHUB_HOSTS",
-    "PipelineView",
-    "StageView",
-    "collect_pipeline",
-    "collect_stage",
-    "commit_text",
-    "commit_url",
-    "format_metric",
-    "key_metrics",
-    "pipeline_card",
-    "render_pipeline",
-    "render_stage",
-    "stage_card",
-    "state_icon",
-    "verdict_status",
-    "wandb_text",
-]
-
-
 _HASH = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
 
 
@@ -465,3 +445,24 @@ def render_changes(sections: Iterable[Section], before: str, after: str, limit: 
     if unchanged:
         lines.append(f"- unchanged: {', '.join(unchanged)}")
     return lines
+
+
+__all__ = [
+    "DEFAULT_GITHUB_HOSTS",
+    "PipelineView",
+    "StageView",
+    "collect_pipeline",
+    "collect_stage",
+    "commit_text",
+    "commit_url",
+    "format_metric",
+    "key_metrics",
+    "pipeline_card",
+    "render_changes",
+    "render_pipeline",
+    "render_stage",
+    "stage_card",
+    "state_icon",
+    "verdict_status",
+    "wandb_text",
+]
