@@ -31,8 +31,8 @@ from typing import Any, Literal
 from sqlmodel import col
 
 from orchestrator.errors import NotFoundError, OpenlabError
-from orchestrator.lineage.diff import stage_metrics
-from orchestrator.lineage.models import PipelineRun, Relation, StageRun, utcnow
+from orchestrator.lineage.diff import commit_of, stage_metrics
+from orchestrator.lineage.models import PipelineRun, StageRun, utcnow
 from orchestrator.lineage.store import LineageStore
 from orchestrator.tolerances import (
     MetricCheck,
@@ -168,15 +168,10 @@ def pipeline_metrics(store: LineageStore, pipeline_run_id: str) -> dict[str, flo
 
 def pipeline_commit(store: LineageStore, run: PipelineRun) -> str | None:
     """The commit a pipeline run (or, failing that, its stages) was associated with."""
-    candidates = [run.id] + [s.id for s in store.list(StageRun, pipeline_run_id=run.id)]
-    for subject in candidates:
-        edges = store.list(
-            Relation,
-            where=[Relation.subject_id == subject, Relation.object_kind == "commit"],
-            order_by=col(Relation.created_at),
-        )
-        if edges:
-            return edges[0].object_id
+    for subject in [run, *store.list(StageRun, pipeline_run_id=run.id)]:
+        found = commit_of(store, subject)
+        if found is not None:
+            return found.id
     params = run.params or {}
     return params.get("commit") or params.get("git_sha") or params.get("git_ref")
 

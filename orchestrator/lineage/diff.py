@@ -136,7 +136,12 @@ def commit_of(store: LineageStore, record: LineageRecord) -> Commit | None:
     if getattr(record, "pipeline_run_id", None):
         subjects.append(record.pipeline_run_id)  # type: ignore[attr-defined]
     for subject in subjects:
-        for rel in store.list(Relation, where=[Relation.subject_id == subject, Relation.object_kind == "commit"]):
+        edges = store.list(
+            Relation,
+            where=[Relation.subject_id == subject, Relation.object_kind == "commit"],
+            order_by=col(Relation.created_at),
+        )
+        for rel in edges:
             found = store.get(Commit, rel.object_id)
             if found is not None:
                 return found
@@ -179,17 +184,12 @@ def diff_records(
         changed = [{"path": k, "old": pa.get(k), "new": pb.get(k)} for k in sorted(pa.keys() | pb.keys())]
         return [Section(left.kind, [c for c in changed if c["old"] != c["new"]])]
     sections = []
-    commits = {side.id: commit_of(store, side) for side in (left, right)}  # type: ignore[attr-defined]
     for stage, (a, b) in pairs.items():
         if a is None or b is None:
             section = Section(stage, [{"path": "stage", "old": stage if a else None, "new": stage if b else None}])
         else:
             section = Section(stage, [c.__dict__ for c in diff_identities(a.identity_fields, b.identity_fields)])
-            _code_commits(
-                section,
-                commit_of(store, a) or commits[left.id],  # type: ignore[attr-defined]
-                commit_of(store, b) or commits[right.id],  # type: ignore[attr-defined]
-            )
+            _code_commits(section, commit_of(store, a), commit_of(store, b))  # a stage run's, else its run's
         if patterns:
             old = stage_metrics(store, a) if a is not None else {}
             new = stage_metrics(store, b) if b is not None else {}
