@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import sys
 
-import click
 import typer
+
+# typer carries its own copy of click (pyproject asks for a typer that does): its commands and
+# the exceptions they raise are that copy's, not the click package's
+from typer._click import Command
+from typer._click import exceptions as click_errors
 
 from orchestrator.cli import adopt, backends, core, deploy, gc, github, job, lineage, run, server, wandb
 from orchestrator.errors import OpenlabError
@@ -51,25 +55,51 @@ def reflow(text: str | None) -> str | None:
     return "\n\n".join(paragraphs)
 
 
-def _reflow_all(command: click.Command) -> click.Command:
+def _reflow_all(command: Command) -> Command:
     command.help = reflow(command.help)
     for sub in getattr(command, "commands", {}).values():
         _reflow_all(sub)
     return command
 
 
+def usage_line(exc: click_errors.UsageError) -> str:
+    """A misspelt option, a missing argument or an unknown command as one line that names the
+    command and where its help is: ``openlab run: No such option: --dry-run; see openlab run
+    --help``. Typer printed these as a usage line, a hint line and a box of four more, unlike
+    every other error of openlab's, and a script's log kept only the box."""
+    message = " ".join(exc.format_message().split()).rstrip(".")
+    if exc.ctx is None:
+        return message
+    path = exc.ctx.command_path
+    return f"{path}: {message}; see {path} --help"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI, turning user errors into one clear line and a non-zero exit."""
-    try:
-        _reflow_all(typer.main.get_command(app))(args=argv, prog_name="openlab", standalone_mode=True)
-    except OpenlabError as exc:
-        from orchestrator.cli.output import print_error
+    from orchestrator.cli.output import print_error
 
+    try:
+        code = _reflow_all(typer.main.get_command(app))(args=argv, prog_name="openlab", standalone_mode=False)
+    except OpenlabError as exc:
         print_error(exc)
         sys.exit(exc.exit_code)
+    except click_errors.NoArgsIsHelpError as exc:  # `openlab lineage`: its help was printed as it was raised
+        sys.exit(exc.exit_code)
+    except click_errors.UsageError as exc:
+        print_error(usage_line(exc))
+        sys.exit(exc.exit_code)
+    except click_errors.ClickException as exc:  # a bad file argument and the like: click's own one line
+        print_error(" ".join(exc.format_message().split()))
+        sys.exit(exc.exit_code)
+    except typer.Abort:  # a prompt answered with end-of-input
+        print_error("aborted")
+        sys.exit(1)
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         sys.exit(130)
+    # without standalone mode click returns what stopped a command early (typer.Exit(code)) as
+    # its code, and a command that ran to its end returns None
+    sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
 
 
 if __name__ == "__main__":

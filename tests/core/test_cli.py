@@ -88,6 +88,11 @@ def test_provenance_outside_git_warns_not_crashes(run_cli, tmp_path: Path) -> No
         # a typo in a forced stage would quietly reuse the stage meant to re-run
         ("explain", "marin-535b-a23b", "--force-stage", "pretrian"),
         ("run", "marin-535b-a23b", "--replica", "drops-tiny", "--force-stage", "pretrain"),
+        # what the command line parser refuses, too: an option, a command, a value, an argument
+        ("run", "marin-535b-a23b", "--dry-run"),
+        ("lineage", "lst"),
+        ("lineage", "list", "--limit", "many"),
+        ("run",),
     ],
 )
 def test_bad_input_is_one_line_exit_2(run_cli, args: tuple[str, ...]) -> None:
@@ -95,6 +100,18 @@ def test_bad_input_is_one_line_exit_2(run_cli, args: tuple[str, ...]) -> None:
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1
+
+
+def test_a_misspelt_option_or_command_names_the_command_its_help_and_the_one_meant(run_cli) -> None:
+    result = run_cli("lineage", "lst")
+    assert result.stderr.strip() == (
+        "error: openlab lineage: No such command 'lst'. Did you mean 'list'?; see openlab lineage --help"
+    )
+    result = run_cli("run", "marin-535b-a23b", "--stage", "pretrain")
+    assert result.stderr.strip() == (
+        "error: openlab run: No such option: --stage (Possible options: --force-stage); see openlab run --help"
+    )
+    assert result.stdout == ""
 
 
 def test_verify_reports_data_drift_and_tampering(run_cli, data: Path, openlab_home: Path) -> None:
