@@ -8,6 +8,9 @@ its traceback.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 
 class OpenlabError(Exception):
     """A problem with the user's input or environment, reported as one clear line."""
@@ -31,3 +34,15 @@ class IntegrityError(OpenlabError):
     """Recorded lineage does not match what it claims (used by ``verify``)."""
 
     exit_code = 1
+
+
+def choices(name: object, known: Iterable[str], *, label: str = "known") -> str:
+    """The end of a message that refuses an unknown name: ``did you mean 'slurm'? known: local,
+    docker, slurm, kubernetes``, or only the known names when none is close. One wording for
+    every backend, stage, replica, state, key and format openlab refuses, so a typo always
+    comes back with the name meant (compared without case: ``Slurm``, ``completd``)."""
+    names = [str(k) for k in known]
+    by_lower = {n.lower(): n for n in names}
+    close = difflib.get_close_matches(str(name).strip().lower(), list(by_lower), n=1)
+    listed = f"{label}: {', '.join(names)}"
+    return f"did you mean {by_lower[close[0]]!r}? {listed}" if close else listed

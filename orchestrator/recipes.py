@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from orchestrator.errors import ConfigError, OpenlabError
+from orchestrator.errors import ConfigError, OpenlabError, choices
 from orchestrator.hashing import hash_json
 from orchestrator.launchers.base import BACKENDS, parse_memory
 from orchestrator.preregistration import Prediction
@@ -365,8 +365,7 @@ def _check(value: Any, spec: Any, path: str, where: str) -> None:
             if not isinstance(key, str):
                 raise ConfigError(f"{label}: keys must be strings, got {key!r}")
             if key not in spec:
-                known = ", ".join(spec)
-                raise ConfigError(f"{where}: {path + '.' if path else ''}{key}: unknown key (known: {known})")
+                raise ConfigError(f"{where}: {path + '.' if path else ''}{key}: unknown key; {choices(key, spec)}")
         for key, sub in spec.items():
             sub_path = f"{path}.{key}" if path else key
             if key not in value:
@@ -391,7 +390,7 @@ def _check(value: Any, spec: Any, path: str, where: str) -> None:
         return
     if isinstance(spec, OneOf):
         if not isinstance(value, str) or value not in spec.choices:
-            raise ConfigError(f"{label}: expected one of {', '.join(spec.choices)}, got {value!r}")
+            raise ConfigError(f"{label}: got {value!r}; {choices(value, spec.choices, label='expected one of')}")
         return
     if spec is RATIO:
         parse_ratio(value, label)
@@ -575,8 +574,9 @@ def find_recipe(ref: str | Path, recipes_dir: Path | None = None, *, root: Path 
         inside = ", ".join(sorted(p.name for p in candidate.glob("*.y*ml"))[:10])
         hint = f"one of its recipes ({inside})" if inside else "a recipe file (a .yaml)"
         raise ConfigError(f"recipe {ref}: is a folder, not a recipe; give {hint} or a recipe name")
-    known = ", ".join(sorted(p.stem for p in folder.glob("*.y*ml"))) if folder.is_dir() else "none"
-    raise ConfigError(f"recipe {ref}: no such file, and no recipe of that name in {folder} (known: {known})")
+    known = sorted(p.stem for p in folder.glob("*.y*ml")) if folder.is_dir() else []
+    hint = choices(Path(str(ref)).stem, known) if known else "it has none"
+    raise ConfigError(f"recipe {ref}: no such file, and no recipe of that name in {folder}; {hint}")
 
 
 def load_recipe(ref: str | Path, recipes_dir: Path | None = None, *, root: Path | None = None) -> Recipe:
@@ -636,8 +636,8 @@ def resolve(
     if replica is not None:
         replicas = recipe.replicas
         if replica not in replicas:
-            known = ", ".join(replicas) or "none"
-            raise ConfigError(f"{where}: no replica {replica!r} (known: {known})")
+            hint = choices(replica, replicas) if replicas else "it has none"
+            raise ConfigError(f"{where}: no replica {replica!r}; {hint}")
         spec = replicas[replica]
         for key, raw in (spec.get("scale") or {}).items():
             factor = parse_ratio(raw, f"{where}: replicas.{replica}.scale.{key}")
@@ -719,7 +719,8 @@ def stage_resources(
     """
     unknown = [k for k in asked if k != "default" and k not in stages]
     if unknown:
-        raise ConfigError(f"{where}.{unknown[0]}: not a stage this runs (stages: {', '.join(stages)}; or default)")
+        hint = choices(unknown[0], [*stages, "default"], label="stages")
+        raise ConfigError(f"{where}.{unknown[0]}: not a stage this runs; {hint}")
     for name, entry in asked.items():
         label = f"{where}.{name}"
         if "cpus" in entry and entry["cpus"] <= 0:

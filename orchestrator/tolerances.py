@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, choices
 
 Direction = Literal["either", "higher", "lower"]
 
@@ -150,7 +150,8 @@ def parse_tolerances(spec: Any, where: str = "tracked_metrics") -> list[Toleranc
             }
             unknown = sorted(set(data) - known)
             if unknown:
-                raise ConfigError(f"{key}: unknown keys {unknown}; use rel, abs, worse, stage, stderr and sigmas")
+                usable = ("rel", "abs", "worse", "stage", "stderr", "sigmas", "description")
+                raise ConfigError(f"{key}.{unknown[0]}: unknown key; {choices(unknown[0], usable)}")
             stderr = data.get("stderr")
             sigmas = data.get("sigmas")
             if sigmas is not None and stderr is None:

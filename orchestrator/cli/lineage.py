@@ -24,7 +24,7 @@ from orchestrator.cli.output import (
     print_json,
     say,
 )
-from orchestrator.errors import ConfigError, NotFoundError
+from orchestrator.errors import ConfigError, NotFoundError, choices
 from orchestrator.lineage.trace import describe
 
 if TYPE_CHECKING:
@@ -642,7 +642,7 @@ def export_cmd(
     from orchestrator.snapshots import atomic_write
 
     if fmt not in (*FORMATS, "ro-crate"):
-        raise ConfigError(f"unknown export format {fmt!r}; choose one of: {', '.join(FORMATS)}, ro-crate")
+        raise ConfigError(f"unknown export format {fmt!r}; {choices(fmt, (*FORMATS, 'ro-crate'), label='formats')}")
     flt = _record_filter(locals())
     if flt.given():
         picked = list_records(_open(), ["pipeline_run"], flt, limit=None).records

@@ -30,7 +30,6 @@ laptop, a Slurm cluster or Kubernetes with the same provenance.
 from __future__ import annotations
 
 import datetime as dt
-import difflib
 import json
 import math
 import os
@@ -44,7 +43,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.errors import ConfigError, OpenlabError
+from orchestrator.errors import ConfigError, OpenlabError, choices
 from orchestrator.secrets import SECRET_NAME, redact_mapping, secret_values
 
 if TYPE_CHECKING:
@@ -334,8 +333,7 @@ class Launcher(ABC):
         Backends add theirs. An option this backend does not know is refused too (:attr:`known_options`)."""
         unknown = sorted(str(key) for key in opts if str(key) not in cls.known_options)
         if unknown:
-            close = difflib.get_close_matches(unknown[0], sorted(cls.known_options), n=1)
-            hint = f"did you mean {close[0]!r}?" if close else f"it has {', '.join(sorted(cls.known_options))}"
+            hint = choices(unknown[0], sorted(cls.known_options), label="it has")
             raise ConfigError(f"the {cls.name} backend has no option {unknown[0]!r}: {hint}")
         if "poll_interval" in opts:
             raw = opts["poll_interval"]
@@ -701,7 +699,7 @@ def launcher_class(name: str) -> type[Launcher]:
 
     key = (name or "").strip().lower()
     if key not in BACKENDS:
-        raise OpenlabError(f"unknown backend {name!r}; known backends: {', '.join(BACKENDS)}")
+        raise OpenlabError(f"unknown backend {name!r}; {choices(name, BACKENDS, label='known backends')}")
     module_name, cls_name = BACKENDS[key].split(":")
     return getattr(importlib.import_module(module_name), cls_name)
 
@@ -727,9 +725,7 @@ def check_backends_section(settings: Settings) -> None:
             )
         else:
             named, what = str(key), f"[backends.{key}]"
-        close = difflib.get_close_matches(named.lower(), list(BACKENDS), n=1)
-        hint = f"did you mean {close[0]!r}?" if close else f"known backends: {', '.join(BACKENDS)}"
-        raise ConfigError(f"{where}{what} is not a backend: {hint}")
+        raise ConfigError(f"{where}{what} is not a backend: {choices(named, BACKENDS, label='known backends')}")
 
 
 def get_launcher(name: str, settings: Settings | None = None, **overrides: Any) -> Launcher:

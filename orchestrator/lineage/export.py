@@ -30,7 +30,7 @@ from typing import Any
 
 from sqlmodel import col
 
-from orchestrator.errors import OpenlabError
+from orchestrator.errors import OpenlabError, choices
 from orchestrator.lineage.models import (
     RECORD_TYPES,
     Attempt,
@@ -447,7 +447,7 @@ def to_openlineage(closure: Closure, namespace: str = "openlab") -> list[dict[st
 def export(store: LineageStore, fmt: str, pipeline_run_ids: Iterable[str] = (), namespace: str = "openlab") -> str:
     """The export as text: one PROV-JSON document, or OpenLineage events as JSON lines."""
     if fmt not in FORMATS:
-        raise ExportError(f"unknown export format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+        raise ExportError(f"unknown export format {fmt!r}; {choices(fmt, FORMATS, label='formats')}")
     closure = collect(store, list(pipeline_run_ids))
     if fmt == "prov":
         return json.dumps(to_prov(closure), indent=2, sort_keys=True, default=str) + "\n"

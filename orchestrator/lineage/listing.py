@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import func
 from sqlmodel import col, select
 
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, choices
 from orchestrator.lineage.models import (
     RECORD_TYPES,
     STATES,
@@ -91,7 +91,8 @@ class RecordFilter:
             raise ConfigError(f"--commit {commit!r}: give at least 7 characters of the sha")
         unknown = [s for s in state or () if s.upper() not in KNOWN_STATES]
         if unknown:  # a typo (FAILD) would list nothing, which reads as "nothing failed"
-            raise ConfigError(f"--state {unknown[0]!r}: not a state; known states: {', '.join(KNOWN_STATES)}")
+            hint = choices(unknown[0], KNOWN_STATES, label="states")
+            raise ConfigError(f"--state {unknown[0]!r}: not a state; {hint}")
         if backend is not None:
             backend = known_backend(backend)
         start, end = (parse_when(since) if since else None), (parse_when(until) if until else None)
@@ -117,15 +118,11 @@ class RecordFilter:
 def known_backend(name: str, option: str = "--backend") -> str:
     """``name`` as lineage records a backend (``Slurm`` is ``slurm``), or :class:`ConfigError`
     naming the backends: a misspelt one (``slurmm``) matched nothing, which read as "nothing ran there"."""
-    import difflib
-
     from orchestrator.launchers.base import BACKENDS
 
     key = name.strip().lower()
     if key not in BACKENDS:
-        close = difflib.get_close_matches(key, list(BACKENDS), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ConfigError(f"{option} {name!r}: not a backend; {hint}known backends: {', '.join(BACKENDS)}")
+        raise ConfigError(f"{option} {name!r}: not a backend; {choices(name, BACKENDS, label='backends')}")
     return key
 
 
@@ -231,7 +228,7 @@ def list_records(
     flt = flt or RecordFilter()
     unknown = [k for k in kinds if k not in RECORD_TYPES]
     if unknown:
-        raise ConfigError(f"unknown record kind {unknown[0]!r}; known kinds: {', '.join(RECORD_TYPES)}")
+        raise ConfigError(f"unknown record kind {unknown[0]!r}; {choices(unknown[0], RECORD_TYPES, label='kinds')}")
     usable = [k for k in kinds if answers(k, flt)]
     if not usable or (strict and len(usable) < len(kinds)):
         kinds = [k for k in kinds if k not in usable]

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from sqlmodel import col
 
 from orchestrator.cards import pipeline_card, verdict_status
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, choices
 from orchestrator.lineage.models import (
     GithubComment,
     GithubDigest,
@@ -126,8 +126,8 @@ class GithubConfig:
                 raise ConfigError("[github] labels must be a table of running/passed/regressed/failed names")
             unknown = set(raw_labels) - set(DEFAULT_LABELS)
             if unknown:
-                known = ", ".join(DEFAULT_LABELS)
-                raise ConfigError(f"[github.labels] has unknown keys {sorted(unknown)}; known: {known}")
+                first = sorted(unknown)[0]
+                raise ConfigError(f"[github.labels] {first}: unknown key; {choices(first, DEFAULT_LABELS)}")
             labels.update({k: str(v) for k, v in raw_labels.items()})
             return cls(
                 repo=section.get("repo") or None,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, choices
 from orchestrator.launchers.base import DEFAULT_PYTHON
 from orchestrator.settings import Settings
 
@@ -111,7 +111,7 @@ class Pipeline:
         for spec in self.stages:
             if spec.name == name:
                 return spec
-        raise ConfigError(f"pipeline {self.name}: no stage {name!r} (stages: {', '.join(self.order)})")
+        raise ConfigError(f"pipeline {self.name}: no stage {name!r}; {choices(name, self.order, label='stages')}")
 
     def check_forced(self, force: bool | frozenset[str]) -> None:
         """Refuse a forced stage this pipeline does not have: a typo in ``--force-stage`` would
@@ -120,8 +120,8 @@ class Pipeline:
             return
         unknown = sorted(set(force) - set(self.order))
         if unknown:
-            stages = ", ".join(self.order)
-            raise ConfigError(f"--force-stage {unknown[0]!r}: no such stage in pipeline {self.name} (stages: {stages})")
+            hint = choices(unknown[0], self.order, label="stages")
+            raise ConfigError(f"--force-stage {unknown[0]!r}: no such stage in pipeline {self.name}; {hint}")
 
     def code_paths(self) -> list[str]:
         """Every declared code path of every stage (captured once per pipeline run)."""
@@ -170,7 +170,7 @@ def check_stage_selection(stages: Sequence[str], where: str = "stages") -> tuple
         raise ConfigError(f"{where}: no stages given (known: {', '.join(known)})")
     for name in stages:
         if name not in MOE_STAGE_INPUTS:
-            raise ConfigError(f"{where}: unknown stage {name!r} (known: {', '.join(known)})")
+            raise ConfigError(f"{where}: unknown stage {name!r}; {choices(name, known)}")
     if len(set(stages)) != len(stages):
         raise ConfigError(f"{where}: a stage is named twice in {list(stages)}")
     for name in stages:
@@ -186,7 +186,7 @@ def stages_until(stage: str, stages: Sequence[str], where: str = "--until") -> t
     """``stage`` and every stage it (transitively) reads from, in pipeline order: what runs when a
     user asks to stop at ``stage`` (``--until tokenize``: prepare the data, train later)."""
     if stage not in stages:
-        raise ConfigError(f"{where} {stage!r}: not a stage of this run (stages: {', '.join(stages)})")
+        raise ConfigError(f"{where} {stage!r}: not a stage of this run; {choices(stage, stages, label='stages')}")
     needed = {stage}
     for name in reversed(tuple(stages)):
         if name in needed:

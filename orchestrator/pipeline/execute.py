@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlmodel import col, select
 
-from orchestrator.errors import ConfigError, OpenlabError
+from orchestrator.errors import ConfigError, OpenlabError, choices
 from orchestrator.identity import FieldChange, StageIdentity, compute_identity, diff_identities
 from orchestrator.lineage import leases
 from orchestrator.lineage.models import (
@@ -385,7 +385,7 @@ def environment_values(provenance: Provenance, fields: Sequence[str]) -> dict[st
             value = captured[name]
             out[name] = json.dumps(value, sort_keys=True) if isinstance(value, (list, dict)) else str(value)
         else:
-            raise ConfigError(f"unknown environment field {name!r}; known: {', '.join(sorted(captured))} or pkg:NAME")
+            raise ConfigError(f"unknown environment field {name!r}; {choices(name, sorted(captured))} or pkg:NAME")
     return out
 
 
@@ -420,7 +420,7 @@ def start_pipeline(
 
     for backend in (options.backend, *(s.backend for s in pipeline.stages if s.backend)):
         if backend not in BACKENDS:
-            raise ConfigError(f"unknown backend {backend!r}; known backends: {', '.join(BACKENDS)}")
+            raise ConfigError(f"unknown backend {backend!r}; {choices(backend, BACKENDS, label='known backends')}")
     for spec in pipeline.stages:  # a stage of several tasks its backend cannot run: refused now
         why = launcher_class(spec.backend or options.backend).cannot_run(spec.nodes, spec.tasks_per_node)
         if why:

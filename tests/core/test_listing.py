@@ -188,10 +188,10 @@ def test_the_command_answers_which_pretrain_jobs_failed_this_week(run_cli, openl
         (("--kind", "snapshot", "--state", "FAILED"), "--state cannot be answered by snapshot"),
         (("--commit", "a1b2"), "--commit 'a1b2': give at least 7 characters"),
         # a misspelt state listed nothing, which reads as "nothing failed"
-        (("--state", "FAILD"), "--state 'FAILD': not a state; known states: PENDING, RUNNING, COMPLETED"),
+        (("--state", "FAILD"), "--state 'FAILD': not a state; did you mean 'FAILED'? states: PENDING, RUNNING"),
         (("--since", "2026-12-02", "--until", "2026-12-01"), "--since '2026-12-02' is not before --until"),
         # a misspelt backend listed nothing, which reads as "nothing ran on slurm"
-        (("--backend", "slurmm"), "--backend 'slurmm': not a backend; did you mean 'slurm'? known backends: local"),
+        (("--backend", "slurmm"), "--backend 'slurmm': not a backend; did you mean 'slurm'? backends: local"),
     ):
         bad = run_cli("lineage", "list", *args)
         assert bad.returncode == 2, bad.stdout

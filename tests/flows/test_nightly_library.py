@@ -172,7 +172,7 @@ def test_parse_tolerances_shapes_and_errors() -> None:
         want = (metric.stage, metric.relative, metric.absolute, metric.stderr)
         assert (tol.stage, tol.rel, tol.abs, tol.stderr) == want
     assert Tolerance("x", rel=0.1, abs=0.01).allowance(1.0) == 0.01  # both must hold
-    with pytest.raises(ConfigError, match=r"tracked_metrics.x: unknown keys \['tol'\]"):
+    with pytest.raises(ConfigError, match=r"tracked_metrics.x.tol: unknown key; known: rel, abs"):
         parse_tolerances({"x": {"tol": 1}})
     with pytest.raises(ConfigError, match="tracked_metrics.x.rel"):
         parse_tolerances({"x": {"rel": "lots"}})

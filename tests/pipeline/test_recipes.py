@@ -77,7 +77,7 @@ def test_small_replica_resolves_and_passes_the_workload_checks() -> None:
     [
         (("model", "experts"), "many", "recipe r.yaml: model.experts: expected int, got str"),
         (("tokens", "budget"), True, "recipe r.yaml: tokens.budget: expected number, got bool"),
-        (("dispatch", "scheme"), "warp", "recipe r.yaml: dispatch.scheme: expected one of"),
+        (("dispatch", "scheme"), "warp", "recipe r.yaml: dispatch.scheme: got 'warp'; expected one of: "),
         (("model", "expertz"), 3, "recipe r.yaml: model.expertz: unknown key"),
         (
             ("replicas", "tiny", "scale", "d_model"),
@@ -98,7 +98,7 @@ def test_small_replica_resolves_and_passes_the_workload_checks() -> None:
         (
             ("tracked_metrics", "eval/code/loss", "stage"),
             "nightly",
-            "tracked_metrics.eval/code/loss.stage: expected one of",
+            "tracked_metrics.eval/code/loss.stage: got 'nightly'; expected one of: data, tokenize",
         ),
         (
             ("tracked_metrics", "eval/code/loss", "sigmas"),
@@ -232,7 +232,7 @@ def test_drops_replica_is_the_shipped_reproduction_config() -> None:
     ("edit", "message"),
     [
         ({"stages": ["data", "repro"]}, "stage 'repro' reads 'tokens' from stage 'tokenize'; add 'tokenize'"),
-        ({"stages": ["data", "tokenize", "finetune"]}, "stages[2]: expected one of data, tokenize"),
+        ({"stages": ["data", "tokenize", "finetune"]}, "stages[2]: got 'finetune'; expected one of: data, tokenize"),
         ({"stages": ["data", "tokenize", "tokenize"]}, "a stage is named twice"),
         ({"stages": ["data", "tokenize", "pretrain"]}, "has a repro section but its stages do not include repro"),
         ({"repro": None}, "stage repro needs a repro section"),
@@ -345,12 +345,16 @@ def test_stage_resources_reach_the_jobs_and_never_the_identity(tmp_path: Path) -
         ({"default": {"tasks_per_node": 2}}, "replicas.tiny.resources.default: stage data runs as one task"),
         ({"eval": {"gpus": "one"}}, "replicas.tiny.resources.eval.gpus: expected int"),
         ({"eval": {"slurm": {"partiton": "gpu"}}}, "replicas.tiny.resources.eval.slurm.partiton: unknown key"),
-        ({"pretrain": {"backend": "ray"}}, "replicas.tiny.resources.pretrain.backend: expected one of local, docker"),
+        (
+            {"pretrain": {"backend": "ray"}},
+            "replicas.tiny.resources.pretrain.backend: got 'ray'; expected one of: local, docker",
+        ),
         ({"pretrain": {"docker": {"shm_size": "lots"}}}, "replicas.tiny.resources.pretrain.docker.shm_size: invalid"),
         ({"pretrain": {"docker": {"shm": "2G"}}}, "replicas.tiny.resources.pretrain.docker.shm: unknown key"),
         (
             {"pretrain": {"kubernetes": {"nodeSelector": {"a": "b"}}}},
-            "replicas.tiny.resources.pretrain.kubernetes.nodeSelector: unknown key (known: namespace, node_selector",
+            "replicas.tiny.resources.pretrain.kubernetes.nodeSelector: unknown key; "
+            "did you mean 'node_selector'? known: ",
         ),
         (
             {"pretrain": {"kubernetes": {"tolerations": [{"key": "gpu", "efect": "NoSchedule"}]}}},
@@ -358,7 +362,7 @@ def test_stage_resources_reach_the_jobs_and_never_the_identity(tmp_path: Path) -
         ),
         (
             {"pretrain": {"kubernetes": {"tolerations": [{"key": "gpu", "operator": "Equals"}]}}},
-            "kubernetes.tolerations[0].operator: expected one of Exists, Equal, got 'Equals'",
+            "kubernetes.tolerations[0].operator: got 'Equals'; did you mean 'Equal'? expected one of: Exists, Equal",
         ),
     ],
 )
@@ -378,7 +382,7 @@ def test_until_keeps_a_stage_and_what_it_reads_from_with_their_configs() -> None
     assert prep.stage_configs["tokenize"] == tiny.stage_configs["tokenize"]  # same identity as in a full run
     assert set(prep.resources) == {"data", "tokenize"} and prep.tracked_metrics == ()
     assert resolve("marin-535b-a23b", "drops").until("repro").stages == ("data", "tokenize", "repro")
-    with pytest.raises(ConfigError, match=r"--until 'repro': not a stage of this run \(stages: data, tokenize,"):
+    with pytest.raises(ConfigError, match=r"--until 'repro': not a stage of this run; stages: data, tokenize,"):
         tiny.until("repro")
 
 
@@ -416,5 +420,6 @@ def test_preregistered_predictions_travel_with_the_recipe_and_follow_its_stages(
     with pytest.raises(ConfigError, match=r"preregistered\.eval/code/loss\.tolerance: must be 0 or more"):
         resolve(load_recipe(write(tmp_path, data)), "tiny")
     data["replicas"]["tiny"]["preregistered"]["eval/code/loss"] = {"stage": "evaluate", "value": 5, "tolerance": 1}
-    with pytest.raises(ConfigError, match=r"preregistered\.eval/code/loss\.stage: expected one of"):
+    said = r"preregistered\.eval/code/loss\.stage: got 'evaluate'; did you mean 'eval'\? expected one of: "
+    with pytest.raises(ConfigError, match=said):
         load_recipe(write(tmp_path, data))
