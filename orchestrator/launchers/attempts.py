@@ -232,9 +232,14 @@ def _pause(launcher: Launcher, handle: JobHandle, seconds: float, should_cancel:
 
 
 #: A line that says what went wrong: ``error: ...`` (openlab's workloads and most command-line
-#: tools), ``fatal: ...``, or a Python exception's last line (``ValueError: lr must be positive``,
-#: ``torch.OutOfMemoryError: CUDA out of memory``).
-ERROR_LINE = re.compile(r"(?i:error|fatal)\b.*|(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)(?::.*)?")
+#: tools), ``fatal: ...``, ``ERROR:root:...`` (Python's logging), ``[ERROR] ...``, or a Python
+#: exception's last line (``ValueError: lr must be positive``, ``torch.OutOfMemoryError: CUDA out
+#: of memory``). The word alone is not enough: ``error rate 0.31`` is a metric, not a reason.
+ERROR_LINE = re.compile(
+    r"(?i:error|fatal|critical)\s*:.*"
+    r"|\[(?i:error|fatal|critical)\]\s.*"
+    r"|(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)(?::.*)?"
+)
 #: ``0: `` before a task's line in a job of several tasks (srun --label, our task runner), ``[3] ``
 #: before an array task's (the Slurm launcher's log of a whole array).
 _TASK_LABEL = re.compile(r"^(?:\d+: |\[\d+\] )")

@@ -883,5 +883,9 @@ def test_the_error_line_a_failed_jobs_reason_ends_with() -> None:
     assert said(["[3] error: shard 3 is empty"]) == "error: shard 3 is empty"  # an array task's line
     assert said(["error: token hunter2secret refused"], ["hunter2secret"]) == "error: token *** refused"
     assert said(["RuntimeError: " + "x" * 500]).endswith("…") and len(said(["RuntimeError: " + "x" * 500])) == 300
+    assert said(["ERROR:root:no shards under /data", "INFO:root:bye"]) == "ERROR:root:no shards under /data"
+    assert said(["[ERROR] checkpoint dir is read-only"]) == "[ERROR] checkpoint dir is read-only"
+    # a line that only mentions the word is not why it failed: the earlier reason stands
+    assert said(["fatal: no such ref", "error rate 0.31 at step 9", "Error analysis follows"]) == "fatal: no such ref"
     assert said(["step 9/9", "bye"]) is None and said([]) is None
     assert said(None) is None  # an unreadable log leaves the reason as it was
