@@ -81,6 +81,17 @@ IN_USE, DATA_SNAPSHOT, UNSYNCED_WANDB, LAST_RUNS, RECENT = (
 RECENT_ATTEMPT = "recent attempt"
 
 
+def _kept_for(why: str, n: int) -> str:
+    """``n`` outputs kept for reason ``why``, in words: ``1 data snapshot``, ``3 of the last runs``."""
+    phrases = {
+        DATA_SNAPSHOT: "data snapshot" if n == 1 else "data snapshots",
+        UNSYNCED_WANDB: "with an unsynced W&B run" if n == 1 else "with unsynced W&B runs",
+        LAST_RUNS: "of the last runs",
+        RECENT_ATTEMPT: "of a recent attempt" if n == 1 else "of recent attempts",
+    }
+    return f"{n} {phrases.get(why, why)}"
+
+
 @dataclass
 class Output:
     """One stage output folder (one stage identity), what uses it and whether it stays."""
@@ -155,11 +166,12 @@ class GcPlan:
         return sum(o.bytes for o in self.removable)
 
     def kept_summary(self) -> str:
-        """``2 last runs, 1 recent``: how many outputs each reason keeps (``none``)."""
+        """``2 of the last runs, 1 with an unsynced W&B run``: how many outputs each reason keeps
+        (``none``), as a sentence reads (the reasons are labels: ``1 last runs`` read wrong)."""
         counts: dict[str, int] = defaultdict(int)
         for o in self.kept:
             counts[o.keep or ""] += 1
-        return ", ".join(f"{n} {why}" for why, n in sorted(counts.items())) or "none"
+        return ", ".join(_kept_for(why, n) for why, n in sorted(counts.items())) or "none"
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -199,8 +199,10 @@ def test_an_offline_wandb_run_not_yet_synced_keeps_its_folder(store: LineageStor
     run_dir.mkdir(parents=True)
     with store.transaction() as tx:
         wandb_run = tx.add(WandbRun(id="/openlab/abc123", run_id="abc123", project="openlab", local_dir=str(run_dir)))
-    decided = {o.identity: o.keep for o in plan_gc(store, settings, keep_last=1, used_since=LATER).outputs}
+    plan = plan_gc(store, settings, keep_last=1, used_since=LATER)
+    decided = {o.identity: o.keep for o in plan.outputs}
     assert decided[ids["a"]["count"]] == UNSYNCED_WANDB and decided[ids["b"]["count"]] is None
+    assert "1 with an unsynced W&B run" in plan.kept_summary() and "of the last runs" in plan.kept_summary()
     offline_for_good = plan_gc(store, settings, keep_last=1, used_since=LATER, keep_unsynced_wandb=False)
     assert {o.identity: o.keep for o in offline_for_good.outputs}[ids["a"]["count"]] is None, "asked to let it go"
     with store.transaction() as tx:
