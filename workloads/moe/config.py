@@ -61,6 +61,7 @@ sections everywhere; the training stages fail fast if a `model` section disagree
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import types
 import typing
@@ -81,6 +82,14 @@ class WorkloadError(Exception):
 
 class ConfigError(WorkloadError):
     """The config file is malformed or inconsistent; raised before any compute."""
+
+
+def known_names(name: object, names: Sequence[str]) -> str:
+    """``(did you mean 'n_experts'? known: ...)`` after an unknown name, or the known names alone
+    when none is close. The workload's own copy of openlab's wording: it imports nothing of openlab."""
+    close = difflib.get_close_matches(str(name), list(names), n=1)
+    listed = f"known: {', '.join(names)}"
+    return f"(did you mean {close[0]!r}? {listed})" if close else f"({listed})"
 
 
 @dataclass
@@ -274,7 +283,7 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
     for key, value in data.items():
         full = f"{path}.{key}" if path else str(key)
         if key not in names:
-            raise ConfigError(f"config: unknown key '{full}' (known: {', '.join(names)})")
+            raise ConfigError(f"config: unknown key '{full}' {known_names(key, names)}")
         kwargs[key] = _coerce(hints[key], value, full)
     return cls(**kwargs)
 
@@ -385,7 +394,7 @@ _STAGE_INPUTS = {
 def validate_dispatch(dispatch: str, cf: float, tcf: float, waves: int, chunks: int, where: str) -> None:
     if dispatch not in DISPATCH_NAMES:
         raise ConfigError(
-            f"config: {where}.dispatch: unknown dispatch '{dispatch}' (choose one of {', '.join(DISPATCH_NAMES)})"
+            f"config: {where}.dispatch: unknown dispatch '{dispatch}' {known_names(dispatch, DISPATCH_NAMES)}"
         )
     if cf <= 0 or tcf <= 0:
         raise ConfigError(f"config: {where}: capacity factors must be > 0")
@@ -417,7 +426,7 @@ def validate_model(m: ModelConfig, ranks: int) -> None:
 def validate(cfg: Config, stage: str) -> None:
     """Check everything that can be checked without touching data; raise ConfigError with one line."""
     if stage not in STAGES:
-        raise ConfigError(f"unknown stage '{stage}' (choose one of {', '.join(STAGES)})")
+        raise ConfigError(f"unknown stage '{stage}' {known_names(stage, STAGES)}")
     for name in _STAGE_INPUTS[stage]:
         if not getattr(cfg.inputs, name):
             raise ConfigError(f"config: stage '{stage}' needs inputs.{name}")

@@ -151,9 +151,10 @@ def _wandb_run(section: dict[str, Any], out: Path, stage: str, config: dict[str,
         )
     unknown = set(section) - set(SECTION_KEYS)
     if unknown:
-        from .config import ConfigError
+        from .config import ConfigError, known_names
 
-        raise ConfigError(f"config: unknown key 'wandb.{sorted(unknown)[0]}' (known: {', '.join(SECTION_KEYS)})")
+        first = sorted(unknown)[0]
+        raise ConfigError(f"config: unknown key 'wandb.{first}' {known_names(first, SECTION_KEYS)}")
     id_file = out / "wandb_run_id"
     run_id = section.get("id") or (id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4))
     id_file.write_text(run_id)  # a restarted stage resumes the same run
