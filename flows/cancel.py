@@ -79,7 +79,7 @@ def _cancel_attempt(store: LineageStore, attempt: Attempt, reason: str) -> list[
     if attempt.job_id:
         try:
             launcher = get_launcher(attempt.backend)
-            launcher.cancel(handle_from_attempt(attempt))
+            launcher.cancel(handle_from_attempt(attempt, launcher))  # never a same-numbered job elsewhere
             jobs.append(f"{attempt.backend}:{attempt.job_id}")
             log.info("cancelled %s job %s (attempt %s)", attempt.backend, attempt.job_id, attempt.id)
         except Exception as exc:  # noqa: BLE001 - record what we can even if the backend refuses

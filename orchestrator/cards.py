@@ -248,8 +248,9 @@ def _job_text(attempts: list[Attempt]) -> str:
         return "—"
     last = attempts[-1]
     job = f"{last.backend}:{last.job_id}" if last.job_id else last.backend
+    where = f" on `{last.cluster}`" if last.cluster else ""  # which cluster: job ids repeat across them
     suffix = f" (attempt {last.number})" if len(attempts) > 1 or last.number > 1 else ""
-    return f"`{job}`{suffix}"
+    return f"`{job}`{where}{suffix}"
 
 
 def _verdict_lines(verdict: Mapping[str, Any] | None) -> list[str]:
@@ -381,7 +382,8 @@ def render_stage(view: StageView, github_hosts: Iterable[str] = DEFAULT_GITHUB_H
         exit_text = f", exit {a.exit_code}" if a.exit_code is not None else ""
         reason = f", {md_cell(a.reason)}" if a.reason else ""
         lines.append(
-            f"- attempt {a.number}: `{a.backend}` job `{a.job_id or '—'}` {a.state}{exit_text}{reason}{_asked_used(a)}"
+            f"- attempt {a.number}: `{a.backend}` job `{a.job_id or '—'}`{f' on `{a.cluster}`' if a.cluster else ''}"
+            f" {a.state}{exit_text}{reason}{_asked_used(a)}"
         )
     metrics = key_metrics(view, limit=10_000)
     if metrics:

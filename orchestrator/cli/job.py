@@ -160,12 +160,14 @@ def run_cmd(
     raise typer.Exit(_exit_code(status))
 
 
-def _find(store: Any, ident: str, backend: str | None) -> tuple[Any, Any]:
-    """(attempt or None, handle) for an attempt id/prefix, a stage run id/prefix (its last attempt:
-    "show me pretrain's log" starts from the run's stage list) or a backend job id."""
+def _find(store: Any, ident: str, backend: str | None) -> tuple[Any, Any, Any]:
+    """(attempt or None, handle, launcher) for an attempt id/prefix, a stage run id/prefix (its last
+    attempt: "show me pretrain's log" starts from the run's stage list) or a backend job id. A
+    recorded job that ran on another cluster than this openlab's backend reaches is refused
+    (:class:`~orchestrator.launchers.OtherCluster`): there its id is someone else's job."""
     from sqlmodel import col
 
-    from orchestrator.launchers import JobHandle
+    from orchestrator.launchers import JobHandle, get_launcher
     from orchestrator.launchers.attempts import handle_from_attempt
     from orchestrator.lineage.models import Attempt
 
@@ -192,9 +194,10 @@ def _find(store: Any, ident: str, backend: str | None) -> tuple[Any, Any]:
             raise NotFoundError(f"attempt prefix {ident!r} is ambiguous: give more characters")
         attempt = found[0] if found else None
     if attempt is not None:
-        return attempt, handle_from_attempt(attempt)
+        launcher = get_launcher(attempt.backend)
+        return attempt, handle_from_attempt(attempt, launcher), launcher
     if backend:
-        return None, JobHandle(backend=backend, job_id=ident)
+        return None, JobHandle(backend=backend, job_id=ident), get_launcher(backend)
     raise NotFoundError(
         f"no attempt or job {ident!r} in lineage; pass --backend to ask a backend about a job openlab did not record"
     )
@@ -220,16 +223,16 @@ def status_cmd(
 ) -> None:
     """Show a job's state, exit code, reason, host and times (and update its attempt)."""
     from orchestrator.cli.output import console, describe_task, describe_usage, print_json, say
-    from orchestrator.launchers import get_launcher
     from orchestrator.lineage.store import open_store
 
     with open_store() as store:
-        attempt, handle = _find(store, ident, backend)
-        status = get_launcher(handle.backend).status(handle)
+        attempt, handle, launcher = _find(store, ident, backend)
+        status = launcher.status(handle)
         _refresh(store, attempt, status)
     data = {
         "attempt": attempt.id if attempt else None,
         "backend": handle.backend,
+        "cluster": attempt.cluster if attempt and attempt.cluster else launcher.cluster,
         "job_id": handle.job_id,
         "log_path": handle.log_path,
         **status.to_dict(),
@@ -285,6 +288,7 @@ def list_cmd(
             row: dict[str, Any] = {
                 "attempt": attempt.id,
                 "backend": attempt.backend,
+                "cluster": attempt.cluster,
                 "job_id": attempt.job_id,
                 "stage": srun.stage if srun else None,
                 "pipeline_run": srun.pipeline_run_id if srun else None,
@@ -300,7 +304,8 @@ def list_cmd(
             try:
                 if attempt.backend not in launchers:
                     launchers[attempt.backend] = get_launcher(attempt.backend)
-                status = launchers[attempt.backend].status(handle_from_attempt(attempt))
+                launcher = launchers[attempt.backend]
+                status = launcher.status(handle_from_attempt(attempt, launcher))
             except Exception as exc:  # noqa: BLE001 - one unreachable backend must not hide the others' jobs
                 row["note"] = f"not asked: {exc}" if isinstance(exc, OpenlabError) else f"not asked: {exc!r}"
             else:
@@ -358,14 +363,13 @@ def logs_cmd(
     backend: str = typer.Option(None, "--backend", "-b", help="backend, for a job id not in lineage"),
 ) -> None:
     """Print a job's log."""
-    from orchestrator.launchers import get_launcher
     from orchestrator.lineage.store import open_store
     from orchestrator.secrets import scrub, secret_values
 
     with open_store() as store:
-        _attempt, handle = _find(store, ident, backend)
+        _attempt, handle, launcher = _find(store, ident, backend)
     secrets = secret_values()
-    for line in get_launcher(handle.backend).logs(handle, follow=follow, tail=tail):
+    for line in launcher.logs(handle, follow=follow, tail=tail):
         sys.stdout.write(scrub(line, secrets) + "\n")
         sys.stdout.flush()
 
@@ -377,12 +381,11 @@ def cancel_cmd(
 ) -> None:
     """Cancel a job (and everything it started) and record it in its attempt."""
     from orchestrator.cli.output import console
-    from orchestrator.launchers import JobState, get_launcher
+    from orchestrator.launchers import JobState
     from orchestrator.lineage.store import open_store
 
     with open_store() as store:
-        attempt, handle = _find(store, ident, backend)
-        launcher = get_launcher(handle.backend)
+        attempt, handle, launcher = _find(store, ident, backend)
         launcher.cancel(handle)
         status = launcher.status(handle)
         if status.state is JobState.LOST or not status.state.terminal:

@@ -515,7 +515,10 @@ def reconcile_cmd(
 @app.command("usage")
 def usage_cmd(
     by: Annotated[
-        str, typer.Option("--by", "-b", help="Group by recipe, replica, stage, backend, state, day or pipeline_run.")
+        str,
+        typer.Option(
+            "--by", "-b", help="Group by recipe, replica, stage, backend, cluster, state, day or pipeline_run."
+        ),
     ] = "recipe",
     state: StateOpt = None,
     stage: Annotated[list[str] | None, typer.Option("--stage", help="Only jobs of this stage.")] = None,

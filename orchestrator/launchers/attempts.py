@@ -67,12 +67,16 @@ def next_attempt_number(store: LineageStore, stage_run_id: str | None) -> int:
     return int(count) + 1
 
 
-def handle_from_attempt(attempt: Attempt) -> JobHandle:
-    """Revive the handle of a recorded attempt."""
+def handle_from_attempt(attempt: Attempt, launcher: Launcher | None = None) -> JobHandle:
+    """Revive the handle of a recorded attempt. Given the ``launcher`` it will be used with, raise
+    :class:`~orchestrator.launchers.base.OtherCluster` when that launcher talks to another cluster
+    than the one that ran the job: there its id is nobody's job, or somebody else's."""
     if not attempt.job_id:
         from orchestrator.launchers.base import JobNotFound
 
         raise JobNotFound(f"attempt {attempt.id} has no job id: its submission failed ({attempt.reason})")
+    if launcher is not None:
+        launcher.check_cluster(attempt.cluster, f"attempt {attempt.id} (job {attempt.job_id})")
     return JobHandle(backend=attempt.backend, job_id=attempt.job_id, log_path=attempt.log_path)
 
 
@@ -87,6 +91,7 @@ def submit_attempt(
         stage_run_id=stage_run_id,
         number=number,
         backend=launcher.name,
+        cluster=launcher.cluster,
         job_name=spec.name,
         image=launcher.image_name(spec),  # the image that runs, also when it is the backend's default
         command=list(spec.command),

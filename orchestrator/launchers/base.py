@@ -30,7 +30,9 @@ laptop, a Slurm cluster or Kubernetes with the same provenance.
 from __future__ import annotations
 
 import datetime as dt
+import functools
 import json
+import logging
 import math
 import os
 import re
@@ -48,6 +50,8 @@ from orchestrator.secrets import SECRET_NAME, redact_mapping, secret_values
 
 if TYPE_CHECKING:
     from orchestrator.settings import Settings
+
+log = logging.getLogger(__name__)
 
 #: Label keys that carry lineage ids on containers, Slurm comments and Kubernetes objects.
 LABEL_PREFIX = "openlab.io/"
@@ -117,6 +121,11 @@ class ImageNotFound(LauncherError):
 
 class JobNotFound(LauncherError):
     """The backend knows no job with this id."""
+
+
+class OtherCluster(LauncherError):
+    """A recorded job ran on another cluster than the one this launcher talks to: its id names
+    nothing there, or worse, someone else's job (Slurm counts job ids per cluster)."""
 
 
 class JobTimeout(TimeoutError, LauncherError):
@@ -282,6 +291,35 @@ class Launcher(ABC):
     def image_name(self, spec: JobSpec) -> str | None:
         """The image reference a job of ``spec`` runs in (None where jobs run on the host)."""
         return spec.image
+
+    @functools.cached_property
+    def cluster(self) -> str | None:
+        """Where this launcher's jobs run, in the backend's own name for the place: Slurm's
+        ClusterName, the Kubernetes API server, the Docker engine's host, this machine for
+        local jobs. Each attempt records it, so lineage answers "which job on which cluster",
+        and a recorded job is never asked of (or cancelled on) a cluster that did not run it:
+        job 4711 on one Slurm cluster is someone else's job on the next. Asked once per
+        launcher; None when the backend cannot say (it is down), which refuses nothing."""
+        try:
+            return self._find_cluster()
+        except Exception as exc:  # noqa: BLE001 - where is informative; the job's own calls say what is wrong
+            log.debug("%s backend cannot say which cluster it talks to: %s", self.name, exc)
+            return None
+
+    def _find_cluster(self) -> str | None:
+        """The backend's answer for :attr:`cluster` (may raise; None: it has no name for it)."""
+        return None
+
+    def check_cluster(self, cluster: str | None, what: str) -> None:
+        """Raise :class:`OtherCluster` when ``what`` (``attempt att_… (job 4711)``) ran on
+        ``cluster`` and this launcher talks to another one. Nothing is refused when either
+        side is unknown (an attempt recorded before clusters were, a backend that is down)."""
+        here = self.cluster if cluster else None
+        if cluster and here and here != cluster:
+            raise OtherCluster(
+                f"{what} ran on {self.name} cluster {cluster!r}, and this openlab's {self.name} backend "
+                f"talks to {here!r}: ask from where [backends.{self.name}] reaches {cluster!r}"
+            )
 
     def image_ref(self, image: str | None = None) -> str | None:
         """The image reference a job asking for ``image`` (None: the backend's default) would run in,

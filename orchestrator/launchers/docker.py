@@ -221,6 +221,9 @@ class DockerLauncher(Launcher):
 
         return errors
 
+    def _find_cluster(self) -> str | None:
+        return self.engine_host  # the engine's machine: a container id means something only there
+
     @property
     def engine_host(self) -> str | None:
         if self._engine_host is None:

@@ -316,6 +316,10 @@ class KubernetesLauncher(Launcher):
         self._api_client: Any = None
 
     # -- connection -------------------------------------------------------------------
+    def _find_cluster(self) -> str | None:
+        """The API server's address: what a Job's name is unique within (with its namespace)."""
+        return str(self.api_client.configuration.host).rstrip("/") or None
+
     @property
     def api_client(self) -> Any:
         if self._api_client is None:

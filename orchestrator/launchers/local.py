@@ -226,6 +226,9 @@ class LocalLauncher(Launcher):
         self._children: dict[str, subprocess.Popen[bytes]] = {}
 
     # -- helpers ---------------------------------------------------------------
+    def _find_cluster(self) -> str | None:
+        return os.uname().nodename  # a local job is processes and state files on this machine
+
     def _state_path(self, job_id: str) -> Path:
         if not job_id.startswith("local-") or "/" in job_id:
             raise JobNotFound(f"{job_id!r} is not a local job id (local-...)")

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import glob
 import hashlib
 import json
@@ -562,13 +563,23 @@ class SlurmLauncher(Launcher):
             )
         return rows
 
-    def _jobcomp_path(self) -> str | None:
-        if "jobcomp_loc" in self.config:
-            return str(self.config["jobcomp_loc"])
+    @functools.cached_property
+    def _slurm_config(self) -> dict[str, str]:
+        """The controller's ``scontrol show config`` (``ClusterName``, ``JobCompType``, ...), read
+        once per launcher; empty when the controller does not answer."""
         proc = self._run("scontrol", "show", "config", check=False)
-        kinds = dict(re.findall(r"^(JobCompType|JobCompLoc)\s*=\s*(\S+)", proc.stdout, re.M))
-        self.config["jobcomp_loc"] = kinds.get("JobCompLoc") if kinds.get("JobCompType") == "jobcomp/filetxt" else None
-        return self.config["jobcomp_loc"]
+        if proc.returncode != 0:
+            return {}
+        return dict(re.findall(r"^(\w+)\s*=\s*(.*?)\s*$", proc.stdout, re.M))
+
+    def _find_cluster(self) -> str | None:
+        return self._slurm_config.get("ClusterName") or None
+
+    def _jobcomp_path(self) -> str | None:
+        if self.config.get("jobcomp_loc"):
+            return str(self.config["jobcomp_loc"])
+        kinds = self._slurm_config
+        return kinds.get("JobCompLoc") if kinds.get("JobCompType") == "jobcomp/filetxt" else None
 
     def _jobcomp(self, job_id: str) -> list[dict[str, str]] | None:
         """Records of ``job_id`` (a job, an array, or one task ``ARRAY_TASK``) in the jobcomp log.

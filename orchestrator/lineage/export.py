@@ -344,7 +344,7 @@ def to_openlineage(closure: Closure, namespace: str = "openlab") -> list[dict[st
                 (r for r in closure.records.values() if isinstance(r, Attempt) and r.stage_run_id == record.id),
                 key=lambda a: a.number,
             )
-            keep = ("id", "number", "backend", "job_id", "host", "image_digest", "state", "exit_code")
+            keep = ("id", "number", "backend", "cluster", "job_id", "host", "image_digest", "state", "exit_code")
             fields |= {
                 "identity": record.identity,
                 "reusedFrom": record.reused_from,

@@ -240,6 +240,10 @@ class Attempt(LineageRecord, table=True):
     stage_run_id: str | None = Field(default=None, foreign_key="stagerun.id", index=True)
     number: int = 1
     backend: str
+    #: Where the backend ran it, in the backend's own name for the place: Slurm's ClusterName, the
+    #: Kubernetes API server, the Docker engine's host, this machine for a local job (see
+    #: :meth:`orchestrator.launchers.Launcher.cluster`). A job id means something only there.
+    cluster: str | None = None
     job_id: str | None = Field(default=None, index=True)
     job_name: str | None = None
     host: str | None = None

@@ -258,7 +258,7 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
                     {
                         "@id": f"#job-{a.id}",
                         "@type": "PropertyValue",
-                        "name": f"{a.backend} job",
+                        "name": f"{a.backend} job" + (f" on {a.cluster}" if a.cluster else ""),
                         "value": a.job_id,
                         "description": scrub(
                             f"attempt {a.number}: {a.state}"

@@ -47,7 +47,8 @@ def describe(record: Any) -> str:
         reused = f" (reused {record.reused_from})" if record.reused_from else ""
         return f"{record.stage} {record.state} identity={record.identity[:12]}{reused}"
     if kind == "attempt":  # what is known: an attempt refused before it had a job has no job id, exit or host
-        parts = [f"#{record.number}", str(record.backend)]
+        where = f"@{record.cluster}" if record.cluster else ""  # the cluster: a job id means something only there
+        parts = [f"#{record.number}", f"{record.backend}{where}"]
         parts += [f"job={record.job_id}"] if record.job_id else []
         parts += [str(record.state)]
         parts += [f"exit={record.exit_code}"] if record.exit_code is not None else []

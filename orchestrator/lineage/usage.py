@@ -27,13 +27,13 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, choices
 from orchestrator.lineage.listing import RecordFilter, list_records
 from orchestrator.lineage.models import Attempt, PipelineRun, StageRun, as_utc, utcnow
 from orchestrator.lineage.store import LineageStore
 
 #: What usage can be grouped by.
-GROUPS = ("recipe", "replica", "stage", "backend", "state", "day", "pipeline_run")
+GROUPS = ("recipe", "replica", "stage", "backend", "cluster", "state", "day", "pipeline_run")
 
 
 @dataclass
@@ -103,7 +103,7 @@ def usage(
     running counts up to ``now`` (the wall clock by default); a report made for a past moment, as a
     digest is for its window's end, passes that moment so the same report reads the same later."""
     if by not in GROUPS:
-        raise ConfigError(f"cannot group usage by {by!r}: use one of {', '.join(GROUPS)}")
+        raise ConfigError(f"cannot group usage by {by!r}: {choices(by, GROUPS, label='use one of')}")
     attempts: list[Attempt] = list_records(store, ["attempt"], flt or RecordFilter(), limit=None, strict=True).records
     stages, runs = _owners(store, attempts)
     now = now or utcnow()
@@ -137,6 +137,8 @@ def _key(by: str, attempt: Attempt, stage: StageRun | None, run: PipelineRun | N
         return stage.stage if stage is not None else "(no stage)"
     if by == "backend":
         return attempt.backend
+    if by == "cluster":  # the backend too: a Docker engine and a Slurm cluster may share a host's name
+        return f"{attempt.backend}@{attempt.cluster}" if attempt.cluster else f"{attempt.backend}@(not recorded)"
     if by == "state":
         return attempt.state
     if by == "day":

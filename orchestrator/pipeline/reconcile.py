@@ -105,7 +105,10 @@ def _judge(
         return "FAILED", f"job submission failed: {attempt.reason}", attempt, None
     try:
         launcher = get_launcher(attempt.backend, settings)
-        handle = handle_from_attempt(attempt)
+    except LauncherError as exc:
+        return "LOST", f"backend {attempt.backend} cannot report job {attempt.job_id}: {exc}", attempt, None
+    handle = handle_from_attempt(attempt, launcher)  # OtherCluster: not this reaper's to judge
+    try:
         status = launcher.status(handle)
     except LauncherError as exc:
         return "LOST", f"backend {attempt.backend} cannot report job {attempt.job_id}: {exc}", attempt, None
@@ -148,14 +151,18 @@ def reconcile(store: LineageStore, *, settings: Settings | None = None, dry_run:
     its state, and the result says what a real reconcile would record.
     """
     from orchestrator.launchers.attempts import finish_attempt
-    from orchestrator.launchers.base import JobState, JobStatus
+    from orchestrator.launchers.base import JobState, JobStatus, OtherCluster
 
     settings = settings or load_settings()
     done: list[Reconciled] = []
     for run in store.list(StageRun, state="RUNNING"):
         if not is_stale(store, run):
             continue
-        state, reason, attempt, status = _judge(store, run, settings, cancel=not dry_run)
+        try:
+            state, reason, attempt, status = _judge(store, run, settings, cancel=not dry_run)
+        except OtherCluster as exc:  # its job is on a cluster this openlab does not reach: left as it is
+            log.warning("not reconciling stage run %s (%s): %s", run.id, run.stage, exc)
+            continue
         if dry_run:
             done.append(Reconciled(run.id, run.stage, state, reason, attempt.job_id if attempt else None))
             continue

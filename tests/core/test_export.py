@@ -8,6 +8,7 @@ not against hand-made rows.
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from pathlib import Path
 
@@ -214,7 +215,8 @@ def test_ro_crate_reads_back_as_a_workflow_run_with_each_stage_linked(
     assert upper["instrument"].id == "#tool-upper"
     assert {e.id for e in upper["object"]} & {e.id for e in gen["result"]}, "upper used what gen produced"
     assert all(e.id.startswith("file://") and e["identifier"] for e in gen["result"])
-    jobs = [p for p in upper["identifier"] if p.type == "PropertyValue" and p["name"] == "local job"]
+    here = os.uname().nodename  # which job on which machine: a local job's cluster is this host
+    jobs = [p for p in upper["identifier"] if p.type == "PropertyValue" and p["name"] == f"local job on {here}"]
     assert jobs and jobs[0]["value"] and "COMPLETED" in jobs[0]["description"]
     # the second run reused every stage, and says so
     second_stages = [a for a in runs.values() if "reused" in str(a.get("name"))]

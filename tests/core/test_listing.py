@@ -212,14 +212,16 @@ def test_the_list_says_why_an_attempt_did_not_complete_and_nothing_it_does_not_k
         missing = "exit code 127: cannot run 'no-such-trainer': No such file or directory"
         kw = {"backend": "slurm", "host": "n1", "stage_run_id": srun.id}
         tx.add(Attempt(number=2, job_id="71", state="FAILED", exit_code=127, reason=missing, **kw))
-        tx.add(Attempt(number=3, job_id="72", state="COMPLETED", exit_code=0, reason="requeued once", **kw))
+        tx.add(
+            Attempt(number=3, job_id="72", state="COMPLETED", exit_code=0, reason="requeued once", cluster="west", **kw)
+        )
     out = run_cli("lineage", "list", "-k", "attempt", env={"COLUMNS": "250"})
     assert out.returncode == 0, out.stderr
     lines = [" ".join(line.split()[4:]) for line in out.stdout.splitlines() if line.startswith("attempt ")]
     assert sorted(lines) == [
         f"#1 local FAILED: {refused}",
         f"#2 slurm job=71 FAILED exit=127 host=n1: {missing}",
-        "#3 slurm job=72 COMPLETED exit=0 host=n1",
+        "#3 slurm@west job=72 COMPLETED exit=0 host=n1",  # which job on which cluster
     ], out.stdout
 
     with store.transaction() as tx:

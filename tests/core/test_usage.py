@@ -66,6 +66,7 @@ def _month(store: LineageStore) -> dict[str, str]:
             Attempt(
                 stage_run_id=mid.id,
                 backend="slurm",
+                cluster="west",
                 state="COMPLETED",  # 2 nodes x 4 tasks, 2 CPUs per task and 8 GPUs per node: 16 CPUs, 16 GPUs
                 resources={"cpus": 2, "gpus": 8, "nodes": 2, "tasks_per_node": 4},
                 submitted_at=NOW - H,
@@ -132,7 +133,12 @@ def test_usage_sums_hours_and_what_was_asked_and_counts_the_lost(store: LineageS
     assert stages == {"pretrain": pytest.approx(40.0), "midtrain": pytest.approx(8.0), "repro": 0.0, "data": 0.0}
     preempted = usage(store, RecordFilter.from_options(state=["PREEMPTED"]), by="backend")
     assert [(g.group, g.lost_hours) for g in preempted.groups] == [("slurm", pytest.approx(2.0))]
-    with pytest.raises(ConfigError, match="cannot group usage by 'team': use one of recipe, replica"):
+    clusters = {
+        g.group: g.wall_hours for g in usage(store, RecordFilter.from_options(recipe="marin"), by="cluster").groups
+    }
+    assert clusters["slurm@west"] == pytest.approx(0.5), clusters  # which cluster the hours went to
+    assert "local@(not recorded)" in clusters, "an attempt recorded before clusters were still counts"
+    with pytest.raises(ConfigError, match="cannot group usage by 'team': use one of: recipe, replica"):
         usage(store, by="team")
 
 

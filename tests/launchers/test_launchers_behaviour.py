@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -25,6 +26,16 @@ EXPECTED_JOB_ID = {
     "docker": r"^openlab-[a-z0-9-]+-[0-9a-f]{8}$",
     "slurm": r"^\d+$",
     "kubernetes": r"^default/openlab-[a-z0-9-]+-[0-9a-f]{8}$",
+}
+
+
+#: Where each backend's test jobs run: the single-node Slurm cluster's ClusterName (infra/slurm),
+#: the Docker engine's host, the Kubernetes emulator's API address, this machine.
+EXPECTED_CLUSTER = {
+    "local": lambda h: os.uname().nodename,
+    "docker": lambda h: h.launcher.client.info()["Name"],  # type: ignore[attr-defined]
+    "slurm": lambda h: "openlab",
+    "kubernetes": lambda h: h.launcher.api_client.configuration.host.rstrip("/"),  # type: ignore[attr-defined]
 }
 
 
@@ -62,6 +73,8 @@ def test_success_streams_logs_and_records_the_attempt(harness: Harness, store: L
     assert stored.job_id and re.match(EXPECTED_JOB_ID[harness.name], stored.job_id), stored.job_id
     assert stored.state == "COMPLETED" and stored.exit_code == 0 and stored.reason is None
     assert stored.host, "the host/node is recorded"
+    # and on which cluster, in the backend's own name for it: a job id means something only there
+    assert stored.cluster and stored.cluster == EXPECTED_CLUSTER[harness.name](harness), stored.cluster
     assert stored.command == ["sh", "-c", "echo hello; echo world"]
     assert stored.started_at is not None and stored.ended_at is not None
     assert stored.submitted_at <= stored.ended_at
@@ -164,6 +177,38 @@ def test_cancel_while_running_leaves_nothing_running(harness: Harness, store: Li
     stored = store.get(Attempt, attempt.id)
     assert stored is not None and stored.state == "CANCELLED" and stored.reason
     assert harness.nothing_running(handle_from_attempt(stored)) == []
+
+
+def test_a_job_recorded_on_another_cluster_is_neither_asked_nor_cancelled_here(
+    harness: Harness, store: LineageStore
+) -> None:
+    """Job ids repeat across clusters (Slurm counts from 1 on each): an attempt that ran job 4711 on
+    another cluster must not be asked about, or cancelled, as this cluster's job 4711, which is
+    someone else's. The same id on this cluster is running here, and stays running."""
+    from orchestrator.launchers import OtherCluster
+    from orchestrator.launchers.attempts import submit_attempt
+
+    attempt, handle = submit_attempt(store, harness.launcher, spec(harness, "here", ["sleep", "300"]))
+    try:
+        with store.transaction() as tx:  # the same backend and job id, recorded on another cluster
+            elsewhere = tx.add(
+                Attempt(backend=harness.name, job_id=attempt.job_id, log_path=attempt.log_path, cluster="west")
+            )
+        with pytest.raises(OtherCluster) as refused:
+            harness.launcher.cancel(handle_from_attempt(elsewhere, harness.launcher))
+        assert str(refused.value) == (
+            f"attempt {elsewhere.id} (job {attempt.job_id}) ran on {harness.name} cluster 'west', and this "
+            f"openlab's {harness.name} backend talks to {harness.launcher.cluster!r}: "
+            f"ask from where [backends.{harness.name}] reaches 'west'"
+        )
+        assert harness.launcher.status(handle).state in (JobState.PENDING, JobState.RUNNING), "not cancelled"
+        same = handle_from_attempt(store.get(Attempt, attempt.id), harness.launcher)  # type: ignore[arg-type]
+        assert same.job_id == attempt.job_id, "the job's own cluster is asked as before"
+        with store.transaction() as tx:  # recorded before clusters were: nothing to compare, so asked
+            unknown = tx.add(Attempt(backend=harness.name, job_id=attempt.job_id, log_path=attempt.log_path))
+        assert handle_from_attempt(unknown, harness.launcher).job_id == attempt.job_id
+    finally:
+        harness.launcher.cancel(handle)
 
 
 def test_a_cancel_is_acted_on_between_gentle_status_looks(harness: Harness, store: LineageStore) -> None:

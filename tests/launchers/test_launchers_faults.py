@@ -706,6 +706,48 @@ def test_secret_values_never_reach_lineage_or_streamed_logs(store: LineageStore)
 # -- the CLI end to end (local backend: another process revives the handle from lineage) ------------
 
 
+def test_job_commands_and_the_reaper_leave_a_job_of_another_cluster_alone(store: LineageStore) -> None:
+    """An attempt recorded on another cluster (an openlab home shared by two sites, a lineage
+    database copied for an audit) names a job id that is nobody's here, or someone else's: `job
+    status`, `logs` and `cancel` refuse it in one line, `job list` says so, and the reaper leaves
+    its stage run alone instead of calling it lost or cancelling this cluster's job of that id."""
+    from orchestrator.launchers.attempts import submit_attempt
+    from orchestrator.pipeline.reconcile import reconcile
+
+    launcher = get_launcher("local")
+    attempt, handle = submit_attempt(store, launcher, JobSpec(name="here", command=["sleep", "300"]))
+    try:
+        with store.transaction() as tx:
+            srun = tx.add(StageRun(stage="pretrain", identity="i-west", state="RUNNING"))  # no lease: stale
+            west = tx.add(
+                Attempt(
+                    stage_run_id=srun.id,
+                    backend="local",
+                    cluster="west",
+                    job_id=attempt.job_id,
+                    log_path=attempt.log_path,
+                    state="RUNNING",
+                )
+            )
+        said = (
+            f"error: attempt {west.id} (job {attempt.job_id}) ran on local cluster 'west', and this openlab's "
+            f"local backend talks to {os.uname().nodename!r}: ask from where [backends.local] reaches 'west'"
+        )
+        for command in ("status", "logs", "cancel"):
+            proc = cli("job", command, west.id)
+            assert proc.returncode == 2 and proc.stderr.strip() == said, (command, proc.stdout, proc.stderr)
+        assert launcher.status(handle).state is JobState.RUNNING, "this cluster's job of that id runs on"
+        listed = {row["attempt"]: row for row in json.loads(cli("job", "list", "--json").stdout)}
+        assert listed[west.id]["cluster"] == "west" and listed[west.id]["note"] == f"not asked: {said[7:]}"
+        assert listed[attempt.id]["cluster"] == os.uname().nodename and listed[attempt.id]["state"] == "RUNNING"
+        assert reconcile(store) == []
+        assert store.get(StageRun, srun.id).state == "RUNNING"  # type: ignore[union-attr]
+        assert store.get(Attempt, west.id).state == "RUNNING"  # type: ignore[union-attr]
+        assert launcher.status(handle).state is JobState.RUNNING
+    finally:
+        launcher.cancel(handle)
+
+
 def test_cli_job_run_status_logs_cancel(store: LineageStore) -> None:
     proc = cli(
         "job",

@@ -105,7 +105,11 @@ def pipeline(store: LineageStore) -> PipelineRun:
                 started_at=t0 + dt.timedelta(minutes=1),
             )
         )
-        tx.add(Attempt(stage_run_id=train.id, number=1, backend="slurm", job_id="4242", state="RUNNING"))
+        tx.add(
+            Attempt(
+                stage_run_id=train.id, number=1, backend="slurm", job_id="4242", state="RUNNING", cluster="marin-west"
+            )
+        )
         wb = tx.add(
             WandbRun(
                 id="/openlab/w1234567",

@@ -61,7 +61,7 @@ def test_pipeline_card_shows_every_link(store, pipeline) -> None:
         "[`abc1234d`](https://github.com/lab/exp/commit/abc1234def567890) (dirty patch `9f8e7d6c5b4a`)",
         "`b3snapshot01`",
         "reused from `srun_older`",
-        "`slurm:4242`",
+        "`slurm:4242` on `marin-west`",  # which job on which cluster
         "[w1234567](https://wandb.ai/lab/openlab/runs/w1234567) failed",  # how it ended, when not finished
         "eval\\|loss=2.25",  # a pipe inside a cell is escaped
         "loss=2.5",
@@ -78,7 +78,7 @@ def test_pipeline_card_shows_every_link(store, pipeline) -> None:
 
 def test_stage_card_lists_attempts_and_all_metrics(store, pipeline) -> None:
     card = stage_card(store, "srun_train")
-    assert "- attempt 1: `slurm` job `4242` RUNNING" in card
+    assert "- attempt 1: `slurm` job `4242` on `marin-west` RUNNING" in card
     # what a job asked for and, where measured, what it used
     t0 = dt.datetime(2026, 12, 1, 4, 0, tzinfo=dt.UTC)
     with store.transaction() as tx:
