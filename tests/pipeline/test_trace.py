@@ -7,6 +7,7 @@ through the CLI as an auditor would, from the last stage's output and from the f
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,8 @@ def test_trace_up_from_the_last_output_reaches_every_stage_its_jobs_data_and_com
     assert commits and all(n["id"].startswith(recorded["sha"]) and "toy stages" in n["summary"] for n in commits)
     assert sum(1 for n in commits if not n.get("repeated")) == 1, "one commit, expanded once"
     jobs = [n for n in nodes if n.get("relation") == "ranAs"]
-    assert len(jobs) == 3 and all(n["kind"] == "attempt" and " local job=local-" in n["summary"] for n in jobs)
+    where = f" local@{os.uname().nodename} job=local-"  # which job, on which cluster (for local: this host)
+    assert len(jobs) == 3 and all(n["kind"] == "attempt" and where in n["summary"] for n in jobs)
     assert any(n.get("relation") == "partOf" and n["id"] == recorded["run"] for n in nodes)
 
     shallow = json.loads(run_cli("lineage", "trace", artifact_id, "--json", "--depth", "1").stdout)
