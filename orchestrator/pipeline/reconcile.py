@@ -161,7 +161,9 @@ def reconcile(store: LineageStore, *, settings: Settings | None = None, dry_run:
         try:
             state, reason, attempt, status = _judge(store, run, settings, cancel=not dry_run)
         except OtherCluster as exc:  # its job is on a cluster this openlab does not reach: left as it is
-            log.warning("not reconciling stage run %s (%s): %s", run.id, run.stage, exc)
+            log.warning("left stage run %s (%s) running: %s", run.id, run.stage, exc)
+            job = store.list(Attempt, stage_run_id=run.id, order_by=col(Attempt.number).desc(), limit=1)
+            done.append(Reconciled(run.id, run.stage, "RUNNING", str(exc), job[0].job_id if job else None))
             continue
         if dry_run:
             done.append(Reconciled(run.id, run.stage, state, reason, attempt.job_id if attempt else None))
@@ -269,12 +271,21 @@ class ReconcileReport:
     def __bool__(self) -> bool:
         return bool(self.stage_runs or self.pipeline_runs)
 
+    @property
+    def left(self) -> list[Reconciled]:
+        """Stale stage runs left RUNNING: their job is on a cluster this openlab does not reach,
+        where only a reaper that reaches it may judge (or cancel) it."""
+        return [r for r in self.stage_runs if r.state == "RUNNING"]
+
     def lines(self) -> list[str]:
-        """One sentence per closed run, for a terminal or a Prefect log."""
+        """One sentence per closed (or left) run, for a terminal or a Prefect log."""
         verb = "would close" if self.dry_run else "closed"
         out = []
         for r in self.stage_runs:
             job = f" job {r.job_id}" if r.job_id else ""
+            if r.state == "RUNNING":
+                out.append(f"left stage run {r.stage_run_id} ({r.stage}{job}) running: {r.reason}")
+                continue
             out.append(f"{verb} stage run {r.stage_run_id} ({r.stage}{job}) as {r.state}: {r.reason}")
         for p in self.pipeline_runs:
             out.append(f"{verb} pipeline run {p.pipeline_run_id} as {p.state}: {p.reason}")
@@ -282,8 +293,10 @@ class ReconcileReport:
 
     @property
     def headline(self) -> str:
-        n = len(self.stage_runs) + len(self.pipeline_runs)
-        return f"{'Would close (dry run)' if self.dry_run else 'Closed'}: {n} run(s) left RUNNING by dead orchestrators"
+        n = len(self.stage_runs) - len(self.left) + len(self.pipeline_runs)
+        verb = "Would close (dry run)" if self.dry_run else "Closed"
+        left = f"; {len(self.left)} on another cluster left running" if self.left else ""
+        return f"{verb}: {n} run(s) left RUNNING by dead orchestrators{left}"
 
     def markdown(self) -> str:
         """The report as a markdown table (the reaper flow's Prefect artifact)."""

@@ -712,7 +712,7 @@ def test_job_commands_and_the_reaper_leave_a_job_of_another_cluster_alone(store:
     status`, `logs` and `cancel` refuse it in one line, `job list` says so, and the reaper leaves
     its stage run alone instead of calling it lost or cancelling this cluster's job of that id."""
     from orchestrator.launchers.attempts import submit_attempt
-    from orchestrator.pipeline.reconcile import reconcile
+    from orchestrator.pipeline.reconcile import reconcile_all
 
     launcher = get_launcher("local")
     attempt, handle = submit_attempt(store, launcher, JobSpec(name="here", command=["sleep", "300"]))
@@ -740,7 +740,11 @@ def test_job_commands_and_the_reaper_leave_a_job_of_another_cluster_alone(store:
         listed = {row["attempt"]: row for row in json.loads(cli("job", "list", "--json").stdout)}
         assert listed[west.id]["cluster"] == "west" and listed[west.id]["note"] == f"not asked: {said[7:]}"
         assert listed[attempt.id]["cluster"] == os.uname().nodename and listed[attempt.id]["state"] == "RUNNING"
-        assert reconcile(store) == []
+        report = reconcile_all(store)  # the reaper: says what it left, and why, in the reaper flow's log
+        assert report.lines() == [f"left stage run {srun.id} (pretrain job {attempt.job_id}) running: {said[7:]}"]
+        closed = "Closed: 0 run(s) left RUNNING by dead orchestrators"
+        assert report.headline == f"{closed}; 1 on another cluster left running"
+
         assert store.get(StageRun, srun.id).state == "RUNNING"  # type: ignore[union-attr]
         assert store.get(Attempt, west.id).state == "RUNNING"  # type: ignore[union-attr]
         assert launcher.status(handle).state is JobState.RUNNING
