@@ -156,11 +156,13 @@ class StageTransition:
     at: dt.datetime = field(default_factory=utcnow)
 
     def line(self) -> str:
-        """``pretrain COMPLETED in 5.2 s, job local-1a2b (it ran because: ...)``: the transition as a
-        log line. A completed stage says how long it took and which job did it; the reason it ran
-        (given again when it ends) is put in brackets, where it read as the reason it completed."""
+        """``pretrain COMPLETED in 5.2 s, job 4711 on marin-west (it ran because: ...)``: the
+        transition as a log line. A completed stage says how long it took and which job on which
+        cluster did it; the reason it ran (given again when it ends) is put in brackets, where it
+        read as the reason it completed."""
         if self.state == "COMPLETED" and self.result is not None:
-            job = f", job {self.result.job_id}" if self.result.job_id else ""
+            where = f" on {self.result.cluster}" if self.result.cluster else ""
+            job = f", job {self.result.job_id}{where}" if self.result.job_id else ""
             why = f" (it ran because: {self.reason})" if self.reason else ""
             return f"{self.stage} COMPLETED in {self.result.seconds:.1f} s{job}{why}"
         return f"{self.stage} {self.state}{': ' + self.reason if self.reason else ''}"
@@ -202,6 +204,8 @@ class StageResult:
     reused_from: str | None = None
     attempt_id: str | None = None
     job_id: str | None = None
+    #: Where that job ran (the attempt's :attr:`~orchestrator.lineage.models.Attempt.cluster`).
+    cluster: str | None = None
     seconds: float = 0.0
 
     @property
@@ -901,6 +905,7 @@ def _conclude(
         reused_from=reused_from,
         attempt_id=getattr(attempt, "id", None),
         job_id=getattr(attempt, "job_id", None),
+        cluster=getattr(attempt, "cluster", None),
         seconds=time.monotonic() - started,
     )
     with ctx.lock:

@@ -4,6 +4,7 @@ helper threads, and only while the flow runs."""
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 import time
@@ -107,4 +108,5 @@ def test_a_custom_flow_on_run_stages_as_tasks_shows_its_stages_like_the_replica_
     ), in_task
     # the end says how long it took and which job did it; why it ran is not read as why it completed
     done = next(m for m in in_task if m.startswith("custom COMPLETED"))
-    assert re.fullmatch(r"custom COMPLETED in \d+\.\d s, job local-\w+ \(it ran because: .+\)", done), done
+    here = re.escape(os.uname().nodename)  # which job on which cluster: a local job's is this host
+    assert re.fullmatch(rf"custom COMPLETED in \d+\.\d s, job local-\w+ on {here} \(it ran because: .+\)", done), done
