@@ -50,6 +50,13 @@ CommitOpt = Annotated[str | None, typer.Option("--commit", help="Only runs made 
 IssueOpt = Annotated[
     str | None, typer.Option("--issue", help="Only runs linked to this experiment issue (owner/repo#N or #N).")
 ]
+HostOpt = Annotated[
+    str | None,
+    typer.Option("--host", help="Only jobs that ran on this machine (any task or node), and their runs."),
+]
+ClusterOpt = Annotated[
+    str | None, typer.Option("--cluster", help="Only jobs that ran on this cluster (see job status), and their runs.")
+]
 
 #: What `lineage list` shows by default: the activities people audit, newest first.
 DEFAULT_KINDS = ("pipeline_run", "stage_run", "attempt", "snapshot")
@@ -89,6 +96,8 @@ def list_cmd(
     until: UntilOpt = None,
     commit: CommitOpt = None,
     issue: IssueOpt = None,
+    host: HostOpt = None,
+    cluster: ClusterOpt = None,
     limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="At most this many records.")] = 50,
     json_out: JsonFlag = False,
 ) -> None:
@@ -529,6 +538,8 @@ def usage_cmd(
     until: UntilOpt = None,
     commit: CommitOpt = None,
     issue: IssueOpt = None,
+    host: HostOpt = None,
+    cluster: ClusterOpt = None,
     json_out: JsonFlag = False,
 ) -> None:
     """What the jobs used: attempts, wall hours, CPU- and GPU-hours asked, the hours lost, and what was used.
@@ -632,6 +643,8 @@ def export_cmd(
     until: UntilOpt = None,
     commit: CommitOpt = None,
     issue: IssueOpt = None,
+    host: HostOpt = None,
+    cluster: ClusterOpt = None,
 ) -> None:
     """Export lineage as W3C PROV-JSON, OpenLineage RunEvents or a Workflow Run RO-Crate, secrets masked.
 

@@ -192,6 +192,34 @@ def parse_sacct_duration(text: str | None) -> float | None:
         return None
 
 
+def expand_hostlist(text: str | None) -> list[str]:
+    """Every host a Slurm hostlist names: ``n[01-03,07],gpu1`` is n01, n02, n03, n07 and gpu1
+    (zero padding kept; several bracket groups in one name are expanded in turn). A job on
+    several nodes records its NodeList in this form, and "did it run on n02?" needs it whole."""
+    items, depth, start = [], 0, 0
+    text = text or ""
+    for i, ch in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    hosts: list[str] = []
+    for item in (s.strip() for s in items):
+        group = re.match(r"^([^\[]*)\[([^\]]*)\](.*)$", item)
+        if not group:
+            hosts += [item] if item else []
+            continue
+        prefix, ranges, rest = group.groups()
+        for part in ranges.split(","):
+            low, dash, high = part.partition("-")
+            numbers = range(int(low), int(high) + 1) if dash and low.isdigit() and high.isdigit() else None
+            names = [f"{prefix}{n:0{len(low)}d}" for n in numbers] if numbers is not None else [prefix + part]
+            for name in names:
+                hosts += expand_hostlist(name + rest)
+    return hosts
+
+
 def expand_task_ids(text: str | None) -> list[str]:
     """Slurm's compressed array task list as task ids: ``"0-3"``, ``"2,4%1"``, ``"1-7:2"``, ``"[0-3]"``.
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from sqlalchemy import func
+from sqlalchemy import func, or_
 from sqlmodel import col, select
 
 from orchestrator.errors import ConfigError, choices
@@ -71,6 +71,11 @@ class RecordFilter:
     commit: str | None = None
     #: An experiment issue, ``owner/repo#N`` or ``#N``: runs linked to it.
     issue: str | None = None
+    #: A machine: jobs that ran on it (any task, any node of a Slurm NodeList), and the stage runs
+    #: and runs those jobs belong to: "what did node n17, with the bad GPU, produce last week?"
+    host: str | None = None
+    #: The cluster a job ran on (:attr:`Attempt.cluster`), and the stage runs and runs of such jobs.
+    cluster: str | None = None
 
     @classmethod
     def from_options(
@@ -85,6 +90,8 @@ class RecordFilter:
         until: str | None = None,
         commit: str | None = None,
         issue: str | None = None,
+        host: str | None = None,
+        cluster: str | None = None,
     ) -> RecordFilter:
         """A filter from command-line text (times as :func:`parse_when` reads them)."""
         if commit is not None and len(commit.strip()) < 7:
@@ -108,6 +115,8 @@ class RecordFilter:
             until=end,
             commit=commit.strip().lower() if commit else None,
             issue=issue.strip() if issue else None,
+            host=host.strip() if host else None,
+            cluster=cluster.strip() if cluster else None,
         )
 
     def given(self) -> list[str]:
@@ -133,9 +142,9 @@ KNOWN_STATES = (*STATES, "SUCCEEDED")
 
 #: For each kind, the filters it can answer (time filters apply to every kind with a time).
 _ANSWERS: dict[str, set[str]] = {
-    "pipeline_run": {"state", "recipe", "replica", "backend", "commit", "issue"},
-    "stage_run": {"state", "stage", "recipe", "replica", "backend", "commit", "issue"},
-    "attempt": {"state", "stage", "recipe", "replica", "backend", "commit", "issue"},
+    "pipeline_run": {"state", "recipe", "replica", "backend", "commit", "issue", "host", "cluster"},
+    "stage_run": {"state", "stage", "recipe", "replica", "backend", "commit", "issue", "host", "cluster"},
+    "attempt": {"state", "stage", "recipe", "replica", "backend", "commit", "issue", "host", "cluster"},
 }
 
 
@@ -151,7 +160,30 @@ def answers(kind: str, flt: RecordFilter) -> bool:
     return set(flt.given()) <= can
 
 
-def _statement(kind: str, flt: RecordFilter) -> Any:
+def _attempts_where(session: Any, flt: RecordFilter) -> Any:
+    """A statement of the ids of the attempts that ran where ``--host`` and ``--cluster`` say: the
+    host among the attempt's (a Slurm NodeList expanded) or any of its tasks' hosts."""
+    from orchestrator.launchers.slurm import expand_hostlist
+
+    stmt = select(Attempt.id)
+    if flt.cluster:
+        stmt = stmt.where(col(Attempt.cluster) == flt.cluster)
+    if not flt.host:
+        return stmt
+    ids = []
+    for attempt_id, host, tasks in session.exec(
+        select(Attempt.id, Attempt.host, Attempt.tasks).where(
+            or_(col(Attempt.host).is_not(None), col(Attempt.tasks).is_not(None))
+        )
+    ):
+        hosts = set(expand_hostlist(host))
+        hosts |= {h for task in (tasks or {}).values() for h in expand_hostlist((task or {}).get("host"))}
+        if flt.host in hosts:
+            ids.append(attempt_id)
+    return stmt.where(col(Attempt.id).in_(ids))
+
+
+def _statement(kind: str, flt: RecordFilter, session: Any) -> Any:
     model = RECORD_TYPES[kind]
     stmt = select(model)
     when = time_field(model)
@@ -181,6 +213,17 @@ def _statement(kind: str, flt: RecordFilter) -> Any:
         # An attempt names the backend its job ran on; a stage run or pipeline run, the one it asked for.
         owner = Attempt if kind == "attempt" else PipelineRun
         stmt = stmt.where(col(owner.backend) == flt.backend)
+    if flt.host or flt.cluster:  # where the jobs ran: an attempt itself, a run through its jobs
+        ran_there = _attempts_where(session, flt)
+        if kind == "attempt":
+            stmt = stmt.where(col(Attempt.id).in_(ran_there))
+        else:
+            stages = select(Attempt.stage_run_id).where(col(Attempt.id).in_(ran_there))
+            if kind == "stage_run":
+                stmt = stmt.where(col(StageRun.id).in_(stages))
+            else:
+                runs = select(StageRun.pipeline_run_id).where(col(StageRun.id).in_(stages))
+                stmt = stmt.where(col(PipelineRun.id).in_(runs))
     if by_run:
         # The pipeline run's own relations name its commit and its issue (wasAssociatedWith).
         run_id = col(PipelineRun.id) if kind == "pipeline_run" else col(StageRun.pipeline_run_id)
@@ -243,7 +286,7 @@ def list_records(
     with store.session() as session:
         for kind in usable:
             model = RECORD_TYPES[kind]
-            stmt = _statement(kind, flt)
+            stmt = _statement(kind, flt, session)
             matched += session.exec(select(func.count()).select_from(stmt.subquery())).one()
             when = time_field(model)
             if when is not None:

@@ -38,7 +38,15 @@ def _history(store: LineageStore) -> dict[str, str]:
             StageRun(pipeline_run_id=old.id, stage="pretrain", identity="i1", state="FAILED", started_at=OLD)
         )
         old_job = tx.add(
-            Attempt(stage_run_id=old_pre.id, backend="local", job_id="101", state="FAILED", submitted_at=OLD)
+            Attempt(
+                stage_run_id=old_pre.id,
+                backend="local",
+                job_id="101",
+                state="FAILED",
+                submitted_at=OLD,
+                host="n[01-03]",  # a job on three nodes records Slurm's NodeList
+                cluster="west",
+            )
         )
         new = tx.add(PipelineRun(recipe="marin", replica="drops", backend="slurm", state="FAILED", started_at=NOW))
         new_data = tx.add(
@@ -54,10 +62,22 @@ def _history(store: LineageStore) -> dict[str, str]:
                 job_id="7",
                 state="FAILED",
                 submitted_at=NOW - dt.timedelta(minutes=5),
+                host="gpu1",
+                tasks={"0": {"state": "FAILED", "host": "gpu1"}, "1": {"state": "FAILED", "host": "n02"}},
+                cluster="east",
             )
         )
         retry2 = tx.add(
-            Attempt(stage_run_id=new_pre.id, number=2, backend="slurm", job_id="8", state="FAILED", submitted_at=NOW)
+            Attempt(
+                stage_run_id=new_pre.id,
+                number=2,
+                backend="slurm",
+                job_id="8",
+                state="FAILED",
+                submitted_at=NOW,
+                host="n20",
+                cluster="east",
+            )
         )
         other = tx.add(
             PipelineRun(
@@ -122,6 +142,14 @@ def test_filters_reach_through_runs_on_both_databases(store: LineageStore) -> No
     assert _ids(store, KINDS, issue="#42") == {h["new"], h["new_data"], h["new_pre"], h["retry1"], h["retry2"]}
     assert _ids(store, ["pipeline_run"], issue="lab/exp#42") == {h["new"]}
     assert _ids(store, ["pipeline_run"], issue="#4") == set()  # #4 is not #42
+    # "what did node n02 (the bad GPU) touch": a node of a NodeList, or any task's host; the runs
+    # and stage runs through their jobs; n2 is not n02, nor n20
+    assert _ids(store, ["attempt"], host="n02") == {h["old_job"], h["retry1"]}
+    assert _ids(store, ["stage_run"], host="n02") == {h["old_pre"], h["new_pre"]}
+    assert _ids(store, ["pipeline_run"], host="n02") == {h["old"], h["new"]}
+    assert _ids(store, ["attempt"], host="n2") == set() and _ids(store, ["attempt"], host="n20") == {h["retry2"]}
+    assert _ids(store, ["attempt", "pipeline_run"], cluster="west") == {h["old_job"], h["old"]}
+    assert _ids(store, ["attempt"], cluster="east", host="n20") == {h["retry2"]}
     # no filter: every kind, snapshots included
     assert h["snap"] in _ids(store, KINDS)
 
@@ -168,6 +196,10 @@ def test_the_command_answers_which_pretrain_jobs_failed_this_week(run_cli, openl
         h = _history(store)
     of_issue = run_cli("lineage", "list", "-k", "pipeline_run", "--issue", "#42", "--json")
     assert [r["id"] for r in json.loads(of_issue.stdout)] == [h["new"]], of_issue.stderr
+    on_node = run_cli("lineage", "list", "-k", "pipeline_run", "--host", "n02", "--json")  # what a bad node touched
+    assert [r["id"] for r in json.loads(on_node.stdout)] == [h["new"], h["old"]], on_node.stderr
+    on_west = run_cli("lineage", "usage", "--cluster", "west", "--json")
+    assert json.loads(on_west.stdout)["total"]["attempts"] == 1, on_west.stdout + on_west.stderr
     out = run_cli("lineage", "list", "--stage", "pretrain", "--state", "FAILED", "--since", "7d", "--json")
     assert out.returncode == 0, out.stderr
     assert {(r["kind"], r["id"]) for r in json.loads(out.stdout)} == {
