@@ -50,6 +50,22 @@ def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> 
 
 
 @pytest.mark.parametrize(
+    ("nodelist", "hosts"),
+    [
+        ("n[01-03,07],gpu1", ["n01", "n02", "n03", "n07", "gpu1"]),  # padding kept, ranges and singles
+        ("a[9-11]", ["a9", "a10", "a11"]),
+        ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+        ("localhost", ["localhost"]),
+        ("", []),
+    ],
+)
+def test_a_slurm_nodelist_names_every_node(nodelist: str, hosts: list[str]) -> None:
+    from orchestrator.launchers.slurm import expand_hostlist
+
+    assert expand_hostlist(nodelist) == hosts
+
+
+@pytest.mark.parametrize(
     ("text", "seconds"),
     [
         ("90", 90),
