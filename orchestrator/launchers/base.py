@@ -274,7 +274,7 @@ class Launcher(ABC):
     #: Every option this backend reads (``[backends.NAME]`` keys, a job's ``-o``, a recipe's stage
     #: options): any other name is refused by :meth:`check_options`, since a misspelt one
     #: (``partiton``) would otherwise be ignored without a word and the job run somewhere else.
-    known_options: frozenset[str] = frozenset({"poll_interval", "python"})
+    known_options: frozenset[str] = frozenset({"poll_interval", "python", "cluster"})
 
     def __init__(self, settings: Settings | None = None, config: Mapping[str, Any] | None = None) -> None:
         from orchestrator.settings import load_settings
@@ -299,7 +299,11 @@ class Launcher(ABC):
         local jobs. Each attempt records it, so lineage answers "which job on which cluster",
         and a recorded job is never asked of (or cancelled on) a cluster that did not run it:
         job 4711 on one Slurm cluster is someone else's job on the next. Asked once per
-        launcher; None when the backend cannot say (it is down), which refuses nothing."""
+        launcher; None when the backend cannot say (it is down), which refuses nothing.
+        ``[backends.NAME] cluster = "coreweave-east"`` names it instead, where the backend's own
+        name is an address (a Kubernetes API server) or several sites share one name."""
+        if self.config.get("cluster"):
+            return str(self.config["cluster"])
         try:
             return self._find_cluster()
         except Exception as exc:  # noqa: BLE001 - where is informative; the job's own calls say what is wrong
@@ -387,6 +391,11 @@ class Launcher(ABC):
         why = self.cannot_run(spec.nodes, spec.tasks_per_node)
         if why:
             raise ConfigError(why)
+        if "cluster" in spec.options:  # where the backend is, not something one job may choose
+            raise ConfigError(
+                f"cluster is a [backends.{self.name}] setting, the name this openlab gives the place its "
+                f"{self.name} jobs run, not an option of one job: set it in openlab.toml"
+            )
         self.check_options({**self.config, **spec.options})
 
     @abstractmethod

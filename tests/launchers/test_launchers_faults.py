@@ -26,6 +26,7 @@ from orchestrator.launchers import (
     JobState,
     JobTimeout,
     LauncherError,
+    OtherCluster,
     get_launcher,
     parse_duration,
     parse_memory,
@@ -766,6 +767,29 @@ def test_job_commands_and_the_reaper_leave_a_job_of_another_cluster_alone(store:
         assert launcher.status(handle).state is JobState.RUNNING
     finally:
         launcher.cancel(handle)
+
+
+def test_a_cluster_named_in_the_settings_is_what_attempts_record(store: LineageStore, tmp_path: Path) -> None:
+    """A Kubernetes cluster's own name is its API server's address: `[backends.NAME] cluster`
+    gives it the lab's name, recorded on each attempt; one job cannot claim another cluster."""
+    config = tmp_path / "openlab.toml"
+    config.write_text('[backends.local]\ncluster = "lab-a"\n')
+    done = cli("job", "run", "-q", "--backend", "local", "--", "true", env={"OPENLAB_CONFIG": str(config)})
+    assert done.returncode == 0, done.stderr
+    (attempt,) = store.list(Attempt)
+    assert attempt.cluster == "lab-a"
+    refused = cli("job", "run", "--backend", "local", "-o", "cluster=lab-b", "--", "true")
+    assert refused.returncode == 2 and refused.stderr.strip() == (
+        "error: cluster is a [backends.local] setting, the name this openlab gives the place its local jobs "
+        "run, not an option of one job: set it in openlab.toml"
+    ), refused.stderr
+    assert len(store.list(Attempt)) == 1, "nothing recorded for the refused job"
+    named = get_launcher("local", cluster="lab-a")
+    with pytest.raises(OtherCluster, match="ran on local cluster 'lab-b'"):
+        with store.transaction() as tx:
+            other = tx.add(Attempt(backend="local", job_id=attempt.job_id, cluster="lab-b"))
+        handle_from_attempt(other, named)
+    assert run_job(store, named, JobSpec(name="x", command=["true"]))[0].cluster == "lab-a"
 
 
 def test_cli_job_run_status_logs_cancel(store: LineageStore) -> None:
