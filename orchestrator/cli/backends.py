@@ -36,25 +36,31 @@ def check_cmd(
     names = backend or configured_backends(settings)
     results = []
     for name in names:
+        cluster = None
         try:
-            ok, detail = get_launcher(name, settings).check()
+            launcher = get_launcher(name, settings)
+            ok, detail = launcher.check()
+            cluster = launcher.cluster if ok else None  # the name its attempts will record
         except OpenlabError as exc:
             if name not in configured_backends(settings) and "unknown backend" in str(exc):
                 raise
             ok, detail = False, str(exc)
         except Exception as exc:  # noqa: BLE001 - one broken backend must not hide the others
             ok, detail = False, f"{type(exc).__name__}: {exc}"
-        results.append({"backend": name, "default": name == default, "reachable": ok, "detail": detail})
+        results.append(
+            {"backend": name, "default": name == default, "reachable": ok, "cluster": cluster, "detail": detail}
+        )
     if as_json:
         print_json(results)
     else:
         from rich.markup import escape
         from rich.table import Table
 
-        table = Table("backend", "reachable", "detail")
+        table = Table("backend", "reachable", "cluster", "detail")
         for row in results:
             name = f"{row['backend']} (default)" if row["default"] else row["backend"]
-            table.add_row(name, "[green]yes[/]" if row["reachable"] else "[red]no[/]", escape(row["detail"]))
+            reachable = "[green]yes[/]" if row["reachable"] else "[red]no[/]"
+            table.add_row(name, reachable, escape(row["cluster"] or ""), escape(row["detail"]))
         console.print(table)
     if strict and not all(r["reachable"] for r in results):
         raise typer.Exit(1)

@@ -917,6 +917,8 @@ def test_cli_backends_check_json(tmp_path: Path) -> None:
     assert rows["local"]["reachable"] is True
     assert rows["kubernetes"]["reachable"] is False and "not reachable" in rows["kubernetes"]["detail"]
     assert rows["local"]["default"] is True and rows["kubernetes"]["default"] is False  # no [backends] default: local
+    # the name each backend's attempts will record as where they ran; none for one that is down
+    assert rows["local"]["cluster"] == os.uname().nodename and rows["kubernetes"]["cluster"] is None
     table = cli("backends", "check", "local", env={"OPENLAB_BACKENDS__DEFAULT": "Local", "COLUMNS": "120"})
     assert "local (default)" in table.stdout, table.stdout
 
