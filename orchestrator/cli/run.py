@@ -105,6 +105,11 @@ class _Display:
                 self.progress.update(task, total=total, completed=done)
 
 
+def _job_where(r: Any) -> str:
+    """``4711 on west``: a stage's job and the cluster it ran on (its id alone names nothing)."""
+    return f"{r.job_id} on {r.cluster}" if r.job_id and r.cluster else r.job_id or ""
+
+
 def _summary_table(result: Any) -> Table:
     table = Table(title=f"pipeline run {result.pipeline_run.id}: {result.state}", title_justify="left")
     for column in ("stage", "state", "stage run", "identity", "reused from / job", "s", "why"):
@@ -116,7 +121,7 @@ def _summary_table(result: Any) -> Table:
             f"[{style}]{r.state}[/]",
             r.stage_run_id,
             r.identity[:16],
-            r.reused_from or r.job_id or "",
+            r.reused_from or _job_where(r),
             f"{r.seconds:.2f}",
             escape(r.reason),
         )
@@ -138,7 +143,7 @@ def _summary_blocks(result: Any) -> None:
                 f"{r.stage_run_id}  {r.seconds:.2f} s",
             )
         )
-        source = f"reused from {r.reused_from}" if r.reused_from else (f"job {r.job_id}" if r.job_id else "")
+        source = f"reused from {r.reused_from}" if r.reused_from else (f"job {_job_where(r)}" if r.job_id else "")
         console.print(Padding(Text(f"identity {r.identity[:16]}" + (f" · {source}" if source else "")), (0, 0, 0, 4)))
         if r.reason:
             console.print(Padding(Text(r.reason), (0, 0, 0, 4)))

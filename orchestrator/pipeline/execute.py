@@ -239,6 +239,7 @@ class StageResult:
             "reused_from": self.reused_from,
             "attempt_id": self.attempt_id,
             "job_id": self.job_id,
+            "cluster": self.cluster,
             "seconds": round(self.seconds, 3),
         }
 

@@ -418,6 +418,8 @@ def test_run_at_a_terminal_shows_live_progress_and_the_summary(run_cli_tty, run_
     assert "Traceback" not in out
     assert "pipeline run prun_" in out and "COMPLETED" in out  # the summary table
     assert "tokenize" in out and "lineage: openlab lineage show prun_" in out
+    host = re.escape(os.uname().nodename)  # each stage's job, and the cluster it ran on (a local job: this host)
+    assert re.search(rf"local-[0-9a-f]{{12}} on {host}", out), out[-3000:]
 
     # 80 columns, or a pipe: a block per stage, its run ids whole (they are copied into lineage show)
     again = run_cli("run", "marin-535b-a23b", "--replica", "drops-tiny", "--until", "tokenize", env={"COLUMNS": "80"})
