@@ -266,7 +266,7 @@ def list_cmd(
     """
     from sqlmodel import col
 
-    from orchestrator.cli.output import compact_table, console, print_json, say
+    from orchestrator.cli.output import compact_table, console, narrow, print_json, say
     from orchestrator.launchers import get_launcher
     from orchestrator.launchers.attempts import handle_from_attempt, lineage_state
     from orchestrator.lineage.listing import known_backend
@@ -323,7 +323,8 @@ def list_cmd(
         return
     now = utcnow()
     table = compact_table("openlab jobs out now")
-    for header in ("attempt", "backend", "job", "stage", "state", "host", "age"):
+    wide = not narrow()  # the cluster too where there is room (--json always has it)
+    for header in ("attempt", "backend", *(("cluster",) if wide else ()), "job", "stage", "state", "host", "age"):
         table.add_column(header, no_wrap=True)
     for row in rows:
         submitted = row["submitted_at"]
@@ -331,6 +332,7 @@ def list_cmd(
         table.add_row(
             row["attempt"],
             row["backend"],
+            *((row["cluster"] or "",) if wide else ()),
             row["job_id"] or "",
             row["stage"] or "",
             row["state"],

@@ -844,6 +844,9 @@ def test_cli_job_run_status_logs_cancel(store: LineageStore) -> None:
     assert (out_now["attempt"], out_now["state"], out_now["job_id"]) == (running[0].id, "RUNNING", running[0].job_id)
     table = cli("job", "list", env={"COLUMNS": "80"}).stdout  # type: ignore[arg-type]
     assert re.search(rf"^{running[0].id} +local +{running[0].job_id} +RUNNING +\S+ +\d+s *$", table, re.M), table
+    wide = cli("job", "list", env={"COLUMNS": "140"}).stdout  # where there is room, the cluster too
+    here = re.escape(os.uname().nodename)
+    assert re.search(rf"^{running[0].id} +local +{here} +{running[0].job_id} +RUNNING ", wide, re.M), wide
     cancelled = cli("job", "cancel", running[0].id)
     assert cancelled.returncode == 0, cancelled.stderr
     assert runner.wait(30) == 143  # the runner exits with the job's code: 128 + SIGTERM
