@@ -254,6 +254,7 @@ def test_diff_of_two_pipeline_runs_says_what_went_in_differently_and_how_the_res
 
         t1 = stage(night1, tok, metrics={"tokens": 1000})
         stage(night1, old_pt, metrics=done)
+        stage(night1, compute_identity("eval", {}, inputs={"model": old_pt.digest}), metrics=done)  # night 2 stopped
         stage(night2, tok, state="REUSED", reused_from=t1.id)  # no metrics of its own: t1's are its
         stage(night2, new_pt, metrics=moved)
     shown = run_cli("lineage", "diff", night1.id, night2.id, "--metric", "eval/*/loss", "-m", "moe/*", "-m", "new/*")
@@ -267,6 +268,7 @@ def test_diff_of_two_pipeline_runs_says_what_went_in_differently_and_how_the_res
         "    eval/code/loss     5.25 -> 5.5  (+0.25, +4.76%)",
         "    moe/drop_fraction  0.031 -> 0.045  (+0.014, +45.16%)",
         "    new/x              - -> 1",
+        f"eval: only in {night1.id} (the other run did not run it: no metrics to compare)",
     ], lines
     data = json.loads(run_cli("lineage", "diff", night1.id, night2.id, "-m", "*", "--json").stdout)
     assert data["changes"]["tokenize"] == [] and data["metrics"]["tokenize"] == []  # reused: the same numbers
