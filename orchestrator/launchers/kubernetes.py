@@ -317,7 +317,9 @@ class KubernetesLauncher(Launcher):
 
     # -- connection -------------------------------------------------------------------
     def _find_cluster(self) -> str | None:
-        """The API server's address: what a Job's name is unique within (with its namespace)."""
+        """The API server's address: what a Job's name is unique within (with its namespace). From
+        inside a pod every cluster's is the same service address (``https://10.96.0.1:443``):
+        there ``[backends.kubernetes] cluster`` should name it."""
         return str(self.api_client.configuration.host).rstrip("/") or None
 
     @property
