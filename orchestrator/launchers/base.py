@@ -302,8 +302,10 @@ class Launcher(ABC):
         launcher; None when the backend cannot say (it is down), which refuses nothing.
         ``[backends.NAME] cluster = "coreweave-east"`` names it instead, where the backend's own
         name is an address (a Kubernetes API server) or several sites share one name."""
-        if self.config.get("cluster"):
-            return str(self.config["cluster"])
+        return str(self.config["cluster"]) if self.config.get("cluster") else self._found_cluster
+
+    @functools.cached_property
+    def _found_cluster(self) -> str | None:
         try:
             return self._find_cluster()
         except Exception as exc:  # noqa: BLE001 - where is informative; the job's own calls say what is wrong
@@ -317,9 +319,12 @@ class Launcher(ABC):
     def check_cluster(self, cluster: str | None, what: str) -> None:
         """Raise :class:`OtherCluster` when ``what`` (``attempt att_… (job 4711)``) ran on
         ``cluster`` and this launcher talks to another one. Nothing is refused when either
-        side is unknown (an attempt recorded before clusters were, a backend that is down)."""
+        side is unknown (an attempt recorded before clusters were, a backend that is down), nor
+        for the backend's own name of a cluster since named by the ``cluster`` setting (jobs
+        recorded before the setting was made)."""
         here = self.cluster if cluster else None
-        if cluster and here and here != cluster:
+        own = self._found_cluster if cluster and self.config.get("cluster") else None
+        if cluster and here and cluster not in (here, own):
             raise OtherCluster(
                 f"{what} ran on {self.name} cluster {cluster!r}, and this openlab's {self.name} backend "
                 f"talks to {here!r}: ask from where [backends.{self.name}] reaches {cluster!r}"

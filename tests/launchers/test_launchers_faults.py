@@ -789,6 +789,9 @@ def test_a_cluster_named_in_the_settings_is_what_attempts_record(store: LineageS
         with store.transaction() as tx:
             other = tx.add(Attempt(backend="local", job_id=attempt.job_id, cluster="lab-b"))
         handle_from_attempt(other, named)
+    with store.transaction() as tx:  # recorded under the backend's own name, before the setting named it
+        before = tx.add(Attempt(backend="local", job_id=attempt.job_id, cluster=os.uname().nodename))
+    assert handle_from_attempt(before, named).job_id == attempt.job_id
     assert run_job(store, named, JobSpec(name="x", command=["true"]))[0].cluster == "lab-a"
 
 
