@@ -328,6 +328,49 @@ def _linked(store: Any, record: Any) -> dict[str, str]:
     return out
 
 
+@app.command("affected")
+def affected_cmd(
+    host: HostOpt = None,
+    cluster: ClusterOpt = None,
+    backend: BackendOpt = None,
+    since: SinceOpt = None,
+    until: UntilOpt = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """What a machine (--host) or cluster (--cluster) touched: the stage runs with a job there, every
+    output they made, and every later stage, output and run made from those.
+
+    For the node found with bad GPU memory: `openlab lineage affected --host n17 --since 30d` is the
+    list of checkpoints to distrust and the runs to redo. Any job there counts, a failed one too: a
+    retry elsewhere may have resumed from what it wrote.
+    """
+    from orchestrator.lineage.affected import affected
+
+    if not host and not cluster:
+        raise ConfigError("say where: --host (a machine) or --cluster; see openlab lineage affected --help")
+    report = affected(_open(), _record_filter(locals()))
+    if json_out:
+        print_json(report.to_dict())
+        return
+    if not report.made_there:
+        say("no stage run had a job there" + (" in that time" if since or until else ""))
+        return
+    say(f"made there ({len(report.made_there)} stage run(s)):")
+    for t in report.made_there:
+        say(f"  {t.record.id}  {t.record.stage} {t.record.state}: {t.why}")
+    say(f"outputs to distrust ({len(report.outputs)}):")
+    for t in report.outputs:
+        say(f"  {t.record.id}  {t.record.name} {t.record.uri}  ({t.why})")
+    if report.stage_runs:
+        say(f"later stage runs made from them ({len(report.stage_runs)}):")
+        for t in report.stage_runs:
+            say(f"  {t.record.id}  {t.record.stage} {t.record.state}  ({t.why})")
+    say(f"pipeline runs affected ({len(report.pipeline_runs)}):")
+    for t in report.pipeline_runs:
+        run = t.record
+        say(f"  {run.id}  {run.recipe or run.name}:{run.replica or '-'} {run.state}")
+
+
 @app.command("diff")
 def diff_cmd(
     a: Annotated[str, typer.Argument(help="First stage run or pipeline run id (the earlier: changes read a -> b).")],

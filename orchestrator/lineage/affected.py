@@ -1,0 +1,118 @@
+"""What a bad machine or cluster touched: the outputs its jobs made and everything made from them.
+
+A node turns out to have had bad GPU memory, a driver that miscomputed, a filesystem that lost
+writes. The lab needs the list of checkpoints and token shards to distrust, and the later stages
+and runs that consumed them: ``openlab lineage affected --host n17 --since 30d``.
+
+The stage runs to start from are those with a job that ran there (``lineage list --host``, any
+attempt: a retry that finished elsewhere may have resumed from a checkpoint the bad node wrote).
+From each, every output is followed down its lineage (:func:`orchestrator.lineage.trace.trace`),
+and a stage run that *reused* an affected one is affected too, with the pipeline runs they belong to.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlmodel import col
+
+from orchestrator.lineage.listing import RecordFilter, list_records
+from orchestrator.lineage.models import Artifact, Attempt, PipelineRun, StageRun
+from orchestrator.lineage.store import LineageStore
+from orchestrator.lineage.trace import TraceNode, trace
+
+
+@dataclass
+class Tainted:
+    """One affected record and why: the job that ran there, or the record it came from."""
+
+    record: Any
+    why: str
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"kind": self.record.kind, "id": self.record.id, "why": self.why}
+        if isinstance(self.record, Artifact):
+            out |= {"name": self.record.name, "uri": self.record.uri}
+        if isinstance(self.record, StageRun):
+            out |= {"stage": self.record.stage, "state": self.record.state}
+        return out
+
+
+@dataclass
+class AffectedReport:
+    """Stage runs with a job there, and what descends from them, each in the order found."""
+
+    made_there: list[Tainted] = field(default_factory=list)
+    outputs: list[Tainted] = field(default_factory=list)
+    stage_runs: list[Tainted] = field(default_factory=list)
+    pipeline_runs: list[Tainted] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "made_there": [t.to_dict() for t in self.made_there],
+            "outputs": [t.to_dict() for t in self.outputs],
+            "stage_runs": [t.to_dict() for t in self.stage_runs],
+            "pipeline_runs": [t.to_dict() for t in self.pipeline_runs],
+        }
+
+
+def affected(store: LineageStore, flt: RecordFilter) -> AffectedReport:
+    """What the jobs that ``flt`` picks (``--host``, ``--cluster``, times...) made, and what was
+    made from it. A stage run that started before the job it would descend from was submitted is
+    left out, with what hangs below it: outputs are content-addressed, so a bad job that wrote the
+    same bytes as an earlier good one links to that one's consumers, which never saw its output."""
+    report = AffectedReport()
+    jobs: list[Attempt] = list_records(store, ["attempt"], flt, limit=None, strict=True).records
+    seen: set[str] = set()
+    stage_runs: dict[str, StageRun] = {}
+    queue: list[tuple[StageRun, dt.datetime]] = []  # (stage run, when what it passes on was made)
+    for job in sorted(jobs, key=lambda a: _utc(a.submitted_at)):
+        source = store.get(StageRun, job.stage_run_id) if job.stage_run_id else None
+        if source is None or source.id in seen:
+            continue
+        seen.add(source.id)
+        where = f" on {job.host}" if job.host else ""
+        where += f" of {job.cluster}" if job.cluster not in (None, job.host) else ""  # local: its host
+        report.made_there.append(Tainted(source, f"its job {job.job_id} (attempt {job.id}, {job.state}) ran{where}"))
+        stage_runs[source.id] = source
+        queue.append((source, _utc(job.submitted_at)))
+
+    def visit(node: TraceNode, since: dt.datetime) -> None:
+        for child in node.children:
+            record = child.record
+            if child.repeated or (isinstance(record, StageRun) and _utc(record.started_at) < since):
+                continue  # expanded elsewhere in this tree; or ran before the bad output existed
+            if child.id not in seen:
+                seen.add(child.id)
+                if isinstance(record, Artifact):
+                    report.outputs.append(Tainted(record, f"made by {node.id}"))
+                elif isinstance(record, StageRun):
+                    report.stage_runs.append(Tainted(record, f"used {node.id}"))
+                    stage_runs[record.id] = record
+            visit(child, since)
+
+    while queue:
+        start, since = queue.pop(0)
+        visit(trace(store, start.id, direction="down"), since)
+        for reuser in store.list(StageRun, where=[col(StageRun.reused_from) == start.id]):
+            if reuser.id not in seen:  # a later run took this stage's outputs as they were
+                seen.add(reuser.id)
+                report.stage_runs.append(Tainted(reuser, f"reused {start.id}"))
+                stage_runs[reuser.id] = reuser
+                queue.append((reuser, since))
+    for srun in stage_runs.values():
+        if srun.pipeline_run_id and srun.pipeline_run_id not in seen:
+            seen.add(srun.pipeline_run_id)
+            run = store.get(PipelineRun, srun.pipeline_run_id)
+            if run is not None:
+                report.pipeline_runs.append(Tainted(run, f"has {srun.stage} {srun.id}"))
+    return report
+
+
+def _utc(when: dt.datetime) -> dt.datetime:
+    return when if when.tzinfo else when.replace(tzinfo=dt.UTC)  # the store writes UTC; SQLite drops the zone
+
+
+__all__ = ["AffectedReport", "Tainted", "affected"]

@@ -1,0 +1,93 @@
+"""`lineage affected`: what a bad node touched, from the jobs that ran there down to the runs."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from typing import Any
+
+from orchestrator.lineage import Artifact, Attempt, LineageStore, PipelineRun, StageRun, utcnow
+from orchestrator.lineage.affected import affected
+from orchestrator.lineage.listing import RecordFilter
+
+T0 = utcnow() - dt.timedelta(days=3)
+
+
+def _at(hours: float) -> dt.datetime:
+    return T0 + dt.timedelta(hours=hours)
+
+
+def _history(store: LineageStore) -> dict[str, Any]:
+    """A pretrain whose first attempt ran on n17 (the bad node) and whose retry finished on n18; a
+    midtrain made from its checkpoint; a later run that reused it; a stage that read the same
+    checkpoint content before the bad job existed; a run that never touched n17."""
+    with store.transaction() as tx:
+        early_run = tx.add(PipelineRun(recipe="r", replica="tiny", backend="slurm", started_at=_at(0)))
+        run = tx.add(PipelineRun(recipe="r", replica="tiny", backend="slurm", started_at=_at(10)))
+        later = tx.add(PipelineRun(recipe="r", replica="tiny", backend="slurm", started_at=_at(20)))
+        clean = tx.add(PipelineRun(recipe="r", replica="small", backend="slurm", started_at=_at(30)))
+
+        def stage(owner: PipelineRun, name: str, hours: float, **kw: Any) -> StageRun:
+            return tx.add(
+                StageRun(pipeline_run_id=owner.id, stage=name, identity=f"{name}-{hours}", started_at=_at(hours), **kw)
+            )
+
+        def job(srun: StageRun, hours: float, host: str, number: int = 1, state: str = "COMPLETED") -> Attempt:
+            kw = {"backend": "slurm", "cluster": "west", "host": host, "state": state}
+            return tx.add(
+                Attempt(stage_run_id=srun.id, number=number, job_id=f"{number}{hours}", submitted_at=_at(hours), **kw)
+            )
+
+        early = stage(early_run, "eval", 1)
+        pre = stage(run, "pretrain", 10)
+        job(pre, 10, "n17", state="FAILED")
+        job(pre, 11, "n18", number=2)  # resumed from what the first attempt wrote on n17
+        ckpt = tx.add(Artifact(name="pretrain/out", artifact_type="folder", uri="/ckpt/pre", content_hash="c" * 64))
+        tx.relate("wasGeneratedBy", ckpt, pre)
+        tx.relate("used", early, ckpt, role="checkpoint")  # the same content, read before the bad job ran
+        mid = stage(run, "midtrain", 12)
+        job(mid, 12, "n18")
+        tx.relate("used", mid, ckpt, role="checkpoint")
+        mid_out = tx.add(Artifact(name="midtrain/out", artifact_type="folder", uri="/ckpt/mid", content_hash="d" * 64))
+        tx.relate("wasGeneratedBy", mid_out, mid)
+        reused = stage(later, "pretrain", 20, state="REUSED", reused_from=pre.id)
+        other = stage(clean, "pretrain", 30)
+        job(other, 30, "n[18-19]")
+    return {k: v.id for k, v in locals().items() if isinstance(v, PipelineRun | StageRun | Artifact)}
+
+
+def test_what_a_bad_node_touched_is_every_output_made_from_its_jobs_and_the_runs_that_used_them(
+    store: LineageStore,
+) -> None:
+    h = _history(store)
+    report = affected(store, RecordFilter.from_options(host="n17"))
+    assert [t.record.id for t in report.made_there] == [h["pre"]]
+    assert "ran on n17 of west" in report.made_there[0].why and "FAILED" in report.made_there[0].why
+    assert [t.record.id for t in report.outputs] == [h["ckpt"], h["mid_out"]]
+    assert {t.record.id: t.why for t in report.stage_runs} == {
+        h["mid"]: f"used {h['ckpt']}",
+        h["reused"]: f"reused {h['pre']}",  # a later run took the checkpoint as it was
+    }
+    # the run that read the same checkpoint content before the bad job was submitted is not affected
+    assert {t.record.id for t in report.pipeline_runs} == {h["run"], h["later"]}
+    assert affected(store, RecordFilter.from_options(host="n19")).made_there[0].record.id == h["other"]
+    assert affected(store, RecordFilter.from_options(host="n17", since="1h")).made_there == []
+
+
+def test_the_command(run_cli, openlab_home) -> None:
+    from orchestrator.lineage import open_store
+
+    with open_store() as store:
+        h = _history(store)
+    shown = run_cli("lineage", "affected", "--host", "n17", env={"COLUMNS": "200"})
+    assert shown.returncode == 0, shown.stderr
+    assert f"  {h['ckpt']}  pretrain/out /ckpt/pre  (made by {h['pre']})" in shown.stdout, shown.stdout
+    assert "pipeline runs affected (2):" in shown.stdout
+    data = json.loads(run_cli("lineage", "affected", "--cluster", "west", "--json").stdout)
+    assert {o["id"] for o in data["outputs"]} == {h["ckpt"], h["mid_out"]}
+    nowhere = run_cli("lineage", "affected", "--host", "n99")
+    assert nowhere.returncode == 0 and nowhere.stdout.strip() == "no stage run had a job there"
+    unsaid = run_cli("lineage", "affected")
+    assert unsaid.returncode == 2 and unsaid.stderr.strip() == (
+        "error: say where: --host (a machine) or --cluster; see openlab lineage affected --help"
+    )
