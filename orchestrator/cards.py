@@ -20,6 +20,7 @@ from typing import Any
 
 from sqlmodel import col
 
+from orchestrator.identity import source_file
 from orchestrator.lineage.diff import Section
 from orchestrator.lineage.models import (
     Attempt,
@@ -430,8 +431,8 @@ def render_changes(sections: Iterable[Section], before: str, after: str, limit: 
             where = "only in this run" if section.fields[0]["old"] is None else f"only in `{before}`"
             lines.append(f"- **{md_cell(section.name)}**: {where}")
             continue
-        code = [c["path"].removeprefix("code.") for c in section.fields if str(c["path"]).startswith("code.")]
-        rest = [c for c in section.fields if not str(c["path"]).startswith("code.")]
+        code = [f for c in section.fields if (f := source_file(str(c["path"])))]
+        rest = [c for c in section.fields if source_file(str(c["path"])) is None]
         parts = [f"`{md_cell(c['path'])}` {_short(c['old'])} → {_short(c['new'])}" for c in rest]
         if code:
             touched = ""

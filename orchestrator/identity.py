@@ -120,6 +120,13 @@ class FieldChange:
         return f"{self.path}: {_short(self.old)} -> {_short(self.new)}"
 
 
+def source_file(path: str) -> str | None:
+    """The source file an identity field is the tree hash of (``code.workloads/moe/train.py``:
+    ``workloads/moe/train.py``), None for any other field: what a diff, a dry run and a nightly's
+    verdict name, and look up the commits of, when a stage's code changed."""
+    return path.removeprefix("code.") if str(path).startswith("code.") else None
+
+
 def _short(value: Any) -> str:
     text = repr(value) if not isinstance(value, str) else value
     return text if len(text) <= 24 or not isinstance(value, str) else f"{text[:12]}…"

@@ -21,7 +21,7 @@ from typing import Any
 from sqlmodel import col
 
 from orchestrator.errors import OpenlabError
-from orchestrator.identity import diff_identities
+from orchestrator.identity import diff_identities, source_file
 from orchestrator.lineage.models import Commit, LineageRecord, PipelineRun, Relation, StageRun
 from orchestrator.lineage.store import LineageStore, record_payload
 from orchestrator.tolerances import as_number
@@ -150,7 +150,7 @@ def commit_of(store: LineageStore, record: LineageRecord) -> Commit | None:
 
 def _code_commits(section: Section, old: Commit | None, new: Commit | None) -> None:
     """Fill ``section``'s commit range and the commits that touched its changed source files."""
-    paths = [str(c["path"]).removeprefix("code.") for c in section.fields if str(c["path"]).startswith("code.")]
+    paths = [f for c in section.fields if (f := source_file(str(c["path"])))]
     if not paths or old is None or new is None:
         return
     from orchestrator.provenance.git import commits_touching  # git only when code changed

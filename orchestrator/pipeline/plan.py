@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.cards import md_cell
-from orchestrator.identity import compute_identity, diff_identities
+from orchestrator.identity import compute_identity, diff_identities, source_file
 from orchestrator.lineage import leases
 from orchestrator.lineage.store import LineageStore
 from orchestrator.pipeline.dag import Pipeline, moe_pipeline
@@ -127,7 +127,7 @@ def plan(
                     old["inputs"] = old_inputs
                 fields = diff_identities(old, identity.fields())
                 changes = describe_changes(fields)
-                code = [c.path.removeprefix("code.") for c in fields if c.path.startswith("code.")]
+                code = [f for c in fields if (f := source_file(c.path))]
                 commits = _commits_since(store, previous, prov.git, code) if code else []
             else:
                 commits = []
