@@ -427,8 +427,8 @@ def render_changes(sections: Iterable[Section], before: str, after: str, limit: 
         if not section.fields:
             unchanged.append(section.name)
             continue
-        if [c["path"] for c in section.fields] == ["stage"]:  # a stage only one of the two runs had
-            where = "only in this run" if section.fields[0]["old"] is None else f"only in `{before}`"
+        if section.only_in:  # a stage only one of the two runs had
+            where = f"only in `{before}`" if section.only_in == before else "only in this run"
             lines.append(f"- **{md_cell(section.name)}**: {where}")
             continue
         code = [f for c in section.fields if (f := source_file(str(c["path"])))]

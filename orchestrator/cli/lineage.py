@@ -410,9 +410,8 @@ def diff_cmd(
         print_json(out)
         return
     for section in sections:
-        if [c["path"] for c in section.fields] == ["stage"]:  # a stage one of the runs did not run
-            only = left.id if section.fields[0]["new"] is None else right.id
-            say(f"{section.name}: only in {only} (the other run did not run it: no metrics to compare)")
+        if section.only_in:  # a stage one of the runs did not run
+            say(f"{section.name}: only in {section.only_in} (the other run did not run it: no metrics to compare)")
             continue
         if not section.fields:
             console.print(f"[green]{escape(section.name)}: identical[/]")

@@ -103,6 +103,9 @@ class Section:
     #: ``(sha, subject)`` of the commits in that range that touched the changed code, newest first;
     #: None when the repository or a commit is not on this machine.
     commits: list[tuple[str, str]] | None = None
+    #: The id of the one run that ran this stage, when the other did not (``fields`` then holds
+    #: the single change ``stage``, present on one side only, which ``--json`` keeps).
+    only_in: str | None = None
 
 
 def previous_run(store: LineageStore, run: PipelineRun) -> PipelineRun | None:
@@ -186,7 +189,8 @@ def diff_records(
     sections = []
     for stage, (a, b) in pairs.items():
         if a is None or b is None:
-            section = Section(stage, [{"path": "stage", "old": stage if a else None, "new": stage if b else None}])
+            fields = [{"path": "stage", "old": stage if a else None, "new": stage if b else None}]
+            section = Section(stage, fields, only_in=left.id if a is not None else right.id)
         else:
             section = Section(stage, [c.__dict__ for c in diff_identities(a.identity_fields, b.identity_fields)])
             _code_commits(section, commit_of(store, a), commit_of(store, b))  # a stage run's, else its run's

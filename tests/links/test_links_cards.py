@@ -135,6 +135,9 @@ def test_the_changes_a_nightly_verdict_lists_name_source_files_and_short_hashes(
                 )
         runs.append(run)
     before, after = runs
+    with store.transaction() as tx:  # a stage each run alone ran
+        tx.add(StageRun(pipeline_run_id=after.id, stage="eval", identity="e"))
+        tx.add(StageRun(pipeline_run_id=before.id, stage="data", identity="d"))
     lines = render_changes(diff_records(store, before, after), before.id, after.id)
     assert (
         lines[0] == f"**What went in differently** since `{before.id}` (`openlab lineage diff {before.id} {after.id}`):"
@@ -142,6 +145,8 @@ def test_the_changes_a_nightly_verdict_lists_name_source_files_and_short_hashes(
     assert lines[2:] == [
         "- **pretrain**: source `workloads/moe/dispatch.py`; `config.lr` `0.01` → `0.02`; "
         f"`inputs.tokens` `{'c' * 12}` → `{'e' * 12}`",
+        "- **eval**: only in this run",
+        f"- **data**: only in `{before.id}`",
         "- unchanged: tokenize",
     ], lines
 
