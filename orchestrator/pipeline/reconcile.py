@@ -93,9 +93,10 @@ def is_stale(store: LineageStore, run: StageRun) -> bool:
 def _judge(
     store: LineageStore, run: StageRun, settings: Settings, *, cancel: bool = True
 ) -> tuple[str, str, Attempt | None, Any]:
-    """(state, reason, last attempt, backend status) for a stale stage run; ``cancel=False`` only asks."""
+    """(state, reason, last attempt, backend status) for a stale stage run; ``cancel=False`` only asks.
+    RUNNING: left as it is, its job being on a cluster this openlab does not reach."""
     from orchestrator.launchers.attempts import handle_from_attempt, lineage_state
-    from orchestrator.launchers.base import JobState, LauncherError, get_launcher
+    from orchestrator.launchers.base import JobState, LauncherError, OtherCluster, get_launcher
 
     attempts = store.list(Attempt, stage_run_id=run.id, order_by=col(Attempt.number).desc(), limit=1)
     if not attempts:
@@ -107,7 +108,10 @@ def _judge(
         launcher = get_launcher(attempt.backend, settings)
     except LauncherError as exc:
         return "LOST", f"backend {attempt.backend} cannot report job {attempt.job_id}: {exc}", attempt, None
-    handle = handle_from_attempt(attempt, launcher)  # OtherCluster: not this reaper's to judge
+    try:
+        handle = handle_from_attempt(attempt, launcher)
+    except OtherCluster as exc:  # its job is on a cluster this openlab does not reach: not this reaper's to judge
+        return "RUNNING", str(exc), attempt, None
     try:
         status = launcher.status(handle)
     except LauncherError as exc:
@@ -151,21 +155,17 @@ def reconcile(store: LineageStore, *, settings: Settings | None = None, dry_run:
     its state, and the result says what a real reconcile would record.
     """
     from orchestrator.launchers.attempts import finish_attempt
-    from orchestrator.launchers.base import JobState, JobStatus, OtherCluster
+    from orchestrator.launchers.base import JobState, JobStatus
 
     settings = settings or load_settings()
     done: list[Reconciled] = []
     for run in store.list(StageRun, state="RUNNING"):
         if not is_stale(store, run):
             continue
-        try:
-            state, reason, attempt, status = _judge(store, run, settings, cancel=not dry_run)
-        except OtherCluster as exc:  # its job is on a cluster this openlab does not reach: left as it is
-            log.warning("left stage run %s (%s) running: %s", run.id, run.stage, exc)
-            job = store.list(Attempt, stage_run_id=run.id, order_by=col(Attempt.number).desc(), limit=1)
-            done.append(Reconciled(run.id, run.stage, "RUNNING", str(exc), job[0].job_id if job else None))
-            continue
-        if dry_run:
+        state, reason, attempt, status = _judge(store, run, settings, cancel=not dry_run)
+        if state == "RUNNING" or dry_run:  # RUNNING: left as it is (its job is on another cluster)
+            if state == "RUNNING":
+                log.warning("left stage run %s (%s) running: %s", run.id, run.stage, reason)
             done.append(Reconciled(run.id, run.stage, state, reason, attempt.job_id if attempt else None))
             continue
         current = store.get(StageRun, run.id)
