@@ -29,6 +29,7 @@ ARGS: dict[str, tuple[list[str], list[str]]] = {
     "moe_step": (["--steps", "12"], ["--steps", "3"]),
     "trace": (["--runs", "1000"], ["--runs", "30", "--repeat", "2"]),
     "data_parallel": (["--steps", "12"], ["--steps", "2", "--batch", "4"]),
+    "job_list": ([], ["--jobs", "20", "--reps", "2"]),
 }
 
 

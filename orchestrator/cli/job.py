@@ -258,7 +258,8 @@ def list_cmd(
     backend: list[str] | None = typer.Option(None, "--backend", "-b", help="only this backend's jobs; repeatable"),
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
-    """The jobs openlab has out now (pending or running in lineage), each asked of its backend.
+    """The jobs openlab has out now (pending or running in lineage), each asked of its backend
+    (Slurm: one squeue for all of them).
 
     What `squeue` is to a Slurm user, across backends: per job its attempt, backend, job id,
     stage, state now, host and age. A job that ended while no openlab process watched it (its
@@ -283,6 +284,7 @@ def list_cmd(
         attempts = store.list(Attempt, where=where, order_by=col(Attempt.submitted_at).desc())
         stage_ids = {a.stage_run_id for a in attempts if a.stage_run_id}
         stages = {s.id: s for s in store.list(StageRun, where=[col(StageRun.id).in_(stage_ids)])} if stage_ids else {}
+        asked: dict[str, list[tuple[dict[str, Any], Any, Any]]] = {}  # backend -> (row, attempt, handle)
         for attempt in attempts:
             srun = stages.get(attempt.stage_run_id or "")
             row: dict[str, Any] = {
@@ -297,24 +299,30 @@ def list_cmd(
                 "submitted_at": attempt.submitted_at,
                 "note": None,
             }
+            rows.append(row)
             if not attempt.job_id:  # recorded before its submission returned a job id
                 row["note"] = "no job id yet: being submitted, or its submitter died before the backend answered"
-                rows.append(row)
                 continue
             try:
                 if attempt.backend not in launchers:
                     launchers[attempt.backend] = get_launcher(attempt.backend)
-                launcher = launchers[attempt.backend]
-                status = launcher.status(handle_from_attempt(attempt, launcher))
+                handle = handle_from_attempt(attempt, launchers[attempt.backend])
             except Exception as exc:  # noqa: BLE001 - one unreachable backend must not hide the others' jobs
-                row["note"] = f"not asked: {exc}" if isinstance(exc, OpenlabError) else f"not asked: {exc!r}"
-            else:
+                row["note"] = _not_asked(exc)
+                continue
+            asked.setdefault(attempt.backend, []).append((row, attempt, handle))
+        for name, jobs in asked.items():  # one question per backend where it can take many jobs at once
+            for (row, attempt, _handle), status in zip(
+                jobs, launchers[name].statuses([h for _, _, h in jobs]), strict=True
+            ):
+                if isinstance(status, Exception):
+                    row["note"] = _not_asked(status)
+                    continue
                 _refresh(store, attempt, status)
                 row["state"] = lineage_state(status.state)
                 row["host"] = status.host or attempt.host
                 if status.state.terminal:
                     row["note"] = f"ended; recorded now{': ' + status.reason if status.reason else ''}"
-            rows.append(row)
     if as_json:
         print_json(rows)
         return
@@ -343,6 +351,10 @@ def list_cmd(
     for row in rows:  # below the table, whole: a reason is too long for a column
         if row["note"]:
             say(f"{row['attempt']}: {row['note']}")
+
+
+def _not_asked(exc: BaseException) -> str:
+    return f"not asked: {exc}" if isinstance(exc, OpenlabError) else f"not asked: {exc!r}"
 
 
 def _age(seconds: float) -> str:

@@ -239,11 +239,13 @@ def _pause(launcher: Launcher, handle: JobHandle, seconds: float, should_cancel:
 #: A line that says what went wrong: ``error: ...`` (openlab's workloads and most command-line
 #: tools), ``fatal: ...``, ``ERROR:root:...`` (Python's logging), ``[ERROR] ...``, or a Python
 #: exception's last line (``ValueError: lr must be positive``, ``torch.OutOfMemoryError: CUDA out
-#: of memory``). The word alone is not enough: ``error rate 0.31`` is a metric, not a reason.
+#: of memory``), or the Docker CLI's ``Error response from daemon: ...`` (a job that runs
+#: containers itself). The word alone is not enough: ``error rate 0.31`` is a metric, not a reason.
 ERROR_LINE = re.compile(
     r"(?i:error|fatal|critical)\s*:.*"
     r"|\[(?i:error|fatal|critical)\]\s.*"
     r"|(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)(?::.*)?"
+    r"|(?:docker: )?Error response from daemon:.*"
 )
 #: ``0: `` before a task's line in a job of several tasks (srun --label, our task runner), ``[3] ``
 #: before an array task's (the Slurm launcher's log of a whole array).

@@ -39,7 +39,7 @@ import re
 import signal
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from pathlib import Path
@@ -410,6 +410,22 @@ class Launcher(ABC):
     @abstractmethod
     def status(self, handle: JobHandle) -> JobStatus:
         """The job's current state."""
+
+    def statuses(self, handles: Sequence[JobHandle]) -> list[JobStatus | Exception]:
+        """Each handle's current state, in order; where the backend cannot report one, the error
+        in its place, so one bad job does not hide the others' states.
+
+        One :meth:`status` per handle here; a backend that can ask about many jobs in one call
+        (Slurm: one ``squeue`` for every running and pending job) answers those that way, which
+        is what keeps ``openlab job list`` quick with hundreds of jobs out.
+        """
+        found: list[JobStatus | Exception] = []
+        for handle in handles:
+            try:
+                found.append(self.status(handle))
+            except Exception as exc:  # noqa: BLE001 - handed back in its job's place
+                found.append(exc)
+        return found
 
     @abstractmethod
     def logs(self, handle: JobHandle, *, follow: bool = False, tail: int | None = None) -> Iterator[str]:

@@ -60,7 +60,7 @@ import shlex
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -700,6 +700,49 @@ class SlurmLauncher(Launcher):
             status.usage = self._wrapper_usage(handle) or self._usage(handle.job_id)
         return status
 
+    def statuses(self, handles: Sequence[JobHandle]) -> list[JobStatus | Exception]:
+        """Every handle's state with one ``squeue`` for all of them, then one :meth:`status` for
+        each job it does not show pending or running.
+
+        A job that ended needs what squeue does not print (its exit code, what it used, why it
+        failed) and an array needs every task, squeue forgetting those that ended ``MinJobAge``
+        ago: both are asked about one by one, so each answer is the one :meth:`status` gives.
+        """
+        if len(handles) < 2:
+            return super().statuses(handles)
+        try:
+            shown = self._squeue([h.job_id for h in handles])
+        except LauncherError as exc:  # squeue missing or not answering: so would each status()
+            return [exc for _ in handles]
+        found: list[JobStatus | Exception] = []
+        for handle in handles:
+            rows = shown.get(handle.job_id)
+            states = [self._row_status(r) for r in rows or ()]
+            if rows and not (handle.extra or {}).get("array") and not any(s.state.terminal for s in states):
+                found.append(self._from_rows(handle, rows, states))
+            else:
+                found.extend(super().statuses([handle]))
+        return found
+
+    def _squeue(self, job_ids: list[str]) -> dict[str, list[dict[str, str]]]:
+        """squeue's records of plain jobs among ``job_ids`` as scontrol would name their fields,
+        keyed by job id (a heterogeneous job's parts under its leader's id); empty when squeue
+        knows none of them or fails, which leaves every job to :meth:`status`."""
+        fields = {"%i": "JobId", "%T": "JobState", "%r": "Reason", "%N": "NodeList", "%S": "StartTime", "%e": "EndTime"}
+        proc = self._run("squeue", "-h", "--states=all", "-j", ",".join(job_ids), "-o", "|".join(fields), check=False)
+        if proc.returncode != 0:
+            return {}
+        rows: dict[str, list[dict[str, str]]] = {}
+        for line in proc.stdout.splitlines():
+            values = line.split("|")
+            if len(values) != len(fields):
+                continue
+            row = dict(zip(fields.values(), values, strict=True))
+            job_id = row["JobId"].partition("+")[0]  # 100+1: part 1 of heterogeneous job 100
+            if "_" not in job_id:  # array tasks (123_4, 123_[5-7]) are left to status()
+                rows.setdefault(job_id, []).append(row)
+        return rows
+
     def _status(self, handle: JobHandle) -> JobStatus:
         rows, _source = self._rows(handle.job_id)
         if not rows:
@@ -708,7 +751,10 @@ class SlurmLauncher(Launcher):
         tasks = self._tasks(handle.job_id, rows)
         if tasks:
             return aggregate_tasks(tasks)
-        states = [self._row_status(r) for r in rows]
+        return self._from_rows(handle, rows, [self._row_status(r) for r in rows])
+
+    def _from_rows(self, handle: JobHandle, rows: list[dict[str, str]], states: list[JobStatus]) -> JobStatus:
+        """One status from a job's records (several for a heterogeneous job) and each one's own."""
         # several records of one job (a heterogeneous job): running while any part runs; failed if any failed
         for wanted in (JobState.RUNNING, JobState.PENDING, JobState.FAILED, JobState.CANCELLED, JobState.LOST):
             match = [s for s in states if s.state is wanted]

@@ -24,6 +24,7 @@ from orchestrator.launchers import (
     JobHandle,
     JobSpec,
     JobState,
+    JobStatus,
     JobTimeout,
     LauncherError,
     OtherCluster,
@@ -877,6 +878,64 @@ def test_cli_job_run_status_logs_cancel(store: LineageStore) -> None:
     assert cli("job", "status", "att_nope").returncode == 2
 
 
+@pytest.mark.slurm
+def test_slurm_statuses_ask_squeue_once_and_answer_as_status_does(slurm_harness: Harness) -> None:
+    """`job list` with hundreds of Slurm jobs out asked scontrol once per job; `statuses` asks one
+    squeue for all, and only the jobs it cannot answer from that (one that ended, an array, one
+    squeue forgot) one by one. Each answer is the one `status` gives."""
+    launcher = slurm_harness.launcher
+    spec = JobSpec(name="statuses", command=["sleep", "60"])
+    running = launcher.submit(spec)
+    held = launcher.submit(dataclasses.replace(spec, options={"extra_args": ["--hold"]}))
+    ended = launcher.submit(JobSpec(name="statuses-ended", command=["sh", "-c", "exit 3"]))
+    array = launcher.submit(JobSpec(name="statuses-array", command=["true"], options={"array": "0-1"}))
+    forgotten = JobHandle("slurm", "999999")
+    handles = [running, held, ended, array, forgotten]
+    try:
+        assert launcher.wait(ended, timeout=60).exit_code == 3
+        launcher.wait(array, timeout=60)
+        deadline = time.monotonic() + 30
+        while launcher.status(running).state is not JobState.RUNNING:
+            assert time.monotonic() < deadline, "the sleep job never started"
+            time.sleep(0.2)
+        asked: list[list[str]] = []
+        real_run = launcher._run  # type: ignore[attr-defined]
+
+        def spy(tool: str, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+            asked.append([tool, *args])
+            return real_run(tool, *args, **kwargs)
+
+        launcher._run = spy  # type: ignore[attr-defined]
+        found = launcher.statuses(handles)
+        by_squeue = [a for a in asked if a[0] == "squeue"]
+        by_scontrol = {a[-1] for a in asked if a[:3] == ["scontrol", "show", "job"]}
+        launcher._run = real_run  # type: ignore[attr-defined]
+        one_by_one = [launcher.status(h) for h in handles]
+    finally:
+        for handle in handles[:4]:
+            launcher.cancel(handle)
+    assert len(by_squeue) == 1 and by_squeue[0][by_squeue[0].index("-j") + 1] == ",".join(h.job_id for h in handles)
+    assert by_scontrol == {ended.job_id, array.job_id, forgotten.job_id}, asked  # not the running or held job
+    assert [s.state for s in found] == [  # type: ignore[union-attr]
+        JobState.RUNNING,
+        JobState.PENDING,
+        JobState.FAILED,
+        JobState.SUCCEEDED,
+        JobState.LOST,
+    ], found
+    for got, want in zip(found, one_by_one, strict=True):
+        assert isinstance(got, JobStatus)
+        assert (got.state, got.exit_code, got.host, got.reason, got.started_at) == (
+            want.state,
+            want.exit_code,
+            want.host,
+            want.reason,
+            want.started_at,
+        ), (got, want)
+    assert found[1].reason == "JobHeldUser" and found[0].host  # type: ignore[union-attr]
+    assert set(found[3].tasks or ()) == {"0", "1"}, found[3]  # type: ignore[union-attr]
+
+
 def test_job_list_names_what_it_could_not_ask_and_still_lists_the_rest(store: LineageStore, tmp_path: Path) -> None:
     """One unreachable cluster must not hide the other backends' jobs; a job its scheduler forgot is
     recorded as ended; an attempt still being submitted is not called a failed submission."""
@@ -979,6 +1038,8 @@ def test_the_error_line_a_failed_jobs_reason_ends_with() -> None:
     assert said(["RuntimeError: " + "x" * 500]).endswith("…") and len(said(["RuntimeError: " + "x" * 500])) == 300
     assert said(["ERROR:root:no shards under /data", "INFO:root:bye"]) == "ERROR:root:no shards under /data"
     assert said(["[ERROR] checkpoint dir is read-only"]) == "[ERROR] checkpoint dir is read-only"
+    pulled = "docker: Error response from daemon: pull access denied for ghcr.io/lab/eval."
+    assert said([pulled, "See 'docker run --help'."]) == pulled  # a job that runs containers itself
     # a line that only mentions the word is not why it failed: the earlier reason stands
     assert said(["fatal: no such ref", "error rate 0.31 at step 9", "Error analysis follows"]) == "fatal: no such ref"
     assert said(["step 9/9", "bye"]) is None and said([]) is None
