@@ -7,7 +7,8 @@ median of ``--reps``:
 
 - **squeue**: ``squeue -h -j ID,ID,...``, what a Slurm user would type.
 - **openlab job list**: ``openlab job list --json``, the whole command (Python start, lineage
-  read, the backend asked, the rows written back).
+  read, the backend asked, the rows written back), and the same command with no job out: what
+  any ``openlab`` command costs before it does anything.
 - **statuses, one call**: ``SlurmLauncher.statuses`` (one ``squeue`` for all of them), in process.
 - **one status per job**: the same handles asked one ``scontrol show job`` each, what
   ``job list`` did before (``Launcher.statuses``, the default every backend has).
@@ -87,6 +88,8 @@ def main() -> int:
             opts.reps,
         )
         job_list = median_seconds(lambda: subprocess.run(openlab, capture_output=True, check=True), opts.reps)
+        empty = {**os.environ, "OPENLAB_HOME": str(home / "empty")}  # the command's own start: no job out
+        start = median_seconds(lambda: subprocess.run(openlab, capture_output=True, check=True, env=empty), opts.reps)
         batched = median_seconds(lambda: launcher.statuses(handles), opts.reps)
         one_by_one = median_seconds(lambda: Launcher.statuses(launcher, handles), opts.reps)
     finally:
@@ -99,6 +102,7 @@ def main() -> int:
     for name, seconds in (
         ("`squeue -h -j IDS`", squeue),
         ("`openlab job list --json`", job_list),
+        ("the same with no job out (Python start, imports, lineage opened)", start),
         ("statuses, one squeue", batched),
         ("one `scontrol show job` per job (before)", one_by_one),
     ):

@@ -14,7 +14,7 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 
-from orchestrator.pipeline.gc import DEFAULT_FAILED_UNUSED_FOR, DEFAULT_KEEP_LAST, DEFAULT_UNUSED_FOR
+from orchestrator.retention import DEFAULT_FAILED_UNUSED_FOR, DEFAULT_KEEP_LAST, DEFAULT_UNUSED_FOR
 
 
 @flow(

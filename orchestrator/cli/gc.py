@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.filesize import decimal
@@ -13,14 +13,10 @@ from rich.table import Table
 
 from orchestrator.cli.output import console, print_json
 from orchestrator.errors import ConfigError
-from orchestrator.pipeline.gc import (
-    DEFAULT_FAILED_UNUSED_FOR,
-    DEFAULT_KEEP_LAST,
-    DEFAULT_UNUSED_FOR,
-    GcPlan,
-    collect,
-    plan_gc,
-)
+from orchestrator.retention import DEFAULT_FAILED_UNUSED_FOR, DEFAULT_KEEP_LAST, DEFAULT_UNUSED_FOR
+
+if TYPE_CHECKING:
+    from orchestrator.pipeline.gc import GcPlan
 
 
 def gc_cmd(
@@ -76,6 +72,7 @@ def gc_cmd(
     """
     from orchestrator.lineage.listing import parse_when
     from orchestrator.lineage.store import open_store
+    from orchestrator.pipeline.gc import collect, plan_gc
     from orchestrator.settings import load_settings
 
     if keep < 0:

@@ -25,7 +25,6 @@ from orchestrator.cli.output import (
     say,
 )
 from orchestrator.errors import ConfigError, NotFoundError, choices
-from orchestrator.lineage.trace import describe
 
 if TYPE_CHECKING:
     from orchestrator.lineage.diff import Section
@@ -109,6 +108,7 @@ def list_cmd(
     """
     from orchestrator.lineage.listing import list_records, time_field
     from orchestrator.lineage.store import record_payload
+    from orchestrator.lineage.trace import describe
 
     flt = _record_filter(locals())
     store = _open()
@@ -152,6 +152,7 @@ def show_cmd(
 ) -> None:
     """Show one record, everything it is related to, and its change history."""
     from orchestrator.lineage.store import record_payload
+    from orchestrator.lineage.trace import describe
 
     store = _open()
     record = store.find(record_id)
@@ -215,6 +216,7 @@ def which_cmd(
 ) -> None:
     """Which recorded output holds this content: found by hash, so a copied or renamed checkpoint
     leads back to the output that had it, and `lineage trace` from there to what made it."""
+    from orchestrator.lineage.trace import describe
     from orchestrator.lineage.which import holders
     from orchestrator.settings import load_settings
 
@@ -252,7 +254,7 @@ def trace_cmd(
     from rich.text import Text
     from rich.tree import Tree
 
-    from orchestrator.lineage.trace import TraceNode, trace
+    from orchestrator.lineage.trace import TraceNode, describe, trace
 
     root = trace(_open(), record_id, direction="down" if down else "up", depth=depth)
     if json_out:
@@ -286,6 +288,7 @@ def _what(store: Any, kind: str, record_id: str) -> str:
     """A related record in a few words (``lineage list``'s summary); empty when the store no longer
     holds it (``lineage verify`` names that)."""
     from orchestrator.lineage.models import RECORD_TYPES
+    from orchestrator.lineage.trace import describe
 
     model = RECORD_TYPES.get(kind)
     found = store.get(model, record_id) if model is not None else None
@@ -338,7 +341,8 @@ def affected_cmd(
     json_out: JsonFlag = False,
 ) -> None:
     """What a machine (--host) or cluster (--cluster) touched: the stage runs with a job there, every
-    output they made, and every later stage, output and run made from those.
+    output they made, and every later stage, output and run made from those, with the W&B runs
+    those stages logged to.
 
     For the node found with bad GPU memory: `openlab lineage affected --host n17 --since 30d` is the
     list of checkpoints to distrust and the runs to redo. Any job there counts, a failed one too: a
@@ -369,6 +373,11 @@ def affected_cmd(
     for t in report.pipeline_runs:
         run = t.record
         say(f"  {run.id}  {run.recipe or run.name}:{run.replica or '-'} {run.state}")
+    if report.wandb_runs:
+        say(f"W&B runs logged by them ({len(report.wandb_runs)}):")
+        for t in report.wandb_runs:
+            state = f" {t.record.state}" if t.record.state else ""
+            say(f"  {t.record.url or t.record.id}{state}  ({t.why})")
 
 
 @app.command("diff")

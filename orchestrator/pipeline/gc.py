@@ -56,15 +56,8 @@ from orchestrator.lineage.record import live_records_at, mark_removed
 from orchestrator.lineage.store import LineageStore, Transaction
 from orchestrator.pipeline.execute import output_dir
 from orchestrator.provenance.environment import user_at_host
+from orchestrator.retention import DEFAULT_FAILED_UNUSED_FOR, DEFAULT_KEEP_LAST
 from orchestrator.settings import Settings
-
-#: How many of each recipe and replica's last completed pipeline runs keep their outputs.
-DEFAULT_KEEP_LAST = 3
-#: Outputs made or reused more recently than this are kept.
-DEFAULT_UNUSED_FOR = "7d"
-#: With ``include_failed``: partial outputs of identities attempted more recently than this are kept
-#: (longer than ``DEFAULT_UNUSED_FOR``: they are what a retry of a crashed run resumes from).
-DEFAULT_FAILED_UNUSED_FOR = "30d"
 
 #: Stage-run states that mean a job of that identity is still going (the reaper closes those whose
 #: orchestrator died). A stage run PREEMPTED between attempts counts through its RUNNING pipeline run.
