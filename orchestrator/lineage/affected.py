@@ -7,7 +7,8 @@ and runs that consumed them: ``openlab lineage affected --host n17 --since 30d``
 The stage runs to start from are those with a job that ran there (``lineage list --host``, any
 attempt: a retry that finished elsewhere may have resumed from a checkpoint the bad node wrote).
 From each, every output is followed down its lineage (:func:`orchestrator.lineage.trace.trace`),
-and a stage run that *reused* an affected one is affected too, with the pipeline runs they belong to.
+and a stage run that *reused* an affected one is affected too, with the pipeline runs they belong to
+and the W&B runs they logged to (the charts and summaries people compared against).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from sqlmodel import col
 
 from orchestrator.lineage.listing import RecordFilter, list_records
-from orchestrator.lineage.models import Artifact, Attempt, PipelineRun, StageRun
+from orchestrator.lineage.models import Artifact, Attempt, PipelineRun, Relation, StageRun, WandbRun
 from orchestrator.lineage.store import LineageStore
 from orchestrator.lineage.trace import TraceNode, trace
 
@@ -37,6 +38,8 @@ class Tainted:
             out |= {"name": self.record.name, "uri": self.record.uri}
         if isinstance(self.record, StageRun):
             out |= {"stage": self.record.stage, "state": self.record.state}
+        if isinstance(self.record, WandbRun):
+            out |= {"project": self.record.project, "run_id": self.record.run_id, "url": self.record.url}
         return out
 
 
@@ -48,6 +51,7 @@ class AffectedReport:
     outputs: list[Tainted] = field(default_factory=list)
     stage_runs: list[Tainted] = field(default_factory=list)
     pipeline_runs: list[Tainted] = field(default_factory=list)
+    wandb_runs: list[Tainted] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -55,6 +59,7 @@ class AffectedReport:
             "outputs": [t.to_dict() for t in self.outputs],
             "stage_runs": [t.to_dict() for t in self.stage_runs],
             "pipeline_runs": [t.to_dict() for t in self.pipeline_runs],
+            "wandb_runs": [t.to_dict() for t in self.wandb_runs],
         }
 
 
@@ -108,6 +113,20 @@ def affected(store: LineageStore, flt: RecordFilter) -> AffectedReport:
             run = store.get(PipelineRun, srun.pipeline_run_id)
             if run is not None:
                 report.pipeline_runs.append(Tainted(run, f"has {srun.stage} {srun.id}"))
+    logged = store.list(
+        Relation,
+        where=[
+            col(Relation.subject_id).in_(list(stage_runs)),
+            Relation.relation == "wasAssociatedWith",
+            Relation.object_kind == WandbRun.kind,
+        ],
+    )
+    for rel in sorted(logged, key=lambda r: list(stage_runs).index(r.subject_id)):  # in the order found
+        wandb_run = store.get(WandbRun, rel.object_id)
+        if wandb_run is not None and wandb_run.id not in seen:
+            seen.add(wandb_run.id)
+            srun = stage_runs[rel.subject_id]
+            report.wandb_runs.append(Tainted(wandb_run, f"logged by {srun.stage} {srun.id}"))
     return report
 
 

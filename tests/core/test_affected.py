@@ -6,7 +6,7 @@ import datetime as dt
 import json
 from typing import Any
 
-from orchestrator.lineage import Artifact, Attempt, LineageStore, PipelineRun, StageRun, utcnow
+from orchestrator.lineage import Artifact, Attempt, LineageStore, PipelineRun, StageRun, WandbRun, utcnow
 from orchestrator.lineage.affected import affected
 from orchestrator.lineage.listing import RecordFilter
 
@@ -53,7 +53,13 @@ def _history(store: LineageStore) -> dict[str, Any]:
         reused = stage(later, "pretrain", 20, state="REUSED", reused_from=pre.id)
         other = stage(clean, "pretrain", 30)
         job(other, 30, "n[18-19]")
-    return {k: v.id for k, v in locals().items() if isinstance(v, PipelineRun | StageRun | Artifact)}
+        charts = tx.add(  # the midtrain's W&B run: its loss curve was drawn from a bad checkpoint
+            WandbRun(id="lab/moe/mid1", run_id="mid1", project="moe", url="https://wandb.ai/lab/moe/runs/mid1")
+        )
+        tx.relate("wasAssociatedWith", mid, charts)
+        clean_charts = tx.add(WandbRun(id="lab/moe/pre9", run_id="pre9", project="moe", state="finished"))
+        tx.relate("wasAssociatedWith", other, clean_charts)
+    return {k: v.id for k, v in locals().items() if isinstance(v, PipelineRun | StageRun | Artifact | WandbRun)}
 
 
 def test_what_a_bad_node_touched_is_every_output_made_from_its_jobs_and_the_runs_that_used_them(
@@ -70,6 +76,8 @@ def test_what_a_bad_node_touched_is_every_output_made_from_its_jobs_and_the_runs
     }
     # the run that read the same checkpoint content before the bad job was submitted is not affected
     assert {t.record.id for t in report.pipeline_runs} == {h["run"], h["later"]}
+    # the charts people compared against: the W&B runs those stages logged to, not the clean run's
+    assert [(t.record.id, t.why) for t in report.wandb_runs] == [(h["charts"], f"logged by midtrain {h['mid']}")]
     assert affected(store, RecordFilter.from_options(host="n19")).made_there[0].record.id == h["other"]
     assert affected(store, RecordFilter.from_options(host="n17", since="1h")).made_there == []
 
@@ -83,6 +91,9 @@ def test_the_command(run_cli, openlab_home) -> None:
     assert shown.returncode == 0, shown.stderr
     assert f"  {h['ckpt']}  pretrain/out /ckpt/pre  (made by {h['pre']})" in shown.stdout, shown.stdout
     assert "pipeline runs affected (2):" in shown.stdout
+    assert f"W&B runs logged by them (1):\n  https://wandb.ai/lab/moe/runs/mid1  (logged by midtrain {h['mid']})" in (
+        shown.stdout
+    )
     data = json.loads(run_cli("lineage", "affected", "--cluster", "west", "--json").stdout)
     assert {o["id"] for o in data["outputs"]} == {h["ckpt"], h["mid_out"]}
     nowhere = run_cli("lineage", "affected", "--host", "n99")
