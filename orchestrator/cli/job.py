@@ -262,13 +262,14 @@ def list_cmd(
     (Slurm: one squeue for all of them).
 
     What `squeue` is to a Slurm user, across backends: per job its attempt, backend, job id,
-    stage, state now, host and age. A job that ended while no openlab process watched it (its
+    stage, state now, host (for a pending job, why it waits, as squeue prints it: `(Priority)`,
+    `(JobHeldUser)`) and age. A job that ended while no openlab process watched it (its
     orchestrator died, a node was lost) is recorded as ended here, as `job status` does.
     """
     from sqlmodel import col
 
     from orchestrator.cli.output import compact_table, console, narrow, print_json, say
-    from orchestrator.launchers import get_launcher
+    from orchestrator.launchers import JobState, get_launcher
     from orchestrator.launchers.attempts import handle_from_attempt, lineage_state
     from orchestrator.lineage.listing import known_backend
     from orchestrator.lineage.models import Attempt, StageRun, utcnow
@@ -297,6 +298,7 @@ def list_cmd(
                 "state": attempt.state,
                 "host": attempt.host,
                 "submitted_at": attempt.submitted_at,
+                "reason": None,
                 "note": None,
             }
             rows.append(row)
@@ -321,6 +323,8 @@ def list_cmd(
                 _refresh(store, attempt, status)
                 row["state"] = lineage_state(status.state)
                 row["host"] = status.host or attempt.host
+                if status.state is JobState.PENDING:  # why it waits: Priority, Resources, JobHeldUser...
+                    row["reason"] = status.reason
                 if status.state.terminal:
                     row["note"] = f"ended; recorded now{': ' + status.reason if status.reason else ''}"
     if as_json:
@@ -344,7 +348,7 @@ def list_cmd(
             row["job_id"] or "",
             row["stage"] or "",
             row["state"],
-            row["host"] or "",
+            row["host"] or (f"({row['reason']})" if row["reason"] else ""),  # squeue's NODELIST(REASON)
             age,
         )
     console.print(table)

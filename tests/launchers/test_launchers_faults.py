@@ -879,7 +879,7 @@ def test_cli_job_run_status_logs_cancel(store: LineageStore) -> None:
 
 
 @pytest.mark.slurm
-def test_slurm_statuses_ask_squeue_once_and_answer_as_status_does(slurm_harness: Harness) -> None:
+def test_slurm_statuses_ask_squeue_once_and_answer_as_status_does(slurm_harness: Harness, store: LineageStore) -> None:
     """`job list` with hundreds of Slurm jobs out asked scontrol once per job; `statuses` asks one
     squeue for all, and only the jobs it cannot answer from that (one that ended, an array, one
     squeue forgot) one by one. Each answer is the one `status` gives."""
@@ -911,6 +911,13 @@ def test_slurm_statuses_ask_squeue_once_and_answer_as_status_does(slurm_harness:
         by_scontrol = {a[-1] for a in asked if a[:3] == ["scontrol", "show", "job"]}
         launcher._run = real_run  # type: ignore[attr-defined]
         one_by_one = [launcher.status(h) for h in handles]
+        with store.transaction() as tx:  # what `job list` shows of them: squeue's NODELIST(REASON)
+            out = [
+                tx.add(Attempt(backend="slurm", cluster=launcher.cluster, job_id=h.job_id, state="PENDING"))
+                for h in (running, held)
+            ]
+        listed = {r["attempt"]: r for r in json.loads(cli("job", "list", "--json").stdout)}
+        table = cli("job", "list", env={"COLUMNS": "100"}).stdout
     finally:
         for handle in handles[:4]:
             launcher.cancel(handle)
@@ -934,6 +941,10 @@ def test_slurm_statuses_ask_squeue_once_and_answer_as_status_does(slurm_harness:
         ), (got, want)
     assert found[1].reason == "JobHeldUser" and found[0].host  # type: ignore[union-attr]
     assert set(found[3].tasks or ()) == {"0", "1"}, found[3]  # type: ignore[union-attr]
+    assert (listed[out[0].id]["state"], listed[out[0].id]["reason"]) == ("RUNNING", None), listed
+    assert (listed[out[1].id]["state"], listed[out[1].id]["reason"]) == ("PENDING", "JobHeldUser"), listed
+    assert re.search(rf"^{out[1].id} +slurm +{held.job_id} +PENDING +\(JobHeldUser\) +\d+s *$", table, re.M), table
+    assert re.search(rf"^{out[0].id} +slurm +{running.job_id} +RUNNING +{found[0].host} ", table, re.M), table
 
 
 def test_job_list_names_what_it_could_not_ask_and_still_lists_the_rest(store: LineageStore, tmp_path: Path) -> None:
