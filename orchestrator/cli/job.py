@@ -259,7 +259,7 @@ def list_cmd(
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
     """The jobs openlab has out now (pending or running in lineage), each asked of its backend
-    (Slurm: one squeue for all of them).
+    (Slurm: one squeue for all of them; Kubernetes: one list of Jobs and one of pods per namespace).
 
     What `squeue` is to a Slurm user, across backends: per job its attempt, backend, job id,
     stage, state now, host (for a pending job, why it waits, as squeue prints it: `(Priority)`,

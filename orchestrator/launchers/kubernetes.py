@@ -69,11 +69,12 @@ from __future__ import annotations
 import copy
 import datetime as dt
 import json
+import logging
 import os
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -112,6 +113,9 @@ DEFAULT_VERSION = "1.33"
 TASK_ENDS_ANNOTATION = "openlab.io/task-ends"
 #: The terminated reasons a kubelet gives a container its runtime could not start (containerd, dockershim).
 START_ERRORS = ("StartError", "ContainerCannotRun")
+#: The label openlab puts on each Job it makes and on its pods (the job's name), so one list call
+#: finds all of them (``openlab job list``).
+JOB_NAME_LABEL = "openlab.io/job-name"
 #: The pod label (and annotation) an indexed Job's controller gives each pod: its index, our node rank.
 INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
 #: Where node 0 of a several-node job listens for its peers (``[backends.kubernetes] master_port``).
@@ -150,6 +154,7 @@ FALLBACK_TEMPLATE: dict[str, Any] = {
 }
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def k8s_name(name: str) -> str:
@@ -191,6 +196,17 @@ def _aware(value: Any) -> dt.datetime | None:
     if isinstance(value, str):
         value = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
     return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
+
+
+def _pods_of(pods: list[Any], job: str) -> list[Any]:
+    """Those of ``pods`` the Job named ``job`` made (the Job controller's labels), oldest first."""
+    own = [
+        p
+        for p in pods
+        if (p.metadata.labels or {}).get("job-name") == job
+        or (p.metadata.labels or {}).get("batch.kubernetes.io/job-name") == job
+    ]
+    return sorted(own, key=lambda p: _aware(p.metadata.creation_timestamp) or dt.datetime.min.replace(tzinfo=dt.UTC))
 
 
 def _pod_end(pod: Any) -> str:
@@ -451,7 +467,7 @@ class KubernetesLauncher(Launcher):
         meta["name"] = name
         meta["namespace"] = str(opts.get("namespace", self.namespace))
         labels = {str(k): str(v) for k, v in spec.labels.items() if _LABEL_VALUE.match(str(v)) and len(str(v)) <= 63}
-        labels["openlab.io/job-name"] = re.sub(r"[^A-Za-z0-9_.-]+", "-", spec.name).strip("-_.")[:63] or "job"
+        labels[JOB_NAME_LABEL] = re.sub(r"[^A-Za-z0-9_.-]+", "-", spec.name).strip("-_.")[:63] or "job"
         annotations = {str(k): str(v) for k, v in spec.labels.items()}
         meta["labels"] = {**(meta.get("labels") or {}), **labels}
         meta["annotations"] = {**(meta.get("annotations") or {}), **annotations}
@@ -763,14 +779,7 @@ class KubernetesLauncher(Launcher):
             lambda: self.core.list_namespaced_pod(namespace, label_selector=f"job-name={name}"),
             not_found=lambda: None,
         )
-        items = [
-            p
-            for p in (found.items if found is not None else [])
-            if (p.metadata.labels or {}).get("job-name") == name
-            or (p.metadata.labels or {}).get("batch.kubernetes.io/job-name") == name
-        ]
-        items.sort(key=lambda p: _aware(p.metadata.creation_timestamp) or dt.datetime.min.replace(tzinfo=dt.UTC))
-        return items
+        return _pods_of(found.items if found is not None else [], name)
 
     def _pods_at(self, job_id: str, index: int | None) -> list[Any]:
         """The Job's pods, or (``index`` given) those of one index of an indexed Job, newest last."""
@@ -787,13 +796,63 @@ class KubernetesLauncher(Launcher):
         if job is None:
             saved = self._saved(handle.job_id)
             return saved or JobStatus(JobState.LOST, reason=f"Job {handle.job_id} no longer exists")
+        return self._status_of(handle, job)
+
+    def statuses(self, handles: Sequence[JobHandle]) -> list[JobStatus | Exception]:
+        """Every handle's state with two list calls per namespace (its openlab Jobs, and their
+        pods) where one by one it takes a read and a list per job.
+
+        A Job the lists do not show (deleted by its TTL, made before openlab labelled its Jobs)
+        and every job of a namespace that refuses the lists is asked about by :meth:`status`, so
+        each answer is the one it gives.
+        """
+        if len(handles) < 2:
+            return super().statuses(handles)
+        listed: dict[str, tuple[dict[str, Any], list[Any]] | None] = {}
+        for handle in handles:
+            namespace = handle.job_id.partition("/")[0] if "/" in handle.job_id else None
+            if namespace is None or namespace in listed:
+                continue
+            try:
+                jobs = self._call(
+                    f"list Jobs in namespace {namespace}",
+                    lambda ns=namespace: self.batch.list_namespaced_job(ns, label_selector=JOB_NAME_LABEL),
+                )
+                pods = self._call(
+                    f"list pods in namespace {namespace}",
+                    lambda ns=namespace: self.core.list_namespaced_pod(ns, label_selector=JOB_NAME_LABEL),
+                )
+            except LauncherError as exc:  # RBAC without list, say: one by one, as before
+                log.debug("asking %s jobs one by one: %s", namespace, exc)
+                listed[namespace] = None
+            else:
+                listed[namespace] = ({j.metadata.name: j for j in jobs.items or []}, pods.items or [])
+        found: list[JobStatus | Exception] = []
+        for handle in handles:
+            namespace, _, name = handle.job_id.partition("/")
+            entry = listed.get(namespace)
+            job = entry[0].get(name) if entry is not None else None
+            if entry is None or job is None:
+                found.extend(super().statuses([handle]))
+                continue
+            try:
+                found.append(self._status_of(handle, job, _pods_of(entry[1], name)))
+            except Exception as exc:  # noqa: BLE001 - handed back in its job's place
+                found.append(exc)
+        return found
+
+    def _status_of(self, handle: JobHandle, job: Any, pods: list[Any] | None = None) -> JobStatus:
+        """The state of ``job`` (a Job object as read) from it and its pods (listed here when None)."""
         st = job.status
         conditions = {c.type: c for c in (st.conditions or []) if st is not None and c.status == "True"} if st else {}
         started = _aware(st.start_time) if st else None
         ended = _aware(st.completion_time) if st else None
         exit_code, host, digest, pod_reason, pod_message = None, None, None, None, None
         disruption = None
-        pods = self.pods(handle.job_id) if (st and (st.active or st.succeeded or st.failed or conditions)) else []
+        if not (st and (st.active or st.succeeded or st.failed or conditions)):
+            pods = []  # nothing ran yet
+        elif pods is None:
+            pods = self.pods(handle.job_id)
         current = _current(pods)  # one pod per index (the last one); the last pod of a plain Job
         ends_prefix = (job.metadata.annotations or {}).get(TASK_ENDS_ANNOTATION)
         if current:

@@ -947,6 +947,64 @@ def test_slurm_statuses_ask_squeue_once_and_answer_as_status_does(slurm_harness:
     assert re.search(rf"^{out[0].id} +slurm +{running.job_id} +RUNNING +{found[0].host} ", table, re.M), table
 
 
+def test_kubernetes_statuses_list_each_namespace_once_and_answer_as_status_does() -> None:
+    """The same for Kubernetes: one list of openlab's Jobs and one of their pods per namespace,
+    where one by one it was a read and a list per job; a Job the list lacks is read by itself."""
+    from tests.launchers.k8s_emulator import EmulatedCluster
+
+    cluster = EmulatedCluster(runtime="process").start()
+    try:
+        launcher = get_launcher("kubernetes", host=cluster.url)
+        launcher.poll_interval = 0.1
+        running = launcher.submit(JobSpec(name="statuses", command=["sleep", "60"]))
+        done = launcher.submit(JobSpec(name="statuses-done", command=["true"]))
+        failed = launcher.submit(JobSpec(name="statuses-failed", command=["sh", "-c", "exit 3"]))
+        gone = JobHandle("kubernetes", f"{running.job_id.partition('/')[0]}/openlab-gone-1234")
+        handles = [running, done, failed, gone]
+        assert launcher.wait(done, timeout=60).state is JobState.SUCCEEDED
+        assert launcher.wait(failed, timeout=60).exit_code == 3
+        deadline = time.monotonic() + 30
+        while launcher.status(running).state is not JobState.RUNNING:
+            assert time.monotonic() < deadline, "the sleep job never started"
+            time.sleep(0.1)
+        asked: list[str] = []
+        real_call = launcher._call
+
+        def spy(what: str, fn: Any, **kwargs: Any) -> Any:
+            asked.append(what)
+            return real_call(what, fn, **kwargs)
+
+        launcher._call = spy  # type: ignore[method-assign]
+        found = launcher.statuses(handles)
+        launcher._call = real_call  # type: ignore[method-assign]
+        one_by_one = [launcher.status(h) for h in handles]
+        launcher.cancel(running)
+    finally:
+        cluster.stop()
+    namespace = running.job_id.partition("/")[0]
+    assert asked == [
+        f"list Jobs in namespace {namespace}",
+        f"list pods in namespace {namespace}",
+        f"read Job {gone.job_id}",
+    ]
+    assert [s.state for s in found] == [  # type: ignore[union-attr]
+        JobState.RUNNING,
+        JobState.SUCCEEDED,
+        JobState.FAILED,
+        JobState.LOST,
+    ], found
+    for got, want in zip(found, one_by_one, strict=True):
+        assert isinstance(got, JobStatus)
+        assert (got.state, got.exit_code, got.host, got.reason, got.started_at, got.ended_at) == (
+            want.state,
+            want.exit_code,
+            want.host,
+            want.reason,
+            want.started_at,
+            want.ended_at,
+        ), (got, want)
+
+
 def test_job_list_names_what_it_could_not_ask_and_still_lists_the_rest(store: LineageStore, tmp_path: Path) -> None:
     """One unreachable cluster must not hide the other backends' jobs; a job its scheduler forgot is
     recorded as ended; an attempt still being submitted is not called a failed submission."""
