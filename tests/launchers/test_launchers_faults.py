@@ -978,6 +978,11 @@ def test_kubernetes_statuses_list_each_namespace_once_and_answer_as_status_does(
         found = launcher.statuses(handles)
         launcher._call = real_call  # type: ignore[method-assign]
         one_by_one = [launcher.status(h) for h in handles]
+        from orchestrator.launchers.kubernetes import API_NEEDS
+
+        granted = {(group, resource, verb) for group, resource, verbs, _ in API_NEEDS for verb in verbs}
+        with cluster.rbac(granted - {("batch", "jobs", "list")}):  # a Role without it: one by one, as before
+            refused = launcher.statuses(handles)
         launcher.cancel(running)
     finally:
         cluster.stop()
@@ -1003,6 +1008,7 @@ def test_kubernetes_statuses_list_each_namespace_once_and_answer_as_status_does(
             want.started_at,
             want.ended_at,
         ), (got, want)
+    assert [s.state for s in refused] == [s.state for s in one_by_one], refused  # type: ignore[union-attr]
 
 
 def test_job_list_names_what_it_could_not_ask_and_still_lists_the_rest(store: LineageStore, tmp_path: Path) -> None:
