@@ -73,9 +73,13 @@ def holders(store: LineageStore, settings: Settings, path: Path) -> tuple[str, l
 def _manifests_holding(folder: Path, blake3: str) -> dict[str, list[str]]:
     """Manifest id -> paths of the entries whose content is ``blake3``, over every manifest in ``folder``."""
     found: dict[str, list[str]] = {}
+    needle = blake3.encode()
     for manifest in sorted(folder.glob("*.json")):
         try:
-            data = json.loads(manifest.read_bytes())
+            raw = manifest.read_bytes()
+            if needle not in raw:  # most manifests do not hold it: a byte search, not a parse, says so
+                continue
+            data = json.loads(raw)
         except (OSError, ValueError) as exc:  # one unreadable manifest must not hide the others
             log.warning("skipping unreadable snapshot manifest %s: %s", manifest, exc)
             continue
