@@ -878,6 +878,14 @@ def test_cli_job_run_status_logs_cancel(store: LineageStore) -> None:
     assert cli("job", "status", "att_nope").returncode == 2
 
 
+def _answers_as_status(found: list[JobStatus | Exception], one_by_one: list[JobStatus]) -> None:
+    """``statuses`` said of each job what ``status`` says of it alone."""
+    for got, want in zip(found, one_by_one, strict=True):
+        assert isinstance(got, JobStatus), got
+        fields = ("state", "exit_code", "host", "reason", "started_at", "ended_at")
+        assert [getattr(got, f) for f in fields] == [getattr(want, f) for f in fields], (got, want)
+
+
 @pytest.mark.slurm
 def test_slurm_statuses_ask_squeue_once_and_answer_as_status_does(slurm_harness: Harness, store: LineageStore) -> None:
     """`job list` with hundreds of Slurm jobs out asked scontrol once per job; `statuses` asks one
@@ -930,15 +938,7 @@ def test_slurm_statuses_ask_squeue_once_and_answer_as_status_does(slurm_harness:
         JobState.SUCCEEDED,
         JobState.LOST,
     ], found
-    for got, want in zip(found, one_by_one, strict=True):
-        assert isinstance(got, JobStatus)
-        assert (got.state, got.exit_code, got.host, got.reason, got.started_at) == (
-            want.state,
-            want.exit_code,
-            want.host,
-            want.reason,
-            want.started_at,
-        ), (got, want)
+    _answers_as_status(found, one_by_one)
     assert found[1].reason == "JobHeldUser" and found[0].host  # type: ignore[union-attr]
     assert set(found[3].tasks or ()) == {"0", "1"}, found[3]  # type: ignore[union-attr]
     assert (listed[out[0].id]["state"], listed[out[0].id]["reason"]) == ("RUNNING", None), listed
@@ -998,16 +998,7 @@ def test_kubernetes_statuses_list_each_namespace_once_and_answer_as_status_does(
         JobState.FAILED,
         JobState.LOST,
     ], found
-    for got, want in zip(found, one_by_one, strict=True):
-        assert isinstance(got, JobStatus)
-        assert (got.state, got.exit_code, got.host, got.reason, got.started_at, got.ended_at) == (
-            want.state,
-            want.exit_code,
-            want.host,
-            want.reason,
-            want.started_at,
-            want.ended_at,
-        ), (got, want)
+    _answers_as_status(found, one_by_one)
     assert [s.state for s in refused] == [s.state for s in one_by_one], refused  # type: ignore[union-attr]
 
 
