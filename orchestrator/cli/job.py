@@ -16,7 +16,7 @@ from typing import Any
 
 import typer
 
-from orchestrator.errors import NotFoundError, OpenlabError
+from orchestrator.errors import ConfigError, NotFoundError, OpenlabError, choices
 
 app = typer.Typer(
     help="Run one command as a job (local, docker, slurm, kubernetes) and inspect jobs.", no_args_is_help=True
@@ -256,6 +256,13 @@ def status_cmd(
 @app.command("list")
 def list_cmd(
     backend: list[str] | None = typer.Option(None, "--backend", "-b", help="only this backend's jobs; repeatable"),
+    state: list[str] | None = typer.Option(
+        None, "--state", "-t", help="only jobs the backend says are in this state now: pending or running"
+    ),
+    stage: list[str] | None = typer.Option(None, "--stage", help="only jobs of this stage; repeatable"),
+    recipe: str | None = typer.Option(None, "--recipe", help="only jobs of this recipe's pipeline runs"),
+    replica: str | None = typer.Option(None, "--replica", help="only jobs of this replica's pipeline runs"),
+    cluster: str | None = typer.Option(None, "--cluster", help="only jobs submitted to this cluster"),
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
     """The jobs openlab has out now (pending or running in lineage), each asked of its backend
@@ -265,17 +272,28 @@ def list_cmd(
     stage, state now, host (for a pending job, why it waits, as squeue prints it: `(Priority)`,
     `(JobHeldUser)`) and age. A job that ended while no openlab process watched it (its
     orchestrator died, a node was lost) is recorded as ended here, as `job status` does.
+
+    Narrowed as squeue's `-t`, `-M` are: `--state pending`, `--cluster west`, and by what
+    openlab knows of each job: `--stage pretrain`, `--recipe`, `--replica`.
     """
+    import dataclasses
+
     from sqlmodel import col
 
     from orchestrator.cli.output import compact_table, console, narrow, print_json, say
     from orchestrator.launchers import JobState, get_launcher
     from orchestrator.launchers.attempts import handle_from_attempt, lineage_state
-    from orchestrator.lineage.listing import known_backend
+    from orchestrator.lineage.listing import KNOWN_STATES, RecordFilter, known_backend, list_records
     from orchestrator.lineage.models import Attempt, StageRun, utcnow
     from orchestrator.lineage.store import open_store
 
     backend = [known_backend(b) for b in backend or ()]
+    wanted_states = {s.strip().upper() for s in state or ()}
+    for name in wanted_states - {"PENDING", "RUNNING"}:  # an ended job is not out: lineage list has those
+        hint = choices(name.lower(), ["pending", "running"], label="states of a job out")
+        ended = f" (ended jobs: openlab lineage list --kind attempt --state {name})" if name in KNOWN_STATES else ""
+        raise ConfigError(f"--state {name.lower()!r}: {hint}{ended}")
+    flt = RecordFilter.from_options(stage=stage, recipe=recipe, replica=replica, cluster=cluster)
     rows: list[dict[str, Any]] = []
     launchers: dict[str, Any] = {}
     with open_store() as store:
@@ -283,6 +301,10 @@ def list_cmd(
         if backend:
             where.append(col(Attempt.backend).in_(backend))
         attempts = store.list(Attempt, where=where, order_by=col(Attempt.submitted_at).desc())
+        if flt.given():  # what lineage knows of each job: its stage, its run's recipe and replica, its cluster
+            out_now = dataclasses.replace(flt, state=("PENDING", "RUNNING"))
+            keep = {a.id for a in list_records(store, ["attempt"], out_now, limit=None, strict=True).records}
+            attempts = [a for a in attempts if a.id in keep]
         stage_ids = {a.stage_run_id for a in attempts if a.stage_run_id}
         stages = {s.id: s for s in store.list(StageRun, where=[col(StageRun.id).in_(stage_ids)])} if stage_ids else {}
         asked: dict[str, list[tuple[dict[str, Any], Any, Any]]] = {}  # backend -> (row, attempt, handle)
@@ -327,11 +349,14 @@ def list_cmd(
                     row["reason"] = status.reason
                 if status.state.terminal:
                     row["note"] = f"ended; recorded now{': ' + status.reason if status.reason else ''}"
+    if wanted_states:  # the state the backend gave now, not the one lineage had
+        rows = [row for row in rows if row["state"] in wanted_states]
     if as_json:
         print_json(rows)
         return
     if not rows:
-        console.print("no jobs pending or running", markup=False)
+        narrowed = " that match" if wanted_states or flt.given() else ""
+        console.print(f"no jobs pending or running{narrowed}", markup=False)
         return
     now = utcnow()
     table = compact_table("openlab jobs out now")

@@ -920,12 +920,17 @@ def test_slurm_statuses_ask_squeue_once_and_answer_as_status_does(slurm_harness:
         launcher._run = real_run  # type: ignore[attr-defined]
         one_by_one = [launcher.status(h) for h in handles]
         with store.transaction() as tx:  # what `job list` shows of them: squeue's NODELIST(REASON)
+            evals = tx.add(StageRun(stage="eval", identity="i-held"))
             out = [
-                tx.add(Attempt(backend="slurm", cluster=launcher.cluster, job_id=h.job_id, state="PENDING"))
-                for h in (running, held)
+                tx.add(Attempt(backend="slurm", cluster=launcher.cluster, job_id=h.job_id, state="PENDING", **kw))
+                for h, kw in ((running, {}), (held, {"stage_run_id": evals.id}))
             ]
         listed = {r["attempt"]: r for r in json.loads(cli("job", "list", "--json").stdout)}
         table = cli("job", "list", env={"COLUMNS": "100"}).stdout
+        narrowed = {  # as squeue -t and -M narrow, and by the stage lineage knows
+            args: [r["attempt"] for r in json.loads(cli("job", "list", "--json", *args).stdout)]
+            for args in (("--state", "pending"), ("-t", "running"), ("--stage", "eval"), ("--cluster", "elsewhere"))
+        }
     finally:
         for handle in handles[:4]:
             launcher.cancel(handle)
@@ -943,8 +948,16 @@ def test_slurm_statuses_ask_squeue_once_and_answer_as_status_does(slurm_harness:
     assert set(found[3].tasks or ()) == {"0", "1"}, found[3]  # type: ignore[union-attr]
     assert (listed[out[0].id]["state"], listed[out[0].id]["reason"]) == ("RUNNING", None), listed
     assert (listed[out[1].id]["state"], listed[out[1].id]["reason"]) == ("PENDING", "JobHeldUser"), listed
-    assert re.search(rf"^{out[1].id} +slurm +{held.job_id} +PENDING +\(JobHeldUser\) +\d+s *$", table, re.M), table
+    assert re.search(rf"^{out[1].id} +slurm +{held.job_id} +eval +PENDING +\(JobHeldUser\) +\d+s *$", table, re.M), (
+        table
+    )
     assert re.search(rf"^{out[0].id} +slurm +{running.job_id} +RUNNING +{found[0].host} ", table, re.M), table
+    assert narrowed == {
+        ("--state", "pending"): [out[1].id],  # the state squeue gives now; lineage said PENDING for both
+        ("-t", "running"): [out[0].id],
+        ("--stage", "eval"): [out[1].id],
+        ("--cluster", "elsewhere"): [],
+    }, narrowed
 
 
 def test_kubernetes_statuses_list_each_namespace_once_and_answer_as_status_does() -> None:
@@ -1027,6 +1040,12 @@ def test_job_list_names_what_it_could_not_ask_and_still_lists_the_rest(store: Li
     assert rows[submitting.id]["note"].startswith("no job id yet"), rows
     assert store.get(Attempt, forgotten.id).state == "LOST"  # type: ignore[union-attr]
     assert store.get(Attempt, k8s.id).state == "RUNNING"  # type: ignore[union-attr]
+    ended = cli("job", "list", "--state", "failed")  # a job out is pending or running: say where ended ones are
+    assert ended.returncode == 2 and ended.stderr.strip().splitlines() == [
+        "error: --state 'failed': states of a job out: pending, running "
+        "(ended jobs: openlab lineage list --kind attempt --state FAILED)"
+    ], ended.stderr
+    assert cli("job", "list", "--stage", "pretrain").stdout == "no jobs pending or running that match\n"
     misspelt = cli("job", "list", "--backend", "kubernets")  # listed nothing: "no jobs out" was a lie
     assert misspelt.returncode == 2 and misspelt.stderr.strip().splitlines() == [
         "error: --backend 'kubernets': not a backend; did you mean 'kubernetes'? "
