@@ -121,7 +121,8 @@ def affected(store: LineageStore, flt: RecordFilter) -> AffectedReport:
             Relation.object_kind == WandbRun.kind,
         ],
     )
-    for rel in sorted(logged, key=lambda r: list(stage_runs).index(r.subject_id)):  # in the order found
+    found_at = {srun_id: i for i, srun_id in enumerate(stage_runs)}
+    for rel in sorted(logged, key=lambda r: found_at[r.subject_id]):  # in the order the stage runs were found
         wandb_run = store.get(WandbRun, rel.object_id)
         if wandb_run is not None and wandb_run.id not in seen:
             seen.add(wandb_run.id)
