@@ -440,6 +440,10 @@ def render_changes(sections: Iterable[Section], before: str, after: str, limit: 
                 shown_commits = [f"`{sha[:7]}` {md_cell(subject[:72])}" for sha, subject in section.commits[:3]]
                 more = f" and {len(section.commits) - 3} more" if len(section.commits) > 3 else ""
                 touched = f" (changed by {', '.join(shown_commits)}{more})"
+            if section.undone:  # this run is on an older commit or another branch: changes it lacks
+                lacked = [f"`{sha[:7]}` {md_cell(subject[:72])}" for sha, subject in section.undone[:3]]
+                more = f" and {len(section.undone) - 3} more" if len(section.undone) > 3 else ""
+                touched += f" (lacks {', '.join(lacked)}{more}, which `{before}` had)"
             parts.insert(0, "source " + ", ".join(f"`{md_cell(p)}`" for p in code) + touched)
         if shown + len(parts) > limit:
             parts = parts[: max(limit - shown, 0)] + ["…"]

@@ -412,7 +412,11 @@ def diff_cmd(
         if metric:
             out["metrics"] = {s.name: [c.to_dict() for c in s.metrics] for s in sections}
         out["code_commits"] = {
-            s.name: {"range": list(s.commit_range), "commits": [{"sha": c, "subject": m} for c, m in s.commits or []]}
+            s.name: {
+                "range": list(s.commit_range),
+                "commits": [{"sha": c, "subject": m} for c, m in s.commits or []],
+                "undone": [{"sha": c, "subject": m} for c, m in s.undone or []],
+            }
             for s in sections
             if s.commit_range
         }
@@ -439,10 +443,15 @@ def _print_code_commits(section: Section) -> None:
     old, new = (c[:12] for c in section.commit_range or ("", ""))
     if section.commits is None:
         say(f"  code changed between {old} and {new} (not in this repository: no commit list)")
-    elif section.commits:
-        console.print(f"  commits touching that code, {old}..{new}:", highlight=False, markup=False)
-        for sha, subject in section.commits:
-            say(f"    {sha[:12]} {subject}")
+    elif section.commits or section.undone:
+        if section.commits:
+            console.print(f"  commits touching that code, {old}..{new}:", highlight=False, markup=False)
+            for sha, subject in section.commits:
+                say(f"    {sha[:12]} {subject}")
+        if section.undone:  # the later run is on an older commit or another branch
+            console.print(f"  undone (in {old}, not in {new}):", highlight=False, markup=False)
+            for sha, subject in section.undone:
+                say(f"    {sha[:12]} {subject}")
     else:  # the same commit, or commits that did not touch it: the difference is in a working tree
         say(f"  no commit {old}..{new} touches that code: it changed in an uncommitted working tree")
 

@@ -103,6 +103,10 @@ class Section:
     #: ``(sha, subject)`` of the commits in that range that touched the changed code, newest first;
     #: None when the repository or a commit is not on this machine.
     commits: list[tuple[str, str]] | None = None
+    #: ``(sha, subject)`` of the commits the earlier run had and the later one does not that touched
+    #: that code (the later run is on an older commit, or another branch): changes undone, which
+    #: ``commits`` (old..new) cannot show. None as for ``commits``.
+    undone: list[tuple[str, str]] | None = None
     #: The id of the one run that ran this stage, when the other did not (``fields`` then holds
     #: the single change ``stage``, present on one side only, which ``--json`` keeps).
     only_in: str | None = None
@@ -161,6 +165,7 @@ def _code_commits(section: Section, old: Commit | None, new: Commit | None) -> N
     section.commit_range = (old.id, new.id)
     if old.sha and new.sha and new.repo_path:
         section.commits = commits_touching(new.repo_path, old.sha, new.sha, paths)
+        section.undone = commits_touching(new.repo_path, new.sha, old.sha, paths)  # new..old
 
 
 def diff_records(

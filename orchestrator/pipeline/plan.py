@@ -194,7 +194,7 @@ def plan(
 
 def _commits_since(store: LineageStore, previous: Any, git: Any, paths: list[str]) -> list[str]:
     """What changed ``paths`` since ``previous`` ran: the commits from its commit to HEAD that
-    touched them, and the working tree when it changes them too. Empty when that cannot be told
+    touched them, those its commit had and HEAD lacks, and the working tree when it changes them too. Empty when that cannot be told
     (the previous run's commit is not in this repository)."""
     from orchestrator.lineage.diff import commit_of
     from orchestrator.provenance.git import commits_touching, uncommitted
@@ -205,7 +205,10 @@ def _commits_since(store: LineageStore, previous: Any, git: Any, paths: list[str
     found = commits_touching(git.root, then.sha, git.commit, paths)
     if found is None:
         return []
+    undone = commits_touching(git.root, git.commit, then.sha, paths) or []
     lines = [f"{sha[:12]} {subject}" for sha, subject in found]
+    # the other way: commits the previous run had that HEAD lacks (an older checkout, another branch)
+    lines += [f"{sha[:12]} {subject} (undone: the previous run had it)" for sha, subject in undone]
     if git.dirty and uncommitted(git.root, paths):
         lines.append("uncommitted changes in the working tree")
     return lines

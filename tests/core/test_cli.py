@@ -313,6 +313,14 @@ def test_diff_names_the_commits_that_touched_the_code_that_changed(run_cli, repo
     assert [c["subject"] for c in as_json["code_commits"]["pretrain"]["commits"]] == ["train: a faster loop"]
     dirty = run_cli("lineage", "diff", ids[1], ids[2]).stdout
     assert f"no commit {last[:12]}..{last[:12]} touches that code: it changed in an uncommitted working tree" in dirty
+    # the later run on the older commit (a checkout back, a branch without it): the change was undone,
+    # not made in a working tree, and old..new alone lists nothing
+    back = run_cli("lineage", "diff", ids[1], ids[0]).stdout
+    assert f"  undone (in {last[:12]}, not in {first[:12]}):\n" in back, back
+    assert [line.split(None, 1)[1] for line in back.split("undone (")[1].splitlines()[1:]] == ["train: a faster loop"]
+    assert "commits touching that code" not in back and "uncommitted working tree" not in back, back
+    as_json = json.loads(run_cli("lineage", "diff", ids[1], ids[0], "--json").stdout)
+    assert [c["subject"] for c in as_json["code_commits"]["pretrain"]["undone"]] == ["train: a faster loop"]
 
 
 def test_a_path_in_hand_finds_what_made_it(run_cli, openlab_home: Path, tmp_path: Path) -> None:

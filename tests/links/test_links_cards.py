@@ -165,3 +165,9 @@ def test_the_changes_name_the_commits_that_changed_a_stages_source() -> None:
         "- **pretrain**: source `workloads/moe/dispatch.py` (changed by `1111111` dispatch: fix 1, "
         "`2222222` dispatch: fix 2, `3333333` dispatch: fix 3 and 2 more)"
     ), line
+    section.commits, section.undone = [], commits[:1]  # this run is on a commit before that fix
+    (line,) = render_changes([section], "prun_a", "prun_b")[2:]
+    assert (
+        line
+        == "- **pretrain**: source `workloads/moe/dispatch.py` (lacks `1111111` dispatch: fix 1, which `prun_a` had)"
+    )

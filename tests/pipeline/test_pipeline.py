@@ -107,6 +107,24 @@ def test_first_run_records_lineage_and_second_run_reuses_every_stage(repo: Path,
         assert reused.outputs == store.require(StageRun, first.results["count"].stage_run_id).outputs
 
 
+def test_explain_names_the_commits_a_checkout_of_an_older_commit_undoes(repo: Path, ledger: Path) -> None:
+    """Run at a commit, then check out the one before it: the stage runs again, and the dry run
+    names the commit the previous run had and HEAD lacks (old..HEAD alone lists nothing)."""
+    pipeline = toy_pipeline(repo)
+    base = git(repo, "rev-parse", "HEAD").strip()
+    script = repo / "stages" / "upper.py"
+    script.write_text(script.read_text() + "# a comment\n")
+    git(repo, "commit", "-qam", "upper: a comment")
+    sha = git(repo, "rev-parse", "HEAD").strip()
+    assert run_pipeline(pipeline, toy_configs(), options=fast()).ok
+    git(repo, "checkout", "-q", base)
+    planned = {p.stage: p for p in plan(pipeline, toy_configs())}
+    assert planned["upper"].action == "run"
+    assert planned["upper"].commits == [f"{sha[:12]} upper: a comment (undone: the previous run had it)"], planned[
+        "upper"
+    ].commits
+
+
 def test_one_line_change_reruns_that_stage_and_only_stages_whose_input_changed(repo: Path, ledger: Path) -> None:
     pipeline = toy_pipeline(repo)
     assert run_pipeline(pipeline, toy_configs(), options=fast()).ok
