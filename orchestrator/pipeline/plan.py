@@ -194,8 +194,8 @@ def plan(
 
 def _commits_since(store: LineageStore, previous: Any, git: Any, paths: list[str]) -> list[str]:
     """What changed ``paths`` since ``previous`` ran: the commits from its commit to HEAD that
-    touched them, those its commit had and HEAD lacks, and the working tree when it changes them too. Empty when that cannot be told
-    (the previous run's commit is not in this repository)."""
+    touched them, those its commit had and HEAD lacks, and the working tree when it changes them
+    too. Empty when that cannot be told (the previous run's commit is not in this repository)."""
     from orchestrator.lineage.diff import commit_of
     from orchestrator.provenance.git import commits_touching, uncommitted
 
