@@ -419,19 +419,34 @@ def logs_cmd(
 
 @app.command("cancel")
 def cancel_cmd(
-    ident: str = typer.Argument(..., metavar="ID", help=_ID_HELP),
+    idents: list[str] = typer.Argument(..., metavar="ID...", help=_ID_HELP + "; several, as scancel takes"),
     backend: str = typer.Option(None, "--backend", "-b", help="backend, for a job id not in lineage"),
 ) -> None:
-    """Cancel a job (and everything it started) and record it in its attempt."""
-    from orchestrator.cli.output import console
+    """Cancel jobs (and everything each started) and record each in its attempt.
+
+    Each ID on its own: one that cannot be found or cancelled is named on stderr and the others
+    are still cancelled; the exit code is then 2.
+    """
+    from orchestrator.cli.output import console, print_error
     from orchestrator.launchers import JobState
     from orchestrator.lineage.store import open_store
 
+    failed = 0
     with open_store() as store:
-        attempt, handle, launcher = _find(store, ident, backend)
-        launcher.cancel(handle)
-        status = launcher.status(handle)
-        if status.state is JobState.LOST or not status.state.terminal:
-            status.state, status.reason = JobState.CANCELLED, status.reason or "cancelled"
-        _refresh(store, attempt, status)
-    console.print(f"{handle.backend} job {handle.job_id}: {status.state}", highlight=False)
+        for ident in idents:
+            try:
+                attempt, handle, launcher = _find(store, ident, backend)
+                launcher.cancel(handle)
+                status = launcher.status(handle)
+            except OpenlabError as exc:
+                if len(idents) == 1:
+                    raise
+                print_error(f"{ident}: {exc}")
+                failed += 1
+                continue
+            if status.state is JobState.LOST or not status.state.terminal:
+                status.state, status.reason = JobState.CANCELLED, status.reason or "cancelled"
+            _refresh(store, attempt, status)
+            console.print(f"{handle.backend} job {handle.job_id}: {status.state}", highlight=False)
+    if failed:
+        raise typer.Exit(2)

@@ -1015,6 +1015,24 @@ def test_kubernetes_statuses_list_each_namespace_once_and_answer_as_status_does(
     assert [s.state for s in refused] == [s.state for s in one_by_one], refused  # type: ignore[union-attr]
 
 
+def test_job_cancel_takes_several_ids_and_names_the_one_it_could_not_cancel(store: LineageStore) -> None:
+    """As `scancel 41 42 43`: each job cancelled on its own, a bad id named on stderr without
+    keeping the others alive, exit 2."""
+    launcher = get_launcher("local")
+    jobs = [launcher.submit(JobSpec(name=f"cancel-{i}", command=["sleep", "60"])) for i in range(2)]
+    try:
+        done = cli("job", "cancel", jobs[0].job_id, "local-nope", jobs[1].job_id, "--backend", "local")
+        states = [launcher.status(j).state for j in jobs]
+    finally:
+        for job in jobs:
+            launcher.cancel(job)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout.splitlines() == [f"local job {j.job_id}: CANCELLED" for j in jobs], done.stdout
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("error: local-nope: "), done.stderr
+    assert states == [JobState.CANCELLED, JobState.CANCELLED], states
+
+
 def test_job_list_names_what_it_could_not_ask_and_still_lists_the_rest(store: LineageStore, tmp_path: Path) -> None:
     """One unreachable cluster must not hide the other backends' jobs; a job its scheduler forgot is
     recorded as ended; an attempt still being submitted is not called a failed submission."""
