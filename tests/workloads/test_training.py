@@ -57,6 +57,49 @@ def test_resume_gives_the_same_next_step_loss(tiny_tokens: Path, tmp_path: Path)
         assert abs(a[step] - b[step]) <= 1e-6, (step, a[step], b[step])
 
 
+def test_keep_every_keeps_each_revision_as_it_was_and_a_resume_leaves_them_so(
+    tiny_tokens: Path, tmp_path: Path
+) -> None:
+    """Marin #8949: immutable per-step checkpoint revisions with tokens seen. Every keep_every-th
+    step's checkpoint stays, byte for byte, after later saves and a preempted-and-resumed run; each
+    loads as the step it names, and the index lists them with their token counts."""
+    import hashlib
+
+    from workloads.moe.train import load_state
+
+    def digest(path: Path) -> str:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    out = tmp_path / "out"
+    run_train(
+        parse_config(train_cfg(tiny_tokens, steps=6, checkpoint_every=6, keep_every=2, stop_after=3)), out, "pretrain"
+    )
+    revisions = out / "checkpoint" / "revisions"
+    assert sorted(p.name for p in revisions.iterdir()) == ["step-000002.pt"]
+    before = digest(revisions / "step-000002.pt")
+    res = run_train(parse_config(train_cfg(tiny_tokens, steps=6, checkpoint_every=6, keep_every=2)), out, "pretrain")
+    assert res["resumed_from_step"] == 3 and res["checkpoint_revisions"] == 3
+    assert sorted(p.name for p in revisions.iterdir()) == ["step-000002.pt", "step-000004.pt", "step-000006.pt"]
+    assert digest(revisions / "step-000002.pt") == before  # not rewritten by the saves after it
+    index = json.loads((out / "checkpoint" / "revisions.json").read_text())
+    assert [(r["step"], r["tokens_seen"], r["file"]) for r in index] == [
+        (s, s * 4 * 32, f"revisions/step-{s:06d}.pt") for s in (2, 4, 6)
+    ]
+    for row in index:
+        state = load_state(out / "checkpoint" / row["file"])
+        assert (state["step"], state["tokens_seen"]) == (row["step"], row["tokens_seen"])
+    assert digest(revisions / "step-000006.pt") == digest(out / "checkpoint" / "state.pt")  # the last is the latest
+
+    # stopped between a save and its revision (simulated: the revision removed): the resume makes it
+    again = tmp_path / "again"
+    run_train(parse_config(train_cfg(tiny_tokens, steps=4, keep_every=2, stop_after=2)), again, "pretrain")
+    (again / "checkpoint" / "revisions" / "step-000002.pt").unlink()
+    (again / "checkpoint" / "revisions.json").unlink()
+    run_train(parse_config(train_cfg(tiny_tokens, steps=4, keep_every=2)), again, "pretrain")
+    listed = json.loads((again / "checkpoint" / "revisions.json").read_text())
+    assert [r["step"] for r in listed] == [2, 4] and load_state(again / "checkpoint" / listed[0]["file"])["step"] == 2
+
+
 def _write(tmp_path: Path, cfg: dict) -> str:
     p = tmp_path / "cfg.json"
     p.write_text(json.dumps(cfg))
@@ -74,6 +117,7 @@ def _write(tmp_path: Path, cfg: dict) -> str:
         ({"moe": {"dispatch": "water_filling"}}, "unknown dispatch 'water_filling' (did you mean 'waterfilling'?"),
         ({"train": {"steps": "ten"}}, "'train.steps' must be an integer"),
         ({"moe": {"qb_estimator": "median"}}, "moe.qb_estimator 'median' is not one of topk, hist"),
+        ({"train": {"keep_every": -1}}, "train.keep_every must be >= 0"),
     ],
 )
 def test_bad_config_one_line_error_before_compute(

@@ -36,7 +36,9 @@ falls back to a default.
     train:                       # pretrain / midtrain / posttrain / repro
       steps: 100, batch_size: 16, lr: 0.003, min_lr_ratio: 0.1, warmup_steps: 10,
       weight_decay: 0.1, grad_clip: 1.0, mixture: {code: 0.5, prose: 0.5},
-      checkpoint_every: 50, stop_after: 0   # stop_after>0 simulates preemption after that step
+      checkpoint_every: 50, stop_after: 0,  # stop_after>0 simulates preemption after that step
+      keep_every: 0              # >0: also keep every N-th step's checkpoint, never rewritten
+                                 # (checkpoint/revisions/step-NNNNNN.pt, listed with tokens seen)
     eval: {batches: 8, batch_size: 16}      # stage `eval` (held-out loss per domain + routing metrics)
     repro:                       # stage `repro`: one trained router, every arm measured every step
       train_arm: pooled_wave_1.05_1.33    # the arm whose dispatch is in the training forward pass
@@ -158,6 +160,8 @@ class TrainConfig:
     mixture: dict[str, float] = field(default_factory=dict)  # empty = uniform over domains
     checkpoint_every: int = 50
     stop_after: int = 0
+    #: Keep every N-th step's checkpoint as an immutable revision (0: only the latest, rewritten).
+    keep_every: int = 0
 
 
 @dataclass
@@ -451,6 +455,8 @@ def validate(cfg: Config, stage: str) -> None:
         )
     if cfg.train.steps < 1 or cfg.train.checkpoint_every < 1:
         raise ConfigError("config: train.steps and train.checkpoint_every must be >= 1")
+    if cfg.train.keep_every < 0:
+        raise ConfigError("config: train.keep_every must be >= 0 (0 keeps only the latest checkpoint)")
     if any(w < 0 for w in cfg.train.mixture.values()) or (cfg.train.mixture and sum(cfg.train.mixture.values()) <= 0):
         raise ConfigError("config: train.mixture weights must be >= 0 and not all zero")
     if not 0 < cfg.data.heldout_fraction < 1:
@@ -459,6 +465,10 @@ def validate(cfg: Config, stage: str) -> None:
         raise ConfigError("config: tokenizer.vocab_size must be >= 300 (256 bytes + merges + specials)")
     if stage == "repro":
         rp = cfg.repro
+        if cfg.train.keep_every:
+            raise ConfigError(
+                "config: train.keep_every is for pretrain, midtrain and posttrain; repro keeps its latest"
+            )
         if not rp.arms:
             raise ConfigError("config: stage 'repro' needs repro.arms")
         names = [a.name for a in rp.arms]

@@ -10,6 +10,10 @@
 Batches are a pure function of (seed, step), so a restarted stage sees exactly the data it would have
 seen; together with the checkpointed model/optimizer/QB/RNG state this makes resume bitwise on CPU.
 Checkpoints (OUT/checkpoint/state.pt) are written atomically every `train.checkpoint_every` steps.
+With `train.keep_every: N`, every N-th step's checkpoint is also kept as an immutable revision,
+OUT/checkpoint/revisions/step-NNNNNN.pt, listed with its step and tokens seen in
+OUT/checkpoint/revisions.json: the checkpoint before a loss spike, or at a given token count, stays
+loadable (`inputs.checkpoint` takes the file) and part of the stage's recorded output.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import random
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -36,6 +42,8 @@ from .tracking import SilentTracker, open_tracker
 from .util import Preempted, StopSignals, atomic_torch_save, atomic_write_text, pick_device, setup_torch
 
 CKPT = "checkpoint/state.pt"
+REVISIONS = "checkpoint/revisions"
+REVISIONS_INDEX = "checkpoint/revisions.json"
 
 
 # --------------------------------------------------------------------------- data
@@ -211,6 +219,30 @@ def save_checkpoint(
     )
 
 
+def keep_revision(out: Path, step: int, tokens_seen: int) -> None:
+    """Keep the checkpoint just saved as ``revisions/step-NNNNNN.pt`` and list it with its tokens seen.
+
+    A hard link: the next save replaces ``state.pt`` with a new file, so the revision keeps these
+    bytes and costs no copy (a copy where the filesystem has no links). Idempotent, so a resumed
+    run that finds the revision of the step it resumes from made already changes nothing.
+    """
+    name = f"step-{step:06d}.pt"
+    target = out / REVISIONS / name
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{name}.tmp")
+        tmp.unlink(missing_ok=True)
+        try:
+            os.link(out / CKPT, tmp)
+        except OSError:
+            shutil.copyfile(out / CKPT, tmp)
+        os.replace(tmp, target)
+    index = out / REVISIONS_INDEX
+    listed = [r for r in (json.loads(index.read_text()) if index.is_file() else []) if r["step"] != step]
+    listed.append({"step": step, "tokens_seen": tokens_seen, "file": f"revisions/{name}"})
+    atomic_write_text(index, json.dumps(sorted(listed, key=lambda r: r["step"]), indent=2))
+
+
 def make_optimizer(model: MoELM, cfg: Config) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -330,6 +362,9 @@ def _train(
         start, tokens_seen = int(st["step"]), int(st["tokens_seen"])
         torch.set_rng_state(st["rng"]["torch"])
         random.setstate(st["rng"]["python"])
+        keep = cfg.train.keep_every
+        if dp.main and keep and start % keep == 0:  # stopped between the save and its revision
+            keep_revision(out, start, tokens_seen)
     elif init_state is not None:
         model.load_state_dict(init_state["model"])
         try:
@@ -393,9 +428,12 @@ def _train(
             done = step + 1 == cfg.train.steps
             stop = cfg.train.stop_after and step + 1 == cfg.train.stop_after
             signalled = told_to_stop and not done  # every task stops at the same step
-            if (step + 1) % cfg.train.checkpoint_every == 0 or done or stop or signalled:
+            kept = bool(cfg.train.keep_every) and (step + 1) % cfg.train.keep_every == 0
+            if (step + 1) % cfg.train.checkpoint_every == 0 or done or stop or signalled or kept:
                 if dp.main:
                     save_checkpoint(out, model, opt, step + 1, tokens_seen, stage, cfg, lineage)
+                    if kept:
+                        keep_revision(out, step + 1, tokens_seen)
                 dp.barrier()  # no task goes on (or resumes) before the checkpoint is whole
             if signalled:
                 raise Preempted(signals.signum or signal.SIGTERM, step + 1)
@@ -411,6 +449,8 @@ def _train(
         summary["steps"] = cfg.train.steps
         summary["tokens_seen"] = tokens_seen
         summary.update(heldout_metrics(model, data, cfg, mc, device, sft=sft, batches=2))
+        if (out / REVISIONS_INDEX).is_file():
+            summary["checkpoint_revisions"] = len(json.loads((out / REVISIONS_INDEX).read_text()))
         summary["wandb_run_id"] = tr.run_id
         tr.summary(summary)
     atomic_write_text(out / "metrics.json", json.dumps(summary, indent=2))
