@@ -40,6 +40,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import shutil
+import stat
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -180,15 +181,19 @@ class GcPlan:
 
 
 def folder_bytes(path: Path) -> int:
-    """Bytes of the regular files under ``path`` (links not followed: they are not this folder's)."""
+    """Bytes of the regular files under ``path`` (links not followed: they are not this folder's),
+    each file once however many names it has here (a checkpoint revision is a hard link to the
+    checkpoint saved at its step: deleting both frees its bytes once)."""
     total = 0
+    seen: set[tuple[int, int]] = set()
     for root, _dirs, files in os.walk(path):
         for name in files:
             try:
                 st = os.lstat(os.path.join(root, name))
             except OSError:
                 continue
-            if not os.path.islink(os.path.join(root, name)):
+            if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
                 total += st.st_size
     return total
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from orchestrator.pipeline.gc import (
     GcPlan,
     Output,
     collect,
+    folder_bytes,
     plan_gc,
 )
 from orchestrator.settings import load_settings
@@ -577,3 +579,16 @@ def test_a_replaced_snapshot_captured_again_is_live_again(store: LineageStore, t
     assert again.id == first.id and again.removed_at is None and again.removed_reason is None
     assert [e.action for e in store.events(first.id)] == ["create", "update", "update"]
     assert verify(store, settings) == []
+
+
+def test_the_bytes_gc_frees_count_a_hard_linked_revision_once(tmp_path: Path) -> None:
+    """A checkpoint revision is a hard link to the checkpoint saved at its step: removing the folder
+    frees those bytes once, and a symlink's target is not the folder's."""
+    out = tmp_path / "pretrain"
+    (out / "checkpoint" / "revisions").mkdir(parents=True)
+    (out / "checkpoint" / "state.pt").write_bytes(b"x" * 1000)
+    os.link(out / "checkpoint" / "state.pt", out / "checkpoint" / "revisions" / "step-000006.pt")
+    (out / "metrics.json").write_bytes(b"y" * 50)
+    (tmp_path / "elsewhere").write_bytes(b"z" * 4000)
+    (out / "link").symlink_to(tmp_path / "elsewhere")
+    assert folder_bytes(out) == 1050
