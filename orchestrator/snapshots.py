@@ -469,7 +469,22 @@ def snapshot(
     if progress is not None:
         progress(hit_bytes, total)
 
-    hashed = _hash_many(todo, total, hit_bytes, progress)
+    # One read per file, however many names it has here (a checkpoint revision is a hard link to the
+    # checkpoint saved at its step): the other names take the first one's hash.
+    first_name: dict[tuple[int, int, int, int], _Found] = {}
+    unique: list[_Found] = []
+    same_as: dict[str, str] = {}
+    for f in todo:
+        key = (f.st.st_dev, f.st.st_ino, f.st.st_size, f.st.st_mtime_ns)
+        if f.st.st_nlink > 1 and key in first_name:
+            same_as[f.rel] = first_name[key].rel
+        else:
+            first_name.setdefault(key, f)
+            unique.append(f)
+    alias_bytes = sum(f.st.st_size for f in todo if f.rel in same_as)
+    hashed = _hash_many(unique, total, hit_bytes + alias_bytes, progress)
+    for alias, name in same_as.items():
+        hashed[alias] = hashed[name]
     fresh: dict[str, list[Any]] = {}
     for f in todo:
         entry = SnapshotEntry(path=f.rel, size=f.st.st_size, blake3=hashed[f.rel])
@@ -531,8 +546,8 @@ def snapshot(
         entries=tuple(entries),
         created=created,
         cache_hits=nfiles - len(todo),
-        hashed_files=len(todo),
-        hashed_bytes=sum(f.st.st_size for f in todo),
+        hashed_files=len(unique),
+        hashed_bytes=sum(f.st.st_size for f in unique),
     )
 
 

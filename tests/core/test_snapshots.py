@@ -137,6 +137,28 @@ def test_warm_snapshot_reads_no_data(tmp_path: Path, settings: Settings, count_h
     assert len(cache_files) == 1
 
 
+def test_a_file_with_two_names_is_read_once_and_hashes_as_a_copy_would(
+    tmp_path: Path, settings: Settings, count_hashes: list[str]
+) -> None:
+    """A checkpoint revision is a hard link to the checkpoint saved at its step: the snapshot reads
+    its bytes once, both names get the hash, the progress still reaches the total, and the id is the
+    one a folder holding two copies has (content addressing does not see links)."""
+    linked = tmp_path / "linked"
+    (linked / "revisions").mkdir(parents=True)
+    (linked / "state.pt").write_bytes(b"w" * 5000)
+    os.link(linked / "state.pt", linked / "revisions" / "step-000006.pt")
+    copied = tmp_path / "copied"
+    (copied / "revisions").mkdir(parents=True)
+    for rel in ("state.pt", "revisions/step-000006.pt"):
+        (copied / rel).write_bytes(b"w" * 5000)
+    seen: list[tuple[int, int]] = []
+    snap = snapshot(linked, settings=settings, progress=lambda done, total: seen.append((done, total)))
+    assert len(count_hashes) == 1 and (snap.hashed_files, snap.hashed_bytes) == (1, 5000), count_hashes
+    assert len({e.blake3 for e in snap.entries}) == 1 and len(snap.entries) == 2
+    assert seen[-1] == (10_000, 10_000) == (snap.bytes, snap.bytes)
+    assert snap.id == snapshot(copied, settings=settings).id
+
+
 def test_recently_modified_file_is_not_cached(tmp_path: Path, settings: Settings, count_hashes: list[str]) -> None:
     root = tmp_path / "data"
     root.mkdir()
