@@ -648,10 +648,18 @@ def content_hash(path: Path) -> str:
     hash and a snapshot of the same data are always the same string.
     """
     root = _resolve_root(path)
+    read: dict[tuple[int, int, int, int], str] = {}  # a file with several names (hard links) is read once
+
+    def digest(f: _Found) -> str:
+        key = (f.st.st_dev, f.st.st_ino, f.st.st_size, f.st.st_mtime_ns)
+        if key not in read:
+            read[key] = _hash_file(f.abs, f.st)
+        return read[key]
+
     entries = [
         SnapshotEntry(path=f.rel, link=f.link)
         if f.link is not None
-        else SnapshotEntry(path=f.rel, size=f.st.st_size, blake3=_hash_file(f.abs, f.st))
+        else SnapshotEntry(path=f.rel, size=f.st.st_size, blake3=digest(f))
         for f in _walk(root)
     ]
     return merkle_root(entries)

@@ -157,6 +157,8 @@ def test_a_file_with_two_names_is_read_once_and_hashes_as_a_copy_would(
     assert len({e.blake3 for e in snap.entries}) == 1 and len(snap.entries) == 2
     assert seen[-1] == (10_000, 10_000) == (snap.bytes, snap.bytes)
     assert snap.id == snapshot(copied, settings=settings).id
+    count_hashes.clear()
+    assert snapshots.content_hash(linked) == snap.id and len(count_hashes) == 1  # what outputs are recorded with
 
 
 def test_recently_modified_file_is_not_cached(tmp_path: Path, settings: Settings, count_hashes: list[str]) -> None:
