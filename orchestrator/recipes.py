@@ -99,6 +99,8 @@ _TRAIN = {
     "grad_clip": NUMBER,
     "mixture": Opt(MapOf(NUMBER)),
     "checkpoint_every": int,
+    #: Keep every N-th step's checkpoint as an immutable revision (the workload's train.keep_every).
+    "keep_every": Opt(int),
 }
 
 #: Where a stage's Slurm job goes (``#SBATCH --partition`` ...), per stage: data prep on a CPU
@@ -776,6 +778,8 @@ def _train_section(section: Mapping[str, Any], steps: int, batch: int) -> dict[s
     }
     if section.get("mixture"):
         out["mixture"] = dict(section["mixture"])
+    if section.get("keep_every"):  # only when asked: a stage that keeps none keeps its identity
+        out["keep_every"] = int(section["keep_every"])
     return out
 
 

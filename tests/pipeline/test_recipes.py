@@ -66,6 +66,18 @@ def test_tiny_replica_is_the_reference_times_recorded_factors() -> None:
     assert set(r.stage_configs["tokenize"]) == {"seed", "tokenizer"}
 
 
+def test_a_recipe_stage_may_keep_checkpoint_revisions_and_one_that_does_not_keeps_its_config(tmp_path: Path) -> None:
+    data = base()
+    data["pretrain"]["keep_every"] = 5000
+    r = resolve(write(tmp_path, data), "tiny")
+    assert r.stage_configs["pretrain"]["train"]["keep_every"] == 5000
+    assert "keep_every" not in r.stage_configs["midtrain"]["train"]  # nor in its identity: unchanged
+    assert "keep_every" not in resolve("marin-535b-a23b", "tiny").stage_configs["pretrain"]["train"]
+    data["pretrain"]["keep_every"] = "often"
+    with pytest.raises(ConfigError, match=r"pretrain.keep_every: expected int"):
+        resolve(write(tmp_path, data), "tiny")
+
+
 def test_small_replica_resolves_and_passes_the_workload_checks() -> None:
     r = resolve("marin-535b-a23b", "small")
     assert r.stage_configs["pretrain"]["model"]["n_experts"] % r.stage_configs["pretrain"]["moe"]["ranks"] == 0
