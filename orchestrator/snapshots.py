@@ -310,6 +310,25 @@ def _hash_file(path: str, st: os.stat_result) -> str:
     return _hash_big(path, st) if st.st_size >= BIG_FILE_BYTES else _hash_small(path, st)
 
 
+def _same_file(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What makes two names one file's (hard links: a checkpoint revision and the ``state.pt`` it was
+    saved as), so its bytes are read once."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _hashing_once() -> Callable[[_Found], str]:
+    """:func:`_hash_file` that reads a file with several names once for as long as it is kept."""
+    read: dict[tuple[int, int, int, int], str] = {}
+
+    def digest(f: _Found) -> str:
+        key = _same_file(f.st)
+        if key not in read:
+            read[key] = _hash_file(f.abs, f.st)
+        return read[key]
+
+    return digest
+
+
 def _hash_many(
     todo: Sequence[_Found], total_bytes: int, done_bytes: int, progress: ProgressFn | None
 ) -> dict[str, str]:
@@ -475,7 +494,7 @@ def snapshot(
     unique: list[_Found] = []
     same_as: dict[str, str] = {}
     for f in todo:
-        key = (f.st.st_dev, f.st.st_ino, f.st.st_size, f.st.st_mtime_ns)
+        key = _same_file(f.st)
         if f.st.st_nlink > 1 and key in first_name:
             same_as[f.rel] = first_name[key].rel
         else:
@@ -607,6 +626,7 @@ def verify_snapshot(
         return [*problems, f"{label}: {exc}"]
 
     cache = _load_cache(_cache_path(settings, root), root)[0] if trust_stat_cache else {}
+    digest_of = _hashing_once()  # every byte re-read, a file with several names once
     current = {f.rel: f for f in found}
     for rel in sorted(set(recorded) - set(current)):
         problems.append(f"{label}: {rel} is missing")
@@ -626,7 +646,7 @@ def verify_snapshot(
             digest = cached[4]
         else:
             try:
-                digest = _hash_file(f.abs, f.st)
+                digest = digest_of(f)
             except SnapshotError as exc:
                 problems.append(f"{label}: {exc}")
                 continue
@@ -648,14 +668,7 @@ def content_hash(path: Path) -> str:
     hash and a snapshot of the same data are always the same string.
     """
     root = _resolve_root(path)
-    read: dict[tuple[int, int, int, int], str] = {}  # a file with several names (hard links) is read once
-
-    def digest(f: _Found) -> str:
-        key = (f.st.st_dev, f.st.st_ino, f.st.st_size, f.st.st_mtime_ns)
-        if key not in read:
-            read[key] = _hash_file(f.abs, f.st)
-        return read[key]
-
+    digest = _hashing_once()
     entries = [
         SnapshotEntry(path=f.rel, link=f.link)
         if f.link is not None

@@ -156,9 +156,17 @@ def test_a_file_with_two_names_is_read_once_and_hashes_as_a_copy_would(
     assert len(count_hashes) == 1 and (snap.hashed_files, snap.hashed_bytes) == (1, 5000), count_hashes
     assert len({e.blake3 for e in snap.entries}) == 1 and len(snap.entries) == 2
     assert seen[-1] == (10_000, 10_000) == (snap.bytes, snap.bytes)
-    assert snap.id == snapshot(copied, settings=settings).id
     count_hashes.clear()
     assert snapshots.content_hash(linked) == snap.id and len(count_hashes) == 1  # what outputs are recorded with
+    assert snapshots.content_hash(copied) == snap.id  # two copies: the same id (no manifest written for it)
+    count_hashes.clear()
+    assert verify_snapshot(snap.id, settings=settings) == [] and len(count_hashes) == 1  # every byte, once
+    (linked / "state.pt").write_bytes(b"W" * 5000)  # rewritten in place: both names changed
+    problems = verify_snapshot(snap.id, settings=settings)
+    assert [p.split(": ", 1)[1].split(" (")[0] for p in problems] == [
+        "revisions/step-000006.pt content changed",
+        "state.pt content changed",
+    ], problems
 
 
 def test_recently_modified_file_is_not_cached(tmp_path: Path, settings: Settings, count_hashes: list[str]) -> None:
