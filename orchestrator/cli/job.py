@@ -321,6 +321,7 @@ def list_cmd(
                 "host": attempt.host,
                 "submitted_at": attempt.submitted_at,
                 "reason": None,
+                "tasks": None,
                 "note": None,
             }
             rows.append(row)
@@ -347,6 +348,11 @@ def list_cmd(
                 row["host"] = status.host or attempt.host
                 if status.state is JobState.PENDING:  # why it waits: Priority, Resources, JobHeldUser...
                     row["reason"] = status.reason
+                if status.tasks:  # a Slurm array: how far along its tasks are, where squeue prints a line each
+                    by_state: dict[str, int] = {}
+                    for task in status.tasks.values():
+                        by_state[lineage_state(task.state)] = by_state.get(lineage_state(task.state), 0) + 1
+                    row["tasks"] = by_state
                 if status.state.terminal:
                     row["note"] = f"ended; recorded now{': ' + status.reason if status.reason else ''}"
     if wanted_states:  # the state the backend gave now, not the one lineage had
@@ -372,7 +378,7 @@ def list_cmd(
             *((row["cluster"] or "",) if wide else ()),
             row["job_id"] or "",
             row["stage"] or "",
-            row["state"],
+            _state_cell(row),
             row["host"] or (f"({row['reason']})" if row["reason"] else ""),  # squeue's NODELIST(REASON)
             age,
         )
@@ -380,6 +386,15 @@ def list_cmd(
     for row in rows:  # below the table, whole: a reason is too long for a column
         if row["note"]:
             say(f"{row['attempt']}: {row['note']}")
+
+
+def _state_cell(row: dict[str, Any]) -> str:
+    """``RUNNING``, or for an array ``RUNNING 3/8``: tasks ended of all its tasks."""
+    tasks = row.get("tasks")
+    if not tasks:
+        return str(row["state"])
+    ended = sum(n for state, n in tasks.items() if state not in ("PENDING", "RUNNING"))
+    return f"{row['state']} {ended}/{sum(tasks.values())}"
 
 
 def _not_asked(exc: BaseException) -> str:

@@ -931,10 +931,19 @@ def test_slurm_statuses_ask_squeue_once_and_answer_as_status_does(slurm_harness:
             args: [r["attempt"] for r in json.loads(cli("job", "list", "--json", *args).stdout)]
             for args in (("--state", "pending"), ("-t", "running"), ("--stage", "eval"), ("--cluster", "elsewhere"))
         }
+        # an array out: one line with how far its tasks are, where squeue prints a line per task
+        shards = launcher.submit(JobSpec(name="statuses-shards", command=["sleep", "60"], options={"array": "0-2"}))
+        handles.append(shards)
+        with store.transaction() as tx:
+            sharded = tx.add(Attempt(backend="slurm", cluster=launcher.cluster, job_id=shards.job_id, state="PENDING"))
+        (array_row,) = [r for r in json.loads(cli("job", "list", "--json").stdout) if r["attempt"] == sharded.id]
+        array_table = cli("job", "list", env={"COLUMNS": "100"}).stdout
     finally:
-        for handle in handles[:4]:
-            launcher.cancel(handle)
-    assert len(by_squeue) == 1 and by_squeue[0][by_squeue[0].index("-j") + 1] == ",".join(h.job_id for h in handles)
+        for handle in handles:
+            if handle is not forgotten:
+                launcher.cancel(handle)
+    asked_for = ",".join(h.job_id for h in (running, held, ended, array, forgotten))
+    assert len(by_squeue) == 1 and by_squeue[0][by_squeue[0].index("-j") + 1] == asked_for
     assert by_scontrol == {ended.job_id, array.job_id, forgotten.job_id}, asked  # not the running or held job
     assert [s.state for s in found] == [  # type: ignore[union-attr]
         JobState.RUNNING,
@@ -952,6 +961,8 @@ def test_slurm_statuses_ask_squeue_once_and_answer_as_status_does(slurm_harness:
         table
     )
     assert re.search(rf"^{out[0].id} +slurm +{running.job_id} +RUNNING +{found[0].host} ", table, re.M), table
+    assert sum(array_row["tasks"].values()) == 3 and set(array_row["tasks"]) <= {"RUNNING", "PENDING"}, array_row
+    assert re.search(rf"^{sharded.id} +slurm +{shards.job_id} +(RUNNING|PENDING) 0/3 ", array_table, re.M), array_table
     assert narrowed == {
         ("--state", "pending"): [out[1].id],  # the state squeue gives now; lineage said PENDING for both
         ("-t", "running"): [out[0].id],
