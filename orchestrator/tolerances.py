@@ -25,6 +25,11 @@ from orchestrator.errors import ConfigError, choices
 
 Direction = Literal["either", "higher", "lower"]
 
+#: The keys of one tracked metric's tolerance, in the order an error names them.
+TOLERANCE_KEYS = ("rel", "abs", "worse", "stage", "stderr", "sigmas", "description")
+#: The same three under their long names (``relative``, ``absolute``, ``direction``), also read.
+_LONG_NAMES = ("relative", "absolute", "direction")
+
 
 @dataclass(frozen=True)
 class Tolerance:
@@ -136,22 +141,9 @@ def parse_tolerances(spec: Any, where: str = "tracked_metrics") -> list[Toleranc
             out.append(Tolerance(metric=str(metric), rel=_number(value, key)))
         else:
             data = value if isinstance(value, Mapping) else _attrs(value)
-            known = {
-                "rel",
-                "abs",
-                "worse",
-                "relative",
-                "absolute",
-                "direction",
-                "stage",
-                "description",
-                "stderr",
-                "sigmas",
-            }
-            unknown = sorted(set(data) - known)
+            unknown = sorted(set(data) - {*TOLERANCE_KEYS, *_LONG_NAMES})
             if unknown:
-                usable = ("rel", "abs", "worse", "stage", "stderr", "sigmas", "description")
-                raise ConfigError(f"{key}.{unknown[0]}: unknown key; {choices(unknown[0], usable)}")
+                raise ConfigError(f"{key}.{unknown[0]}: unknown key; {choices(unknown[0], TOLERANCE_KEYS)}")
             stderr = data.get("stderr")
             sigmas = data.get("sigmas")
             if sigmas is not None and stderr is None:
