@@ -490,16 +490,15 @@ def snapshot(
 
     # One read per file, however many names it has here (a checkpoint revision is a hard link to the
     # checkpoint saved at its step): the other names take the first one's hash.
-    first_name: dict[tuple[int, int, int, int], _Found] = {}
+    first_name: dict[tuple[int, int, int, int], str] = {}
     unique: list[_Found] = []
     same_as: dict[str, str] = {}
     for f in todo:
-        key = _same_file(f.st)
-        if f.st.st_nlink > 1 and key in first_name:
-            same_as[f.rel] = first_name[key].rel
-        else:
-            first_name.setdefault(key, f)
+        name = first_name.setdefault(_same_file(f.st), f.rel)
+        if name == f.rel:
             unique.append(f)
+        else:
+            same_as[f.rel] = name
     alias_bytes = sum(f.st.st_size for f in todo if f.rel in same_as)
     hashed = _hash_many(unique, total, hit_bytes + alias_bytes, progress)
     for alias, name in same_as.items():
