@@ -62,6 +62,21 @@ def is_credential_key(name: str) -> bool:
     return any(word.lower() in CREDENTIAL_WORDS for word in _WORDS.findall(name))
 
 
+def is_secret_option(name: str) -> bool:
+    """Whether a command-line option or ``NAME=value`` argument names a secret: an environment
+    variable's name (all capitals) by :func:`is_secret_name` (``MY_TOKEN``, ``APIKEY``); an option's
+    or config key's by its last word (``--wandb-key``, ``db_password=``), so the shapes
+    ``--tokenizer``, ``max_tokens=`` and ``--key-dim`` are kept. On a command line every value is
+    text, so the type cannot tell a shape from a secret as it does in records."""
+    name = name.lstrip("-")
+    if not name:
+        return False
+    if name.isupper():
+        return is_secret_name(name)
+    words = _WORDS.findall(name)
+    return bool(words) and words[-1].lower() in CREDENTIAL_WORDS
+
+
 def redact_value(value: object, values: Iterable[str] | None = None) -> object:
     """``value`` made safe to record: credential-named string entries masked, secret values scrubbed.
 

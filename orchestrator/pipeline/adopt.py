@@ -49,7 +49,7 @@ from orchestrator.pipeline.execute import (
     stage_identity,
 )
 from orchestrator.pipeline.gc import folder_bytes
-from orchestrator.provenance.environment import user_at_host
+from orchestrator.provenance.invocation import user_at_host
 
 #: ``progress(bytes_copied, bytes_total)`` while a source is copied.
 Progress = Callable[[int, int], None]

@@ -56,7 +56,7 @@ from orchestrator.lineage.models import Artifact, DataSnapshot, PipelineRun, Sta
 from orchestrator.lineage.record import live_records_at, mark_removed
 from orchestrator.lineage.store import LineageStore, Transaction
 from orchestrator.pipeline.execute import output_dir
-from orchestrator.provenance.environment import user_at_host
+from orchestrator.provenance.invocation import user_at_host
 from orchestrator.retention import DEFAULT_FAILED_UNUSED_FOR, DEFAULT_KEEP_LAST
 from orchestrator.settings import Settings
 

@@ -75,17 +75,6 @@ class EnvironmentInfo:
         }
 
 
-def user_at_host() -> str:
-    """``user@host`` of this process: who deleted (gc) or adopted something, in the record that says so."""
-    import getpass
-
-    try:
-        user = getpass.getuser()
-    except (KeyError, OSError):  # no passwd entry (a container's arbitrary uid)
-        user = str(os.getuid())
-    return f"{user}@{socket.gethostname()}"
-
-
 def normalise_dist_name(name: str) -> str:
     """PEP 503 normalisation, so ``Foo_Bar`` and ``foo-bar`` hash the same."""
     return re.sub(r"[-_.]+", "-", name).lower()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 from pathlib import Path
 
@@ -239,3 +241,24 @@ def test_image_digest_from_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
     assert without.container_image_digest is None and without.id != with_digest.id
     monkeypatch.delenv("OPENLAB_IMAGE_DIGEST")
     capture_environment(refresh=True)
+
+
+def test_the_user_is_the_login_account_and_none_without_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The account as login names it (LOGNAME, then USER, then the passwd entry of the uid); a uid
+    with no name at all is recorded as unknown, never as a made-up name."""
+    import pwd
+
+    from orchestrator.provenance.invocation import current_user, user_at_host
+
+    for name in ("LOGNAME", "USER", "LNAME", "USERNAME"):
+        monkeypatch.delenv(name, raising=False)
+    assert current_user() == pwd.getpwuid(os.getuid()).pw_name
+    monkeypatch.setenv("LOGNAME", "ada")
+    assert current_user() == "ada" and user_at_host() == f"ada@{socket.gethostname()}"
+    monkeypatch.delenv("LOGNAME")
+
+    def no_entry(uid: int) -> pwd.struct_passwd:
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)  # a container's arbitrary uid
+    assert current_user() is None and user_at_host() == f"{os.getuid()}@{socket.gethostname()}"

@@ -105,3 +105,31 @@ def test_no_log_line_carries_a_secret_to_stderr(tmp_path) -> None:
     assert "retrying with ***" in proc.stderr
     assert "RuntimeError: backend said: bad credential ***" in proc.stderr  # the traceback is kept, masked
     assert "nothing secret here: 5%" in proc.stderr  # a record with no secret is formatted as before
+
+
+@pytest.mark.parametrize(
+    ("typed", "recorded"),
+    [
+        (["--wandb-key", "abc123xyz", "-b", "slurm"], ["--wandb-key", "***", "-b", "slurm"]),
+        (["--token=abc123xyz"], ["--token=***"]),
+        (["-e", "WANDB_API_KEY=abc123xyz"], ["-e", "WANDB_API_KEY=***"]),
+        (["--env=GITHUB_TOKEN=abc=123"], ["--env=GITHUB_TOKEN=***"]),  # a value with '=' hidden whole
+        (["-o", "db_password=hunter22"], ["-o", "db_password=***"]),
+        (["MYTOKEN=abc123xyz"], ["MYTOKEN=***"]),  # an environment variable's name: TOKEN anywhere in it
+        # an option's or config key's name by whole words: shapes of a model are not secrets
+        (["--tokenizer", "bpe", "max_tokens=4096", "--key-dim", "64"], None),
+        (["--key-dim=64"], None),
+    ],
+)
+def test_a_recorded_command_line_masks_secrets_and_keeps_the_rest(typed: list[str], recorded: list[str] | None) -> None:
+    from orchestrator.provenance.invocation import command_line
+
+    expected = typed if recorded is None else recorded
+    assert command_line(["run", "marin", *typed]) == ["openlab", "run", "marin", *expected]
+
+
+def test_a_secret_value_of_the_environment_is_scrubbed_from_any_argument(monkeypatch: pytest.MonkeyPatch) -> None:
+    from orchestrator.provenance.invocation import command_line
+
+    monkeypatch.setenv("HF_TOKEN", "hf_abcdef123456")
+    assert command_line(["run", "--note", "hf_abcdef123456 leaked"]) == ["openlab", "run", "--note", "*** leaked"]
