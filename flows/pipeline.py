@@ -278,6 +278,8 @@ def run_replica(
             "until": until,
             "flow_run_id": flow_run_id,
         }
+        if flow_run is not None and _automation(flow_run):
+            params["automation"] = _automation(flow_run)
         options = RunOptions(
             backend=backend,
             issue=issue or None,
@@ -403,12 +405,24 @@ def run_stages_as_tasks(ctx: PipelineContext, *, retries: int = 1, watcher: Canc
 
 
 def _trigger(flow_run: Any) -> str:
-    """``schedule`` for cron runs, ``ui`` for deployment runs started by a person or the API, else ``prefect``."""
+    """``schedule`` for cron runs, ``automation`` for runs a Prefect Automation's *run deployment*
+    action created, ``ui`` for deployment runs started by a person or the API, else ``prefect``."""
     if flow_run is None:
         return "prefect"
     if getattr(flow_run, "auto_scheduled", False):
         return "schedule"
+    if _automation(flow_run):
+        return "automation"
     return "ui" if getattr(flow_run, "deployment_id", None) else "prefect"
+
+
+def _automation(flow_run: Any) -> str | None:
+    """The name of the Automation that created ``flow_run``, as Prefect records it (``created_by``
+    of type ``AUTOMATION``; Prefect's open-source server sets no other creator)."""
+    created_by = getattr(flow_run, "created_by", None)
+    if created_by is None or str(getattr(created_by, "type", "")).upper() != "AUTOMATION":
+        return None
+    return getattr(created_by, "display_value", None) or str(getattr(created_by, "id", "")) or None
 
 
 def _publish_pipeline_card(ctx: PipelineContext) -> None:

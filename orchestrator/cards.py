@@ -14,6 +14,7 @@ in lineage, and lineage never holds tokens.
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -326,7 +327,10 @@ def render_pipeline(view: PipelineView, github_hosts: Iterable[str] = DEFAULT_GI
     if run.backend:
         facts.append(f"**Backend:** `{run.backend}`")
     if run.trigger:
-        facts.append(f"**Trigger:** {run.trigger}")
+        automation = (run.params or {}).get("prefect", {}).get("automation")
+        facts.append(f"**Trigger:** {run.trigger}" + (f" ({automation})" if automation else ""))
+    if run.user:
+        facts.append(f"**User:** `{run.user}`")
     if (run.params or {}).get("retry_of"):
         facts.append(f"**Retry of:** `{run.params['retry_of']}`")
     facts.append(f"**Started:** {run.started_at:%Y-%m-%d %H:%M:%S} UTC")
@@ -336,6 +340,8 @@ def render_pipeline(view: PipelineView, github_hosts: Iterable[str] = DEFAULT_GI
     commits = list(view.commits)
     for sv in view.stages:
         commits.extend(c for c in sv.commits if c.id not in {x.id for x in commits})
+    if run.command:  # what to type to do it again (secrets were masked when it was recorded)
+        lines += ["", f"**Command:** `` {shlex.join(run.command)} ``"]  # a double fence: a ` inside stays code
     if commits:
         lines += ["", "**Commit:** " + ", ".join(commit_text(c, hosts) for c in commits)]
     snaps = list(view.snapshots)

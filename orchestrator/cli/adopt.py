@@ -39,7 +39,7 @@ def adopt_cmd(
     from orchestrator.pipeline import explain_recipe
     from orchestrator.pipeline.adopt import AdoptError, adopt_stage, check_source, plan_adoption
     from orchestrator.pipeline.execute import RunOptions, execute_stage, finish_pipeline, start_recipe, would_reuse
-    from orchestrator.provenance.environment import user_at_host
+    from orchestrator.provenance.invocation import command_line, user_at_host
     from orchestrator.recipes import resolve
     from orchestrator.settings import load_settings
 
@@ -49,7 +49,11 @@ def adopt_cmd(
     backend = backend or settings.default_backend
     plan_adoption(explain_recipe(resolved, backend=backend, settings=settings), stage)
     params = {"adopt": {"stage": stage, "source": str(path), "by": user_at_host(), "move": move}}
-    ctx = start_recipe(resolved, options=RunOptions(backend=backend, trigger="adopt", params=params), settings=settings)
+    ctx = start_recipe(
+        resolved,
+        options=RunOptions(backend=backend, trigger="adopt", command=command_line(), params=params),
+        settings=settings,
+    )
     try:
         for name in ctx.pipeline.order[:-1]:
             if not would_reuse(ctx, name):  # completed a moment ago in the dry run; gone since

@@ -180,6 +180,7 @@ def run(
     """Run RECIPE's pipeline here (data .. eval, or the stages the replica names), reusing what is done."""
     from orchestrator.pipeline import PipelineHooks, RunOptions, run_stages, stage_retries, start_recipe
     from orchestrator.preregistration import outcome_lines
+    from orchestrator.provenance.invocation import command_line
     from orchestrator.recipes import resolve
     from orchestrator.settings import load_settings
 
@@ -192,6 +193,7 @@ def run(
         issue_required=require_issue,
         force=_force_value(force, force_stage),
         trigger="terminal",
+        command=command_line(),
     )
     if json_out or not console.is_terminal:
         hooks = PipelineHooks(

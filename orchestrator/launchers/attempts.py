@@ -38,6 +38,7 @@ from orchestrator.launchers.base import (
     stopped_from_outside,
 )
 from orchestrator.lineage.models import Attempt, utcnow
+from orchestrator.provenance.invocation import current_user
 from orchestrator.secrets import scrub
 
 if TYPE_CHECKING:
@@ -95,6 +96,7 @@ def submit_attempt(
         job_name=spec.name,
         image=launcher.image_name(spec),  # the image that runs, also when it is the backend's default
         command=list(spec.command),
+        user=current_user(),
         resources=spec.resources() or None,
         state="PENDING",
     )

@@ -195,7 +195,12 @@ class PipelineRun(LineageRecord, table=True):
     recipe: str | None = None
     replica: str | None = None
     backend: str | None = None
-    trigger: str | None = None  # terminal, ui, schedule
+    trigger: str | None = None  # terminal, ui, schedule, automation, adopt
+    #: The login account that started it: the person at the terminal, or the account serving the
+    #: Prefect flows for a UI, scheduled or automated run (:mod:`orchestrator.provenance.invocation`).
+    user: str | None = Field(default=None, index=True)
+    #: What was typed to start it (``openlab run ...``), secrets masked; None when Prefect started it.
+    command: list[str] | None = Field(default=None, sa_column=Column(JSON))
     flow_run_id: str | None = Field(default=None, index=True)
     params: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))
     state: str = "RUNNING"
@@ -250,6 +255,8 @@ class Attempt(LineageRecord, table=True):
     image: str | None = None
     image_digest: str | None = None
     command: list[str] = Field(default_factory=list, sa_column=Column(JSON))
+    #: The login account that submitted the job (what squeue's USER column shows for it).
+    user: str | None = Field(default=None, index=True)
     state: str = "PENDING"
     exit_code: int | None = None
     reason: str | None = None

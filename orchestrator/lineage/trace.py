@@ -42,6 +42,7 @@ def describe(record: Any) -> str:
         verdict = (record.verdict or {}).get("status")  # a nightly's: baseline, passed or regressed
         judged = f" nightly {verdict}" if verdict else ""
         where = f"replica={record.replica} backend={record.backend}"
+        where += f" user={record.user}" if record.user else ""  # the account that started it, as squeue's USER
         return f"{record.recipe or record.name} {where} {record.state}{judged}"
     if kind == "stage_run":
         reused = f" (reused {record.reused_from})" if record.reused_from else ""

@@ -60,6 +60,7 @@ from orchestrator.lineage.models import (
 from orchestrator.lineage.record import live_records_at, mark_removed, record_snapshot
 from orchestrator.lineage.store import LineageStore, Transaction
 from orchestrator.pipeline.dag import Pipeline, StageSpec, default_python, moe_pipeline
+from orchestrator.provenance.invocation import current_user
 from orchestrator.recipes import ResolvedRecipe, identity_config
 from orchestrator.settings import Settings, load_settings
 
@@ -121,6 +122,9 @@ class RunOptions:
     #: True re-runs every stage; a collection of stage names re-runs those.
     force: bool | frozenset[str] = False
     trigger: str = "terminal"
+    #: What the person typed (:func:`orchestrator.provenance.invocation.command_line`); None when
+    #: Prefect started the run (its parameters are in ``params``).
+    command: list[str] | None = None
     flow_run_id: str | None = None
     #: Extra parameters recorded on the pipeline run (e.g. the UI's form values).
     params: dict[str, Any] = field(default_factory=dict)
@@ -511,6 +515,8 @@ def _open_pipeline_run(
                     replica=recipe.replica if recipe is not None else None,
                     backend=options.backend,
                     trigger=options.trigger,
+                    user=current_user(),
+                    command=options.command,
                     flow_run_id=options.flow_run_id,
                     params=params,
                     state="RUNNING",

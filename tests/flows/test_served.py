@@ -11,6 +11,7 @@ from pytest_httpserver import HTTPServer
 
 from orchestrator.lineage import Attempt, Commit, LineageStore, PipelineRun, StageRun
 from orchestrator.lineage.models import GithubUpdate
+from orchestrator.provenance.invocation import current_user
 from tests.flows.conftest import Served, openlab_events, require_service, wait_flow_run
 from tests.links.links_fakes import TOKEN, FakeGitHub
 
@@ -50,6 +51,8 @@ def test_replica_deployment_runs_tiny_then_reuses(served: Served) -> None:
         (run,) = store.list(PipelineRun, flow_run_id=str(first.id))
         assert run.state == "COMPLETED" and run.trigger == "ui" and run.replica == "tiny"
         assert run.params["prefect"]["backend"] == "local"
+        # who: the account serving the flows (Prefect's open-source server knows no user); no command was typed
+        assert (run.user, run.command) == (current_user(), None)
         stages = {s.stage: s for s in store.list(StageRun, pipeline_run_id=run.id)}
         assert sorted(stages) == sorted(STAGES) and {s.state for s in stages.values()} == {"COMPLETED"}
         assert stages["eval"].metrics, "eval recorded its metrics"
@@ -116,6 +119,49 @@ def test_replica_deployment_runs_tiny_then_reuses(served: Served) -> None:
             time.sleep(0.5)
     assert hint in text, text[-3000:]
     print(f"tiny replica via deployment: first {first_seconds:.0f}s, all reused {again_seconds:.0f}s")
+
+
+def test_a_run_an_automation_starts_is_recorded_as_the_automations(served: Served) -> None:
+    """A Prefect Automation whose action runs the deployment, fired by a real event: the pipeline
+    run's trigger is ``automation`` and it names the Automation, where it used to read ``ui``."""
+    from prefect import get_client
+    from prefect.automations import Automation
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    from prefect.events import emit_event
+    from prefect.events.actions import RunDeployment
+    from prefect.events.schemas.automations import EventTrigger, Posture
+
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("replica-pipeline/replica")
+    name = "re-run the tiny data stage on request"
+    automation = Automation(
+        name=name,
+        trigger=EventTrigger(expect={"test.openlab.rerun-requested"}, posture=Posture.Reactive, threshold=1),
+        actions=[RunDeployment(source="selected", deployment_id=deployment.id, parameters={**TINY, "until": "data"})],
+    ).create()
+    try:
+        created = None
+        deadline = time.monotonic() + 90
+        emitted = 0.0
+        while created is None:
+            assert time.monotonic() < deadline, "the Automation never created a flow run"
+            if time.monotonic() - emitted > 15:  # the triggers service may not have loaded it yet: ask again
+                emit_event(event="test.openlab.rerun-requested", resource={"prefect.resource.id": "test.openlab"})
+                emitted = time.monotonic()
+            time.sleep(1)
+            with get_client(sync_client=True) as client:
+                runs = client.read_flow_runs(
+                    deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id]))
+                )
+            created = next((r for r in runs if r.created_by is not None and r.created_by.type == "AUTOMATION"), None)
+        done = wait_flow_run(created.id, 300)
+        assert done.state.is_completed(), f"{done.state.message}\n{served.log()[-3000:]}"
+    finally:
+        automation.delete()
+    with LineageStore(served.db_url) as store:
+        (run,) = store.list(PipelineRun, flow_run_id=str(created.id))
+    assert (run.trigger, run.params["prefect"]["automation"], run.command) == ("automation", name, None)
+    assert run.user == current_user()
 
 
 def _plant_better_nightly(store: LineageStore, loss_factor: float) -> PipelineRun:

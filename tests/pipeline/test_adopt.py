@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.lineage import Artifact, DataSnapshot, LineageStore, PipelineRun, StageRun
+from orchestrator.lineage import Artifact, Attempt, DataSnapshot, LineageStore, PipelineRun, StageRun
 
 TINY = ("marin-535b-a23b", "--replica", "tiny")
 
@@ -43,6 +43,7 @@ def test_an_adopted_corpus_is_reused_by_the_next_run(run_cli, openlab_home: Path
     with LineageStore.open() as store:
         run = store.require(PipelineRun, said["pipeline_run_id"])
         assert (run.trigger, run.state, run.params["adopt"]["source"]) == ("adopt", "COMPLETED", str(corpus.resolve()))
+        assert run.command == ["openlab", "adopt", *TINY, "--stage", "data", str(corpus), "--json"]
         stage = store.require(StageRun, said["stage_run_id"])
         assert stage.state == "COMPLETED" and stage.outputs["out"]["adopted_by"] == run.params["adopt"]["by"]
         art = store.require(Artifact, stage.outputs["out"]["artifact_id"])
@@ -56,8 +57,22 @@ def test_an_adopted_corpus_is_reused_by_the_next_run(run_cli, openlab_home: Path
     again = run_cli("adopt", *TINY, "--stage", "data", str(corpus))
     assert again.returncode == 2 and "already has completed outputs" in again.stderr, again.stderr
 
-    tokenized = run_cli("run", *TINY, "--until", "tokenize", "--json")
+    tokenized = run_cli("run", *TINY, "--until", "tokenize", "--json", env={"LOGNAME": "ada"})
     assert tokenized.returncode == 0, tokenized.stderr[-2000:]
+    # who started it and what they typed, on the run, its card, its jobs and `lineage list --user`
+    run_id = json.loads(tokenized.stdout)["pipeline_run_id"]
+    with LineageStore.open() as store:
+        run = store.require(PipelineRun, run_id)
+        assert (run.user, run.trigger) == ("ada", "terminal")
+        assert run.command == ["openlab", "run", *TINY, "--until", "tokenize", "--json"]
+        from orchestrator.cards import pipeline_card
+
+        card = pipeline_card(store, run_id)
+        assert "**User:** `ada`" in card and "**Command:** `` openlab run marin-535b-a23b --replica tiny" in card, card
+        (job,) = store.list(Attempt, stage_run_id=json.loads(tokenized.stdout)["stages"][1]["stage_run_id"])
+        assert job.user == "ada", "the tokenize job was submitted by the same account"
+    by_ada = json.loads(run_cli("lineage", "list", "-k", "pipeline_run", "--user", "ada", "--json").stdout)
+    assert [r["id"] for r in by_ada] == [run_id], "the adoption ran as this process's own account, not ada"
     stages = {s["stage"]: s for s in json.loads(tokenized.stdout)["stages"]}
     assert stages["data"]["state"] == "REUSED" and stages["data"]["reused_from"] == said["stage_run_id"]
     assert stages["tokenize"]["state"] == "COMPLETED", stages["tokenize"]
