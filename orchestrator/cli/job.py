@@ -234,6 +234,7 @@ def status_cmd(
         "backend": handle.backend,
         "cluster": attempt.cluster if attempt and attempt.cluster else launcher.cluster,
         "job_id": handle.job_id,
+        "user": attempt.user if attempt else None,
         "log_path": handle.log_path,
         **status.to_dict(),
     }
@@ -263,18 +264,20 @@ def list_cmd(
     recipe: str | None = typer.Option(None, "--recipe", help="only jobs of this recipe's pipeline runs"),
     replica: str | None = typer.Option(None, "--replica", help="only jobs of this replica's pipeline runs"),
     cluster: str | None = typer.Option(None, "--cluster", help="only jobs submitted to this cluster"),
+    user: str | None = typer.Option(None, "--user", "-u", help="only jobs this login account submitted"),
     as_json: bool = typer.Option(False, "--json", help="print JSON"),
 ) -> None:
     """The jobs openlab has out now (pending or running in lineage), each asked of its backend
     (Slurm: one squeue for all of them; Kubernetes: one list of Jobs and one of pods per namespace).
 
     What `squeue` is to a Slurm user, across backends: per job its attempt, backend, job id,
-    stage, state now, host (for a pending job, why it waits, as squeue prints it: `(Priority)`,
-    `(JobHeldUser)`) and age. A job that ended while no openlab process watched it (its
-    orchestrator died, a node was lost) is recorded as ended here, as `job status` does.
+    user (who submitted it), stage, state now, host (for a pending job, why it waits, as squeue
+    prints it: `(Priority)`, `(JobHeldUser)`) and age. A job that ended while no openlab process
+    watched it (its orchestrator died, a node was lost) is recorded as ended here, as `job status`
+    does.
 
-    Narrowed as squeue's `-t`, `-M` are: `--state pending`, `--cluster west`, and by what
-    openlab knows of each job: `--stage pretrain`, `--recipe`, `--replica`.
+    Narrowed as squeue's `-t`, `-u`, `-M` are: `--state pending`, `--user alice`, `--cluster west`,
+    and by what openlab knows of each job: `--stage pretrain`, `--recipe`, `--replica`.
     """
     import dataclasses
 
@@ -293,7 +296,7 @@ def list_cmd(
         hint = choices(name.lower(), ["pending", "running"], label="states of a job out")
         ended = f" (ended jobs: openlab lineage list --kind attempt --state {name})" if name in KNOWN_STATES else ""
         raise ConfigError(f"--state {name.lower()!r}: {hint}{ended}")
-    flt = RecordFilter.from_options(stage=stage, recipe=recipe, replica=replica, cluster=cluster)
+    flt = RecordFilter.from_options(stage=stage, recipe=recipe, replica=replica, cluster=cluster, user=user)
     rows: list[dict[str, Any]] = []
     launchers: dict[str, Any] = {}
     with open_store() as store:
@@ -315,6 +318,7 @@ def list_cmd(
                 "backend": attempt.backend,
                 "cluster": attempt.cluster,
                 "job_id": attempt.job_id,
+                "user": attempt.user,
                 "stage": srun.stage if srun else None,
                 "pipeline_run": srun.pipeline_run_id if srun else None,
                 "state": attempt.state,
@@ -367,7 +371,17 @@ def list_cmd(
     now = utcnow()
     table = compact_table("openlab jobs out now")
     wide = not narrow()  # the cluster too where there is room (--json always has it)
-    for header in ("attempt", "backend", *(("cluster",) if wide else ()), "job", "stage", "state", "host", "age"):
+    for header in (
+        "attempt",
+        "backend",
+        *(("cluster",) if wide else ()),
+        "job",
+        "user",
+        "stage",
+        "state",
+        "host",
+        "age",
+    ):
         table.add_column(header, no_wrap=True)
     for row in rows:
         submitted = row["submitted_at"]
@@ -377,6 +391,7 @@ def list_cmd(
             row["backend"],
             *((row["cluster"] or "",) if wide else ()),
             row["job_id"] or "",
+            row["user"] or "",
             row["stage"] or "",
             _state_cell(row),
             row["host"] or (f"({row['reason']})" if row["reason"] else ""),  # squeue's NODELIST(REASON)

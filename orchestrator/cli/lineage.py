@@ -56,6 +56,10 @@ HostOpt = Annotated[
 ClusterOpt = Annotated[
     str | None, typer.Option("--cluster", help="Only jobs that ran on this cluster (see job status), and their runs.")
 ]
+UserOpt = Annotated[
+    str | None,
+    typer.Option("--user", "-u", help="Only runs this login account started and jobs it submitted (squeue -u)."),
+]
 
 #: What `lineage list` shows by default: the activities people audit, newest first.
 DEFAULT_KINDS = ("pipeline_run", "stage_run", "attempt", "snapshot")
@@ -97,6 +101,7 @@ def list_cmd(
     issue: IssueOpt = None,
     host: HostOpt = None,
     cluster: ClusterOpt = None,
+    user: UserOpt = None,
     limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="At most this many records.")] = 50,
     json_out: JsonFlag = False,
 ) -> None:
@@ -590,7 +595,7 @@ def usage_cmd(
     by: Annotated[
         str,
         typer.Option(
-            "--by", "-b", help="Group by recipe, replica, stage, backend, cluster, state, day or pipeline_run."
+            "--by", "-b", help="Group by recipe, replica, stage, backend, cluster, user, state, day or pipeline_run."
         ),
     ] = "recipe",
     state: StateOpt = None,
@@ -604,6 +609,7 @@ def usage_cmd(
     issue: IssueOpt = None,
     host: HostOpt = None,
     cluster: ClusterOpt = None,
+    user: UserOpt = None,
     json_out: JsonFlag = False,
 ) -> None:
     """What the jobs used: attempts, wall hours, CPU- and GPU-hours asked, the hours lost, and what was used.
@@ -709,6 +715,7 @@ def export_cmd(
     issue: IssueOpt = None,
     host: HostOpt = None,
     cluster: ClusterOpt = None,
+    user: UserOpt = None,
 ) -> None:
     """Export lineage as W3C PROV-JSON, OpenLineage RunEvents or a Workflow Run RO-Crate, secrets masked.
 

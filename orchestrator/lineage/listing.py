@@ -76,6 +76,8 @@ class RecordFilter:
     host: str | None = None
     #: The cluster a job ran on (:attr:`Attempt.cluster`), and the stage runs and runs of such jobs.
     cluster: str | None = None
+    #: The login account that started a run, or submitted a job (squeue's ``-u``).
+    user: str | None = None
 
     @classmethod
     def from_options(
@@ -92,6 +94,7 @@ class RecordFilter:
         issue: str | None = None,
         host: str | None = None,
         cluster: str | None = None,
+        user: str | None = None,
     ) -> RecordFilter:
         """A filter from command-line text (times as :func:`parse_when` reads them)."""
         if commit is not None and len(commit.strip()) < 7:
@@ -117,6 +120,7 @@ class RecordFilter:
             issue=issue.strip() if issue else None,
             host=host.strip() if host else None,
             cluster=cluster.strip() if cluster else None,
+            user=user.strip() if user else None,
         )
 
     def given(self) -> list[str]:
@@ -142,9 +146,9 @@ KNOWN_STATES = (*STATES, "SUCCEEDED")
 
 #: For each kind, the filters it can answer (time filters apply to every kind with a time).
 _ANSWERS: dict[str, set[str]] = {
-    "pipeline_run": {"state", "recipe", "replica", "backend", "commit", "issue", "host", "cluster"},
-    "stage_run": {"state", "stage", "recipe", "replica", "backend", "commit", "issue", "host", "cluster"},
-    "attempt": {"state", "stage", "recipe", "replica", "backend", "commit", "issue", "host", "cluster"},
+    "pipeline_run": {"state", "recipe", "replica", "backend", "commit", "issue", "host", "cluster", "user"},
+    "stage_run": {"state", "stage", "recipe", "replica", "backend", "commit", "issue", "host", "cluster", "user"},
+    "attempt": {"state", "stage", "recipe", "replica", "backend", "commit", "issue", "host", "cluster", "user"},
 }
 
 
@@ -198,7 +202,10 @@ def _statement(kind: str, flt: RecordFilter, session: Any) -> Any:
     # Reach the stage run and the pipeline run a record belongs to, once, only when a filter needs them.
     by_run = bool(flt.commit or flt.issue)
     needs_stage = kind == "attempt" and bool(flt.stage or flt.recipe or flt.replica or by_run)
-    needs_run = kind != "pipeline_run" and bool(flt.recipe or flt.replica or (flt.backend and kind == "stage_run"))
+    # A stage run's user is its pipeline run's; an attempt has its own (who submitted the job).
+    needs_run = kind != "pipeline_run" and bool(
+        flt.recipe or flt.replica or (kind == "stage_run" and (flt.backend or flt.user))
+    )
     if needs_stage:
         stmt = stmt.join(StageRun, col(StageRun.id) == col(Attempt.stage_run_id))
     if needs_run:
@@ -213,6 +220,8 @@ def _statement(kind: str, flt: RecordFilter, session: Any) -> Any:
         # An attempt names the backend its job ran on; a stage run or pipeline run, the one it asked for.
         owner = Attempt if kind == "attempt" else PipelineRun
         stmt = stmt.where(col(owner.backend) == flt.backend)
+    if flt.user:
+        stmt = stmt.where(col((Attempt if kind == "attempt" else PipelineRun).user) == flt.user)
     if flt.host or flt.cluster:  # where the jobs ran: an attempt itself, a run through its jobs
         ran_there = _attempts_where(session, flt)
         if kind == "attempt":

@@ -33,7 +33,7 @@ from orchestrator.lineage.models import Attempt, PipelineRun, StageRun, as_utc, 
 from orchestrator.lineage.store import LineageStore
 
 #: What usage can be grouped by.
-GROUPS = ("recipe", "replica", "stage", "backend", "cluster", "state", "day", "pipeline_run")
+GROUPS = ("recipe", "replica", "stage", "backend", "cluster", "user", "state", "day", "pipeline_run")
 
 
 @dataclass
@@ -139,6 +139,8 @@ def _key(by: str, attempt: Attempt, stage: StageRun | None, run: PipelineRun | N
         return attempt.backend
     if by == "cluster":  # the backend too: a Docker engine and a Slurm cluster may share a host's name
         return f"{attempt.backend}@{attempt.cluster}" if attempt.cluster else f"{attempt.backend}@(not recorded)"
+    if by == "user":  # who submitted the job, as sreport's per-user usage
+        return attempt.user or "(not recorded)"
     if by == "state":
         return attempt.state
     if by == "day":

@@ -33,7 +33,9 @@ def _history(store: LineageStore) -> dict[str, str]:
     """Two recipes' runs on two backends, ten days apart; one failed pretrain job in each week."""
     ids: dict[str, str] = {}
     with store.transaction() as tx:
-        old = tx.add(PipelineRun(recipe="marin", replica="tiny", backend="local", state="FAILED", started_at=OLD))
+        old = tx.add(
+            PipelineRun(recipe="marin", replica="tiny", backend="local", state="FAILED", started_at=OLD, user="ada")
+        )
         old_pre = tx.add(
             StageRun(pipeline_run_id=old.id, stage="pretrain", identity="i1", state="FAILED", started_at=OLD)
         )
@@ -46,9 +48,12 @@ def _history(store: LineageStore) -> dict[str, str]:
                 submitted_at=OLD,
                 host="n[01-03]",  # a job on three nodes records Slurm's NodeList
                 cluster="west",
+                user="ada",
             )
         )
-        new = tx.add(PipelineRun(recipe="marin", replica="drops", backend="slurm", state="FAILED", started_at=NOW))
+        new = tx.add(
+            PipelineRun(recipe="marin", replica="drops", backend="slurm", state="FAILED", started_at=NOW, user="bob")
+        )
         new_data = tx.add(
             StageRun(pipeline_run_id=new.id, stage="data", identity="i2", state="COMPLETED", started_at=NOW)
         )
@@ -65,6 +70,7 @@ def _history(store: LineageStore) -> dict[str, str]:
                 host="gpu1",
                 tasks={"0": {"state": "FAILED", "host": "gpu1"}, "1": {"state": "FAILED", "host": "n02"}},
                 cluster="east",
+                user="bob",
             )
         )
         retry2 = tx.add(
@@ -77,6 +83,7 @@ def _history(store: LineageStore) -> dict[str, str]:
                 submitted_at=NOW,
                 host="n20",
                 cluster="east",
+                user="svc",  # resubmitted by the account serving the flows
             )
         )
         other = tx.add(
@@ -107,6 +114,18 @@ def _ids(store: LineageStore, kinds: list[str], **flt: object) -> set[str]:
 
 
 KINDS = ["pipeline_run", "stage_run", "attempt", "snapshot"]
+
+
+def test_user_filter_is_who_started_a_run_and_who_submitted_a_job(store: LineageStore) -> None:
+    """`--user` (squeue's -u): a run and its stage runs by the account that started it, a job by
+    the one that submitted it, which for a resubmission may be another."""
+    h = _history(store)
+    assert _ids(store, KINDS, user="ada") == {h["old"], h["old_pre"], h["old_job"]}
+    assert _ids(store, KINDS, user="bob") == {h["new"], h["new_data"], h["new_pre"], h["retry1"]}
+    assert _ids(store, ["attempt"], user="svc", stage=("pretrain",)) == {h["retry2"]}
+    assert _ids(store, KINDS, user="nobody") == set()
+    with pytest.raises(ConfigError, match="--user cannot be answered by snapshot records"):
+        list_records(store, ["snapshot"], RecordFilter.from_options(user="ada"), strict=True)
 
 
 def test_filters_reach_through_runs_on_both_databases(store: LineageStore) -> None:

@@ -67,6 +67,7 @@ def _month(store: LineageStore) -> dict[str, str]:
                 stage_run_id=mid.id,
                 backend="slurm",
                 cluster="west",
+                user="ada",
                 state="COMPLETED",  # 2 nodes x 4 tasks, 2 CPUs per task and 8 GPUs per node: 16 CPUs, 16 GPUs
                 resources={"cpus": 2, "gpus": 8, "nodes": 2, "tasks_per_node": 4},
                 submitted_at=NOW - H,
@@ -138,6 +139,9 @@ def test_usage_sums_hours_and_what_was_asked_and_counts_the_lost(store: LineageS
     }
     assert clusters["slurm@west"] == pytest.approx(0.5), clusters  # which cluster the hours went to
     assert "local@(not recorded)" in clusters, "an attempt recorded before clusters were still counts"
+    users = {g.group: g.gpu_hours for g in usage(store, RecordFilter.from_options(recipe="marin"), by="user").groups}
+    assert users == {"ada": pytest.approx(8.0), "(not recorded)": pytest.approx(40.0)}, users  # as sreport's per user
+    assert [g.group for g in usage(store, RecordFilter.from_options(user="ada"), by="stage").groups] == ["midtrain"]
     with pytest.raises(ConfigError, match="cannot group usage by 'team': use one of: recipe, replica"):
         usage(store, by="team")
 

@@ -831,11 +831,12 @@ def test_cli_job_run_status_logs_cancel(store: LineageStore) -> None:
     never = cli("job", "logs", idle.id)
     assert never.returncode == 2 and "ran no job" in never.stderr, never.stderr
 
-    runner = subprocess.Popen(
+    runner = subprocess.Popen(  # submitted by the login account ada (getpass reads LOGNAME first, as login sets it)
         [*CLI, "job", "run", "-q", "--backend", "local", "--", "sleep", "60"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, "LOGNAME": "ada"},
     )
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -845,12 +846,21 @@ def test_cli_job_run_status_logs_cancel(store: LineageStore) -> None:
         time.sleep(0.2)
     assert running, "the second job never showed up as RUNNING in lineage"
     (out_now,) = json.loads(cli("job", "list", "--json").stdout)  # type: ignore[arg-type]
-    assert (out_now["attempt"], out_now["state"], out_now["job_id"]) == (running[0].id, "RUNNING", running[0].job_id)
+    assert (out_now["attempt"], out_now["state"], out_now["job_id"], out_now["user"]) == (
+        running[0].id,
+        "RUNNING",
+        running[0].job_id,
+        "ada",
+    )
     table = cli("job", "list", env={"COLUMNS": "80"}).stdout  # type: ignore[arg-type]
-    assert re.search(rf"^{running[0].id} +local +{running[0].job_id} +RUNNING +\S+ +\d+s *$", table, re.M), table
+    assert re.search(rf"^{running[0].id} +local +{running[0].job_id} +ada +RUNNING +\S+ +\d+s *$", table, re.M), table
     wide = cli("job", "list", env={"COLUMNS": "140"}).stdout  # where there is room, the cluster too
     here = re.escape(os.uname().nodename)
-    assert re.search(rf"^{running[0].id} +local +{here} +{running[0].job_id} +RUNNING ", wide, re.M), wide
+    assert re.search(rf"^{running[0].id} +local +{here} +{running[0].job_id} +ada +RUNNING ", wide, re.M), wide
+    mine = json.loads(cli("job", "list", "--user", "ada", "--json").stdout)  # type: ignore[arg-type]
+    assert [r["attempt"] for r in mine] == [running[0].id], "squeue -u: the jobs ada submitted"
+    assert cli("job", "list", "-u", "bob").stdout == "no jobs pending or running that match\n"  # type: ignore[union-attr]
+    assert json.loads(cli("job", "status", running[0].id, "--json").stdout)["user"] == "ada"  # type: ignore[arg-type]
     cancelled = cli("job", "cancel", running[0].id)
     assert cancelled.returncode == 0, cancelled.stderr
     assert runner.wait(30) == 143  # the runner exits with the job's code: 128 + SIGTERM
