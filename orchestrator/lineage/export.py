@@ -21,6 +21,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
+import urllib.parse
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -229,7 +230,27 @@ def to_prov(closure: Closure) -> dict[str, Any]:
                 "prov:activity": _qn(record.id),  # type: ignore[attr-defined]
                 "prov:agent": _qn(experiment),
             }
+        # The login account that started a run or submitted a job: PROV's "by whom".
+        user = getattr(record, "user", None)
+        if user:
+            agent = _qn(account_id(user))
+            section("agent")[agent] = {
+                "prov:type": {"$": "openlab:account", "type": "prov:QUALIFIED_NAME"},
+                "prov:label": user,
+            }
+            section("wasAssociatedWith")[f"openlab:user-of-{record.id}"] = {  # type: ignore[attr-defined]
+                "prov:activity": _qn(record.id),  # type: ignore[attr-defined]
+                "prov:agent": agent,
+                "prov:role": "started-by" if isinstance(record, PipelineRun) else "submitted-by",
+            }
     return doc
+
+
+def account_id(user: str) -> str:
+    """The exported id of a login account, ``account-alice`` (``openlab:account-alice`` in PROV,
+    ``#account-alice`` in an RO-Crate): anything but letters, digits, ``.``, ``_`` and ``-``
+    percent-encoded, so any name makes a valid qualified name."""
+    return f"account-{urllib.parse.quote(user, safe='._-')}"
 
 
 # -- OpenLineage ---------------------------------------------------------------------------
@@ -344,7 +365,18 @@ def to_openlineage(closure: Closure, namespace: str = "openlab") -> list[dict[st
                 (r for r in closure.records.values() if isinstance(r, Attempt) and r.stage_run_id == record.id),
                 key=lambda a: a.number,
             )
-            keep = ("id", "number", "backend", "cluster", "job_id", "host", "image_digest", "state", "exit_code")
+            keep = (
+                "id",
+                "number",
+                "backend",
+                "cluster",
+                "job_id",
+                "user",
+                "host",
+                "image_digest",
+                "state",
+                "exit_code",
+            )
             fields |= {
                 "identity": record.identity,
                 "reusedFrom": record.reused_from,
@@ -352,7 +384,13 @@ def to_openlineage(closure: Closure, namespace: str = "openlab") -> list[dict[st
                 "attempts": [clean_value({k: getattr(a, k) for k in keep}, secrets) for a in attempts],
             }
         else:
-            fields |= {"params": clean_value(record.params, secrets), "verdict": clean_value(record.verdict, secrets)}
+            fields |= {
+                "params": clean_value(record.params, secrets),
+                "verdict": clean_value(record.verdict, secrets),
+                "trigger": record.trigger,
+                "user": record.user,
+                "command": clean_value(record.command, secrets),
+            }
         return _facet(producer, OPENLAB_FACET_SCHEMA, **fields)
 
     def events_for(record: Any, job_name: str, job_type: str, parent: PipelineRun | None) -> Iterator[dict[str, Any]]:

@@ -27,13 +27,22 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import shlex
 import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator.lineage.export import Closure, ExportError, clean_value, collect, iso_time, producer_uri
+from orchestrator.lineage.export import (
+    Closure,
+    ExportError,
+    account_id,
+    clean_value,
+    collect,
+    iso_time,
+    producer_uri,
+)
 from orchestrator.lineage.models import Attempt, PipelineRun, StageRun
 from orchestrator.lineage.store import LineageStore
 from orchestrator.secrets import scrub, secret_values
@@ -320,7 +329,13 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
                 "object": _unique(linked(run.id, "wasAssociatedWith", as_subject=True) + used),
                 "result": _unique(produced),
                 "subjectOf": about(run.id),
-                "description": f"trigger {run.trigger or 'terminal'}; lineage id {run.id}",
+                # Workflow Run RO-Crate's agent: the login account that started the run (a person at
+                # the terminal; the account serving the flows for a UI or scheduled run)
+                "agent": (
+                    add({"@id": f"#{account_id(run.user)}", "@type": "Person", "name": run.user}) if run.user else None
+                ),
+                "description": f"trigger {run.trigger or 'terminal'}; lineage id {run.id}"
+                + (f"; command: {shlex.join(clean_value(run.command, secrets))}" if run.command else ""),
                 **timing(run),
             }
         )

@@ -28,6 +28,7 @@ from orchestrator.lineage.export import collect, export, run_uuid
 from orchestrator.lineage.models import Relation, StageRun, utcnow
 from orchestrator.lineage.store import LineageStore
 from orchestrator.pipeline import RunOptions, run_pipeline
+from orchestrator.provenance.invocation import command_line
 from orchestrator.settings import load_settings
 from tests.pipeline.toy import make_repo, toy_configs, toy_pipeline
 
@@ -39,9 +40,12 @@ def recorded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """Run the toy pipeline twice (the second reuses every stage); return both run ids."""
     monkeypatch.setenv("TOY_LEDGER", str(tmp_path / "ledger.txt"))
     monkeypatch.setenv("OPENLAB_TEST_API_TOKEN", SECRET)
+    monkeypatch.setenv("LOGNAME", "ada")  # the login account that starts the runs (getpass reads it first)
     repo = make_repo(tmp_path)
     params = {"wandb_api_key": SECRET, "note": "nightly", "max_tokens": "4096", "tokenizer": "bpe-4096"}
-    options = RunOptions(wait_poll=0.05, lease_ttl=10, params=params)
+    # what `openlab run` records of its own command line, a secret given as an option included
+    command = command_line(["run", "toy", "--wandb-key", SECRET])
+    options = RunOptions(wait_poll=0.05, lease_ttl=10, params=params, command=command)
     first = run_pipeline(toy_pipeline(repo), toy_configs(), options=options)
     second = run_pipeline(toy_pipeline(repo), toy_configs(), options=RunOptions(wait_poll=0.05, lease_ttl=10))
     assert first.ok and second.ok, (first.error, second.error)
@@ -93,6 +97,18 @@ def test_prov_export_reads_back_with_one_prov_record_per_lineage_record(recorded
     }
     assert generated_by_gen & used_by_upper
 
+    # By whom: the login account that started the run, and submitted each job, is a PROV agent.
+    ada = by_id["account-ada"]
+    assert isinstance(ada, ProvAgent) and "ada" in {str(v) for v in ada.get_attribute("prov:label")}
+    associated = {
+        (str(a.formal_attributes[0][1]), str(a.formal_attributes[1][1]), str(next(iter(a.get_attribute("prov:role")))))
+        for a in doc.get_records(ProvAssociation)
+        if a.get_attribute("prov:role")
+    }
+    assert (f"openlab:{recorded['first']}", "openlab:account-ada", "started-by") in associated
+    attempts = [r for r in closure.records.values() if r.kind == "attempt"]
+    assert attempts and all((f"openlab:{a.id}", "openlab:account-ada", "submitted-by") in associated for a in attempts)
+
     # Activities carry their times; round-tripping through the library loses nothing.
     activity = by_id[upper.id]
     assert activity.get_startTime() is not None and activity.get_endTime() is not None
@@ -135,6 +151,9 @@ def test_openlineage_events_pair_start_and_end_and_link_stages_through_datasets(
     params = done["toy"]["run"]["facets"]["openlab"]["params"]
     assert params["max_tokens"] == "4096" and params["tokenizer"] == "bpe-4096"  # shapes are not secrets
     assert params["wandb_api_key"] == "***"
+    facet = done["toy"]["run"]["facets"]["openlab"]
+    assert (facet["user"], facet["trigger"]) == ("ada", "terminal")
+    assert facet["command"] == ["openlab", "run", "toy", "--wandb-key", "***"], "a secret option's value is masked"
     # A lineage server joins jobs on dataset (namespace, name): gen's output is upper's input.
     gen_out = {(d["namespace"], d["name"], d["facets"]["version"]["datasetVersion"]) for d in done["gen"]["outputs"]}
     upper_in = {(d["namespace"], d["name"], d["facets"]["version"]["datasetVersion"]) for d in upper["inputs"]}
@@ -210,6 +229,8 @@ def test_ro_crate_reads_back_as_a_workflow_run_with_each_stage_linked(
     status = first["actionStatus"]
     assert getattr(status, "id", status) == "http://schema.org/CompletedActionStatus"
     assert {c.type for c in first["object"]} >= {"SoftwareSourceCode"}  # the commit it ran
+    assert (first["agent"].type, first["agent"]["name"]) == ("Person", "ada"), "who started it"
+    assert "command: openlab run toy --wandb-key '***'" in first["description"], first["description"]
     upper = runs[f"#{stages['upper'].id}"]
     gen = runs[f"#{stages['gen'].id}"]
     assert upper["instrument"].id == "#tool-upper"
