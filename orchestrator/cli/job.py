@@ -286,11 +286,12 @@ def list_cmd(
     from orchestrator.cli.output import compact_table, console, narrow, print_json, say
     from orchestrator.launchers import JobState, get_launcher
     from orchestrator.launchers.attempts import handle_from_attempt, lineage_state
-    from orchestrator.lineage.listing import KNOWN_STATES, RecordFilter, known_backend, list_records
+    from orchestrator.launchers.base import known_backend
+    from orchestrator.lineage.listing import KNOWN_STATES, RecordFilter, list_records
     from orchestrator.lineage.models import Attempt, StageRun, utcnow
     from orchestrator.lineage.store import open_store
 
-    backend = [known_backend(b) for b in backend or ()]
+    backend = [known_backend(b, "--backend") for b in backend or ()]
     wanted_states = {s.strip().upper() for s in state or ()}
     for name in wanted_states - {"PENDING", "RUNNING"}:  # an ended job is not out: lineage list has those
         hint = choices(name.lower(), ["pending", "running"], label="states of a job out")

@@ -761,14 +761,24 @@ def first_failed_task(ends_prefix: str | None) -> str | None:
     return f"task {first.rank} of {len(ends)} on {first.host} failed first (exit {first.code}); the others were stopped"
 
 
+def known_backend(name: str, option: str | None = None) -> str:
+    """``name`` as lineage records a backend (``Slurm`` is ``slurm``), or :class:`ConfigError`
+    naming the one meant: ``--backend 'slurmm': not a backend; did you mean 'slurm'? ...`` where
+    an ``option`` gave it, else ``unknown backend 'slurmm'; ...``. The one check for a backend
+    name, wherever it comes from: a run's, a stage's, a filter's (a misspelt filter matched
+    nothing, which read as "nothing ran there")."""
+    key = (name or "").strip().lower()
+    if key not in BACKENDS:
+        said = f"{option} {name!r}: not a backend" if option else f"unknown backend {name!r}"
+        raise ConfigError(f"{said}; {choices(name, BACKENDS, label='known backends')}")
+    return key
+
+
 def launcher_class(name: str) -> type[Launcher]:
     """The launcher class of backend ``name`` (what it can run, before configuring one)."""
     import importlib
 
-    key = (name or "").strip().lower()
-    if key not in BACKENDS:
-        raise OpenlabError(f"unknown backend {name!r}; {choices(name, BACKENDS, label='known backends')}")
-    module_name, cls_name = BACKENDS[key].split(":")
+    module_name, cls_name = BACKENDS[known_backend(name)].split(":")
     return getattr(importlib.import_module(module_name), cls_name)
 
 
@@ -835,6 +845,7 @@ __all__ = [
     "first_failed_task",
     "with_notes",
     "task_ends_prefix",
+    "known_backend",
     "launcher_class",
     "parse_duration",
     "parse_memory",

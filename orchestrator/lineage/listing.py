@@ -104,7 +104,9 @@ class RecordFilter:
             hint = choices(unknown[0], KNOWN_STATES, label="states")
             raise ConfigError(f"--state {unknown[0]!r}: not a state; {hint}")
         if backend is not None:
-            backend = known_backend(backend)
+            from orchestrator.launchers.base import known_backend
+
+            backend = known_backend(backend, "--backend")
         start, end = (parse_when(since) if since else None), (parse_when(until) if until else None)
         if start is not None and end is not None and start >= end:
             raise ConfigError(f"--since {since!r} is not before --until {until!r}: nothing could match; swap them")
@@ -126,17 +128,6 @@ class RecordFilter:
     def given(self) -> list[str]:
         """The filters that are set, by option name."""
         return [f.name for f in fields(self) if getattr(self, f.name) not in (None, ())]
-
-
-def known_backend(name: str, option: str = "--backend") -> str:
-    """``name`` as lineage records a backend (``Slurm`` is ``slurm``), or :class:`ConfigError`
-    naming the backends: a misspelt one (``slurmm``) matched nothing, which read as "nothing ran there"."""
-    from orchestrator.launchers.base import BACKENDS
-
-    key = name.strip().lower()
-    if key not in BACKENDS:
-        raise ConfigError(f"{option} {name!r}: not a backend; {choices(name, BACKENDS, label='backends')}")
-    return key
 
 
 #: What ``--state`` may name: pipeline and stage run states, and SUCCEEDED, how an attempt (a

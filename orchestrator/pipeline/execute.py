@@ -425,12 +425,11 @@ def start_pipeline(
     if missing:
         raise ConfigError(f"pipeline {pipeline.name}: no config for stage(s) {', '.join(missing)}")
     pipeline.check_forced(options.force)
-    from orchestrator.launchers.base import BACKENDS, launcher_class
+    from orchestrator.launchers.base import known_backend, launcher_class
 
-    for backend in (options.backend, *(s.backend for s in pipeline.stages if s.backend)):
-        if backend not in BACKENDS:
-            raise ConfigError(f"unknown backend {backend!r}; {choices(backend, BACKENDS, label='known backends')}")
-    for spec in pipeline.stages:  # a stage of several tasks its backend cannot run: refused now
+    # `Slurm` is recorded as `slurm`, so `--backend slurm` filters find the run
+    options = replace(options, backend=known_backend(options.backend))
+    for spec in pipeline.stages:  # an unknown backend, or a stage of several tasks its backend cannot run: refused now
         why = launcher_class(spec.backend or options.backend).cannot_run(spec.nodes, spec.tasks_per_node)
         if why:
             raise ConfigError(f"stage {spec.name}: {why}")

@@ -242,7 +242,7 @@ def test_the_command_answers_which_pretrain_jobs_failed_this_week(run_cli, openl
         (("--state", "FAILD"), "--state 'FAILD': not a state; did you mean 'FAILED'? states: PENDING, RUNNING"),
         (("--since", "2026-12-02", "--until", "2026-12-01"), "--since '2026-12-02' is not before --until"),
         # a misspelt backend listed nothing, which reads as "nothing ran on slurm"
-        (("--backend", "slurmm"), "--backend 'slurmm': not a backend; did you mean 'slurm'? backends: local"),
+        (("--backend", "slurmm"), "--backend 'slurmm': not a backend; did you mean 'slurm'? known backends: local"),
     ):
         bad = run_cli("lineage", "list", *args)
         assert bad.returncode == 2, bad.stdout

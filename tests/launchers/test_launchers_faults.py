@@ -1087,8 +1087,7 @@ def test_job_list_names_what_it_could_not_ask_and_still_lists_the_rest(store: Li
     assert cli("job", "list", "--stage", "pretrain").stdout == "no jobs pending or running that match\n"
     misspelt = cli("job", "list", "--backend", "kubernets")  # listed nothing: "no jobs out" was a lie
     assert misspelt.returncode == 2 and misspelt.stderr.strip().splitlines() == [
-        "error: --backend 'kubernets': not a backend; did you mean 'kubernetes'? "
-        "backends: local, docker, slurm, kubernetes"
+        "error: --backend 'kubernets': not a backend; did you mean 'kubernetes'? " + KNOWN
     ], misspelt.stderr
 
 

@@ -7,6 +7,7 @@ OPENLAB_HOME (see tests/conftest.py), snapshots. The toy stages are three tiny s
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 
 from orchestrator.errors import ConfigError
 from orchestrator.lineage import leases
+from orchestrator.lineage.listing import RecordFilter, list_records
 from orchestrator.lineage.models import Artifact, Attempt, DataSnapshot, PipelineRun, Relation, StageRun
 from orchestrator.lineage.store import LineageStore
 from orchestrator.pipeline import (
@@ -307,6 +309,17 @@ def _open_handles(path: Path) -> list[str]:
     return found
 
 
+def test_a_backend_named_in_capitals_is_recorded_as_filters_name_it(repo: Path, ledger: Path) -> None:
+    """`--backend Local` runs on local and is recorded as `local`, so `lineage list --backend local` finds it."""
+    result = run_pipeline(toy_pipeline(repo), toy_configs(), options=dataclasses.replace(fast(), backend="Local"))
+    assert result.ok, result.error
+    assert result.pipeline_run.backend == "local"
+    with LineageStore.open(load_settings()) as store:
+        assert [r.id for r in list_records(store, ["pipeline_run"], RecordFilter(backend="local")).records] == [
+            result.pipeline_run.id
+        ]
+
+
 def test_a_refused_start_records_nothing_and_leaves_no_database_open(
     repo: Path, openlab_home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -314,6 +327,12 @@ def test_a_refused_start_records_nothing_and_leaves_no_database_open(
     db = openlab_home / "lineage.db"
     with pytest.raises(ConfigError, match="unknown backend 'nope'"):
         start_pipeline(toy_pipeline(repo), toy_configs(), options=RunOptions(backend="nope"))
+    with pytest.raises(ConfigError, match="unknown backend 'slurmm'; did you mean 'slurm'"):
+        toy = toy_pipeline(repo)
+        misspelt = dataclasses.replace(
+            toy, stages=(dataclasses.replace(toy.stages[0], backend="slurmm"), *toy.stages[1:])
+        )
+        start_pipeline(misspelt, toy_configs(), options=fast())
     assert not db.exists()  # refused from its arguments alone, before the store is opened
     monkeypatch.setenv("OPENLAB_BACKENDS__LOCAL__POLL_INTERVAL", "soon")
     with pytest.raises(ConfigError, match=r"\[backends.local\] poll_interval"):
