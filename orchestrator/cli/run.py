@@ -228,7 +228,7 @@ def run(
             console.print(_summary_table(result))
         console.print(
             f"commit {ctx.commit.id} · environment {ctx.environment.id[:16]} · "
-            f"recipe {resolved.name} · backend {options.backend}"
+            f"recipe {resolved.name} · backend {ctx.options.backend}"
         )
         for line in outcome_lines(result.pipeline_run.preregistration):
             console.print(f"pre-registered {line}", markup=False, highlight=False)
