@@ -166,6 +166,26 @@ def commit_url(
     return f"https://{host}/{path}/commit/{sha}"
 
 
+#: Triggers a person starts from their own account; the others run as the account serving the flows.
+_BY_HAND = ("terminal", "adopt")
+
+
+def how_started(run: PipelineRun) -> str | None:
+    """``terminal, by `ada` ``, ``ui, served by `svc` `` or ``automation "re-run on regress", served
+    by `svc` ``: the trigger and the account, worded as what the account did. Prefect's open-source
+    server knows no user, so for a run started there the account is the one serving the flows,
+    not whoever pressed Run."""
+    if not run.trigger and not run.user:
+        return None
+    text = run.trigger or "unknown trigger"
+    automation = ((run.params or {}).get("prefect") or {}).get("automation")
+    if automation:
+        text += f' "{automation}"'
+    if run.user:
+        text += f", by `{run.user}`" if run.trigger in _BY_HAND else f", served by `{run.user}`"
+    return text
+
+
 def md_cell(value: Any) -> str:
     """Text safe inside a markdown table cell (a ``|`` or a newline would break the row)."""
     return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
@@ -326,11 +346,9 @@ def render_pipeline(view: PipelineView, github_hosts: Iterable[str] = DEFAULT_GI
         facts.append(f"**Replica:** `{run.replica}`")
     if run.backend:
         facts.append(f"**Backend:** `{run.backend}`")
-    if run.trigger:
-        automation = (run.params or {}).get("prefect", {}).get("automation")
-        facts.append(f"**Trigger:** {run.trigger}" + (f" ({automation})" if automation else ""))
-    if run.user:
-        facts.append(f"**User:** `{run.user}`")
+    started = how_started(run)
+    if started:
+        facts.append(f"**Trigger:** {started}")
     if (run.params or {}).get("retry_of"):
         facts.append(f"**Retry of:** `{run.params['retry_of']}`")
     facts.append(f"**Started:** {run.started_at:%Y-%m-%d %H:%M:%S} UTC")

@@ -42,6 +42,7 @@ from orchestrator.cards import (
     collect_pipeline,
     commit_text,
     format_metric,
+    how_started,
     state_icon,
     verdict_status,
     wandb_text,
@@ -159,6 +160,8 @@ class RunDigest:
             "recipe": run.recipe,
             "replica": run.replica,
             "backend": run.backend,
+            "trigger": run.trigger,
+            "user": run.user,
             "state": run.state,
             "started_at": as_utc(run.started_at).isoformat(),
             "ended_at": as_utc(run.ended_at).isoformat() if run.ended_at else None,
@@ -338,6 +341,9 @@ def render_run(rd: RunDigest, github_hosts: Iterable[str] = DEFAULT_GITHUB_HOSTS
             subject = _first_line(c.message, 100)
             parts.append(commit_text(c, hosts) + (f" {subject}" if subject else ""))
         lines.append("- **Commit:** " + ", ".join(parts))
+    how = how_started(run)
+    if how:
+        lines.append(f"- **Trigger:** {how}")
     started = f"{as_utc(run.started_at):%Y-%m-%d %H:%M} UTC"
     if run.ended_at:
         lines.append(f"- **Ran:** {started} to {as_utc(run.ended_at):%Y-%m-%d %H:%M} UTC")

@@ -29,6 +29,8 @@ def record_run(
     preregistration: dict[str, Any] | None = None,
     verdict: dict[str, Any] | None = None,
     gpus: int = 1,
+    trigger: str | None = None,
+    user: str | None = None,
 ) -> PipelineRun:
     """A pipeline run linked to ``issue`` as a pipeline start links it: a commit, stage runs with one
     job each (1 h, ``gpus`` GPUs asked), the last stage's metrics, a W&B run on the first stage."""
@@ -42,6 +44,8 @@ def record_run(
                 recipe="marin-535b-a23b",
                 replica="tiny",
                 backend="slurm",
+                trigger=trigger,
+                user=user,
                 state=state,
                 started_at=started,
                 ended_at=ended,

@@ -171,3 +171,24 @@ def test_the_changes_name_the_commits_that_changed_a_stages_source() -> None:
         line
         == "- **pretrain**: source `workloads/moe/dispatch.py` (lacks `1111111` dispatch: fix 1, which `prun_a` had)"
     )
+
+
+@pytest.mark.parametrize(
+    ("trigger", "user", "automation", "said"),
+    [
+        ("terminal", "ada", None, "terminal, by `ada`"),
+        ("adopt", "ada", None, "adopt, by `ada`"),
+        # Prefect's open-source server has no user: the account is the one serving the flows
+        ("ui", "svc", None, "ui, served by `svc`"),
+        ("automation", "svc", "re-run on regression", 'automation "re-run on regression", served by `svc`'),
+        ("schedule", None, None, "schedule"),  # recorded before accounts were
+        (None, None, None, None),
+    ],
+)
+def test_the_card_says_how_a_run_started_and_as_whom(
+    trigger: str | None, user: str | None, automation: str | None, said: str | None
+) -> None:
+    from orchestrator.cards import how_started
+
+    params = {"prefect": {"automation": automation}} if automation else {}
+    assert how_started(PipelineRun(trigger=trigger, user=user, params=params)) == said

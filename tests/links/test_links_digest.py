@@ -57,6 +57,8 @@ def day(fake_github: FakeGitHub, store: LineageStore) -> dict[str, PipelineRun]:
             preregistration=prereg(5.31, "met"),
             verdict={"status": "passed", "message": "nightly passed: 3 tracked metric(s) within tolerance"},
             gpus=2,
+            trigger="schedule",
+            user="svc",
         ),
         "failed": record_run(
             store,
@@ -114,6 +116,7 @@ def test_one_digest_per_active_issue_with_its_runs_then_edited_the_same_day(
     assert "[prun_donew](https://wandb.ai/lab/openlab/runs/prun_donew) (pretrain)" in seven
     assert "2 job(s), 2.00 h wall, 4.00 GPU-hours" in seven  # two 1 h jobs asking 2 GPUs each
     assert "2 pipeline runs from 2026-12-04 07:00 to 2026-12-05 07:00 UTC" in seven
+    assert "- **Trigger:** schedule, served by `svc`" in seven, "who: the account serving the flows, not a person"
     assert "**Still running**" in eight and "RUNNING" in eight
     # a running job counts up to the window's end, not the wall clock, so the same window reads the same
     assert "- **Used so far:** 1 job(s), 2.00 h wall" in eight

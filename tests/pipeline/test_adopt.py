@@ -68,7 +68,10 @@ def test_an_adopted_corpus_is_reused_by_the_next_run(run_cli, openlab_home: Path
         from orchestrator.cards import pipeline_card
 
         card = pipeline_card(store, run_id)
-        assert "**User:** `ada`" in card and "**Command:** `` openlab run marin-535b-a23b --replica tiny" in card, card
+        assert (
+            "**Trigger:** terminal, by `ada`" in card
+            and "**Command:** `` openlab run marin-535b-a23b --replica tiny" in card
+        ), card
         (job,) = store.list(Attempt, stage_run_id=json.loads(tokenized.stdout)["stages"][1]["stage_run_id"])
         assert job.user == "ada", "the tokenize job was submitted by the same account"
     by_ada = json.loads(run_cli("lineage", "list", "-k", "pipeline_run", "--user", "ada", "--json").stdout)
