@@ -278,8 +278,9 @@ def run_replica(
             "until": until,
             "flow_run_id": flow_run_id,
         }
-        if flow_run is not None and _automation(flow_run):
-            params["automation"] = _automation(flow_run)
+        automation = _automation(flow_run)
+        if automation:  # which Automation started it: the trigger alone says only that one did
+            params["automation"] = automation
         options = RunOptions(
             backend=backend,
             issue=issue or None,
