@@ -60,6 +60,10 @@ UserOpt = Annotated[
     str | None,
     typer.Option("--user", "-u", help="Only runs this login account started and jobs it submitted (squeue -u)."),
 ]
+TriggerOpt = Annotated[
+    str | None,
+    typer.Option("--trigger", help="Only runs started so (terminal, ui, schedule, automation, adopt), their jobs."),
+]
 
 #: What `lineage list` shows by default: the activities people audit, newest first.
 DEFAULT_KINDS = ("pipeline_run", "stage_run", "attempt", "snapshot")
@@ -102,6 +106,7 @@ def list_cmd(
     host: HostOpt = None,
     cluster: ClusterOpt = None,
     user: UserOpt = None,
+    trigger: TriggerOpt = None,
     limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="At most this many records.")] = 50,
     json_out: JsonFlag = False,
 ) -> None:
@@ -595,7 +600,9 @@ def usage_cmd(
     by: Annotated[
         str,
         typer.Option(
-            "--by", "-b", help="Group by recipe, replica, stage, backend, cluster, user, state, day or pipeline_run."
+            "--by",
+            "-b",
+            help="Group by recipe, replica, stage, backend, cluster, user, trigger, state, day or pipeline_run.",
         ),
     ] = "recipe",
     state: StateOpt = None,
@@ -610,6 +617,7 @@ def usage_cmd(
     host: HostOpt = None,
     cluster: ClusterOpt = None,
     user: UserOpt = None,
+    trigger: TriggerOpt = None,
     json_out: JsonFlag = False,
 ) -> None:
     """What the jobs used: attempts, wall hours, CPU- and GPU-hours asked, the hours lost, and what was used.
@@ -716,6 +724,7 @@ def export_cmd(
     host: HostOpt = None,
     cluster: ClusterOpt = None,
     user: UserOpt = None,
+    trigger: TriggerOpt = None,
 ) -> None:
     """Export lineage as W3C PROV-JSON, OpenLineage RunEvents or a Workflow Run RO-Crate, secrets masked.
 

@@ -22,6 +22,7 @@ from orchestrator.errors import ConfigError, choices
 from orchestrator.lineage.models import (
     RECORD_TYPES,
     STATES,
+    TRIGGERS,
     Attempt,
     LineageRecord,
     PipelineRun,
@@ -78,6 +79,8 @@ class RecordFilter:
     cluster: str | None = None
     #: The login account that started a run, or submitted a job (squeue's ``-u``).
     user: str | None = None
+    #: How the run was started (:data:`~orchestrator.lineage.models.TRIGGERS`): ``schedule`` is the nightlies.
+    trigger: str | None = None
 
     @classmethod
     def from_options(
@@ -95,6 +98,7 @@ class RecordFilter:
         host: str | None = None,
         cluster: str | None = None,
         user: str | None = None,
+        trigger: str | None = None,
     ) -> RecordFilter:
         """A filter from command-line text (times as :func:`parse_when` reads them)."""
         if commit is not None and len(commit.strip()) < 7:
@@ -103,6 +107,8 @@ class RecordFilter:
         if unknown:  # a typo (FAILD) would list nothing, which reads as "nothing failed"
             hint = choices(unknown[0], KNOWN_STATES, label="states")
             raise ConfigError(f"--state {unknown[0]!r}: not a state; {hint}")
+        if trigger is not None and trigger.strip().lower() not in TRIGGERS:  # a typo would list nothing
+            raise ConfigError(f"--trigger {trigger!r}: not a trigger; {choices(trigger, TRIGGERS, label='triggers')}")
         if backend is not None:
             from orchestrator.launchers.base import known_backend
 
@@ -123,6 +129,7 @@ class RecordFilter:
             host=host.strip() if host else None,
             cluster=cluster.strip() if cluster else None,
             user=user.strip() if user else None,
+            trigger=trigger.strip().lower() if trigger else None,
         )
 
     def given(self) -> list[str]:
@@ -135,11 +142,14 @@ class RecordFilter:
 KNOWN_STATES = (*STATES, "SUCCEEDED")
 
 
+#: The filters a pipeline run answers; its stage runs and their jobs answer them too (through
+#: the run they belong to where the field is the run's), and ``--stage``.
+_RUN_FILTERS = {"state", "recipe", "replica", "backend", "commit", "issue", "host", "cluster", "user", "trigger"}
 #: For each kind, the filters it can answer (time filters apply to every kind with a time).
 _ANSWERS: dict[str, set[str]] = {
-    "pipeline_run": {"state", "recipe", "replica", "backend", "commit", "issue", "host", "cluster", "user"},
-    "stage_run": {"state", "stage", "recipe", "replica", "backend", "commit", "issue", "host", "cluster", "user"},
-    "attempt": {"state", "stage", "recipe", "replica", "backend", "commit", "issue", "host", "cluster", "user"},
+    "pipeline_run": _RUN_FILTERS,
+    "stage_run": _RUN_FILTERS | {"stage"},
+    "attempt": _RUN_FILTERS | {"stage"},
 }
 
 
@@ -192,10 +202,10 @@ def _statement(kind: str, flt: RecordFilter, session: Any) -> Any:
         stmt = stmt.where(func.upper(col(model.state)).in_([s.upper() for s in flt.state]))  # type: ignore[attr-defined]
     # Reach the stage run and the pipeline run a record belongs to, once, only when a filter needs them.
     by_run = bool(flt.commit or flt.issue)
-    needs_stage = kind == "attempt" and bool(flt.stage or flt.recipe or flt.replica or by_run)
+    needs_stage = kind == "attempt" and bool(flt.stage or flt.recipe or flt.replica or flt.trigger or by_run)
     # A stage run's user is its pipeline run's; an attempt has its own (who submitted the job).
     needs_run = kind != "pipeline_run" and bool(
-        flt.recipe or flt.replica or (kind == "stage_run" and (flt.backend or flt.user))
+        flt.recipe or flt.replica or flt.trigger or (kind == "stage_run" and (flt.backend or flt.user))
     )
     if needs_stage:
         stmt = stmt.join(StageRun, col(StageRun.id) == col(Attempt.stage_run_id))
@@ -213,6 +223,8 @@ def _statement(kind: str, flt: RecordFilter, session: Any) -> Any:
         stmt = stmt.where(col(owner.backend) == flt.backend)
     if flt.user:
         stmt = stmt.where(col((Attempt if kind == "attempt" else PipelineRun).user) == flt.user)
+    if flt.trigger:
+        stmt = stmt.where(col(PipelineRun.trigger) == flt.trigger)
     if flt.host or flt.cluster:  # where the jobs ran: an attempt itself, a run through its jobs
         ran_there = _attempts_where(session, flt)
         if kind == "attempt":

@@ -56,6 +56,10 @@ RELATION_KINDS: dict[str, str] = {
 #: Stage-run and attempt states. A stage run is PREEMPTED between its preempted attempt and the
 #: next (which sets it RUNNING again); one whose orchestrator went away meanwhile stays so.
 STATES = ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "REUSED", "LOST", "PREEMPTED")
+#: How a pipeline run was started: ``openlab run`` at a terminal, the Prefect UI (or API) on a
+#: deployment, its cron schedule, a Prefect Automation, ``openlab adopt``, or a Prefect flow run
+#: of no deployment (``prefect``).
+TRIGGERS = ("terminal", "ui", "schedule", "automation", "adopt", "prefect")
 
 
 class LineageRecord(SQLModel):
@@ -195,7 +199,7 @@ class PipelineRun(LineageRecord, table=True):
     recipe: str | None = None
     replica: str | None = None
     backend: str | None = None
-    trigger: str | None = None  # terminal, ui, schedule, automation, adopt
+    trigger: str | None = None  # one of TRIGGERS
     #: The login account that started it: the person at the terminal, or the account serving the
     #: Prefect flows for a UI, scheduled or automated run (:mod:`orchestrator.provenance.invocation`).
     user: str | None = Field(default=None, index=True)

@@ -33,7 +33,7 @@ from orchestrator.lineage.models import Attempt, PipelineRun, StageRun, as_utc, 
 from orchestrator.lineage.store import LineageStore
 
 #: What usage can be grouped by.
-GROUPS = ("recipe", "replica", "stage", "backend", "cluster", "user", "state", "day", "pipeline_run")
+GROUPS = ("recipe", "replica", "stage", "backend", "cluster", "user", "trigger", "state", "day", "pipeline_run")
 
 
 @dataclass
@@ -149,6 +149,8 @@ def _key(by: str, attempt: Attempt, stage: StageRun | None, run: PipelineRun | N
         return run.id if run is not None else "(no pipeline run)"
     if run is None:
         return "(no pipeline run)"
+    if by == "trigger":  # the nightlies' hours (schedule) beside those run by hand (terminal, ui)
+        return run.trigger or "(not recorded)"
     if by == "replica":
         return f"{run.recipe or run.name}:{run.replica}" if run.replica else (run.recipe or run.name)
     return run.recipe or run.name

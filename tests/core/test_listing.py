@@ -34,7 +34,15 @@ def _history(store: LineageStore) -> dict[str, str]:
     ids: dict[str, str] = {}
     with store.transaction() as tx:
         old = tx.add(
-            PipelineRun(recipe="marin", replica="tiny", backend="local", state="FAILED", started_at=OLD, user="ada")
+            PipelineRun(
+                recipe="marin",
+                replica="tiny",
+                backend="local",
+                state="FAILED",
+                started_at=OLD,
+                user="ada",
+                trigger="terminal",
+            )
         )
         old_pre = tx.add(
             StageRun(pipeline_run_id=old.id, stage="pretrain", identity="i1", state="FAILED", started_at=OLD)
@@ -52,7 +60,15 @@ def _history(store: LineageStore) -> dict[str, str]:
             )
         )
         new = tx.add(
-            PipelineRun(recipe="marin", replica="drops", backend="slurm", state="FAILED", started_at=NOW, user="bob")
+            PipelineRun(
+                recipe="marin",
+                replica="drops",
+                backend="slurm",
+                state="FAILED",
+                started_at=NOW,
+                user="bob",
+                trigger="schedule",
+            )
         )
         new_data = tx.add(
             StageRun(pipeline_run_id=new.id, stage="data", identity="i2", state="COMPLETED", started_at=NOW)
@@ -124,6 +140,12 @@ def test_user_filter_is_who_started_a_run_and_who_submitted_a_job(store: Lineage
     assert _ids(store, KINDS, user="bob") == {h["new"], h["new_data"], h["new_pre"], h["retry1"]}
     assert _ids(store, ["attempt"], user="svc", stage=("pretrain",)) == {h["retry2"]}
     assert _ids(store, KINDS, user="nobody") == set()
+    # --trigger: what the schedule started (the nightlies), through the run for stage runs and jobs
+    nightly = {h["new"], h["new_data"], h["new_pre"], h["retry1"], h["retry2"]}
+    assert _ids(store, KINDS, trigger="schedule") == nightly
+    assert _ids(store, ["attempt"], trigger="terminal") == {h["old_job"]}
+    with pytest.raises(ConfigError, match="--trigger 'shedule': not a trigger; did you mean 'schedule'"):
+        RecordFilter.from_options(trigger="shedule")
     with pytest.raises(ConfigError, match="--user cannot be answered by snapshot records"):
         list_records(store, ["snapshot"], RecordFilter.from_options(user="ada"), strict=True)
 

@@ -23,7 +23,9 @@ def _month(store: LineageStore) -> dict[str, str]:
     """A nightly whose pretrain was preempted once (2 h on 8 GPUs lost) then ran 3 h; a drop
     nightly on the CPU; an old run out of the window; a job still pending."""
     with store.transaction() as tx:
-        night = tx.add(PipelineRun(recipe="marin", replica="small", backend="slurm", started_at=NOW - 6 * H))
+        night = tx.add(
+            PipelineRun(recipe="marin", replica="small", backend="slurm", trigger="schedule", started_at=NOW - 6 * H)
+        )
         pre = tx.add(StageRun(pipeline_run_id=night.id, stage="pretrain", identity="p", started_at=NOW - 6 * H))
         gpu = {"cpus": 16, "gpus": 8, "memory": "64G"}
         tx.add(
@@ -142,6 +144,10 @@ def test_usage_sums_hours_and_what_was_asked_and_counts_the_lost(store: LineageS
     users = {g.group: g.gpu_hours for g in usage(store, RecordFilter.from_options(recipe="marin"), by="user").groups}
     assert users == {"ada": pytest.approx(8.0), "(not recorded)": pytest.approx(40.0)}, users  # as sreport's per user
     assert [g.group for g in usage(store, RecordFilter.from_options(user="ada"), by="stage").groups] == ["midtrain"]
+    triggers = {
+        g.group: g.gpu_hours for g in usage(store, RecordFilter.from_options(recipe="marin"), by="trigger").groups
+    }
+    assert triggers == {"schedule": pytest.approx(48.0), "(not recorded)": 0.0}, triggers  # the nightly's GPU-hours
     with pytest.raises(ConfigError, match="cannot group usage by 'team': use one of: recipe, replica"):
         usage(store, by="team")
 
