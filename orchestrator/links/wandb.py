@@ -98,6 +98,7 @@ def stage_wandb_settings(
     snapshot_id: str | None = None,
     backend: str | None = None,
     replica: str | None = None,
+    trigger: str | None = None,
     lineage_ids: Mapping[str, Any] | None = None,
     include_mode: bool = False,
     settings: Settings | None = None,
@@ -106,7 +107,9 @@ def stage_wandb_settings(
     """The ``wandb:`` section of a stage job's config (``wandb.init(**section)``).
 
     ``project``/``entity`` default to ``[wandb] project``/``entity``. ``config.openlab``
-    carries ``lineage_ids`` plus the pipeline run, stage and stage identity.
+    carries ``lineage_ids`` plus the pipeline run, stage and stage identity. The tags name the
+    commit, issue, data snapshot, backend, replica and how the run was started
+    (``trigger-schedule``: a W&B workspace filtered on it shows the nightlies alone).
 
     ``mode`` is left to the job by default (offline unless ``WANDB_API_KEY`` is set *in the
     job*, see :func:`orchestrator.links.wandb_init.wandb_mode`): the MoE workload's tracker
@@ -133,6 +136,8 @@ def stage_wandb_settings(
         tags.append(_tag(backend))
     if replica:
         tags.append(_tag(replica))
+    if trigger:
+        tags.append(_tag(f"trigger-{trigger}"))
     openlab_ids = {
         **{k: v for k, v in (lineage_ids or {}).items() if v is not None},
         "pipeline_run_id": pipeline_run_id,

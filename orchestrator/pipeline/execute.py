@@ -993,8 +993,10 @@ def _wandb_section(ctx: PipelineContext, spec: StageSpec, identity: str, stage_r
             snapshot_id=data.output.get("snapshot_id") if data is not None else None,
             backend=ctx.backend_of(spec),
             replica=ctx.pipeline_run.replica,
+            trigger=ctx.pipeline_run.trigger,
             lineage_ids={
                 "stage_run_id": stage_run.id,
+                "user": ctx.pipeline_run.user,  # the account that started the run (W&B's own user is the key's)
                 "commit": ctx.commit.id,
                 "environment": ctx.environment.id,
                 "issue": ctx.issue_id,

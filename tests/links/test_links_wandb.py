@@ -55,6 +55,7 @@ def _section(**extra: Any) -> dict[str, Any]:
         snapshot_id="b3snapshot0123456789",
         backend="slurm",
         replica="olmoe",
+        trigger="schedule",
         lineage_ids={"stage_run_id": "srun_w1", "commit": "abc1234def567890", "issue": "lab/exp#7"},
         **extra,
     )
@@ -130,7 +131,7 @@ def test_section_carries_lineage_ids_deterministic_id_and_tags() -> None:
         "pretrain",
         "allow",
     )
-    assert s["tags"] == ["abc1234d", "issue-7", "snap-b3snapshot01", "slurm", "olmoe"]
+    assert s["tags"] == ["abc1234d", "issue-7", "snap-b3snapshot01", "slurm", "olmoe", "trigger-schedule"]
     assert s["config"] == {
         "openlab": {
             "stage_run_id": "srun_w1",

@@ -61,6 +61,7 @@ def test_drops_replica_runs_the_reproduction_stage_with_lineage_then_reuses() ->
     from orchestrator.lineage import LineageStore, StageRun, WandbRun
     from orchestrator.lineage.verify import anchor_of
     from orchestrator.links.wandb import find_run_dirs, read_run_dir
+    from orchestrator.provenance.invocation import current_user
     from orchestrator.settings import load_settings
 
     # `--until tokenize` prepares the data now; the full run then reuses it and trains.
@@ -93,6 +94,9 @@ def test_drops_replica_runs_the_reproduction_stage_with_lineage_then_reuses() ->
     # the W&B run (public once synced) carries the run's lineage anchor too, read back from its files
     back = read_run_dir(find_run_dirs(str(wrun.local_dir), wrun.run_id)[0])
     assert anchor is not None and back.config["openlab"]["lineage_anchor"] == str(anchor), back.config
+    # ... and how the run was started and as whom: a W&B workspace filters the nightlies on the tag
+    assert "trigger-terminal" in back.tags, back.tags
+    assert back.config["openlab"]["user"] == current_user(), back.config
     second = openlab_run("--replica", "drops-tiny", "--json")
     states = [(s["stage"], s["state"], s["reason"]) for s in second["stages"]]
     assert [s[1] for s in states] == ["REUSED"] * 3, states
