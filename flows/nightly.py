@@ -16,7 +16,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows import events
 from flows.cancel import on_cancellation_hook, on_crashed_hook
-from flows.pipeline import Backend, run_replica
+from flows.pipeline import Backend, replica_run_name, run_replica
 
 
 @task(name="nightly-verdict", cache_policy=NO_CACHE)
@@ -98,9 +98,14 @@ def _report_on_github(pipeline_run_id: str) -> str | None:
     return report.url
 
 
+def _nightly_run_name() -> str:
+    return replica_run_name("nightly ")
+
+
 @flow(
     name="nightly-replica",
     description="Nightly replica of main with a regression verdict against the previous successful nightly.",
+    flow_run_name=_nightly_run_name,
     on_cancellation=[on_cancellation_hook],
     on_crashed=[on_crashed_hook],
 )

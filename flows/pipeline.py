@@ -476,9 +476,27 @@ def _dry_run(
     }
 
 
+def replica_run_name(prefix: str = "") -> str:
+    """The flow run's name in the UI's run list, from its parameters: ``marin-535b-a23b:tiny on
+    slurm``, ``… @ v1.2 until tokenize (dry run)``, where Prefect would pick two random words
+    (``stereotyped-chipmunk``) that say nothing of what ran."""
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters or {}
+    name = f"{prefix}{params.get('recipe')}:{params.get('replica')} on {params.get('backend')}"
+    if params.get("git_ref") not in (None, "", "HEAD"):
+        name += f" @ {params['git_ref']}"
+    if params.get("until"):
+        name += f" until {params['until']}"
+    if params.get("dry_run"):
+        name += " (dry run)"
+    return name
+
+
 @flow(
     name="replica-pipeline",
     description="Run a recipe's replica stage by stage with reuse, leases and lineage.",
+    flow_run_name=replica_run_name,
     on_cancellation=[on_cancellation_hook],
     on_crashed=[on_crashed_hook],
     validate_parameters=True,

@@ -47,6 +47,7 @@ def test_replica_deployment_runs_tiny_then_reuses(served: Served) -> None:
     first = wait_flow_run(start_run("replica-pipeline/replica", TINY), 480)
     first_seconds = time.monotonic() - started
     assert first.state.is_completed(), f"{first.state.message}\n{served.log()[-3000:]}"
+    assert first.name == "marin-535b-a23b:tiny on local", "the UI's run list says what ran, not two random words"
     with LineageStore(served.db_url) as store:
         (run,) = store.list(PipelineRun, flow_run_id=str(first.id))
         assert run.state == "COMPLETED" and run.trigger == "ui" and run.replica == "tiny"
@@ -163,6 +164,7 @@ def test_a_run_an_automation_starts_is_recorded_as_the_automations(served: Serve
         done = wait_flow_run(flow_run.id, 300)
         assert done.state.is_completed(), f"{done.state.message}\n{served.log()[-3000:]}"
     created = created[0]
+    assert wait_flow_run(created.id, 10).name == "marin-535b-a23b:tiny on local until data"
     with LineageStore(served.db_url) as store:
         (run,) = store.list(PipelineRun, flow_run_id=str(created.id))
     assert (run.trigger, run.params["prefect"]["automation"], run.command) == ("automation", name, None)
@@ -222,6 +224,7 @@ def test_nightly_flow_fails_on_planted_regression_and_records_verdict(served: Se
     finally:
         config.write_text(defaults)
     assert bad.state.is_failed()
+    assert bad.name == "nightly marin-535b-a23b:tiny on local"  # git_ref HEAD is what runs anyway: not named
     message = bad.state.message or ""
     assert "/loss" in message and "0123456789ab" in message and "regression" in message, message
     verdict_md = _verdict_artifact(bad.id)  # beside the table: what went in differently since the baseline
