@@ -537,7 +537,13 @@ class EmulatedCluster:
         async def call() -> Any:
             return fn()
 
-        return asyncio.run_coroutine_threadsafe(call(), self._loop).result(10)
+        coro = call()
+        try:
+            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        except RuntimeError:  # the loop has closed (the emulator stopped): no "never awaited" warning
+            coro.close()
+            raise
+        return future.result(10)
 
     # -- objects -----------------------------------------------------------------------
     def jobs(self) -> dict[tuple[str, str], dict[str, Any]]:

@@ -38,7 +38,10 @@ def _wait_for_line(launcher: Any, handle: Any, wanted: str, timeout: float = 60)
 
 
 @pytest.fixture(scope="module")
-def process_cluster() -> Iterator[EmulatedCluster]:
+def process_cluster(k8s_cluster: EmulatedCluster) -> Iterator[EmulatedCluster]:
+    # The session's emulator first, always: kmock swaps a process-wide resolver in and out, so
+    # emulators must stop in the reverse order they started. Without this, a worker that ran a
+    # test of this module before its first test of the session's cluster stopped them out of order.
     cluster = EmulatedCluster(runtime="process").start()
     yield cluster
     cluster.stop()
