@@ -39,6 +39,12 @@ WITH RECURSIVE reach(id) AS (
   SELECT ? UNION SELECT r.subject_id FROM relation r JOIN reach ON r.object_id = reach.id
 ) SELECT count(*) FROM reach"""
 
+AFFECTED_SQL = """
+WITH RECURSIVE reach(id) AS (
+  SELECT stage_run_id FROM attempt WHERE host = 'n17'
+  UNION SELECT r.subject_id FROM relation r JOIN reach ON r.object_id = reach.id
+) SELECT count(*) FROM reach"""
+
 
 def fill(store: object, runs: int) -> dict[str, str]:
     """`runs` six-stage pipeline runs; returns the ids the queries start from."""
@@ -123,6 +129,24 @@ def main() -> int:
             print(
                 f"| {label} | {n_trace} / {n_sql} | {t_trace * 1e3:.1f} | {t_sql * 1e3:.2f} | {t_trace / t_sql:.0f}x |"
             )
+        # `lineage affected --host`: every job of the store ran on one bad node, the worst case
+        # (each stage run a source). The SQL a user would write walks down from those stage runs.
+        conn.execute("UPDATE attempt SET host = 'n17'")
+        conn.commit()
+        from orchestrator.lineage.affected import affected
+        from orchestrator.lineage.listing import RecordFilter
+
+        def report() -> int:
+            found = affected(store, RecordFilter(host="n17"))
+            return len(found.made_there) + len(found.outputs) + len(found.stage_runs)
+
+        def affected_sql() -> int:
+            return int(conn.execute(AFFECTED_SQL).fetchone()[0])
+
+        t_aff, n_aff = timed(report, opts.repeat)
+        t_sql, n_sql = timed(affected_sql, opts.repeat)
+        label = f"affected --host n17 ({opts.runs * len(STAGES)} jobs there)"
+        print(f"| {label} | {n_aff} / {n_sql} | {t_aff * 1e3:.1f} | {t_sql * 1e3:.2f} | {t_aff / t_sql:.0f}x |")
         store.close()
         conn.close()
     return 0

@@ -309,8 +309,7 @@ def list_cmd(
             out_now = dataclasses.replace(flt, state=("PENDING", "RUNNING"))
             keep = {a.id for a in list_records(store, ["attempt"], out_now, limit=None, strict=True).records}
             attempts = [a for a in attempts if a.id in keep]
-        stage_ids = {a.stage_run_id for a in attempts if a.stage_run_id}
-        stages = {s.id: s for s in store.list(StageRun, where=[col(StageRun.id).in_(stage_ids)])} if stage_ids else {}
+        stages = store.get_many(StageRun, (a.stage_run_id for a in attempts))
         asked: dict[str, list[tuple[dict[str, Any], Any, Any]]] = {}  # backend -> (row, attempt, handle)
         for attempt in attempts:
             srun = stages.get(attempt.stage_run_id or "")

@@ -73,8 +73,14 @@ def affected(store: LineageStore, flt: RecordFilter) -> AffectedReport:
     seen: set[str] = set()
     stage_runs: dict[str, StageRun] = {}
     queue: list[tuple[StageRun, dt.datetime]] = []  # (stage run, when what it passes on was made)
+    # One query each for the jobs' stage runs and for the stage runs that reused them, not one a job:
+    # a bad node may have run thousands of jobs.
+    sources = store.get_many(StageRun, (job.stage_run_id for job in jobs))
+    reusers_of: dict[str, list[StageRun]] = {source_id: [] for source_id in sources}
+    for reuser in store.list(StageRun, where=[col(StageRun.reused_from).in_(list(sources))]):
+        reusers_of[reuser.reused_from or ""].append(reuser)
     for job in sorted(jobs, key=lambda a: _utc(a.submitted_at)):
-        source = store.get(StageRun, job.stage_run_id) if job.stage_run_id else None
+        source = sources.get(job.stage_run_id or "")
         if source is None or source.id in seen:
             continue
         seen.add(source.id)
@@ -84,11 +90,18 @@ def affected(store: LineageStore, flt: RecordFilter) -> AffectedReport:
         stage_runs[source.id] = source
         queue.append((source, _utc(job.submitted_at)))
 
+    # Stage runs whose descendants were already walked, with the `since` they were walked with. A
+    # walk with an earlier `since` keeps at least as much, so a source walked so needs no trace of
+    # its own: a nightly's six stages on one bad node are one walk, not six overlapping ones.
+    walked: dict[str, dt.datetime] = {}
+
     def visit(node: TraceNode, since: dt.datetime) -> None:
         for child in node.children:
             record = child.record
             if child.repeated or (isinstance(record, StageRun) and _utc(record.started_at) < since):
                 continue  # expanded elsewhere in this tree; or ran before the bad output existed
+            if isinstance(record, StageRun) and since < walked.get(record.id, _LATEST):
+                walked[record.id] = since
             if child.id not in seen:
                 seen.add(child.id)
                 if isinstance(record, Artifact):
@@ -100,17 +113,23 @@ def affected(store: LineageStore, flt: RecordFilter) -> AffectedReport:
 
     while queue:
         start, since = queue.pop(0)
-        visit(trace(store, start.id, direction="down"), since)
-        for reuser in store.list(StageRun, where=[col(StageRun.reused_from) == start.id]):
+        if walked.get(start.id, _LATEST) > since:
+            walked[start.id] = since
+            visit(trace(store, start.id, direction="down"), since)
+        reusers = reusers_of.get(start.id)
+        if reusers is None:  # a reuser found on the way: not among the first query's
+            reusers = store.list(StageRun, where=[col(StageRun.reused_from) == start.id])
+        for reuser in reusers:
             if reuser.id not in seen:  # a later run took this stage's outputs as they were
                 seen.add(reuser.id)
                 report.stage_runs.append(Tainted(reuser, f"reused {start.id}"))
                 stage_runs[reuser.id] = reuser
                 queue.append((reuser, since))
+    runs = store.get_many(PipelineRun, (s.pipeline_run_id for s in stage_runs.values()))
     for srun in stage_runs.values():
         if srun.pipeline_run_id and srun.pipeline_run_id not in seen:
             seen.add(srun.pipeline_run_id)
-            run = store.get(PipelineRun, srun.pipeline_run_id)
+            run = runs.get(srun.pipeline_run_id)
             if run is not None:
                 report.pipeline_runs.append(Tainted(run, f"has {srun.stage} {srun.id}"))
     logged = store.list(
@@ -129,6 +148,9 @@ def affected(store: LineageStore, flt: RecordFilter) -> AffectedReport:
             srun = stage_runs[rel.subject_id]
             report.wandb_runs.append(Tainted(wandb_run, f"logged by {srun.stage} {srun.id}"))
     return report
+
+
+_LATEST = dt.datetime.max.replace(tzinfo=dt.UTC)
 
 
 def _utc(when: dt.datetime) -> dt.datetime:

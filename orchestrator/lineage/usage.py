@@ -122,14 +122,8 @@ def usage(
 
 def _owners(store: LineageStore, attempts: Iterable[Attempt]) -> tuple[dict[str, StageRun], dict[str, PipelineRun]]:
     """The stage runs and pipeline runs of ``attempts``, in two queries."""
-    from sqlmodel import col, select
-
-    stage_ids = {a.stage_run_id for a in attempts if a.stage_run_id}
-    with store.session() as session:
-        stages = {s.id: s for s in session.exec(select(StageRun).where(col(StageRun.id).in_(stage_ids)))}
-        run_ids = {s.pipeline_run_id for s in stages.values() if s.pipeline_run_id}
-        runs = {r.id: r for r in session.exec(select(PipelineRun).where(col(PipelineRun.id).in_(run_ids)))}
-    return stages, runs
+    stages = store.get_many(StageRun, (a.stage_run_id for a in attempts))
+    return stages, store.get_many(PipelineRun, (s.pipeline_run_id for s in stages.values()))
 
 
 def _key(by: str, attempt: Attempt, stage: StageRun | None, run: PipelineRun | None) -> str:

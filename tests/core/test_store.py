@@ -277,3 +277,14 @@ def test_a_log_rewritten_whole_passes_the_chain_but_not_an_anchor_published_befo
     assert "no event #10000" in gone.message
     with pytest.raises(OpenlabError, match="SEQ:HASH"):
         parse_anchor("12:not-a-hash")
+
+
+def test_get_many_reads_records_by_id_in_one_query(store: LineageStore) -> None:
+    """What `job list`, `lineage usage` and `lineage affected` look their owners up with: unknown
+    ids and None (a job of no stage) are left out, not errors."""
+    with store.transaction() as tx:
+        a = tx.add(PipelineRun(recipe="r"))
+        b = tx.add(PipelineRun(recipe="s"))
+    found = store.get_many(PipelineRun, [a.id, None, "prun_nope", b.id, a.id])
+    assert {k: v.recipe for k, v in found.items()} == {a.id: "r", b.id: "s"}
+    assert store.get_many(PipelineRun, [None]) == {}
