@@ -166,8 +166,9 @@ def commit_url(
     return f"https://{host}/{path}/commit/{sha}"
 
 
-#: Triggers a person starts from their own account; the others run as the account serving the flows.
-_BY_HAND = ("terminal", "adopt")
+#: Triggers a person starts from their own account (``prefect``: a flow called in their own Python,
+#: as ``make demo`` does); the others run as the account serving the flows.
+_BY_HAND = ("terminal", "adopt", "prefect")
 
 
 def how_started(run: PipelineRun) -> str | None:

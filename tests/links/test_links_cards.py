@@ -178,6 +178,7 @@ def test_the_changes_name_the_commits_that_changed_a_stages_source() -> None:
     [
         ("terminal", "ada", None, "terminal, by `ada`"),
         ("adopt", "ada", None, "adopt, by `ada`"),
+        ("prefect", "ada", None, "prefect, by `ada`"),  # a flow called in ada's own Python, no deployment
         # Prefect's open-source server has no user: the account is the one serving the flows
         ("ui", "svc", None, "ui, served by `svc`"),
         ("automation", "svc", "re-run on regression", 'automation "re-run on regression", served by `svc`'),
