@@ -14,6 +14,7 @@ and the W&B runs they logged to (the charts and summaries people compared agains
 from __future__ import annotations
 
 import datetime as dt
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,7 +99,7 @@ def affected(store: LineageStore, flt: RecordFilter) -> AffectedReport:
     def visit(node: TraceNode, since: dt.datetime) -> None:
         for child in node.children:
             record = child.record
-            if child.repeated or (isinstance(record, StageRun) and _utc(record.started_at) < since):
+            if child.repeated or _started_before(record, since=since):
                 continue  # expanded elsewhere in this tree; or ran before the bad output existed
             if isinstance(record, StageRun) and since < walked.get(record.id, _LATEST):
                 walked[record.id] = since
@@ -115,7 +116,8 @@ def affected(store: LineageStore, flt: RecordFilter) -> AffectedReport:
         start, since = queue.pop(0)
         if walked.get(start.id, _LATEST) > since:
             walked[start.id] = since
-            visit(trace(store, start.id, direction="down"), since)
+            older = functools.partial(_started_before, since=since)
+            visit(trace(store, start.id, direction="down", prune=older), since)
         reusers = reusers_of.get(start.id)
         if reusers is None:  # a reuser found on the way: not among the first query's
             reusers = store.list(StageRun, where=[col(StageRun.reused_from) == start.id])
@@ -151,6 +153,11 @@ def affected(store: LineageStore, flt: RecordFilter) -> AffectedReport:
 
 
 _LATEST = dt.datetime.max.replace(tzinfo=dt.UTC)
+
+
+def _started_before(record: object, *, since: dt.datetime) -> bool:
+    """A stage run that started before ``since``: it cannot have used what was made then."""
+    return isinstance(record, StageRun) and _utc(record.started_at) < since
 
 
 def _utc(when: dt.datetime) -> dt.datetime:

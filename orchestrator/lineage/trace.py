@@ -20,7 +20,7 @@ used one snapshot) cannot loop or repeat a whole subtree.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -187,8 +187,20 @@ def _hops(session: Session, record: LineageRecord, direction: Direction) -> list
     return out
 
 
-def trace(store: LineageStore, record_id: str, *, direction: Direction = "up", depth: int | None = None) -> TraceNode:
-    """The lineage tree of ``record_id`` (an id or unique prefix) ``depth`` hops deep (None: all of it)."""
+def trace(
+    store: LineageStore,
+    record_id: str,
+    *,
+    direction: Direction = "up",
+    depth: int | None = None,
+    prune: Callable[[LineageRecord], bool] | None = None,
+) -> TraceNode:
+    """The lineage tree of ``record_id`` (an id or unique prefix) ``depth`` hops deep (None: all of it).
+
+    A record ``prune`` says yes to is a leaf: listed, not expanded, and not counted as expanded,
+    so where it is reached again by another way it is expanded there (``lineage affected`` prunes
+    stage runs older than the bad job, whose descendants are not the bad job's).
+    """
     root = TraceNode(store.find(record_id))
     expanded: set[str] = set()
 
@@ -204,7 +216,8 @@ def trace(store: LineageStore, record_id: str, *, direction: Direction = "up", d
         for relation, role, other in hops:
             child = TraceNode(other, relation, role)
             node.children.append(child)
-            grow(session, child, None if left is None else left - 1)
+            if prune is None or not prune(other):
+                grow(session, child, None if left is None else left - 1)
 
     with store.session() as session:  # one session for the whole walk, not one per record
         grow(session, root, depth)

@@ -102,3 +102,40 @@ def test_the_command(run_cli, openlab_home) -> None:
     assert unsaid.returncode == 2 and unsaid.stderr.strip() == (
         "error: say where: --host (a machine) or --cluster; see openlab lineage affected --help"
     )
+
+
+def test_a_stage_reached_first_through_an_older_reader_is_still_followed(store: LineageStore) -> None:
+    """Two jobs on the bad node: pretrain, then an eval of its checkpoint. A stage run that read
+    the same checkpoint content before the bad job (``old``) is left out, and so is what it made;
+    but a stage that used ``old``'s output *and* the bad eval's (``report``) is affected through
+    the eval, however the walk met it first."""
+    with store.transaction() as tx:
+        run = tx.add(PipelineRun(recipe="r", replica="tiny", backend="slurm", started_at=_at(10)))
+
+        def stage(name: str, hours: float) -> StageRun:
+            return tx.add(StageRun(pipeline_run_id=run.id, stage=name, identity=name, started_at=_at(hours)))
+
+        def output(srun: StageRun, name: str) -> Artifact:
+            art = tx.add(Artifact(name=name, uri=f"/{name}", content_hash=name * 8))
+            tx.relate("wasGeneratedBy", art, srun)
+            return art
+
+        pre = stage("pretrain", 10)
+        tx.add(Attempt(stage_run_id=pre.id, backend="slurm", job_id="1", host="n17", submitted_at=_at(10)))
+        ckpt = output(pre, "ckpt")
+        old = stage("old-eval", 5)  # read the same checkpoint content before the bad job existed
+        tx.relate("used", old, ckpt)  # met first: its relation is older
+        old_out = output(old, "oldscores")
+        bad_eval = stage("eval", 11)
+        tx.add(Attempt(stage_run_id=bad_eval.id, backend="slurm", job_id="2", host="n17", submitted_at=_at(11)))
+        tx.relate("used", bad_eval, ckpt)
+        scores = output(bad_eval, "scores")
+        report = stage("report", 12)
+        tx.relate("used", report, old_out)
+        tx.relate("used", report, scores)
+    found = affected(store, RecordFilter.from_options(host="n17"))
+    assert [t.record.id for t in found.made_there] == [pre.id, bad_eval.id]
+    assert {t.record.id for t in found.stage_runs} == {report.id}, "the report used the bad eval's scores"
+    assert old.id not in {t.record.id for t in found.stage_runs} and old_out.id not in {
+        t.record.id for t in found.outputs
+    }
