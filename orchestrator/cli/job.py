@@ -279,16 +279,13 @@ def list_cmd(
     Narrowed as squeue's `-t`, `-u`, `-M` are: `--state pending`, `--user alice`, `--cluster west`,
     and by what openlab knows of each job: `--stage pretrain`, `--recipe`, `--replica`.
     """
-    import dataclasses
-
-    from sqlmodel import col
 
     from orchestrator.cli.output import compact_table, console, narrow, print_json, say
     from orchestrator.launchers import JobState, get_launcher
     from orchestrator.launchers.attempts import handle_from_attempt, lineage_state
     from orchestrator.launchers.base import known_backend
-    from orchestrator.lineage.listing import KNOWN_STATES, RecordFilter, list_records
-    from orchestrator.lineage.models import Attempt, StageRun, utcnow
+    from orchestrator.lineage.listing import KNOWN_STATES, RecordFilter
+    from orchestrator.lineage.models import StageRun, utcnow
     from orchestrator.lineage.store import open_store
 
     backend = [known_backend(b, "--backend") for b in backend or ()]
@@ -301,14 +298,7 @@ def list_cmd(
     rows: list[dict[str, Any]] = []
     launchers: dict[str, Any] = {}
     with open_store() as store:
-        where = [col(Attempt.state).in_(["PENDING", "RUNNING"])]
-        if backend:
-            where.append(col(Attempt.backend).in_(backend))
-        attempts = store.list(Attempt, where=where, order_by=col(Attempt.submitted_at).desc())
-        if flt.given():  # what lineage knows of each job: its stage, its run's recipe and replica, its cluster
-            out_now = dataclasses.replace(flt, state=("PENDING", "RUNNING"))
-            keep = {a.id for a in list_records(store, ["attempt"], out_now, limit=None, strict=True).records}
-            attempts = [a for a in attempts if a.id in keep]
+        attempts = _jobs_out(store, flt, backend)
         stages = store.get_many(StageRun, (a.stage_run_id for a in attempts))
         asked: dict[str, list[tuple[dict[str, Any], Any, Any]]] = {}  # backend -> (row, attempt, handle)
         for attempt in attempts:
@@ -403,6 +393,28 @@ def list_cmd(
             say(f"{row['attempt']}: {row['note']}")
 
 
+def _jobs_out(store: Any, flt: Any, backends: list[str]) -> list[Any]:
+    """The attempts lineage has pending or running, newest first, on ``backends`` (all when empty)
+    and passing ``flt``: what lineage knows of each job (its stage, its run's recipe and replica,
+    its cluster, who submitted it). What `job list` shows and `job cancel --user ...` cancels."""
+    import dataclasses
+
+    from sqlmodel import col
+
+    from orchestrator.lineage.listing import list_records
+    from orchestrator.lineage.models import Attempt
+
+    where = [col(Attempt.state).in_(["PENDING", "RUNNING"])]
+    if backends:
+        where.append(col(Attempt.backend).in_(backends))
+    attempts = store.list(Attempt, where=where, order_by=col(Attempt.submitted_at).desc())
+    if flt.given():
+        out_now = dataclasses.replace(flt, state=("PENDING", "RUNNING"))
+        keep = {a.id for a in list_records(store, ["attempt"], out_now, limit=None, strict=True).records}
+        attempts = [a for a in attempts if a.id in keep]
+    return attempts
+
+
 def _state_cell(row: dict[str, Any]) -> str:
     """``RUNNING``, or for an array ``RUNNING 3/8``: tasks ended of all its tasks."""
     tasks = row.get("tasks")
@@ -449,20 +461,55 @@ def logs_cmd(
 
 @app.command("cancel")
 def cancel_cmd(
-    idents: list[str] = typer.Argument(..., metavar="ID...", help=_ID_HELP + "; several, as scancel takes"),
-    backend: str = typer.Option(None, "--backend", "-b", help="backend, for a job id not in lineage"),
+    idents: list[str] | None = typer.Argument(None, metavar="[ID...]", help=_ID_HELP + "; several, as scancel takes"),
+    backend: str = typer.Option(
+        None, "--backend", "-b", help="backend, for a job id not in lineage; with filters, only its jobs"
+    ),
+    user: str | None = typer.Option(None, "--user", "-u", help="every job out that this account submitted"),
+    stage: list[str] | None = typer.Option(None, "--stage", help="every job out of this stage; repeatable"),
+    recipe: str | None = typer.Option(None, "--recipe", help="every job out of this recipe's pipeline runs"),
+    replica: str | None = typer.Option(None, "--replica", help="every job out of this replica's pipeline runs"),
+    cluster: str | None = typer.Option(None, "--cluster", help="every job out on this cluster"),
+    yes: bool = typer.Option(False, "--yes", "-y", help="cancel what the filters pick without asking"),
 ) -> None:
     """Cancel jobs (and everything each started) and record each in its attempt.
 
     Each ID on its own: one that cannot be found or cancelled is named on stderr and the others
-    are still cancelled; the exit code is then 2.
+    are still cancelled; the exit code is then 2. Or, as `scancel -u ada` does, every job out
+    (pending or running, as `job list` shows them) that `--user`, `--stage`, `--recipe`,
+    `--replica`, `--cluster` and `--backend` pick: listed first, then cancelled once you agree
+    (`--yes` for scripts; without a terminal to ask on, nothing is cancelled without it).
     """
     from orchestrator.cli.output import console, print_error
     from orchestrator.launchers import JobState
+    from orchestrator.launchers.base import known_backend
+    from orchestrator.lineage.listing import RecordFilter
     from orchestrator.lineage.store import open_store
 
+    flt = RecordFilter.from_options(stage=stage, recipe=recipe, replica=replica, cluster=cluster, user=user)
+    if idents and flt.given():
+        raise ConfigError("give job ids or filters (--user, --stage ...), not both")
+    if not idents and not flt.given():
+        raise ConfigError("name the jobs to cancel: ID..., or filters as scancel takes them (--user ada, --stage S)")
     failed = 0
     with open_store() as store:
+        if not idents:
+            picked = [
+                a for a in _jobs_out(store, flt, [known_backend(backend, "--backend")] if backend else []) if a.job_id
+            ]
+            if not picked:
+                console.print("no jobs pending or running that match", markup=False)
+                return
+            console.print(f"{len(picked)} job(s) out that match:", markup=False)
+            for attempt in picked:
+                console.print(
+                    f"  {attempt.id}  {attempt.backend} job {attempt.job_id}  {attempt.user or ''}", markup=False
+                )
+            if not yes:
+                if not sys.stdin.isatty():
+                    raise ConfigError(f"{len(picked)} job(s) match and nothing was cancelled: add --yes to cancel them")
+                typer.confirm(f"cancel these {len(picked)} job(s)?", abort=True)
+            idents, backend = [a.id for a in picked], None
         for ident in idents:
             try:
                 attempt, handle, launcher = _find(store, ident, backend)

@@ -1091,6 +1091,55 @@ def test_job_list_names_what_it_could_not_ask_and_still_lists_the_rest(store: Li
     ], misspelt.stderr
 
 
+def test_job_cancel_by_user_cancels_that_accounts_jobs_out_once_agreed(store: LineageStore) -> None:
+    """`openlab job cancel --user ada`, as `scancel -u ada`: the jobs ada submitted that are out,
+    listed, and cancelled only with --yes when there is no terminal to ask on; bob's run on."""
+    runners = {
+        who: subprocess.Popen(
+            [*CLI, "job", "run", "-q", "--backend", "local", "--", "sleep", "60"],
+            env={**os.environ, "LOGNAME": who},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for who in ("ada", "bob")
+    }
+    try:
+        deadline = time.monotonic() + 30
+        while len(out := [a for a in store.list(Attempt) if a.state == "RUNNING"]) < 2:
+            assert time.monotonic() < deadline, "the two jobs never showed up as RUNNING in lineage"
+            time.sleep(0.2)
+        ada = next(a for a in out if a.user == "ada")
+        bob = next(a for a in out if a.user == "bob")
+
+        asked = cli("job", "cancel", "--user", "ada")  # no terminal here: refused, nothing cancelled
+        assert asked.returncode == 2, asked.stdout + asked.stderr
+        assert f"{ada.id}  local job {ada.job_id}  ada" in asked.stdout and bob.id not in asked.stdout
+        assert asked.stderr.strip() == "error: 1 job(s) match and nothing was cancelled: add --yes to cancel them"
+        assert {a.state for a in store.list(Attempt)} == {"RUNNING"}
+
+        done = cli("job", "cancel", "-u", "ada", "--yes")
+        assert done.returncode == 0, done.stderr
+        assert f"local job {ada.job_id}: CANCELLED" in done.stdout
+        assert runners["ada"].wait(30) == 143
+        assert store.get(Attempt, ada.id).state == "CANCELLED"  # type: ignore[union-attr]
+        assert store.get(Attempt, bob.id).state == "RUNNING"  # type: ignore[union-attr]
+        assert runners["bob"].poll() is None, "bob's job runs on"
+        assert cli("job", "cancel", "-u", "ada", "--yes").stdout == "no jobs pending or running that match\n"
+
+        both = cli("job", "cancel", bob.id, "--user", "bob")
+        assert both.returncode == 2 and both.stderr.strip() == (
+            "error: give job ids or filters (--user, --stage ...), not both"
+        )
+        none = cli("job", "cancel")
+        assert none.returncode == 2 and "name the jobs to cancel" in none.stderr and "Traceback" not in none.stderr
+    finally:  # whatever failed, no job is left running
+        for attempt in store.list(Attempt):
+            if attempt.state in ("PENDING", "RUNNING"):
+                cli("job", "cancel", attempt.id)
+        for runner in runners.values():
+            runner.wait(30)
+
+
 def test_cli_backends_check_json(tmp_path: Path) -> None:
     proc = cli(
         "backends",
