@@ -106,11 +106,12 @@ def run_cli(openlab_home: Path) -> Iterator[object]:
 @pytest.fixture
 def run_cli_tty(openlab_home: Path) -> Iterator[object]:
     """Run ``openlab ARGS`` in a pseudo-terminal, as a person at a terminal does (rich's live
-    displays take that path only); returns (exit code, everything it wrote, escapes stripped)."""
+    displays take that path only); returns (exit code, everything it wrote, escapes stripped).
+    ``answer`` is typed at the terminal, as a person answers a question the command asks."""
     import pty
     import re
 
-    def _run(*args: str, timeout: float = 300) -> tuple[int, str]:
+    def _run(*args: str, timeout: float = 300, answer: str | None = None) -> tuple[int, str]:
         primary, secondary = pty.openpty()
         env = {**os.environ, "COLUMNS": "200", "LINES": "50", "TERM": "xterm-256color"}
         env.pop("NO_COLOR", None)
@@ -124,6 +125,8 @@ def run_cli_tty(openlab_home: Path) -> Iterator[object]:
             close_fds=True,
         )
         os.close(secondary)
+        if answer is not None:  # the terminal holds the line until the command reads it
+            os.write(primary, (answer + "\n").encode())
         chunks: list[bytes] = []
         while True:
             try:

@@ -508,7 +508,9 @@ def cancel_cmd(
             if not yes:
                 if not sys.stdin.isatty():
                     raise ConfigError(f"{len(picked)} job(s) match and nothing was cancelled: add --yes to cancel them")
-                typer.confirm(f"cancel these {len(picked)} job(s)?", abort=True)
+                if not typer.confirm(f"cancel these {len(picked)} job(s)?"):
+                    print_error("nothing was cancelled")
+                    raise typer.Exit(1)
             idents, backend = [a.id for a in picked], None
         for ident in idents:
             try:

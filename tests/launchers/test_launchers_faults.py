@@ -1091,7 +1091,7 @@ def test_job_list_names_what_it_could_not_ask_and_still_lists_the_rest(store: Li
     ], misspelt.stderr
 
 
-def test_job_cancel_by_user_cancels_that_accounts_jobs_out_once_agreed(store: LineageStore) -> None:
+def test_job_cancel_by_user_cancels_that_accounts_jobs_out_once_agreed(store: LineageStore, run_cli_tty) -> None:
     """`openlab job cancel --user ada`, as `scancel -u ada`: the jobs ada submitted that are out,
     listed, and cancelled only with --yes when there is no terminal to ask on; bob's run on."""
     runners = {
@@ -1116,10 +1116,13 @@ def test_job_cancel_by_user_cancels_that_accounts_jobs_out_once_agreed(store: Li
         assert f"{ada.id}  local job {ada.job_id}  ada" in asked.stdout and bob.id not in asked.stdout
         assert asked.stderr.strip() == "error: 1 job(s) match and nothing was cancelled: add --yes to cancel them"
         assert {a.state for a in store.list(Attempt)} == {"RUNNING"}
+        # at a terminal it asks; "no" cancels nothing
+        code, shown = run_cli_tty("job", "cancel", "--user", "ada", answer="n")
+        assert code == 1 and "cancel these 1 job(s)? [y/N]: error: nothing was cancelled" in shown, shown
+        assert {a.state for a in store.list(Attempt)} == {"RUNNING"}
 
-        done = cli("job", "cancel", "-u", "ada", "--yes")
-        assert done.returncode == 0, done.stderr
-        assert f"local job {ada.job_id}: CANCELLED" in done.stdout
+        code, shown = run_cli_tty("job", "cancel", "-u", "ada", answer="y")
+        assert code == 0 and f"local job {ada.job_id}: CANCELLED" in shown, shown
         assert runners["ada"].wait(30) == 143
         assert store.get(Attempt, ada.id).state == "CANCELLED"  # type: ignore[union-attr]
         assert store.get(Attempt, bob.id).state == "RUNNING"  # type: ignore[union-attr]
