@@ -279,6 +279,7 @@ def list_cmd(
     Narrowed as squeue's `-t`, `-u`, `-M` are: `--state pending`, `--user alice`, `--cluster west`,
     and by what openlab knows of each job: `--stage pretrain`, `--recipe`, `--replica`.
     """
+    from collections import Counter
 
     from orchestrator.cli.output import compact_table, console, narrow, print_json, say
     from orchestrator.launchers import JobState, get_launcher
@@ -343,10 +344,7 @@ def list_cmd(
                 if status.state is JobState.PENDING:  # why it waits: Priority, Resources, JobHeldUser...
                     row["reason"] = status.reason
                 if status.tasks:  # a Slurm array: how far along its tasks are, where squeue prints a line each
-                    by_state: dict[str, int] = {}
-                    for task in status.tasks.values():
-                        by_state[lineage_state(task.state)] = by_state.get(lineage_state(task.state), 0) + 1
-                    row["tasks"] = by_state
+                    row["tasks"] = dict(Counter(lineage_state(task.state) for task in status.tasks.values()))
                 if status.state.terminal:
                     row["note"] = f"ended; recorded now{': ' + status.reason if status.reason else ''}"
     if wanted_states:  # the state the backend gave now, not the one lineage had
@@ -399,20 +397,11 @@ def _jobs_out(store: Any, flt: Any, backends: list[str]) -> list[Any]:
     its cluster, who submitted it). What `job list` shows and `job cancel --user ...` cancels."""
     import dataclasses
 
-    from sqlmodel import col
-
     from orchestrator.lineage.listing import list_records
-    from orchestrator.lineage.models import Attempt
 
-    where = [col(Attempt.state).in_(["PENDING", "RUNNING"])]
-    if backends:
-        where.append(col(Attempt.backend).in_(backends))
-    attempts = store.list(Attempt, where=where, order_by=col(Attempt.submitted_at).desc())
-    if flt.given():
-        out_now = dataclasses.replace(flt, state=("PENDING", "RUNNING"))
-        keep = {a.id for a in list_records(store, ["attempt"], out_now, limit=None, strict=True).records}
-        attempts = [a for a in attempts if a.id in keep]
-    return attempts
+    out_now = dataclasses.replace(flt, state=("PENDING", "RUNNING"))
+    attempts = list_records(store, ["attempt"], out_now, limit=None, strict=True).records
+    return [a for a in attempts if not backends or a.backend in backends]  # --backend repeats; the filter takes one
 
 
 def _state_cell(row: dict[str, Any]) -> str:
