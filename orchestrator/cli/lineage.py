@@ -273,9 +273,9 @@ def trace_cmd(
 
     def label(node: TraceNode) -> str:
         how = f"[dim]{node.relation}{f' ({node.role})' if node.role else ''}[/] " if node.relation else ""
+        if node.repeated:  # its id finds the first line, which says what it is: the tree stays readable
+            return f"{how}[bold]{node.kind}[/] {node.id} [dim](shown above)[/]"
         text = f"{how}[bold]{node.kind}[/] {node.id} {escape(describe(node.record))}"
-        if node.repeated:
-            text += " [dim](shown above)[/]"
         if node.truncated:
             text += " [dim]…[/]"
         return text

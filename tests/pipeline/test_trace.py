@@ -68,7 +68,10 @@ def test_trace_up_from_the_last_output_reaches_every_stage_its_jobs_data_and_com
     human = run_cli("lineage", "trace", artifact_id[:12])
     assert human.returncode == 0, human.stderr
     assert f"wasGeneratedBy stage_run {count.id} count COMPLETED" in human.stdout
-    assert "(shown above)" in human.stdout
+    repeats = [line for line in human.stdout.splitlines() if line.endswith("(shown above)")]
+    assert repeats, "a record met twice is expanded once"
+    commit_line = f"commit {commits[0]['id']} (shown above)"  # the id, not the commit's message again
+    assert any(line.endswith(commit_line) for line in repeats), repeats
 
 
 def test_trace_down_from_the_data_reaches_everything_made_from_it(run_cli, recorded) -> None:
