@@ -279,74 +279,17 @@ def list_cmd(
     Narrowed as squeue's `-t`, `-u`, `-M` are: `--state pending`, `--user alice`, `--cluster west`,
     and by what openlab knows of each job: `--stage pretrain`, `--recipe`, `--replica`.
     """
-    from collections import Counter
-
     from orchestrator.cli.output import compact_table, console, narrow, print_json, say
-    from orchestrator.launchers import JobState, get_launcher
-    from orchestrator.launchers.attempts import handle_from_attempt, lineage_state
     from orchestrator.launchers.base import known_backend
-    from orchestrator.lineage.listing import KNOWN_STATES, RecordFilter
-    from orchestrator.lineage.models import StageRun, utcnow
+    from orchestrator.lineage.listing import RecordFilter
+    from orchestrator.lineage.models import utcnow
     from orchestrator.lineage.store import open_store
 
     backend = [known_backend(b, "--backend") for b in backend or ()]
-    wanted_states = {s.strip().upper() for s in state or ()}
-    for name in wanted_states - {"PENDING", "RUNNING"}:  # an ended job is not out: lineage list has those
-        hint = choices(name.lower(), ["pending", "running"], label="states of a job out")
-        ended = f" (ended jobs: openlab lineage list --kind attempt --state {name})" if name in KNOWN_STATES else ""
-        raise ConfigError(f"--state {name.lower()!r}: {hint}{ended}")
+    wanted_states = _states_out(state)
     flt = RecordFilter.from_options(stage=stage, recipe=recipe, replica=replica, cluster=cluster, user=user)
-    rows: list[dict[str, Any]] = []
-    launchers: dict[str, Any] = {}
     with open_store() as store:
-        attempts = _jobs_out(store, flt, backend)
-        stages = store.get_many(StageRun, (a.stage_run_id for a in attempts))
-        asked: dict[str, list[tuple[dict[str, Any], Any, Any]]] = {}  # backend -> (row, attempt, handle)
-        for attempt in attempts:
-            srun = stages.get(attempt.stage_run_id or "")
-            row: dict[str, Any] = {
-                "attempt": attempt.id,
-                "backend": attempt.backend,
-                "cluster": attempt.cluster,
-                "job_id": attempt.job_id,
-                "user": attempt.user,
-                "stage": srun.stage if srun else None,
-                "pipeline_run": srun.pipeline_run_id if srun else None,
-                "state": attempt.state,
-                "host": attempt.host,
-                "submitted_at": attempt.submitted_at,
-                "reason": None,
-                "tasks": None,
-                "note": None,
-            }
-            rows.append(row)
-            if not attempt.job_id:  # recorded before its submission returned a job id
-                row["note"] = "no job id yet: being submitted, or its submitter died before the backend answered"
-                continue
-            try:
-                if attempt.backend not in launchers:
-                    launchers[attempt.backend] = get_launcher(attempt.backend)
-                handle = handle_from_attempt(attempt, launchers[attempt.backend])
-            except Exception as exc:  # noqa: BLE001 - one unreachable backend must not hide the others' jobs
-                row["note"] = _not_asked(exc)
-                continue
-            asked.setdefault(attempt.backend, []).append((row, attempt, handle))
-        for name, jobs in asked.items():  # one question per backend where it can take many jobs at once
-            for (row, attempt, _handle), status in zip(
-                jobs, launchers[name].statuses([h for _, _, h in jobs]), strict=True
-            ):
-                if isinstance(status, Exception):
-                    row["note"] = _not_asked(status)
-                    continue
-                _refresh(store, attempt, status)
-                row["state"] = lineage_state(status.state)
-                row["host"] = status.host or attempt.host
-                if status.state is JobState.PENDING:  # why it waits: Priority, Resources, JobHeldUser...
-                    row["reason"] = status.reason
-                if status.tasks:  # a Slurm array: how far along its tasks are, where squeue prints a line each
-                    row["tasks"] = dict(Counter(lineage_state(task.state) for task in status.tasks.values()))
-                if status.state.terminal:
-                    row["note"] = f"ended; recorded now{': ' + status.reason if status.reason else ''}"
+        rows = _ask_backends(store, _jobs_out(store, flt, backend))
     if wanted_states:  # the state the backend gave now, not the one lineage had
         rows = [row for row in rows if row["state"] in wanted_states]
     if as_json:
@@ -404,6 +347,81 @@ def _jobs_out(store: Any, flt: Any, backends: list[str]) -> list[Any]:
     return [a for a in attempts if not backends or a.backend in backends]  # --backend repeats; the filter takes one
 
 
+def _states_out(given: list[str] | None) -> set[str]:
+    """``--state pending`` as squeue's ``-t``: the states a job out can be in, upper-case; empty
+    when none is given. Anything else is one line (an ended state: where those are listed)."""
+    from orchestrator.lineage.listing import KNOWN_STATES
+
+    wanted = {s.strip().upper() for s in given or ()}
+    for name in wanted - {"PENDING", "RUNNING"}:  # an ended job is not out: lineage list has those
+        hint = choices(name.lower(), ["pending", "running"], label="states of a job out")
+        ended = f" (ended jobs: openlab lineage list --kind attempt --state {name})" if name in KNOWN_STATES else ""
+        raise ConfigError(f"--state {name.lower()!r}: {hint}{ended}")
+    return wanted
+
+
+def _ask_backends(store: Any, attempts: list[Any]) -> list[dict[str, Any]]:
+    """A row per attempt out with what its backend says of the job now (one question per backend
+    where it can take many jobs at once), each ended job recorded as ended; a backend that cannot
+    be asked leaves lineage's state and a note. What `job list` prints and `job cancel` picks from."""
+    from collections import Counter
+
+    from orchestrator.launchers import JobState, get_launcher
+    from orchestrator.launchers.attempts import handle_from_attempt, lineage_state
+    from orchestrator.lineage.models import StageRun
+
+    rows: list[dict[str, Any]] = []
+    launchers: dict[str, Any] = {}
+    stages = store.get_many(StageRun, (a.stage_run_id for a in attempts))
+    asked: dict[str, list[tuple[dict[str, Any], Any, Any]]] = {}  # backend -> (row, attempt, handle)
+    for attempt in attempts:
+        srun = stages.get(attempt.stage_run_id or "")
+        row: dict[str, Any] = {
+            "attempt": attempt.id,
+            "backend": attempt.backend,
+            "cluster": attempt.cluster,
+            "job_id": attempt.job_id,
+            "user": attempt.user,
+            "stage": srun.stage if srun else None,
+            "pipeline_run": srun.pipeline_run_id if srun else None,
+            "state": attempt.state,
+            "host": attempt.host,
+            "submitted_at": attempt.submitted_at,
+            "reason": None,
+            "tasks": None,
+            "note": None,
+        }
+        rows.append(row)
+        if not attempt.job_id:  # recorded before its submission returned a job id
+            row["note"] = "no job id yet: being submitted, or its submitter died before the backend answered"
+            continue
+        try:
+            if attempt.backend not in launchers:
+                launchers[attempt.backend] = get_launcher(attempt.backend)
+            handle = handle_from_attempt(attempt, launchers[attempt.backend])
+        except Exception as exc:  # noqa: BLE001 - one unreachable backend must not hide the others' jobs
+            row["note"] = _not_asked(exc)
+            continue
+        asked.setdefault(attempt.backend, []).append((row, attempt, handle))
+    for name, jobs in asked.items():
+        for (row, attempt, _handle), status in zip(
+            jobs, launchers[name].statuses([h for _, _, h in jobs]), strict=True
+        ):
+            if isinstance(status, Exception):
+                row["note"] = _not_asked(status)
+                continue
+            _refresh(store, attempt, status)
+            row["state"] = lineage_state(status.state)
+            row["host"] = status.host or attempt.host
+            if status.state is JobState.PENDING:  # why it waits: Priority, Resources, JobHeldUser...
+                row["reason"] = status.reason
+            if status.tasks:  # a Slurm array: how far along its tasks are, where squeue prints a line each
+                row["tasks"] = dict(Counter(lineage_state(task.state) for task in status.tasks.values()))
+            if status.state.terminal:
+                row["note"] = f"ended; recorded now{': ' + status.reason if status.reason else ''}"
+    return rows
+
+
 def _state_cell(row: dict[str, Any]) -> str:
     """``RUNNING``, or for an array ``RUNNING 3/8``: tasks ended of all its tasks."""
     tasks = row.get("tasks")
@@ -459,6 +477,9 @@ def cancel_cmd(
     recipe: str | None = typer.Option(None, "--recipe", help="every job out of this recipe's pipeline runs"),
     replica: str | None = typer.Option(None, "--replica", help="every job out of this replica's pipeline runs"),
     cluster: str | None = typer.Option(None, "--cluster", help="every job out on this cluster"),
+    state: list[str] | None = typer.Option(
+        None, "--state", "-t", help="every job the backend says is in this state now: pending or running"
+    ),
     yes: bool = typer.Option(False, "--yes", "-y", help="cancel what the filters pick without asking"),
 ) -> None:
     """Cancel jobs (and everything each started) and record each in its attempt.
@@ -466,8 +487,11 @@ def cancel_cmd(
     Each ID on its own: one that cannot be found or cancelled is named on stderr and the others
     are still cancelled; the exit code is then 2. Or, as `scancel -u ada` does, every job out
     (pending or running, as `job list` shows them) that `--user`, `--stage`, `--recipe`,
-    `--replica`, `--cluster` and `--backend` pick: listed first, then cancelled once you agree
-    (`--yes` for scripts; without a terminal to ask on, nothing is cancelled without it).
+    `--replica`, `--cluster`, `--backend` and `--state` pick: each asked of its backend first, as
+    `job list` does, so one that has ended is recorded and left out, and `--state pending` (scancel's
+    `-t`) leaves a job that has started since lineage last heard alone. They are listed, then
+    cancelled once you agree (`--yes` for scripts; without a terminal to ask on, nothing is
+    cancelled without it).
     """
     from orchestrator.cli.output import console, print_error
     from orchestrator.launchers import JobState
@@ -476,23 +500,25 @@ def cancel_cmd(
     from orchestrator.lineage.store import open_store
 
     flt = RecordFilter.from_options(stage=stage, recipe=recipe, replica=replica, cluster=cluster, user=user)
-    if idents and flt.given():
+    wanted_states = _states_out(state)
+    if idents and (flt.given() or wanted_states):
         raise ConfigError("give job ids or filters (--user, --stage ...), not both")
-    if not idents and not flt.given():
+    if not idents and not (flt.given() or wanted_states):
         raise ConfigError("name the jobs to cancel: ID..., or filters as scancel takes them (--user ada, --stage S)")
     failed = 0
     with open_store() as store:
         if not idents:
-            picked = [
-                a for a in _jobs_out(store, flt, [known_backend(backend, "--backend")] if backend else []) if a.job_id
-            ]
+            rows = _ask_backends(store, _jobs_out(store, flt, [known_backend(backend, "--backend")] if backend else []))
+            picked = [r for r in rows if r["job_id"] and r["state"] in (wanted_states or {"PENDING", "RUNNING"})]
             if not picked:
                 console.print("no jobs pending or running that match", markup=False)
                 return
             console.print(f"{len(picked)} job(s) out that match:", markup=False)
-            for attempt in picked:
+            for row in picked:
                 console.print(
-                    f"  {attempt.id}  {attempt.backend} job {attempt.job_id}  {attempt.user or ''}", markup=False
+                    f"  {row['attempt']}  {row['backend']} job {row['job_id']}  {row['state']}"
+                    f"  {row['stage'] or '-'}  {row['user'] or '-'}",
+                    markup=False,
                 )
             if not yes:
                 if not sys.stdin.isatty():
@@ -500,7 +526,7 @@ def cancel_cmd(
                 if not typer.confirm(f"cancel these {len(picked)} job(s)?"):
                     print_error("nothing was cancelled")
                     raise typer.Exit(1)
-            idents, backend = [a.id for a in picked], None
+            idents, backend = [row["attempt"] for row in picked], None
         for ident in idents:
             try:
                 attempt, handle, launcher = _find(store, ident, backend)

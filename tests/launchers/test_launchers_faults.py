@@ -941,6 +941,10 @@ def test_slurm_statuses_ask_squeue_once_and_answer_as_status_does(slurm_harness:
             args: [r["attempt"] for r in json.loads(cli("job", "list", "--json", *args).stdout)]
             for args in (("--state", "pending"), ("-t", "running"), ("--stage", "eval"), ("--cluster", "elsewhere"))
         }
+        # scancel -t PENDING: the held job goes, the running one (PENDING in lineage until asked) stays
+        cancel_pending = cli("job", "cancel", "--state", "pending", "--yes")
+        running_after = launcher.status(running).state
+        held_after = store.get(Attempt, out[1].id)
         # an array out: one line with how far its tasks are, where squeue prints a line per task
         shards = launcher.submit(JobSpec(name="statuses-shards", command=["sleep", "60"], options={"array": "0-2"}))
         handles.append(shards)
@@ -973,6 +977,13 @@ def test_slurm_statuses_ask_squeue_once_and_answer_as_status_does(slurm_harness:
     assert re.search(rf"^{out[0].id} +slurm +{running.job_id} +RUNNING +{found[0].host} ", table, re.M), table
     assert sum(array_row["tasks"].values()) == 3 and set(array_row["tasks"]) <= {"RUNNING", "PENDING"}, array_row
     assert re.search(rf"^{sharded.id} +slurm +{shards.job_id} +(RUNNING|PENDING) 0/3 ", array_table, re.M), array_table
+    assert cancel_pending.returncode == 0, cancel_pending.stderr
+    assert cancel_pending.stdout.splitlines() == [
+        "1 job(s) out that match:",
+        f"  {out[1].id}  slurm job {held.job_id}  PENDING  eval  -",
+        f"slurm job {held.job_id}: CANCELLED",
+    ], cancel_pending.stdout
+    assert running_after is JobState.RUNNING and held_after.state == "CANCELLED"  # type: ignore[union-attr]
     assert narrowed == {
         ("--state", "pending"): [out[1].id],  # the state squeue gives now; lineage said PENDING for both
         ("-t", "running"): [out[0].id],
@@ -1113,7 +1124,7 @@ def test_job_cancel_by_user_cancels_that_accounts_jobs_out_once_agreed(store: Li
 
         asked = cli("job", "cancel", "--user", "ada")  # no terminal here: refused, nothing cancelled
         assert asked.returncode == 2, asked.stdout + asked.stderr
-        assert f"{ada.id}  local job {ada.job_id}  ada" in asked.stdout and bob.id not in asked.stdout
+        assert f"{ada.id}  local job {ada.job_id}  RUNNING  -  ada" in asked.stdout and bob.id not in asked.stdout
         assert asked.stderr.strip() == "error: 1 job(s) match and nothing was cancelled: add --yes to cancel them"
         assert {a.state for a in store.list(Attempt)} == {"RUNNING"}
         # at a terminal it asks; "no" cancels nothing
@@ -1133,6 +1144,9 @@ def test_job_cancel_by_user_cancels_that_accounts_jobs_out_once_agreed(store: Li
         assert both.returncode == 2 and both.stderr.strip() == (
             "error: give job ids or filters (--user, --stage ...), not both"
         )
+        ended = cli("job", "cancel", "-t", "completed", "--yes")  # scancel -t takes only states a job out has
+        assert ended.returncode == 2 and ended.stderr.startswith("error: --state 'completed': "), ended.stderr
+        assert "Traceback" not in ended.stderr and runners["bob"].poll() is None
         none = cli("job", "cancel")
         assert none.returncode == 2 and "name the jobs to cancel" in none.stderr and "Traceback" not in none.stderr
     finally:  # whatever failed, no job is left running
