@@ -22,8 +22,8 @@ from sqlmodel import col
 
 from orchestrator.lineage.listing import RecordFilter, list_records
 from orchestrator.lineage.models import Artifact, Attempt, PipelineRun, Relation, StageRun, WandbRun
-from orchestrator.lineage.store import LineageStore
-from orchestrator.lineage.trace import TraceNode, trace
+from orchestrator.lineage.store import LineageStore, in_chunks
+from orchestrator.lineage.trace import Hops, TraceNode, trace
 
 
 @dataclass
@@ -78,8 +78,9 @@ def affected(store: LineageStore, flt: RecordFilter) -> AffectedReport:
     # a bad node may have run thousands of jobs.
     sources = store.get_many(StageRun, (job.stage_run_id for job in jobs))
     reusers_of: dict[str, list[StageRun]] = {source_id: [] for source_id in sources}
-    for reuser in store.list(StageRun, where=[col(StageRun.reused_from).in_(list(sources))]):
-        reusers_of[reuser.reused_from or ""].append(reuser)
+    for chunk in in_chunks(sources):
+        for reuser in store.list(StageRun, where=[col(StageRun.reused_from).in_(chunk)]):
+            reusers_of[reuser.reused_from or ""].append(reuser)
     for job in sorted(jobs, key=lambda a: _utc(a.submitted_at)):
         source = sources.get(job.stage_run_id or "")
         if source is None or source.id in seen:
@@ -95,6 +96,12 @@ def affected(store: LineageStore, flt: RecordFilter) -> AffectedReport:
     # walk with an earlier `since` keeps at least as much, so a source walked so needs no trace of
     # its own: a nightly's six stages on one bad node are one walk, not six overlapping ones.
     walked: dict[str, dt.datetime] = {}
+    # Everything below the sources read in one walk, a level at a time (a few queries a level, not a
+    # few a record), below the earliest `since`: each source's own walk then prunes more, never less.
+    below = Hops("down")
+    if queue:
+        earliest = min(since for _, since in queue)
+        below.read(store, [source for source, _ in queue], prune=functools.partial(_started_before, since=earliest))
 
     def visit(node: TraceNode, since: dt.datetime) -> None:
         for child in node.children:
@@ -117,7 +124,7 @@ def affected(store: LineageStore, flt: RecordFilter) -> AffectedReport:
         if walked.get(start.id, _LATEST) > since:
             walked[start.id] = since
             older = functools.partial(_started_before, since=since)
-            visit(trace(store, start.id, direction="down", prune=older), since)
+            visit(trace(store, start.id, direction="down", prune=older, hops=below), since)
         reusers = reusers_of.get(start.id)
         if reusers is None:  # a reuser found on the way: not among the first query's
             reusers = store.list(StageRun, where=[col(StageRun.reused_from) == start.id])
@@ -134,17 +141,22 @@ def affected(store: LineageStore, flt: RecordFilter) -> AffectedReport:
             run = runs.get(srun.pipeline_run_id)
             if run is not None:
                 report.pipeline_runs.append(Tainted(run, f"has {srun.stage} {srun.id}"))
-    logged = store.list(
-        Relation,
-        where=[
-            col(Relation.subject_id).in_(list(stage_runs)),
-            Relation.relation == "wasAssociatedWith",
-            Relation.object_kind == WandbRun.kind,
-        ],
-    )
+    logged = [
+        rel
+        for chunk in in_chunks(stage_runs)
+        for rel in store.list(
+            Relation,
+            where=[
+                col(Relation.subject_id).in_(chunk),
+                Relation.relation == "wasAssociatedWith",
+                Relation.object_kind == WandbRun.kind,
+            ],
+        )
+    ]
     found_at = {srun_id: i for i, srun_id in enumerate(stage_runs)}
+    wandb_runs = store.get_many(WandbRun, (rel.object_id for rel in logged))
     for rel in sorted(logged, key=lambda r: found_at[r.subject_id]):  # in the order the stage runs were found
-        wandb_run = store.get(WandbRun, rel.object_id)
+        wandb_run = wandb_runs.get(rel.object_id)
         if wandb_run is not None and wandb_run.id not in seen:
             seen.add(wandb_run.id)
             srun = stage_runs[rel.subject_id]

@@ -55,6 +55,22 @@ _PG_CHAIN_LOCK = 0x6F70656E6C6162  # "openlab"
 
 R = TypeVar("R", bound=LineageRecord)
 
+#: Ids per ``IN (...)`` list: PostgreSQL takes at most 65,535 bound parameters a statement and
+#: SQLite builds from 32,766 up, and a bad cluster's jobs over a year can be more.
+IN_CHUNK = 500
+
+
+def in_chunks(ids: Iterable[str]) -> Iterator[list[str]]:
+    """``ids`` in lists short enough for one ``IN (...)`` each."""
+    batch: list[str] = []
+    for one in ids:
+        batch.append(one)
+        if len(batch) == IN_CHUNK:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
 
 def record_payload(record: SQLModel) -> dict[str, Any]:
     """The canonical content of a record, as hashed into its events."""
@@ -364,10 +380,10 @@ class LineageStore:
         """The records of ``model`` with these ids (None and unknown ids left out), by id, in one
         query: what a command that looked up one record at a time for thousands of jobs needs."""
         ids = sorted({i for i in record_ids if i})
-        if not ids:
-            return {}
-        found = self.list(model, where=[col(model.id).in_(ids)])  # type: ignore[attr-defined]
-        return {r.id: r for r in found}  # type: ignore[attr-defined]
+        found: dict[str, R] = {}
+        for chunk in in_chunks(ids):
+            found |= {r.id: r for r in self.list(model, where=[col(model.id).in_(chunk)])}  # type: ignore[attr-defined]
+        return found
 
     def require(self, model: type[R], record_id: str) -> R:
         found = self.get(model, record_id)

@@ -27,7 +27,7 @@ from typing import Any, Literal
 from sqlmodel import Session, col, select
 
 from orchestrator.lineage.models import RECORD_TYPES, Attempt, LineageRecord, PipelineRun, Relation, StageRun, WandbRun
-from orchestrator.lineage.store import LineageStore
+from orchestrator.lineage.store import LineageStore, in_chunks
 
 Direction = Literal["up", "down"]
 
@@ -128,63 +128,143 @@ class TraceNode:
 Hop = tuple[str, str, "LineageRecord | tuple[str, str]"]  # (relation, role, record or (kind, id) to load)
 
 
-def _hops(session: Session, record: LineageRecord, direction: Direction) -> list[tuple[str, str, LineageRecord]]:
-    """(relation, role, record) one hop away, relations first in the order they were recorded.
+def _hops(
+    session: Session, records: list[LineageRecord], direction: Direction
+) -> dict[str, list[tuple[str, str, LineageRecord]]]:
+    """Per record, (relation, role, record) one hop away, relations first in the order they were
+    recorded.
 
-    One query for the relations, one per kind for the records they name, one for a stage run's
-    attempts: a node costs a handful of indexed queries whatever the store's size.
+    For a whole level of the walk at once: one query for the relations, one per kind for the
+    records they name, one for the stage runs' attempts (or a pipeline run's stage runs), each over
+    every record of the level. A walk costs a handful of indexed queries a level, not a record.
     """
-    rid = record.id  # type: ignore[attr-defined]
-    rels = session.exec(
-        select(Relation)
-        .where((Relation.subject_id == rid) | (Relation.object_id == rid))
-        .order_by(col(Relation.created_at))
-    ).all()
-    hops: list[Hop] = []
-    for rel in rels:
-        if rel.role in SKIPPED_ROLES:
-            continue
-        if direction == "up" and rel.subject_id == rid:
-            hops.append((rel.relation, rel.role, (rel.object_kind, rel.object_id)))
-        elif direction == "down" and rel.object_id == rid:
-            hops.append((rel.relation, rel.role, (rel.subject_kind, rel.subject_id)))
-    if isinstance(record, WandbRun) and direction == "up":
-        # A W&B run is a record *of* the stage job that logged to it: its provenance is that stage's.
-        hops += [
-            ("recordOf", "", (rel.subject_kind, rel.subject_id))
-            for rel in rels
-            if rel.object_id == rid and rel.relation == "wasAssociatedWith" and rel.subject_kind == StageRun.kind
-        ]
-    if isinstance(record, StageRun) and direction == "up":
-        attempts = session.exec(select(Attempt).where(Attempt.stage_run_id == rid).order_by(col(Attempt.number)))
-        hops += [("ranAs", "job", a) for a in attempts]
-        if record.pipeline_run_id:
-            hops.append(("partOf", "pipeline", (PipelineRun.kind, record.pipeline_run_id)))
-    elif isinstance(record, PipelineRun) and direction == "down":
-        stages = session.exec(
-            select(StageRun).where(StageRun.pipeline_run_id == rid).order_by(col(StageRun.started_at))
+    ids = [r.id for r in records]  # type: ignore[attr-defined]
+    rels_of: dict[str, list[Relation]] = {rid: [] for rid in ids}
+    for chunk in in_chunks(ids):
+        here = set(chunk)
+        query = (
+            select(Relation)
+            .where(col(Relation.subject_id).in_(chunk) | col(Relation.object_id).in_(chunk))
+            .order_by(col(Relation.created_at))
         )
-        hops += [("hasPart", "stage", s) for s in stages]
+        for rel in session.exec(query):
+            for rid in {rel.subject_id, rel.object_id} & here:  # a relation between two of them: for each
+                rels_of[rid].append(rel)
+    extra: dict[str, list[Hop]] = {rid: [] for rid in ids}  # the links that are columns, not relations
+    stage_ids = [r.id for r in records if isinstance(r, StageRun)]
+    if direction == "up" and stage_ids:
+        for chunk in in_chunks(stage_ids):
+            query = select(Attempt).where(col(Attempt.stage_run_id).in_(chunk)).order_by(col(Attempt.number))
+            for attempt in session.exec(query):
+                extra[attempt.stage_run_id or ""].append(("ranAs", "job", attempt))
+    run_ids = [r.id for r in records if isinstance(r, PipelineRun)]
+    if direction == "down" and run_ids:
+        for chunk in in_chunks(run_ids):
+            query = select(StageRun).where(col(StageRun.pipeline_run_id).in_(chunk)).order_by(col(StageRun.started_at))
+            for srun in session.exec(query):
+                extra[srun.pipeline_run_id or ""].append(("hasPart", "stage", srun))
+
+    hops_of: dict[str, list[Hop]] = {}
+    for record in records:
+        rid = record.id  # type: ignore[attr-defined]
+        rels = rels_of[rid]
+        hops: list[Hop] = []
+        for rel in rels:
+            if rel.role in SKIPPED_ROLES:
+                continue
+            if direction == "up" and rel.subject_id == rid:
+                hops.append((rel.relation, rel.role, (rel.object_kind, rel.object_id)))
+            elif direction == "down" and rel.object_id == rid:
+                hops.append((rel.relation, rel.role, (rel.subject_kind, rel.subject_id)))
+        if isinstance(record, WandbRun) and direction == "up":
+            # A W&B run is a record *of* the stage job that logged to it: its provenance is that stage's.
+            hops += [
+                ("recordOf", "", (rel.subject_kind, rel.subject_id))
+                for rel in rels
+                if rel.object_id == rid and rel.relation == "wasAssociatedWith" and rel.subject_kind == StageRun.kind
+            ]
+        hops += extra[rid]
+        if isinstance(record, StageRun) and direction == "up" and record.pipeline_run_id:
+            hops.append(("partOf", "pipeline", (PipelineRun.kind, record.pipeline_run_id)))
+        hops_of[rid] = hops
 
     wanted: dict[str, set[str]] = {}
-    for _, _, target in hops:
-        if isinstance(target, tuple) and target[0] in RECORD_TYPES:
-            wanted.setdefault(target[0], set()).add(target[1])
+    for hops in hops_of.values():
+        for _, _, target in hops:
+            if isinstance(target, tuple) and target[0] in RECORD_TYPES:
+                wanted.setdefault(target[0], set()).add(target[1])
     loaded: dict[tuple[str, str], LineageRecord] = {}
-    for kind, ids in wanted.items():
+    for kind, kind_ids in wanted.items():
         model = RECORD_TYPES[kind]
-        for found in session.exec(select(model).where(col(model.id).in_(ids))):  # type: ignore[attr-defined]
-            loaded[(kind, found.id)] = found  # type: ignore[attr-defined]
-    out: list[tuple[str, str, LineageRecord]] = []
-    for relation, role, target in hops:
-        if isinstance(target, tuple):
-            # A relation to a record this store no longer has is left out: `lineage verify` reports it.
-            found = loaded.get(target)
-            if found is None:
-                continue
-            target = found
-        out.append((relation, role, target))
+        for chunk in in_chunks(sorted(kind_ids)):
+            for found in session.exec(select(model).where(col(model.id).in_(chunk))):  # type: ignore[attr-defined]
+                loaded[(kind, found.id)] = found  # type: ignore[attr-defined]
+    out: dict[str, list[tuple[str, str, LineageRecord]]] = {}
+    for rid, hops in hops_of.items():
+        resolved: list[tuple[str, str, LineageRecord]] = []
+        for relation, role, target in hops:
+            if isinstance(target, tuple):
+                # A relation to a record this store no longer has is left out: `lineage verify` reports it.
+                found = loaded.get(target)
+                if found is None:
+                    continue
+                target = found
+            resolved.append((relation, role, target))
+        out[rid] = resolved
     return out
+
+
+@dataclass
+class Hops:
+    """The hops read so far for walks in one direction, kept so several traces share them:
+    ``lineage affected`` walks down from every stage run a bad node touched, and reads them all
+    in one walk (:meth:`read`) instead of a walk each."""
+
+    direction: Direction
+    of: dict[str, list[tuple[str, str, LineageRecord]]] = field(default_factory=dict)
+
+    def read(
+        self,
+        store: LineageStore,
+        roots: list[LineageRecord],
+        *,
+        prune: Callable[[LineageRecord], bool] | None = None,
+    ) -> None:
+        """Read the hops of everything below ``roots`` (not below a record ``prune`` says yes to)."""
+        with store.session() as session:
+            _reach(session, roots, self.direction, None, prune, self.of)
+
+
+def _reach(
+    session: Session,
+    roots: list[LineageRecord],
+    direction: Direction,
+    depth: int | None,
+    prune: Callable[[LineageRecord], bool] | None,
+    hops_of: dict[str, list[tuple[str, str, LineageRecord]]],
+) -> None:
+    """Add to ``hops_of`` the hops of every record a tree from ``roots`` will expand: breadth
+    first, a level at a time, down to ``depth`` hops (whose hops are read too: they say whether
+    the tree goes on), never below a record ``prune`` says yes to. A record the tree expands at
+    depth k is at most k hops from its root, so it is there; one already there is not read again."""
+    level = {r.id: r for r in roots}  # type: ignore[attr-defined]
+    visited = set(level)  # this walk's: a record read by an earlier walk is not read again, but walked
+    distance = 0
+    while level:
+        missing = [r for rid, r in level.items() if rid not in hops_of]
+        if missing:
+            hops_of |= _hops(session, missing, direction)
+        if depth is not None and distance >= depth:
+            return
+        following: dict[str, LineageRecord] = {}
+        for rid in level:
+            for _, _, other in hops_of[rid]:
+                oid = other.id  # type: ignore[attr-defined]
+                if oid not in visited and not (prune is not None and prune(other)):
+                    visited.add(oid)
+                    following[oid] = other
+        level = following
+        distance += 1
 
 
 def trace(
@@ -194,22 +274,30 @@ def trace(
     direction: Direction = "up",
     depth: int | None = None,
     prune: Callable[[LineageRecord], bool] | None = None,
+    hops: Hops | None = None,
 ) -> TraceNode:
     """The lineage tree of ``record_id`` (an id or unique prefix) ``depth`` hops deep (None: all of it).
 
     A record ``prune`` says yes to is a leaf: listed, not expanded, and not counted as expanded,
     so where it is reached again by another way it is expanded there (``lineage affected`` prunes
     stage runs older than the bad job, whose descendants are not the bad job's).
+
+    The records are read level by level first (:func:`_reach`), then the tree is built depth
+    first from what was read, each record expanded where the walk first meets it. ``hops`` (read
+    the same ``direction``) holds what earlier walks read, so this one reads only what they did not.
     """
     root = TraceNode(store.find(record_id))
+    if hops is not None and hops.direction != direction:
+        raise ValueError(f"hops read {hops.direction} cannot serve a walk {direction}")
+    hops_of = hops.of if hops is not None else {}
     expanded: set[str] = set()
 
-    def grow(session: Session, node: TraceNode, left: int | None) -> None:
+    def grow(node: TraceNode, left: int | None) -> None:
         if node.id in expanded:
             node.repeated = True
             return
         expanded.add(node.id)
-        hops = _hops(session, node.record, direction)
+        hops = hops_of[node.id]
         if left == 0:
             node.truncated = bool(hops)
             return
@@ -217,11 +305,12 @@ def trace(
             child = TraceNode(other, relation, role)
             node.children.append(child)
             if prune is None or not prune(other):
-                grow(session, child, None if left is None else left - 1)
+                grow(child, None if left is None else left - 1)
 
     with store.session() as session:  # one session for the whole walk, not one per record
-        grow(session, root, depth)
+        _reach(session, [root.record], direction, depth, prune, hops_of)
+        grow(root, depth)
     return root
 
 
-__all__ = ["Direction", "TraceNode", "describe", "trace"]
+__all__ = ["Direction", "Hops", "TraceNode", "describe", "trace"]

@@ -139,3 +139,18 @@ def test_a_stage_reached_first_through_an_older_reader_is_still_followed(store: 
     assert old.id not in {t.record.id for t in found.stage_runs} and old_out.id not in {
         t.record.id for t in found.outputs
     }
+
+
+def test_lists_longer_than_one_in_list_are_read_in_parts(store: LineageStore, monkeypatch) -> None:
+    """A bad cluster's jobs over a year are more ids than one ``IN (...)`` takes (PostgreSQL: 65,535
+    parameters). Read one id a list, the walk and the report are the same as in one list each."""
+    import orchestrator.lineage.store as store_module
+    from orchestrator.lineage.trace import trace
+
+    h = _history(store)
+    whole = affected(store, RecordFilter.from_options(cluster="west")).to_dict()
+    up = trace(store, h["mid_out"], direction="up").to_dict()
+    monkeypatch.setattr(store_module, "IN_CHUNK", 1)
+    assert affected(store, RecordFilter.from_options(cluster="west")).to_dict() == whole
+    assert trace(store, h["mid_out"], direction="up").to_dict() == up
+    assert len(whole["made_there"]) == 3 and len(whole["wandb_runs"]) == 2, whole  # the chunks had work to do
