@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from sqlalchemy import func, or_
+from sqlalchemy import bindparam, func, or_
 from sqlmodel import col, select
 
 from orchestrator.errors import ConfigError, choices
@@ -185,7 +185,9 @@ def _attempts_where(session: Any, flt: RecordFilter) -> Any:
         hosts |= {h for task in (tasks or {}).values() for h in expand_hostlist((task or {}).get("host"))}
         if flt.host in hosts:
             ids.append(attempt_id)
-    return stmt.where(col(Attempt.id).in_(ids))
+    # Written into the statement, not bound: a node's jobs over a year can be more ids than
+    # PostgreSQL binds in one statement (65,535).
+    return stmt.where(col(Attempt.id).in_(bindparam("ran_on_host", ids, expanding=True, literal_execute=True)))
 
 
 def _statement(kind: str, flt: RecordFilter, session: Any) -> Any:

@@ -6,9 +6,11 @@ import datetime as dt
 import json
 from typing import Any
 
+import pytest
+
 from orchestrator.lineage import Artifact, Attempt, LineageStore, PipelineRun, StageRun, WandbRun, utcnow
 from orchestrator.lineage.affected import affected
-from orchestrator.lineage.listing import RecordFilter
+from orchestrator.lineage.listing import RecordFilter, list_records
 
 T0 = utcnow() - dt.timedelta(days=3)
 
@@ -154,3 +156,28 @@ def test_lists_longer_than_one_in_list_are_read_in_parts(store: LineageStore, mo
     assert affected(store, RecordFilter.from_options(cluster="west")).to_dict() == whole
     assert trace(store, h["mid_out"], direction="up").to_dict() == up
     assert len(whole["made_there"]) == 3 and len(whole["wandb_runs"]) == 2, whole  # the chunks had work to do
+
+
+@pytest.mark.parametrize("store", ["postgresql"], indirect=True)
+def test_a_node_with_more_jobs_than_postgresql_binds_is_still_listed(store: LineageStore) -> None:
+    """PostgreSQL takes at most 65,535 bound parameters a statement; `--host n17` once bound one
+    per job that ran there, and failed for a node with more (a year of a busy cluster)."""
+    import sqlalchemy as sa
+
+    now = utcnow()
+    rows = [
+        {
+            "id": f"att_{i:020d}",
+            "number": 1,
+            "backend": "slurm",
+            "state": "COMPLETED",
+            "host": "n17",
+            "submitted_at": now,
+        }
+        for i in range(66_000)
+    ]
+    with store.engine.begin() as conn:  # bulk, not through the event chain: this is about the query
+        conn.execute(sa.insert(Attempt.__table__), rows)  # type: ignore[attr-defined]
+    found = list_records(store, ["attempt"], RecordFilter.from_options(host="n17"), limit=None, strict=True)
+    assert len(found.records) == 66_000
+    assert affected(store, RecordFilter.from_options(host="n17")).made_there == []  # no stage runs behind them
