@@ -491,3 +491,19 @@ def test_every_command_has_help_whose_paragraphs_the_terminal_wraps() -> None:
         shown = CliRunner().invoke(root, [*path, "--help"], prog_name="openlab", terminal_width=80)
         assert shown.exit_code == 0, (path, shown.output)
         assert "Usage: openlab" in shown.output, (path, shown.output)
+        for text in _helps(root, path):  # a config section named in help reaches the reader
+            for section in re.findall(r"\[([a-z][a-z_.]*)\]", text):
+                if section not in _STYLES:
+                    assert f"[{section}]" in shown.output, (path, section, shown.output)
+
+
+_STYLES = {"bold", "dim", "red", "green", "yellow", "cyan", "magenta", "blue", "italic", "b", "i", "u"}
+
+
+def _helps(root: Any, path: tuple[str, ...]) -> list[str]:
+    """The help texts a command's --help renders: its own and each of its options' and arguments'.
+    Rich reads ``[backends]`` as a style tag and drops it unless written ``\\[backends]``."""
+    command = root
+    for name in path:
+        command = command.commands[name]
+    return [command.help or "", *(getattr(p, "help", None) or "" for p in command.params)]
