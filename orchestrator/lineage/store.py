@@ -33,6 +33,7 @@ from sqlmodel import Session, SQLModel, col, select
 from orchestrator.errors import NotFoundError, StoreError
 from orchestrator.hashing import canonical, hash_json
 from orchestrator.lineage.models import (
+    PREFIXES,
     RECORD_TYPES,
     RELATION_KINDS,
     Artifact,
@@ -425,8 +426,9 @@ class LineageStore:
         models = list(RECORD_TYPES.values())
         asked = record_id
         kind, qualified, rest = record_id.partition(":")
+        own = PREFIXES.get(record_id.partition("_")[0])  # srun_… is a stage run's id: ask that table first
         with self.session() as session:
-            for model in models:
+            for model in sorted(models, key=lambda m: m is not own):
                 exact = session.get(model, record_id)
                 if exact is not None:
                     return exact

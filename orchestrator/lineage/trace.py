@@ -139,14 +139,21 @@ def _hops(
     every record of the level. A walk costs a handful of indexed queries a level, not a record.
     """
     ids = [r.id for r in records]  # type: ignore[attr-defined]
-    rels_of: dict[str, list[Relation]] = {rid: [] for rid in ids}
+    # Only the relations this direction follows, as plain rows (no ORM objects: a level can be
+    # thousands): up, those each record is the subject of, and a W&B run's stage runs; down, those
+    # each record is the object of.
+    wandb_ids = [r.id for r in records if isinstance(r, WandbRun)] if direction == "up" else []
+    near = Relation.subject_id if direction == "up" else Relation.object_id
+    fields = (Relation.relation, Relation.role, Relation.subject_kind, Relation.subject_id)
+    fields += (Relation.object_kind, Relation.object_id)
+    rels_of: dict[str, list[Any]] = {rid: [] for rid in ids}
     for chunk in in_chunks(ids):
+        where = col(near).in_(chunk)
+        logged = [rid for rid in wandb_ids if rid in set(chunk)]
+        if logged:
+            where = where | (col(Relation.object_id).in_(logged) & (Relation.relation == "wasAssociatedWith"))
+        query = select(*fields).where(where).order_by(col(Relation.created_at), col(Relation.id))
         here = set(chunk)
-        query = (
-            select(Relation)
-            .where(col(Relation.subject_id).in_(chunk) | col(Relation.object_id).in_(chunk))
-            .order_by(col(Relation.created_at))
-        )
         for rel in session.exec(query):
             for rid in {rel.subject_id, rel.object_id} & here:  # a relation between two of them: for each
                 rels_of[rid].append(rel)
