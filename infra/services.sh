@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Bring the local test services up or down and record what is available for the tests.
-#   infra/services.sh up       docker (+ base image + job image), slurm, postgres, browser; continues past failures
-#   infra/services.sh down     stops docker, slurm, postgres (chromium is not a daemon)
+#   infra/services.sh up       docker (+ base image + job image), slurm, postgres, browser, graphviz; continues past failures
+#   infra/services.sh down     stops docker, slurm, postgres (chromium and graphviz are not daemons)
 #   infra/services.sh status   checks each service live and prints the env file
 # Writes $OPENLAB_INFRA_STATE/services.env (default /var/tmp/openlab-infra/services.env): KEY=VALUE lines,
 # shell-sourceable (`set -a; . services.env`) and read by tests/services.py. A service that failed is
 # recorded as =0 with OPENLAB_TEST_<NAME>_REASON=...; each step's full output is in $OPENLAB_INFRA_STATE/logs/.
-# Env: OPENLAB_SERVICES="docker slurm postgres browser" (subset to bring up),
+# Env: OPENLAB_SERVICES="docker slurm postgres browser graphviz" (subset to bring up),
 #      OPENLAB_JOB_IMAGE=torch|notorch|skip (default torch: openlab/job:latest with a CPU torch;
 #      notorch: openlab/job:latest without torch), OPENLAB_STEP_TIMEOUT (default 1200 s per step),
 #      OPENLAB_SLURM_ACCOUNTING=0 (Slurm without mariadb + slurmdbd: no sacct, no measured job usage).
@@ -15,7 +15,7 @@ LOG_TAG=services
 source "$(dirname "$0")/lib.sh"
 ENVFILE="$OPENLAB_INFRA_STATE/services.env"
 LOGS="$OPENLAB_INFRA_STATE/logs"
-SERVICES="${OPENLAB_SERVICES:-docker slurm postgres browser}"
+SERVICES="${OPENLAB_SERVICES:-docker slurm postgres browser graphviz}"
 STEP_TIMEOUT="${OPENLAB_STEP_TIMEOUT:-1200}"
 declare -A KV=()
 ORDER=()
@@ -112,6 +112,16 @@ up() {
   else
     setkv OPENLAB_TEST_CHROMIUM 0; setkv OPENLAB_TEST_CHROMIUM_REASON "not requested (OPENLAB_SERVICES)"
   fi
+  if wants graphviz; then
+    if step graphviz "$INFRA_DIR/graphviz/install.sh"; then
+      setkv OPENLAB_TEST_GRAPHVIZ "$STEP_OUT"; setkv OPENLAB_TEST_GRAPHVIZ_REASON ""
+    else
+      setkv OPENLAB_TEST_GRAPHVIZ 0; setkv OPENLAB_TEST_GRAPHVIZ_REASON "$STEP_REASON"
+    fi
+    write_env
+  else
+    setkv OPENLAB_TEST_GRAPHVIZ 0; setkv OPENLAB_TEST_GRAPHVIZ_REASON "not requested (OPENLAB_SERVICES)"
+  fi
   # images last: the slow part, and the other services are usable meanwhile
   if [ "${KV[OPENLAB_TEST_DOCKER]}" = 1 ]; then
     if step base-image "$INFRA_DIR/docker/build-base-image.sh"; then
@@ -151,6 +161,7 @@ down() {
   setkv OPENLAB_TEST_POSTGRES_URL ""
   # chromium is a binary, not a daemon: keep its entry if it was installed
   if [ -x /usr/bin/chromium ]; then setkv OPENLAB_TEST_CHROMIUM /usr/bin/chromium; setkv OPENLAB_TEST_CHROMIUM_REASON ""; fi
+  if [ -x /usr/bin/dot ]; then setkv OPENLAB_TEST_GRAPHVIZ /usr/bin/dot; setkv OPENLAB_TEST_GRAPHVIZ_REASON ""; fi
   write_env
   log "services down; wrote $ENVFILE"
   return $rc
@@ -169,6 +180,8 @@ status() {
   else log "postgres: DOWN"; rc=1; fi
   if [ -x /usr/bin/chromium ]; then log "chromium: installed ($(/usr/bin/chromium --version 2>/dev/null | head -n 1))"
   else log "chromium: NOT INSTALLED"; rc=1; fi
+  if [ -x /usr/bin/dot ]; then log "graphviz: installed ($(/usr/bin/dot -V 2>&1 | head -n 1))"
+  else log "graphviz: NOT INSTALLED"; rc=1; fi
   if [ -f "$ENVFILE" ]; then log "$ENVFILE:"; grep -v '^#' "$ENVFILE" | sed 's/^/  /' >&2
   else log "no $ENVFILE yet (run: infra/services.sh up)"; fi
   return $rc

@@ -267,12 +267,26 @@ require_postgres = postgres_url
 
 def require_chromium() -> str:
     """Path of the Chromium executable (Debian's /usr/bin/chromium) for playwright's executable_path."""
-    value = setting("OPENLAB_TEST_CHROMIUM")
+    return _require_program("chromium", "OPENLAB_TEST_CHROMIUM", "/usr/bin/chromium", "infra/browser/install.sh")
+
+
+# --- graphviz -----------------------------------------------------------------------------------
+
+
+def require_graphviz() -> str:
+    """Path of graphviz's ``dot``, which renders what ``openlab lineage trace --dot`` prints."""
+    return _require_program("dot", "OPENLAB_TEST_GRAPHVIZ", "/usr/bin/dot", "infra/graphviz/install.sh", "graphviz")
+
+
+def _require_program(program: str, key: str, default: str, installer: str, service: str | None = None) -> str:
+    """A program `infra/services.sh up` installs (not a daemon): where the env file says, on the
+    PATH, or at Debian's path; else unavailable (skip, or fail under CI) naming its installer."""
+    value = setting(key)
     if value in ("0", "false", "no"):
-        unavailable(_down_reason("chromium", setting("OPENLAB_TEST_CHROMIUM_REASON") or ""))
+        unavailable(_down_reason(service or program, setting(f"{key}_REASON") or ""))
     candidates = [value] if value and value != "1" else []
-    candidates += [p for p in (shutil.which("chromium"), "/usr/bin/chromium") if p]
+    candidates += [p for p in (shutil.which(program), default) if p]
     for path in candidates:
         if Path(path).is_file() and os.access(path, os.X_OK):
             return path
-    unavailable("chromium is not installed; run: sudo infra/browser/install.sh")
+    unavailable(f"{service or program} is not installed; run: sudo {installer}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import shlex
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -257,6 +258,9 @@ def trace_cmd(
     down: Annotated[bool, typer.Option("--down", help="What came from it (default: what it came from).")] = False,
     depth: Annotated[int | None, typer.Option("--depth", min=1, help="At most this many hops (default: all).")] = None,
     json_out: JsonFlag = False,
+    dot: Annotated[
+        bool, typer.Option("--dot", help="Print a Graphviz graph, each record once: `| dot -Tsvg > lineage.svg`.")
+    ] = False,
 ) -> None:
     """Everything a record came from (data, commit, environment, issue, W&B run, jobs), or with --down
     everything made from it: e.g. every checkpoint trained on a data snapshot."""
@@ -264,11 +268,16 @@ def trace_cmd(
     from rich.text import Text
     from rich.tree import Tree
 
-    from orchestrator.lineage.trace import TraceNode, describe, trace
+    from orchestrator.lineage.trace import TraceNode, describe, to_dot, trace
 
+    if json_out and dot:
+        raise ConfigError("give --json or --dot, not both")
     root = trace(_open(), record_id, direction="down" if down else "up", depth=depth)
     if json_out:
         print_json(root.to_dict())
+        return
+    if dot:
+        sys.stdout.write(to_dot(root, "down" if down else "up"))
         return
 
     def label(node: TraceNode) -> str:

@@ -320,4 +320,58 @@ def trace(
     return root
 
 
-__all__ = ["Direction", "Hops", "TraceNode", "describe", "trace"]
+#: PROV's drawing conventions: entities yellow ellipses, activities blue boxes, agents orange houses.
+_ENTITY = 'shape=ellipse, style=filled, fillcolor="#fffc87"'
+_ACTIVITY = 'shape=box, style=filled, fillcolor="#9fb1fc"'
+_AGENT = 'shape=house, style=filled, fillcolor="#fed37f"'
+_DOT_STYLE = {
+    "artifact": _ENTITY,
+    "snapshot": _ENTITY,
+    "pipeline_run": _ACTIVITY,
+    "stage_run": _ACTIVITY,
+    "attempt": _ACTIVITY,
+    "commit": _AGENT,
+    "environment": _AGENT,
+    "wandb_run": _AGENT,
+    "github_issue": 'shape=note, style=filled, fillcolor="#e8e8e8"',
+}
+
+
+def to_dot(root: TraceNode, direction: Direction) -> str:
+    """The trace as a Graphviz digraph (``openlab lineage trace ID --dot | dot -Tsvg``): each record
+    once, however often the walk met it, so a diamond is drawn as one; arrows as PROV draws them,
+    from the later record to the earlier one it names (a checkpoint to the stage that generated it,
+    a stage to the data it used), with the relation as the label, and the data at the top."""
+    nodes: dict[str, str] = {}
+    edges: dict[tuple[str, str, str], None] = {}  # in the order met, each once
+    pairs: set[tuple[str, str]] = set()
+
+    def visit(node: TraceNode) -> None:
+        if node.id not in nodes:
+            summary = describe(node.record)
+            short = summary if len(summary) <= 48 else summary[:47] + "…"
+            shown = node.id if len(node.id) <= 32 else node.id[:16]  # a sha or a content hash: its head
+            label = f"{node.kind}\\n{_dot_escape(shown)}\\n{_dot_escape(short)}"  # \\n: DOT's line break
+            style = _DOT_STYLE.get(node.kind, "shape=box")
+            nodes[node.id] = f'  "{_dot_escape(node.id)}" [label="{label}", tooltip="{_dot_escape(summary)}", {style}];'
+        for child in node.children:
+            later, earlier = (child, node) if direction == "down" and child.relation != "hasPart" else (node, child)
+            role = f" ({child.role})" if child.role else ""
+            if (earlier.id, later.id) not in pairs:  # a W&B run's recordOf its stage: one arrow is enough
+                pairs.add((later.id, earlier.id))
+                edges[(later.id, earlier.id, f"{child.relation}{role}")] = None
+            visit(child)
+
+    visit(root)
+    lines = ["digraph lineage {", "  rankdir=BT;", '  node [fontname="Helvetica", fontsize=10];']
+    lines += ['  edge [fontname="Helvetica", fontsize=9];', *nodes.values()]
+    lines += [f'  "{_dot_escape(a)}" -> "{_dot_escape(b)}" [label="{_dot_escape(label)}"];' for a, b, label in edges]
+    return "\n".join([*lines, "}"]) + "\n"
+
+
+def _dot_escape(text: str) -> str:
+    """Text for inside a DOT double-quoted string: backslashes and quotes escaped, one line."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
+
+
+__all__ = ["Direction", "Hops", "TraceNode", "describe", "to_dot", "trace"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +94,46 @@ def test_trace_of_an_unknown_id_is_one_line(run_cli, recorded) -> None:
     assert done.stderr.strip().splitlines() == [
         "error: no lineage record with id 'art_nosuchthing'; `openlab lineage list` shows ids"
     ]
+
+
+def _rendered(dot: str, graph: str) -> tuple[set[str], set[tuple[str, str, str]]]:
+    """The records and arrows of a DOT graph, as graphviz itself reads them (``dot -Tjson``)."""
+    done = subprocess.run([dot, "-Tjson"], input=graph, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    name = {o["_gvid"]: o["name"] for o in doc["objects"]}
+    return set(name.values()), {(name[e["tail"]], name[e["head"]], e["label"]) for e in doc.get("edges", [])}
+
+
+def test_trace_as_a_graph_draws_each_record_once_with_prov_arrows_and_renders(run_cli, recorded) -> None:
+    """`lineage trace ID --dot | dot -Tsvg`: the picture of a lineage for a report. Graphviz reads
+    it; each record is one node however often the walk met it; arrows point from the later record
+    to the earlier one it names, as PROV draws them, both up and down."""
+    from tests.services import require_graphviz
+
+    dot = require_graphviz()
+    count, upper, gen = (recorded["stages"][s] for s in ("count", "upper", "gen"))
+    artifact_id = count.outputs["out"]["artifact_id"]
+    tree = json.loads(run_cli("lineage", "trace", artifact_id, "--json").stdout)
+    graph = run_cli("lineage", "trace", artifact_id, "--dot")
+    assert graph.returncode == 0, graph.stderr
+    nodes, arrows = _rendered(dot, graph.stdout)
+    assert nodes == {n["id"] for n in _nodes(tree)}, "every record the trace reached, once"
+    assert len(graph.stdout.splitlines()) == 4 + len(nodes) + len(arrows) + 1, "no node or arrow drawn twice"
+    assert (artifact_id, count.id, "wasGeneratedBy") in arrows
+    upper_out = upper.outputs["out"]["artifact_id"]
+    assert any(a[:2] == (count.id, upper_out) and a[2].startswith("used") for a in arrows), arrows
+    assert (count.id, recorded["sha"], "wasAssociatedWith (code)") in arrows
+    assert not {(b, a) for a, b, _ in arrows} & {(a, b) for a, b, _ in arrows}, "no pair drawn both ways"
+    svg = subprocess.run([dot, "-Tsvg"], input=graph.stdout, capture_output=True, text=True, timeout=60)
+    assert svg.returncode == 0 and "<svg" in svg.stdout and "count COMPLETED" in svg.stdout, svg.stderr
+
+    # down from the data: the same direction of arrows, from what was made to what it was made from
+    snapshot_id = gen.outputs["out"]["snapshot_id"]
+    down_nodes, down_arrows = _rendered(dot, run_cli("lineage", "trace", snapshot_id, "--down", "--dot").stdout)
+    assert {upper.id, count.id, artifact_id} <= down_nodes
+    assert (artifact_id, count.id, "wasGeneratedBy") in down_arrows, down_arrows
+    assert all(b != artifact_id for _, b, _ in down_arrows), "nothing was made from the last output"
+
+    both = run_cli("lineage", "trace", artifact_id, "--dot", "--json")
+    assert both.returncode == 2 and both.stderr.strip() == "error: give --json or --dot, not both"
