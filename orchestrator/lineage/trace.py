@@ -148,12 +148,12 @@ def _hops(
     fields += (Relation.object_kind, Relation.object_id)
     rels_of: dict[str, list[Any]] = {rid: [] for rid in ids}
     for chunk in in_chunks(ids):
+        here = set(chunk)
         where = col(near).in_(chunk)
-        logged = [rid for rid in wandb_ids if rid in set(chunk)]
+        logged = [rid for rid in wandb_ids if rid in here]
         if logged:
             where = where | (col(Relation.object_id).in_(logged) & (Relation.relation == "wasAssociatedWith"))
         query = select(*fields).where(where).order_by(col(Relation.created_at), col(Relation.id))
-        here = set(chunk)
         for rel in session.exec(query):
             for rid in {rel.subject_id, rel.object_id} & here:  # a relation between two of them: for each
                 rels_of[rid].append(rel)
