@@ -80,6 +80,7 @@ def main() -> int:
     checkpoint = _checkpoint_of(stages)
     if checkpoint is not None:
         where("what made this file", f"openlab lineage trace {checkpoint}")
+        where("draw it", f"openlab lineage trace {checkpoint} --dot | dot -Tsvg > lineage.svg  (Graphviz)")
     where("all runs", "openlab lineage list")
     where("jobs out now", "openlab job list  (a stage's log: openlab job logs SRUN_ID)")
     where("prove nothing changed", "openlab lineage verify")
