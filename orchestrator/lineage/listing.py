@@ -176,11 +176,15 @@ def _attempts_where(session: Any, flt: RecordFilter) -> Any:
     if not flt.host:
         return stmt
     ids = []
-    for attempt_id, host, tasks in session.exec(
-        select(Attempt.id, Attempt.host, Attempt.tasks).where(
-            or_(col(Attempt.host).is_not(None), col(Attempt.tasks).is_not(None))
-        )
-    ):
+    # The database narrows it to the jobs on that host by name and those whose host needs reading:
+    # a NodeList (`n[17-19]`, `n17,n18`) or per-task hosts. Only those are expanded here.
+    maybe_there = or_(
+        col(Attempt.host) == flt.host,
+        col(Attempt.host).contains("["),
+        col(Attempt.host).contains(","),
+        col(Attempt.tasks).is_not(None),
+    )
+    for attempt_id, host, tasks in session.exec(select(Attempt.id, Attempt.host, Attempt.tasks).where(maybe_there)):
         hosts = set(expand_hostlist(host))
         hosts |= {h for task in (tasks or {}).values() for h in expand_hostlist((task or {}).get("host"))}
         if flt.host in hosts:
