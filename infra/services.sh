@@ -59,6 +59,20 @@ step() {
   return $rc
 }
 wants() { [[ " $SERVICES " == *" $1 "* ]]; }
+# A program the tests run, not a daemon (chromium, graphviz): install it and record its path, or why not.
+tool() {  # tool NAME KEY SCRIPT
+  local name="$1" key="$2" script="$3"
+  if wants "$name"; then
+    if step "$name" "$script"; then
+      setkv "$key" "$STEP_OUT"; setkv "${key}_REASON" ""
+    else
+      setkv "$key" 0; setkv "${key}_REASON" "$STEP_REASON"
+    fi
+    write_env
+  else
+    setkv "$key" 0; setkv "${key}_REASON" "not requested (OPENLAB_SERVICES)"
+  fi
+}
 
 up() {
   setkv OPENLAB_INFRA_STATE "$OPENLAB_INFRA_STATE"
@@ -102,26 +116,8 @@ up() {
   else
     setkv OPENLAB_TEST_POSTGRES 0; setkv OPENLAB_TEST_POSTGRES_REASON "not requested (OPENLAB_SERVICES)"
   fi
-  if wants browser; then
-    if step browser "$INFRA_DIR/browser/install.sh"; then
-      setkv OPENLAB_TEST_CHROMIUM "$STEP_OUT"; setkv OPENLAB_TEST_CHROMIUM_REASON ""
-    else
-      setkv OPENLAB_TEST_CHROMIUM 0; setkv OPENLAB_TEST_CHROMIUM_REASON "$STEP_REASON"
-    fi
-    write_env
-  else
-    setkv OPENLAB_TEST_CHROMIUM 0; setkv OPENLAB_TEST_CHROMIUM_REASON "not requested (OPENLAB_SERVICES)"
-  fi
-  if wants graphviz; then
-    if step graphviz "$INFRA_DIR/graphviz/install.sh"; then
-      setkv OPENLAB_TEST_GRAPHVIZ "$STEP_OUT"; setkv OPENLAB_TEST_GRAPHVIZ_REASON ""
-    else
-      setkv OPENLAB_TEST_GRAPHVIZ 0; setkv OPENLAB_TEST_GRAPHVIZ_REASON "$STEP_REASON"
-    fi
-    write_env
-  else
-    setkv OPENLAB_TEST_GRAPHVIZ 0; setkv OPENLAB_TEST_GRAPHVIZ_REASON "not requested (OPENLAB_SERVICES)"
-  fi
+  tool browser OPENLAB_TEST_CHROMIUM "$INFRA_DIR/browser/install.sh"
+  tool graphviz OPENLAB_TEST_GRAPHVIZ "$INFRA_DIR/graphviz/install.sh"
   # images last: the slow part, and the other services are usable meanwhile
   if [ "${KV[OPENLAB_TEST_DOCKER]}" = 1 ]; then
     if step base-image "$INFRA_DIR/docker/build-base-image.sh"; then
