@@ -831,6 +831,14 @@ def changes_since_last(ctx: PipelineContext, stage: str, identity: StageIdentity
         replica=ctx.pipeline_run.replica,
     )
     if previous is None:
+        same = ctx.store.list(
+            StageRun,
+            where=[StageRun.identity == identity.digest, StageRun.state == "COMPLETED"],
+            order_by=col(StageRun.ended_at).desc(),
+            limit=1,
+        )
+        if same:  # run again (forced, or its outputs no longer verify) with nothing changed
+            return [], f"identity {identity.digest[:16]} unchanged since {same[0].id}"
         return [], "no earlier completed run of this stage"
     changes = describe_changes(diff_identities(previous.identity_fields, identity.fields()))
     return changes, f"changed since {previous.id}: " + "; ".join(changes[:6]) + (" ..." if len(changes) > 6 else "")
@@ -1100,7 +1108,7 @@ def execute_stage(
         if original is not None:
             reason = f"waited, then {why}" if waited_since is not None else why
             return _record_reuse(ctx, spec, identity, original, reason, started)
-        return _run_stage(ctx, spec, identity, inputs, stage_run_id, held, should_cancel, forced, started)
+        return _run_stage(ctx, spec, identity, inputs, stage_run_id, held, should_cancel, forced, started, why)
     finally:
         held.release()
 
@@ -1115,6 +1123,7 @@ def _run_stage(
     should_cancel: Callable[[], bool] | None,
     forced: bool,
     started: float,
+    not_reused: str = "",
 ) -> StageResult:
     from orchestrator.launchers.attempts import interruption_reason, run_job
     from orchestrator.launchers.base import JobSpec, JobState, get_launcher
@@ -1122,6 +1131,8 @@ def _run_stage(
     digest = identity.digest
     out_dir = output_dir(ctx.settings, spec.name, digest)
     changes, why = changes_since_last(ctx, spec.name, identity)
+    if not_reused.startswith(NO_LONGER_VERIFY):  # the same identity completed, but its outputs are gone or changed
+        why = not_reused
     if forced:
         why = f"forced; {why}"
     existing = ctx.store.get(StageRun, stage_run_id)

@@ -175,6 +175,11 @@ def test_changed_output_on_disk_is_not_reused(repo: Path, ledger: Path) -> None:
     again = run_pipeline(toy_pipeline(repo), toy_configs(), options=fast())
     assert again.results["count"].state == "COMPLETED"
     assert executions(ledger) == ["gen", "upper", "count", "count"]
+    # why it ran: its recorded output changed, not "no earlier completed run"
+    why = again.results["count"].reason
+    count = first.results["count"]
+    recorded = f"{count.stage_run_id}: output out at {count.out_dir} changed since it was recorded"
+    assert why.startswith("completed runs with this identity no longer verify: ") and why.endswith(recorded), why
 
 
 def test_two_pipeline_processes_at_once_execute_each_identity_once(repo: Path, ledger: Path) -> None:
@@ -523,6 +528,8 @@ def test_force_reruns_a_stage_with_the_same_identity(repo: Path, ledger: Path) -
     assert forced.results["gen"].identity == first.results["gen"].identity
     assert forced.results["upper"].state == "REUSED"  # byte-identical corpus
     assert executions(ledger) == ["gen", "upper", "count", "gen"]
+    same = f"identity {first.results['gen'].identity[:16]} unchanged since {first.results['gen'].stage_run_id}"
+    assert forced.results["gen"].reason == f"forced; {same}"  # there was an earlier completed run: this one
 
 
 def test_identity_ignores_location_and_runtime(
