@@ -99,6 +99,14 @@ from orchestrator.launchers.base import (
 )
 
 DEFAULT_IMAGE = "openlab/job:latest"
+
+
+def _how_to_get(image: object) -> str:
+    """What to do about a missing image: openlab's own is built from this repo; another one is
+    the user's to pull or build (or ``pull = true`` under ``[backends.docker]``), or a misspelt name."""
+    if str(image) == DEFAULT_IMAGE:
+        return "run infra/docker/build-job-image.sh"
+    return f"docker pull {image} (or set pull = true under [backends.docker]), or check the name"
 MOUNTS_EXAMPLE = '{"/data" = "/data:ro"}'
 MANAGED_LABEL = "openlab.io/managed"
 TIME_LIMIT_LABEL = "openlab.io/time-limit"
@@ -256,7 +264,7 @@ class DockerLauncher(Launcher):
                     return self.client.images.pull(name)
                 except errors.APIError as exc:
                     raise ImageNotFound(f"image {name} not found and pull failed: {_api_message(exc)}") from None
-            raise ImageNotFound(f"image {name} not found: run infra/docker/build-job-image.sh") from None
+            raise ImageNotFound(f"image {name} not found: {_how_to_get(name)}") from None
         except errors.APIError as exc:
             raise LauncherError(f"docker could not inspect image {name}: {_api_message(exc)}") from None
 
@@ -626,7 +634,7 @@ class DockerLauncher(Launcher):
         try:
             found = self.client.images.get(image)
         except Exception:  # noqa: BLE001
-            return True, f"{engine}; image {image} missing: run infra/docker/build-job-image.sh"
+            return True, f"{engine}; image {image} missing: {_how_to_get(image)}"
         measured = usage_python(self.config, found.labels) is not None
         how = "what jobs use is measured" if measured else "what jobs use is not measured (see measure_usage)"
         return True, f"{engine}; image {image} present; {how}"
