@@ -114,8 +114,9 @@ def affected(store: LineageStore, flt: RecordFilter) -> AffectedReport:
                 seen.add(child.id)
                 if isinstance(record, Artifact):
                     report.outputs.append(Tainted(record, f"made by {node.id}"))
-                elif isinstance(record, StageRun):
-                    report.stage_runs.append(Tainted(record, f"used {node.id}"))
+                elif isinstance(record, StageRun):  # it read the output, or took the stage run's outputs whole
+                    how = "reused" if child.role == "reused" else "used"
+                    report.stage_runs.append(Tainted(record, f"{how} {node.id}"))
                     stage_runs[record.id] = record
             visit(child, since)
 

@@ -53,6 +53,7 @@ def _history(store: LineageStore) -> dict[str, Any]:
         mid_out = tx.add(Artifact(name="midtrain/out", artifact_type="folder", uri="/ckpt/mid", content_hash="d" * 64))
         tx.relate("wasGeneratedBy", mid_out, mid)
         reused = stage(later, "pretrain", 20, state="REUSED", reused_from=pre.id)
+        tx.relate("wasInformedBy", reused, pre, role="reused")  # as a run records a reuse
         other = stage(clean, "pretrain", 30)
         job(other, 30, "n[18-19]")
         charts = tx.add(  # the midtrain's W&B run: its loss curve was drawn from a bad checkpoint
