@@ -107,6 +107,8 @@ def _how_to_get(image: object) -> str:
     if str(image) == DEFAULT_IMAGE:
         return "run infra/docker/build-job-image.sh"
     return f"docker pull {image} (or set pull = true under [backends.docker]), or check the name"
+
+
 MOUNTS_EXAMPLE = '{"/data" = "/data:ro"}'
 MANAGED_LABEL = "openlab.io/managed"
 TIME_LIMIT_LABEL = "openlab.io/time-limit"
