@@ -66,7 +66,7 @@ import shutil
 import tarfile
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +200,7 @@ class DockerLauncher(Launcher):
         self._engine_host: str | None = None
         self._waited: set[str] = set()  # containers whose end the engine already reported to pause()
         self._usage_read: dict[str, dict[str, float] | None] = {}  # ended containers' records read out of them
+        self._digests: dict[str, str] | None = None  # image id -> digest, while statuses() asks for many jobs
         self.state_dir = self.settings.home / "jobs" / "docker"
 
     # -- connection ---------------------------------------------------------------
@@ -465,11 +466,7 @@ class DockerLauncher(Launcher):
         labels = container.attrs.get("Config", {}).get("Labels") or {}
         started = _parse_time(state.get("StartedAt"))
         ended = _parse_time(state.get("FinishedAt"))
-        digest = None
-        try:
-            digest = self.image_digest(self.client.images.get(container.attrs.get("Image")))
-        except Exception:  # noqa: BLE001 - the image may have been removed since
-            digest = container.attrs.get("Image")
+        digest = self._digest_of(container.attrs.get("Image"))
         status_text = state.get("Status", "")
         host = self.engine_host
         if status_text in ("created",):
@@ -508,6 +505,28 @@ class DockerLauncher(Launcher):
             reason = with_notes(reason, first_failed_task(labels.get(TASK_ENDS_LABEL)))
         usage = self._read_usage(container, labels)
         return JobStatus(job_state, code, reason, host, started, ended, digest, usage=usage)
+
+    def _digest_of(self, image_id: str | None) -> str | None:
+        """The image's repo digest (its id when it has none, or is gone since): one engine call an
+        image, not a job, while :meth:`statuses` answers for many jobs of one image."""
+        if self._digests is not None and image_id in self._digests:
+            return self._digests[image_id]
+        try:
+            digest = self.image_digest(self.client.images.get(image_id))
+        except Exception:  # noqa: BLE001 - the image may have been removed since
+            digest = image_id
+        if self._digests is not None and image_id is not None and digest is not None:
+            self._digests[image_id] = digest
+        return digest
+
+    def statuses(self, handles: Sequence[JobHandle]) -> list[JobStatus | Exception]:
+        """Each job's status as :meth:`status` gives it, reading each image once for all its jobs
+        (`openlab job list` with twenty jobs of the job image: 21 engine calls, was 40)."""
+        self._digests = {}
+        try:
+            return super().statuses(handles)
+        finally:
+            self._digests = None
 
     def _cancel_marker(self, job_id: str) -> Path:
         return self.state_dir / f"{job_id}.cancelled"

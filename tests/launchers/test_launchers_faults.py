@@ -995,6 +995,43 @@ def test_slurm_statuses_ask_squeue_once_and_answer_as_status_does(slurm_harness:
     }, narrowed
 
 
+@pytest.mark.docker
+def test_docker_statuses_read_each_image_once_and_answer_as_status_does(
+    docker_harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`job list` with many Docker jobs of one image inspected the image once per job; `statuses`
+    reads it once for all of them, and says of each job what `status` says of it alone."""
+    from docker.models.images import ImageCollection
+
+    launcher = docker_harness.launcher
+    handles = [launcher.submit(JobSpec(name=f"statuses-{i}", command=["sleep", "60"])) for i in range(3)]
+    try:
+        deadline = time.monotonic() + 60
+        while any(launcher.status(h).state is not JobState.RUNNING for h in handles):
+            assert time.monotonic() < deadline, "the sleep jobs never started"
+            time.sleep(0.2)
+        images_read: list[str] = []
+        real_get = ImageCollection.get
+
+        def spy(self: Any, name: str) -> Any:
+            images_read.append(name)
+            return real_get(self, name)
+
+        monkeypatch.setattr(ImageCollection, "get", spy)
+        found = launcher.statuses(handles)
+        asked_together = list(images_read)
+        one_by_one = [launcher.status(h) for h in handles]
+        alone = images_read[len(asked_together) :]
+    finally:
+        for handle in handles:
+            launcher.cancel(handle)
+    assert len(asked_together) == 1, asked_together  # one image, read once
+    assert len(alone) == len(handles), "alone, each status reads it again"
+    _answers_as_status(found, one_by_one)
+    assert [s.image_digest for s in found] == [s.image_digest for s in one_by_one]  # type: ignore[union-attr]
+    assert all(s.image_digest for s in one_by_one), one_by_one
+
+
 def test_kubernetes_statuses_list_each_namespace_once_and_answer_as_status_does() -> None:
     """The same for Kubernetes: one list of openlab's Jobs and one of their pods per namespace,
     where one by one it was a read and a list per job; a Job the list lacks is read by itself."""
