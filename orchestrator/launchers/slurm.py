@@ -319,6 +319,17 @@ def _exit_code(text: str | None) -> tuple[int | None, int]:
 EXTRA_ARGS_EXAMPLE = '["--exclusive"]'
 
 
+#: What the Slurm client says when it finds no slurm.conf (nor a DNS SRV record naming the controller).
+NO_CONFIG = "Could not establish a configuration source"
+
+
+def _no_config(tool: str) -> str:
+    return (
+        f"the Slurm client found no configuration ({tool}: {NO_CONFIG}): set SLURM_CONF to the cluster's "
+        "slurm.conf, or slurm_conf under [backends.slurm] in openlab.toml"
+    )
+
+
 class SlurmLauncher(Launcher):
     """Runs jobs with sbatch (see the module docstring)."""
 
@@ -365,6 +376,12 @@ class SlurmLauncher(Launcher):
     ) -> subprocess.CompletedProcess[str]:
         """Run a Slurm command, retrying transient controller errors; quote its error verbatim."""
         argv = [self._bin(tool), *args]
+        conf = (env or self._env()).get("SLURM_CONF")
+        if conf and not Path(conf).is_file():  # the client would retry for a minute, then fail
+            raise BackendUnavailable(
+                f"SLURM_CONF is {conf}, which does not exist: point it (or slurm_conf under [backends.slurm]) "
+                "at the cluster's slurm.conf"
+            )
         delay = 0.5
         for attempt in range(self.retries + 1):
             try:
@@ -384,6 +401,8 @@ class SlurmLauncher(Launcher):
                 time.sleep(delay)
                 delay *= 2
                 continue
+            if proc.returncode != 0 and NO_CONFIG in message:  # whoever asked: nothing here can reach Slurm
+                raise BackendUnavailable(_no_config(tool))
             if check and proc.returncode != 0:
                 if any(t in message for t in TRANSIENT):
                     raise BackendUnavailable(f"{tool} failed after {self.retries + 1} tries: {message}")

@@ -1197,6 +1197,34 @@ def test_job_cancel_by_user_cancels_that_accounts_jobs_out_once_agreed(store: Li
             runner.wait(30)
 
 
+@pytest.mark.slurm
+def test_a_slurm_client_without_its_configuration_says_where_to_point_it(store: LineageStore) -> None:
+    """The first thing that goes wrong on a new login node: the Slurm client finds no slurm.conf.
+    scontrol's own four lines (a DNS SRV lookup, then "fatal") become one that says what to set;
+    a SLURM_CONF naming a missing file is refused at once, where the client retries for a minute."""
+    from tests.services import require_slurm
+
+    require_slurm()
+    missing = cli("backends", "check", "slurm", "--json", env={"SLURM_CONF": "/nonexistent/slurm.conf"}, timeout=30)
+    (row,) = json.loads(missing.stdout)
+    assert row["reachable"] is False and row["detail"] == (
+        "SLURM_CONF is /nonexistent/slurm.conf, which does not exist: point it (or slurm_conf under "
+        "[backends.slurm]) at the cluster's slurm.conf"
+    ), row
+    job = cli("job", "run", "-b", "slurm", "-q", "--", "true", env={"SLURM_CONF": "/nonexistent/slurm.conf"})
+    assert job.returncode == 2 and job.stderr.startswith("error: SLURM_CONF is /nonexistent/slurm.conf"), job.stderr
+    assert "Traceback" not in job.stderr and len(job.stderr.strip().splitlines()) == 1
+    if Path("/etc/slurm/slurm.conf").exists():  # the client's compiled-in default: it has a configuration
+        return
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
+    unset = subprocess.run([*CLI, "backends", "check", "slurm", "--json"], capture_output=True, text=True, env=env)
+    (row,) = json.loads(unset.stdout)  # the real scontrol, with nothing to read
+    assert row["detail"].startswith("the Slurm client found no configuration (scontrol: Could not establish"), row
+    assert row["detail"].endswith(
+        "set SLURM_CONF to the cluster's slurm.conf, or slurm_conf under [backends.slurm] in openlab.toml"
+    )
+
+
 def test_cli_backends_check_json(tmp_path: Path) -> None:
     proc = cli(
         "backends",
