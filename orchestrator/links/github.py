@@ -427,10 +427,14 @@ class GithubLinker:
         *,
         key: str | None = None,
         issue_id: str | None = None,
-    ) -> None:
+    ) -> bool:
+        """Queue ``action`` for `openlab github sync`; True when that is news (not queued already
+        for the same error): a run updates its card at every stage, and one line says it."""
         qid = self._queue_id(action, ref, key or pipeline_run_id, issue_id)
         with self.store.transaction() as tx:
-            entry = tx.session.get(GithubUpdate, qid) or GithubUpdate(
+            entry = tx.session.get(GithubUpdate, qid)
+            news = entry is None or entry.state == "done" or entry.last_error != failure.message
+            entry = entry or GithubUpdate(
                 id=qid, action=action, issue_id=issue_id or ref.id, pipeline_run_id=pipeline_run_id
             )
             entry.state = "pending" if failure.retryable else "failed"
@@ -439,6 +443,7 @@ class GithubLinker:
             entry.not_before = failure.not_before
             entry.updated_at = utcnow()
             tx.session.add(entry)
+        return news
 
     def _mark_done(
         self,
@@ -524,10 +529,15 @@ class GithubLinker:
                 results.append(self._publish_one(ref, pipeline_run_id))
             except _Failure as failure:
                 self._record_error(ref, failure.message)
-                self._enqueue("publish", ref, pipeline_run_id, failure)
+                news = self._enqueue("publish", ref, pipeline_run_id, failure)
                 suffix = "; queued for `openlab github sync`" if failure.retryable else ""
-                log.warning(
-                    "lineage card for %s not posted on %s: %s%s", pipeline_run_id, ref.id, failure.message, suffix
+                log.log(
+                    logging.WARNING if news else logging.DEBUG,  # said once, not at every stage's update
+                    "lineage card for %s not posted on %s: %s%s",
+                    pipeline_run_id,
+                    ref.id,
+                    failure.message,
+                    suffix,
                 )
         return results
 

@@ -386,8 +386,11 @@ def test_no_network_records_unresolved_and_queues(openlab_env: Path, store, pipe
     monkeypatch.setenv("GITHUB_TOKEN", TOKEN)
     with caplog.at_level(logging.WARNING):
         issue = resolve_issue(store, ISSUE, pipeline)
-        assert publish_card(store, pipeline.id) == []
+        for _stage_update in range(3):  # each stage's transition refreshes the card: the same outage each time
+            assert publish_card(store, pipeline.id) == []
     assert not issue.resolved and f"cannot reach GitHub at http://127.0.0.1:{port}/api/v3" in (issue.last_error or "")
+    warned = [r.getMessage() for r in caplog.records if "not posted on" in r.getMessage()]
+    assert len(warned) == 1 and "queued for `openlab github sync`" in warned[0], warned  # said once, not per stage
     assert sorted((u.action, u.state) for u in store.list(GithubUpdate)) == [
         ("publish", "pending"),
         ("resolve", "pending"),
