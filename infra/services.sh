@@ -59,6 +59,21 @@ step() {
   return $rc
 }
 wants() { [[ " $SERVICES " == *" $1 "* ]]; }
+# A service left out of OPENLAB_SERVICES keeps what the last `up` recorded for it (bringing one tool up
+# must not mark the running daemons down); with nothing recorded it is "not requested".
+not_requested() {  # not_requested KEY
+  [ -n "${KV[$1]+x}" ] && return 0
+  setkv "$1" 0; setkv "${1}_REASON" "not requested (OPENLAB_SERVICES)"
+}
+load_previous() {
+  [ -f "$ENVFILE" ] || return 0
+  local line
+  while IFS= read -r line; do
+    [[ "$line" =~ ^([A-Z][A-Z0-9_]*)=(.*)$ ]] || continue
+    local v="${BASH_REMATCH[2]}"; v="${v#\'}"; v="${v%\'}"
+    setkv "${BASH_REMATCH[1]}" "$v"
+  done <"$ENVFILE"
+}
 # A program the tests run, not a daemon (chromium, graphviz): install it and record its path, or why not.
 tool() {  # tool NAME KEY SCRIPT
   local name="$1" key="$2" script="$3"
@@ -70,14 +85,15 @@ tool() {  # tool NAME KEY SCRIPT
     fi
     write_env
   else
-    setkv "$key" 0; setkv "${key}_REASON" "not requested (OPENLAB_SERVICES)"
+    not_requested "$key"
   fi
 }
 
 up() {
+  [ -n "${OPENLAB_SERVICES:-}" ] && load_previous
   setkv OPENLAB_INFRA_STATE "$OPENLAB_INFRA_STATE"
   if [ "$(id -u)" -ne 0 ]; then
-    for s in DOCKER SLURM POSTGRES CHROMIUM; do setkv "OPENLAB_TEST_$s" 0; setkv "OPENLAB_TEST_${s}_REASON" "infra/services.sh up was not run as root"; done
+    for s in DOCKER SLURM POSTGRES CHROMIUM GRAPHVIZ; do setkv "OPENLAB_TEST_$s" 0; setkv "OPENLAB_TEST_${s}_REASON" "infra/services.sh up was not run as root"; done
     write_env; die "must run as root (daemons are started directly, there is no systemd)"
   fi
   local total=$SECONDS
@@ -89,7 +105,7 @@ up() {
     fi
     write_env
   else
-    setkv OPENLAB_TEST_DOCKER 0; setkv OPENLAB_TEST_DOCKER_REASON "not requested (OPENLAB_SERVICES)"
+    not_requested OPENLAB_TEST_DOCKER
   fi
   if wants slurm; then
     # with accounting (mariadb + slurmdbd), as a real cluster has: sacct, and what each job used
@@ -104,7 +120,7 @@ up() {
     fi
     write_env
   else
-    setkv OPENLAB_TEST_SLURM 0; setkv OPENLAB_TEST_SLURM_REASON "not requested (OPENLAB_SERVICES)"
+    not_requested OPENLAB_TEST_SLURM
   fi
   if wants postgres; then
     if step postgres "$INFRA_DIR/postgres/start.sh"; then
@@ -114,12 +130,12 @@ up() {
     fi
     write_env
   else
-    setkv OPENLAB_TEST_POSTGRES 0; setkv OPENLAB_TEST_POSTGRES_REASON "not requested (OPENLAB_SERVICES)"
+    not_requested OPENLAB_TEST_POSTGRES
   fi
   tool browser OPENLAB_TEST_CHROMIUM "$INFRA_DIR/browser/install.sh"
   tool graphviz OPENLAB_TEST_GRAPHVIZ "$INFRA_DIR/graphviz/install.sh"
   # images last: the slow part, and the other services are usable meanwhile
-  if [ "${KV[OPENLAB_TEST_DOCKER]}" = 1 ]; then
+  if wants docker && [ "${KV[OPENLAB_TEST_DOCKER]}" = 1 ]; then
     if step base-image "$INFRA_DIR/docker/build-base-image.sh"; then
       setkv OPENLAB_TEST_DOCKER_BASE_IMAGE "${BASE_IMAGE:-openlab/python-base:bookworm}"; setkv OPENLAB_TEST_DOCKER_BASE_IMAGE_REASON ""
     else

@@ -142,3 +142,23 @@ def test_services_env_skip_and_ci_rules(tmp_path: Path, monkeypatch: pytest.Monk
         services.require_slurm()
     monkeypatch.setenv("OPENLAB_TEST_SLURM", "1")  # the environment overrides the file
     assert services._declared("SLURM") == (True, "slurmctld did not start")
+
+
+def test_bringing_one_tool_up_keeps_what_the_last_up_recorded_for_the_others(tmp_path: Path) -> None:
+    """`OPENLAB_SERVICES=graphviz infra/services.sh up` installs graphviz; it once also marked
+    docker, slurm and postgres "not requested", so every test of them skipped until a full `up`."""
+    dot = services.require_graphviz()  # installed already: the step only checks it renders
+    repo = Path(__file__).resolve().parents[2]
+    recorded = (
+        "OPENLAB_TEST_DOCKER=1\nOPENLAB_TEST_SLURM=1\nSLURM_CONF=/x/slurm.conf\n"
+        "OPENLAB_TEST_POSTGRES=1\nOPENLAB_TEST_POSTGRES_URL='postgresql://u@h/d x'\n"  # quoted, as write_env quotes
+    )
+    (tmp_path / "services.env").write_text(recorded)
+    env = {**os.environ, "OPENLAB_INFRA_STATE": str(tmp_path), "OPENLAB_SERVICES": "graphviz"}
+    done = subprocess.run(["bash", str(repo / "infra/services.sh"), "up"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    written = services.parse_env_file(tmp_path / "services.env")
+    assert written["OPENLAB_TEST_GRAPHVIZ"] == dot
+    assert (written["OPENLAB_TEST_DOCKER"], written["OPENLAB_TEST_SLURM"]) == ("1", "1"), written
+    assert written["SLURM_CONF"] == "/x/slurm.conf" and written["OPENLAB_TEST_POSTGRES_URL"] == "postgresql://u@h/d x"
+    assert written["OPENLAB_TEST_CHROMIUM"] == "0" and "not requested" in written["OPENLAB_TEST_CHROMIUM_REASON"]
