@@ -353,6 +353,9 @@ def to_dot(root: TraceNode, direction: Direction) -> str:
             shown = node.id if len(node.id) <= 32 else node.id[:16]  # a sha or a content hash: its head
             label = f"{node.kind}\\n{_dot_escape(shown)}\\n{_dot_escape(short)}"  # \\n: DOT's line break
             style = _DOT_STYLE.get(node.kind, "shape=box")
+            if node.truncated:  # its lineage goes on beyond --depth: a dashed border says the picture stops here
+                style = style.replace("style=filled", 'style="filled,dashed"')
+                summary += " (more beyond --depth)"
             nodes[node.id] = f'  "{_dot_escape(node.id)}" [label="{label}", tooltip="{_dot_escape(summary)}", {style}];'
         for child in node.children:
             later, earlier = (child, node) if direction == "down" and child.relation != "hasPart" else (node, child)

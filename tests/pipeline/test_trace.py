@@ -135,5 +135,11 @@ def test_trace_as_a_graph_draws_each_record_once_with_prov_arrows_and_renders(ru
     assert (artifact_id, count.id, "wasGeneratedBy") in down_arrows, down_arrows
     assert all(b != artifact_id for _, b, _ in down_arrows), "nothing was made from the last output"
 
+    # cut short with --depth: where the picture stops, the border is dashed
+    shallow = run_cli("lineage", "trace", artifact_id, "--dot", "--depth", "1").stdout
+    done = subprocess.run([dot, "-Tjson"], input=shallow, capture_output=True, text=True, timeout=60)
+    styles = {o["name"]: o.get("style", "") for o in json.loads(done.stdout)["objects"]}
+    assert styles == {artifact_id: "filled", count.id: "filled,dashed"}, styles
+
     both = run_cli("lineage", "trace", artifact_id, "--dot", "--json")
     assert both.returncode == 2 and both.stderr.strip() == "error: give --json or --dot, not both"
