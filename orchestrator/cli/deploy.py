@@ -39,7 +39,7 @@ def resolve_api_url(settings: Settings, flag: str | None = None) -> str:
 def deploy(
     api_url: str = typer.Option(None, "--api-url", help="Prefect API URL (default: PREFECT_API_URL or local)."),
     nightly_cron: str = typer.Option(
-        None, "--nightly-cron", help="Cron for the nightly, UTC (\\[prefect] nightly_cron, default '0 2 * * *')."
+        None, "--nightly-cron", help="Cron for the nightly, UTC ([prefect] nightly_cron, default '0 2 * * *')."
     ),
     work_pool: str = typer.Option(
         None, "--work-pool", help="Work pool whose workers run the flows (default: none, `openlab server` serves)."

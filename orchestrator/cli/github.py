@@ -76,7 +76,7 @@ def queue() -> None:
 @app.command()
 @one_line_errors
 def resolve(
-    ref: str = typer.Argument(..., help="owner/repo#N, #N (with \\[github] repo) or an issue URL"),
+    ref: str = typer.Argument(..., help="owner/repo#N, #N (with [github] repo) or an issue URL"),
     pipeline_run: str | None = typer.Option(None, "--pipeline-run", "-p", help="pipeline run id to link it to"),
     required: bool = typer.Option(False, help="fail (exit 2) unless the issue resolves"),
 ) -> None:

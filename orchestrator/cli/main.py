@@ -56,7 +56,15 @@ def reflow(text: str | None) -> str | None:
 
 
 def _reflow_all(command: Command) -> Command:
-    command.help = reflow(command.help)
+    """Every command's help reflowed, and its own and its options' help taken as plain text: rich
+    reads ``[backends]`` as a style tag and drops it, so "default: [backends] default" lost the
+    config section it names. No help here is meant as markup."""
+    from rich.markup import escape
+
+    command.help = reflow(escape(command.help)) if command.help else command.help
+    for param in command.params:
+        if getattr(param, "help", None):
+            param.help = escape(param.help)  # type: ignore[attr-defined]
     for sub in getattr(command, "commands", {}).values():
         _reflow_all(sub)
     return command

@@ -156,7 +156,7 @@ def run(
     backend: Annotated[
         str | None,
         typer.Option(
-            "--backend", "-b", help="local, docker, slurm or kubernetes; default: \\[backends] default, else local."
+            "--backend", "-b", help="local, docker, slurm or kubernetes; default: [backends] default, else local."
         ),
     ] = None,
     issue: Annotated[str | None, typer.Option("--issue", help="Experiment issue owner/repo#N (or #N).")] = None,
@@ -171,7 +171,7 @@ def run(
     retries: Annotated[
         int | None,
         typer.Option(
-            "--retries", min=0, help="Retry a failed stage this many times (default: \\[pipeline] stage_retries, 1)."
+            "--retries", min=0, help="Retry a failed stage this many times (default: [pipeline] stage_retries, 1)."
         ),
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print every job log line.")] = False,

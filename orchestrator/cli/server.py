@@ -39,13 +39,13 @@ def _sigterm_to_interrupt(_signum: int, _frame: FrameType | None) -> None:
 
 @app.callback(invoke_without_command=True)
 def server(
-    host: str = typer.Option(None, help="Address the server listens on (\\[prefect] host, default 127.0.0.1)."),
-    port: int = typer.Option(None, help="Server port (\\[prefect] port, default 4200)."),
+    host: str = typer.Option(None, help="Address the server listens on ([prefect] host, default 127.0.0.1)."),
+    port: int = typer.Option(None, help="Server port ([prefect] port, default 4200)."),
     api_url: str = typer.Option(
         None, "--api-url", help="Use this running Prefect API instead of starting a server (serve only)."
     ),
     serve: bool = typer.Option(True, "--serve/--no-serve", help="Serve the deployments (else: server only)."),
-    nightly_cron: str = typer.Option(None, "--nightly-cron", help="Cron for the nightly (\\[prefect] nightly_cron)."),
+    nightly_cron: str = typer.Option(None, "--nightly-cron", help="Cron for the nightly ([prefect] nightly_cron)."),
     limit: int = typer.Option(None, help="Most flow runs executed at once by this runner."),
 ) -> None:
     """Start Prefect (or attach with --api-url), print the UI address and serve until Ctrl-C."""

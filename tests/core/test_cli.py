@@ -491,6 +491,7 @@ def test_every_command_has_help_whose_paragraphs_the_terminal_wraps() -> None:
         shown = CliRunner().invoke(root, [*path, "--help"], prog_name="openlab", terminal_width=80)
         assert shown.exit_code == 0, (path, shown.output)
         assert "Usage: openlab" in shown.output, (path, shown.output)
+        assert "\\[" not in shown.output, (path, shown.output)  # escaped once, not shown escaped
         for text in _helps(root, path):  # a config section named in help reaches the reader
             for section in re.findall(r"\[([a-z][a-z_.]*)\]", text):
                 if section not in _STYLES:
