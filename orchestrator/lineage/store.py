@@ -379,7 +379,8 @@ class LineageStore:
 
     def get_many(self, model: type[R], record_ids: Iterable[str | None]) -> dict[str, R]:
         """The records of ``model`` with these ids (None and unknown ids left out), by id, in one
-        query: what a command that looked up one record at a time for thousands of jobs needs."""
+        query per :data:`IN_CHUNK` ids: what a command that looked up one record at a time for
+        thousands of jobs needs."""
         ids = sorted({i for i in record_ids if i})
         found: dict[str, R] = {}
         for chunk in in_chunks(ids):

@@ -304,11 +304,11 @@ def trace(
             node.repeated = True
             return
         expanded.add(node.id)
-        hops = hops_of[node.id]
+        below = hops_of[node.id]
         if left == 0:
-            node.truncated = bool(hops)
+            node.truncated = bool(below)
             return
-        for relation, role, other in hops:
+        for relation, role, other in below:
             child = TraceNode(other, relation, role)
             node.children.append(child)
             if prune is None or not prune(other):
