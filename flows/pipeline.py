@@ -225,6 +225,7 @@ def run_replica(
     trigger: str | None = None,
     require_issue: bool = False,
     until: str | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The body of the pipeline flows (also used by the nightly): start, run each stage as a task, finish."""
 
@@ -247,7 +248,7 @@ def run_replica(
             logger.info("running git ref %s from worktree %s", git_ref, repo_root)
         # The recipe of the tree that runs (a checked-out ref brings its own), cut --until a stage.
         try:
-            resolved = resolve(recipe, replica, root=repo_root).until(until or None)
+            resolved = resolve(recipe, replica, root=repo_root, sets=overrides).until(until or None)
         except ConfigError as exc:
             if repo_root == REPO_ROOT:
                 raise
@@ -276,6 +277,7 @@ def run_replica(
             "force": force,
             "dry_run": dry_run,
             "until": until,
+            "overrides": dict(overrides or {}),
             "flow_run_id": flow_run_id,
         }
         automation = _automation(flow_run)
@@ -482,12 +484,16 @@ def replica_run_name(prefix: str = "") -> str:
     (``stereotyped-chipmunk``) that say nothing of what ran."""
     from prefect.runtime import flow_run
 
+    from orchestrator.recipes import set_words
+
     params = flow_run.parameters or {}
     name = f"{prefix}{params.get('recipe')}:{params.get('replica')} on {params.get('backend')}"
     if params.get("git_ref") not in (None, "", "HEAD"):
         name += f" @ {params['git_ref']}"
     if params.get("until"):
         name += f" until {params['until']}"
+    for word in set_words(params.get("overrides") or {}):  # the experiment's own values
+        name += f" {word}"
     if params.get("dry_run"):
         name += " (dry run)"
     return name
@@ -511,6 +517,7 @@ def replica_pipeline(
     force: bool = False,
     dry_run: bool = False,
     until: Stage | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run a recipe's scaled-down replica stage by stage, reusing what is already done.
 
@@ -526,6 +533,9 @@ def replica_pipeline(
             identity fields changed since its last completed run (what `openlab explain` prints).
         until: Stop after this stage (it and the stages it reads from run; e.g. tokenize to
             prepare data now and train later); empty runs every stage of the replica.
+        overrides: Recipe values for this run only, over the replica's own, as `openlab run --set`
+            sets them: {"pretrain.lr": 0.02, "dispatch.scheme": "ragged"}. They change the stages'
+            identities (what is reused) and are recorded with the run.
     """
     return run_replica(
         recipe=recipe,
@@ -537,6 +547,7 @@ def replica_pipeline(
         force=force,
         dry_run=dry_run,
         until=until,
+        overrides=overrides,
     )
 
 

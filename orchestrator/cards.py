@@ -36,6 +36,7 @@ from orchestrator.lineage.models import (
 from orchestrator.lineage.store import LineageStore
 from orchestrator.lineage.usage import attempt_hours
 from orchestrator.preregistration import outcome_lines
+from orchestrator.recipes import set_words
 
 #: Hosts whose remotes are turned into web commit links (GitHub Enterprise hosts can be added).
 DEFAULT_GITHUB_HOSTS: tuple[str, ...] = ("github.com",)
@@ -359,6 +360,9 @@ def render_pipeline(view: PipelineView, github_hosts: Iterable[str] = DEFAULT_GI
     commits = list(view.commits)
     for sv in view.stages:
         commits.extend(c for c in sv.commits if c.id not in {x.id for x in commits})
+    run_set = ((run.params or {}).get("recipe") or {}).get("run_set") or {}
+    if run_set:  # values this run set over its recipe (`--set`, the flow's overrides): the experiment
+        lines += ["", "**Set for this run:** " + ", ".join(f"`` {w} ``" for w in set_words(run_set))]
     if run.command:  # what to type to do it again (secrets were masked when it was recorded)
         lines += ["", f"**Command:** `` {shlex.join(run.command)} ``"]  # a double fence: a ` inside stays code
     if commits:

@@ -21,6 +21,8 @@ own checks before any job starts.
 from __future__ import annotations
 
 import copy
+import difflib
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -188,6 +190,26 @@ SCALE_RULES: dict[str, tuple[str, ...]] = {
 }
 
 #: The recipe schema: a nested mapping of key -> type or marker.
+#: A replica's ``repro`` section (the drop-fraction reproduction): how its one router is trained
+#: (replica scale, not scaled from the reference) and what is measured. ``measure`` is the
+#: workload's ``repro:`` section (arms, windows, measurement batch), checked by the workload's own
+#: validation before any job starts.
+_REPRO: dict[str, Any] = {
+    "train": {
+        "steps": int,
+        "batch_sequences": int,
+        "lr": NUMBER,
+        "min_lr_ratio": Opt(NUMBER),
+        "warmup_steps": Opt(int),
+        "weight_decay": Opt(NUMBER),
+        "grad_clip": Opt(NUMBER),
+        "mixture": Opt(MapOf(NUMBER)),
+        "checkpoint_every": Opt(int),
+    },
+    "measure": MapOf(object),
+}
+
+
 RECIPE_SCHEMA: dict[str, Any] = {
     "name": str,
     "description": Opt(str),
@@ -278,26 +300,8 @@ RECIPE_SCHEMA: dict[str, Any] = {
                 "preregistered": Opt(MapOf(_PREDICTION)),
                 # Which stages this replica runs (default: the training chain, data .. eval).
                 "stages": Opt(ListOf(OneOf(STAGES))),
-                # The drop-fraction reproduction (stage ``repro``): how its one router is trained
-                # (replica scale, not scaled from the reference) and what is measured. ``measure``
-                # is the workload's ``repro:`` section (arms, windows, measurement batch), checked
-                # by the workload's own validation before any job starts.
-                "repro": Opt(
-                    {
-                        "train": {
-                            "steps": int,
-                            "batch_sequences": int,
-                            "lr": NUMBER,
-                            "min_lr_ratio": Opt(NUMBER),
-                            "warmup_steps": Opt(int),
-                            "weight_decay": Opt(NUMBER),
-                            "grad_clip": Opt(NUMBER),
-                            "mixture": Opt(MapOf(NUMBER)),
-                            "checkpoint_every": Opt(int),
-                        },
-                        "measure": MapOf(object),
-                    }
-                ),
+                # The drop-fraction reproduction (stage ``repro``), see _REPRO.
+                "repro": Opt(_REPRO),
             }
         )
     ),
@@ -414,8 +418,8 @@ def _check(value: Any, spec: Any, path: str, where: str) -> None:
     raise AssertionError(f"bad schema at {path}: {spec!r}")  # pragma: no cover
 
 
-def _schema_at(dotted: str) -> Any | None:
-    node: Any = RECIPE_SCHEMA
+def _schema_at(dotted: str, root: Any = RECIPE_SCHEMA) -> Any | None:
+    node: Any = root
     for part in dotted.split("."):
         if isinstance(node, Opt):
             node = node.spec
@@ -443,6 +447,95 @@ def _put(data: dict[str, Any], dotted: str, value: Any) -> None:
     for part in parts[:-1]:
         node = node.setdefault(part, {})
     node[parts[-1]] = value
+
+
+#: Top-level recipe keys no ``set`` may change: what names the recipe, and what a replica states
+#: for itself (its own ``resources`` and ``preregistered`` replace the recipe's, so a value set
+#: there would be ignored without a word).
+_NOT_SETTABLE = ("name", "description", "reference", "replicas", "resources", "preregistered")
+
+
+def _leaves(node: Any, prefix: str = "") -> list[str]:
+    """The dotted names a ``set`` can name under ``node`` (a free-form map's keys are the user's)."""
+    if isinstance(node, Opt):
+        node = node.spec
+    if not isinstance(node, dict):
+        return [prefix]
+    return [leaf for key, spec in node.items() for leaf in _leaves(spec, f"{prefix}{key}.")]
+
+
+def settable_fields(*, repro: bool = False) -> list[str]:
+    """Every recipe value ``--set`` (or a replica's ``set``) may name, for a typo's hint."""
+    names = [n.rstrip(".") for k, v in RECIPE_SCHEMA.items() if k not in _NOT_SETTABLE for n in _leaves(v, f"{k}.")]
+    if repro:
+        names += [n.rstrip(".") for n in _leaves(_REPRO, "repro.")]
+    return names
+
+
+def check_set(dotted: str, value: Any, label: str, where: str, *, repro: bool = False) -> None:
+    """Refuse a ``set`` of ``dotted`` to ``value`` that is no recipe field, a whole section, a key
+    that would be ignored, or a value of the wrong type, in one line naming ``label``.
+
+    ``repro``: ``repro.…`` names the replica's own reproduction section (``--set`` on a replica
+    that has one), not a recipe field.
+    """
+    top = dotted.split(".")[0]
+    if top in _NOT_SETTABLE:
+        what = "names the recipe" if top in ("name", "description", "reference") else "is the replica's own"
+        raise ConfigError(f"{where}: {label}: {top} {what} and cannot be set; edit the recipe file")
+    spec = _schema_at(dotted[len("repro.") :], _REPRO) if repro and top == "repro" else _schema_at(dotted)
+    if spec is None or isinstance(spec, dict):
+        known = settable_fields(repro=repro)
+        if isinstance(spec, dict):  # a whole section: name one of its values
+            raise ConfigError(
+                f"{where}: {label}: a section, not a value; set one of: "
+                + ", ".join(n for n in known if n.startswith(f"{dotted}."))
+            )
+        raise ConfigError(f"{where}: {label}: no such recipe field; {_field_hint(dotted, known)}")
+    _check(value, spec, label, where)
+
+
+def _field_hint(dotted: str, known: Sequence[str]) -> str:
+    """``did you mean 'pretrain.lr'?``, else the fields of the section named, else the sections:
+    a line a person reads, where all seventy fields would not be. Within a known section only
+    the rest of the name is compared (every ``pretrain.…`` is otherwise close to ``pretrain.foo``)."""
+    section, _, rest = dotted.partition(".")
+    inside = [n for n in known if n.startswith(f"{section}.")]
+    if inside:
+        close = difflib.get_close_matches(rest, [n[len(section) + 1 :] for n in inside], n=1)
+        if close:
+            return f"did you mean '{section}.{close[0]}'?"
+        return f"fields of {section}: {', '.join(inside)}"
+    close = difflib.get_close_matches(dotted, known, n=1)
+    if close:
+        return f"did you mean {close[0]!r}?"
+    return "sections: " + ", ".join(dict.fromkeys(n.split(".")[0] for n in known))
+
+
+def set_words(sets: Mapping[str, Any]) -> list[str]:
+    """``pretrain.lr=0.02``, ``pretrain.mixture={"code": 0.5}``: each set value as one word that
+    :func:`parse_sets` reads back (for a run's name, its card and its summary)."""
+    return [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in sets.items()]
+
+
+def parse_sets(items: Sequence[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` arguments as a mapping (a later one of a key wins, as in a shell).
+
+    The value is read as YAML, as in a recipe: ``0.02`` is a number, ``true`` a bool,
+    ``[a, b]`` a list, ``{code: 0.5, prose: 0.5}`` a mapping, ``null`` none, anything else text.
+    Whether the key is a recipe field and the value fits it is checked by :func:`resolve`.
+    """
+    sets: dict[str, Any] = {}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        key = key.strip()
+        if not eq or not key or not raw.strip():
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a dotted recipe key, e.g. pretrain.lr=0.02")
+        try:
+            sets[key] = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {key}: cannot read the value {raw!r}: {' '.join(str(exc).split())}") from None
+    return sets
 
 
 @dataclass(frozen=True)
@@ -505,6 +598,9 @@ class ResolvedRecipe:
     resources: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: Predicted results of the stages this replica runs (orchestrator.preregistration).
     preregistered: tuple[Prediction, ...] = ()
+    #: Values set for this run only (``openlab run --set``, the flow's ``overrides``), applied
+    #: after the replica's ``set``: an experiment without a new recipe file.
+    run_set: dict[str, Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -545,6 +641,7 @@ class ResolvedRecipe:
             "scale": dict(self.scale),
             "scale_float": {k: float(Fraction(v)) for k, v in self.scale.items()},
             "set": dict(self.overrides),
+            "run_set": dict(self.run_set),
             "runtime": dict(self.runtime),
             "derived": dict(self.derived),
             "stages": list(self.stages),
@@ -606,10 +703,7 @@ def parse_recipe(data: Any, path: Path) -> Recipe:
     parse_tolerances(data.get("tracked_metrics") or {}, f"{where}: tracked_metrics")  # the verdict's own rules
     for rname, replica in (data.get("replicas") or {}).items():
         for dotted, value in (replica.get("set") or {}).items():
-            spec = _schema_at(dotted)
-            if spec is None or isinstance(spec, dict) or dotted.split(".")[0] == "replicas":
-                raise ConfigError(f"{where}: replicas.{rname}.set.{dotted}: no such recipe field")
-            _check(value, spec, f"replicas.{rname}.set.{dotted}", where)
+            check_set(dotted, value, f"replicas.{rname}.set.{dotted}", where)
     return Recipe(name=data["name"], path=path.resolve(), data=data, content_hash=hash_json(data))
 
 
@@ -622,10 +716,20 @@ def _scaled(value: Any, factor: Fraction, path: str) -> Any:
 
 
 def resolve(
-    recipe: Recipe | str | Path, replica: str | None = None, *, validate: bool = True, root: Path | None = None
+    recipe: Recipe | str | Path,
+    replica: str | None = None,
+    *,
+    validate: bool = True,
+    root: Path | None = None,
+    sets: Mapping[str, Any] | None = None,
 ) -> ResolvedRecipe:
     """Concrete per-stage workload configs for ``recipe`` at ``replica`` scale (None: full scale),
-    read from the tree ``root`` when given (see :func:`find_recipe`)."""
+    read from the tree ``root`` when given (see :func:`find_recipe`).
+
+    ``sets`` (dotted key -> value, ``openlab run --set``) are applied last, as written (not
+    scaled), over the replica's own ``set``: they change the stages' configs, hence their
+    identities, and the pipeline run records them (``run_set``).
+    """
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, root=root)
     where = recipe.label
@@ -634,7 +738,7 @@ def resolve(
     overrides: dict[str, Any] = {}
     runtime: dict[str, Any] = {"device": "auto", "threads": 0}
     stages: Sequence[str] = DEFAULT_STAGES
-    repro: Mapping[str, Any] | None = None
+    repro: dict[str, Any] | None = None
     if replica is not None:
         replicas = recipe.replicas
         if replica not in replicas:
@@ -652,7 +756,7 @@ def resolve(
             overrides[dotted] = value
             _put(values, dotted, value)
         runtime.update(spec.get("runtime") or {})
-        repro = spec.get("repro")
+        repro = copy.deepcopy(spec.get("repro"))  # a --set may change it: not the recipe's own
         stages = spec.get("stages") or DEFAULT_STAGES
         from orchestrator.pipeline.dag import check_stage_selection  # not at import: the pipeline imports recipes
 
@@ -663,6 +767,12 @@ def resolve(
             )
         if repro is not None and "repro" not in stages:
             raise ConfigError(f"{where}: replicas.{replica}: has a repro section but its stages do not include repro")
+    for dotted, value in (sets or {}).items():
+        check_set(dotted, value, f"--set {dotted}", where, repro=repro is not None)
+        if repro is not None and dotted.startswith("repro."):
+            _put(repro, dotted[len("repro.") :], value)
+        else:
+            _put(values, dotted, value)
     source = recipe.replicas[replica] if replica is not None else recipe.data
     predicted = source.get("preregistered") or {}
     for name, p in predicted.items():
@@ -705,6 +815,7 @@ def resolve(
         stages=tuple(stages),
         resources=resources,
         preregistered=predictions,
+        run_set=dict(sets or {}),
     )
     if validate:
         validate_workload_configs(resolved)

@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from orchestrator.cli.output import byte_progress, console, print_json
-from orchestrator.cli.run import JsonFlag, RecipeArg, ReplicaOpt
+from orchestrator.cli.run import JsonFlag, RecipeArg, ReplicaOpt, SetOpt
 
 
 def adopt_cmd(
@@ -28,6 +28,7 @@ def adopt_cmd(
     backend: Annotated[
         str | None, typer.Option("--backend", "-b", help="The backend later runs use (containers: the image).")
     ] = None,
+    set_values: SetOpt = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Adopt SOURCE as the output of --stage of RECIPE's replica: later runs reuse it instead of running it.
@@ -40,12 +41,12 @@ def adopt_cmd(
     from orchestrator.pipeline.adopt import AdoptError, adopt_stage, check_source, plan_adoption
     from orchestrator.pipeline.execute import RunOptions, execute_stage, finish_pipeline, start_recipe, would_reuse
     from orchestrator.provenance.invocation import command_line, user_at_host
-    from orchestrator.recipes import resolve
+    from orchestrator.recipes import parse_sets, resolve
     from orchestrator.settings import load_settings
 
     settings = load_settings()
     path = check_source(source, settings.artifacts_dir)
-    resolved = resolve(recipe, replica).until(stage)
+    resolved = resolve(recipe, replica, sets=parse_sets(set_values or [])).until(stage)
     backend = backend or settings.default_backend
     plan_adoption(explain_recipe(resolved, backend=backend, settings=settings), stage)
     params = {"adopt": {"stage": stage, "source": str(path), "by": user_at_host(), "move": move}}

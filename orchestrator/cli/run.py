@@ -30,6 +30,15 @@ UntilOpt = Annotated[
     str | None,
     typer.Option("--until", help="Stop after this stage: it and the stages it reads from (e.g. tokenize)."),
 ]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        metavar="KEY=VALUE",
+        help="Set a recipe value for this run only, over the replica's own (repeatable; the value is YAML: "
+        "pretrain.lr=0.02, dispatch.scheme=ragged, pretrain.mixture='{code: 0.5, prose: 0.5}').",
+    ),
+]
 
 _STYLE = {
     "CHECKING": "cyan",
@@ -168,6 +177,7 @@ def run(
         list[str] | None, typer.Option("--force-stage", help="Re-run this stage (repeatable).")
     ] = None,
     until: UntilOpt = None,
+    set_values: SetOpt = None,
     retries: Annotated[
         int | None,
         typer.Option(
@@ -181,10 +191,10 @@ def run(
     from orchestrator.pipeline import PipelineHooks, RunOptions, run_stages, stage_retries, start_recipe
     from orchestrator.preregistration import outcome_lines
     from orchestrator.provenance.invocation import command_line
-    from orchestrator.recipes import resolve
+    from orchestrator.recipes import parse_sets, resolve, set_words
     from orchestrator.settings import load_settings
 
-    resolved = resolve(recipe, replica).until(until)
+    resolved = resolve(recipe, replica, sets=parse_sets(set_values or [])).until(until)
     settings = load_settings()
     retries = stage_retries(settings) if retries is None else retries
     options = RunOptions(
@@ -230,6 +240,8 @@ def run(
             f"commit {ctx.commit.id} · environment {ctx.environment.id[:16]} · "
             f"recipe {resolved.name} · backend {ctx.options.backend}"
         )
+        if resolved.run_set:  # what this run set over its recipe: the experiment, in its summary
+            console.print("set for this run: " + " ".join(set_words(resolved.run_set)), markup=False, highlight=False)
         for line in outcome_lines(result.pipeline_run.preregistration):
             console.print(f"pre-registered {line}", markup=False, highlight=False)
         if result.error:
@@ -255,14 +267,15 @@ def explain(
         typer.Option("--backend", "-b", help="Plan for this backend (containers: the image is the environment)."),
     ] = None,
     until: UntilOpt = None,
+    set_values: SetOpt = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Dry run: for each stage, run or reuse, and which identity fields changed since its last completed run."""
     from orchestrator.pipeline import explain_recipe
-    from orchestrator.recipes import resolve
+    from orchestrator.recipes import parse_sets, resolve
     from orchestrator.settings import load_settings
 
-    resolved = resolve(recipe, replica).until(until)
+    resolved = resolve(recipe, replica, sets=parse_sets(set_values or [])).until(until)
     plans = explain_recipe(
         resolved, force=_force_value(force, force_stage), backend=backend or load_settings().default_backend
     )

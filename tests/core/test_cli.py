@@ -88,6 +88,10 @@ def test_provenance_outside_git_warns_not_crashes(run_cli, tmp_path: Path) -> No
         # a typo in a forced stage would quietly reuse the stage meant to re-run
         ("explain", "marin-535b-a23b", "--force-stage", "pretrian"),
         ("run", "marin-535b-a23b", "--replica", "drops-tiny", "--force-stage", "pretrain"),
+        # a misspelt --set key would run the recipe's value under a name that says otherwise
+        ("run", "marin-535b-a23b", "--replica", "tiny", "--set", "pretrain.lrr=0.02"),
+        ("explain", "marin-535b-a23b", "--replica", "tiny", "--set", "pretrain.lr"),
+        ("adopt", "marin-535b-a23b", "/tmp", "--stage", "data", "--set", "resources.default.cpus=4"),
         # what the command line parser refuses, too: an option, a command, a value, an argument
         ("run", "marin-535b-a23b", "--dry-run"),
         ("lineage", "lst"),
@@ -109,7 +113,7 @@ def test_a_misspelt_option_or_command_names_the_command_its_help_and_the_one_mea
     )
     result = run_cli("run", "marin-535b-a23b", "--stage", "pretrain")
     assert result.stderr.strip() == (
-        "error: openlab run: No such option: --stage (Possible options: --force-stage); see openlab run --help"
+        "error: openlab run: No such option: --stage (Possible options: --force-stage, --set); see openlab run --help"
     )
     assert result.stdout == ""
 
@@ -419,6 +423,38 @@ def test_a_bad_retry_setting_stops_a_run_before_anything_is_recorded(run_cli, op
     assert not (openlab_home / "lineage.db").exists()
     negative = run_cli("run", "marin-535b-a23b", "--replica", "tiny", "--retries", "-1")
     assert negative.returncode == 2 and "Traceback" not in negative.stderr
+
+
+def test_a_value_set_on_the_command_line_runs_is_recorded_and_shown_and_is_reused_only_when_set_again(
+    run_cli, openlab_home: Path
+) -> None:
+    """`openlab run --set`: the stage runs with the value, its summary and lineage card say so, the
+    pipeline run records it apart from the recipe's values, `explain` with the same `--set` reuses
+    the stage, and without it plans a run naming the field."""
+    from orchestrator.cards import pipeline_card
+    from orchestrator.lineage import LineageStore, PipelineRun, StageRun
+
+    args = ("marin-535b-a23b", "--replica", "tiny", "--until", "data")
+    ran = run_cli("run", *args, "--set", "data.max_bytes_per_domain=150000", "--json")
+    assert ran.returncode == 0, ran.stderr
+    doc = json.loads(ran.stdout)
+    assert doc["recipe_lineage"]["run_set"] == {"data.max_bytes_per_domain": 150000}
+    with LineageStore.open() as store:
+        (run,) = store.list(PipelineRun)
+        (data,) = store.list(StageRun, stage="data")
+        assert run.params["recipe"]["run_set"] == {"data.max_bytes_per_domain": 150000}
+        assert run.params["recipe"]["set"]["data.max_bytes_per_domain"] == 200000  # the replica's, as written
+        assert data.identity_fields["config"]["data"]["max_bytes_per_domain"] == 150000
+        assert "**Set for this run:** `` data.max_bytes_per_domain=150000 ``" in pipeline_card(store, run.id)
+
+    again = json.loads(run_cli("explain", *args, "--set", "data.max_bytes_per_domain=150000", "--json").stdout)
+    assert again["stages"][0]["action"] == "reuse" and again["stages"][0]["reused_from"] == data.id
+    plain = json.loads(run_cli("explain", *args, "--json").stdout)["stages"][0]
+    assert plain["action"] == "run" and any("150000 -> 200000" in c for c in plain["changes"]), plain
+
+    shown = run_cli("run", *args, "--set", "data.max_bytes_per_domain=150000", env={"COLUMNS": "200"})
+    assert shown.returncode == 0, shown.stderr
+    assert "set for this run: data.max_bytes_per_domain=150000" in shown.stdout.splitlines(), shown.stdout
 
 
 def test_run_at_a_terminal_shows_live_progress_and_the_summary(run_cli_tty, run_cli) -> None:

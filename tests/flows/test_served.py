@@ -171,6 +171,31 @@ def test_a_run_an_automation_starts_is_recorded_as_the_automations(served: Serve
     assert run.user == current_user()
 
 
+def test_values_set_in_the_run_form_configure_the_run_and_are_recorded_and_named(served: Served) -> None:
+    """The form's `overrides` (`openlab run --set` from the UI): the stage gets the value, the pipeline
+    run records it apart from the recipe's own, the flow run's name says it, and a misspelt key
+    fails the flow run in one line naming it, before any stage."""
+    overrides = {"data.max_bytes_per_domain": 150000}
+    done = wait_flow_run(start_run("replica-pipeline/replica", {**TINY, "until": "data", "overrides": overrides}), 180)
+    assert done.state.is_completed(), f"{done.state.message}\n{served.log()[-3000:]}"
+    assert done.name == "marin-535b-a23b:tiny on local until data data.max_bytes_per_domain=150000"
+    with LineageStore(served.db_url) as store:
+        (run,) = store.list(PipelineRun, flow_run_id=str(done.id))
+        assert run.params["recipe"]["run_set"] == overrides and run.params["prefect"]["overrides"] == overrides
+        (data,) = store.list(StageRun, pipeline_run_id=run.id)
+        assert data.identity_fields["config"]["data"]["max_bytes_per_domain"] == 150000
+
+    bad = wait_flow_run(
+        start_run("replica-pipeline/replica", {**TINY, "until": "data", "overrides": {"data.max_bytes": 1}}), 120
+    )
+    assert bad.state.is_failed(), bad.state
+    assert "--set data.max_bytes: no such recipe field; did you mean 'data.max_bytes_per_domain'?" in (
+        bad.state.message or ""
+    ), bad.state.message
+    with LineageStore(served.db_url) as store:
+        assert store.list(PipelineRun, flow_run_id=str(bad.id)) == []  # refused before anything was recorded
+
+
 def _plant_better_nightly(store: LineageStore, loss_factor: float) -> PipelineRun:
     """A fake earlier good nightly whose eval losses are ``loss_factor`` times the real tiny ones."""
     real_eval = next(s for s in store.list(StageRun, stage="eval", state="COMPLETED") if s.metrics)

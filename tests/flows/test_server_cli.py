@@ -46,7 +46,7 @@ def test_deploy_registers_parameter_schema_and_nightly_cron(prefect_server: Pref
         pipeline = client.read_deployment_by_name(PIPELINE)
         nightly = client.read_deployment_by_name(NIGHTLY)
     props = pipeline.parameter_openapi_schema["properties"]
-    assert {"recipe", "replica", "backend", "issue", "git_ref", "force", "dry_run"} <= set(props)
+    assert {"recipe", "replica", "backend", "issue", "git_ref", "force", "dry_run", "until", "overrides"} <= set(props)
     assert props["backend"]["enum"] == ["local", "docker", "slurm", "kubernetes"]
     assert props["force"]["type"] == "boolean" and props["dry_run"]["default"] is False
     assert "description" in props["replica"]  # from the flow's docstring, shown in the UI form

@@ -102,6 +102,11 @@ def test_small_replica_resolves_and_passes_the_workload_checks() -> None:
             {"model.nope": 1},
             "recipe r.yaml: replicas.tiny.set.model.nope: no such recipe field",
         ),
+        (  # a replica's own resources replace the recipe's: a value set there would be ignored
+            ("replicas", "tiny", "set"),
+            {"resources.default.cpus": 4},
+            "recipe r.yaml: replicas.tiny.set.resources.default.cpus: resources is the replica's own",
+        ),
         (
             ("replicas", "tiny", "set"),
             {"model.layers": "2"},
@@ -435,3 +440,66 @@ def test_preregistered_predictions_travel_with_the_recipe_and_follow_its_stages(
     said = r"preregistered\.eval/code/loss\.stage: got 'evaluate'; did you mean 'eval'\? expected one of: "
     with pytest.raises(ConfigError, match=said):
         load_recipe(write(tmp_path, data))
+
+
+# -- `openlab run --set` / the flow's `overrides`: one run's values over its recipe --------------------
+
+
+def test_a_value_set_for_one_run_configures_its_stages_as_the_same_value_in_the_recipe_would(
+    tmp_path: Path,
+) -> None:
+    """A `--set` is an experiment without a new recipe file: its stages get the configs (so the
+    identities, so what is reused) that writing the value into the replica's `set` gives, it wins
+    over the replica's own `set`, it is taken as written (not scaled), and the run records it apart
+    from the recipe's values."""
+    from orchestrator.recipes import parse_sets
+
+    sets = parse_sets(["pretrain.lr=0.02", "model.d_model=128", "pretrain.mixture={code: 0.5, prose: 0.5}"])
+    assert sets == {"pretrain.lr": 0.02, "model.d_model": 128, "pretrain.mixture": {"code": 0.5, "prose": 0.5}}
+    by_hand = base()
+    by_hand["replicas"]["tiny"]["set"].update(sets)
+    edited = resolve(load_recipe(write(tmp_path, by_hand)), "tiny")
+    set_here = resolve("marin-535b-a23b", "tiny", sets=sets)
+    assert set_here.stage_configs == edited.stage_configs
+    assert {s: identity_config(c) for s, c in set_here.stage_configs.items()} != {
+        s: identity_config(c) for s, c in resolve("marin-535b-a23b", "tiny").stage_configs.items()
+    }
+    pretrain = set_here.stage_configs["pretrain"]
+    assert pretrain["train"]["lr"] == 0.02  # over the replica's own pretrain.lr: 0.01
+    assert pretrain["model"]["d_model"] == 128  # as written: the tiny scale (1/96) would make 128 into 1
+    lineage = set_here.lineage()
+    assert lineage["run_set"] == sets and lineage["set"]["pretrain.lr"] == 0.01
+    assert resolve("marin-535b-a23b", "tiny").lineage()["run_set"] == {}
+    # the reproduction's own section, on a replica that has one
+    drops = resolve("marin-535b-a23b", "drops-tiny", sets={"repro.train.lr": 0.02})
+    assert drops.stage_configs["repro"]["train"]["lr"] == 0.02
+    assert resolve("marin-535b-a23b", "drops-tiny").stage_configs["repro"]["train"]["lr"] == 0.01  # not changed
+
+
+@pytest.mark.parametrize(
+    ("replica", "items", "message"),
+    [
+        ("tiny", ["pretrain.lrr=0.02"], "--set pretrain.lrr: no such recipe field; did you mean 'pretrain.lr'?"),
+        ("tiny", ["pretrain.foo=1"], "--set pretrain.foo: no such recipe field; fields of pretrain: pretrain.lr,"),
+        ("tiny", ["bogus.x=1"], "--set bogus.x: no such recipe field; sections: seed, model,"),
+        ("tiny", ["pretrain=1"], "--set pretrain: a section, not a value; set one of: pretrain.lr,"),
+        ("tiny", ["pretrain.lr=fast"], "--set pretrain.lr: expected number, got str"),
+        ("tiny", ["dispatch.scheme=warp"], "--set dispatch.scheme: got 'warp'; expected one of: dropless,"),
+        # a replica's own resources and predictions replace the recipe's: a value set there would be ignored
+        ("tiny", ["resources.default.cpus=4"], "--set resources.default.cpus: resources is the replica's own"),
+        ("tiny", ["name=other"], "--set name: name names the recipe and cannot be set"),
+        ("tiny", ["repro.train.lr=0.1"], "--set repro.train.lr: no such recipe field"),  # tiny has no repro
+        ("drops-tiny", ["repro.train.stepz=3"], "--set repro.train.stepz: no such recipe field; did you mean"),
+        # the workload's own checks see the value too, before any job
+        ("tiny", ["model.top_k=16"], "stage pretrain:"),
+        ("tiny", ["pretrain.lr"], "--set 'pretrain.lr': expected KEY=VALUE"),
+        ("tiny", ["=1"], "--set '=1': expected KEY=VALUE"),
+        ("tiny", ["pretrain.lr=[1"], "--set pretrain.lr: cannot read the value '[1'"),
+    ],
+)
+def test_a_bad_set_is_one_line_naming_the_key_before_anything_runs(replica: str, items: list, message: str) -> None:
+    from orchestrator.recipes import parse_sets
+
+    with pytest.raises(ConfigError) as err:
+        resolve("marin-535b-a23b", replica, sets=parse_sets(items))
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
