@@ -455,6 +455,8 @@ def test_a_value_set_on_the_command_line_runs_is_recorded_and_shown_and_is_reuse
     shown = run_cli("run", *args, "--set", "data.max_bytes_per_domain=150000", env={"COLUMNS": "200"})
     assert shown.returncode == 0, shown.stderr
     assert "set for this run: data.max_bytes_per_domain=150000" in shown.stdout.splitlines(), shown.stdout
+    listed = run_cli("lineage", "list", "--kind", "pipeline_run")  # which runs were the experiment
+    assert " ".join(listed.stdout.split()).count("backend=local set data.max_bytes_per_domain=150000 user=") == 2
 
 
 def test_run_at_a_terminal_shows_live_progress_and_the_summary(run_cli_tty, run_cli) -> None:
