@@ -429,7 +429,7 @@ def diff_cmd(
             "changes": {s.name: s.fields for s in sections},
         }
         if metric:
-            out["metrics"] = {s.name: [c.to_dict() for c in s.metrics] for s in sections}
+            out["metrics"] = {s.name: [c.to_dict() for c in s.metrics] for s in sections if s.kind == "stage"}
         out["code_commits"] = {
             s.name: {
                 "range": list(s.commit_range),
@@ -453,7 +453,7 @@ def diff_cmd(
             say(f"  {change['path']}: {change['old']!r} -> {change['new']!r}")
         if section.commit_range:
             _print_code_commits(section)
-        if metric:
+        if metric and section.kind == "stage":  # the run section says what was asked: it has no metrics
             _print_metric_changes(section)
 
 

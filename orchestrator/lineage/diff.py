@@ -110,6 +110,32 @@ class Section:
     #: The id of the one run that ran this stage, when the other did not (``fields`` then holds
     #: the single change ``stage``, present on one side only, which ``--json`` keeps).
     only_in: str | None = None
+    #: ``stage`` (a stage's identity and metrics), or ``run``: what two pipeline runs were asked
+    #: to do differently as a whole (values ``--set``, backend, recipe, replica), no metrics.
+    kind: str = "stage"
+
+
+#: What two pipeline runs may be asked differently as a whole, beside their stages' identities.
+RUN_FIELDS = ("recipe", "replica", "backend")
+
+
+def run_changes(a: PipelineRun, b: PipelineRun) -> list[dict[str, Any]]:
+    """How two pipeline runs were asked differently: each value set for one run only (``set.KEY``,
+    ``openlab run --set``) and the recipe, replica and backend. Their stages' identities show
+    the effect stage by stage; this names the cause once."""
+    set_a = ((a.params or {}).get("recipe") or {}).get("run_set") or {}
+    set_b = ((b.params or {}).get("recipe") or {}).get("run_set") or {}
+    changes = [
+        {"path": f"set.{key}", "old": set_a.get(key), "new": set_b.get(key)}
+        for key in sorted(set_a.keys() | set_b.keys())
+        if set_a.get(key) != set_b.get(key)
+    ]
+    changes += [
+        {"path": name, "old": getattr(a, name), "new": getattr(b, name)}
+        for name in RUN_FIELDS
+        if getattr(a, name) != getattr(b, name)
+    ]
+    return changes
 
 
 def previous_run(store: LineageStore, run: PipelineRun) -> PipelineRun | None:
@@ -192,6 +218,10 @@ def diff_records(
         changed = [{"path": k, "old": pa.get(k), "new": pb.get(k)} for k in sorted(pa.keys() | pb.keys())]
         return [Section(left.kind, [c for c in changed if c["old"] != c["new"]])]
     sections = []
+    if left.kind == "pipeline_run":
+        asked = run_changes(left, right)  # type: ignore[arg-type]
+        if asked:
+            sections.append(Section("run", asked, kind="run"))
     for stage, (a, b) in pairs.items():
         if a is None or b is None:
             fields = [{"path": "stage", "old": stage if a else None, "new": stage if b else None}]

@@ -458,6 +458,20 @@ def test_a_value_set_on_the_command_line_runs_is_recorded_and_shown_and_is_reuse
     listed = run_cli("lineage", "list", "--kind", "pipeline_run")  # which runs were the experiment
     assert " ".join(listed.stdout.split()).count("backend=local set data.max_bytes_per_domain=150000 user=") == 2
 
+    # `lineage diff` names the value set once, as what the two runs were asked differently
+    plain_run = json.loads(run_cli("run", *args, "--json").stdout)["pipeline_run_id"]
+    with LineageStore.open() as store:
+        first, second, third = (r.id for r in store.list(PipelineRun, order_by=PipelineRun.started_at))
+    assert third == plain_run
+    same = json.loads(run_cli("lineage", "diff", first, second, "--json").stdout)
+    assert "run" not in same["changes"] and same["changes"]["data"] == []
+    moved = json.loads(run_cli("lineage", "diff", second, third, "--json", "-m", "*").stdout)
+    assert moved["changes"]["run"] == [{"path": "set.data.max_bytes_per_domain", "old": 150000, "new": None}]
+    assert {"path": "config.data.max_bytes_per_domain", "old": 150000, "new": 200000} in moved["changes"]["data"]
+    assert "run" not in moved["metrics"]
+    text = run_cli("lineage", "diff", second, third, "-m", "*").stdout.splitlines()
+    assert text[:2] == ["run: 1 field(s) differ", "  set.data.max_bytes_per_domain: 150000 -> None"], text
+
 
 def test_run_at_a_terminal_shows_live_progress_and_the_summary(run_cli_tty, run_cli) -> None:
     """The display only a terminal gets (rich progress bars) must work: it is what people see first."""
