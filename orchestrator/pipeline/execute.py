@@ -987,6 +987,7 @@ def _wandb_section(ctx: PipelineContext, spec: StageSpec, identity: str, stage_r
             issue_number = None
     data = ctx.results.get("data")
     from orchestrator.lineage.verify import anchor_of
+    from orchestrator.recipes import set_words
 
     anchor = anchor_of(ctx.store, ctx.id)  # the run's start, published with its W&B runs too
     try:
@@ -1009,6 +1010,8 @@ def _wandb_section(ctx: PipelineContext, spec: StageSpec, identity: str, stage_r
                 "environment": ctx.environment.id,
                 "issue": ctx.issue_id,
                 "lineage_anchor": str(anchor) if anchor is not None else None,
+                # the values this run set over its recipe (`run --set`): the experiment, in W&B's run overview
+                "run_set": set_words(ctx.recipe.run_set) if ctx.recipe is not None and ctx.recipe.run_set else None,
             },
             settings=ctx.settings,
         )

@@ -69,7 +69,8 @@ def test_drops_replica_runs_the_reproduction_stage_with_lineage_then_reuses() ->
     assert prep["state"] == "COMPLETED", prep["error"]
     assert [(s["stage"], s["state"]) for s in prep["stages"]] == [("data", "COMPLETED"), ("tokenize", "COMPLETED")]
     assert prep["recipe_lineage"]["stages"] == ["data", "tokenize"]
-    first = openlab_run("--replica", "drops-tiny", "--json")
+    # A value set to what the recipe has (`--set`) changes no identity: the next run without it reuses all.
+    first = openlab_run("--replica", "drops-tiny", "--set", "repro.train.warmup_steps=2", "--json")
     assert first["state"] == "COMPLETED", first["error"]
     assert [(s["stage"], s["state"]) for s in first["stages"]] == [
         ("data", "REUSED"),
@@ -97,6 +98,7 @@ def test_drops_replica_runs_the_reproduction_stage_with_lineage_then_reuses() ->
     # ... and how the run was started and as whom: a W&B workspace filters the nightlies on the tag
     assert "trigger-terminal" in back.tags, back.tags
     assert back.config["openlab"]["user"] == current_user(), back.config
+    assert back.config["openlab"]["run_set"] == ["repro.train.warmup_steps=2"], back.config  # what the run set
     second = openlab_run("--replica", "drops-tiny", "--json")
     states = [(s["stage"], s["state"], s["reason"]) for s in second["stages"]]
     assert [s[1] for s in states] == ["REUSED"] * 3, states
