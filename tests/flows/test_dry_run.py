@@ -88,6 +88,13 @@ def test_dry_run_explains_reuse_and_changed_fields_and_launches_nothing(
     assert "| data | **run** |" in markdown and change in markdown
     assert f"changed: {change}" in logs
 
+    # 2b. The same value set in the form (`overrides`, as `openlab run --set`): the same plan, no file edited.
+    state = replica_pipeline(
+        recipe="marin-535b-a23b", replica="tiny", dry_run=True, overrides={"data.max_bytes_per_domain": 150000}
+    )
+    assert state["stages"][0]["changes"] == [change] and state["stages"][0]["action"] == "run"
+    assert state["lineage"]["run_set"] == {"data.max_bytes_per_domain": 150000}
+
     # 3. `until` from the form: only the stage and what it reads from are planned.
     state = replica_pipeline(
         recipe="marin-535b-a23b", replica="tiny", dry_run=True, until="tokenize", return_state=True
