@@ -491,6 +491,114 @@ def _print_metric_changes(section: Section) -> None:
         say(f"    {c.metric:<{width}}  {old} -> {new}{change}")
 
 
+@app.command("compare")
+def compare_cmd(
+    runs: Annotated[list[str] | None, typer.Argument(help="Pipeline run ids (or unique prefixes).")] = None,
+    metric: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--metric",
+            "-m",
+            help="Metrics to show, shell patterns ('eval/*/loss', '*' for all), STAGE:PATTERN for one stage's "
+            "alone ('eval:eval/*/loss'). Repeatable. Default: eval's losses and repro's late-window drops.",
+        ),
+    ] = None,
+    state: StateOpt = None,
+    recipe: RecipeOpt = None,
+    replica: ReplicaOpt = None,
+    backend: BackendOpt = None,
+    since: SinceOpt = None,
+    until: UntilOpt = None,
+    commit: CommitOpt = None,
+    issue: IssueOpt = None,
+    user: UserOpt = None,
+    trigger: TriggerOpt = None,
+    limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="At most this many runs (the newest).")] = 20,
+    json_out: JsonFlag = False,
+) -> None:
+    """Several pipeline runs side by side, oldest first: the values that vary among them (each value
+    --set, backend, commit) and the metrics they measured, e.g. a sweep of pretrain.lr.
+
+    The runs given, plus those the filters of `lineage list` pick (`--replica tiny --since 1d`).
+    """
+    from orchestrator.lineage.compare import DEFAULT_METRICS, compare_runs
+    from orchestrator.lineage.listing import list_records
+    from orchestrator.lineage.models import PipelineRun
+
+    store = _open()
+    picked = []
+    for ref in runs or ():
+        record = store.find(ref)
+        if not isinstance(record, PipelineRun):
+            raise ConfigError(f"{ref} is a {record.kind}, not a pipeline run: compare takes runs (prun_…)")
+        picked.append(record)
+    flt = _record_filter(locals())
+    if flt.given():
+        found = list_records(store, ["pipeline_run"], flt, limit=limit).records
+        if not found:
+            raise NotFoundError(
+                "no pipeline run matches these filters; `openlab lineage list -k pipeline_run` shows runs"
+            )
+        picked += found
+    if not picked:
+        raise ConfigError("give pipeline run ids, or filters that pick runs (e.g. --replica tiny --since 1d)")
+    comparison = compare_runs(store, picked, metric or DEFAULT_METRICS)
+    if json_out:
+        print_json(comparison.to_dict())
+        return
+    _print_comparison(comparison, metric is None)
+
+
+def _print_comparison(comparison: Any, default_metrics: bool) -> None:
+    """A table of the runs (below 110 columns: a block per run, one value a line)."""
+    from orchestrator.recipes import set_words
+
+    def value(row: Any, key: str) -> str:
+        got = row.asked.get(key)
+        return "-" if got is None else set_words({key: got})[0].split("=", 1)[1]
+
+    def number(row: Any, column: tuple[str, str]) -> str:
+        got = row.metrics.get(column)
+        return "-" if got is None else format(got, ".6g")
+
+    # A table only where every column fits whole (numbers are compared across rows: never folded)
+    widths = [25, 16, 9]
+    widths += [max([len(key)] + [len(value(row, key)) for row in comparison.rows]) for key in comparison.varies]
+    widths += [
+        max([len(comparison.label(c))] + [len(number(row, c)) for row in comparison.rows]) for c in comparison.columns
+    ]
+    if narrow() or sum(widths) + 3 * len(widths) > console.width:  # padding each side and a rule between
+        for row in comparison.rows:
+            say(f"{row.run.id}  {row.run.started_at:%Y-%m-%d %H:%M}  {row.run.state}")
+            for key in comparison.varies:
+                say(f"    {key}: {value(row, key)}")
+            for column in comparison.columns:
+                say(f"    {comparison.label(column)}: {number(row, column)}")
+    else:
+        table = compact_table("openlab lineage compare")
+        table.add_column("run", no_wrap=True)
+        table.add_column("started", no_wrap=True)
+        table.add_column("state", no_wrap=True)
+        for key in comparison.varies:  # a heading whole (up to 40 characters); a long value folds under it
+            table.add_column(escape(key), overflow="fold", min_width=min(len(key), 40))
+        for column in comparison.columns:
+            table.add_column(escape(comparison.label(column)), justify="right", overflow="fold")
+        for row in comparison.rows:
+            table.add_row(
+                row.run.id,
+                f"{row.run.started_at:%Y-%m-%d %H:%M}",
+                row.run.state,
+                *(escape(value(row, key)) for key in comparison.varies),
+                *(number(row, column) for column in comparison.columns),
+            )
+        console.print(table)
+    if not comparison.varies:
+        say("the runs were asked the same (no value set, backend, recipe, replica or commit differs)")
+    if not comparison.columns:
+        hint = "add -m PATTERN ('*' for all)" if default_metrics else "'*' shows all"
+        say(f"no metric of these runs matches the patterns; {hint}")
+
+
 @app.command("verify")
 def verify_cmd(
     anchor: Annotated[

@@ -560,3 +560,105 @@ def _helps(root: Any, path: tuple[str, ...]) -> list[str]:
     for name in path:
         command = command.commands[name]
     return [command.help or "", *(getattr(p, "help", None) or "" for p in command.params)]
+
+
+def test_compare_puts_a_sweeps_runs_side_by_side_with_what_each_set_and_measured(run_cli, openlab_home: Path) -> None:
+    """`lineage compare`: one row a run, oldest first; the values that vary among them (each `--set`,
+    the backend) and not those that do not; the metrics the patterns pick, a reused stage's through
+    the run it reused; a metric two stages report under one name told apart by its stage."""
+    import datetime as dt
+
+    from orchestrator.lineage import LineageStore, PipelineRun, StageRun
+
+    start = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
+    ids: list[str] = []
+    evals: list[StageRun] = []
+    with LineageStore.open() as store, store.transaction() as tx:
+        for i, (lr, backend, loss) in enumerate(((0.01, "local", 5.5), (0.02, "slurm", 5.25), (0.02, "local", None))):
+            run = tx.add(
+                PipelineRun(
+                    recipe="marin-535b-a23b",
+                    replica="tiny",
+                    backend=backend,
+                    state="COMPLETED",
+                    started_at=start + dt.timedelta(hours=i),
+                    params={"recipe": {"run_set": {"pretrain.lr": lr}}},
+                )
+            )
+            ids.append(run.id)
+            at = start + dt.timedelta(hours=i, minutes=1)
+            tx.add(  # post-training logs a metric of the same name as eval's
+                StageRun(
+                    pipeline_run_id=run.id,
+                    stage="posttrain",
+                    identity=f"p{i}",
+                    state="COMPLETED",
+                    metrics={"eval/sft/loss": 6.0 + i},
+                    started_at=at,
+                )
+            )
+            measured = {"eval/code/loss": loss, "eval/sft/loss": 5.0 + i, "eval/moe/drop_fraction": 0.1}
+            evals.append(
+                tx.add(
+                    StageRun(
+                        pipeline_run_id=run.id,
+                        stage="eval",
+                        identity=f"e{min(i, 1)}",
+                        state="COMPLETED" if loss is not None else "REUSED",
+                        metrics=measured if loss is not None else {},
+                        # the third run's eval reused the second's: its numbers are read through it
+                        reused_from=evals[1].id if loss is None else None,
+                        started_at=at + dt.timedelta(minutes=1),
+                    )
+                )
+            )
+
+    doc = json.loads(run_cli("lineage", "compare", "--replica", "tiny", "-m", "*loss", "--json").stdout)
+    assert [r["id"] for r in doc["runs"]] == ids  # oldest first
+    assert doc["varies"] == ["set.pretrain.lr", "backend"]  # the recipe, replica and commit are the same
+    labels = [c["label"] for c in doc["columns"]]  # pipeline order; a name two stages report says whose
+    assert labels == ["posttrain:eval/sft/loss", "eval/code/loss", "eval:eval/sft/loss"], labels
+    assert [r["asked"]["set.pretrain.lr"] for r in doc["runs"]] == [0.01, 0.02, 0.02]
+    assert [r["metrics"]["eval"]["eval/code/loss"] for r in doc["runs"]] == [5.5, 5.25, 5.25]  # reused: read through
+    assert [r["metrics"]["posttrain"]["eval/sft/loss"] for r in doc["runs"]] == [6.0, 7.0, 8.0]
+
+    # STAGE:PATTERN picks one stage's; two runs given by id; the default is eval's losses
+    picked = json.loads(run_cli("lineage", "compare", ids[0], ids[1], "-m", "eval:*sft*", "--json").stdout)
+    assert [(c["stage"], c["label"]) for c in picked["columns"]] == [("eval", "eval/sft/loss")]
+    assert [r["metrics"] for r in picked["runs"]] == [
+        {"eval": {"eval/sft/loss": 5.0}},
+        {"eval": {"eval/sft/loss": 6.0}},
+    ]
+    default = json.loads(run_cli("lineage", "compare", *ids, "--json").stdout)
+    default_labels = ["eval/code/loss", "eval/sft/loss"]
+    assert [c["label"] for c in default["columns"]] == default_labels
+
+    wide = run_cli("lineage", "compare", "--replica", "tiny", env={"COLUMNS": "200"}).stdout.splitlines()
+    header = next(line for line in wide if line.startswith("run "))
+    assert header.split() == [
+        "run",
+        "started",
+        "state",
+        "set.pretrain.lr",
+        "backend",
+        "eval/code/loss",
+        "eval/sft/loss",
+    ]
+    assert wide[-1].split() == [ids[2], "2026-12-01", "14:00", "COMPLETED", "0.02", "local", "5.25", "6"], wide
+    narrow = run_cli("lineage", "compare", "--replica", "tiny", env={"COLUMNS": "80"}).stdout.splitlines()
+    assert narrow[:5] == [
+        f"{ids[0]}  2026-12-01 12:00  COMPLETED",
+        "    set.pretrain.lr: 0.01",
+        "    backend: local",
+        "    eval/code/loss: 5.5",
+        "    eval/sft/loss: 5",
+    ], narrow
+
+    for args, message in (
+        ((), "error: give pipeline run ids, or filters that pick runs (e.g. --replica tiny --since 1d)"),
+        (("--replica", "nope"), "error: no pipeline run matches these filters;"),
+        ((ids[0], "-m", "nothing*"), "no metric of these runs matches the patterns; '*' shows all"),
+    ):
+        out = run_cli("lineage", "compare", *args)
+        text = (out.stderr + out.stdout).strip()
+        assert text.splitlines()[-1].startswith(message), text

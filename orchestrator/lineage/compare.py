@@ -1,0 +1,127 @@
+"""Several pipeline runs side by side: what each was asked differently, and what it measured.
+
+``lineage diff`` compares two runs field by field. A sweep (``openlab run --set pretrain.lr=X``
+for three values of X) asks a different question: which of these runs did best, and what did
+each do differently? That is a table, one row a run: the values that vary among the runs (each
+``--set``, the backend, the commit), then the metrics the patterns pick, a reused stage's read
+through the run it reused (what the pipeline run has for that stage). W&B's runs table answers
+it once runs are synced; this answers it offline, from lineage alone, with the commit and data
+each number came from one ``lineage show`` away.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlmodel import col
+
+from orchestrator.lineage.diff import RUN_FIELDS, commit_of, stage_metrics
+from orchestrator.lineage.models import PipelineRun, StageRun
+from orchestrator.lineage.store import LineageStore
+
+#: What ``lineage compare`` shows without ``--metric``: the held-out losses of ``eval`` and the
+#: late-window drop fractions of ``repro``, the numbers a replica is run for.
+DEFAULT_METRICS = ("eval:eval/*/loss", "repro:repro/*/late_median_drop")
+
+
+def metric_matches(stage: str, metric: str, patterns: Iterable[str]) -> bool:
+    """Whether ``metric`` of ``stage`` is picked: a pattern is a shell pattern of the metric's
+    name (``eval/*/loss``), or ``STAGE:PATTERN`` for that stage's alone (``eval:eval/*/loss``:
+    post-training logs metrics of the same names as it trains)."""
+    for pattern in patterns:
+        stage_glob, sep, metric_glob = pattern.rpartition(":")
+        if sep and fnmatch.fnmatchcase(stage, stage_glob) and fnmatch.fnmatchcase(metric, metric_glob):
+            return True
+        if not sep and fnmatch.fnmatchcase(metric, pattern):
+            return True
+    return False
+
+
+@dataclass
+class Row:
+    """One pipeline run of a comparison."""
+
+    run: PipelineRun
+    #: What it was asked: ``set.KEY`` per value set for it, ``recipe``, ``replica``, ``backend``, ``commit``.
+    asked: dict[str, Any]
+    #: ``(stage, metric) -> value`` for the metrics the patterns picked.
+    metrics: dict[tuple[str, str], float]
+
+    def to_dict(self, columns: Sequence[tuple[str, str]]) -> dict[str, Any]:
+        metrics: dict[str, dict[str, float]] = {}
+        for stage, name in columns:
+            if (stage, name) in self.metrics:
+                metrics.setdefault(stage, {})[name] = self.metrics[(stage, name)]
+        return {
+            "id": self.run.id,
+            "started_at": self.run.started_at.isoformat() if self.run.started_at else None,
+            "state": self.run.state,
+            "asked": self.asked,
+            "metrics": metrics,
+        }
+
+
+@dataclass
+class Comparison:
+    """Rows of runs, oldest first, with the asked fields that vary among them and the metric columns."""
+
+    rows: list[Row]
+    #: The ``asked`` keys whose values are not the same in every row (the others say nothing).
+    varies: list[str] = field(default_factory=list)
+    #: ``(stage, metric)`` columns, in pipeline order, then by name.
+    columns: list[tuple[str, str]] = field(default_factory=list)
+
+    def label(self, column: tuple[str, str]) -> str:
+        """A column's heading: the metric's name, ``stage:metric`` where two stages report that name."""
+        stage, name = column
+        return f"{stage}:{name}" if sum(1 for _, n in self.columns if n == name) > 1 else name
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "varies": self.varies,
+            "columns": [{"stage": s, "metric": m, "label": self.label((s, m))} for s, m in self.columns],
+            "runs": [row.to_dict(self.columns) for row in self.rows],
+        }
+
+
+_ORDER = {name: i for i, name in enumerate((*RUN_FIELDS, "commit"))}
+
+
+def _asked(store: LineageStore, run: PipelineRun) -> dict[str, Any]:
+    run_set = ((run.params or {}).get("recipe") or {}).get("run_set") or {}
+    commit = commit_of(store, run)
+    short = None
+    if commit is not None:  # `sha+patch` for a dirty tree: both parts cut short, the mark kept
+        sha, _, patch = commit.id.partition("+")
+        short = sha[:12] + (f"+{patch[:8]}" if patch else "")
+    return {
+        **{f"set.{key}": value for key, value in sorted(run_set.items())},
+        **{name: getattr(run, name) for name in RUN_FIELDS},
+        "commit": short,
+    }
+
+
+def compare_runs(store: LineageStore, runs: Iterable[PipelineRun], patterns: Sequence[str]) -> Comparison:
+    """The comparison of ``runs`` (each once, oldest first) on the metrics ``patterns`` pick."""
+    unique = {run.id: run for run in runs}
+    ordered = sorted(unique.values(), key=lambda r: (r.started_at, r.id))
+    rows: list[Row] = []
+    stage_order: dict[str, int] = {}
+    for run in ordered:
+        metrics: dict[tuple[str, str], float] = {}
+        for srun in store.list(StageRun, pipeline_run_id=run.id, order_by=col(StageRun.started_at)):
+            stage_order.setdefault(srun.stage, len(stage_order))
+            for name, value in stage_metrics(store, srun).items():
+                if metric_matches(srun.stage, name, patterns):
+                    metrics[(srun.stage, name)] = value
+        rows.append(Row(run, _asked(store, run), metrics))
+    keys = sorted({k for row in rows for k in row.asked}, key=lambda k: (not k.startswith("set."), _ORDER.get(k, 0), k))
+    varies = [k for k in keys if len({repr(row.asked.get(k)) for row in rows}) > 1]
+    columns = sorted({c for row in rows for c in row.metrics}, key=lambda c: (stage_order.get(c[0], 0), c[1]))
+    return Comparison(rows, varies, columns)
+
+
+__all__ = ["DEFAULT_METRICS", "Comparison", "Row", "compare_runs", "metric_matches"]
