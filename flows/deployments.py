@@ -51,6 +51,7 @@ DEFAULT_NIGHTLY_TIMEZONE = "UTC"
 RECONCILE_DEPLOYMENT = "reconcile"
 GC_DEPLOYMENT = "gc"
 DIGEST_DEPLOYMENT = "daily"
+SWEEP_DEPLOYMENT = "sweep"
 DEFAULT_DIGEST_CRON = "0 7 * * *"
 DEFAULT_RECONCILE_EVERY_S = 600
 TAGS = ["openlab"]
@@ -155,6 +156,7 @@ def build_deployments(
     from flows.nightly import nightly_replica
     from flows.pipeline import replica_pipeline
     from flows.reconcile import reconcile_lineage
+    from flows.sweep import replica_sweep
 
     settings = settings or load_settings()
     # One run at a time of each scheduled deployment; a run due while the last is still going is
@@ -240,7 +242,17 @@ def build_deployments(
         concurrency_limit=one_at_a_time,
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
-    return [pipeline, nightly, drops, reaper, gc, digest]
+    sweep = replica_sweep.to_deployment(
+        name=SWEEP_DEPLOYMENT,
+        description=(
+            'Run the replica once per combination of a grid of recipe values ({"pretrain.lr": [0.005, 0.01]}), '
+            "each an ordinary replica-pipeline run, then publish them side by side: what each set, what it measured."
+        ),
+        parameters={"grid": {"pretrain.lr": [0.005, 0.01, 0.02]}},
+        tags=[*TAGS, "sweep"],
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )
+    return [pipeline, nightly, drops, reaper, gc, digest, sweep]
 
 
 def apply_deployments(deployments: Iterable[RunnerDeployment], *, work_pool: str | None = None) -> dict[str, str]:
@@ -269,6 +281,7 @@ __all__ = [
     "NIGHTLY_DEPLOYMENT",
     "PIPELINE_DEPLOYMENT",
     "RECONCILE_DEPLOYMENT",
+    "SWEEP_DEPLOYMENT",
     "apply_deployments",
     "build_deployments",
     "digest_cron",

@@ -22,6 +22,7 @@ from typing import Any
 from sqlmodel import col
 
 from orchestrator.identity import source_file
+from orchestrator.lineage.compare import Comparison
 from orchestrator.lineage.diff import Section
 from orchestrator.lineage.models import (
     Attempt,
@@ -483,6 +484,25 @@ def render_changes(sections: Iterable[Section], before: str, after: str, limit: 
     return lines
 
 
+def render_comparison(comparison: Comparison, title: str, patterns: Iterable[str] = ()) -> str:
+    """A sweep's (or any runs') comparison (:func:`orchestrator.lineage.compare.compare_runs`) as a
+    markdown table: one row a run, the values that vary among them, then the metrics."""
+    head = ["run", "state", *comparison.varies, *(comparison.label(c) for c in comparison.columns)]
+    lines = [f"### {md_cell(title)}", "", "| " + " | ".join(md_cell(h) for h in head) + " |"]
+    lines.append("|" + "---|" * (2 + len(comparison.varies)) + "---:|" * len(comparison.columns))
+    for row in comparison.rows:
+        asked = [
+            "-" if row.asked.get(k) is None else set_words({k: row.asked[k]})[0].split("=", 1)[1]
+            for k in comparison.varies
+        ]
+        numbers = [format(row.metrics[c], ".6g") if c in row.metrics else "-" for c in comparison.columns]
+        lines.append("| " + " | ".join(md_cell(x) for x in (f"`{row.run.id}`", row.run.state, *asked, *numbers)) + " |")
+    command = shlex.join(["openlab", "lineage", "compare", *(r.run.id for r in comparison.rows)])
+    command += "".join(f" -m {shlex.quote(p)}" for p in patterns)  # the metrics asked for, not the default
+    lines += ["", f"`` {command} `` prints it again; `-m '*'` with every metric."]
+    return "\n".join(lines) + "\n"
+
+
 __all__ = [
     "DEFAULT_GITHUB_HOSTS",
     "PipelineView",
@@ -495,6 +515,7 @@ __all__ = [
     "key_metrics",
     "pipeline_card",
     "render_changes",
+    "render_comparison",
     "render_pipeline",
     "render_stage",
     "stage_card",

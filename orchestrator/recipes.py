@@ -518,6 +518,30 @@ def set_words(sets: Mapping[str, Any]) -> list[str]:
     return [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in sets.items()]
 
 
+#: The most runs one sweep may start: a grid typed with one value too many per key multiplies.
+MAX_TRIALS = 64
+
+
+def sweep_trials(grid: Mapping[str, Any], fixed: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The values of each run of a sweep: every combination of ``grid``'s lists (the first key
+    varying slowest), each over the values ``fixed`` for all of them. Whether each key is a recipe
+    field and each value fits it is :func:`resolve`'s to say, per run, before any starts."""
+    if not isinstance(grid, Mapping) or not grid:
+        raise ConfigError('sweep: give a grid of values to try, e.g. {"pretrain.lr": [0.005, 0.01, 0.02]}')
+    for key, values in grid.items():
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"sweep: {key}: give a list of the values to try, e.g. [0.005, 0.01], got {values!r}")
+        if key in (fixed or {}):
+            raise ConfigError(f"sweep: {key} is both swept and set for every run: keep one")
+    count = math.prod(len(v) for v in grid.values())
+    if count > MAX_TRIALS:
+        raise ConfigError(f"sweep: {count} runs (the product of the grid's lists), more than {MAX_TRIALS}: trim it")
+    trials: list[dict[str, Any]] = [{}]
+    for key, values in grid.items():
+        trials = [{**trial, key: value} for trial in trials for value in values]
+    return [{**(fixed or {}), **trial} for trial in trials]
+
+
 def parse_sets(items: Sequence[str]) -> dict[str, Any]:
     """``--set KEY=VALUE`` arguments as a mapping (a later one of a key wins, as in a shell).
 

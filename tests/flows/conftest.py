@@ -205,7 +205,15 @@ def served(prefect_server: PrefectServer, tmp_path_factory: pytest.TempPathFacto
         )
     try:
         wait_for_deployments(
-            ["replica-pipeline/replica", "nightly-replica/nightly", "lineage-reconcile/reconcile"], 90, proc, log_path
+            [
+                "replica-pipeline/replica",
+                "nightly-replica/nightly",
+                "lineage-reconcile/reconcile",
+                "replica-sweep/sweep",
+            ],
+            90,
+            proc,
+            log_path,
         )
         yield Served(server=prefect_server, home=home, process=proc, log_path=log_path)
     finally:

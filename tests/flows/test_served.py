@@ -196,6 +196,62 @@ def test_values_set_in_the_run_form_configure_the_run_and_are_recorded_and_named
         assert store.list(PipelineRun, flow_run_id=str(bad.id)) == []  # refused before anything was recorded
 
 
+def test_a_sweep_from_the_ui_runs_each_combination_as_a_pipeline_run_and_compares_them(served: Served) -> None:
+    """`replica-sweep/sweep`: one replica-pipeline flow run per value of the grid, each under the sweep
+    in the UI and recorded with what it set; the `sweep` artifact puts them side by side with what
+    each measured. A grid with a key that is no recipe field starts nothing."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+    )
+
+    params = {
+        **TINY,
+        "until": "data",
+        "grid": {"data.max_bytes_per_domain": [150000, 120000]},
+        "metrics": ["data:data/code/train_bytes"],
+    }
+    sweep = wait_flow_run(start_run("replica-sweep/sweep", params), 240)
+    assert sweep.state.is_completed(), f"{sweep.state.message}\n{served.log()[-3000:]}"
+    assert sweep.name == "sweep marin-535b-a23b:tiny on local: data.max_bytes_per_domain x2"
+    with get_client(sync_client=True) as client:
+        children = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[sweep.id]))
+        )
+        (artifact,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[sweep.id]))
+        )
+    assert sorted(c.name for c in children) == [
+        "marin-535b-a23b:tiny on local until data data.max_bytes_per_domain=120000",
+        "marin-535b-a23b:tiny on local until data data.max_bytes_per_domain=150000",
+    ]
+    assert all(c.state.is_completed() for c in children)
+    with LineageStore(served.db_url) as store:
+        runs = {str(c.id): store.list(PipelineRun, flow_run_id=str(c.id))[0] for c in children}
+    by_value = {r.params["recipe"]["run_set"]["data.max_bytes_per_domain"]: r for r in runs.values()}
+    assert set(by_value) == {150000, 120000}
+    table = str(artifact.data)
+    assert artifact.key == "sweep", artifact.key
+    assert "| run | state | set.data.max_bytes_per_domain | data/code/train_bytes |" in table, table
+    for value, run in by_value.items():  # each run's row: what it set, what its data stage measured
+        (row,) = [line for line in table.splitlines() if line.startswith("| ") and run.id in line]
+        assert row.split("|")[3].strip() == str(value), row
+        assert 0 < int(row.split("|")[4]) < value, row
+    (again,) = [line for line in table.splitlines() if "openlab lineage compare" in line]  # how to see it again
+    assert all(run.id in again for run in runs.values()) and "-m data:data/code/train_bytes" in again, again
+
+    bad = wait_flow_run(start_run("replica-sweep/sweep", {**params, "grid": {"data.max_bytes": [1, 2]}}), 120)
+    assert bad.state.is_failed() and "--set data.max_bytes: no such recipe field" in (bad.state.message or "")
+    with get_client(sync_client=True) as client:
+        started = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[bad.id]))
+        )
+    assert started == []  # checked before any run starts
+
+
 def _plant_better_nightly(store: LineageStore, loss_factor: float) -> PipelineRun:
     """A fake earlier good nightly whose eval losses are ``loss_factor`` times the real tiny ones."""
     real_eval = next(s for s in store.list(StageRun, stage="eval", state="COMPLETED") if s.metrics)

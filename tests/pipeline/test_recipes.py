@@ -503,3 +503,20 @@ def test_a_bad_set_is_one_line_naming_the_key_before_anything_runs(replica: str,
     with pytest.raises(ConfigError) as err:
         resolve("marin-535b-a23b", replica, sets=parse_sets(items))
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_sweeps_grid_is_every_combination_over_the_values_fixed_for_all() -> None:
+    from orchestrator.recipes import MAX_TRIALS, sweep_trials
+
+    trials = sweep_trials({"pretrain.lr": [0.01, 0.02], "seed": [0, 1, 2]}, {"pretrain.warmup_fraction": 0.1})
+    assert [(t["pretrain.lr"], t["seed"]) for t in trials] == [(a, b) for a in (0.01, 0.02) for b in (0, 1, 2)]
+    assert all(t["pretrain.warmup_fraction"] == 0.1 for t in trials)
+    for grid, fixed, message in (
+        ({}, None, "sweep: give a grid of values to try"),
+        ({"pretrain.lr": 0.01}, None, "sweep: pretrain.lr: give a list of the values to try"),
+        ({"pretrain.lr": []}, None, "sweep: pretrain.lr: give a list of the values to try"),
+        ({"pretrain.lr": [0.01]}, {"pretrain.lr": 0.02}, "sweep: pretrain.lr is both swept and set for every run"),
+        ({"seed": list(range(MAX_TRIALS + 1))}, None, f"sweep: {MAX_TRIALS + 1} runs"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            sweep_trials(grid, fixed)

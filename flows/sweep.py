@@ -1,0 +1,155 @@
+"""A sweep from the UI: one replica run per combination of values, then the runs side by side.
+
+*Deployments → replica-sweep/sweep → Run*: a grid (``{"pretrain.lr": [0.005, 0.01, 0.02]}``)
+starts one ``replica-pipeline/replica`` flow run per combination, each with those values as its
+``overrides`` (``openlab run --set``), so each is an ordinary pipeline run with its own name,
+logs, cards and lineage, shown in the UI under this one. They run at once (or ``at_once`` at a
+time): on Slurm or Kubernetes that is real parallelism, and stages they share (data, tokenize)
+run once, the others waiting on its lease and reusing it. When all have ended, the ``sweep``
+artifact is ``openlab lineage compare`` of them: what each set beside what it measured. Every
+combination is checked against the recipe before any run starts; a trial that fails fails the
+sweep, after the others have ended and the table is published.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from flows.pipeline import Backend, Stage
+
+#: Seconds between looks at the trials' states.
+POLL_SECONDS = 2.0
+#: Seconds a trial may wait for a runner before the sweep's log says why it might wait forever.
+WAITING_WARN_SECONDS = 120.0
+
+
+def sweep_run_name() -> str:
+    """``sweep marin-535b-a23b:tiny on local: pretrain.lr x3``: the UI's run list says what was swept."""
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters or {}
+    grid = params.get("grid") or {}
+    swept = ", ".join(f"{k} x{len(v) if isinstance(v, list) else '?'}" for k, v in grid.items())
+    return f"sweep {params.get('recipe')}:{params.get('replica')} on {params.get('backend')}: {swept}"
+
+
+@flow(name="replica-sweep", flow_run_name=sweep_run_name, validate_parameters=True)
+def replica_sweep(
+    grid: dict[str, list[Any]],
+    recipe: str = "marin-535b-a23b",
+    replica: str = "tiny",
+    backend: Backend = "local",
+    overrides: dict[str, Any] | None = None,
+    until: Stage | None = None,
+    git_ref: str = "HEAD",
+    at_once: int = 0,
+    metrics: list[str] | None = None,
+) -> dict[str, Any]:
+    """Run the replica once per combination of the grid's values and compare the runs.
+
+    Args:
+        grid: Values to try, recipe key -> list: {"pretrain.lr": [0.005, 0.01, 0.02]}. Several keys
+            try every combination (at most 64 runs).
+        recipe: Recipe name (a file in recipes/) or path.
+        replica: Scaled-down replica of the recipe.
+        backend: Where the stage jobs run.
+        overrides: Values set for every run of the sweep, as `openlab run --set` sets them.
+        until: Stop each run after this stage; empty runs every stage of the replica.
+        git_ref: Commit to run; HEAD runs the working tree as it is.
+        at_once: How many runs at a time; 0 starts them all at once.
+        metrics: Metric patterns for the comparison ('eval/*/loss', 'eval:eval/*/loss'); empty: eval's
+            losses and repro's late-window drop fractions.
+    """
+    from prefect import get_client
+    from prefect.artifacts import create_markdown_artifact
+    from prefect.deployments import run_deployment
+
+    from flows.deployments import PIPELINE_DEPLOYMENT
+    from flows.pipeline import replica_pipeline
+    from orchestrator.cards import render_comparison
+    from orchestrator.errors import ConfigError
+    from orchestrator.lineage.compare import DEFAULT_METRICS, compare_runs
+    from orchestrator.lineage.models import PipelineRun
+    from orchestrator.lineage.store import LineageStore
+    from orchestrator.recipes import resolve, set_words, sweep_trials
+
+    logger = get_run_logger()
+    if at_once < 0:
+        raise ConfigError(f"sweep: at_once must be 0 (all at once) or more, got {at_once}")
+    trials = sweep_trials(grid, overrides)
+    for trial in trials:  # every combination checked before any run starts: nothing half-swept
+        resolve(recipe, replica, sets=trial).until(until or None)
+    name = f"{replica_pipeline.name}/{PIPELINE_DEPLOYMENT}"
+    logger.info("sweep of %d runs of %s:%s on %s: %s", len(trials), recipe, replica, backend, grid)
+
+    pending = list(enumerate(trials))
+    running: dict[Any, int] = {}  # flow run id -> trial number
+    started: dict[Any, float] = {}  # flow run id -> when it was asked for, until it runs
+    ended: dict[int, Any] = {}  # trial number -> final flow run
+    with get_client(sync_client=True) as client:
+        while pending or running:
+            while pending and (at_once == 0 or len(running) < at_once):
+                number, trial = pending.pop(0)
+                child = run_deployment(
+                    name,
+                    parameters={
+                        "recipe": recipe,
+                        "replica": replica,
+                        "backend": backend,
+                        "git_ref": git_ref,
+                        "until": until,
+                        "overrides": trial,
+                    },
+                    timeout=0,  # started, not awaited: the trials run side by side
+                    tags=["sweep"],
+                )
+                running[child.id] = number
+                started[child.id] = time.monotonic()
+                logger.info(
+                    "run %d of %d: %s (flow run %s)", number + 1, len(trials), " ".join(set_words(trial)), child.name
+                )
+            time.sleep(POLL_SECONDS)
+            for flow_run_id, number in list(running.items()):
+                flow_run = client.read_flow_run(flow_run_id)
+                if flow_run_id in started and flow_run.state is not None and not flow_run.state.is_scheduled():
+                    del started[flow_run_id]  # it runs (or ran): a runner took it
+                elif flow_run_id in started and time.monotonic() - started[flow_run_id] > WAITING_WARN_SECONDS:
+                    del started[flow_run_id]  # said once
+                    logger.warning(
+                        "run %d of %d has waited %.0f s for a runner: is replica-pipeline/replica served, with room "
+                        "for it beside this sweep (`openlab server --limit` at least at_once + 1)?",
+                        number + 1,
+                        len(trials),
+                        WAITING_WARN_SECONDS,
+                    )
+                if flow_run.state is not None and flow_run.state.is_final():
+                    del running[flow_run_id]
+                    ended[number] = flow_run
+                    logger.info("run %d of %d %s: %s", number + 1, len(trials), flow_run.state.name, flow_run.name)
+
+    with LineageStore.open() as store:
+        runs = [r for n in sorted(ended) for r in store.list(PipelineRun, flow_run_id=str(ended[n].id))]
+        comparison = compare_runs(store, runs, metrics or DEFAULT_METRICS) if runs else None
+    title = f"sweep of {recipe}:{replica} on {backend}"
+    if comparison is not None:
+        try:
+            create_markdown_artifact(
+                key="sweep", markdown=render_comparison(comparison, title, metrics or ()), description=title
+            )
+        except Exception as exc:  # noqa: BLE001 - the runs and their lineage stand without it
+            logger.warning("could not publish the sweep artifact: %s", exc)
+        logger.info("compare them: `openlab lineage compare %s`", " ".join(r.id for r in runs))
+    failed = [(n, f) for n, f in sorted(ended.items()) if not f.state.is_completed()]
+    if failed:
+        named = "; ".join(f"{' '.join(set_words(trials[n]))}: {f.state.name} ({f.state.message})" for n, f in failed)
+        raise RuntimeError(f"{len(failed)} of {len(trials)} sweep runs did not complete: {named}")
+    return {
+        "runs": [{"trial": trials[n], "flow_run": str(f.id), "state": f.state.name} for n, f in sorted(ended.items())],
+        "comparison": comparison.to_dict() if comparison is not None else None,
+    }
+
+
+__all__ = ["replica_sweep", "sweep_run_name"]
