@@ -36,7 +36,38 @@ def sweep_run_name() -> str:
     return f"sweep {params.get('recipe')}:{params.get('replica')} on {params.get('backend')}: {swept}"
 
 
-@flow(name="replica-sweep", flow_run_name=sweep_run_name, validate_parameters=True)
+def cancel_trials(flow: Any, flow_run: Any, state: Any) -> None:
+    """Prefect ``on_cancellation`` hook: cancel the sweep's runs that have not ended.
+
+    Prefect's server cancels the child runs of a cancelled run too, but only once the parent is
+    Cancelled and on its next cleanup pass; a sweep of day-long trials cancelled because its grid
+    was wrong should stop them now. Each trial's own cancellation then ends its backend jobs.
+    """
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.logging import get_logger
+    from prefect.states import Cancelling
+
+    logger = get_logger("openlab.sweep")
+    try:
+        with get_client(sync_client=True) as client:
+            trials = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run.id]))
+            )
+            for trial in trials:
+                if trial.state is not None and not trial.state.is_final():
+                    client.set_flow_run_state(trial.id, Cancelling(message=f"its sweep {flow_run.name} was cancelled"))
+                    logger.info("cancelled sweep run %s", trial.name)
+    except Exception as exc:  # noqa: BLE001 - a hook must not hide the cancellation itself
+        logger.error("could not cancel the runs of sweep %s: %s", flow_run.id, exc)
+
+
+@flow(
+    name="replica-sweep",
+    flow_run_name=sweep_run_name,
+    validate_parameters=True,
+    on_cancellation=[cancel_trials],
+)
 def replica_sweep(
     grid: dict[str, list[Any]],
     recipe: str = "marin-535b-a23b",
@@ -152,4 +183,4 @@ def replica_sweep(
     }
 
 
-__all__ = ["replica_sweep", "sweep_run_name"]
+__all__ = ["cancel_trials", "replica_sweep", "sweep_run_name"]

@@ -252,6 +252,37 @@ def test_a_sweep_from_the_ui_runs_each_combination_as_a_pipeline_run_and_compare
     assert started == []  # checked before any run starts
 
 
+def test_cancelling_a_sweep_cancels_its_runs_and_their_jobs(served: Served) -> None:
+    """A sweep cancelled from the UI stops its runs at once (its on-cancellation hook), not when the
+    server's cleanup gets to them: each run is Cancelled, its pipeline run CANCELLED, no job left."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.states import Cancelling
+
+    params = {**TINY, "grid": {"pretrain.lr": [0.013, 0.017]}}  # values no other test trains: nothing to reuse
+    sweep_id = start_run("replica-sweep/sweep", params)
+    children_of = FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[sweep_id]))
+    deadline = time.monotonic() + 180
+    with get_client(sync_client=True) as client:
+        while True:  # both runs have started training
+            children = client.read_flow_runs(flow_run_filter=children_of)
+            if len(children) == 2 and all(c.state.is_running() for c in children):
+                break
+            assert time.monotonic() < deadline, [(c.name, c.state) for c in children]
+            time.sleep(0.5)
+        client.set_flow_run_state(sweep_id, Cancelling(message="the grid was wrong"))
+    sweep = wait_flow_run(sweep_id, 120)
+    assert sweep.state.is_cancelled(), sweep.state
+    children = [wait_flow_run(c.id, 120) for c in children]
+    assert [c.state.name for c in children] == ["Cancelled", "Cancelled"], [(c.name, c.state) for c in children]
+    with LineageStore(served.db_url) as store:
+        runs = [store.list(PipelineRun, flow_run_id=str(c.id))[0] for c in children]
+        assert [r.state for r in runs] == ["CANCELLED", "CANCELLED"]
+        stages = [s for r in runs for s in store.list(StageRun, pipeline_run_id=r.id)]
+        assert "RUNNING" not in {s.state for s in stages}, [(s.stage, s.state) for s in stages]
+    assert "cancelled sweep run marin-535b-a23b:tiny on local pretrain.lr=0.013" in served.log()
+
+
 def _plant_better_nightly(store: LineageStore, loss_factor: float) -> PipelineRun:
     """A fake earlier good nightly whose eval losses are ``loss_factor`` times the real tiny ones."""
     real_eval = next(s for s in store.list(StageRun, stage="eval", state="COMPLETED") if s.metrics)
