@@ -189,7 +189,6 @@ SCALE_RULES: dict[str, tuple[str, ...]] = {
     "eval": ("eval.batches",),
 }
 
-#: The recipe schema: a nested mapping of key -> type or marker.
 #: A replica's ``repro`` section (the drop-fraction reproduction): how its one router is trained
 #: (replica scale, not scaled from the reference) and what is measured. ``measure`` is the
 #: workload's ``repro:`` section (arms, windows, measurement batch), checked by the workload's own
@@ -210,6 +209,7 @@ _REPRO: dict[str, Any] = {
 }
 
 
+#: The recipe schema: a nested mapping of key -> type or marker.
 RECIPE_SCHEMA: dict[str, Any] = {
     "name": str,
     "description": Opt(str),
@@ -715,15 +715,32 @@ def load_recipe(ref: str | Path, recipes_dir: Path | None = None, *, root: Path 
     return parse_recipe(data, path)
 
 
+def check_values(values: Mapping[str, Any], where: str, repro: Mapping[str, Any] | None = None) -> None:
+    """The rules that tie one recipe value to another, checked on the file and again on the values
+    a replica's ``set`` and a run's ``--set`` leave: the token split adds up, and every mixture
+    draws on domains the data stage builds (else pretrain failed after data and tokenize ran)."""
+    total = values["tokens"]["pretrain_fraction"] + values["tokens"]["midtrain_fraction"]
+    if abs(total - 1.0) > 1e-9:
+        raise ConfigError(f"{where}: tokens: pretrain_fraction + midtrain_fraction must be 1, got {total:g}")
+    domains = sorted((values.get("data") or {}).get("domains") or {})
+    mixtures = {f"{stage}.mixture": (values.get(stage) or {}).get("mixture") for stage in ("pretrain", "midtrain")}
+    mixtures["repro.train.mixture"] = ((repro or {}).get("train") or {}).get("mixture")
+    for name, mixture in mixtures.items():
+        unknown = sorted(set(mixture or {}) - set(domains))
+        if unknown:
+            raise ConfigError(
+                f"{where}: {name}: domain {', '.join(map(repr, unknown))} is not one of data.domains "
+                f"({', '.join(domains) or 'none'})"
+            )
+
+
 def parse_recipe(data: Any, path: Path) -> Recipe:
     """Validate already-parsed recipe data (used by :func:`load_recipe` and tests)."""
     where = f"recipe {path.name}"
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: the top level must be a mapping, got {_type_name(data)}")
     _check(data, RECIPE_SCHEMA, "", where)
-    total = data["tokens"]["pretrain_fraction"] + data["tokens"]["midtrain_fraction"]
-    if abs(total - 1.0) > 1e-9:
-        raise ConfigError(f"{where}: tokens: pretrain_fraction + midtrain_fraction must be 1, got {total:g}")
+    check_values(data, where)
     parse_tolerances(data.get("tracked_metrics") or {}, f"{where}: tracked_metrics")  # the verdict's own rules
     for rname, replica in (data.get("replicas") or {}).items():
         for dotted, value in (replica.get("set") or {}).items():
@@ -797,6 +814,7 @@ def resolve(
             _put(repro, dotted[len("repro.") :], value)
         else:
             _put(values, dotted, value)
+    check_values(values, where, repro)  # what the sets left must still hang together
     source = recipe.replicas[replica] if replica is not None else recipe.data
     predicted = source.get("preregistered") or {}
     for name, p in predicted.items():

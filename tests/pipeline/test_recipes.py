@@ -91,6 +91,11 @@ def test_small_replica_resolves_and_passes_the_workload_checks() -> None:
         (("tokens", "budget"), True, "recipe r.yaml: tokens.budget: expected number, got bool"),
         (("dispatch", "scheme"), "warp", "recipe r.yaml: dispatch.scheme: got 'warp'; expected one of: "),
         (("model", "expertz"), 3, "recipe r.yaml: model.expertz: unknown key"),
+        (  # a misspelt domain failed in pretrain, after data and tokenize had run
+            ("pretrain", "mixture"),
+            {"code": 0.5, "prse": 0.5},
+            "recipe r.yaml: pretrain.mixture: domain 'prse' is not one of data.domains (code, prose)",
+        ),
         (
             ("replicas", "tiny", "scale", "d_model"),
             "one/96",
@@ -492,6 +497,11 @@ def test_a_value_set_for_one_run_configures_its_stages_as_the_same_value_in_the_
         ("drops-tiny", ["repro.train.stepz=3"], "--set repro.train.stepz: no such recipe field; did you mean"),
         # the workload's own checks see the value too, before any job
         ("tiny", ["model.top_k=16"], "stage pretrain:"),
+        # and the rules that tie one recipe value to another (a mixture of a domain the data lacks
+        # failed in pretrain, after data and tokenize had run)
+        ("tiny", ["tokens.pretrain_fraction=0.9"], "tokens: pretrain_fraction + midtrain_fraction must be 1, got 1.1"),
+        ("tiny", ["data.domains={code: 'stdlib:code'}"], "pretrain.mixture: domain 'prose' is not one of data.domains"),
+        ("drops-tiny", ["repro.train.mixture={legal: 1}"], "repro.train.mixture: domain 'legal' is not one of"),
         ("tiny", ["pretrain.lr"], "--set 'pretrain.lr': expected KEY=VALUE"),
         ("tiny", ["=1"], "--set '=1': expected KEY=VALUE"),
         ("tiny", ["pretrain.lr=[1"], "--set pretrain.lr: cannot read the value '[1'"),
