@@ -715,10 +715,16 @@ def load_recipe(ref: str | Path, recipes_dir: Path | None = None, *, root: Path 
     return parse_recipe(data, path)
 
 
-def check_values(values: Mapping[str, Any], where: str, repro: Mapping[str, Any] | None = None) -> None:
+def check_values(
+    values: Mapping[str, Any],
+    where: str,
+    repro: Mapping[str, Any] | None = None,
+    stages: Sequence[str] = ("pretrain", "midtrain", "repro"),
+) -> None:
     """The rules that tie one recipe value to another, checked on the file and again on the values
-    a replica's ``set`` and a run's ``--set`` leave: the token split adds up, and every mixture
-    draws on domains the data stage builds (else pretrain failed after data and tokenize ran)."""
+    a replica's ``set`` and a run's ``--set`` leave: the token split adds up, and the mixture of
+    each of ``stages`` draws on domains the data stage builds (else it failed after data and
+    tokenize had run)."""
     total = values["tokens"]["pretrain_fraction"] + values["tokens"]["midtrain_fraction"]
     if abs(total - 1.0) > 1e-9:
         raise ConfigError(f"{where}: tokens: pretrain_fraction + midtrain_fraction must be 1, got {total:g}")
@@ -726,6 +732,8 @@ def check_values(values: Mapping[str, Any], where: str, repro: Mapping[str, Any]
     mixtures = {f"{stage}.mixture": (values.get(stage) or {}).get("mixture") for stage in ("pretrain", "midtrain")}
     mixtures["repro.train.mixture"] = ((repro or {}).get("train") or {}).get("mixture")
     for name, mixture in mixtures.items():
+        if name.split(".")[0] not in stages:  # a stage this replica does not run reads no data
+            continue
         unknown = sorted(set(mixture or {}) - set(domains))
         if unknown:
             raise ConfigError(
@@ -814,7 +822,7 @@ def resolve(
             _put(repro, dotted[len("repro.") :], value)
         else:
             _put(values, dotted, value)
-    check_values(values, where, repro)  # what the sets left must still hang together
+    check_values(values, where, repro, stages)  # what the sets left must still hang together
     source = recipe.replicas[replica] if replica is not None else recipe.data
     predicted = source.get("preregistered") or {}
     for name, p in predicted.items():
