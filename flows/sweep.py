@@ -74,6 +74,7 @@ def replica_sweep(
     replica: str = "tiny",
     backend: Backend = "local",
     overrides: dict[str, Any] | None = None,
+    issue: str | None = None,
     until: Stage | None = None,
     git_ref: str = "HEAD",
     at_once: int = 0,
@@ -88,6 +89,7 @@ def replica_sweep(
         replica: Scaled-down replica of the recipe.
         backend: Where the stage jobs run.
         overrides: Values set for every run of the sweep, as `openlab run --set` sets them.
+        issue: Experiment issue owner/repo#N every run of the sweep is linked to (its card on it).
         until: Stop each run after this stage; empty runs every stage of the replica.
         git_ref: Commit to run; HEAD runs the working tree as it is.
         at_once: How many runs at a time; 0 starts them all at once.
@@ -132,6 +134,7 @@ def replica_sweep(
                         "backend": backend,
                         "git_ref": git_ref,
                         "until": until,
+                        "issue": issue,
                         "overrides": trial,
                     },
                     timeout=0,  # started, not awaited: the trials run side by side

@@ -213,6 +213,7 @@ def test_a_sweep_from_the_ui_runs_each_combination_as_a_pipeline_run_and_compare
         "until": "data",
         "grid": {"data.max_bytes_per_domain": [150000, 120000]},
         "metrics": ["data:data/code/train_bytes"],
+        "issue": "lab/sweeps#1",  # the experiment issue every run of the sweep is linked to
     }
     sweep = wait_flow_run(start_run("replica-sweep/sweep", params), 240)
     assert sweep.state.is_completed(), f"{sweep.state.message}\n{served.log()[-3000:]}"
@@ -233,6 +234,7 @@ def test_a_sweep_from_the_ui_runs_each_combination_as_a_pipeline_run_and_compare
         runs = {str(c.id): store.list(PipelineRun, flow_run_id=str(c.id))[0] for c in children}
     by_value = {r.params["recipe"]["run_set"]["data.max_bytes_per_domain"]: r for r in runs.values()}
     assert set(by_value) == {150000, 120000}
+    assert {r.params["issue"] for r in runs.values()} == {"lab/sweeps#1"}
     table = str(artifact.data)
     assert artifact.key == "sweep", artifact.key
     assert "| run | state | set.data.max_bytes_per_domain | data/code/train_bytes |" in table, table

@@ -54,9 +54,18 @@ def test_deploy_registers_parameter_schema_and_nightly_cron(prefect_server: Pref
         sweep = client.read_deployment_by_name("replica-sweep/sweep")
     assert sweep.parameters == {"grid": {"pretrain.lr": [0.005, 0.01, 0.02]}}
     sweep_props = sweep.parameter_openapi_schema["properties"]
-    assert {"grid", "recipe", "replica", "backend", "overrides", "until", "git_ref", "at_once", "metrics"} <= set(
-        sweep_props
-    )
+    assert {
+        "grid",
+        "recipe",
+        "replica",
+        "backend",
+        "overrides",
+        "issue",
+        "until",
+        "git_ref",
+        "at_once",
+        "metrics",
+    } <= set(sweep_props)
     (schedule,) = nightly.schedules
     assert schedule.schedule.cron == "30 3 * * *" and schedule.schedule.timezone == "UTC"
     assert nightly.parameter_openapi_schema["properties"]["git_ref"]["default"] == "main"
