@@ -514,10 +514,14 @@ def compare_cmd(
     user: UserOpt = None,
     trigger: TriggerOpt = None,
     limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="At most this many runs (the newest).")] = 20,
+    sort: Annotated[
+        str | None,
+        typer.Option("--sort", help="Order the runs by this metric column, smallest first (the best loss on top)."),
+    ] = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """Several pipeline runs side by side, oldest first: the values that vary among them (each value
-    --set, backend, commit) and the metrics they measured, e.g. a sweep of pretrain.lr.
+    """Several pipeline runs side by side, oldest first (or --sort by a metric): the values that vary
+    among them (each value --set, backend, commit) and the metrics they measured, e.g. a sweep of pretrain.lr.
 
     The runs given, plus those the filters of `lineage list` pick (`--replica tiny --since 1d`).
     """
@@ -543,6 +547,8 @@ def compare_cmd(
     if not picked:
         raise ConfigError("give pipeline run ids, or filters that pick runs (e.g. --replica tiny --since 1d)")
     comparison = compare_runs(store, picked, metric or DEFAULT_METRICS)
+    if sort is not None:
+        comparison = comparison.sorted_by(sort)
     if json_out:
         print_json(comparison.to_dict())
         return

@@ -18,6 +18,7 @@ from typing import Any
 
 from sqlmodel import col
 
+from orchestrator.errors import ConfigError, choices
 from orchestrator.lineage.diff import RUN_FIELDS, commit_of, stage_metrics
 from orchestrator.lineage.models import PipelineRun, StageRun
 from orchestrator.lineage.store import LineageStore
@@ -78,6 +79,20 @@ class Comparison:
         """A column's heading: the metric's name, ``stage:metric`` where two stages report that name."""
         stage, name = column
         return f"{stage}:{name}" if sum(1 for _, n in self.columns if n == name) > 1 else name
+
+    def sorted_by(self, name: str) -> Comparison:
+        """The rows ordered by the column ``name`` (its heading, or its metric's name when one stage
+        reports it), smallest first (losses, drop fractions: the best first); runs without it last."""
+        matches = [c for c in self.columns if name in (self.label(c), f"{c[0]}:{c[1]}")]
+        if not matches:
+            matches = [c for c in self.columns if c[1] == name]
+        if len(matches) != 1:
+            labels = [self.label(c) for c in self.columns]
+            why = "names two columns; give STAGE:METRIC" if matches else choices(name, labels, label="columns")
+            raise ConfigError(f"--sort {name!r}: {why}")
+        (column,) = matches
+        rows = sorted(self.rows, key=lambda r: (column not in r.metrics, r.metrics.get(column, 0.0)))
+        return Comparison(rows, self.varies, self.columns)
 
     def to_dict(self) -> dict[str, Any]:
         return {

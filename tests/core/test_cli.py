@@ -633,6 +633,15 @@ def test_compare_puts_a_sweeps_runs_side_by_side_with_what_each_set_and_measured
     default_labels = ["eval/code/loss", "eval/sft/loss"]
     assert [c["label"] for c in default["columns"]] == default_labels
 
+    best = json.loads(run_cli("lineage", "compare", *ids, "--sort", "eval/code/loss", "--json").stdout)
+    assert [r["id"] for r in best["runs"]] == [ids[1], ids[2], ids[0]]  # the lowest loss first, ties as they came
+    both = run_cli("lineage", "compare", *ids, "-m", "*loss", "--sort", "eval/sft/loss")
+    assert both.returncode == 2 and "--sort 'eval/sft/loss': names two columns; give STAGE:METRIC" in both.stderr
+    by_stage = json.loads(
+        run_cli("lineage", "compare", *ids, "-m", "*loss", "--sort", "posttrain:eval/sft/loss", "--json").stdout
+    )
+    assert [r["id"] for r in by_stage["runs"]] == ids  # 6, 7, 8
+
     wide = run_cli("lineage", "compare", "--replica", "tiny", env={"COLUMNS": "200"}).stdout.splitlines()
     header = next(line for line in wide if line.startswith("run "))
     assert header.split() == [
