@@ -31,6 +31,7 @@ def record_run(
     gpus: int = 1,
     trigger: str | None = None,
     user: str | None = None,
+    params: dict[str, Any] | None = None,
 ) -> PipelineRun:
     """A pipeline run linked to ``issue`` as a pipeline start links it: a commit, stage runs with one
     job each (1 h, ``gpus`` GPUs asked), the last stage's metrics, a W&B run on the first stage."""
@@ -51,6 +52,7 @@ def record_run(
                 ended_at=ended,
                 preregistration=preregistration,
                 verdict=verdict,
+                params=params or {},
             )
         )
         commit = tx.get(Commit, "c0ffee1234567890") or tx.add(
