@@ -12,7 +12,7 @@ import os
 
 import typer
 
-from orchestrator.cli.output import console
+from orchestrator.cli.output import say
 from orchestrator.errors import OpenlabError
 from orchestrator.prefect_server import DEFAULT_HOST, DEFAULT_PORT, health_ok, use_api
 from orchestrator.settings import Settings, load_settings
@@ -71,28 +71,28 @@ def deploy(
         )
     ui = url.removesuffix("/api")
     for name, deployment_id in ids.items():
-        console.print(f"deployed {name}  {ui}/deployments/deployment/{deployment_id}", highlight=False)
+        say(f"deployed {name}  {ui}/deployments/deployment/{deployment_id}")
     paused = " paused" if paused_nightly else ""
-    console.print(f"nightly schedule: {cron} (UTC){paused}", highlight=False)
+    say(f"nightly schedule: {cron} (UTC){paused}")
     drops_cron = resolve_cron(settings, key="nightly_drops_cron", default=DEFAULT_DROPS_NIGHTLY_CRON)
-    console.print(f"drop-fraction nightly schedule: {drops_cron} (UTC){paused}", highlight=False)
+    say(f"drop-fraction nightly schedule: {drops_cron} (UTC){paused}")
     every = reconcile_every(settings)
     reaper = f"every {every:g} s{paused}" if every else "none (run it from the UI or `openlab lineage reconcile`)"
-    console.print(f"reconcile schedule: {reaper}", highlight=False)
+    say(f"reconcile schedule: {reaper}")
     gc_schedule = gc_cron(settings)
     gc_says = (
         f"{gc_schedule} (UTC){paused}" if gc_schedule else "none (a dry run from the UI; [prefect] gc_cron sets one)"
     )
-    console.print(f"outputs gc schedule: {gc_says}", highlight=False)
+    say(f"outputs gc schedule: {gc_says}")
     digest_schedule = digest_cron(settings)
     digest_says = (
         f"{digest_schedule} (UTC){paused}"
         if digest_schedule
         else "none (run it from the UI or `openlab github digest`; [prefect] digest_cron sets one)"
     )
-    console.print(f"github digest schedule: {digest_says}", highlight=False)
+    say(f"github digest schedule: {digest_says}")
     if work_pool is None:
-        console.print("runs execute where the deployments are served: keep `openlab server` running", highlight=False)
+        say("runs execute where the deployments are served: keep `openlab server` running")
 
 
 if __name__ == "__main__":  # `python -m orchestrator.cli.deploy`: usable before it is mounted

@@ -86,7 +86,8 @@ def test_deploy_registers_parameter_schema_and_nightly_cron(prefect_server: Pref
     assert reaper.parameter_openapi_schema["properties"]["dry_run"]["default"] is False
 
     # the outputs gc: a dry run from the UI, and no schedule until someone chooses one
-    assert "outputs gc schedule: none" in done.stdout
+    # (the config key it names printed as written: rich read `[prefect]` as a style tag and dropped it)
+    assert "outputs gc schedule: none (a dry run from the UI; [prefect] gc_cron sets one)" in done.stdout
     with get_client(sync_client=True) as client:
         gc = client.read_deployment_by_name(GC)
     assert gc.schedules == [] and gc.parameter_openapi_schema["properties"]["dry_run"]["default"] is True
@@ -113,7 +114,9 @@ def test_deploy_registers_parameter_schema_and_nightly_cron(prefect_server: Pref
     again = _cli("deploy", "--api-url", prefect_server.api_url, env={**env, **schedules})
     assert again.returncode == 0, again.stderr
     assert "outputs gc schedule: 0 6 * * 0 (UTC)" in again.stdout
-    assert "github digest schedule: none" in again.stdout
+    assert "github digest schedule: none (run it from the UI or `openlab github digest`; [prefect] digest_cron" in (
+        again.stdout
+    )
     with get_client(sync_client=True) as client:
         (schedule,) = client.read_deployment_by_name(NIGHTLY).schedules
         assert client.read_deployment_by_name(PIPELINE).id == pipeline.id
