@@ -93,7 +93,7 @@ def replica_sweep(
         until: Stop each run after this stage; empty runs every stage of the replica.
         git_ref: Commit to run; HEAD runs the working tree as it is.
         at_once: How many runs at a time; 0 starts them all at once.
-        metrics: Metric patterns for the comparison ('eval/*/loss', 'eval:eval/*/loss'); empty: eval's
+        metrics: Metric patterns for the comparison (`eval/*/loss`, `eval:eval/*/loss`); empty: eval's
             losses and repro's late-window drop fractions.
     """
     from prefect import get_client
