@@ -119,3 +119,76 @@ def test_custom_run_from_the_ui_completes_with_its_parameters(served: Served, tm
         assert run.state == "COMPLETED" and run.trigger == "ui"
         assert run.params["prefect"]["recipe"] == RECIPE_PATH and run.replica == "tiny"
         assert len(store.list(StageRun, pipeline_run_id=run.id)) == 6
+
+
+def test_a_sweep_submitted_from_the_ui_runs_its_grid_and_publishes_the_table(served: Served, tmp_path: Path) -> None:
+    """*replica-sweep/sweep → Run → Custom run*, the parameters typed as JSON (the form's *Use JSON
+    input*), Submit: the sweep runs one pipeline run per value and its `sweep` artifact has a row each."""
+    import json
+
+    chromium = require_service("chromium")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        unavailable("the playwright package is not installed")
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        DeploymentFilter,
+        DeploymentFilterId,
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+    )
+
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("replica-sweep/sweep")
+    params = {
+        "grid": {"data.max_bytes_per_domain": [140000, 110000]},
+        "replica": "tiny",
+        "until": "data",
+        "metrics": ["data:data/code/train_bytes"],
+    }
+    submitted_at = time.time()
+    with sync_playwright() as pw:
+        context = pw.chromium.launch_persistent_context(
+            str(tmp_path / "profile"), executable_path=chromium, headless=True, args=CHROMIUM_ARGS
+        )
+        try:
+            page = context.new_page()
+            page.route("**/*", _local_only)
+            page.route("**/create_flow_run", _again_while_busy)
+            page.goto(f"{served.server.ui_url}/deployments/deployment/{deployment.id}", wait_until="domcontentloaded")
+            page.get_by_role("button", name="Run", exact=True).click()
+            page.get_by_text("Custom run").click()
+            page.get_by_role("button", name="Submit").wait_for(timeout=30_000)
+            # the grid is prefilled with an example; the whole parameter set is typed as JSON instead
+            page.locator("xpath=//*[normalize-space(text())='Parameters']/following::button[1]").click()
+            page.get_by_text("Use JSON input").click()
+            page.locator("textarea.p-code-input__textarea").first.fill(json.dumps(params))
+            page.get_by_role("button", name="Submit").click()
+            page.get_by_text("scheduled to start now").first.wait_for(timeout=60_000)
+        except Exception as exc:
+            page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
+            raise AssertionError(f"the UI did not schedule the sweep: {exc}") from exc
+        finally:
+            context.close()
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])))
+    (mine,) = [
+        r for r in runs if r.parameters.get("grid") == params["grid"] and r.created.timestamp() >= submitted_at - 5
+    ]
+    sweep = wait_flow_run(mine.id, 240)
+    assert sweep.state.is_completed(), sweep.state.message
+    assert sweep.name == "sweep marin-535b-a23b:tiny on local: data.max_bytes_per_domain x2"
+    with get_client(sync_client=True) as client:
+        children = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[sweep.id]))
+        )
+        (artifact,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[sweep.id]))
+        )
+    assert sorted(c.parameters["overrides"]["data.max_bytes_per_domain"] for c in children) == [110000, 140000]
+    rows = [line for line in str(artifact.data).splitlines() if line.startswith("| `prun_")]
+    assert sorted(row.split("|")[3].strip() for row in rows) == ["110000", "140000"], artifact.data
