@@ -511,6 +511,8 @@ def compare_cmd(
     until: UntilOpt = None,
     commit: CommitOpt = None,
     issue: IssueOpt = None,
+    host: HostOpt = None,
+    cluster: ClusterOpt = None,
     user: UserOpt = None,
     trigger: TriggerOpt = None,
     limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="At most this many runs (the newest).")] = 20,

@@ -286,3 +286,24 @@ def openlab_events(flow_run_id: Any, wanted: set[str], timeout: float = 30.0) ->
             if wanted <= set(found) or time.monotonic() > deadline:
                 return found
             time.sleep(0.5)
+
+
+def sweep_runs_and_table(sweep_id: Any) -> tuple[list[Any], str]:
+    """A sweep's flow runs (the children it started) and its ``sweep`` artifact's markdown."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+    )
+
+    with get_client(sync_client=True) as client:
+        children = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[sweep_id]))
+        )
+        (artifact,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[sweep_id]))
+        )
+    assert artifact.key == "sweep", artifact.key
+    return children, str(artifact.data)

@@ -8,13 +8,15 @@ analytics host on load, and tests must neither leak nor depend on the network.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from orchestrator.lineage import LineageStore, PipelineRun, StageRun
-from tests.flows.conftest import Served, require_service, unavailable, wait_flow_run
+from tests.flows.conftest import Served, require_service, sweep_runs_and_table, unavailable, wait_flow_run
 
 CHROMIUM_ARGS = [
     "--headless",
@@ -61,26 +63,21 @@ def _param_input(page: Any, name: str) -> Any:
     return page.locator(f"xpath=//*[normalize-space(text())='{name} (Optional)']/following::textarea[1]")
 
 
-def test_custom_run_from_the_ui_completes_with_its_parameters(served: Served, tmp_path: Path) -> None:
+@contextmanager
+def _custom_run_form(served: Served, deployment_id: Any, tmp_path: Path, what: str) -> Iterator[Any]:
+    """The deployment's *Run → Custom run* form in Chromium, as a person opens it. A failure inside
+    the block leaves a screenshot and names the local requests that failed or were refused."""
     chromium = require_service("chromium")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
         unavailable("the playwright package is not installed")
-    from prefect import get_client
-    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
-    from prefect.client.schemas.sorting import FlowRunSort
-
-    with get_client(sync_client=True) as client:
-        deployment = client.read_deployment_by_name("replica-pipeline/replica")
-    ui = served.server.ui_url
-    submitted_at = time.time()
     with sync_playwright() as pw:
         context = pw.chromium.launch_persistent_context(
             str(tmp_path / "profile"), executable_path=chromium, headless=True, args=CHROMIUM_ARGS
         )
+        page = context.new_page()
         try:
-            page = context.new_page()
             page.route("**/*", _local_only)
             page.route("**/create_flow_run", _again_while_busy)  # runs first: the last route added does
             refused: list[str] = []  # local requests that failed or were refused: the failure says which
@@ -89,19 +86,31 @@ def test_custom_run_from_the_ui_completes_with_its_parameters(served: Served, tm
                 "requestfailed",
                 lambda r: refused.append(f"{r.method} {r.url}: {r.failure}") if "127.0.0.1" in r.url else None,
             )
-            page.goto(f"{ui}/deployments/deployment/{deployment.id}", wait_until="domcontentloaded")
+            page.goto(f"{served.server.ui_url}/deployments/deployment/{deployment_id}", wait_until="domcontentloaded")
             page.get_by_role("button", name="Run", exact=True).click()
             page.get_by_text("Custom run").click()
-            _param_input(page, "recipe").fill(RECIPE_PATH)
-            _param_input(page, "replica").fill("tiny")
-            page.get_by_role("button", name="Submit").click()
-            # One CI run (2 cores) did not see the toast within 30 s; the same test passed on a rerun.
-            page.get_by_text("scheduled to start now").first.wait_for(timeout=60_000)
+            yield page
         except Exception as exc:
             page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
-            raise AssertionError(f"the UI did not schedule the run; requests that failed: {refused}") from exc
+            raise AssertionError(f"the UI did not schedule the {what}; requests that failed: {refused}") from exc
         finally:
             context.close()
+
+
+def test_custom_run_from_the_ui_completes_with_its_parameters(served: Served, tmp_path: Path) -> None:
+    from prefect import get_client
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("replica-pipeline/replica")
+    submitted_at = time.time()
+    with _custom_run_form(served, deployment.id, tmp_path, "run") as page:
+        _param_input(page, "recipe").fill(RECIPE_PATH)
+        _param_input(page, "replica").fill("tiny")
+        page.get_by_role("button", name="Submit").click()
+        # One CI run (2 cores) did not see the toast within 30 s; the same test passed on a rerun.
+        page.get_by_text("scheduled to start now").first.wait_for(timeout=60_000)
 
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(
@@ -126,20 +135,8 @@ def test_a_sweep_submitted_from_the_ui_runs_its_grid_and_publishes_the_table(ser
     input*), Submit: the sweep runs one pipeline run per value and its `sweep` artifact has a row each."""
     import json
 
-    chromium = require_service("chromium")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        unavailable("the playwright package is not installed")
     from prefect import get_client
-    from prefect.client.schemas.filters import (
-        ArtifactFilter,
-        ArtifactFilterFlowRunId,
-        DeploymentFilter,
-        DeploymentFilterId,
-        FlowRunFilter,
-        FlowRunFilterParentFlowRunId,
-    )
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
     with get_client(sync_client=True) as client:
         deployment = client.read_deployment_by_name("replica-sweep/sweep")
@@ -150,29 +147,14 @@ def test_a_sweep_submitted_from_the_ui_runs_its_grid_and_publishes_the_table(ser
         "metrics": ["data:data/code/train_bytes"],
     }
     submitted_at = time.time()
-    with sync_playwright() as pw:
-        context = pw.chromium.launch_persistent_context(
-            str(tmp_path / "profile"), executable_path=chromium, headless=True, args=CHROMIUM_ARGS
-        )
-        try:
-            page = context.new_page()
-            page.route("**/*", _local_only)
-            page.route("**/create_flow_run", _again_while_busy)
-            page.goto(f"{served.server.ui_url}/deployments/deployment/{deployment.id}", wait_until="domcontentloaded")
-            page.get_by_role("button", name="Run", exact=True).click()
-            page.get_by_text("Custom run").click()
-            page.get_by_role("button", name="Submit").wait_for(timeout=30_000)
-            # the grid is prefilled with an example; the whole parameter set is typed as JSON instead
-            page.locator("xpath=//*[normalize-space(text())='Parameters']/following::button[1]").click()
-            page.get_by_text("Use JSON input").click()
-            page.locator("textarea.p-code-input__textarea").first.fill(json.dumps(params))
-            page.get_by_role("button", name="Submit").click()
-            page.get_by_text("scheduled to start now").first.wait_for(timeout=60_000)
-        except Exception as exc:
-            page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)
-            raise AssertionError(f"the UI did not schedule the sweep: {exc}") from exc
-        finally:
-            context.close()
+    with _custom_run_form(served, deployment.id, tmp_path, "sweep") as page:
+        page.get_by_role("button", name="Submit").wait_for(timeout=30_000)
+        # the grid is prefilled with an example; the whole parameter set is typed as JSON instead
+        page.locator("xpath=//*[normalize-space(text())='Parameters']/following::button[1]").click()
+        page.get_by_text("Use JSON input").click()
+        page.locator("textarea.p-code-input__textarea").first.fill(json.dumps(params))
+        page.get_by_role("button", name="Submit").click()
+        page.get_by_text("scheduled to start now").first.wait_for(timeout=60_000)
 
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment.id])))
@@ -182,13 +164,7 @@ def test_a_sweep_submitted_from_the_ui_runs_its_grid_and_publishes_the_table(ser
     sweep = wait_flow_run(mine.id, 240)
     assert sweep.state.is_completed(), sweep.state.message
     assert sweep.name == "sweep marin-535b-a23b:tiny on local: data.max_bytes_per_domain x2"
-    with get_client(sync_client=True) as client:
-        children = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[sweep.id]))
-        )
-        (artifact,) = client.read_artifacts(
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[sweep.id]))
-        )
+    children, table = sweep_runs_and_table(sweep.id)
     assert sorted(c.parameters["overrides"]["data.max_bytes_per_domain"] for c in children) == [110000, 140000]
-    rows = [line for line in str(artifact.data).splitlines() if line.startswith("| `prun_")]
-    assert sorted(row.split("|")[3].strip() for row in rows) == ["110000", "140000"], artifact.data
+    rows = [line for line in table.splitlines() if line.startswith("| `prun_")]
+    assert sorted(row.split("|")[3].strip() for row in rows) == ["110000", "140000"], table

@@ -12,7 +12,7 @@ from pytest_httpserver import HTTPServer
 from orchestrator.lineage import Attempt, Commit, LineageStore, PipelineRun, StageRun
 from orchestrator.lineage.models import GithubUpdate
 from orchestrator.provenance.invocation import current_user
-from tests.flows.conftest import Served, openlab_events, require_service, wait_flow_run
+from tests.flows.conftest import Served, openlab_events, require_service, sweep_runs_and_table, wait_flow_run
 from tests.links.links_fakes import TOKEN, FakeGitHub
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
@@ -201,12 +201,7 @@ def test_a_sweep_from_the_ui_runs_each_combination_as_a_pipeline_run_and_compare
     in the UI and recorded with what it set; the `sweep` artifact puts them side by side with what
     each measured. A grid with a key that is no recipe field starts nothing."""
     from prefect import get_client
-    from prefect.client.schemas.filters import (
-        ArtifactFilter,
-        ArtifactFilterFlowRunId,
-        FlowRunFilter,
-        FlowRunFilterParentFlowRunId,
-    )
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 
     params = {
         **TINY,
@@ -218,13 +213,7 @@ def test_a_sweep_from_the_ui_runs_each_combination_as_a_pipeline_run_and_compare
     sweep = wait_flow_run(start_run("replica-sweep/sweep", params), 240)
     assert sweep.state.is_completed(), f"{sweep.state.message}\n{served.log()[-3000:]}"
     assert sweep.name == "sweep marin-535b-a23b:tiny on local: data.max_bytes_per_domain x2"
-    with get_client(sync_client=True) as client:
-        children = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[sweep.id]))
-        )
-        (artifact,) = client.read_artifacts(
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[sweep.id]))
-        )
+    children, table = sweep_runs_and_table(sweep.id)
     assert sorted(c.name for c in children) == [
         "marin-535b-a23b:tiny on local until data data.max_bytes_per_domain=120000",
         "marin-535b-a23b:tiny on local until data data.max_bytes_per_domain=150000",
@@ -235,8 +224,6 @@ def test_a_sweep_from_the_ui_runs_each_combination_as_a_pipeline_run_and_compare
     by_value = {r.params["recipe"]["run_set"]["data.max_bytes_per_domain"]: r for r in runs.values()}
     assert set(by_value) == {150000, 120000}
     assert {r.params["issue"] for r in runs.values()} == {"lab/sweeps#1"}
-    table = str(artifact.data)
-    assert artifact.key == "sweep", artifact.key
     assert "| run | state | set.data.max_bytes_per_domain | data/code/train_bytes |" in table, table
     for value, run in by_value.items():  # each run's row: what it set, what its data stage measured
         (row,) = [line for line in table.splitlines() if line.startswith("| ") and run.id in line]
