@@ -600,7 +600,7 @@ def _print_comparison(comparison: Any, default_metrics: bool) -> None:
                 *(number(row, column) for column in comparison.columns),
             )
         console.print(table)
-    if not comparison.varies:
+    if not comparison.varies and len(comparison.rows) > 1:
         say("the runs were asked the same (no value set, backend, recipe, replica or commit differs)")
     if not comparison.columns:
         hint = "add -m PATTERN ('*' for all)" if default_metrics else "'*' shows all"
