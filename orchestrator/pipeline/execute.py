@@ -817,15 +817,62 @@ def last_completed(
         return session.exec(base.order_by(col(StageRun.ended_at).desc()).limit(1)).first()
 
 
+#: How many of a stage's latest completed runs the "changed since" comparison looks among.
+CLOSEST_AMONG = 20
+
+
+def closest_completed(
+    store: LineageStore,
+    stage: str,
+    fields: Mapping[str, Any],
+    *,
+    exclude_identity: str | None = None,
+    recipe: str | None = None,
+    replica: str | None = None,
+    unknown_inputs: Sequence[str] = (),
+) -> StageRun | None:
+    """Of the latest completed runs of ``stage`` (this recipe and replica first), the one whose
+    identity differs from ``fields`` in the fewest fields; the latest among equals.
+
+    "Changed since the last run" against whichever ran last buries the one change a person made
+    under another backend's image and packages (a local plan after a Docker run); against the
+    closest run it names that change (Marin's complaint: a dry run could not show which change
+    invalidated a hash). ``unknown_inputs`` (not yet computed) are left out of the count.
+    """
+    latest = last_completed(store, stage, exclude_identity=exclude_identity, recipe=recipe, replica=replica)
+    if latest is None:
+        return None
+    with store.session() as session:
+        query = select(StageRun).where(StageRun.stage == stage, StageRun.state == "COMPLETED")
+        if exclude_identity:
+            query = query.where(StageRun.identity != exclude_identity)
+        if recipe is not None:
+            query = query.join(PipelineRun, col(StageRun.pipeline_run_id) == col(PipelineRun.id)).where(
+                PipelineRun.recipe == recipe, PipelineRun.replica == replica
+            )
+        candidates = list(session.exec(query.order_by(col(StageRun.ended_at).desc()).limit(CLOSEST_AMONG)))
+    if not candidates:
+        return latest
+
+    def distance(run: StageRun) -> int:
+        old = dict(run.identity_fields)
+        if unknown_inputs:
+            old["inputs"] = {k: v for k, v in (old.get("inputs") or {}).items() if k not in unknown_inputs}
+        return len(diff_identities(old, fields))
+
+    return min(candidates, key=distance)  # min keeps the first (latest) of equals
+
+
 def describe_changes(changes: Sequence[FieldChange]) -> list[str]:
     return [c.describe() for c in changes]
 
 
 def changes_since_last(ctx: PipelineContext, stage: str, identity: StageIdentity) -> tuple[list[str], str]:
     """Identity fields changed since the last completed run of ``stage``, and a one-line reason."""
-    previous = last_completed(
+    previous = closest_completed(
         ctx.store,
         stage,
+        identity.fields(),
         exclude_identity=identity.digest,
         recipe=ctx.pipeline_run.recipe,
         replica=ctx.pipeline_run.replica,

@@ -22,10 +22,10 @@ from orchestrator.pipeline.dag import Pipeline, moe_pipeline
 from orchestrator.pipeline.execute import (
     NO_LONGER_VERIFY,
     backend_environments,
+    closest_completed,
     describe_changes,
     environment_values,
     find_reusable,
-    last_completed,
     stage_environment,
 )
 from orchestrator.recipes import ResolvedRecipe, identity_config
@@ -110,12 +110,14 @@ def plan(
                 environment=stage_environment(spec, images[spec.backend or backend], env_values),
             )
             forced = force is True or (not isinstance(force, bool) and spec.name in force)
-            previous = last_completed(
+            previous = closest_completed(
                 store,
                 spec.name,
+                identity.fields(),
                 exclude_identity=None if pending else identity.digest,
                 recipe=recipe,
                 replica=replica,
+                unknown_inputs=pending,
             )
             changes: list[str] = []
             if previous is not None:

@@ -530,3 +530,52 @@ def test_a_sweeps_grid_is_every_combination_over_the_values_fixed_for_all() -> N
     ):
         with pytest.raises(ConfigError, match=message):
             sweep_trials(grid, fixed)
+
+
+def test_what_changed_is_told_against_the_closest_completed_run_not_only_the_latest(tmp_path: Path) -> None:
+    """A local plan after a Docker run: "changed since" the Docker run listed its image and packages
+    beside the one value a person changed; against the closest completed run it names that value."""
+    import datetime as dt
+
+    from orchestrator.identity import StageIdentity, compute_identity, diff_identities
+    from orchestrator.lineage import LineageStore, PipelineRun
+    from orchestrator.lineage.models import StageRun
+    from orchestrator.pipeline.execute import closest_completed
+
+    def identity(lr: float, environment: dict, tokens: str = "t" * 64) -> StageIdentity:
+        return compute_identity("pretrain", {"lr": lr}, inputs={"tokens": tokens}, environment=environment)
+
+    local = identity(0.01, {"python_version": "3.11.7", "pkg:torch": "2.13.0"})
+    docker = identity(0.01, {"image": "sha256:" + "a" * 64})
+    now = dt.datetime(2026, 12, 6, tzinfo=dt.UTC)
+    with LineageStore(f"sqlite:///{tmp_path / 'l.db'}") as store:
+        runs = {}
+        for name, ident, hours in (("local", local, 2), ("docker", docker, 1)):  # the Docker run is the latest
+            with store.transaction() as tx:
+                run = tx.add(PipelineRun(recipe="r", replica="tiny", state="COMPLETED"))
+                runs[name] = tx.add(
+                    StageRun(
+                        pipeline_run_id=run.id,
+                        stage="pretrain",
+                        identity=ident.digest,
+                        identity_fields=ident.fields(),
+                        state="COMPLETED",
+                        ended_at=now - dt.timedelta(hours=hours),
+                    )
+                )
+        wanted = identity(0.02, {"python_version": "3.11.7", "pkg:torch": "2.13.0"}).fields()
+        found = closest_completed(store, "pretrain", wanted, recipe="r", replica="tiny")
+        assert found is not None and found.id == runs["local"].id
+        assert [c.path for c in diff_identities(found.identity_fields, wanted)] == ["config.lr"]
+        # equally close: the latest
+        in_docker = identity(0.02, {"image": "sha256:" + "a" * 64}).fields()
+        assert closest_completed(store, "pretrain", in_docker, recipe="r", replica="tiny").id == runs["docker"].id
+        # an input not known yet (its stage runs first) does not count against either
+        other_tokens = identity(0.02, {"python_version": "3.11.7", "pkg:torch": "2.13.0"}, tokens="u" * 64).fields()
+        del other_tokens["inputs"]["tokens"]
+        found = closest_completed(
+            store, "pretrain", other_tokens, recipe="r", replica="tiny", unknown_inputs=["tokens"]
+        )
+        assert found is not None and found.id == runs["local"].id
+        assert closest_completed(store, "pretrain", wanted, recipe="other", replica="tiny") is not None  # any recipe
+        assert closest_completed(store, "eval", wanted) is None
