@@ -530,7 +530,7 @@ def replica_pipeline(
         git_ref: Commit to run; HEAD runs the working tree as it is, anything else a clean checkout.
         force: Re-run every stage even when a completed identical one exists.
         dry_run: Launch nothing; say for each stage whether it would run or be reused, and which
-            identity fields changed since its last completed run (what `openlab explain` prints).
+            identity fields changed since its closest completed run (what `openlab explain` prints).
         until: Stop after this stage (it and the stages it reads from run; e.g. tokenize to
             prepare data now and train later); empty runs every stage of the replica.
         overrides: Recipe values for this run only, over the replica's own, as `openlab run --set`

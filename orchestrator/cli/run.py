@@ -270,7 +270,7 @@ def explain(
     set_values: SetOpt = None,
     json_out: JsonFlag = False,
 ) -> None:
-    """Dry run: for each stage, run or reuse, and which identity fields changed since its last completed run."""
+    """Dry run: for each stage, run or reuse, and which identity fields changed since its closest completed run."""
     from orchestrator.pipeline import explain_recipe
     from orchestrator.recipes import parse_sets, resolve
     from orchestrator.settings import load_settings
