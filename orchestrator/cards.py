@@ -37,7 +37,7 @@ from orchestrator.lineage.models import (
 from orchestrator.lineage.store import LineageStore
 from orchestrator.lineage.usage import attempt_hours
 from orchestrator.preregistration import outcome_lines
-from orchestrator.recipes import set_words
+from orchestrator.recipes import set_value_word, set_words
 
 #: Hosts whose remotes are turned into web commit links (GitHub Enterprise hosts can be added).
 DEFAULT_GITHUB_HOSTS: tuple[str, ...] = ("github.com",)
@@ -361,9 +361,8 @@ def render_pipeline(view: PipelineView, github_hosts: Iterable[str] = DEFAULT_GI
     commits = list(view.commits)
     for sv in view.stages:
         commits.extend(c for c in sv.commits if c.id not in {x.id for x in commits})
-    run_set = ((run.params or {}).get("recipe") or {}).get("run_set") or {}
-    if run_set:  # values this run set over its recipe (`--set`, the flow's overrides): the experiment
-        lines += ["", "**Set for this run:** " + ", ".join(f"`` {w} ``" for w in set_words(run_set))]
+    if run.run_set:  # values this run set over its recipe (`--set`, the flow's overrides): the experiment
+        lines += ["", "**Set for this run:** " + ", ".join(f"`` {w} ``" for w in set_words(run.run_set))]
     if run.command:  # what to type to do it again (secrets were masked when it was recorded)
         lines += ["", f"**Command:** `` {shlex.join(run.command)} ``"]  # a double fence: a ` inside stays code
     if commits:
@@ -491,10 +490,7 @@ def render_comparison(comparison: Comparison, title: str, patterns: Iterable[str
     lines = [f"### {md_cell(title)}", "", "| " + " | ".join(md_cell(h) for h in head) + " |"]
     lines.append("|" + "---|" * (2 + len(comparison.varies)) + "---:|" * len(comparison.columns))
     for row in comparison.rows:
-        asked = [
-            "-" if row.asked.get(k) is None else set_words({k: row.asked[k]})[0].split("=", 1)[1]
-            for k in comparison.varies
-        ]
+        asked = ["-" if row.asked.get(k) is None else set_value_word(row.asked[k]) for k in comparison.varies]
         numbers = [format(row.metrics[c], ".6g") if c in row.metrics else "-" for c in comparison.columns]
         lines.append("| " + " | ".join(md_cell(x) for x in (f"`{row.run.id}`", row.run.state, *asked, *numbers)) + " |")
     command = shlex.join(["openlab", "lineage", "compare", *(r.run.id for r in comparison.rows)])

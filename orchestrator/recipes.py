@@ -512,10 +512,15 @@ def _field_hint(dotted: str, known: Sequence[str]) -> str:
     return "sections: " + ", ".join(dict.fromkeys(n.split(".")[0] for n in known))
 
 
+def set_value_word(value: Any) -> str:
+    """A set value as one word :func:`parse_sets` reads back: text as it is, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 def set_words(sets: Mapping[str, Any]) -> list[str]:
     """``pretrain.lr=0.02``, ``pretrain.mixture={"code": 0.5}``: each set value as one word that
     :func:`parse_sets` reads back (for a run's name, its card and its summary)."""
-    return [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in sets.items()]
+    return [f"{k}={set_value_word(v)}" for k, v in sets.items()]
 
 
 #: The most runs one sweep may start: a grid typed with one value too many per key multiplies.

@@ -559,11 +559,11 @@ def compare_cmd(
 
 def _print_comparison(comparison: Any, default_metrics: bool) -> None:
     """A table of the runs (below 110 columns: a block per run, one value a line)."""
-    from orchestrator.recipes import set_words
+    from orchestrator.recipes import set_value_word
 
     def value(row: Any, key: str) -> str:
         got = row.asked.get(key)
-        return "-" if got is None else set_words({key: got})[0].split("=", 1)[1]
+        return "-" if got is None else set_value_word(got)
 
     def number(row: Any, column: tuple[str, str]) -> str:
         got = row.metrics.get(column)

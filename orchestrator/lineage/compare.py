@@ -19,7 +19,7 @@ from typing import Any
 from sqlmodel import col
 
 from orchestrator.errors import ConfigError, choices
-from orchestrator.lineage.diff import RUN_FIELDS, commit_of, stage_metrics
+from orchestrator.lineage.diff import RUN_FIELDS, commit_of, run_asked, stage_metrics
 from orchestrator.lineage.models import PipelineRun, StageRun
 from orchestrator.lineage.store import LineageStore
 
@@ -106,17 +106,13 @@ _ORDER = {name: i for i, name in enumerate((*RUN_FIELDS, "commit"))}
 
 
 def _asked(store: LineageStore, run: PipelineRun) -> dict[str, Any]:
-    run_set = ((run.params or {}).get("recipe") or {}).get("run_set") or {}
+    """:func:`run_asked`, and the commit it ran at (runs compared may span commits)."""
     commit = commit_of(store, run)
     short = None
     if commit is not None:  # `sha+patch` for a dirty tree: both parts cut short, the mark kept
         sha, _, patch = commit.id.partition("+")
         short = sha[:12] + (f"+{patch[:8]}" if patch else "")
-    return {
-        **{f"set.{key}": value for key, value in sorted(run_set.items())},
-        **{name: getattr(run, name) for name in RUN_FIELDS},
-        "commit": short,
-    }
+    return {**run_asked(run), "commit": short}
 
 
 def compare_runs(store: LineageStore, runs: Iterable[PipelineRun], patterns: Sequence[str]) -> Comparison:

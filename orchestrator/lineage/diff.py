@@ -119,23 +119,24 @@ class Section:
 RUN_FIELDS = ("recipe", "replica", "backend")
 
 
+def run_asked(run: PipelineRun) -> dict[str, Any]:
+    """What a pipeline run was asked as a whole: ``set.KEY`` for each value set for it alone
+    (``openlab run --set``), then its recipe, replica and backend."""
+    return {
+        **{f"set.{key}": value for key, value in sorted(run.run_set.items())},
+        **{name: getattr(run, name) for name in RUN_FIELDS},
+    }
+
+
 def run_changes(a: PipelineRun, b: PipelineRun) -> list[dict[str, Any]]:
-    """How two pipeline runs were asked differently: each value set for one run only (``set.KEY``,
-    ``openlab run --set``) and the recipe, replica and backend. Their stages' identities show
-    the effect stage by stage; this names the cause once."""
-    set_a = ((a.params or {}).get("recipe") or {}).get("run_set") or {}
-    set_b = ((b.params or {}).get("recipe") or {}).get("run_set") or {}
-    changes = [
-        {"path": f"set.{key}", "old": set_a.get(key), "new": set_b.get(key)}
-        for key in sorted(set_a.keys() | set_b.keys())
-        if set_a.get(key) != set_b.get(key)
-    ]
-    changes += [
-        {"path": name, "old": getattr(a, name), "new": getattr(b, name)}
-        for name in RUN_FIELDS
-        if getattr(a, name) != getattr(b, name)
-    ]
-    return changes
+    """How two pipeline runs were asked differently (:func:`run_asked`), values set first. Their
+    stages' identities show the effect stage by stage; this names the cause once."""
+    old, new = run_asked(a), run_asked(b)
+    keys = sorted(
+        old.keys() | new.keys(),
+        key=lambda k: (not k.startswith("set."), RUN_FIELDS.index(k) if k in RUN_FIELDS else 0, k),
+    )
+    return [{"path": k, "old": old.get(k), "new": new.get(k)} for k in keys if old.get(k) != new.get(k)]
 
 
 def previous_run(store: LineageStore, run: PipelineRun) -> PipelineRun | None:

@@ -216,6 +216,12 @@ class PipelineRun(LineageRecord, table=True):
     started_at: dt.datetime = Field(default_factory=utcnow)
     ended_at: dt.datetime | None = None
 
+    @property
+    def run_set(self) -> dict[str, Any]:
+        """The recipe values this run set over its recipe (``openlab run --set``, the flow's
+        ``overrides``), as recorded in ``params.recipe.run_set``; empty for a run that set none."""
+        return dict(((self.params or {}).get("recipe") or {}).get("run_set") or {})
+
 
 class StageRun(LineageRecord, table=True):
     """One stage of one pipeline run; its attempts are the jobs that ran it."""

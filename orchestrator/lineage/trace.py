@@ -42,11 +42,10 @@ def describe(record: Any) -> str:
         verdict = (record.verdict or {}).get("status")  # a nightly's: baseline, passed or regressed
         judged = f" nightly {verdict}" if verdict else ""
         where = f"replica={record.replica} backend={record.backend}"
-        run_set = ((record.params or {}).get("recipe") or {}).get("run_set")
-        if run_set:  # what this run set over its recipe (`run --set`): what tells it from the runs beside it
+        if record.run_set:  # what this run set over its recipe (`run --set`): what tells it from the runs beside it
             from orchestrator.recipes import set_words
 
-            where += " set " + " ".join(set_words(run_set))
+            where += " set " + " ".join(set_words(record.run_set))
         where += f" user={record.user}" if record.user else ""  # the account that started it, as squeue's USER
         return f"{record.recipe or record.name} {where} {record.state}{judged}"
     if kind == "stage_run":

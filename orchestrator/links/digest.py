@@ -160,7 +160,7 @@ class RunDigest:
             "pipeline_run": run.id,
             "recipe": run.recipe,
             "replica": run.replica,
-            "run_set": ((run.params or {}).get("recipe") or {}).get("run_set") or {},
+            "run_set": run.run_set,
             "backend": run.backend,
             "trigger": run.trigger,
             "user": run.user,
@@ -343,9 +343,8 @@ def render_run(rd: RunDigest, github_hosts: Iterable[str] = DEFAULT_GITHUB_HOSTS
             subject = _first_line(c.message, 100)
             parts.append(commit_text(c, hosts) + (f" {subject}" if subject else ""))
         lines.append("- **Commit:** " + ", ".join(parts))
-    run_set = ((run.params or {}).get("recipe") or {}).get("run_set") or {}
-    if run_set:  # the values it set over its recipe (`openlab run --set`, a sweep's run)
-        lines.append("- **Set for this run:** " + ", ".join(f"`{w}`" for w in set_words(run_set)))
+    if run.run_set:  # the values it set over its recipe (`openlab run --set`, a sweep's run)
+        lines.append("- **Set for this run:** " + ", ".join(f"`{w}`" for w in set_words(run.run_set)))
     how = how_started(run)
     if how:
         lines.append(f"- **Trigger:** {how}")

@@ -791,32 +791,6 @@ def _removed(store: LineageStore, run: StageRun) -> str | None:
     return None
 
 
-def last_completed(
-    store: LineageStore,
-    stage: str,
-    *,
-    exclude_identity: str | None = None,
-    recipe: str | None = None,
-    replica: str | None = None,
-) -> StageRun | None:
-    """The most recent COMPLETED run of ``stage`` (preferring the same recipe and replica)."""
-    with store.session() as session:
-        base = select(StageRun).where(StageRun.stage == stage, StageRun.state == "COMPLETED")
-        if exclude_identity:
-            base = base.where(StageRun.identity != exclude_identity)
-        if recipe is not None:
-            same = (
-                base.join(PipelineRun, col(StageRun.pipeline_run_id) == col(PipelineRun.id))
-                .where(PipelineRun.recipe == recipe, PipelineRun.replica == replica)
-                .order_by(col(StageRun.ended_at).desc())
-                .limit(1)
-            )
-            found = session.exec(same).first()
-            if found is not None:
-                return found
-        return session.exec(base.order_by(col(StageRun.ended_at).desc()).limit(1)).first()
-
-
 #: How many of a stage's latest completed runs the "changed since" comparison looks among.
 CLOSEST_AMONG = 20
 
@@ -839,20 +813,21 @@ def closest_completed(
     closest run it names that change (Marin's complaint: a dry run could not show which change
     invalidated a hash). ``unknown_inputs`` (not yet computed) are left out of the count.
     """
-    latest = last_completed(store, stage, exclude_identity=exclude_identity, recipe=recipe, replica=replica)
-    if latest is None:
-        return None
     with store.session() as session:
         query = select(StageRun).where(StageRun.stage == stage, StageRun.state == "COMPLETED")
         if exclude_identity:
             query = query.where(StageRun.identity != exclude_identity)
-        if recipe is not None:
-            query = query.join(PipelineRun, col(StageRun.pipeline_run_id) == col(PipelineRun.id)).where(
+        latest_first = col(StageRun.ended_at).desc()
+        candidates: list[StageRun] = []
+        if recipe is not None:  # this recipe and replica's runs if it has any, else any recipe's
+            same = query.join(PipelineRun, col(StageRun.pipeline_run_id) == col(PipelineRun.id)).where(
                 PipelineRun.recipe == recipe, PipelineRun.replica == replica
             )
-        candidates = list(session.exec(query.order_by(col(StageRun.ended_at).desc()).limit(CLOSEST_AMONG)))
+            candidates = list(session.exec(same.order_by(latest_first).limit(CLOSEST_AMONG)))
+        if not candidates:
+            candidates = list(session.exec(query.order_by(latest_first).limit(CLOSEST_AMONG)))
     if not candidates:
-        return latest
+        return None
 
     def distance(run: StageRun) -> int:
         old = dict(run.identity_fields)
