@@ -186,8 +186,9 @@ class PipelineHooks:
     on_transition: Callable[[StageTransition], None] | None = None
     #: ``(stage, done, total)`` parsed from ``step N/M`` in job logs.
     on_progress: Callable[[str, int, int], None] | None = None
-    #: Polled while waiting and while a job runs; True cancels (e.g. Prefect cancellation).
-    should_cancel: Callable[[], bool] | None = None
+    #: Polled while waiting and while a job runs; True cancels (e.g. Prefect cancellation), and a
+    #: text cancels saying why (recorded as the stage's reason: "the sweep was interrupted").
+    should_cancel: Callable[[], bool | str] | None = None
 
 
 @dataclass
@@ -955,15 +956,19 @@ def _conclude(
 # -- running a stage --------------------------------------------------------------------------------
 
 
-def _cancel_requested(ctx: PipelineContext, extra: Callable[[], bool] | None) -> bool:
+def _cancel_requested(ctx: PipelineContext, extra: Callable[[], bool | str] | None) -> str | None:
+    """Why a ``should_cancel`` hook asks to cancel (the text it returned, else "cancel requested"),
+    or None while none does."""
     for fn in (extra, ctx.hooks.should_cancel):
         if fn is not None:
             try:
-                if fn():
-                    return True
+                asked = fn()
             except Exception:  # noqa: BLE001
                 log.exception("should_cancel hook failed")
-    return False
+                continue
+            if asked:
+                return asked if isinstance(asked, str) else "cancel requested"
+    return None
 
 
 def _write_config(
@@ -1072,7 +1077,7 @@ def execute_stage(
     stage: str | StageSpec,
     *,
     upstream: Mapping[str, StageResult] | None = None,
-    should_cancel: Callable[[], bool] | None = None,
+    should_cancel: Callable[[], bool | str] | None = None,
 ) -> StageResult:
     """Reuse or run one stage of ``ctx``'s pipeline; see the module docstring.
 
@@ -1099,8 +1104,9 @@ def execute_stage(
     held: leases.HeldLease | None = None
     waited_since: float | None = None
     while held is None:
-        if _cancel_requested(ctx, should_cancel):
-            raise StageCancelled(f"stage {spec.name}: cancelled while waiting for its lease")
+        asked = _cancel_requested(ctx, should_cancel)  # (not `why`: that is why the stage is not reused)
+        if asked:
+            raise StageCancelled(f"stage {spec.name}: cancelled while waiting for its lease: {asked}")
         held = leases.try_hold(
             ctx.store,
             digest,
@@ -1145,7 +1151,7 @@ def _run_stage(
     inputs: Mapping[str, StageResult],
     stage_run_id: str,
     held: leases.HeldLease,
-    should_cancel: Callable[[], bool] | None,
+    should_cancel: Callable[[], bool | str] | None,
     forced: bool,
     started: float,
     not_reused: str = "",
@@ -1243,8 +1249,9 @@ def _run_stage(
         if held.should_cancel():
             cancel_reason[:] = [held.lost_reason or "lease lost"]
             return True
-        if _cancel_requested(ctx, should_cancel):
-            cancel_reason[:] = ["cancel requested"]
+        asked = _cancel_requested(ctx, should_cancel)
+        if asked:
+            cancel_reason[:] = [asked]
             return True
         return False
 
