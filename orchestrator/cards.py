@@ -493,9 +493,9 @@ def render_comparison(comparison: Comparison, title: str, patterns: Iterable[str
         asked = ["-" if row.asked.get(k) is None else set_value_word(row.asked[k]) for k in comparison.varies]
         numbers = [format(row.metrics[c], ".6g") if c in row.metrics else "-" for c in comparison.columns]
         lines.append("| " + " | ".join(md_cell(x) for x in (f"`{row.run.id}`", row.run.state, *asked, *numbers)) + " |")
-    command = shlex.join(["openlab", "lineage", "compare", *(r.run.id for r in comparison.rows)])
-    command += "".join(f" -m {shlex.quote(p)}" for p in patterns)  # the metrics asked for, not the default
-    lines += ["", f"`` {command} `` prints it again; `-m '*'` with every metric."]
+    if comparison.note:
+        lines += ["", md_cell(comparison.note)]
+    lines += ["", f"`` {comparison.command(patterns)} `` prints it again; `-m '*'` with every metric."]
     return "\n".join(lines) + "\n"
 
 

@@ -500,7 +500,8 @@ def compare_cmd(
             "--metric",
             "-m",
             help="Metrics to show, shell patterns ('eval/*/loss', '*' for all), STAGE:PATTERN for one stage's "
-            "alone ('eval:eval/*/loss'). Repeatable. Default: eval's losses and repro's late-window drops.",
+            "alone ('eval:eval/*/loss'). Repeatable. Default: eval's losses and repro's late-window drops "
+            "(runs that stopped before them: their last stage's held-out losses).",
         ),
     ] = None,
     state: StateOpt = None,
@@ -554,10 +555,10 @@ def compare_cmd(
     if json_out:
         print_json(comparison.to_dict())
         return
-    _print_comparison(comparison, metric is None)
+    print_comparison(comparison, metric is None)
 
 
-def _print_comparison(comparison: Any, default_metrics: bool) -> None:
+def print_comparison(comparison: Any, default_metrics: bool) -> None:
     """A table of the runs (below 110 columns: a block per run, one value a line)."""
     from orchestrator.recipes import set_value_word
 
@@ -600,6 +601,8 @@ def _print_comparison(comparison: Any, default_metrics: bool) -> None:
                 *(number(row, column) for column in comparison.columns),
             )
         console.print(table)
+    if comparison.note:
+        say(comparison.note)
     if not comparison.varies and len(comparison.rows) > 1:
         say("the runs were asked the same (no value set, backend, recipe, replica or commit differs)")
     if not comparison.columns:

@@ -12,8 +12,9 @@ each number came from one ``lineage show`` away.
 from __future__ import annotations
 
 import fnmatch
+import shlex
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sqlmodel import col
@@ -24,8 +25,12 @@ from orchestrator.lineage.models import PipelineRun, StageRun
 from orchestrator.lineage.store import LineageStore
 
 #: What ``lineage compare`` shows without ``--metric``: the held-out losses of ``eval`` and the
-#: late-window drop fractions of ``repro``, the numbers a replica is run for.
+#: late-window drop fractions of ``repro``, the numbers a replica is run for. Runs that stopped
+#: before either (``--until pretrain``, a sweep of a training value) are compared on the held-out
+#: losses of the last stage that measured any (:data:`HELD_OUT_LOSSES`).
 DEFAULT_METRICS = ("eval:eval/*/loss", "repro:repro/*/late_median_drop")
+#: The held-out losses each training stage also logs under eval's names.
+HELD_OUT_LOSSES = "eval/*/loss"
 
 
 def metric_matches(stage: str, metric: str, patterns: Iterable[str]) -> bool:
@@ -74,6 +79,8 @@ class Comparison:
     varies: list[str] = field(default_factory=list)
     #: ``(stage, metric)`` columns, in pipeline order, then by name.
     columns: list[tuple[str, str]] = field(default_factory=list)
+    #: What a reader must know to read the columns right (whose metrics they are, when not the default's).
+    note: str | None = None
 
     def label(self, column: tuple[str, str]) -> str:
         """A column's heading: the metric's name, ``stage:metric`` where two stages report that name."""
@@ -92,11 +99,20 @@ class Comparison:
             raise ConfigError(f"--sort {name!r}: {why}")
         (column,) = matches
         rows = sorted(self.rows, key=lambda r: (column not in r.metrics, r.metrics.get(column, 0.0)))
-        return Comparison(rows, self.varies, self.columns)
+        return replace(self, rows=rows)
+
+    def command(self, patterns: Iterable[str] = (), sort: str | None = None) -> str:
+        """The ``openlab lineage compare`` that prints this again: its runs, the metric patterns
+        asked for (none: the default) and the sort."""
+        words = ["openlab", "lineage", "compare", *(row.run.id for row in self.rows)]
+        for pattern in patterns:
+            words += ["-m", pattern]
+        return shlex.join(words + (["--sort", sort] if sort else []))
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "varies": self.varies,
+            "note": self.note,
             "columns": [{"stage": s, "metric": m, "label": self.label((s, m))} for s, m in self.columns],
             "runs": [row.to_dict(self.columns) for row in self.rows],
         }
@@ -116,23 +132,33 @@ def _asked(store: LineageStore, run: PipelineRun) -> dict[str, Any]:
 
 
 def compare_runs(store: LineageStore, runs: Iterable[PipelineRun], patterns: Sequence[str]) -> Comparison:
-    """The comparison of ``runs`` (each once, oldest first) on the metrics ``patterns`` pick."""
+    """The comparison of ``runs`` (each once, oldest first) on the metrics ``patterns`` pick
+    (:data:`DEFAULT_METRICS`: see there for runs that measured none of them)."""
     unique = {run.id: run for run in runs}
     ordered = sorted(unique.values(), key=lambda r: (r.started_at, r.id))
-    rows: list[Row] = []
     stage_order: dict[str, int] = {}
+    measured: list[dict[tuple[str, str], float]] = []
     for run in ordered:
         metrics: dict[tuple[str, str], float] = {}
         for srun in store.list(StageRun, pipeline_run_id=run.id, order_by=col(StageRun.started_at)):
             stage_order.setdefault(srun.stage, len(stage_order))
             for name, value in stage_metrics(store, srun).items():
-                if metric_matches(srun.stage, name, patterns):
-                    metrics[(srun.stage, name)] = value
-        rows.append(Row(run, _asked(store, run), metrics))
+                metrics[(srun.stage, name)] = value
+        measured.append(metrics)
+    picked = [{k: v for k, v in m.items() if metric_matches(k[0], k[1], patterns)} for m in measured]
+    note = None
+    if tuple(patterns) == DEFAULT_METRICS and not any(picked):
+        losses = {k[0] for m in measured for k in m if metric_matches(k[0], k[1], [HELD_OUT_LOSSES])}
+        if losses:  # the runs stopped before eval: the held-out losses of the last stage that has them
+            last = max(losses, key=lambda stage: stage_order[stage])
+            fallback = [f"{last}:{HELD_OUT_LOSSES}"]
+            picked = [{k: v for k, v in m.items() if metric_matches(k[0], k[1], fallback)} for m in measured]
+            note = f"the runs stopped before eval: these are the held-out losses {last} measured (`-m {fallback[0]}`)"
+    rows = [Row(run, _asked(store, run), metrics) for run, metrics in zip(ordered, picked, strict=True)]
     keys = sorted({k for row in rows for k in row.asked}, key=lambda k: (not k.startswith("set."), _ORDER.get(k, 0), k))
     varies = [k for k in keys if len({repr(row.asked.get(k)) for row in rows}) > 1]
     columns = sorted({c for row in rows for c in row.metrics}, key=lambda c: (stage_order.get(c[0], 0), c[1]))
-    return Comparison(rows, varies, columns)
+    return Comparison(rows, varies, columns, note)
 
 
-__all__ = ["DEFAULT_METRICS", "Comparison", "Row", "compare_runs", "metric_matches"]
+__all__ = ["DEFAULT_METRICS", "HELD_OUT_LOSSES", "Comparison", "Row", "compare_runs", "metric_matches"]

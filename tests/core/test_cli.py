@@ -671,3 +671,53 @@ def test_compare_puts_a_sweeps_runs_side_by_side_with_what_each_set_and_measured
         out = run_cli("lineage", "compare", *args)
         text = (out.stderr + out.stdout).strip()
         assert text.splitlines()[-1].startswith(message), text
+
+
+def test_compare_of_runs_that_stopped_before_eval_shows_the_held_out_losses_of_their_last_stage(
+    run_cli, openlab_home: Path
+) -> None:
+    """A sweep of a training value `--until pretrain` measured no eval: by default its runs are compared
+    on the held-out losses pretrain logged, and the output says whose they are; patterns given are kept."""
+    import datetime as dt
+
+    from orchestrator.lineage import LineageStore, PipelineRun, StageRun
+
+    start = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
+    ids = []
+    with LineageStore.open() as store, store.transaction() as tx:
+        for i, lr in enumerate((0.01, 0.02)):
+            run = tx.add(
+                PipelineRun(
+                    recipe="marin-535b-a23b",
+                    replica="tiny",
+                    state="COMPLETED",
+                    started_at=start + dt.timedelta(hours=i),
+                    params={"recipe": {"run_set": {"pretrain.lr": lr}}},
+                )
+            )
+            ids.append(run.id)
+            for j, (stage, metrics) in enumerate(
+                (
+                    ("tokenize", {"tokens": 1000}),
+                    ("pretrain", {"eval/code/loss": 5.5 - i, "train/loss": 5.0}),
+                )
+            ):
+                tx.add(
+                    StageRun(
+                        pipeline_run_id=run.id,
+                        stage=stage,
+                        identity=f"{stage}{i}",
+                        state="COMPLETED",
+                        metrics=metrics,
+                        started_at=start + dt.timedelta(hours=i, minutes=j),
+                    )
+                )
+
+    doc = json.loads(run_cli("lineage", "compare", *ids, "--json").stdout)
+    assert [(c["stage"], c["metric"]) for c in doc["columns"]] == [("pretrain", "eval/code/loss")]
+    assert [r["metrics"]["pretrain"]["eval/code/loss"] for r in doc["runs"]] == [5.5, 4.5]
+    assert "held-out losses pretrain measured" in doc["note"], doc["note"]
+    text = run_cli("lineage", "compare", *ids, env={"COLUMNS": "200"}).stdout
+    assert "the runs stopped before eval: these are the held-out losses pretrain measured" in text, text
+    asked = json.loads(run_cli("lineage", "compare", *ids, "-m", "eval:*", "--json").stdout)
+    assert asked["columns"] == [] and asked["note"] is None  # a pattern given is what is shown
