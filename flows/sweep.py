@@ -107,14 +107,14 @@ def replica_sweep(
     from orchestrator.lineage.compare import DEFAULT_METRICS, compare_runs
     from orchestrator.lineage.models import PipelineRun
     from orchestrator.lineage.store import LineageStore
-    from orchestrator.recipes import resolve, set_words, sweep_trials
+    from orchestrator.pipeline.sweep import plan_sweep
+    from orchestrator.recipes import set_words
 
     logger = get_run_logger()
     if at_once < 0:
         raise ConfigError(f"sweep: at_once must be 0 (all at once) or more, got {at_once}")
-    trials = sweep_trials(grid, overrides)
-    for trial in trials:  # every combination checked before any run starts: nothing half-swept
-        resolve(recipe, replica, sets=trial).until(until or None)
+    # every combination checked against the recipe before any run starts: nothing half-swept
+    trials = [trial.sets for trial in plan_sweep(recipe, replica, grid, overrides, until=until or None)]
     name = f"{replica_pipeline.name}/{PIPELINE_DEPLOYMENT}"
     logger.info("sweep of %d runs of %s:%s on %s: %s", len(trials), recipe, replica, backend, grid)
 
@@ -175,7 +175,7 @@ def replica_sweep(
             )
         except Exception as exc:  # noqa: BLE001 - the runs and their lineage stand without it
             logger.warning("could not publish the sweep artifact: %s", exc)
-        logger.info("compare them: `openlab lineage compare %s`", " ".join(r.id for r in runs))
+        logger.info("compare them: `%s`", comparison.command(metrics or ()))
     failed = [(n, f) for n, f in sorted(ended.items()) if not f.state.is_completed()]
     if failed:
         named = "; ".join(f"{' '.join(set_words(trials[n]))}: {f.state.name} ({f.state.message})" for n, f in failed)

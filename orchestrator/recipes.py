@@ -567,6 +567,35 @@ def parse_sets(items: Sequence[str]) -> dict[str, Any]:
     return sets
 
 
+def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
+    """``--grid KEY=V1,V2,...`` arguments as a sweep's grid (key -> the values to try, in order).
+
+    The values are a YAML list, its brackets optional, as Hydra's multirun takes them:
+    ``pretrain.lr=0.005,0.01,0.02`` and ``pretrain.lr='[0.005, 0.01, 0.02]'`` are the same three
+    numbers, ``dispatch.scheme=ragged,water_filling`` two words, and
+    ``pretrain.mixture='{code: 0.5, prose: 0.5},{code: 0.7, prose: 0.3}'`` two mappings. A key given
+    twice is refused rather than one silently dropping the other's values.
+    """
+    grid: dict[str, list[Any]] = {}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        key, text = key.strip(), raw.strip()
+        if not eq or not key or not text:
+            raise ConfigError(
+                f"--grid {item!r}: expected KEY=V1,V2,... with a dotted recipe key, e.g. pretrain.lr=0.01,0.02"
+            )
+        if key in grid:
+            raise ConfigError(f"--grid {key} is given twice: put all its values in one, e.g. {key}=V1,V2,V3")
+        try:
+            values = yaml.safe_load(text if text.startswith("[") else f"[{text}]")
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--grid {key}: cannot read the values {text!r}: {' '.join(str(exc).split())}") from None
+        if not isinstance(values, list) or not values:
+            raise ConfigError(f"--grid {key}: give the values to try, e.g. {key}=V1,V2 (got {text!r})")
+        grid[key] = values
+    return grid
+
+
 @dataclass(frozen=True)
 class Recipe:
     """A validated recipe file: the reference run and its replica definitions."""

@@ -16,7 +16,7 @@ import typer
 from typer._click import Command
 from typer._click import exceptions as click_errors
 
-from orchestrator.cli import adopt, backends, core, deploy, gc, github, job, lineage, run, server, wandb
+from orchestrator.cli import adopt, backends, core, deploy, gc, github, job, lineage, run, server, sweep, wandb
 from orchestrator.errors import OpenlabError
 
 app = typer.Typer(
@@ -30,6 +30,7 @@ app.command("snapshot")(core.snapshot_cmd)
 app.command("provenance")(core.provenance_cmd)
 app.command("run")(run.run)
 app.command("explain")(run.explain)
+app.command("sweep")(sweep.sweep)
 app.command("adopt")(adopt.adopt_cmd)
 app.command("gc")(gc.gc_cmd)
 app.add_typer(lineage.app, name="lineage")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -530,6 +531,37 @@ def test_a_sweeps_grid_is_every_combination_over_the_values_fixed_for_all() -> N
     ):
         with pytest.raises(ConfigError, match=message):
             sweep_trials(grid, fixed)
+
+
+def test_grid_values_are_a_yaml_list_whose_brackets_may_be_left_out() -> None:
+    """`--grid pretrain.lr=0.005,0.01` as Hydra's multirun takes it; brackets, words and mappings too."""
+    from orchestrator.recipes import parse_grid
+
+    grid = parse_grid(
+        [
+            "pretrain.lr=0.005,0.01,0.02",
+            "midtrain.lr=[0.001, 0.002]",
+            "dispatch.scheme=ragged,water_filling",
+            "pretrain.mixture={code: 0.5, prose: 0.5},{code: 0.7, prose: 0.3}",
+            "seed=7",
+        ]
+    )
+    assert grid == {
+        "pretrain.lr": [0.005, 0.01, 0.02],
+        "midtrain.lr": [0.001, 0.002],
+        "dispatch.scheme": ["ragged", "water_filling"],
+        "pretrain.mixture": [{"code": 0.5, "prose": 0.5}, {"code": 0.7, "prose": 0.3}],
+        "seed": [7],
+    }
+    for items, message in (
+        (["pretrain.lr"], "--grid 'pretrain.lr': expected KEY=V1,V2,..."),
+        (["pretrain.lr="], "--grid 'pretrain.lr=': expected KEY=V1,V2,..."),
+        (["pretrain.lr=[0.01,"], "--grid pretrain.lr: cannot read the values '[0.01,'"),
+        (["pretrain.lr=[]"], "--grid pretrain.lr: give the values to try"),
+        (["pretrain.lr=0.01", "pretrain.lr=0.02"], "--grid pretrain.lr is given twice"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            parse_grid(items)
 
 
 def test_what_changed_is_told_against_the_closest_completed_run_not_only_the_latest(tmp_path: Path) -> None:

@@ -1,0 +1,272 @@
+"""``openlab sweep``: a grid of recipe values from a terminal, one pipeline run per combination.
+
+The terminal's ``replica-sweep/sweep`` (:mod:`flows.sweep`), without a Prefect server: ``openlab
+sweep marin-535b-a23b -r tiny -b slurm --grid pretrain.lr=0.005,0.01,0.02`` runs the replica three
+times, each run the one ``openlab run --set pretrain.lr=...`` would make, side by side, with a live
+line per run, then prints ``openlab lineage compare`` of them: what each set beside what it measured.
+The runs themselves are :mod:`orchestrator.pipeline.sweep`'s.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Column
+
+from orchestrator.cli.output import console, err_console, print_json, say
+from orchestrator.cli.run import _STYLE, JsonFlag, RecipeArg, ReplicaOpt, UntilOpt
+
+#: A stage that has ended one way or another: the bar counts it.
+_ENDED = ("REUSED", "COMPLETED", "FAILED", "CANCELLED", "SKIPPED")
+
+
+class _Display:
+    """A rich progress line per run of the sweep: what it set, its stage now, stages done of all."""
+
+    def __init__(self, trials: list[Any]) -> None:
+        self.progress = Progress(
+            SpinnerColumn(),
+            TextColumn("{task.fields[label]}", table_column=Column(no_wrap=True, overflow="ellipsis", max_width=40)),
+            TextColumn("{task.fields[state]}"),
+            BarColumn(bar_width=18),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[detail]}", table_column=Column(no_wrap=True, overflow="ellipsis")),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+        )
+        self.tasks: dict[int, TaskID] = {
+            t.number: self.progress.add_task(
+                t.label,
+                label=escape(f"{t.number}. {t.label}"),
+                state="[dim]queued[/]",
+                detail="",
+                total=len(t.recipe.stages),
+                start=False,
+            )
+            for t in trials
+        }
+        self.lock = threading.Lock()
+
+    def hooks(self, trial: Any) -> Any:
+        from orchestrator.pipeline import PipelineHooks
+
+        task = self.tasks[trial.number]
+
+        def transition(event: Any) -> None:
+            with self.lock:
+                self.progress.start_task(task)
+                detail = escape(event.reason[:80]) if event.reason else ""
+                self.progress.update(task, state=_styled(f"{event.stage} {event.state}", event.state), detail=detail)
+                if event.state in _ENDED:
+                    self.progress.advance(task)
+
+        def log(stage: str, line: str) -> None:
+            with self.lock:
+                self.progress.update(task, detail=escape(f"{stage} | {line.strip()}"[:80]))
+
+        return PipelineHooks(on_transition=transition, on_log=log)
+
+    def ended(self, trial: Any) -> None:
+        with self.lock:
+            task = self.tasks[trial.number]
+            why = trial.why or ""
+            self.progress.update(task, state=_styled(trial.state, trial.state), detail=escape(why[:80]))
+            self.progress.stop_task(task)
+
+
+def _styled(text: str, state: str) -> str:
+    """``text`` in the colour of ``state`` (dim for a state without one: NOT STARTED)."""
+    return f"[{_STYLE.get(state) or 'dim'}]{escape(text)}[/]"
+
+
+def _lines_hooks(trial: Any, count: int) -> Any:
+    """Hooks that print each stage transition as a line naming its run (a pipe, a log file)."""
+    from orchestrator.pipeline import PipelineHooks
+
+    prefix = f"sweep {trial.number}/{count} ({trial.label}): "
+    return PipelineHooks(
+        on_transition=lambda e: err_console.print(prefix + e.line(), markup=False, highlight=False, soft_wrap=True)
+    )
+
+
+def sweep(
+    recipe: RecipeArg,
+    grid: Annotated[
+        list[str],
+        typer.Option(
+            "--grid",
+            "-g",
+            metavar="KEY=V1,V2,...",
+            help="Values to try for a recipe key, as a YAML list whose brackets may be left out: "
+            "pretrain.lr=0.005,0.01,0.02, dispatch.scheme=ragged,water_filling. Several --grid keys try every "
+            "combination (at most 64 runs).",
+        ),
+    ],
+    replica: ReplicaOpt = None,
+    backend: Annotated[
+        str | None,
+        typer.Option(
+            "--backend", "-b", help="local, docker, slurm or kubernetes; default: [backends] default, else local."
+        ),
+    ] = None,
+    set_values: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            metavar="KEY=VALUE",
+            help="Set a recipe value for every run of the sweep, as `openlab run --set` does (repeatable).",
+        ),
+    ] = None,
+    issue: Annotated[
+        str | None, typer.Option("--issue", help="Experiment issue owner/repo#N (or #N) every run is linked to.")
+    ] = None,
+    until: UntilOpt = None,
+    at_once: Annotated[
+        int,
+        typer.Option(
+            "--at-once",
+            min=0,
+            help="How many runs at a time; 0 (the default) starts them all at once. Their jobs share this "
+            "machine on the local and docker backends: --at-once 1 runs one after another.",
+        ),
+    ] = 0,
+    retries: Annotated[
+        int | None,
+        typer.Option(
+            "--retries", min=0, help="Retry a failed stage this many times (default: [pipeline] stage_retries, 1)."
+        ),
+    ] = None,
+    metric: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--metric",
+            "-m",
+            help="Metrics to compare the runs on, as in `lineage compare` ('eval/*/loss', 'eval:eval/*/loss'). "
+            "Default: eval's losses and repro's late-window drops "
+            "(runs that stopped before them: their last stage's held-out losses).",
+        ),
+    ] = None,
+    sort: Annotated[
+        str | None, typer.Option("--sort", help="Order the comparison by this metric, smallest first.")
+    ] = None,
+    json_out: JsonFlag = False,
+) -> None:
+    """Run RECIPE's replica once per combination of the --grid values, side by side, then compare the runs.
+
+    Each run is the one `openlab run --set KEY=VALUE` would make (its own lineage, card and W&B runs); stages
+    they share, such as data and tokenize when only a training value is swept, run once and are reused by
+    the others. Every combination is checked against the recipe before any run starts. Ctrl-C cancels the
+    runs and their jobs. Exit 0 when every run completed, 1 otherwise.
+    """
+    from orchestrator.cli.lineage import print_comparison
+    from orchestrator.pipeline import PipelineHooks, RunOptions, stage_retries
+    from orchestrator.pipeline.sweep import plan_sweep, run_sweep
+    from orchestrator.provenance.invocation import command_line
+    from orchestrator.recipes import parse_grid, parse_sets
+    from orchestrator.settings import load_settings
+
+    trials = plan_sweep(recipe, replica, parse_grid(grid), parse_sets(set_values or []), until=until)
+    settings = load_settings()
+    options = RunOptions(
+        backend=backend or settings.default_backend, issue=issue, trigger="terminal", command=command_line()
+    )
+    retries = stage_retries(settings) if retries is None else retries
+    first = trials[0].recipe
+    if not json_out:
+        say(
+            f"sweep of {len(trials)} runs of {first.name} on {options.backend}"
+            + (f", {at_once} at a time" if at_once else "")
+        )
+
+    interrupted = False
+    try:  # Ctrl-C: run_sweep has cancelled the runs; what ended is still compared below
+        if json_out or not console.is_terminal:
+            run_sweep(
+                trials,
+                options=options,
+                hooks_for=(lambda t: PipelineHooks()) if json_out else (lambda t: _lines_hooks(t, len(trials))),
+                at_once=at_once,
+                retries=retries,
+                settings=settings,
+                on_end=None if json_out else _say_ended,
+            )
+        else:
+            display = _Display(trials)
+            with display.progress:
+                try:
+                    run_sweep(
+                        trials,
+                        options=options,
+                        hooks_for=display.hooks,
+                        at_once=at_once,
+                        retries=retries,
+                        settings=settings,
+                        on_end=display.ended,
+                    )
+                finally:  # stopped: those that never started say so, not "queued"
+                    for trial in trials:
+                        if trial.stopped:
+                            display.ended(trial)
+    except KeyboardInterrupt:
+        interrupted = True
+
+    comparison, sort_error = _compare(trials, metric, sort, settings)
+    if json_out:
+        print_json(
+            {
+                "trials": [t.to_dict() for t in trials],
+                "comparison": comparison.to_dict() if comparison is not None else None,
+            }
+        )
+    else:
+        for trial in trials:
+            why = trial.why
+            if why:
+                err_console.print(
+                    f"run {trial.number} ({trial.label}) {trial.state}: {why}", markup=False, highlight=False
+                )
+        if comparison is not None:
+            print_comparison(comparison, metric is None)
+            again = comparison.command(metric or (), sort)
+            console.print(f"again: {again}", markup=False, highlight=False, soft_wrap=True)
+    if sort_error:  # the runs are compared, unsorted: an hour of sweep is not lost to a misspelt column
+        err_console.print(f"error: {sort_error}", markup=False, highlight=False)
+    if interrupted:
+        err_console.print("interrupted: the runs that had not ended were cancelled", markup=False, highlight=False)
+        raise typer.Exit(130)
+    raise typer.Exit(0 if all(t.state == "COMPLETED" for t in trials) and not sort_error else 1)
+
+
+def _compare(trials: list[Any], metric: list[str] | None, sort: str | None, settings: Any) -> tuple[Any, str | None]:
+    """``lineage compare`` of the runs the sweep made (None when none started), sorted when asked,
+    and why the sort could not be done."""
+    from orchestrator.errors import ConfigError
+    from orchestrator.lineage.compare import DEFAULT_METRICS, compare_runs
+    from orchestrator.lineage.store import LineageStore
+
+    runs = [t.result.pipeline_run for t in trials if t.result is not None]
+    if not runs:
+        return None, None
+    with LineageStore.open(settings) as store:
+        comparison = compare_runs(store, runs, metric or DEFAULT_METRICS)
+    order = {run.id: i for i, run in enumerate(runs)}  # the grid's order, not the order they happened to start
+    comparison = replace(comparison, rows=sorted(comparison.rows, key=lambda row: order[row.run.id]))
+    if sort is None:
+        return comparison, None
+    try:
+        return comparison.sorted_by(sort), None
+    except ConfigError as exc:
+        return comparison, str(exc)
+
+
+def _say_ended(trial: Any) -> None:
+    err_console.print(f"sweep run {trial.number} ({trial.label}) {trial.state}", markup=False, highlight=False)
+
+
+__all__ = ["sweep"]

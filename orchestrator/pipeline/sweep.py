@@ -1,0 +1,171 @@
+"""A sweep without a server: one pipeline run per combination of values, several at a time.
+
+What ``replica-sweep/sweep`` does from the Prefect UI (:mod:`flows.sweep`), for ``openlab sweep``
+at a terminal: each trial is an ordinary pipeline run, the one ``openlab run --set`` would make,
+with its own record, lineage card and ``run_set``. The trials run in threads of this process, at
+most ``at_once`` at a time: their jobs are what run side by side (on Slurm or Kubernetes, on
+other machines), so the threads only wait on them. Stages that trials share (data and tokenize,
+when only a training value is swept) are run by one, the others waiting on its lease and reusing
+it, as with two ``openlab run`` at once.
+
+Every trial is resolved, so checked against the recipe, before any starts: a misspelt key or a
+value of the wrong type stops the sweep with nothing run. A stop (Ctrl-C) reaches every running
+trial through its ``should_cancel`` hook, so each cancels its jobs and is recorded CANCELLED, and
+no trial still queued starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import ConfigError, OpenlabError
+from orchestrator.pipeline.execute import PipelineHooks, PipelineResult, RunOptions, run_stages, start_recipe
+from orchestrator.recipes import ResolvedRecipe, resolve, set_words, sweep_trials
+from orchestrator.settings import Settings
+
+log = logging.getLogger(__name__)
+
+#: Why a stopped sweep's runs were cancelled, as their stages record it.
+STOPPED = "the sweep was stopped"
+#: Seconds between the main thread's looks at the trials (it must stay awake for Ctrl-C).
+POLL_SECONDS = 0.5
+
+
+@dataclass
+class Trial:
+    """One combination of a sweep's values and what became of its run."""
+
+    #: 1-based, in the grid's order (the first key varying slowest).
+    number: int
+    #: Every value set for this run: the combination and the values set for all.
+    sets: dict[str, Any]
+    recipe: ResolvedRecipe
+    #: The combination alone: what tells this run from the sweep's others.
+    swept: dict[str, Any] = field(default_factory=dict)
+    result: PipelineResult | None = None
+    #: Why the run did not start, or stopped outside its stages (an unreachable backend, a bad
+    #: issue); None when ``result`` says it all.
+    error: str | None = None
+    started: threading.Event = field(default_factory=threading.Event)
+    #: Set when the sweep was stopped before this run could start.
+    stopped: bool = False
+
+    @property
+    def label(self) -> str:
+        """``pretrain.lr=0.02 seed=1``: the values this run tries (those set for all are left out)."""
+        return " ".join(set_words(self.swept or self.sets))
+
+    @property
+    def state(self) -> str:
+        """The run's state; FAILED when it could not start, NOT STARTED when the sweep was stopped first."""
+        if self.result is not None:
+            return self.result.state
+        if self.error is not None:
+            return "FAILED"
+        return "NOT STARTED"
+
+    @property
+    def why(self) -> str | None:
+        """Why the run did not complete (None when it did, or is yet to end)."""
+        if self.result is not None:
+            return self.result.error
+        if self.error is None and not self.started.is_set():
+            return "the sweep was stopped before it started" if self.stopped else None
+        return self.error
+
+    @property
+    def pipeline_run_id(self) -> str | None:
+        return self.result.pipeline_run.id if self.result is not None else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "number": self.number,
+            "set": self.sets,
+            "swept": self.swept,
+            "state": self.state,
+            "pipeline_run_id": self.pipeline_run_id,
+            "error": self.why,
+        }
+
+
+def plan_sweep(
+    recipe: str | Path,
+    replica: str | None,
+    grid: Mapping[str, Any],
+    fixed: Mapping[str, Any] | None = None,
+    *,
+    until: str | None = None,
+) -> list[Trial]:
+    """The trials of a sweep, each resolved against the recipe (so checked) before any runs."""
+    trials = []
+    for number, sets in enumerate(sweep_trials(grid, fixed), 1):
+        swept = {key: sets[key] for key in grid}
+        trials.append(Trial(number, sets, resolve(recipe, replica, sets=sets).until(until), swept))
+    return trials
+
+
+def run_sweep(
+    trials: list[Trial],
+    *,
+    options: RunOptions,
+    hooks_for: Callable[[Trial], PipelineHooks],
+    at_once: int = 0,
+    retries: int = 0,
+    stop: threading.Event | None = None,
+    settings: Settings | None = None,
+    on_end: Callable[[Trial], None] | None = None,
+) -> list[Trial]:
+    """Run the trials, ``at_once`` at a time (0: all at once), each as ``openlab run`` would.
+
+    ``hooks_for(trial)`` gives each run its hooks (its display). Setting ``stop``, or an
+    interruption of the calling thread (Ctrl-C), cancels the running trials (each records its
+    run CANCELLED once its jobs are cancelled) and starts no other; the interruption is raised
+    again once they have ended. A trial that fails does not stop the others. ``on_end(trial)`` is
+    called as each run ends (from its thread), for a display.
+    """
+    if at_once < 0:
+        raise ConfigError(f"sweep: at once must be 0 (all at once) or more, got {at_once}")
+    stop = stop or threading.Event()
+
+    def run_one(trial: Trial) -> None:
+        if stop.is_set():  # stopped while this one waited for a place
+            trial.stopped = True
+            return
+        hooks = hooks_for(trial)
+        own = hooks.should_cancel
+        hooks = replace(hooks, should_cancel=lambda: STOPPED if stop.is_set() else bool(own and own()))
+        trial.started.set()
+        try:
+            ctx = start_recipe(trial.recipe, options=options, hooks=hooks, settings=settings)
+            trial.result = run_stages(ctx, retries=retries)
+        except OpenlabError as exc:  # refused before its stages ran: the others go on
+            trial.error = str(exc)
+        except Exception as exc:  # noqa: BLE001 - one trial's crash must not end the others; recorded FAILED
+            log.exception("sweep run %d (%s) failed", trial.number, trial.label)
+            trial.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            if on_end is not None:
+                try:
+                    on_end(trial)
+                except Exception:  # noqa: BLE001 - a display must not change what the run did
+                    log.exception("sweep on_end hook failed")
+
+    with ThreadPoolExecutor(max_workers=at_once or len(trials) or 1, thread_name_prefix="sweep") as pool:
+        futures = [pool.submit(run_one, trial) for trial in trials]
+        try:
+            while not all(f.done() for f in futures):
+                wait(futures, timeout=POLL_SECONDS)
+        except BaseException:  # Ctrl-C: cancel the running trials, start no other, then say so
+            stop.set()
+            wait(futures)
+            raise
+    return trials
+
+
+__all__ = ["STOPPED", "Trial", "plan_sweep", "run_sweep"]

@@ -1,0 +1,108 @@
+"""`openlab sweep`: a grid of recipe values from a terminal, one real pipeline run per combination."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from orchestrator.lineage import Attempt, LineageStore, PipelineRun, StageRun
+
+ARGS = ("sweep", "marin-535b-a23b", "--replica", "tiny", "--until", "data")
+BYTES = "data:data/code/train_bytes"
+
+
+def test_a_sweep_runs_each_combination_as_a_recorded_run_and_compares_them(run_cli, openlab_home: Path) -> None:
+    """Each value is an ordinary run with what it set recorded; the comparison lists them in the grid's
+    order with what each measured; a later sweep sharing a value reuses that run's stage."""
+    done = run_cli(*ARGS, "-g", "data.max_bytes_per_domain=150000,120000", "-m", BYTES, "--json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert [(t["number"], t["set"], t["state"]) for t in doc["trials"]] == [
+        (1, {"data.max_bytes_per_domain": 150000}, "COMPLETED"),
+        (2, {"data.max_bytes_per_domain": 120000}, "COMPLETED"),
+    ]
+    ids = [t["pipeline_run_id"] for t in doc["trials"]]
+    rows = doc["comparison"]["runs"]
+    assert [r["id"] for r in rows] == ids  # the grid's order, whichever started first
+    assert [r["asked"]["set.data.max_bytes_per_domain"] for r in rows] == [150000, 120000]
+    measured = [r["metrics"]["data"]["data/code/train_bytes"] for r in rows]
+    assert 120000 > measured[1] > 0 and 150000 > measured[0] > measured[1], measured
+    with LineageStore.open() as store:
+        for trial in doc["trials"]:
+            run = store.get(PipelineRun, trial["pipeline_run_id"])
+            assert run.params["recipe"]["run_set"] == trial["set"]  # an ordinary `--set` run
+            assert run.command[:3] == ["openlab", "sweep", "marin-535b-a23b"], run.command  # what was typed
+
+    # one after another, in a pipe: a line per stage naming its run, the table, the command to see it again
+    again = run_cli(*ARGS, "-g", "data.max_bytes_per_domain=150000,130000", "-m", BYTES, "--at-once", "1")
+    assert again.returncode == 0, again.stderr
+    assert "sweep 1/2 (data.max_bytes_per_domain=150000): data REUSED" in again.stderr, again.stderr
+    assert "sweep 2/2 (data.max_bytes_per_domain=130000): data COMPLETED" in again.stderr, again.stderr
+    (line,) = [x for x in again.stdout.splitlines() if x.startswith("again: openlab lineage compare ")]
+    with LineageStore.open() as store:
+        newest = [r.id for r in store.list(PipelineRun, order_by=PipelineRun.started_at)][-2:]
+        first, second = (store.list(StageRun, pipeline_run_id=i)[0] for i in newest)
+        assert (first.state, second.state) == ("REUSED", "COMPLETED")
+        assert first.started_at < second.started_at  # --at-once 1: the second waited for the first
+    assert line == f"again: openlab lineage compare {' '.join(newest)} -m {BYTES}", line
+
+
+def test_a_bad_grid_stops_the_sweep_before_anything_runs(run_cli, openlab_home: Path) -> None:
+    """Every combination is checked against the recipe first: one line, exit 2, nothing recorded."""
+    for grid, extra, message in (
+        ("data.max_bytes=1,2", (), "--set data.max_bytes: no such recipe field"),
+        ("pretrain.lr=0.01,fast", (), "pretrain.lr"),
+        ("pretrain.lr=0.01,0.02", ("--set", "pretrain.lr=0.03"), "pretrain.lr is both swept and set for every run"),
+        ("pretrain.lr", (), "--grid 'pretrain.lr': expected KEY=V1,V2,..."),
+    ):
+        bad = run_cli(*ARGS, "-g", grid, *extra)
+        assert bad.returncode == 2, (grid, bad.stdout, bad.stderr)
+        assert len(bad.stderr.strip().splitlines()) == 1 and message in bad.stderr, (grid, bad.stderr)
+        assert "Traceback" not in bad.stderr
+    assert not (openlab_home / "lineage.db").exists() or _runs() == []
+
+
+def _runs() -> list[PipelineRun]:
+    with LineageStore.open() as store:
+        return store.list(PipelineRun)
+
+
+def test_ctrl_c_cancels_the_running_runs_and_their_jobs_and_starts_no_other(openlab_home: Path) -> None:
+    """Ctrl-C (SIGINT) during a sweep: the running run's job is cancelled and recorded CANCELLED with
+    why, the queued one never starts, and what ran is still compared; exit 130."""
+    sweep = subprocess.Popen(
+        [sys.executable, "-m", "orchestrator.cli.main", *ARGS[:4], "--until", "pretrain", "--at-once", "1"]
+        + ["-g", "pretrain.lr=0.011,0.012", "--set", "tokens.budget=2048000"],  # a pretrain of minutes
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[2],
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert sweep.stderr is not None
+    seen = []
+    deadline = time.monotonic() + 240
+    for line in sweep.stderr:  # a line per stage transition: wait until the first run trains
+        seen.append(line)
+        if "pretrain RUNNING" in line or time.monotonic() > deadline:
+            break
+    assert "pretrain RUNNING" in seen[-1], "".join(seen)
+    time.sleep(2)
+    sweep.send_signal(signal.SIGINT)
+    out, err = sweep.communicate(timeout=120)
+    assert sweep.returncode == 130, "".join(seen) + err
+    assert "run 2 (pretrain.lr=0.012) NOT STARTED: the sweep was stopped before it started" in err, err
+    assert "interrupted: the runs that had not ended were cancelled" in err, err
+    with LineageStore.open() as store:
+        (run,) = store.list(PipelineRun)  # the second never started
+        assert run.params["recipe"]["run_set"]["pretrain.lr"] == 0.011 and run.state == "CANCELLED"
+        (pretrain,) = store.list(StageRun, pipeline_run_id=run.id, stage="pretrain")
+        assert pretrain.state == "CANCELLED" and "the sweep was stopped" in (pretrain.error or ""), pretrain.error
+        (attempt,) = store.list(Attempt, stage_run_id=pretrain.id)
+        assert attempt.state == "CANCELLED" and attempt.ended_at is not None
+    assert f"again: openlab lineage compare {run.id}" in out, out
