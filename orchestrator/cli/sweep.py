@@ -11,26 +11,52 @@ from __future__ import annotations
 
 import threading
 from dataclasses import replace
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.console import RenderableType
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    Task,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Column
+from rich.text import Text
 
 from orchestrator.cli.output import console, err_console, print_json, say
 from orchestrator.cli.run import _STYLE, JsonFlag, RecipeArg, ReplicaOpt, UntilOpt
+
+if TYPE_CHECKING:
+    from orchestrator.lineage.compare import Comparison
+    from orchestrator.pipeline import PipelineHooks, StageTransition
+    from orchestrator.pipeline.sweep import Trial
+    from orchestrator.settings import Settings
 
 #: A stage that has ended one way or another: the bar counts it.
 _ENDED = ("REUSED", "COMPLETED", "FAILED", "CANCELLED", "SKIPPED")
 
 
+class _Spinner(SpinnerColumn):
+    """A spinner while a run goes on; once it has ended, the mark it was given (a failed run's bar
+    is not full, and rich spins until a bar is)."""
+
+    def render(self, task: Task) -> RenderableType:
+        mark = task.fields.get("mark")
+        return Text(mark) if mark is not None else super().render(task)
+
+
 class _Display:
     """A rich progress line per run of the sweep: what it set, its stage now, stages done of all."""
 
-    def __init__(self, trials: list[Any]) -> None:
+    def __init__(self, trials: list[Trial]) -> None:
         self.progress = Progress(
-            SpinnerColumn(),
+            _Spinner(),
             TextColumn("{task.fields[label]}", table_column=Column(no_wrap=True, overflow="ellipsis", max_width=40)),
             TextColumn("{task.fields[state]}"),
             BarColumn(bar_width=18),
@@ -53,12 +79,12 @@ class _Display:
         }
         self.lock = threading.Lock()
 
-    def hooks(self, trial: Any) -> Any:
+    def hooks(self, trial: Trial) -> PipelineHooks:
         from orchestrator.pipeline import PipelineHooks
 
         task = self.tasks[trial.number]
 
-        def transition(event: Any) -> None:
+        def transition(event: StageTransition) -> None:
             with self.lock:
                 self.progress.start_task(task)
                 detail = escape(event.reason[:80]) if event.reason else ""
@@ -72,11 +98,12 @@ class _Display:
 
         return PipelineHooks(on_transition=transition, on_log=log)
 
-    def ended(self, trial: Any) -> None:
+    def ended(self, trial: Trial) -> None:
         with self.lock:
             task = self.tasks[trial.number]
             why = trial.why or ""
-            self.progress.update(task, state=_styled(trial.state, trial.state), detail=escape(why[:80]))
+            mark = "✓" if trial.state == "COMPLETED" else "✗"
+            self.progress.update(task, state=_styled(trial.state, trial.state), detail=escape(why[:80]), mark=mark)
             self.progress.stop_task(task)
 
 
@@ -85,7 +112,7 @@ def _styled(text: str, state: str) -> str:
     return f"[{_STYLE.get(state) or 'dim'}]{escape(text)}[/]"
 
 
-def _lines_hooks(trial: Any, count: int) -> Any:
+def _lines_hooks(trial: Trial, count: int) -> PipelineHooks:
     """Hooks that print each stage transition as a line naming its run (a pipe, a log file)."""
     from orchestrator.pipeline import PipelineHooks
 
@@ -243,7 +270,9 @@ def sweep(
     raise typer.Exit(0 if all(t.state == "COMPLETED" for t in trials) and not sort_error else 1)
 
 
-def _compare(trials: list[Any], metric: list[str] | None, sort: str | None, settings: Any) -> tuple[Any, str | None]:
+def _compare(
+    trials: list[Trial], metric: list[str] | None, sort: str | None, settings: Settings
+) -> tuple[Comparison | None, str | None]:
     """``lineage compare`` of the runs the sweep made (None when none started), sorted when asked,
     and why the sort could not be done."""
     from orchestrator.errors import ConfigError
@@ -265,7 +294,7 @@ def _compare(trials: list[Any], metric: list[str] | None, sort: str | None, sett
         return comparison, str(exc)
 
 
-def _say_ended(trial: Any) -> None:
+def _say_ended(trial: Trial) -> None:
     err_console.print(f"sweep run {trial.number} ({trial.label}) {trial.state}", markup=False, highlight=False)
 
 
