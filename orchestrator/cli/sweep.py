@@ -29,7 +29,7 @@ from rich.progress import (
 from rich.table import Column
 from rich.text import Text
 
-from orchestrator.cli.output import console, err_console, print_json, say
+from orchestrator.cli.output import console, err_console, narrow, print_json, say
 from orchestrator.cli.run import _STYLE, JsonFlag, RecipeArg, ReplicaOpt, UntilOpt
 
 if TYPE_CHECKING:
@@ -55,27 +55,27 @@ class _Display:
     """A rich progress line per run of the sweep: what it set, its stage now, stages done of all."""
 
     def __init__(self, trials: list[Trial]) -> None:
-        self.progress = Progress(
+        columns = [
             _Spinner(),
             TextColumn("{task.fields[label]}", table_column=Column(no_wrap=True, overflow="ellipsis", max_width=40)),
-            TextColumn("{task.fields[state]}"),
-            BarColumn(bar_width=18),
+            TextColumn("{task.fields[state]}", table_column=Column(no_wrap=True)),
+            BarColumn(bar_width=10 if narrow() else 18),
             MofNCompleteColumn(),
-            TextColumn("{task.fields[detail]}", table_column=Column(no_wrap=True, overflow="ellipsis")),
-            TimeElapsedColumn(),
-            console=console,
-            transient=False,
-        )
+        ]
+        if not narrow():  # the last log line: room for it in a wide terminal only
+            columns.append(TextColumn("{task.fields[detail]}", table_column=Column(no_wrap=True, overflow="ellipsis")))
+        self.progress = Progress(*columns, TimeElapsedColumn(), console=console, transient=False)
+        labels = short_labels([t.swept or t.sets for t in trials])
         self.tasks: dict[int, TaskID] = {
             t.number: self.progress.add_task(
                 t.label,
-                label=escape(f"{t.number}. {t.label}"),
+                label=escape(f"{t.number}. {label}"),
                 state="[dim]queued[/]",
                 detail="",
                 total=len(t.recipe.stages),
                 start=False,
             )
-            for t in trials
+            for t, label in zip(trials, labels, strict=True)
         }
         self.lock = threading.Lock()
 
@@ -105,6 +105,26 @@ class _Display:
             mark = "✓" if trial.state == "COMPLETED" else "✗"
             self.progress.update(task, state=_styled(trial.state, trial.state), detail=escape(why[:80]), mark=mark)
             self.progress.stop_task(task)
+
+
+def short_labels(combinations: list[dict[str, object]]) -> list[str]:
+    """Each run's values with its keys cut to the shortest dotted tail no other key of the grid
+    shares (``max_bytes_per_domain=150000 seed=1``; ``pretrain.lr`` stays whole beside
+    ``midtrain.lr``), so that in a narrow terminal the value that tells runs apart still shows."""
+    from orchestrator.recipes import set_value_word
+
+    keys = list(dict.fromkeys(k for combination in combinations for k in combination))
+
+    def short(key: str) -> str:
+        parts = key.split(".")
+        for n in range(1, len(parts) + 1):
+            tail = ".".join(parts[-n:])
+            if not any(other != key and (other == tail or other.endswith("." + tail)) for other in keys):
+                return tail
+        return key
+
+    names = {key: short(key) for key in keys}
+    return [" ".join(f"{names[k]}={set_value_word(v)}" for k, v in c.items()) for c in combinations]
 
 
 def _styled(text: str, state: str) -> str:

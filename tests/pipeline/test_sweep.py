@@ -106,3 +106,12 @@ def test_ctrl_c_cancels_the_running_runs_and_their_jobs_and_starts_no_other(open
         (attempt,) = store.list(Attempt, stage_run_id=pretrain.id)
         assert attempt.state == "CANCELLED" and attempt.ended_at is not None
     assert f"again: openlab lineage compare {run.id}" in out, out
+
+
+def test_a_runs_line_keeps_the_values_that_tell_it_apart_in_a_narrow_terminal() -> None:
+    """Keys are cut to the shortest tail no other swept key shares: the value still shows at 80 columns."""
+    from orchestrator.cli.sweep import short_labels
+
+    assert short_labels([{"data.max_bytes_per_domain": 150000, "seed": 1}]) == ["max_bytes_per_domain=150000 seed=1"]
+    assert short_labels([{"pretrain.lr": 0.01, "midtrain.lr": 0.02}]) == ["pretrain.lr=0.01 midtrain.lr=0.02"]
+    assert short_labels([{"pretrain.mixture": {"code": 0.5}}]) == ['mixture={"code": 0.5}']
