@@ -283,6 +283,7 @@ def run_replica(
         automation = _automation(flow_run)
         if automation:  # which Automation started it: the trigger alone says only that one did
             params["automation"] = automation
+        sweep = sweep_of(flow_run)
         options = RunOptions(
             backend=backend,
             issue=issue or None,
@@ -290,7 +291,7 @@ def run_replica(
             force=force,
             trigger=trigger or _trigger(flow_run),
             flow_run_id=flow_run_id,
-            params={"prefect": params},
+            params={"prefect": params, **({"sweep": sweep} if sweep else {})},
         )
         ctx = start_recipe(resolved, options=options, settings=settings, repo_root=repo_root)
         logger.info("pipeline run %s: %s on %s (commit %s)", ctx.id, ctx.pipeline_run.name, backend, ctx.commit.id[:12])
@@ -417,6 +418,32 @@ def _trigger(flow_run: Any) -> str:
     if _automation(flow_run):
         return "automation"
     return "ui" if getattr(flow_run, "deployment_id", None) else "prefect"
+
+
+#: The tags a sweep gives each flow run it starts (:mod:`flows.sweep`): ``sweep:<id>`` (a filter in
+#: the UI's run list) and ``sweep-run:<n>/<of>``.
+SWEEP_TAG = "sweep:"
+SWEEP_RUN_TAG = "sweep-run:"
+
+
+def sweep_tags(sweep_id: str, number: int, count: int) -> list[str]:
+    """The tags of run ``number`` of ``count`` of sweep ``sweep_id`` (read back by :func:`sweep_of`)."""
+    return ["sweep", f"{SWEEP_TAG}{sweep_id}", f"{SWEEP_RUN_TAG}{number}/{count}"]
+
+
+def sweep_of(flow_run: Any) -> dict[str, Any] | None:
+    """``params.sweep`` of a flow run a sweep started, from its tags; None for any other run.
+
+    Tags, not a parameter: the run form would show a ``sweep`` field a person should never fill in.
+    """
+    from orchestrator.pipeline.sweep import sweep_params
+
+    tags = list(getattr(flow_run, "tags", None) or [])
+    ids = [t[len(SWEEP_TAG) :] for t in tags if t.startswith(SWEEP_TAG)]
+    runs = [t[len(SWEEP_RUN_TAG) :].partition("/") for t in tags if t.startswith(SWEEP_RUN_TAG)]
+    if len(ids) != 1 or len(runs) != 1 or not (runs[0][0].isdigit() and runs[0][2].isdigit()):
+        return None
+    return sweep_params(ids[0], int(runs[0][0]), int(runs[0][2]))
 
 
 def _automation(flow_run: Any) -> str | None:
@@ -551,4 +578,14 @@ def replica_pipeline(
     )
 
 
-__all__ = ["Backend", "Stage", "CancelWatcher", "replica_pipeline", "run_replica", "run_stage", "run_stages_as_tasks"]
+__all__ = [
+    "Backend",
+    "CancelWatcher",
+    "Stage",
+    "replica_pipeline",
+    "run_replica",
+    "run_stage",
+    "run_stages_as_tasks",
+    "sweep_of",
+    "sweep_tags",
+]

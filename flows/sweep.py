@@ -101,7 +101,7 @@ def replica_sweep(
     from prefect.deployments import run_deployment
 
     from flows.deployments import PIPELINE_DEPLOYMENT
-    from flows.pipeline import replica_pipeline
+    from flows.pipeline import replica_pipeline, sweep_tags
     from orchestrator.cards import render_comparison
     from orchestrator.errors import ConfigError
     from orchestrator.lineage.compare import DEFAULT_METRICS, compare_runs
@@ -114,9 +114,11 @@ def replica_sweep(
     if at_once < 0:
         raise ConfigError(f"sweep: at_once must be 0 (all at once) or more, got {at_once}")
     # every combination checked against the recipe before any run starts: nothing half-swept
-    trials = [trial.sets for trial in plan_sweep(recipe, replica, grid, overrides, until=until or None)]
+    planned = plan_sweep(recipe, replica, grid, overrides, until=until or None)
+    trials = [trial.sets for trial in planned]
+    sweep_id = planned[0].sweep["id"]
     name = f"{replica_pipeline.name}/{PIPELINE_DEPLOYMENT}"
-    logger.info("sweep of %d runs of %s:%s on %s: %s", len(trials), recipe, replica, backend, grid)
+    logger.info("sweep %s: %d runs of %s:%s on %s: %s", sweep_id, len(trials), recipe, replica, backend, grid)
 
     pending = list(enumerate(trials))
     running: dict[Any, int] = {}  # flow run id -> trial number
@@ -138,7 +140,7 @@ def replica_sweep(
                         "overrides": trial,
                     },
                     timeout=0,  # started, not awaited: the trials run side by side
-                    tags=["sweep"],
+                    tags=sweep_tags(sweep_id, number + 1, len(trials)),  # recorded as its pipeline run's sweep
                 )
                 running[child.id] = number
                 started[child.id] = time.monotonic()
@@ -181,6 +183,7 @@ def replica_sweep(
         named = "; ".join(f"{' '.join(set_words(trials[n]))}: {f.state.name} ({f.state.message})" for n, f in failed)
         raise RuntimeError(f"{len(failed)} of {len(trials)} sweep runs did not complete: {named}")
     return {
+        "sweep": sweep_id,
         "runs": [{"trial": trials[n], "flow_run": str(f.id), "state": f.state.name} for n, f in sorted(ended.items())],
         "comparison": comparison.to_dict() if comparison is not None else None,
     }

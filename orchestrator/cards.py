@@ -363,6 +363,13 @@ def render_pipeline(view: PipelineView, github_hosts: Iterable[str] = DEFAULT_GI
         commits.extend(c for c in sv.commits if c.id not in {x.id for x in commits})
     if run.run_set:  # values this run set over its recipe (`--set`, the flow's overrides): the experiment
         lines += ["", "**Set for this run:** " + ", ".join(f"`` {w} ``" for w in set_words(run.run_set))]
+    if run.sweep:  # one run of a sweep: which, and how to see the sweep's runs side by side
+        sweep = run.sweep
+        lines += [
+            "",
+            f"**Sweep:** run {sweep.get('run')} of {sweep.get('of')} of `{sweep.get('id')}` "
+            f"(`` openlab lineage compare --sweep {sweep.get('id')} ``)",
+        ]
     if run.command:  # what to type to do it again (secrets were masked when it was recorded)
         lines += ["", f"**Command:** `` {shlex.join(run.command)} ``"]  # a double fence: a ` inside stays code
     if commits:

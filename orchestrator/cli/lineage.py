@@ -70,6 +70,12 @@ TriggerOpt = Annotated[
 DEFAULT_KINDS = ("pipeline_run", "stage_run", "attempt", "snapshot")
 
 
+SweepOpt = Annotated[
+    str | None,
+    typer.Option("--sweep", help="Only the runs of this sweep (swp_…, as `openlab sweep` prints it), their jobs."),
+]
+
+
 def _record_filter(options: dict[str, Any]) -> Any:
     """The RecordFilter of a command's filter options (its ``locals()``: each command takes the
     filters it can answer, under their RecordFilter names; the others are unset)."""
@@ -108,6 +114,7 @@ def list_cmd(
     cluster: ClusterOpt = None,
     user: UserOpt = None,
     trigger: TriggerOpt = None,
+    sweep: SweepOpt = None,
     limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="At most this many records.")] = 50,
     json_out: JsonFlag = False,
 ) -> None:
@@ -516,7 +523,11 @@ def compare_cmd(
     cluster: ClusterOpt = None,
     user: UserOpt = None,
     trigger: TriggerOpt = None,
-    limit: Annotated[int, typer.Option("--limit", "-n", min=1, help="At most this many runs (the newest).")] = 20,
+    sweep: SweepOpt = None,
+    limit: Annotated[
+        int | None,
+        typer.Option("--limit", "-n", min=1, help="At most this many runs (the newest); default 20, a sweep's all."),
+    ] = None,
     sort: Annotated[
         str | None,
         typer.Option("--sort", help="Order the runs by this metric column, smallest first (the best loss on top)."),
@@ -541,7 +552,8 @@ def compare_cmd(
         picked.append(record)
     flt = _record_filter(locals())
     if flt.given():
-        found = list_records(store, ["pipeline_run"], flt, limit=limit).records
+        most = limit or (None if sweep else 20)  # a sweep is compared whole
+        found = list_records(store, ["pipeline_run"], flt, limit=most).records
         if not found:
             raise NotFoundError(
                 "no pipeline run matches these filters; `openlab lineage list -k pipeline_run` shows runs"
@@ -746,6 +758,7 @@ def usage_cmd(
     cluster: ClusterOpt = None,
     user: UserOpt = None,
     trigger: TriggerOpt = None,
+    sweep: SweepOpt = None,
     json_out: JsonFlag = False,
 ) -> None:
     """What the jobs used: attempts, wall hours, CPU- and GPU-hours asked, the hours lost, and what was used.
@@ -853,6 +866,7 @@ def export_cmd(
     cluster: ClusterOpt = None,
     user: UserOpt = None,
     trigger: TriggerOpt = None,
+    sweep: SweepOpt = None,
 ) -> None:
     """Export lineage as W3C PROV-JSON, OpenLineage RunEvents or a Workflow Run RO-Crate, secrets masked.
 

@@ -10,7 +10,6 @@ The runs themselves are :mod:`orchestrator.pipeline.sweep`'s.
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -227,7 +226,7 @@ def sweep(
     first = trials[0].recipe
     if not json_out:
         say(
-            f"sweep of {len(trials)} runs of {first.name} on {options.backend}"
+            f"sweep {trials[0].sweep['id']}: {len(trials)} runs of {first.name} on {options.backend}"
             + (f", {at_once} at a time" if at_once else "")
         )
 
@@ -304,8 +303,6 @@ def _compare(
         return None, None
     with LineageStore.open(settings) as store:
         comparison = compare_runs(store, runs, metric or DEFAULT_METRICS)
-    order = {run.id: i for i, run in enumerate(runs)}  # the grid's order, not the order they happened to start
-    comparison = replace(comparison, rows=sorted(comparison.rows, key=lambda row: order[row.run.id]))
     if sort is None:
         return comparison, None
     try:

@@ -101,10 +101,17 @@ class Comparison:
         rows = sorted(self.rows, key=lambda r: (column not in r.metrics, r.metrics.get(column, 0.0)))
         return replace(self, rows=rows)
 
+    @property
+    def sweep(self) -> str | None:
+        """The sweep every run compared is one of, if they are all of one."""
+        ids = {row.run.sweep.get("id") for row in self.rows}
+        return ids.pop() if len(ids) == 1 and None not in ids else None
+
     def command(self, patterns: Iterable[str] = (), sort: str | None = None) -> str:
-        """The ``openlab lineage compare`` that prints this again: its runs, the metric patterns
-        asked for (none: the default) and the sort."""
-        words = ["openlab", "lineage", "compare", *(row.run.id for row in self.rows)]
+        """The ``openlab lineage compare`` that prints this again: its sweep's id or its runs, the
+        metric patterns asked for (none: the default) and the sort."""
+        runs = ["--sweep", self.sweep] if self.sweep and len(self.rows) > 1 else [row.run.id for row in self.rows]
+        words = ["openlab", "lineage", "compare", *runs]
         for pattern in patterns:
             words += ["-m", pattern]
         return shlex.join(words + (["--sort", sort] if sort else []))
@@ -132,10 +139,12 @@ def _asked(store: LineageStore, run: PipelineRun) -> dict[str, Any]:
 
 
 def compare_runs(store: LineageStore, runs: Iterable[PipelineRun], patterns: Sequence[str]) -> Comparison:
-    """The comparison of ``runs`` (each once, oldest first) on the metrics ``patterns`` pick
+    """The comparison of ``runs`` (each once, oldest first; a sweep's in its order) on the metrics ``patterns`` pick
     (:data:`DEFAULT_METRICS`: see there for runs that measured none of them)."""
     unique = {run.id: run for run in runs}
     ordered = sorted(unique.values(), key=lambda r: (r.started_at, r.id))
+    if len({run.sweep.get("id") for run in ordered} - {None}) == 1 and all(run.sweep for run in ordered):
+        ordered.sort(key=lambda r: r.sweep.get("run") or 0)  # one sweep's runs: in its grid's order
     stage_order: dict[str, int] = {}
     measured: list[dict[tuple[str, str], float]] = []
     for run in ordered:

@@ -81,6 +81,8 @@ class RecordFilter:
     user: str | None = None
     #: How the run was started (:data:`~orchestrator.lineage.models.TRIGGERS`): ``schedule`` is the nightlies.
     trigger: str | None = None
+    #: A sweep's id (``swp_…``, or a prefix of it): its runs, their stage runs and jobs.
+    sweep: str | None = None
 
     @classmethod
     def from_options(
@@ -99,6 +101,7 @@ class RecordFilter:
         cluster: str | None = None,
         user: str | None = None,
         trigger: str | None = None,
+        sweep: str | None = None,
     ) -> RecordFilter:
         """A filter from command-line text (times as :func:`parse_when` reads them)."""
         if commit is not None and len(commit.strip()) < 7:
@@ -130,6 +133,7 @@ class RecordFilter:
             cluster=cluster.strip() if cluster else None,
             user=user.strip() if user else None,
             trigger=trigger.strip().lower() if trigger else None,
+            sweep=sweep.strip() if sweep else None,
         )
 
     def given(self) -> list[str]:
@@ -144,7 +148,19 @@ KNOWN_STATES = (*STATES, "SUCCEEDED")
 
 #: The filters a pipeline run answers; its stage runs and their jobs answer them too (through
 #: the run they belong to where the field is the run's), and ``--stage``.
-_RUN_FILTERS = {"state", "recipe", "replica", "backend", "commit", "issue", "host", "cluster", "user", "trigger"}
+_RUN_FILTERS = {
+    "state",
+    "recipe",
+    "replica",
+    "backend",
+    "commit",
+    "issue",
+    "host",
+    "cluster",
+    "user",
+    "trigger",
+    "sweep",
+}
 #: For each kind, the filters it can answer (time filters apply to every kind with a time).
 _ANSWERS: dict[str, set[str]] = {
     "pipeline_run": _RUN_FILTERS,
@@ -207,7 +223,7 @@ def _statement(kind: str, flt: RecordFilter, session: Any) -> Any:
     if flt.state:
         stmt = stmt.where(func.upper(col(model.state)).in_([s.upper() for s in flt.state]))  # type: ignore[attr-defined]
     # Reach the stage run and the pipeline run a record belongs to, once, only when a filter needs them.
-    by_run = bool(flt.commit or flt.issue)
+    by_run = bool(flt.commit or flt.issue or flt.sweep)
     needs_stage = kind == "attempt" and bool(flt.stage or flt.recipe or flt.replica or flt.trigger or by_run)
     # A stage run's user is its pipeline run's; an attempt has its own (who submitted the job).
     needs_run = kind != "pipeline_run" and bool(
@@ -253,6 +269,10 @@ def _statement(kind: str, flt: RecordFilter, session: Any) -> Any:
                 col(Relation.object_id).endswith(issue) if issue.startswith("#") else col(Relation.object_id) == issue
             )
             stmt = stmt.where(run_id.in_(_runs_related("github_issue", match)))
+        if flt.sweep:  # the id each run of a sweep records (params.sweep.id), or its prefix
+            sweep_id = col(PipelineRun.params)["sweep"]["id"].as_string()
+            runs = select(PipelineRun.id).where(sweep_id.startswith(flt.sweep, autoescape=True)).correlate(None)
+            stmt = stmt.where(run_id.in_(runs))
     return stmt
 
 

@@ -222,6 +222,13 @@ class PipelineRun(LineageRecord, table=True):
         ``overrides``), as recorded in ``params.recipe.run_set``; empty for a run that set none."""
         return dict(((self.params or {}).get("recipe") or {}).get("run_set") or {})
 
+    @property
+    def sweep(self) -> dict[str, Any]:
+        """The sweep this run is one of (``openlab sweep``, the ``replica-sweep`` flow): its ``id``,
+        this run's number ``run`` and the sweep's count ``of``, as recorded in ``params.sweep``;
+        empty for a run of no sweep."""
+        return dict((self.params or {}).get("sweep") or {})
+
 
 class StageRun(LineageRecord, table=True):
     """One stage of one pipeline run; its attempts are the jobs that ran it."""

@@ -99,6 +99,7 @@ def stage_wandb_settings(
     backend: str | None = None,
     replica: str | None = None,
     trigger: str | None = None,
+    sweep: str | None = None,
     lineage_ids: Mapping[str, Any] | None = None,
     include_mode: bool = False,
     settings: Settings | None = None,
@@ -108,8 +109,9 @@ def stage_wandb_settings(
 
     ``project``/``entity`` default to ``[wandb] project``/``entity``. ``config.openlab``
     carries ``lineage_ids`` plus the pipeline run, stage and stage identity. The tags name the
-    commit, issue, data snapshot, backend, replica and how the run was started
-    (``trigger-schedule``: a W&B workspace filtered on it shows the nightlies alone).
+    commit, issue, data snapshot, backend, replica, how the run was started
+    (``trigger-schedule``: a W&B workspace filtered on it shows the nightlies alone) and the sweep
+    it is one of (``sweep-swp_…``: the sweep's runs side by side in W&B's runs table).
 
     ``mode`` is left to the job by default (offline unless ``WANDB_API_KEY`` is set *in the
     job*, see :func:`orchestrator.links.wandb_init.wandb_mode`): the MoE workload's tracker
@@ -138,6 +140,8 @@ def stage_wandb_settings(
         tags.append(_tag(replica))
     if trigger:
         tags.append(_tag(f"trigger-{trigger}"))
+    if sweep:
+        tags.append(_tag(f"sweep-{sweep}"))
     openlab_ids = {
         **{k: v for k, v in (lineage_ids or {}).items() if v is not None},
         "pipeline_run_id": pipeline_run_id,

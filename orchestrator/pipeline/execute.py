@@ -1030,6 +1030,7 @@ def _wandb_section(ctx: PipelineContext, spec: StageSpec, identity: str, stage_r
             backend=ctx.backend_of(spec),
             replica=ctx.pipeline_run.replica,
             trigger=ctx.pipeline_run.trigger,
+            sweep=ctx.pipeline_run.sweep.get("id"),
             lineage_ids={
                 "stage_run_id": stage_run.id,
                 "user": ctx.pipeline_run.user,  # the account that started the run (W&B's own user is the key's)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import ConfigError, OpenlabError
+from orchestrator.lineage.models import new_id
 from orchestrator.pipeline.execute import PipelineHooks, PipelineResult, RunOptions, run_stages, start_recipe
 from orchestrator.recipes import ResolvedRecipe, resolve, set_words, sweep_trials
 from orchestrator.settings import Settings
@@ -35,6 +36,17 @@ log = logging.getLogger(__name__)
 STOPPED = "the sweep was stopped"
 #: Seconds between the main thread's looks at the trials (it must stay awake for Ctrl-C).
 POLL_SECONDS = 0.5
+
+
+#: A sweep's id: ``swp_`` and 20 hex digits, like a lineage record's.
+SWEEP_PREFIX = "swp"
+
+
+def sweep_params(sweep_id: str, number: int, count: int) -> dict[str, Any]:
+    """What a run of a sweep records as ``params.sweep`` (:attr:`PipelineRun.sweep`): which
+    sweep, and which of its runs: ``lineage list --sweep ID`` and ``lineage compare --sweep ID``
+    find the sweep's runs by it, its stages' W&B runs are tagged with it."""
+    return {"id": sweep_id, "run": number, "of": count}
 
 
 @dataclass
@@ -48,6 +60,8 @@ class Trial:
     recipe: ResolvedRecipe
     #: The combination alone: what tells this run from the sweep's others.
     swept: dict[str, Any] = field(default_factory=dict)
+    #: ``params.sweep`` of this run (:func:`sweep_params`).
+    sweep: dict[str, Any] = field(default_factory=dict)
     result: PipelineResult | None = None
     #: Why the run did not start, or stopped outside its stages (an unreachable backend, a bad
     #: issue); None when ``result`` says it all.
@@ -86,6 +100,7 @@ class Trial:
     def to_dict(self) -> dict[str, Any]:
         return {
             "number": self.number,
+            "sweep": self.sweep.get("id"),
             "set": self.sets,
             "swept": self.swept,
             "state": self.state,
@@ -102,11 +117,15 @@ def plan_sweep(
     *,
     until: str | None = None,
 ) -> list[Trial]:
-    """The trials of a sweep, each resolved against the recipe (so checked) before any runs."""
+    """The trials of a sweep, each resolved against the recipe (so checked) before any runs, under
+    one new sweep id."""
+    combinations = sweep_trials(grid, fixed)
+    sweep_id = new_id(SWEEP_PREFIX)
     trials = []
-    for number, sets in enumerate(sweep_trials(grid, fixed), 1):
+    for number, sets in enumerate(combinations, 1):
         swept = {key: sets[key] for key in grid}
-        trials.append(Trial(number, sets, resolve(recipe, replica, sets=sets).until(until), swept))
+        resolved = resolve(recipe, replica, sets=sets).until(until)
+        trials.append(Trial(number, sets, resolved, swept, sweep_params(sweep_id, number, len(combinations))))
     return trials
 
 
@@ -142,7 +161,8 @@ def run_sweep(
         hooks = replace(hooks, should_cancel=lambda: STOPPED if stop.is_set() else bool(own and own()))
         trial.started.set()
         try:
-            ctx = start_recipe(trial.recipe, options=options, hooks=hooks, settings=settings)
+            mine = replace(options, params={**options.params, "sweep": trial.sweep}) if trial.sweep else options
+            ctx = start_recipe(trial.recipe, options=mine, hooks=hooks, settings=settings)
             trial.result = run_stages(ctx, retries=retries)
         except OpenlabError as exc:  # refused before its stages ran: the others go on
             trial.error = str(exc)
@@ -168,4 +188,4 @@ def run_sweep(
     return trials
 
 
-__all__ = ["STOPPED", "Trial", "plan_sweep", "run_sweep"]
+__all__ = ["STOPPED", "SWEEP_PREFIX", "Trial", "sweep_params", "plan_sweep", "run_sweep"]

@@ -68,6 +68,7 @@ def _history(store: LineageStore) -> dict[str, str]:
                 started_at=NOW,
                 user="bob",
                 trigger="schedule",
+                params={"sweep": {"id": "swp_" + "1" * 20, "run": 1, "of": 2}},
             )
         )
         new_data = tx.add(
@@ -109,6 +110,7 @@ def _history(store: LineageStore) -> dict[str, str]:
                 backend="local",
                 state="COMPLETED",
                 started_at=NOW - dt.timedelta(hours=1),
+                params={"sweep": {"id": "swp_" + "2" * 20, "run": 1, "of": 1}},
             )
         )
         snap = tx.add(DataSnapshot(id="snap_" + "a" * 20, path="/data", files=1, bytes=1, manifest_path="/m.json"))
@@ -193,6 +195,17 @@ def test_filters_reach_through_runs_on_both_databases(store: LineageStore) -> No
     assert _ids(store, ["attempt"], cluster="east", host="n20") == {h["retry2"]}
     # no filter: every kind, snapshots included
     assert h["snap"] in _ids(store, KINDS)
+
+
+def test_a_sweeps_runs_their_stage_runs_and_jobs_on_both_databases(store: LineageStore) -> None:
+    """`--sweep swp_…` (or a prefix): the runs that recorded that sweep, and through them their stage
+    runs and jobs (what `lineage usage --sweep` sums: what a sweep cost); `%` and `_` match themselves."""
+    h = _history(store)
+    sweep = {h["new"], h["new_data"], h["new_pre"], h["retry1"], h["retry2"]}
+    assert _ids(store, KINDS, sweep="swp_" + "1" * 20) == sweep
+    assert _ids(store, ["pipeline_run"], sweep="swp_111") == {h["new"]}
+    assert _ids(store, ["attempt"], sweep="swp_2") == set()  # the other sweep's run had no job
+    assert _ids(store, KINDS, sweep="swp%") == set() and _ids(store, KINDS, sweep="swp_1_") == set()
 
 
 def test_newest_first_across_kinds_with_the_count_before_the_limit(store: LineageStore) -> None:

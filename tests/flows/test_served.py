@@ -223,6 +223,13 @@ def test_a_sweep_from_the_ui_runs_each_combination_as_a_pipeline_run_and_compare
         runs = {str(c.id): store.list(PipelineRun, flow_run_id=str(c.id))[0] for c in children}
     by_value = {r.params["recipe"]["run_set"]["data.max_bytes_per_domain"]: r for r in runs.values()}
     assert set(by_value) == {150000, 120000}
+    (sweep_id,) = {r.sweep.get("id") for r in runs.values()}  # each run records which sweep, and which run, it is
+    assert sweep_id.startswith("swp_") and all(f"sweep:{sweep_id}" in c.tags for c in children)  # a UI filter
+    assert sorted((r.sweep["id"], r.sweep["run"], r.sweep["of"]) for r in runs.values()) == [
+        (sweep_id, 1, 2),
+        (sweep_id, 2, 2),
+    ]
+    assert by_value[150000].sweep["run"] == 1  # the grid's order
     assert {r.params["issue"] for r in runs.values()} == {"lab/sweeps#1"}
     assert "| run | state | set.data.max_bytes_per_domain | data/code/train_bytes |" in table, table
     for value, run in by_value.items():  # each run's row: what it set, what its data stage measured
@@ -230,7 +237,7 @@ def test_a_sweep_from_the_ui_runs_each_combination_as_a_pipeline_run_and_compare
         assert row.split("|")[3].strip() == str(value), row
         assert 0 < int(row.split("|")[4]) < value, row
     (again,) = [line for line in table.splitlines() if "openlab lineage compare" in line]  # how to see it again
-    assert all(run.id in again for run in runs.values()) and "-m data:data/code/train_bytes" in again, again
+    assert f"openlab lineage compare --sweep {sweep_id} -m data:data/code/train_bytes" in again, again
 
     bad = wait_flow_run(start_run("replica-sweep/sweep", {**params, "grid": {"data.max_bytes": [1, 2]}}), 120)
     assert bad.state.is_failed() and "--set data.max_bytes: no such recipe field" in (bad.state.message or "")

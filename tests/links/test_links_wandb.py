@@ -132,6 +132,8 @@ def test_section_carries_lineage_ids_deterministic_id_and_tags() -> None:
         "allow",
     )
     assert s["tags"] == ["abc1234d", "issue-7", "snap-b3snapshot01", "slurm", "olmoe", "trigger-schedule"]
+    swept = _section(sweep="swp_0123456789abcdef0123")["tags"]  # one run of a sweep: W&B filters on it
+    assert swept[-1] == "sweep-swp_0123456789abcdef0123"
     assert s["config"] == {
         "openlab": {
             "stage_run_id": "srun_w1",

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from orchestrator.cards import pipeline_card
 from orchestrator.lineage import Attempt, LineageStore, PipelineRun, StageRun
 
 ARGS = ("sweep", "marin-535b-a23b", "--replica", "tiny", "--until", "data")
@@ -32,11 +33,20 @@ def test_a_sweep_runs_each_combination_as_a_recorded_run_and_compares_them(run_c
     assert [r["asked"]["set.data.max_bytes_per_domain"] for r in rows] == [150000, 120000]
     measured = [r["metrics"]["data"]["data/code/train_bytes"] for r in rows]
     assert 120000 > measured[1] > 0 and 150000 > measured[0] > measured[1], measured
+    sweep_id = doc["trials"][0]["sweep"]
+    assert sweep_id.startswith("swp_") and {t["sweep"] for t in doc["trials"]} == {sweep_id}
     with LineageStore.open() as store:
         for trial in doc["trials"]:
             run = store.get(PipelineRun, trial["pipeline_run_id"])
             assert run.params["recipe"]["run_set"] == trial["set"]  # an ordinary `--set` run
             assert run.command[:3] == ["openlab", "sweep", "marin-535b-a23b"], run.command  # what was typed
+            assert run.sweep == {"id": sweep_id, "run": trial["number"], "of": 2}  # which sweep, which of its runs
+        card = pipeline_card(store, ids[1])
+    assert f"**Sweep:** run 2 of 2 of `{sweep_id}` (`` openlab lineage compare --sweep {sweep_id} ``)" in card, card
+    listed = json.loads(run_cli("lineage", "list", "--sweep", sweep_id[:10], "-k", "pipeline_run", "--json").stdout)
+    assert sorted(r["id"] for r in listed) == sorted(ids)  # a prefix of its id finds the sweep
+    shown = run_cli("lineage", "list", "--sweep", sweep_id, "-k", "pipeline_run", env={"COLUMNS": "200"}).stdout
+    assert f"sweep {sweep_id} 2/2" in " ".join(shown.split()), shown
 
     # one after another, in a pipe: a line per stage naming its run, the table, the command to see it again
     again = run_cli(*ARGS, "-g", "data.max_bytes_per_domain=150000,130000", "-m", BYTES, "--at-once", "1")
@@ -49,7 +59,10 @@ def test_a_sweep_runs_each_combination_as_a_recorded_run_and_compares_them(run_c
         first, second = (store.list(StageRun, pipeline_run_id=i)[0] for i in newest)
         assert (first.state, second.state) == ("REUSED", "COMPLETED")
         assert first.started_at < second.started_at  # --at-once 1: the second waited for the first
-    assert line == f"again: openlab lineage compare {' '.join(newest)} -m {BYTES}", line
+    (later,) = {r.sweep["id"] for r in _runs() if r.id in newest}  # a sweep of its own
+    assert later != sweep_id and line == f"again: openlab lineage compare --sweep {later} -m {BYTES}", line
+    compared = json.loads(run_cli("lineage", "compare", "--sweep", sweep_id, "-m", BYTES, "--json").stdout)
+    assert [r["id"] for r in compared["runs"]] == ids  # the first sweep alone, in its grid's order
 
 
 def test_a_bad_grid_stops_the_sweep_before_anything_runs(run_cli, openlab_home: Path) -> None:
