@@ -169,7 +169,7 @@ def replica_sweep(
     with LineageStore.open() as store:
         runs = [r for n in sorted(ended) for r in store.list(PipelineRun, flow_run_id=str(ended[n].id))]
         comparison = compare_runs(store, runs, metrics or DEFAULT_METRICS) if runs else None
-    title = f"sweep of {recipe}:{replica} on {backend}"
+    title = f"sweep {sweep_id} of {recipe}:{replica} on {backend}"
     if comparison is not None:
         try:
             create_markdown_artifact(

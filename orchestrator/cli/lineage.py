@@ -742,7 +742,7 @@ def usage_cmd(
         typer.Option(
             "--by",
             "-b",
-            help="Group by recipe, replica, stage, backend, cluster, user, trigger, state, day or pipeline_run.",
+            help="Group by recipe, replica, stage, backend, cluster, user, trigger, sweep, state, day or pipeline_run.",
         ),
     ] = "recipe",
     state: StateOpt = None,

@@ -33,7 +33,19 @@ from orchestrator.lineage.models import Attempt, PipelineRun, StageRun, as_utc, 
 from orchestrator.lineage.store import LineageStore
 
 #: What usage can be grouped by.
-GROUPS = ("recipe", "replica", "stage", "backend", "cluster", "user", "trigger", "state", "day", "pipeline_run")
+GROUPS = (
+    "recipe",
+    "replica",
+    "stage",
+    "backend",
+    "cluster",
+    "user",
+    "trigger",
+    "sweep",
+    "state",
+    "day",
+    "pipeline_run",
+)
 
 
 @dataclass
@@ -145,6 +157,8 @@ def _key(by: str, attempt: Attempt, stage: StageRun | None, run: PipelineRun | N
         return "(no pipeline run)"
     if by == "trigger":  # the nightlies' hours (schedule) beside those run by hand (terminal, ui)
         return run.trigger or "(not recorded)"
+    if by == "sweep":  # what each sweep cost, beside the runs of none
+        return run.sweep.get("id") or "(no sweep)"
     if by == "replica":
         return f"{run.recipe or run.name}:{run.replica}" if run.replica else (run.recipe or run.name)
     return run.recipe or run.name

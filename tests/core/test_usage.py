@@ -77,7 +77,15 @@ def _month(store: LineageStore) -> dict[str, str]:
                 ended_at=NOW - H / 2,
             )
         )
-        drops = tx.add(PipelineRun(recipe="marin", replica="drops", backend="local", started_at=NOW - 2 * H))
+        drops = tx.add(
+            PipelineRun(
+                recipe="marin",
+                replica="drops",
+                backend="local",
+                started_at=NOW - 2 * H,
+                params={"sweep": {"id": "swp_" + "d" * 20, "run": 1, "of": 3}},  # one run of a sweep
+            )
+        )
         repro = tx.add(StageRun(pipeline_run_id=drops.id, stage="repro", identity="r", started_at=NOW - 2 * H))
         tx.add(
             Attempt(
@@ -148,6 +156,10 @@ def test_usage_sums_hours_and_what_was_asked_and_counts_the_lost(store: LineageS
         g.group: g.gpu_hours for g in usage(store, RecordFilter.from_options(recipe="marin"), by="trigger").groups
     }
     assert triggers == {"schedule": pytest.approx(48.0), "(not recorded)": 0.0}, triggers  # the nightly's GPU-hours
+    sweeps = {g.group: g.attempts for g in usage(store, RecordFilter.from_options(recipe="marin"), by="sweep").groups}
+    assert sweeps["swp_" + "d" * 20] == 2 and "(no sweep)" in sweeps, sweeps  # what a sweep cost, beside the rest
+    (only,) = usage(store, RecordFilter.from_options(sweep="swp_ddd"), by="stage").groups
+    assert (only.group, only.attempts) == ("repro", 2)  # its failed job and the retry
     with pytest.raises(ConfigError, match="cannot group usage by 'team': use one of: recipe, replica"):
         usage(store, by="team")
 
