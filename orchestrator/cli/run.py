@@ -245,7 +245,7 @@ def run(
         for line in outcome_lines(result.pipeline_run.preregistration):
             console.print(f"pre-registered {line}", markup=False, highlight=False)
         if result.error:
-            err_console.print(f"[bold red]error:[/] {escape(result.error)}")
+            err_console.print(f"[bold red]error:[/] {escape(result.error)}", soft_wrap=True)  # a log path: whole
         console.print(f"lineage: [bold]openlab lineage show {result.pipeline_run.id}[/]")
         from orchestrator.lineage.diff import previous_run
 

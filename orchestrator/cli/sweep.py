@@ -275,7 +275,10 @@ def sweep(
             why = trial.why
             if why:
                 err_console.print(
-                    f"run {trial.number} ({trial.label}) {trial.state}: {why}", markup=False, highlight=False
+                    f"run {trial.number} ({trial.label}) {trial.state}: {why}",
+                    markup=False,
+                    highlight=False,
+                    soft_wrap=True,  # whole, as the log path in it is copied
                 )
         if comparison is not None:
             print_comparison(comparison, metric is None)

@@ -72,6 +72,11 @@ log = logging.getLogger("openlab.pipeline")
 #: Stage transitions, one line each; a separate logger so a display that shows transitions its own
 #: way (the terminal's bars, the flows' task logs) can leave these out.
 transition_log = logging.getLogger("openlab.pipeline.transitions")
+# With no handler anywhere, Python's last resort prints every WARNING: each failed stage came out a
+# second time, bare, under `openlab run`'s and `openlab sweep`'s own line for it. A handler that
+# drops them keeps that from happening and leaves whatever a program configures (a root handler,
+# basicConfig) to receive them as before.
+transition_log.addHandler(logging.NullHandler())
 
 #: Stage states a transition hook sees (lineage states plus the two waiting phases).
 TRANSITIONS = ("CHECKING", "WAITING", "RUNNING", "REUSED", "COMPLETED", "FAILED", "CANCELLED", "SKIPPED")

@@ -111,6 +111,7 @@ def test_ctrl_c_cancels_the_running_runs_and_their_jobs_and_starts_no_other(open
     assert sweep.returncode == 130, "".join(seen) + err
     assert "run 2 (pretrain.lr=0.012) NOT STARTED: the sweep was stopped before it started" in err, err
     assert "interrupted: the runs that had not ended were cancelled" in err, err
+    assert not [x for x in err.splitlines() if x.startswith("pretrain CANCELLED")], err  # once, under its run's name
     with LineageStore.open() as store:
         (run,) = store.list(PipelineRun)  # the second never started
         assert run.params["recipe"]["run_set"]["pretrain.lr"] == 0.011 and run.state == "CANCELLED"
