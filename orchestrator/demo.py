@@ -89,7 +89,11 @@ def main() -> int:
         where("not rewritten since", f"openlab lineage verify --anchor {anchor}")
     where("what would re-run", "openlab explain marin-535b-a23b --replica tiny")
     where("try a value", "openlab explain marin-535b-a23b --replica tiny --set pretrain.lr=0.02  (then: run)")
-    where("sweep values", f"{server.ui_url}/deployments  (replica-sweep/sweep: a grid, its runs side by side)")
+    where(
+        "sweep values",
+        "openlab sweep marin-535b-a23b --replica tiny --until pretrain --grid pretrain.lr=0.005,0.01,0.02"
+        f"  (or {server.ui_url}/deployments: replica-sweep/sweep)",
+    )
     if pipeline_run_id:
         where("export (Marquez/PROV)", f"openlab lineage export {pipeline_run_id} --format openlineage")
     where("lineage store", str(store.url))
