@@ -248,7 +248,8 @@ def run_replica(
             logger.info("running git ref %s from worktree %s", git_ref, repo_root)
         # The recipe of the tree that runs (a checked-out ref brings its own), cut --until a stage.
         try:
-            resolved = resolve(recipe, replica, root=repo_root, sets=overrides).until(until or None)
+            named = dict.fromkeys(overrides or {}, "overrides")  # the run form's field, not `--set`
+            resolved = resolve(recipe, replica, root=repo_root, sets=overrides, sets_from=named).until(until or None)
         except ConfigError as exc:
             if repo_root == REPO_ROOT:
                 raise

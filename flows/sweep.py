@@ -114,7 +114,7 @@ def replica_sweep(
     if at_once < 0:
         raise ConfigError(f"sweep: at_once must be 0 (all at once) or more, got {at_once}")
     # every combination checked against the recipe before any run starts: nothing half-swept
-    planned = plan_sweep(recipe, replica, grid, overrides, until=until or None)
+    planned = plan_sweep(recipe, replica, grid, overrides, until=until or None, named=("grid", "overrides"))
     trials = [trial.sets for trial in planned]
     sweep_id = planned[0].sweep["id"]
     name = f"{replica_pipeline.name}/{PIPELINE_DEPLOYMENT}"

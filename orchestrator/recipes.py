@@ -805,13 +805,16 @@ def resolve(
     validate: bool = True,
     root: Path | None = None,
     sets: Mapping[str, Any] | None = None,
+    sets_from: Mapping[str, str] | None = None,
 ) -> ResolvedRecipe:
     """Concrete per-stage workload configs for ``recipe`` at ``replica`` scale (None: full scale),
     read from the tree ``root`` when given (see :func:`find_recipe`).
 
     ``sets`` (dotted key -> value, ``openlab run --set``) are applied last, as written (not
     scaled), over the replica's own ``set``: they change the stages' configs, hence their
-    identities, and the pipeline run records them (``run_set``).
+    identities, and the pipeline run records them (``run_set``). ``sets_from`` names where a
+    key's value was given, as its error says it (``--grid``, the run form's ``overrides``):
+    ``--set`` by default.
     """
     if not isinstance(recipe, Recipe):
         recipe = load_recipe(recipe, root=root)
@@ -851,7 +854,7 @@ def resolve(
         if repro is not None and "repro" not in stages:
             raise ConfigError(f"{where}: replicas.{replica}: has a repro section but its stages do not include repro")
     for dotted, value in (sets or {}).items():
-        check_set(dotted, value, f"--set {dotted}", where, repro=repro is not None)
+        check_set(dotted, value, f"{(sets_from or {}).get(dotted, '--set')} {dotted}", where, repro=repro is not None)
         if repro is not None and dotted.startswith("repro."):
             _put(repro, dotted[len("repro.") :], value)
         else:

@@ -116,15 +116,18 @@ def plan_sweep(
     fixed: Mapping[str, Any] | None = None,
     *,
     until: str | None = None,
+    named: tuple[str, str] = ("--grid", "--set"),
 ) -> list[Trial]:
     """The trials of a sweep, each resolved against the recipe (so checked) before any runs, under
-    one new sweep id."""
+    one new sweep id. ``named``: what the grid and the values fixed for all are called where they
+    were given, for errors (``grid`` and ``overrides`` in the run form)."""
     combinations = sweep_trials(grid, fixed)
     sweep_id = new_id(SWEEP_PREFIX)
     trials = []
     for number, sets in enumerate(combinations, 1):
         swept = {key: sets[key] for key in grid}
-        resolved = resolve(recipe, replica, sets=sets).until(until)
+        sets_from = {key: named[0] if key in grid else named[1] for key in sets}
+        resolved = resolve(recipe, replica, sets=sets, sets_from=sets_from).until(until)
         trials.append(Trial(number, sets, resolved, swept, sweep_params(sweep_id, number, len(combinations))))
     return trials
 

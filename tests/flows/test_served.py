@@ -189,7 +189,7 @@ def test_values_set_in_the_run_form_configure_the_run_and_are_recorded_and_named
         start_run("replica-pipeline/replica", {**TINY, "until": "data", "overrides": {"data.max_bytes": 1}}), 120
     )
     assert bad.state.is_failed(), bad.state
-    assert "--set data.max_bytes: no such recipe field; did you mean 'data.max_bytes_per_domain'?" in (
+    assert "overrides data.max_bytes: no such recipe field; did you mean 'data.max_bytes_per_domain'?" in (
         bad.state.message or ""
     ), bad.state.message
     with LineageStore(served.db_url) as store:
@@ -240,7 +240,7 @@ def test_a_sweep_from_the_ui_runs_each_combination_as_a_pipeline_run_and_compare
     assert f"openlab lineage compare --sweep {sweep_id} -m data:data/code/train_bytes" in again, again
 
     bad = wait_flow_run(start_run("replica-sweep/sweep", {**params, "grid": {"data.max_bytes": [1, 2]}}), 120)
-    assert bad.state.is_failed() and "--set data.max_bytes: no such recipe field" in (bad.state.message or "")
+    assert bad.state.is_failed() and "grid data.max_bytes: no such recipe field" in (bad.state.message or "")
     with get_client(sync_client=True) as client:
         started = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[bad.id]))

@@ -68,7 +68,8 @@ def test_a_sweep_runs_each_combination_as_a_recorded_run_and_compares_them(run_c
 def test_a_bad_grid_stops_the_sweep_before_anything_runs(run_cli, openlab_home: Path) -> None:
     """Every combination is checked against the recipe first: one line, exit 2, nothing recorded."""
     for grid, extra, message in (
-        ("data.max_bytes=1,2", (), "--set data.max_bytes: no such recipe field"),
+        ("data.max_bytes=1,2", (), "--grid data.max_bytes: no such recipe field"),
+        ("pretrain.lr=0.01,0.02", ("--set", "data.max_bytes=1"), "--set data.max_bytes: no such recipe field"),
         ("pretrain.lr=0.01,fast", (), "pretrain.lr"),
         ("pretrain.lr=0.01,0.02", ("--set", "pretrain.lr=0.03"), "pretrain.lr is both swept and set for every run"),
         ("pretrain.lr", (), "--grid 'pretrain.lr': expected KEY=V1,V2,..."),
