@@ -34,7 +34,8 @@ from orchestrator.cli.run import _STYLE, JsonFlag, RecipeArg, ReplicaOpt, UntilO
 if TYPE_CHECKING:
     from orchestrator.lineage.compare import Comparison
     from orchestrator.pipeline import PipelineHooks, StageTransition
-    from orchestrator.pipeline.sweep import Trial
+    from orchestrator.pipeline.sweep import SweepPlan, Trial
+    from orchestrator.recipes import ResolvedRecipe
     from orchestrator.settings import Settings
 
 #: A stage that has ended one way or another: the bar counts it.
@@ -201,6 +202,14 @@ def sweep(
     sort: Annotated[
         str | None, typer.Option("--sort", help="Order the comparison by this metric, smallest first.")
     ] = None,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run",
+            help="Say, per run and stage, run or reuse (a stage two runs share is run once), and how many jobs the "
+            "sweep would start; start nothing, record nothing.",
+        ),
+    ] = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Run RECIPE's replica once per combination of the --grid values, side by side, then compare the runs.
@@ -224,6 +233,15 @@ def sweep(
     )
     retries = stage_retries(settings) if retries is None else retries
     first = trials[0].recipe
+    if dry_run:
+        from orchestrator.pipeline.sweep import explain_sweep
+
+        planned = explain_sweep(trials, backend=options.backend, settings=settings)
+        if json_out:
+            print_json(planned.to_dict())
+        else:
+            _print_plan(planned, first, options.backend)
+        return
     if not json_out:
         say(
             f"sweep {trials[0].sweep['id']}: {len(trials)} runs of {first.name} on {options.backend}"
@@ -312,6 +330,48 @@ def _compare(
         return comparison.sorted_by(sort), None
     except ConfigError as exc:
         return comparison, str(exc)
+
+
+_ACTION_STYLE = {"run": "bold blue", "reuse": "green", "wait": "yellow", "shared": "cyan"}
+
+
+def _print_plan(planned: SweepPlan, recipe: ResolvedRecipe, backend: str) -> None:
+    """The dry run: a row per run with each stage's action (below 110 columns: a line per run),
+    then the jobs the sweep would start, per stage, with what each asks of its backend."""
+    from orchestrator.cli.output import compact_table
+    from orchestrator.cli.run import _asks
+
+    trials = planned.trials
+    stages = list(recipe.stages)
+    labels = short_labels([t.swept or t.sets for t in trials])
+    say(f"sweep dry run: {len(trials)} runs of {recipe.name} on {backend}; nothing is started or recorded")
+    if narrow():
+        for trial, label in zip(trials, labels, strict=True):
+            actions = planned.actions[trial.number]
+            say(f"{trial.number}. {label}: " + ", ".join(f"{s} {actions.get(s, '-')}" for s in stages))
+    else:
+        table = compact_table("openlab sweep --dry-run")
+        table.add_column("run", no_wrap=True)
+        for stage in stages:
+            table.add_column(stage, no_wrap=True)
+        for trial, label in zip(trials, labels, strict=True):
+            actions = planned.actions[trial.number]
+            cells = [actions.get(s, "-") for s in stages]
+            table.add_row(
+                escape(f"{trial.number}. {label}"),
+                *(f"[{_ACTION_STYLE.get(a, '')}]{a}[/]" if a in _ACTION_STYLE else a for a in cells),
+            )
+        console.print(table)
+    if not planned.jobs:
+        say("it would start no job: every stage of every run is reused")
+        return
+    total = sum(planned.jobs.values())
+    say(f"it would start {total} job{'s' if total != 1 else ''}:")
+    for stage in stages:
+        if planned.jobs.get(stage):
+            asks = _asks(recipe.resources.get(stage) or {}) if recipe.resources else "-"
+            say(f"  {stage}: {planned.jobs[stage]}" + (f" (each asks {asks})" if asks != "-" else ""))
+    say("shared: an earlier run of the sweep runs that stage; this one reuses it once it has")
 
 
 def _say_ended(trial: Trial) -> None:

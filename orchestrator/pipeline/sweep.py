@@ -26,9 +26,11 @@ from typing import Any
 
 from orchestrator.errors import ConfigError, OpenlabError
 from orchestrator.lineage.models import new_id
+from orchestrator.lineage.store import LineageStore
 from orchestrator.pipeline.execute import PipelineHooks, PipelineResult, RunOptions, run_stages, start_recipe
+from orchestrator.pipeline.plan import StagePlan
 from orchestrator.recipes import ResolvedRecipe, resolve, set_words, sweep_trials
-from orchestrator.settings import Settings
+from orchestrator.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +134,81 @@ def plan_sweep(
     return trials
 
 
+@dataclass
+class SweepPlan:
+    """The dry run of a sweep: per run, per stage, what it would do; and the jobs it would start."""
+
+    trials: list[Trial]
+    #: Run number -> stage -> ``run``, ``reuse``, ``wait`` (another holder runs it now), or
+    #: ``shared`` (an earlier run of this sweep runs the same identity; this one would reuse it).
+    actions: dict[int, dict[str, str]]
+    #: Run number -> its stages' plans, as ``openlab explain`` gives them.
+    plans: dict[int, list[StagePlan]]
+    #: Stage -> how many jobs the sweep would start for it (each identity once).
+    jobs: dict[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "sweep": self.trials[0].sweep.get("id") if self.trials else None,
+            "trials": [
+                {
+                    "number": t.number,
+                    "set": t.sets,
+                    "swept": t.swept,
+                    "stages": self.actions[t.number],
+                    "plans": [p.to_dict() for p in self.plans[t.number]],
+                }
+                for t in self.trials
+            ],
+            "jobs": self.jobs,
+        }
+
+
+def explain_sweep(
+    trials: list[Trial], *, backend: str, settings: Settings | None = None, store: LineageStore | None = None
+) -> SweepPlan:
+    """What the sweep would run, without running or recording anything: each run's ``explain``,
+    with the stages two runs share counted once. A stage whose identity is not known until an
+    upstream stage runs (``depends``) is told apart by its config and its upstream stages', since
+    the code and environment are the same for every run of the sweep."""
+    from orchestrator.hashing import hash_json
+    from orchestrator.pipeline.dag import moe_pipeline
+    from orchestrator.pipeline.plan import explain_recipe
+
+    settings = settings or load_settings()
+    owns = store is None
+    store = store or LineageStore.open(settings)
+    try:
+        actions: dict[int, dict[str, str]] = {}
+        plans: dict[int, list[StagePlan]] = {}
+        jobs: dict[str, int] = {}
+        started: set[str] = set()  # the identities (or stand-ins) some earlier run of the sweep starts
+        for trial in trials:
+            plans[trial.number] = explain_recipe(trial.recipe, backend=backend, settings=settings, store=store)
+            specs = moe_pipeline(stages=trial.recipe.stages, resources=trial.recipe.resources).stages
+            keys: dict[str, str] = {}
+            actions[trial.number] = {}
+            for spec, plan in zip(specs, plans[trial.number], strict=True):
+                keys[spec.name] = plan.identity or hash_json(
+                    {
+                        "stage": spec.name,
+                        "config": trial.recipe.stage_configs[spec.name],
+                        "inputs": {key: keys[up] for key, up in spec.inputs.items()},
+                    }
+                )
+                action = plan.action
+                if action in ("run", "depends"):
+                    action = "shared" if keys[spec.name] in started else "run"
+                    if action == "run":
+                        started.add(keys[spec.name])
+                        jobs[spec.name] = jobs.get(spec.name, 0) + 1
+                actions[trial.number][spec.name] = action
+        return SweepPlan(trials, actions, plans, jobs)
+    finally:
+        if owns:
+            store.close()
+
+
 def run_sweep(
     trials: list[Trial],
     *,
@@ -191,4 +268,4 @@ def run_sweep(
     return trials
 
 
-__all__ = ["STOPPED", "SWEEP_PREFIX", "Trial", "sweep_params", "plan_sweep", "run_sweep"]
+__all__ = ["STOPPED", "SWEEP_PREFIX", "SweepPlan", "Trial", "explain_sweep", "plan_sweep", "run_sweep", "sweep_params"]

@@ -48,6 +48,23 @@ def test_a_sweep_runs_each_combination_as_a_recorded_run_and_compares_them(run_c
     shown = run_cli("lineage", "list", "--sweep", sweep_id, "-k", "pipeline_run", env={"COLUMNS": "200"}).stdout
     assert f"sweep {sweep_id} 2/2" in " ".join(shown.split()), shown
 
+    # the dry run: per run and stage what it would do, a stage two runs share counted once; nothing recorded
+    grid = ("-g", "pretrain.lr=0.01,0.02", "-g", "data.max_bytes_per_domain=150000,130000")
+    dry = run_cli(*ARGS[:4], "--until", "pretrain", *grid, "--dry-run", "--json")
+    assert dry.returncode == 0, dry.stderr
+    planned = json.loads(dry.stdout)
+    assert [[t["stages"][s] for s in ("data", "tokenize", "pretrain")] for t in planned["trials"]] == [
+        ["reuse", "run", "run"],  # 0.01, 150000: its data is the first sweep's
+        ["run", "run", "run"],  # 0.01, 130000
+        ["reuse", "shared", "run"],  # 0.02, 150000: tokenized by the first run of this sweep
+        ["shared", "shared", "run"],  # 0.02, 130000
+    ], planned["trials"]
+    assert planned["jobs"] == {"data": 1, "tokenize": 2, "pretrain": 4}
+    assert len(_runs()) == 2  # nothing was started or recorded
+    text = run_cli(*ARGS[:4], "--until", "pretrain", *grid, "--dry-run", env={"COLUMNS": "200"}).stdout
+    assert "it would start 7 jobs:" in text and "  pretrain: 4 (each asks cpus=2 mem=4G time=30m)" in text, text
+    assert "4. lr=0.02 max_bytes_per_domain=130000" in text, text  # each run by the values that tell it apart
+
     # one after another, in a pipe: a line per stage naming its run, the table, the command to see it again
     again = run_cli(*ARGS, "-g", "data.max_bytes_per_domain=150000,130000", "-m", BYTES, "--at-once", "1")
     assert again.returncode == 0, again.stderr
