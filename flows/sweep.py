@@ -7,8 +7,9 @@ logs, cards and lineage, shown in the UI under this one. They run at once (or ``
 time): on Slurm or Kubernetes that is real parallelism, and stages they share (data, tokenize)
 run once, the others waiting on its lease and reusing it. When all have ended, the ``sweep``
 artifact is ``openlab lineage compare`` of them: what each set beside what it measured. Every
-combination is checked against the recipe before any run starts; a trial that fails fails the
-sweep, after the others have ended and the table is published.
+combination is checked against the recipe of the git ref the runs will run before any run starts
+(``dry_run`` starts none and publishes the ``sweep-plan`` artifact: per run and stage, run, reuse
+or shared); a trial that fails fails the sweep, after the others have ended and the table is published.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def sweep_run_name() -> str:
     params = flow_run.parameters or {}
     grid = params.get("grid") or {}
     swept = ", ".join(f"{k} x{len(v) if isinstance(v, list) else '?'}" for k, v in grid.items())
-    return f"sweep {params.get('recipe')}:{params.get('replica')} on {params.get('backend')}: {swept}"
+    name = f"sweep {params.get('recipe')}:{params.get('replica')} on {params.get('backend')}: {swept}"
+    return name + (" (dry run)" if params.get("dry_run") else "")
 
 
 def cancel_trials(flow: Any, flow_run: Any, state: Any) -> None:
@@ -79,6 +81,7 @@ def replica_sweep(
     git_ref: str = "HEAD",
     at_once: int = 0,
     metrics: list[str] | None = None,
+    dry_run: bool = False,
 ) -> dict[str, Any]:
     """Run the replica once per combination of the grid's values and compare the runs.
 
@@ -95,26 +98,36 @@ def replica_sweep(
         at_once: How many runs at a time; 0 starts them all at once.
         metrics: Metric patterns for the comparison (`eval/*/loss`, `eval:eval/*/loss`); empty: eval's
             losses and repro's late-window drop fractions.
+        dry_run: Start nothing: per run and stage, run, reuse or shared, and the jobs the sweep would start.
     """
     from prefect import get_client
     from prefect.artifacts import create_markdown_artifact
     from prefect.deployments import run_deployment
 
     from flows.deployments import PIPELINE_DEPLOYMENT
+    from flows.gitref import checkout_ref
     from flows.pipeline import replica_pipeline, sweep_tags
     from orchestrator.cards import render_comparison
     from orchestrator.errors import ConfigError
     from orchestrator.lineage.compare import DEFAULT_METRICS, compare_runs
     from orchestrator.lineage.models import PipelineRun
     from orchestrator.lineage.store import LineageStore
+    from orchestrator.pipeline.dag import REPO_ROOT
     from orchestrator.pipeline.sweep import plan_sweep
     from orchestrator.recipes import set_words
+    from orchestrator.settings import load_settings
 
     logger = get_run_logger()
     if at_once < 0:
         raise ConfigError(f"sweep: at_once must be 0 (all at once) or more, got {at_once}")
-    # every combination checked against the recipe before any run starts: nothing half-swept
-    planned = plan_sweep(recipe, replica, grid, overrides, until=until or None, named=("grid", "overrides"))
+    # The recipe of the tree the runs will run (a git ref brings its own), every combination checked
+    # against it before any run starts: nothing half-swept.
+    repo_root = checkout_ref(REPO_ROOT, git_ref, load_settings())
+    planned = plan_sweep(
+        recipe, replica, grid, overrides, until=until or None, named=("grid", "overrides"), root=repo_root
+    )
+    if dry_run:
+        return _dry_run(planned, backend=backend, git_ref=git_ref, repo_root=repo_root)
     trials = [trial.sets for trial in planned]
     sweep_id = planned[0].sweep["id"]
     name = f"{replica_pipeline.name}/{PIPELINE_DEPLOYMENT}"
@@ -187,6 +200,29 @@ def replica_sweep(
         "runs": [{"trial": trials[n], "flow_run": str(f.id), "state": f.state.name} for n, f in sorted(ended.items())],
         "comparison": comparison.to_dict() if comparison is not None else None,
     }
+
+
+def _dry_run(planned: list[Any], *, backend: str, git_ref: str, repo_root: Any) -> dict[str, Any]:
+    """``openlab sweep --dry-run`` inside the flow, at the git ref the runs would use: the ``sweep-plan``
+    artifact and a log line per run; nothing started or recorded."""
+    from prefect.artifacts import create_markdown_artifact
+
+    from orchestrator.cards import render_sweep_plan
+    from orchestrator.pipeline.sweep import explain_sweep
+
+    logger = get_run_logger()
+    plan = explain_sweep(planned, backend=backend, repo_root=repo_root)
+    first = planned[0].recipe
+    title = f"sweep dry run: {len(planned)} runs of {first.name} on {backend} at git ref {git_ref}"
+    for trial in planned:
+        actions = ", ".join(f"{stage} {action}" for stage, action in plan.actions[trial.number].items())
+        logger.info("dry run: run %d (%s): %s", trial.number, trial.label, actions)
+    logger.info("the sweep would start %d jobs: %s", sum(plan.jobs.values()), plan.jobs)
+    try:
+        create_markdown_artifact(key="sweep-plan", markdown=render_sweep_plan(plan, title), description=title)
+    except Exception as exc:  # noqa: BLE001 - the plan is in the logs and the return value either way
+        logger.warning("could not publish the sweep's dry-run artifact: %s", exc)
+    return {"dry_run": True, "git_ref": git_ref, "backend": backend, **plan.to_dict()}
 
 
 __all__ = ["cancel_trials", "replica_sweep", "sweep_run_name"]

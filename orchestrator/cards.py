@@ -17,7 +17,7 @@ import re
 import shlex
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlmodel import col
 
@@ -38,6 +38,9 @@ from orchestrator.lineage.store import LineageStore
 from orchestrator.lineage.usage import attempt_hours
 from orchestrator.preregistration import outcome_lines
 from orchestrator.recipes import set_value_word, set_words
+
+if TYPE_CHECKING:  # the pipeline imports the cards: only for the hint
+    from orchestrator.pipeline.sweep import SweepPlan
 
 #: Hosts whose remotes are turned into web commit links (GitHub Enterprise hosts can be added).
 DEFAULT_GITHUB_HOSTS: tuple[str, ...] = ("github.com",)
@@ -506,6 +509,28 @@ def render_comparison(comparison: Comparison, title: str, patterns: Iterable[str
     return "\n".join(lines) + "\n"
 
 
+def render_sweep_plan(planned: SweepPlan, title: str) -> str:
+    """A sweep's dry run (:func:`orchestrator.pipeline.sweep.explain_sweep`) as markdown: a row per
+    run with each stage's action, then the jobs it would start per stage."""
+    trials = planned.trials
+    stages = list(trials[0].recipe.stages) if trials else []
+    lines = [f"### {md_cell(title)}", "", "| run | " + " | ".join(stages) + " |", "|---|" + "---|" * len(stages)]
+    for trial in trials:
+        values = " ".join(set_words(trial.swept or trial.sets))
+        actions = planned.actions[trial.number]
+        lines.append(
+            f"| {trial.number}. `` {md_cell(values)} `` | " + " | ".join(actions.get(s, "-") for s in stages) + " |"
+        )
+    total = sum(planned.jobs.values())
+    jobs = ", ".join(f"{stage} {planned.jobs[stage]}" for stage in stages if planned.jobs.get(stage))
+    lines += [
+        "",
+        f"Nothing was started. It would start {total} job{'s' if total != 1 else ''}" + (f": {jobs}." if jobs else "."),
+    ]
+    lines += ["`shared`: an earlier run of the sweep runs that stage's identity; this one reuses it once it has."]
+    return "\n".join(lines) + "\n"
+
+
 __all__ = [
     "DEFAULT_GITHUB_HOSTS",
     "PipelineView",
@@ -520,6 +545,7 @@ __all__ = [
     "render_changes",
     "render_comparison",
     "render_pipeline",
+    "render_sweep_plan",
     "render_stage",
     "stage_card",
     "state_icon",

@@ -119,17 +119,19 @@ def plan_sweep(
     *,
     until: str | None = None,
     named: tuple[str, str] = ("--grid", "--set"),
+    root: Path | None = None,
 ) -> list[Trial]:
     """The trials of a sweep, each resolved against the recipe (so checked) before any runs, under
     one new sweep id. ``named``: what the grid and the values fixed for all are called where they
-    were given, for errors (``grid`` and ``overrides`` in the run form)."""
+    were given, for errors (``grid`` and ``overrides`` in the run form). ``root``: the tree whose
+    recipe runs (a git ref's worktree), as :func:`~orchestrator.recipes.resolve` reads it."""
     combinations = sweep_trials(grid, fixed)
     sweep_id = new_id(SWEEP_PREFIX)
     trials = []
     for number, sets in enumerate(combinations, 1):
         swept = {key: sets[key] for key in grid}
         sets_from = {key: named[0] if key in grid else named[1] for key in sets}
-        resolved = resolve(recipe, replica, sets=sets, sets_from=sets_from).until(until)
+        resolved = resolve(recipe, replica, root=root, sets=sets, sets_from=sets_from).until(until)
         trials.append(Trial(number, sets, resolved, swept, sweep_params(sweep_id, number, len(combinations))))
     return trials
 
@@ -165,7 +167,12 @@ class SweepPlan:
 
 
 def explain_sweep(
-    trials: list[Trial], *, backend: str, settings: Settings | None = None, store: LineageStore | None = None
+    trials: list[Trial],
+    *,
+    backend: str,
+    settings: Settings | None = None,
+    store: LineageStore | None = None,
+    repo_root: Path | None = None,
 ) -> SweepPlan:
     """What the sweep would run, without running or recording anything: each run's ``explain``,
     with the stages two runs share counted once. A stage whose identity is not known until an
@@ -184,8 +191,10 @@ def explain_sweep(
         jobs: dict[str, int] = {}
         started: set[str] = set()  # the identities (or stand-ins) some earlier run of the sweep starts
         for trial in trials:
-            plans[trial.number] = explain_recipe(trial.recipe, backend=backend, settings=settings, store=store)
-            specs = moe_pipeline(stages=trial.recipe.stages, resources=trial.recipe.resources).stages
+            plans[trial.number] = explain_recipe(
+                trial.recipe, backend=backend, settings=settings, store=store, repo_root=repo_root
+            )
+            specs = moe_pipeline(repo_root, stages=trial.recipe.stages, resources=trial.recipe.resources).stages
             keys: dict[str, str] = {}
             actions[trial.number] = {}
             for spec, plan in zip(specs, plans[trial.number], strict=True):
