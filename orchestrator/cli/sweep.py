@@ -284,6 +284,7 @@ def sweep(
     if json_out:
         print_json(
             {
+                "sweep": trials[0].sweep.get("id"),
                 "trials": [t.to_dict() for t in trials],
                 "comparison": comparison.to_dict() if comparison is not None else None,
             }

@@ -33,7 +33,7 @@ def test_a_sweep_runs_each_combination_as_a_recorded_run_and_compares_them(run_c
     assert [r["asked"]["set.data.max_bytes_per_domain"] for r in rows] == [150000, 120000]
     measured = [r["metrics"]["data"]["data/code/train_bytes"] for r in rows]
     assert 120000 > measured[1] > 0 and 150000 > measured[0] > measured[1], measured
-    sweep_id = doc["trials"][0]["sweep"]
+    sweep_id = doc["sweep"]
     assert sweep_id.startswith("swp_") and {t["sweep"] for t in doc["trials"]} == {sweep_id}
     with LineageStore.open() as store:
         for trial in doc["trials"]:
