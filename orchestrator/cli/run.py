@@ -26,6 +26,12 @@ ReplicaOpt = Annotated[
     str | None, typer.Option("--replica", "-r", help="Named replica (e.g. tiny, small); default: full scale.")
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON document instead of tables.")]
+BackendOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--backend", "-b", help="local, docker, slurm or kubernetes; default: [backends] default, else local."
+    ),
+]
 UntilOpt = Annotated[
     str | None,
     typer.Option("--until", help="Stop after this stage: it and the stages it reads from (e.g. tokenize)."),
@@ -162,12 +168,7 @@ def _summary_blocks(result: Any) -> None:
 def run(
     recipe: RecipeArg,
     replica: ReplicaOpt = None,
-    backend: Annotated[
-        str | None,
-        typer.Option(
-            "--backend", "-b", help="local, docker, slurm or kubernetes; default: [backends] default, else local."
-        ),
-    ] = None,
+    backend: BackendOpt = None,
     issue: Annotated[str | None, typer.Option("--issue", help="Experiment issue owner/repo#N (or #N).")] = None,
     require_issue: Annotated[
         bool, typer.Option("--require-issue", help="Stop before any job starts if the issue cannot be linked.")

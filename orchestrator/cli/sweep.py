@@ -29,7 +29,7 @@ from rich.table import Column
 from rich.text import Text
 
 from orchestrator.cli.output import console, err_console, narrow, print_json, say
-from orchestrator.cli.run import _STYLE, JsonFlag, RecipeArg, ReplicaOpt, UntilOpt
+from orchestrator.cli.run import _STYLE, BackendOpt, JsonFlag, RecipeArg, ReplicaOpt, UntilOpt
 
 if TYPE_CHECKING:
     from orchestrator.lineage.compare import Comparison
@@ -156,12 +156,7 @@ def sweep(
         ),
     ],
     replica: ReplicaOpt = None,
-    backend: Annotated[
-        str | None,
-        typer.Option(
-            "--backend", "-b", help="local, docker, slurm or kubernetes; default: [backends] default, else local."
-        ),
-    ] = None,
+    backend: BackendOpt = None,
     set_values: Annotated[
         list[str] | None,
         typer.Option(
