@@ -70,6 +70,14 @@ TriggerOpt = Annotated[
 DEFAULT_KINDS = ("pipeline_run", "stage_run", "attempt", "snapshot")
 
 
+OverOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--over",
+        help="Take the comparison over this value (seed): a row per group of runs asked the same but for it, "
+        "each metric as mean ± standard deviation over the group. Repeatable.",
+    ),
+]
 SweepOpt = Annotated[
     str | None,
     typer.Option("--sweep", help="Only the runs of this sweep (swp_…, as `openlab sweep` prints it), their jobs."),
@@ -532,6 +540,7 @@ def compare_cmd(
         str | None,
         typer.Option("--sort", help="Order the runs by this metric column, smallest first (the best loss on top)."),
     ] = None,
+    over: OverOpt = None,
     json_out: JsonFlag = False,
 ) -> None:
     """Several pipeline runs side by side, oldest first (or --sort by a metric): the values that vary
@@ -562,17 +571,24 @@ def compare_cmd(
     if not picked:
         raise ConfigError("give pipeline run ids, or filters that pick runs (e.g. --replica tiny --since 1d)")
     comparison = compare_runs(store, picked, metric or DEFAULT_METRICS)
+    shown = comparison.over(over) if over else comparison
     if sort is not None:
-        comparison = comparison.sorted_by(sort)
+        shown = shown.sorted_by(sort)
     if json_out:
-        print_json(comparison.to_dict())
+        print_json(shown.to_dict())
         return
-    print_comparison(comparison, metric is None)
+    print_comparison(shown, metric is None)
 
 
 def print_comparison(comparison: Any, default_metrics: bool) -> None:
-    """A table of the runs (below 110 columns: a block per run, one value a line)."""
+    """A table of the runs (below 110 columns: a block per run, one value a line), or of the groups
+    of runs of a comparison taken over a value (:class:`~orchestrator.lineage.compare.Aggregate`)."""
+    from orchestrator.lineage.compare import Aggregate
     from orchestrator.recipes import set_value_word
+
+    if isinstance(comparison, Aggregate):
+        _print_aggregate(comparison, default_metrics)
+        return
 
     def value(row: Any, key: str) -> str:
         got = row.asked.get(key)
@@ -618,6 +634,54 @@ def print_comparison(comparison: Any, default_metrics: bool) -> None:
     if not comparison.varies and len(comparison.rows) > 1:
         say("the runs were asked the same (no value set, backend, recipe, replica or commit differs)")
     if not comparison.columns:
+        hint = "add -m PATTERN ('*' for all)" if default_metrics else "'*' shows all"
+        say(f"no metric of these runs matches the patterns; {hint}")
+
+
+def _print_aggregate(aggregate: Any, default_metrics: bool) -> None:
+    """``compare --over seed``: a row per group, its values, its runs, each metric's mean ± spread."""
+    from orchestrator.recipes import set_value_word
+
+    of = aggregate.of
+
+    def value(group: Any, key: str) -> str:
+        got = group.rows[0].asked.get(key)
+        return "-" if got is None else set_value_word(got)
+
+    def spread(group: Any, column: tuple[str, str]) -> str:
+        mean, sd, n = group.mean(column), group.stdev(column), len(group.values(column))
+        if mean is None:
+            return "-"
+        text = format(mean, ".6g") + (f" ± {sd:.2g}" if sd is not None else "")
+        return text + (f" (n={n})" if n != len(group.rows) else "")  # a run without the metric: fewer values
+
+    over = ", ".join(k.removeprefix("set.") for k in aggregate.over)
+    widths = [6, *(max([len(k)] + [len(value(g, k)) for g in aggregate.groups]) for k in aggregate.varies)]
+    widths += [max([len(of.label(c))] + [len(spread(g, c)) for g in aggregate.groups]) for c in of.columns]
+    if narrow() or sum(widths) + 3 * len(widths) > console.width:
+        for group in aggregate.groups:
+            values = " ".join(f"{k}={value(group, k)}" for k in aggregate.varies) or "(all)"
+            say(f"{values}  {len(group.rows)} runs over {over}")
+            for column in of.columns:
+                say(f"    {of.label(column)}: {spread(group, column)}")
+    else:
+        table = compact_table("openlab lineage compare")
+        for key in aggregate.varies:
+            table.add_column(escape(key), overflow="fold", min_width=min(len(key), 40))
+        table.add_column("runs", justify="right", no_wrap=True)
+        for column in of.columns:
+            table.add_column(escape(of.label(column)), justify="right", overflow="fold")
+        for group in aggregate.groups:
+            table.add_row(
+                *(escape(value(group, k)) for k in aggregate.varies),
+                str(len(group.rows)),
+                *(spread(group, c) for c in of.columns),
+            )
+        console.print(table)
+    say(f"each metric: mean ± standard deviation over {over} (n: how many runs measured it, where not all)")
+    if of.note:
+        say(of.note)
+    if not of.columns:
         hint = "add -m PATTERN ('*' for all)" if default_metrics else "'*' shows all"
         say(f"no metric of these runs matches the patterns; {hint}")
 

@@ -28,11 +28,12 @@ from rich.progress import (
 from rich.table import Column
 from rich.text import Text
 
+from orchestrator.cli.lineage import OverOpt
 from orchestrator.cli.output import console, err_console, narrow, print_json, say
 from orchestrator.cli.run import _STYLE, BackendOpt, JsonFlag, RecipeArg, ReplicaOpt, UntilOpt
 
 if TYPE_CHECKING:
-    from orchestrator.lineage.compare import Comparison
+    from orchestrator.lineage.compare import Aggregate, Comparison
     from orchestrator.pipeline import PipelineHooks, StageTransition
     from orchestrator.pipeline.sweep import SweepPlan, Trial
     from orchestrator.recipes import ResolvedRecipe
@@ -197,6 +198,7 @@ def sweep(
     sort: Annotated[
         str | None, typer.Option("--sort", help="Order the comparison by this metric, smallest first.")
     ] = None,
+    over: OverOpt = None,
     dry_run: Annotated[
         bool,
         typer.Option(
@@ -215,6 +217,7 @@ def sweep(
     runs and their jobs. Exit 0 when every run completed, 1 otherwise.
     """
     from orchestrator.cli.lineage import print_comparison
+    from orchestrator.lineage.compare import Aggregate
     from orchestrator.pipeline import PipelineHooks, RunOptions, stage_retries
     from orchestrator.pipeline.sweep import plan_sweep, run_sweep
     from orchestrator.provenance.invocation import command_line
@@ -275,7 +278,7 @@ def sweep(
     except KeyboardInterrupt:
         interrupted = True
 
-    comparison, sort_error = _compare(trials, metric, sort, settings)
+    comparison, sort_error = _compare(trials, metric, sort, over, settings)
     if json_out:
         print_json(
             {
@@ -296,9 +299,11 @@ def sweep(
                 )
         if comparison is not None:
             print_comparison(comparison, metric is None)
-            again = comparison.command(metric or (), sort)
+            again = (comparison.of if isinstance(comparison, Aggregate) else comparison).command(
+                metric or (), sort, over or ()
+            )
             console.print(f"again: {again}", markup=False, highlight=False, soft_wrap=True)
-    if sort_error:  # the runs are compared, unsorted: an hour of sweep is not lost to a misspelt column
+    if sort_error:  # the runs are compared as they are: an hour of sweep is not lost to a misspelt column
         err_console.print(f"error: {sort_error}", markup=False, highlight=False)
     if interrupted:
         err_console.print("interrupted: the runs that had not ended were cancelled", markup=False, highlight=False)
@@ -307,10 +312,11 @@ def sweep(
 
 
 def _compare(
-    trials: list[Trial], metric: list[str] | None, sort: str | None, settings: Settings
-) -> tuple[Comparison | None, str | None]:
-    """``lineage compare`` of the runs the sweep made (None when none started), sorted when asked,
-    and why the sort could not be done."""
+    trials: list[Trial], metric: list[str] | None, sort: str | None, over: list[str] | None, settings: Settings
+) -> tuple[Comparison | Aggregate | None, str | None]:
+    """``lineage compare`` of the runs the sweep made (None when none started), taken over the
+    values asked and sorted when asked, and why that could not be done (the runs compared as
+    they are)."""
     from orchestrator.errors import ConfigError
     from orchestrator.lineage.compare import DEFAULT_METRICS, compare_runs
     from orchestrator.lineage.store import LineageStore
@@ -320,10 +326,9 @@ def _compare(
         return None, None
     with LineageStore.open(settings) as store:
         comparison = compare_runs(store, runs, metric or DEFAULT_METRICS)
-    if sort is None:
-        return comparison, None
     try:
-        return comparison.sorted_by(sort), None
+        shown = comparison.over(over) if over else comparison
+        return (shown.sorted_by(sort) if sort else shown), None
     except ConfigError as exc:
         return comparison, str(exc)
 

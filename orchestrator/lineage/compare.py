@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import shlex
+import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -87,9 +88,9 @@ class Comparison:
         stage, name = column
         return f"{stage}:{name}" if sum(1 for _, n in self.columns if n == name) > 1 else name
 
-    def sorted_by(self, name: str) -> Comparison:
-        """The rows ordered by the column ``name`` (its heading, or its metric's name when one stage
-        reports it), smallest first (losses, drop fractions: the best first); runs without it last."""
+    def column(self, name: str) -> tuple[str, str]:
+        """The column ``name`` names: its heading, ``STAGE:METRIC``, or its metric's name when one
+        stage reports it."""
         matches = [c for c in self.columns if name in (self.label(c), f"{c[0]}:{c[1]}")]
         if not matches:
             matches = [c for c in self.columns if c[1] == name]
@@ -97,9 +98,32 @@ class Comparison:
             labels = [self.label(c) for c in self.columns]
             why = "names two columns; give STAGE:METRIC" if matches else choices(name, labels, label="columns")
             raise ConfigError(f"--sort {name!r}: {why}")
-        (column,) = matches
+        return matches[0]
+
+    def sorted_by(self, name: str) -> Comparison:
+        """The rows ordered by the column ``name`` (:meth:`column`), smallest first (losses, drop
+        fractions: the best first); runs without it last."""
+        column = self.column(name)
         rows = sorted(self.rows, key=lambda r: (column not in r.metrics, r.metrics.get(column, 0.0)))
         return replace(self, rows=rows)
+
+    def over(self, keys: Sequence[str]) -> Aggregate:
+        """The runs grouped by what they were asked but for ``keys`` (``seed``: each group is one
+        setting's seeds), each metric as its mean and spread over the group: whether 5.25 against
+        5.27 is a difference or the noise between seeds. A key is a varying value's name, with or
+        without its ``set.``."""
+        over: list[str] = []
+        for key in keys:
+            name = key if key in self.varies else f"set.{key}"
+            if name not in self.varies:
+                hint = choices(key, [k.removeprefix("set.") for k in self.varies], label="values that vary")
+                raise ConfigError(f"--over {key!r}: not a value that varies among these runs; {hint}")
+            over.append(name)
+        rest = [k for k in self.varies if k not in over]
+        groups: dict[str, list[Row]] = {}
+        for row in self.rows:
+            groups.setdefault(repr([row.asked.get(k) for k in rest]), []).append(row)
+        return Aggregate(self, [Group(rows, self.columns) for rows in groups.values()], rest, over)
 
     @property
     def sweep(self) -> str | None:
@@ -107,13 +131,15 @@ class Comparison:
         ids = {row.run.sweep.get("id") for row in self.rows}
         return ids.pop() if len(ids) == 1 and None not in ids else None
 
-    def command(self, patterns: Iterable[str] = (), sort: str | None = None) -> str:
+    def command(self, patterns: Iterable[str] = (), sort: str | None = None, over: Iterable[str] = ()) -> str:
         """The ``openlab lineage compare`` that prints this again: its sweep's id or its runs, the
-        metric patterns asked for (none: the default) and the sort."""
+        metric patterns asked for (none: the default), the grouping and the sort."""
         runs = ["--sweep", self.sweep] if self.sweep and len(self.rows) > 1 else [row.run.id for row in self.rows]
         words = ["openlab", "lineage", "compare", *runs]
         for pattern in patterns:
             words += ["-m", pattern]
+        for key in over:
+            words += ["--over", key.removeprefix("set.")]
         return shlex.join(words + (["--sort", sort] if sort else []))
 
     def to_dict(self) -> dict[str, Any]:
@@ -122,6 +148,66 @@ class Comparison:
             "note": self.note,
             "columns": [{"stage": s, "metric": m, "label": self.label((s, m))} for s, m in self.columns],
             "runs": [row.to_dict(self.columns) for row in self.rows],
+        }
+
+
+@dataclass
+class Group:
+    """Runs asked the same but for the values a comparison is taken over (their seeds)."""
+
+    rows: list[Row]
+    columns: list[tuple[str, str]]
+
+    def values(self, column: tuple[str, str]) -> list[float]:
+        return [row.metrics[column] for row in self.rows if column in row.metrics]
+
+    def mean(self, column: tuple[str, str]) -> float | None:
+        got = self.values(column)
+        return statistics.fmean(got) if got else None
+
+    def stdev(self, column: tuple[str, str]) -> float | None:
+        """The sample standard deviation; None for fewer than two values."""
+        got = self.values(column)
+        return statistics.stdev(got) if len(got) > 1 else None
+
+    def to_dict(self, varies: Sequence[str]) -> dict[str, Any]:
+        metrics: dict[str, dict[str, Any]] = {}
+        for column in self.columns:
+            got = self.values(column)
+            if got:
+                stage, name = column
+                spread = {"mean": self.mean(column), "stdev": self.stdev(column), "n": len(got)}
+                metrics.setdefault(stage, {})[name] = spread
+        asked = {key: self.rows[0].asked.get(key) for key in varies}  # what tells this group from the others
+        return {"runs": [row.run.id for row in self.rows], "asked": asked, "metrics": metrics}
+
+
+@dataclass
+class Aggregate:
+    """A comparison taken over some values (:meth:`Comparison.over`): a group of runs a row."""
+
+    of: Comparison
+    groups: list[Group]
+    #: The values that vary among the groups.
+    varies: list[str]
+    #: The values each group's runs differ in (``set.seed``).
+    over: list[str]
+
+    def sorted_by(self, name: str) -> Aggregate:
+        """The groups ordered by their mean of the column ``name``, smallest first; without it last."""
+        column = self.of.column(name)
+        means = [(g.mean(column), i) for i, g in enumerate(self.groups)]
+        order = sorted(means, key=lambda m: (m[0] is None, m[0] or 0.0, m[1]))
+        return replace(self, groups=[self.groups[i] for _, i in order])
+
+    def to_dict(self) -> dict[str, Any]:
+        labels = {c: self.of.label(c) for c in self.of.columns}
+        return {
+            "over": self.over,
+            "varies": self.varies,
+            "note": self.of.note,
+            "columns": [{"stage": s, "metric": m, "label": labels[(s, m)]} for s, m in self.of.columns],
+            "groups": [g.to_dict(self.varies) for g in self.groups],
         }
 
 
@@ -170,4 +256,13 @@ def compare_runs(store: LineageStore, runs: Iterable[PipelineRun], patterns: Seq
     return Comparison(rows, varies, columns, note)
 
 
-__all__ = ["DEFAULT_METRICS", "HELD_OUT_LOSSES", "Comparison", "Row", "compare_runs", "metric_matches"]
+__all__ = [
+    "DEFAULT_METRICS",
+    "HELD_OUT_LOSSES",
+    "Aggregate",
+    "Comparison",
+    "Group",
+    "Row",
+    "compare_runs",
+    "metric_matches",
+]

@@ -721,3 +721,61 @@ def test_compare_of_runs_that_stopped_before_eval_shows_the_held_out_losses_of_t
     assert "the runs stopped before eval: these are the held-out losses pretrain measured" in text, text
     asked = json.loads(run_cli("lineage", "compare", *ids, "-m", "eval:*", "--json").stdout)
     assert asked["columns"] == [] and asked["note"] is None  # a pattern given is what is shown
+
+
+def test_compare_over_seeds_gives_each_setting_its_mean_and_spread(run_cli, openlab_home: Path) -> None:
+    """`lineage compare --over seed`: a row per learning rate, its runs' losses as mean ± standard
+    deviation, so a difference is read against the noise between seeds; sorted by the mean."""
+    import datetime as dt
+    import statistics
+
+    from orchestrator.lineage import LineageStore, PipelineRun, StageRun
+
+    start = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
+    losses = {(0.01, 0): 5.30, (0.01, 1): 5.34, (0.01, 2): 5.32, (0.02, 0): 5.20, (0.02, 1): None, (0.02, 2): 5.26}
+    with LineageStore.open() as store, store.transaction() as tx:
+        for i, ((lr, seed), loss) in enumerate(losses.items()):
+            run = tx.add(
+                PipelineRun(
+                    recipe="marin-535b-a23b",
+                    replica="tiny",
+                    state="COMPLETED" if loss is not None else "FAILED",
+                    started_at=start + dt.timedelta(minutes=i),
+                    params={"recipe": {"run_set": {"pretrain.lr": lr, "seed": seed}}},
+                )
+            )
+            tx.add(
+                StageRun(
+                    pipeline_run_id=run.id,
+                    stage="eval",
+                    identity=f"e{i}",
+                    state=run.state,
+                    metrics={"eval/code/loss": loss} if loss is not None else {},
+                    started_at=run.started_at,
+                )
+            )
+
+    doc = json.loads(run_cli("lineage", "compare", "--replica", "tiny", "--over", "seed", "--json").stdout)
+    assert doc["over"] == ["set.seed"] and doc["varies"] == ["set.pretrain.lr"]
+    first, second = doc["groups"]
+    assert first["asked"] == {"set.pretrain.lr": 0.01} and len(first["runs"]) == 3
+    spread = first["metrics"]["eval"]["eval/code/loss"]
+    assert spread["n"] == 3 and spread["mean"] == pytest.approx(5.32)
+    assert spread["stdev"] == pytest.approx(statistics.stdev([5.30, 5.34, 5.32]))
+    assert second["metrics"]["eval"]["eval/code/loss"]["n"] == 2  # the failed run measured nothing
+
+    best = json.loads(
+        run_cli(
+            "lineage", "compare", "--replica", "tiny", "--over", "seed", "--sort", "eval/code/loss", "--json"
+        ).stdout
+    )
+    assert [g["asked"]["set.pretrain.lr"] for g in best["groups"]] == [0.02, 0.01]  # the lower mean first
+    text = run_cli("lineage", "compare", "--replica", "tiny", "--over", "seed", env={"COLUMNS": "200"}).stdout
+    assert "each metric: mean ± standard deviation over seed" in text, text
+    (row,) = [line for line in text.splitlines() if line.lstrip().startswith("0.02")]
+    assert row.split()[1:] == ["3", "5.23", "±", "0.042", "(n=2)"], row
+    bad = run_cli("lineage", "compare", "--replica", "tiny", "--over", "sed")
+    assert (
+        bad.returncode == 2
+        and "--over 'sed': not a value that varies among these runs; did you mean 'seed'?" in bad.stderr
+    )

@@ -66,7 +66,17 @@ def test_a_sweep_runs_each_combination_as_a_recorded_run_and_compares_them(run_c
     assert "4. lr=0.02 max_bytes_per_domain=130000" in text, text  # each run by the values that tell it apart
 
     # one after another, in a pipe: a line per stage naming its run, the table, the command to see it again
-    again = run_cli(*ARGS, "-g", "data.max_bytes_per_domain=150000,130000", "-m", BYTES, "--at-once", "1")
+    again = run_cli(
+        *ARGS,
+        "-g",
+        "data.max_bytes_per_domain=150000,130000",
+        "-m",
+        BYTES,
+        "--at-once",
+        "1",
+        "--over",
+        "data.max_bytes_per_domain",
+    )
     assert again.returncode == 0, again.stderr
     assert "sweep 1/2 (data.max_bytes_per_domain=150000): data REUSED" in again.stderr, again.stderr
     assert "sweep 2/2 (data.max_bytes_per_domain=130000): data COMPLETED" in again.stderr, again.stderr
@@ -77,7 +87,9 @@ def test_a_sweep_runs_each_combination_as_a_recorded_run_and_compares_them(run_c
         assert (first.state, second.state) == ("REUSED", "COMPLETED")
         assert first.started_at < second.started_at  # --at-once 1: the second waited for the first
     (later,) = {r.sweep["id"] for r in _runs() if r.id in newest}  # a sweep of its own
-    assert later != sweep_id and line == f"again: openlab lineage compare --sweep {later} -m {BYTES}", line
+    assert later != sweep_id, later
+    assert line == f"again: openlab lineage compare --sweep {later} -m {BYTES} --over data.max_bytes_per_domain", line
+    assert "each metric: mean ± standard deviation over data.max_bytes_per_domain" in again.stdout, again.stdout
     compared = json.loads(run_cli("lineage", "compare", "--sweep", sweep_id, "-m", BYTES, "--json").stdout)
     assert [r["id"] for r in compared["runs"]] == ids  # the first sweep alone, in its grid's order
 
