@@ -81,6 +81,7 @@ def replica_sweep(
     git_ref: str = "HEAD",
     at_once: int = 0,
     metrics: list[str] | None = None,
+    over: list[str] | None = None,
     dry_run: bool = False,
 ) -> dict[str, Any]:
     """Run the replica once per combination of the grid's values and compare the runs.
@@ -98,6 +99,8 @@ def replica_sweep(
         at_once: How many runs at a time; 0 starts them all at once.
         metrics: Metric patterns for the comparison (`eval/*/loss`, `eval:eval/*/loss`); empty: eval's
             losses and repro's late-window drop fractions.
+        over: Values to take the comparison over (["seed"]): a row per group of runs asked the same but for
+            them, each metric as mean ± standard deviation over the group.
         dry_run: Start nothing: per run and stage, run, reuse or shared, and the jobs the sweep would start.
     """
     from prefect import get_client
@@ -113,13 +116,14 @@ def replica_sweep(
     from orchestrator.lineage.models import PipelineRun
     from orchestrator.lineage.store import LineageStore
     from orchestrator.pipeline.dag import REPO_ROOT
-    from orchestrator.pipeline.sweep import plan_sweep
+    from orchestrator.pipeline.sweep import check_over, plan_sweep
     from orchestrator.recipes import set_words
     from orchestrator.settings import load_settings
 
     logger = get_run_logger()
     if at_once < 0:
         raise ConfigError(f"sweep: at_once must be 0 (all at once) or more, got {at_once}")
+    check_over(over or [], grid, "over")
     # The recipe of the tree the runs will run (a git ref brings its own), every combination checked
     # against it before any run starts: nothing half-swept.
     repo_root = checkout_ref(REPO_ROOT, git_ref, load_settings())
@@ -184,13 +188,14 @@ def replica_sweep(
         comparison = compare_runs(store, runs, metrics or DEFAULT_METRICS) if runs else None
     title = f"sweep {sweep_id} of {recipe}:{replica} on {backend}"
     if comparison is not None:
+        shown = comparison.over(over) if over else comparison
         try:
             create_markdown_artifact(
-                key="sweep", markdown=render_comparison(comparison, title, metrics or ()), description=title
+                key="sweep", markdown=render_comparison(shown, title, metrics or ()), description=title
             )
         except Exception as exc:  # noqa: BLE001 - the runs and their lineage stand without it
             logger.warning("could not publish the sweep artifact: %s", exc)
-        logger.info("compare them: `%s`", comparison.command(metrics or ()))
+        logger.info("compare them: `%s`", comparison.command(metrics or (), over=over or ()))
     failed = [(n, f) for n, f in sorted(ended.items()) if not f.state.is_completed()]
     if failed:
         named = "; ".join(f"{' '.join(set_words(trials[n]))}: {f.state.name} ({f.state.message})" for n, f in failed)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from sqlmodel import col
 
 from orchestrator.identity import source_file
-from orchestrator.lineage.compare import Comparison
+from orchestrator.lineage.compare import Aggregate, Comparison
 from orchestrator.lineage.diff import Section
 from orchestrator.lineage.models import (
     Attempt,
@@ -493,9 +493,12 @@ def render_changes(sections: Iterable[Section], before: str, after: str, limit: 
     return lines
 
 
-def render_comparison(comparison: Comparison, title: str, patterns: Iterable[str] = ()) -> str:
+def render_comparison(comparison: Comparison | Aggregate, title: str, patterns: Iterable[str] = ()) -> str:
     """A sweep's (or any runs') comparison (:func:`orchestrator.lineage.compare.compare_runs`) as a
-    markdown table: one row a run, the values that vary among them, then the metrics."""
+    markdown table: one row a run, the values that vary among them, then the metrics; taken over a
+    value (:meth:`~orchestrator.lineage.compare.Comparison.over`), one row a group of runs."""
+    if isinstance(comparison, Aggregate):
+        return _render_aggregate(comparison, title, patterns)
     head = ["run", "state", *comparison.varies, *(comparison.label(c) for c in comparison.columns)]
     lines = [f"### {md_cell(title)}", "", "| " + " | ".join(md_cell(h) for h in head) + " |"]
     lines.append("|" + "---|" * (2 + len(comparison.varies)) + "---:|" * len(comparison.columns))
@@ -506,6 +509,24 @@ def render_comparison(comparison: Comparison, title: str, patterns: Iterable[str
     if comparison.note:
         lines += ["", md_cell(comparison.note)]
     lines += ["", f"`` {comparison.command(patterns)} `` prints it again; `-m '*'` with every metric."]
+    return "\n".join(lines) + "\n"
+
+
+def _render_aggregate(aggregate: Aggregate, title: str, patterns: Iterable[str]) -> str:
+    of = aggregate.of
+    head = [*aggregate.varies, "runs", *(of.label(c) for c in of.columns)]
+    lines = [f"### {md_cell(title)}", "", "| " + " | ".join(md_cell(h) for h in head) + " |"]
+    lines.append("|" + "---|" * len(aggregate.varies) + "---:|" * (1 + len(of.columns)))
+    for group in aggregate.groups:
+        first = group.rows[0].asked
+        asked = ["-" if first.get(k) is None else set_value_word(first[k]) for k in aggregate.varies]
+        cells = [*asked, str(len(group.rows)), *(group.spread(c) for c in of.columns)]
+        lines.append("| " + " | ".join(md_cell(x) for x in cells) + " |")
+    lines += ["", md_cell(aggregate.legend)]
+    if of.note:
+        lines += ["", md_cell(of.note)]
+    command = of.command(patterns, over=aggregate.over)
+    lines += ["", f"`` {command} `` prints it again; without `--over`, a row per run."]
     return "\n".join(lines) + "\n"
 
 

@@ -648,22 +648,15 @@ def _print_aggregate(aggregate: Any, default_metrics: bool) -> None:
         got = group.rows[0].asked.get(key)
         return "-" if got is None else set_value_word(got)
 
-    def spread(group: Any, column: tuple[str, str]) -> str:
-        mean, sd, n = group.mean(column), group.stdev(column), len(group.values(column))
-        if mean is None:
-            return "-"
-        text = format(mean, ".6g") + (f" ± {sd:.2g}" if sd is not None else "")
-        return text + (f" (n={n})" if n != len(group.rows) else "")  # a run without the metric: fewer values
-
     over = ", ".join(k.removeprefix("set.") for k in aggregate.over)
     widths = [6, *(max([len(k)] + [len(value(g, k)) for g in aggregate.groups]) for k in aggregate.varies)]
-    widths += [max([len(of.label(c))] + [len(spread(g, c)) for g in aggregate.groups]) for c in of.columns]
+    widths += [max([len(of.label(c))] + [len(g.spread(c)) for g in aggregate.groups]) for c in of.columns]
     if narrow() or sum(widths) + 3 * len(widths) > console.width:
         for group in aggregate.groups:
             values = " ".join(f"{k}={value(group, k)}" for k in aggregate.varies) or "(all)"
             say(f"{values}  {len(group.rows)} runs over {over}")
             for column in of.columns:
-                say(f"    {of.label(column)}: {spread(group, column)}")
+                say(f"    {of.label(column)}: {group.spread(column)}")
     else:
         table = compact_table("openlab lineage compare")
         for key in aggregate.varies:
@@ -675,10 +668,10 @@ def _print_aggregate(aggregate: Any, default_metrics: bool) -> None:
             table.add_row(
                 *(escape(value(group, k)) for k in aggregate.varies),
                 str(len(group.rows)),
-                *(spread(group, c) for c in of.columns),
+                *(group.spread(c) for c in of.columns),
             )
         console.print(table)
-    say(f"each metric: mean ± standard deviation over {over} (n: how many runs measured it, where not all)")
+    say(aggregate.legend)
     if of.note:
         say(of.note)
     if not of.columns:

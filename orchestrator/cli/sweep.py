@@ -219,12 +219,14 @@ def sweep(
     from orchestrator.cli.lineage import print_comparison
     from orchestrator.lineage.compare import Aggregate
     from orchestrator.pipeline import PipelineHooks, RunOptions, stage_retries
-    from orchestrator.pipeline.sweep import plan_sweep, run_sweep
+    from orchestrator.pipeline.sweep import check_over, plan_sweep, run_sweep
     from orchestrator.provenance.invocation import command_line
     from orchestrator.recipes import parse_grid, parse_sets
     from orchestrator.settings import load_settings
 
-    trials = plan_sweep(recipe, replica, parse_grid(grid), parse_sets(set_values or []), until=until)
+    swept = parse_grid(grid)
+    check_over(over or [], swept)
+    trials = plan_sweep(recipe, replica, swept, parse_sets(set_values or []), until=until)
     settings = load_settings()
     options = RunOptions(
         backend=backend or settings.default_backend, issue=issue, trigger="terminal", command=command_line()

@@ -170,6 +170,15 @@ class Group:
         got = self.values(column)
         return statistics.stdev(got) if len(got) > 1 else None
 
+    def spread(self, column: tuple[str, str]) -> str:
+        """``5.23 ± 0.042 (n=2)``: the mean, the standard deviation where there are two values or
+        more, and how many runs measured it where not all did; ``-`` where none did."""
+        mean, sd, n = self.mean(column), self.stdev(column), len(self.values(column))
+        if mean is None:
+            return "-"
+        text = format(mean, ".6g") + (f" ± {sd:.2g}" if sd is not None else "")
+        return text + (f" (n={n})" if n != len(self.rows) else "")
+
     def to_dict(self, varies: Sequence[str]) -> dict[str, Any]:
         metrics: dict[str, dict[str, Any]] = {}
         for column in self.columns:
@@ -192,6 +201,12 @@ class Aggregate:
     varies: list[str]
     #: The values each group's runs differ in (``set.seed``).
     over: list[str]
+
+    @property
+    def legend(self) -> str:
+        """What a reader is told under the table: what the cells are."""
+        over = ", ".join(k.removeprefix("set.") for k in self.over)
+        return f"each metric: mean ± standard deviation over {over} (n: how many runs measured it, where not all)"
 
     def sorted_by(self, name: str) -> Aggregate:
         """The groups ordered by their mean of the column ``name``, smallest first; without it last."""

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import ConfigError, OpenlabError
+from orchestrator.errors import ConfigError, OpenlabError, choices
 from orchestrator.lineage.models import new_id
 from orchestrator.lineage.store import LineageStore
 from orchestrator.pipeline.execute import PipelineHooks, PipelineResult, RunOptions, run_stages, start_recipe
@@ -109,6 +109,14 @@ class Trial:
             "pipeline_run_id": self.pipeline_run_id,
             "error": self.why,
         }
+
+
+def check_over(over: Sequence[str], grid: Mapping[str, Any], option: str = "--over") -> None:
+    """Refuse, before anything runs, to take a sweep's comparison over a value its grid does not
+    vary: that would be found only when the runs had ended."""
+    for key in over:
+        if key.removeprefix("set.") not in grid:
+            raise ConfigError(f"{option} {key!r}: not a key of the grid; {choices(key, list(grid), label='grid keys')}")
 
 
 def plan_sweep(
@@ -277,4 +285,14 @@ def run_sweep(
     return trials
 
 
-__all__ = ["STOPPED", "SWEEP_PREFIX", "SweepPlan", "Trial", "explain_sweep", "plan_sweep", "run_sweep", "sweep_params"]
+__all__ = [
+    "STOPPED",
+    "SWEEP_PREFIX",
+    "SweepPlan",
+    "Trial",
+    "check_over",
+    "explain_sweep",
+    "plan_sweep",
+    "run_sweep",
+    "sweep_params",
+]

@@ -774,6 +774,13 @@ def test_compare_over_seeds_gives_each_setting_its_mean_and_spread(run_cli, open
     assert "each metric: mean ± standard deviation over seed" in text, text
     (row,) = [line for line in text.splitlines() if line.lstrip().startswith("0.02")]
     assert row.split()[1:] == ["3", "5.23", "±", "0.042", "(n=2)"], row
+    from orchestrator.cards import render_comparison
+    from orchestrator.lineage.compare import DEFAULT_METRICS, compare_runs
+
+    with LineageStore.open() as store:  # the UI sweep's artifact, taken over its seeds
+        table = render_comparison(compare_runs(store, store.list(PipelineRun), DEFAULT_METRICS).over(["seed"]), "t")
+    assert "| set.pretrain.lr | runs | eval/code/loss |" in table and "| 0.01 | 3 | 5.32 ± 0.02 |" in table, table
+    assert "--over seed `` prints it again" in table, table
     bad = run_cli("lineage", "compare", "--replica", "tiny", "--over", "sed")
     assert (
         bad.returncode == 2
