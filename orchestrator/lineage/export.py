@@ -305,8 +305,10 @@ def to_openlineage(closure: Closure, namespace: str = "openlab") -> list[dict[st
     """OpenLineage RunEvents (spec 2-0-2): a START and, once ended, a terminal event per run.
 
     Pipeline runs are parent jobs; each stage run is a child job carrying the ``parent``
-    facet. Inputs are the stage's ``used`` records, outputs its ``wasGeneratedBy`` ones,
-    each a dataset whose version facet is its content hash. Lineage ids the formats have
+    facet, and a pipeline run of a sweep carries one naming the sweep (job
+    ``<recipe>.<replica>.sweep``, run id derived from the sweep's id as a record's is). Inputs
+    are the stage's ``used`` records, outputs its ``wasGeneratedBy`` ones, each a dataset whose
+    version facet is its content hash. Lineage ids the formats have
     no field for (commit, issue, W&B run, backend job ids) ride in an ``openlab`` facet.
     """
     secrets = secret_values()
@@ -410,6 +412,14 @@ def to_openlineage(closure: Closure, namespace: str = "openlab") -> list[dict[st
                 f"{OL_FACETS}/1-0-1/ParentRunFacet.json#/$defs/ParentRunFacet",
                 run={"runId": run_uuid(parent.id)},
                 job={"namespace": namespace, "name": _job_name(parent)},
+            )
+        elif isinstance(record, PipelineRun) and record.sweep.get("id"):
+            # one run of a sweep: the sweep is its parent run, so a lineage server groups the sweep's runs
+            run_facets["parent"] = _facet(
+                producer,
+                f"{OL_FACETS}/1-0-1/ParentRunFacet.json#/$defs/ParentRunFacet",
+                run={"runId": run_uuid(record.sweep["id"])},
+                job={"namespace": namespace, "name": f"{_job_name(record)}.sweep"},
             )
         job_facets: dict[str, Any] = {
             "jobType": _facet(

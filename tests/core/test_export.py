@@ -255,3 +255,26 @@ def test_ro_crate_reads_back_as_a_workflow_run_with_each_stage_linked(
     assert done.returncode == 2 and "add --output DIR" in done.stderr and "Traceback" not in done.stderr
     done = run_cli("lineage", "export", "-f", "ro-crate", "-o", str(crate_dir))
     assert done.returncode == 2 and "not an empty directory" in done.stderr
+
+
+def test_a_sweeps_runs_have_the_sweep_as_their_openlineage_parent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pipeline run of a sweep names the sweep as its parent run (one id for all its runs), so
+    Marquez shows the sweep's runs together; a run of no sweep has no parent."""
+    from orchestrator.pipeline.sweep import sweep_params
+
+    monkeypatch.setenv("TOY_LEDGER", str(tmp_path / "ledger.txt"))
+    repo = make_repo(tmp_path)
+    options = RunOptions(wait_poll=0.05, lease_ttl=10, params={"sweep": sweep_params("swp_" + "7" * 20, 1, 2)})
+    swept = run_pipeline(toy_pipeline(repo), toy_configs(), options=options)
+    alone = run_pipeline(toy_pipeline(repo), toy_configs(), options=RunOptions(wait_poll=0.05, lease_ttl=10))
+    with _store() as store:
+        events = [
+            json.loads(x)
+            for x in export(store, "openlineage", [swept.pipeline_run.id, alone.pipeline_run.id]).splitlines()
+        ]
+    runs = {e["run"]["runId"]: e for e in events if e["job"]["facets"]["jobType"]["jobType"] == "PIPELINE"}
+    parent = runs[run_uuid(swept.pipeline_run.id)]["run"]["facets"]["parent"]
+    assert parent["run"]["runId"] == run_uuid("swp_" + "7" * 20) and parent["job"]["name"] == "toy.sweep", parent
+    assert "parent" not in runs[run_uuid(alone.pipeline_run.id)]["run"]["facets"]
