@@ -345,6 +345,12 @@ def render_run(rd: RunDigest, github_hosts: Iterable[str] = DEFAULT_GITHUB_HOSTS
         lines.append("- **Commit:** " + ", ".join(parts))
     if run.run_set:  # the values it set over its recipe (`openlab run --set`, a sweep's run)
         lines.append("- **Set for this run:** " + ", ".join(f"`{w}`" for w in set_words(run.run_set)))
+    if run.sweep:  # one run of a sweep: the command that puts the sweep's runs side by side
+        sweep = run.sweep
+        lines.append(
+            f"- **Sweep:** run {sweep.get('run')} of {sweep.get('of')} of `{sweep.get('id')}` "
+            f"(`openlab lineage compare --sweep {sweep.get('id')}`)"
+        )
     how = how_started(run)
     if how:
         lines.append(f"- **Trigger:** {how}")

@@ -70,7 +70,10 @@ def day(fake_github: FakeGitHub, store: LineageStore) -> dict[str, PipelineRun]:
             stages={"pretrain": "FAILED"},
             error="job 4242 exited 3: CUDA out of memory\nTraceback (most recent call last): ...",
             preregistration=prereg(6.1, "missed"),
-            params={"recipe": {"run_set": {"pretrain.lr": 0.02}}},  # `openlab run --set pretrain.lr=0.02`
+            params={  # `openlab sweep --grid pretrain.lr=0.01,0.02`'s second run
+                "recipe": {"run_set": {"pretrain.lr": 0.02}},
+                "sweep": {"id": "swp_" + "5" * 20, "run": 2, "of": 2},
+            },
         ),
         "running": record_run(
             store,
@@ -111,6 +114,8 @@ def test_one_digest_per_active_issue_with_its_runs_then_edited_the_same_day(
     assert "**Failed:** `pretrain`: job 4242 exited 3: CUDA out of memory" in seven
     assert "- **Set for this run:** `pretrain.lr=0.02`" in seven  # which of the day's runs was the experiment
     assert seven.count("**Set for this run:**") == 1
+    sweep = "swp_" + "5" * 20
+    assert f"- **Sweep:** run 2 of 2 of `{sweep}` (`openlab lineage compare --sweep {sweep}`)" in seven, seven
     assert "Traceback" not in seven, "a failure is one line"
     assert "eval/code/loss 5.31 (eval)" in seven and "moe/drop_fraction 0.0213 (eval)" in seven
     assert "train/loss" not in seven, "only the key metrics"
