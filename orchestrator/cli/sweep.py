@@ -321,13 +321,14 @@ def _compare(
     they are)."""
     from orchestrator.errors import ConfigError
     from orchestrator.lineage.compare import DEFAULT_METRICS, compare_runs
+    from orchestrator.lineage.models import PipelineRun
     from orchestrator.lineage.store import LineageStore
 
-    runs = [t.result.pipeline_run for t in trials if t.result is not None]
-    if not runs:
+    ids = [t.result.pipeline_run.id for t in trials if t.result is not None]
+    if not ids:
         return None, None
-    with LineageStore.open(settings) as store:
-        comparison = compare_runs(store, runs, metric or DEFAULT_METRICS)
+    with LineageStore.open(settings) as store:  # the runs as recorded now, closed
+        comparison = compare_runs(store, [store.require(PipelineRun, i) for i in ids], metric or DEFAULT_METRICS)
     try:
         shown = comparison.over(over) if over else comparison
         return (shown.sorted_by(sort) if sort else shown), None

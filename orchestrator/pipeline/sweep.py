@@ -257,6 +257,7 @@ def run_sweep(
         own = hooks.should_cancel
         hooks = replace(hooks, should_cancel=lambda: STOPPED if stop.is_set() else bool(own and own()))
         trial.started.set()
+        ctx = None
         try:
             mine = replace(options, params={**options.params, "sweep": trial.sweep}) if trial.sweep else options
             ctx = start_recipe(trial.recipe, options=mine, hooks=hooks, settings=settings)
@@ -266,6 +267,8 @@ def run_sweep(
         except Exception as exc:  # noqa: BLE001 - one trial's crash must not end the others; recorded FAILED
             log.exception("sweep run %d (%s) failed", trial.number, trial.label)
             trial.error = f"{type(exc).__name__}: {exc}"
+            if ctx is not None:  # run_stages closed its run FAILED: keep it in the sweep's table
+                trial.result = PipelineResult(ctx.pipeline_run, dict(ctx.results), "FAILED", trial.error)
         finally:
             if on_end is not None:
                 try:

@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from orchestrator.cards import pipeline_card
 from orchestrator.lineage import Attempt, LineageStore, PipelineRun, StageRun
 
@@ -160,3 +162,30 @@ def test_a_runs_line_keeps_the_values_that_tell_it_apart_in_a_narrow_terminal() 
     assert short_labels([{"data.max_bytes_per_domain": 150000, "seed": 1}]) == ["max_bytes_per_domain=150000 seed=1"]
     assert short_labels([{"pretrain.lr": 0.01, "midtrain.lr": 0.02}]) == ["pretrain.lr=0.01 midtrain.lr=0.02"]
     assert short_labels([{"pretrain.mixture": {"code": 0.5}}]) == ['mixture={"code": 0.5}']
+
+
+def test_a_run_that_crashes_stays_in_the_sweep_and_the_others_go_on(
+    openlab_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in one run (an exception that is no refusal) fails that run, recorded FAILED and kept in
+    the sweep's results with its pipeline run, and does not stop the others."""
+    from orchestrator.pipeline import RunOptions, finish_pipeline, run_stages
+    from orchestrator.pipeline import sweep as sweep_module
+    from orchestrator.pipeline.execute import PipelineHooks
+
+    def crash_the_first(ctx, retries: int = 0):  # what run_stages does on an unexpected error: close, re-raise
+        if ctx.pipeline_run.sweep["run"] == 1:
+            finish_pipeline(ctx, "FAILED", "RuntimeError: a bug")
+            raise RuntimeError("a bug")
+        return run_stages(ctx, retries=retries)
+
+    monkeypatch.setattr(sweep_module, "run_stages", crash_the_first)
+    trials = sweep_module.plan_sweep(
+        "marin-535b-a23b", "tiny", {"data.max_bytes_per_domain": [150000, 130000]}, until="data"
+    )
+    sweep_module.run_sweep(trials, options=RunOptions(), hooks_for=lambda t: PipelineHooks(), at_once=1)
+    first, second = trials
+    assert (first.state, first.why) == ("FAILED", "RuntimeError: a bug")
+    assert second.state == "COMPLETED"
+    with LineageStore.open() as store:
+        assert store.require(PipelineRun, first.pipeline_run_id).state == "FAILED"
