@@ -395,6 +395,10 @@ class LocalLauncher(Launcher):
                 if not job_state.terminal:
                     job_state = JobState.LOST
                     state["reason"] = "the job's supervisor process is gone without recording an end"
+                    if self._end_orphans(handle.job_id, state):
+                        state["reason"] += (
+                            "; its processes, left running with no one to time, stop or record them, were ended"
+                        )
         reason = state.get("reason")
         if job_state.terminal and state.get("exit_code"):
             log_path = handle.log_path or state.get("log_path")
@@ -418,6 +422,27 @@ class LocalLauncher(Launcher):
             tail=tail,
             pause=lambda seconds: self.pause(handle, seconds),
         )
+
+    def _end_orphans(self, job_id: str, state: dict[str, Any]) -> bool:
+        """End the processes of a job whose supervisor was killed (SIGKILL, the OOM killer): they
+        outlive it in their own process group, unsupervised, and a job reported LOST is run again
+        by its pipeline, so two would write the same output folder. The group is ended only if its
+        leader is still this job's (its environment names the job), never a group whose id a later
+        process took. True when there was one to end."""
+        pgid = int(state.get("pgid") or 0)
+        if not pgid or not _group_alive(pgid):
+            return False
+        try:
+            environ = Path(f"/proc/{pgid}/environ").read_bytes().split(b"\0")
+        except OSError:  # the leader is gone (its children may linger) or not ours to read: leave it
+            return False
+        if f"OPENLAB_JOB_ID={job_id}".encode() not in environ:
+            return False
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
 
     def cancel(self, handle: JobHandle) -> None:
         state = self._read(handle.job_id)

@@ -728,17 +728,28 @@ def test_a_flow_run_retried_from_the_ui_is_linked_to_the_run_it_retries(served: 
 
 
 def _flow_process(flow_run_id: Any) -> int | None:
-    """The pid of the process running ``flow_run_id`` (the runner puts the id in its environment)."""
+    """The pid of the process running ``flow_run_id``: the runner puts the id in its environment,
+    and the processes it starts (a local job's supervisor, the job) inherit it, so the flow's is
+    the one whose parent lacks it. (Taking the first found killed the job's supervisor once the
+    pids had wrapped round below the flow's, and left its job running for the rest of the suite.)"""
     from pathlib import Path
 
     wanted = f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode()
+
+    def carries(pid: str) -> bool:
+        try:
+            return wanted in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            return False
+
     for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
+        if proc.name.isdigit() and carries(proc.name):
             try:
-                if wanted in (proc / "environ").read_bytes().split(b"\0"):
-                    return int(proc.name)
-            except OSError:
+                parent = (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            except (OSError, IndexError):
                 continue
+            if not carries(parent):
+                return int(proc.name)
     return None
 
 

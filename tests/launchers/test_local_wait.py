@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -72,3 +73,45 @@ def test_supervisor_json_encoder_round_trips_awkward_strings() -> None:
         "flag": False,
     }
     assert json.loads(_supervise.dumps(data)) == data
+
+
+def test_a_job_whose_supervisor_was_killed_is_lost_and_its_processes_ended() -> None:
+    """SIGKILL the supervisor (the OOM killer's pick): the job runs on in its own process group with
+    no one to time, stop or record it, and a LOST job is run again by its pipeline. Its status says
+    LOST and ends those processes, so two never write the same output; another group is not touched."""
+    from orchestrator.launchers.local import group_members
+
+    launcher = get_launcher("local")
+    handle = launcher.submit(JobSpec(name="orphan", command=["sleep", "120"]))
+    other = launcher.submit(JobSpec(name="bystander", command=["sleep", "120"]))
+    try:
+        _lose_the_supervisor(launcher, handle, other)
+    finally:  # nothing of this test outlives it, whatever failed
+        launcher.cancel(other)
+        pgid = int(launcher._read(handle.job_id).get("pgid") or 0)
+        if pgid and group_members(pgid):
+            os.killpg(pgid, signal.SIGKILL)
+
+
+def _lose_the_supervisor(launcher: LocalLauncher, handle: JobHandle, other: JobHandle) -> None:
+    from orchestrator.launchers.local import _alive, group_members
+
+    deadline = time.monotonic() + 10
+    while launcher.status(handle).state is not JobState.RUNNING:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    record = launcher._read(handle.job_id)
+    pgid, supervisor = int(record["pgid"]), int(record["supervisor_pid"])
+    assert group_members(pgid)
+    os.kill(supervisor, signal.SIGKILL)
+    while _alive(supervisor):  # a zombie until its parent, this launcher, reaps it: not alive
+        time.sleep(0.02)
+
+    status = launcher.status(handle)
+    assert status.state is JobState.LOST, status
+    assert "its processes, left running with no one to time, stop or record them, were ended" in (status.reason or "")
+    deadline = time.monotonic() + 5
+    while group_members(pgid):
+        assert time.monotonic() < deadline, f"the orphaned job still runs: {group_members(pgid)}"
+        time.sleep(0.05)
+    assert launcher.status(other).state is JobState.RUNNING  # only the job's own group
