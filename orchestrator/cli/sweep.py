@@ -169,6 +169,9 @@ def sweep(
     issue: Annotated[
         str | None, typer.Option("--issue", help="Experiment issue owner/repo#N (or #N) every run is linked to.")
     ] = None,
+    require_issue: Annotated[
+        bool, typer.Option("--require-issue", help="Stop each run before any job starts if the issue cannot be linked.")
+    ] = False,
     until: UntilOpt = None,
     at_once: Annotated[
         int,
@@ -229,7 +232,11 @@ def sweep(
     trials = plan_sweep(recipe, replica, swept, parse_sets(set_values or []), until=until)
     settings = load_settings()
     options = RunOptions(
-        backend=backend or settings.default_backend, issue=issue, trigger="terminal", command=command_line()
+        backend=backend or settings.default_backend,
+        issue=issue,
+        issue_required=require_issue,
+        trigger="terminal",
+        command=command_line(),
     )
     retries = stage_retries(settings) if retries is None else retries
     first = trials[0].recipe
