@@ -189,3 +189,18 @@ def test_a_run_that_crashes_stays_in_the_sweep_and_the_others_go_on(
     assert second.state == "COMPLETED"
     with LineageStore.open() as store:
         assert store.require(PipelineRun, first.pipeline_run_id).state == "FAILED"
+
+
+def test_a_sweep_that_requires_its_issue_starts_no_job_without_the_link(run_cli, openlab_home: Path) -> None:
+    """`--require-issue` as `run` has it: with no GitHub token, each run stops before any job starts."""
+    env = {"GITHUB_TOKEN": ""}
+    done = run_cli(
+        *ARGS, "-g", "data.max_bytes_per_domain=150000,130000", "--issue", "lab/exp#1", "--require-issue", env=env
+    )
+    assert done.returncode == 1, done.stderr
+    for number in (1, 2):
+        assert (
+            f"run {number} (data.max_bytes_per_domain=" in done.stderr and "the issue link is required" in done.stderr
+        )
+    with LineageStore.open() as store:
+        assert store.list(Attempt) == []  # no job was started
