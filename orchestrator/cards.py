@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from sqlmodel import col
 
 from orchestrator.identity import source_file
-from orchestrator.lineage.compare import Aggregate, Comparison
+from orchestrator.lineage.compare import Aggregate, Comparison, asked_word
 from orchestrator.lineage.diff import Section
 from orchestrator.lineage.models import (
     Attempt,
@@ -37,7 +37,7 @@ from orchestrator.lineage.models import (
 from orchestrator.lineage.store import LineageStore
 from orchestrator.lineage.usage import attempt_hours
 from orchestrator.preregistration import outcome_lines
-from orchestrator.recipes import set_value_word, set_words
+from orchestrator.recipes import set_words
 
 if TYPE_CHECKING:  # the pipeline imports the cards: only for the hint
     from orchestrator.pipeline.sweep import SweepPlan
@@ -503,7 +503,7 @@ def render_comparison(comparison: Comparison | Aggregate, title: str, patterns: 
     lines = [f"### {md_cell(title)}", "", "| " + " | ".join(md_cell(h) for h in head) + " |"]
     lines.append("|" + "---|" * (2 + len(comparison.varies)) + "---:|" * len(comparison.columns))
     for row in comparison.rows:
-        asked = ["-" if row.asked.get(k) is None else set_value_word(row.asked[k]) for k in comparison.varies]
+        asked = [asked_word(row.asked, k) for k in comparison.varies]
         numbers = [format(row.metrics[c], ".6g") if c in row.metrics else "-" for c in comparison.columns]
         lines.append("| " + " | ".join(md_cell(x) for x in (f"`{row.run.id}`", row.run.state, *asked, *numbers)) + " |")
     if comparison.note:
@@ -518,8 +518,7 @@ def _render_aggregate(aggregate: Aggregate, title: str, patterns: Iterable[str])
     lines = [f"### {md_cell(title)}", "", "| " + " | ".join(md_cell(h) for h in head) + " |"]
     lines.append("|" + "---|" * len(aggregate.varies) + "---:|" * (1 + len(of.columns)))
     for group in aggregate.groups:
-        first = group.rows[0].asked
-        asked = ["-" if first.get(k) is None else set_value_word(first[k]) for k in aggregate.varies]
+        asked = [asked_word(group.rows[0].asked, k) for k in aggregate.varies]
         cells = [*asked, str(len(group.rows)), *(group.spread(c) for c in of.columns)]
         lines.append("| " + " | ".join(md_cell(x) for x in cells) + " |")
     lines += ["", md_cell(aggregate.legend)]

@@ -583,16 +583,14 @@ def compare_cmd(
 def print_comparison(comparison: Any, default_metrics: bool) -> None:
     """A table of the runs (below 110 columns: a block per run, one value a line), or of the groups
     of runs of a comparison taken over a value (:class:`~orchestrator.lineage.compare.Aggregate`)."""
-    from orchestrator.lineage.compare import Aggregate
-    from orchestrator.recipes import set_value_word
+    from orchestrator.lineage.compare import Aggregate, asked_word
 
     if isinstance(comparison, Aggregate):
         _print_aggregate(comparison, default_metrics)
         return
 
     def value(row: Any, key: str) -> str:
-        got = row.asked.get(key)
-        return "-" if got is None else set_value_word(got)
+        return asked_word(row.asked, key)
 
     def number(row: Any, column: tuple[str, str]) -> str:
         got = row.metrics.get(column)
@@ -633,20 +631,23 @@ def print_comparison(comparison: Any, default_metrics: bool) -> None:
         say(comparison.note)
     if not comparison.varies and len(comparison.rows) > 1:
         say("the runs were asked the same (no value set, backend, recipe, replica or commit differs)")
-    if not comparison.columns:
+    _say_if_no_metric(comparison.columns, default_metrics)
+
+
+def _say_if_no_metric(columns: list[Any], default_metrics: bool) -> None:
+    if not columns:
         hint = "add -m PATTERN ('*' for all)" if default_metrics else "'*' shows all"
         say(f"no metric of these runs matches the patterns; {hint}")
 
 
 def _print_aggregate(aggregate: Any, default_metrics: bool) -> None:
     """``compare --over seed``: a row per group, its values, its runs, each metric's mean ± spread."""
-    from orchestrator.recipes import set_value_word
+    from orchestrator.lineage.compare import asked_word
 
     of = aggregate.of
 
     def value(group: Any, key: str) -> str:
-        got = group.rows[0].asked.get(key)
-        return "-" if got is None else set_value_word(got)
+        return asked_word(group.rows[0].asked, key)
 
     over = ", ".join(k.removeprefix("set.") for k in aggregate.over)
     widths = [6, *(max([len(k)] + [len(value(g, k)) for g in aggregate.groups]) for k in aggregate.varies)]
@@ -674,9 +675,7 @@ def _print_aggregate(aggregate: Any, default_metrics: bool) -> None:
     say(aggregate.legend)
     if of.note:
         say(of.note)
-    if not of.columns:
-        hint = "add -m PATTERN ('*' for all)" if default_metrics else "'*' shows all"
-        say(f"no metric of these runs matches the patterns; {hint}")
+    _say_if_no_metric(of.columns, default_metrics)
 
 
 @app.command("verify")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import fnmatch
 import shlex
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -24,6 +24,7 @@ from orchestrator.errors import ConfigError, choices
 from orchestrator.lineage.diff import RUN_FIELDS, commit_of, run_asked, stage_metrics
 from orchestrator.lineage.models import PipelineRun, StageRun
 from orchestrator.lineage.store import LineageStore
+from orchestrator.recipes import set_value_word
 
 #: What ``lineage compare`` shows without ``--metric``: the held-out losses of ``eval`` and the
 #: late-window drop fractions of ``repro``, the numbers a replica is run for. Runs that stopped
@@ -45,6 +46,12 @@ def metric_matches(stage: str, metric: str, patterns: Iterable[str]) -> bool:
         if not sep and fnmatch.fnmatchcase(metric, pattern):
             return True
     return False
+
+
+def asked_word(asked: Mapping[str, Any], key: str) -> str:
+    """One value a run was asked, as a table cell: as ``--set`` reads it back, ``-`` where unset."""
+    value = asked.get(key)
+    return "-" if value is None else set_value_word(value)
 
 
 @dataclass
@@ -278,6 +285,7 @@ __all__ = [
     "Comparison",
     "Group",
     "Row",
+    "asked_word",
     "compare_runs",
     "metric_matches",
 ]

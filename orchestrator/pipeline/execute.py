@@ -836,12 +836,18 @@ def closest_completed(
         return None
 
     def distance(run: StageRun) -> int:
-        old = dict(run.identity_fields)
-        if unknown_inputs:
-            old["inputs"] = {k: v for k, v in (old.get("inputs") or {}).items() if k not in unknown_inputs}
-        return len(diff_identities(old, fields))
+        return len(diff_identities(known_fields(run.identity_fields, unknown_inputs), fields))
 
     return min(candidates, key=distance)  # min keeps the first (latest) of equals
+
+
+def known_fields(identity_fields: Mapping[str, Any], unknown_inputs: Sequence[str]) -> dict[str, Any]:
+    """An earlier run's identity fields without the inputs not yet known for the stage now (its
+    upstream stages are still to run): what the two can be compared on."""
+    old = dict(identity_fields)
+    if unknown_inputs:
+        old["inputs"] = {k: v for k, v in (old.get("inputs") or {}).items() if k not in unknown_inputs}
+    return old
 
 
 def describe_changes(changes: Sequence[FieldChange]) -> list[str]:

@@ -26,6 +26,7 @@ from orchestrator.pipeline.execute import (
     describe_changes,
     environment_values,
     find_reusable,
+    known_fields,
     stage_environment,
 )
 from orchestrator.recipes import ResolvedRecipe, identity_config
@@ -121,13 +122,8 @@ def plan(
             )
             changes: list[str] = []
             if previous is not None:
-                old = dict(previous.identity_fields)
-                if pending:  # compare what is known; pending inputs are judged after upstream runs
-                    old_inputs = dict(old.get("inputs") or {})
-                    for key in pending:
-                        old_inputs.pop(key, None)
-                    old["inputs"] = old_inputs
-                fields = diff_identities(old, identity.fields())
+                # what is known: pending inputs are judged after upstream runs
+                fields = diff_identities(known_fields(previous.identity_fields, pending), identity.fields())
                 changes = describe_changes(fields)
                 code = [f for c in fields if (f := source_file(c.path))]
                 commits = _commits_since(store, previous, prov.git, code) if code else []
