@@ -288,8 +288,9 @@ def openlab_events(flow_run_id: Any, wanted: set[str], timeout: float = 30.0) ->
             time.sleep(0.5)
 
 
-def sweep_runs_and_table(sweep_id: Any) -> tuple[list[Any], str]:
-    """A sweep's flow runs (the children it started) and its ``sweep`` artifact's markdown."""
+def sweep_runs_and_table(sweep_id: Any, key: str = "sweep") -> tuple[list[Any], str]:
+    """A sweep's flow runs (the children it started) and its artifact's markdown: ``sweep``, the
+    comparison, or ``sweep-plan``, a dry run's plan."""
     from prefect import get_client
     from prefect.client.schemas.filters import (
         ArtifactFilter,
@@ -305,5 +306,5 @@ def sweep_runs_and_table(sweep_id: Any) -> tuple[list[Any], str]:
         (artifact,) = client.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[sweep_id]))
         )
-    assert artifact.key == "sweep", artifact.key
+    assert artifact.key == key, artifact.key
     return children, str(artifact.data)

@@ -201,12 +201,7 @@ def test_a_sweep_from_the_ui_runs_each_combination_as_a_pipeline_run_and_compare
     in the UI and recorded with what it set; the `sweep` artifact puts them side by side with what
     each measured. A grid with a key that is no recipe field starts nothing."""
     from prefect import get_client
-    from prefect.client.schemas.filters import (
-        ArtifactFilter,
-        ArtifactFilterFlowRunId,
-        FlowRunFilter,
-        FlowRunFilterParentFlowRunId,
-    )
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
 
     params = {
         **TINY,
@@ -249,20 +244,11 @@ def test_a_sweep_from_the_ui_runs_each_combination_as_a_pipeline_run_and_compare
     planned = wait_flow_run(start_run("replica-sweep/sweep", dry), 120)
     assert planned.state.is_completed(), planned.state.message
     assert planned.name.endswith("(dry run)"), planned.name
-    with get_client(sync_client=True) as client:
-        assert (
-            client.read_flow_runs(
-                flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[planned.id]))
-            )
-            == []
-        )
-        (plan,) = client.read_artifacts(
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[planned.id]))
-        )
-    assert plan.key == "sweep-plan", plan.key
-    assert "| 1. `` data.max_bytes_per_domain=150000 `` | reuse | run |" in str(plan.data), plan.data
-    assert "| 2. `` data.max_bytes_per_domain=130000 `` | run | run |" in str(plan.data), plan.data
-    assert "It would start 3 jobs: data 1, tokenize 2." in str(plan.data), plan.data
+    started, plan = sweep_runs_and_table(planned.id, "sweep-plan")
+    assert started == []  # no run
+    assert "| 1. `` data.max_bytes_per_domain=150000 `` | reuse | run |" in plan, plan
+    assert "| 2. `` data.max_bytes_per_domain=130000 `` | run | run |" in plan, plan
+    assert "It would start 3 jobs: data 1, tokenize 2." in plan, plan
 
     bad = wait_flow_run(start_run("replica-sweep/sweep", {**params, "grid": {"data.max_bytes": [1, 2]}}), 120)
     assert bad.state.is_failed() and "grid data.max_bytes: no such recipe field" in (bad.state.message or "")
