@@ -538,6 +538,9 @@ def sweep_trials(grid: Mapping[str, Any], fixed: Mapping[str, Any] | None = None
             raise ConfigError(f"sweep: {key}: give a list of the values to try, e.g. [0.005, 0.01], got {values!r}")
         if key in (fixed or {}):
             raise ConfigError(f"sweep: {key} is both swept and set for every run: keep one")
+        for i, value in enumerate(values):
+            if value in values[:i]:  # a typo, not a repeat: two identical runs would reuse one result
+                raise ConfigError(f"sweep: {key}: the value {value!r} is given twice; give each value once")
     count = math.prod(len(v) for v in grid.values())
     if count > MAX_TRIALS:
         raise ConfigError(f"sweep: {count} runs (the product of the grid's lists), more than {MAX_TRIALS}: trim it")

@@ -528,6 +528,8 @@ def test_a_sweeps_grid_is_every_combination_over_the_values_fixed_for_all() -> N
         ({"pretrain.lr": []}, None, "sweep: pretrain.lr: give a list of the values to try"),
         ({"pretrain.lr": [0.01]}, {"pretrain.lr": 0.02}, "sweep: pretrain.lr is both swept and set for every run"),
         ({"seed": list(range(MAX_TRIALS + 1))}, None, f"sweep: {MAX_TRIALS + 1} runs"),
+        ({"seed": [0, 1, 0]}, None, "sweep: seed: the value 0 is given twice"),
+        ({"pretrain.lr": [0.01, 1e-2]}, None, "sweep: pretrain.lr: the value 0.01 is given twice"),
     ):
         with pytest.raises(ConfigError, match=message):
             sweep_trials(grid, fixed)
