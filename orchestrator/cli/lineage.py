@@ -571,6 +571,8 @@ def compare_cmd(
     if not picked:
         raise ConfigError("give pipeline run ids, or filters that pick runs (e.g. --replica tiny --since 1d)")
     comparison = compare_runs(store, picked, metric or DEFAULT_METRICS)
+    if metric:
+        comparison.check_picked(metric)
     shown = comparison.over(over) if over else comparison
     if sort is not None:
         shown = shown.sorted_by(sort)

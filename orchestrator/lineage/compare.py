@@ -11,6 +11,7 @@ each number came from one ``lineage show`` away.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import shlex
 import statistics
@@ -89,6 +90,20 @@ class Comparison:
     columns: list[tuple[str, str]] = field(default_factory=list)
     #: What a reader must know to read the columns right (whose metrics they are, when not the default's).
     note: str | None = None
+    #: Every metric name the runs measured, picked or not: what a pattern that picks none could have meant.
+    measured: list[str] = field(default_factory=list)
+
+    def check_picked(self, patterns: Sequence[str]) -> None:
+        """Refuse patterns a person typed that pick no metric the runs measured (a typo, most often),
+        naming the closest name; runs that measured nothing at all are not the patterns' fault."""
+        if self.columns or not self.measured:
+            return
+        close = difflib.get_close_matches(patterns[0].rpartition(":")[2], self.measured, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ConfigError(
+            f"-m {' '.join(patterns)}: no metric of these runs matches; {hint}"
+            f"-m '*' shows all {len(self.measured)} they measured"
+        )
 
     def label(self, column: tuple[str, str]) -> str:
         """A column's heading: the metric's name, ``stage:metric`` where two stages report that name."""
@@ -275,7 +290,8 @@ def compare_runs(store: LineageStore, runs: Iterable[PipelineRun], patterns: Seq
     keys = sorted({k for row in rows for k in row.asked}, key=lambda k: (not k.startswith("set."), _ORDER.get(k, 0), k))
     varies = [k for k in keys if len({repr(row.asked.get(k)) for row in rows}) > 1]
     columns = sorted({c for row in rows for c in row.metrics}, key=lambda c: (stage_order.get(c[0], 0), c[1]))
-    return Comparison(rows, varies, columns, note)
+    measured_names = sorted({name for m in measured for _, name in m})
+    return Comparison(rows, varies, columns, note, measured_names)
 
 
 __all__ = [

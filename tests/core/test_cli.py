@@ -666,11 +666,14 @@ def test_compare_puts_a_sweeps_runs_side_by_side_with_what_each_set_and_measured
     for args, message in (
         ((), "error: give pipeline run ids, or filters that pick runs (e.g. --replica tiny --since 1d)"),
         (("--replica", "nope"), "error: no pipeline run matches these filters;"),
-        ((ids[0], "-m", "nothing*"), "no metric of these runs matches the patterns; '*' shows all"),
+        (
+            (ids[0], "-m", "eval/cod/loss"),
+            "error: -m eval/cod/loss: no metric of these runs matches; did you mean 'eval/code/loss'?",
+        ),
     ):
         out = run_cli("lineage", "compare", *args)
         text = (out.stderr + out.stdout).strip()
-        assert text.splitlines()[-1].startswith(message), text
+        assert text.splitlines()[-1].startswith(message) and out.returncode == 2, text
 
 
 def test_compare_of_runs_that_stopped_before_eval_shows_the_held_out_losses_of_their_last_stage(
@@ -719,8 +722,8 @@ def test_compare_of_runs_that_stopped_before_eval_shows_the_held_out_losses_of_t
     assert "held-out losses pretrain measured" in doc["note"], doc["note"]
     text = run_cli("lineage", "compare", *ids, env={"COLUMNS": "200"}).stdout
     assert "the runs stopped before eval: these are the held-out losses pretrain measured" in text, text
-    asked = json.loads(run_cli("lineage", "compare", *ids, "-m", "eval:*", "--json").stdout)
-    assert asked["columns"] == [] and asked["note"] is None  # a pattern given is what is shown
+    asked = run_cli("lineage", "compare", *ids, "-m", "eval:*", "--json")  # a pattern given is not replaced
+    assert asked.returncode == 2 and asked.stderr.startswith("error: -m eval:*: no metric of these runs matches")
 
 
 def test_compare_over_seeds_gives_each_setting_its_mean_and_spread(run_cli, openlab_home: Path) -> None:
