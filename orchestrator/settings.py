@@ -24,9 +24,54 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, choices
 
 ENV_PREFIX = "OPENLAB_"
+
+#: Every setting openlab reads, by section (``None``: a value, not a table). A key outside it would be
+#: read by nothing: ``[lineage] db_url`` would leave lineage in SQLite while its author believes it is in
+#: PostgreSQL. ``[backends]`` is the launchers' to check (each backend takes its own options).
+KNOWN_SETTINGS: dict[str, frozenset[str] | None] = {
+    "home": None,
+    "db_url": None,
+    "artifacts": frozenset({"root"}),
+    "backends": None,
+    "pipeline": frozenset({"stage_retries", "preemption_retries"}),
+    "prefect": frozenset(
+        {
+            "api_url",
+            "database_url",
+            "home",
+            "host",
+            "port",
+            "nightly_cron",
+            "nightly_drops_cron",
+            "nightly_timezone",
+            "digest_cron",
+            "gc_cron",
+            "reconcile_every_s",
+        }
+    ),
+    "github": frozenset(
+        {
+            "repo",
+            "token_env",
+            "base_url",
+            "strict",
+            "required",
+            "max_wait_s",
+            "timeout_s",
+            "per_page",
+            "seconds_between_requests",
+            "seconds_between_writes",
+            "labels",
+            "commit_statuses",
+            "regression_issues",
+            "regression_label",
+        }
+    ),
+    "wandb": frozenset({"project", "entity"}),
+}
 
 
 def _find_upwards(start: Path, name: str) -> Path | None:
@@ -149,11 +194,39 @@ class Settings:
         return dict(node) if isinstance(node, dict) else {}
 
 
+def check_known(config: Mapping[str, Any], path: Path | None, environ: Mapping[str, str]) -> None:
+    """Raise :class:`ConfigError` for a section or key openlab reads nowhere (:data:`KNOWN_SETTINGS`),
+    naming where it was written (the variable, else the file) and the name meant: a misspelt setting
+    would otherwise be ignored and its author never told."""
+
+    def where(*parts: str) -> str:
+        name = ENV_PREFIX + "__".join(p.upper() for p in parts)
+        variables = sorted(n for n in environ if n.upper() == name or n.upper().startswith(name + "__"))
+        return f"{variables[0]}: " if variables else f"{path}: " if path else ""
+
+    for key, value in config.items():
+        if key not in KNOWN_SETTINGS:
+            raise ConfigError(
+                f"{where(key)}[{key}] is not an openlab setting: {choices(key, KNOWN_SETTINGS, label='settings')}"
+            )
+        keys = KNOWN_SETTINGS[key]
+        if keys is None:
+            continue
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where(key)}{key} = {value!r}: {key} is a table of settings, [{key}], not a value")
+        for name in value:
+            if name not in keys:
+                hint = choices(name, sorted(keys), label=f"[{key}] has")
+                raise ConfigError(f"{where(key, name)}[{key}] {name}: no such setting; {hint}")
+
+
 def load_settings(cwd: Path | None = None, environ: Mapping[str, str] | None = None) -> Settings:
-    """Resolve settings from defaults, the project file and the environment."""
+    """Resolve settings from defaults, the project file and the environment; refuse a setting
+    nothing reads (:func:`check_known`)."""
     env = os.environ if environ is None else environ
     file_config, path = load_project_config(cwd)
     config = _merge(file_config, _env_overrides(env))
+    check_known(config, path, env)
     home = Path(env.get("OPENLAB_HOME") or config.get("home") or "~/.openlab").expanduser()
     db_url = env.get("OPENLAB_DB_URL") or config.get("db_url") or f"sqlite:///{home / 'lineage.db'}"
     return Settings(home=home, db_url=str(db_url), config=config, config_path=path)

@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from orchestrator.settings import KNOWN_SETTINGS
+
 
 def _git(repo: Path, *args: str) -> str:
     env = {
@@ -116,6 +118,64 @@ def test_a_misspelt_option_or_command_names_the_command_its_help_and_the_one_mea
         "error: openlab run: No such option: --stage (Possible options: --force-stage, --set); see openlab run --help"
     )
     assert result.stdout == ""
+
+
+def test_a_setting_nothing_reads_is_refused_where_it_was_written_naming_the_one_meant(
+    run_cli, openlab_home: Path, tmp_path: Path
+) -> None:
+    """`[lineage] db_url` was read by nothing: lineage went on into SQLite while its author believed
+    it was in PostgreSQL. A section or key openlab does not read is one line, exit 2, nothing written."""
+    config = tmp_path / "typo.toml"
+    for text, env, want in (
+        (
+            '[lineage]\ndb_url = "postgresql://lab@db/lineage"\n',
+            {},
+            f"error: {config}: [lineage] is not an openlab setting: settings: home, db_url, artifacts, backends,",
+        ),
+        (
+            "[pipeline]\nstage_retry = 3\n",
+            {},
+            f"error: {config}: [pipeline] stage_retry: no such setting; did you mean 'stage_retries'?",
+        ),
+        ('artifacts = "/data"\n', {}, f"error: {config}: artifacts = '/data': artifacts is a table of settings"),
+        (
+            "",
+            {"OPENLAB_GITHUB__MAX_WAIT": "5"},
+            "error: OPENLAB_GITHUB__MAX_WAIT: [github] max_wait: no such setting; did you mean 'max_wait_s'?",
+        ),
+    ):
+        config.write_text(text)
+        for args in (("lineage", "list"), ("run", "marin-535b-a23b", "-r", "tiny", "--until", "data")):
+            out = run_cli(*args, env={"OPENLAB_CONFIG": str(config), **env})
+            assert out.returncode == 2 and out.stderr.startswith(want), out.stderr
+            assert len(out.stderr.strip().splitlines()) == 1 and not out.stdout, out.stderr
+    assert not (openlab_home / "lineage.db").exists(), "nothing was run or recorded"
+    every = "".join(
+        f"[{section}]\n" + "".join(f"{key} = {'{}' if key == 'labels' else '1'}\n" for key in sorted(keys))
+        for section, keys in KNOWN_SETTINGS.items()
+        if keys is not None
+    )
+    config.write_text(every)  # every setting openlab reads is taken (what each value must be is each one's to say)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.txt").write_text("a")
+    taken = run_cli("snapshot", str(tmp_path / "data"), env={"OPENLAB_CONFIG": str(config)})
+    assert taken.returncode == 0, taken.stderr
+
+
+def test_every_documented_setting_is_one_openlab_reads() -> None:
+    """The `[section] key` settings the README and the docstrings name are all in KNOWN_SETTINGS:
+    documenting a new one without it would refuse the very setting the docs tell a person to write."""
+    root = Path(__file__).resolve().parents[2]
+    texts = [root / "README.md", *root.glob("orchestrator/**/*.py"), *root.glob("flows/**/*.py")]
+    named = {
+        (m[0], m[1])
+        for path in texts
+        for m in re.findall(r"\[(artifacts|pipeline|prefect|github|wandb)\] `?([a-z_]+)", path.read_text())
+        if m[1] != "setting"  # "invalid [github] setting: ..." is a message, not a key
+    }
+    assert len(named) > 15, named
+    unknown = sorted(f"[{s}] {k}" for s, k in named if k not in (KNOWN_SETTINGS[s] or ()))
+    assert not unknown, unknown
 
 
 def test_verify_reports_data_drift_and_tampering(run_cli, data: Path, openlab_home: Path) -> None:
