@@ -124,6 +124,10 @@ def replica_sweep(
     if at_once < 0:
         raise ConfigError(f"sweep: at_once must be 0 (all at once) or more, got {at_once}")
     check_over(over or [], grid, "over")
+    if issue:  # refused once, before any run starts (each would fail on it alike)
+        from orchestrator.links.github import check_issue_option
+
+        check_issue_option(issue, load_settings())
     # The recipe of the tree the runs will run (a git ref brings its own), every combination checked
     # against it before any run starts: nothing half-swept.
     repo_root = checkout_ref(REPO_ROOT, git_ref, load_settings())

@@ -231,6 +231,10 @@ def sweep(
     check_over(over or [], swept)
     trials = plan_sweep(recipe, replica, swept, parse_sets(set_values or []), until=until)
     settings = load_settings()
+    if issue:  # refused once, before any run is recorded (each run would fail on it alike)
+        from orchestrator.links.github import check_issue_option
+
+        check_issue_option(issue, settings)
     options = RunOptions(
         backend=backend or settings.default_backend,
         issue=issue,

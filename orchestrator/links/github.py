@@ -776,6 +776,13 @@ class GithubLinker:
 
 
 # -- module-level API ---------------------------------------------------------------------------
+def check_issue_option(ref: str, settings: Settings | None = None) -> IssueRef:
+    """The experiment issue a run or sweep was asked to link, read before anything is recorded:
+    a malformed reference (or ``#N`` without ``[github] repo``) is a typo to refuse in one line,
+    not a FAILED run; whether the issue exists is for :func:`resolve_issue` once the run does."""
+    return parse_issue_ref(ref, GithubConfig.from_settings(settings).repo)
+
+
 def resolve_issue(
     store: LineageStore,
     ref: str | IssueRef,
@@ -827,6 +834,7 @@ __all__ = [
     "GithubLinker",
     "IssueRef",
     "SyncReport",
+    "check_issue_option",
     "comment_record_id",
     "marker",
     "parse_issue_ref",

@@ -431,6 +431,10 @@ def start_pipeline(
     if missing:
         raise ConfigError(f"pipeline {pipeline.name}: no config for stage(s) {', '.join(missing)}")
     pipeline.check_forced(options.force)
+    if options.issue:
+        from orchestrator.links.github import check_issue_option
+
+        check_issue_option(options.issue, settings)
     from orchestrator.launchers.base import known_backend, launcher_class
 
     # `Slurm` is recorded as `slurm`, so `--backend slurm` filters find the run

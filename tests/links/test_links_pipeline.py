@@ -94,6 +94,24 @@ def test_required_link_that_fails_stops_before_any_job(
         assert store.list(Attempt) == []
 
 
+@pytest.mark.parametrize(
+    ("ref", "want"),
+    [
+        ("notanissue", "malformed issue reference 'notanissue': use owner/repo#N"),
+        ("#7", "issue reference '#7' names no repository and [github] repo is not set"),
+    ],
+)
+def test_a_malformed_issue_reference_is_refused_before_a_run_is_recorded(
+    openlab_env: Path, run_cli, ref: str, want: str
+) -> None:
+    """A typo in --issue is bad input: one line, exit 2, and no FAILED run left to explain in `lineage list`."""
+    done = run_cli("run", "marin-535b-a23b", "--replica", "tiny", "--issue", ref, "--until", "data")
+    assert done.returncode == 2 and done.stderr.startswith(f"error: {want}"), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    with open_store() as store:
+        assert store.list(PipelineRun) == [] and store.list(Attempt) == []
+
+
 def test_cli_require_issue_without_token_is_one_line_exit_2(openlab_env: Path, run_cli) -> None:
     done = run_cli("run", "marin-535b-a23b", "--replica", "tiny", "--issue", ISSUE, "--require-issue")
     assert done.returncode == 2, done.stderr

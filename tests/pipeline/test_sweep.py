@@ -105,6 +105,8 @@ def test_a_bad_grid_stops_the_sweep_before_anything_runs(run_cli, openlab_home: 
         ("pretrain.lr=0.01,0.02", ("--set", "pretrain.lr=0.03"), "pretrain.lr is both swept and set for every run"),
         ("pretrain.lr", (), "--grid 'pretrain.lr': expected KEY=V1,V2,..."),
         ("pretrain.lr=0.01,0.02", ("--over", "seed"), "--over 'seed': not a key of the grid; grid keys: pretrain.lr"),
+        ("seed=0,1,0", (), "sweep: seed: the value 0 is given twice"),
+        ("seed=0,1", ("--issue", "lab/exp"), "malformed issue reference 'lab/exp'"),
     ):
         bad = run_cli(*ARGS, "-g", grid, *extra)
         assert bad.returncode == 2, (grid, bad.stdout, bad.stderr)
