@@ -61,7 +61,7 @@ def provenance_cmd(
 
     if not path.exists():
         raise OpenlabError(f"{path}: no such folder")
-    prov = capture(path, code_paths=tuple(code or ()))
+    prov = capture(path, code_paths=tuple(code or ()), keep_patch=False)
     data = prov.to_dict()
     if json_out:
         print_json(data)

@@ -331,6 +331,18 @@ class LineageStore:
         settings = settings or load_settings()
         return cls(settings.db_url, migrate=migrate, create=create)
 
+    @classmethod
+    def open_to_plan(cls, settings: Settings | None = None) -> LineageStore:
+        """The configured store for a dry run, which records nothing: where no SQLite file exists yet,
+        an empty one in memory (every stage would run), so that asking what a run would do leaves no
+        database behind at a mistyped ``OPENLAB_HOME``."""
+        settings = settings or load_settings()
+        try:
+            _require_sqlite_file(_normalise_url(settings.db_url))
+        except StoreError:
+            return cls("sqlite://")
+        return cls(settings.db_url)
+
     @property
     def is_sqlite(self) -> bool:
         return self.engine.dialect.name == "sqlite"

@@ -90,9 +90,9 @@ def plan(
     pipeline.check_forced(force)
     settings = settings or load_settings()
     owns = store is None
-    store = store or LineageStore.open(settings)
+    store = store or LineageStore.open_to_plan(settings)
     try:
-        prov = capture(pipeline.repo_root, pipeline.code_paths(), settings=settings)
+        prov = capture(pipeline.repo_root, pipeline.code_paths(), settings=settings, keep_patch=False)
         env_fields = sorted({f for s in pipeline.stages for f in s.environment_fields})
         env_values = environment_values(prov, env_fields)
         # the run's own checks (refused as the run would be), and each stage's environment image

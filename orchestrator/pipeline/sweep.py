@@ -192,7 +192,7 @@ def explain_sweep(
 
     settings = settings or load_settings()
     owns = store is None
-    store = store or LineageStore.open(settings)
+    store = store or LineageStore.open_to_plan(settings)
     try:
         actions: dict[int, dict[str, str]] = {}
         plans: dict[int, list[StagePlan]] = {}

@@ -56,9 +56,11 @@ def capture(
     code_paths: Sequence[str] = (),
     *,
     settings: Settings | None = None,
+    keep_patch: bool = True,
 ) -> Provenance:
-    """Capture provenance for the repository containing ``path`` and this process."""
+    """Capture provenance for the repository containing ``path`` and this process (``keep_patch``:
+    see :func:`capture_git`)."""
     return Provenance(
-        git=capture_git(path, code_paths=code_paths, settings=settings),
+        git=capture_git(path, code_paths=code_paths, settings=settings, keep_patch=keep_patch),
         environment=capture_environment(),
     )

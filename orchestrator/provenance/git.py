@@ -269,13 +269,16 @@ def capture_git(
     *,
     code_paths: Sequence[str] = (),
     settings: Settings | None = None,
+    keep_patch: bool = True,
 ) -> GitInfo:
     """Capture git provenance of the repository containing ``path``.
 
     ``code_paths`` are files or folders, relative to ``path`` (or absolute), whose
     working-tree git hashes go into ``tree_hashes`` keyed by the string given. The
-    dirty patch is written to ``settings.blobs_dir``. Never raises for "no git";
-    raises :class:`ProvenanceError` for a declared code path that git does not have.
+    dirty patch is written to ``settings.blobs_dir`` unless ``keep_patch`` is false (a dry run,
+    ``openlab provenance``: what would be recorded, with nothing written; ``patch_path`` is then
+    None). Never raises for "no git"; raises :class:`ProvenanceError` for a declared code path
+    that git does not have.
     """
     path = Path(path).expanduser().resolve()
     try:
@@ -287,7 +290,7 @@ def capture_git(
     if repo.bare or repo.working_tree_dir is None:
         return _unavailable(path, "bare git repository (no working tree)")
     try:
-        return _capture(repo, path, code_paths, settings)
+        return _capture(repo, path, code_paths, settings, keep_patch)
     except GitCommandNotFound:
         return _unavailable(path, "git executable not found")
     except GitCommandError as exc:
@@ -298,7 +301,9 @@ def capture_git(
         repo.close()
 
 
-def _capture(repo: gitpython.Repo, path: Path, code_paths: Sequence[str], settings: Settings | None) -> GitInfo:
+def _capture(
+    repo: gitpython.Repo, path: Path, code_paths: Sequence[str], settings: Settings | None, keep_patch: bool
+) -> GitInfo:
     root = Path(repo.working_tree_dir or path).resolve()
     has_commit = repo.head.is_valid()
     commit = repo.head.commit.hexsha if has_commit else None
@@ -341,8 +346,9 @@ def _capture(repo: gitpython.Repo, path: Path, code_paths: Sequence[str], settin
     patch_hash: str | None = None
     patch_path: str | None = None
     if patch:
-        settings = settings if settings is not None else load_settings()
         patch_hash = hash_bytes(patch)
+    if patch and keep_patch:
+        settings = settings if settings is not None else load_settings()
         blob = settings.blobs_dir / patch_hash
         if not blob.exists():
             atomic_write(blob, patch)

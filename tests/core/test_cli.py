@@ -72,6 +72,18 @@ def test_provenance_json_contract(run_cli, repo: Path) -> None:
     assert dirty["git"]["dirty"] is True and dirty["git"]["patch_hash"]
 
 
+def test_asking_what_would_be_recorded_or_run_writes_nothing(run_cli, repo: Path, openlab_home: Path) -> None:
+    """`provenance` ("nothing is written"), `explain` and `sweep --dry-run` on a fresh home: they left
+    the dirty patch's blob and an empty lineage database behind, at a mistyped OPENLAB_HOME too."""
+    (repo / "train.py").write_text("print('edited')\n")
+    assert run_cli("provenance", str(repo), cwd=repo).returncode == 0
+    plan = run_cli("explain", "marin-535b-a23b", "-r", "tiny")
+    assert plan.returncode == 0 and "no earlier completed run of this stage" in plan.stdout, plan.stderr
+    swept = run_cli("sweep", "marin-535b-a23b", "-r", "tiny", "-g", "seed=1,2", "--dry-run")
+    assert swept.returncode == 0 and "nothing is started or recorded" in swept.stdout, swept.stderr
+    assert sorted(p.name for p in openlab_home.iterdir()) == ["openlab.toml"]  # the test's own empty config
+
+
 def test_provenance_outside_git_warns_not_crashes(run_cli, tmp_path: Path) -> None:
     plain = tmp_path / "plain"
     plain.mkdir()
