@@ -81,6 +81,24 @@ def fit_last_column(table: Table) -> Table:
     return table
 
 
+#: The colour of each state of a stage or run, the same in every command that prints one.
+STATE_STYLE = {
+    "CHECKING": "cyan",
+    "WAITING": "yellow",
+    "RUNNING": "blue",
+    "REUSED": "green",
+    "COMPLETED": "bold green",
+    "FAILED": "bold red",
+    "RETRYING": "yellow",
+    "PREEMPTED": "yellow",
+    "CANCELLED": "red",
+    "SKIPPED": "dim",
+    "PENDING": "dim",
+}
+#: The colour of each dry-run action: ``openlab explain`` and ``openlab sweep --dry-run``.
+ACTION_STYLE = {"reuse": "green", "run": "bold blue", "wait": "yellow", "depends": "cyan", "shared": "cyan"}
+
+
 def describe_task(end: Mapping[str, Any]) -> str:
     """One array task in a few words, ``FAILED exit 7 on node1 (reason)``: the same line for a live
     ``openlab job status`` and for the attempt's record in ``openlab lineage show``."""
@@ -88,6 +106,34 @@ def describe_task(end: Mapping[str, Any]) -> str:
     where = f" on {end['host']}" if end.get("host") else ""
     why = f" ({end['reason']})" if end.get("reason") else ""
     return f"{end.get('state')}{exit_code}{where}{why}"
+
+
+def describe_asks(resources: dict[str, object]) -> str:
+    """``cpus=2 mem=4G gpus=1 time=30m`` for a stage's requested resources (``-``: the backend's defaults)."""
+    from orchestrator.recipes import BACKEND_OPTIONS
+
+    if not resources:
+        return "-"
+    names = {"nodes": "nodes", "tasks_per_node": "tasks/node", "cpus": "cpus", "memory": "mem", "gpus": "gpus"}
+    parts = [f"on {resources['backend']}"] if resources.get("backend") else []
+    parts += [f"{names[k]}={resources[k]}" for k in names if k in resources]
+    if "time_limit" in resources:
+        minutes, seconds = divmod(int(resources["time_limit"]), 60)  # type: ignore[call-overload]
+        parts.append(f"time={minutes}m" + (f"{seconds}s" if seconds else ""))
+    for backend in BACKEND_OPTIONS:  # each used when the stage runs there
+        options = resources.get(backend)
+        if isinstance(options, dict) and options:
+            parts.append(backend + " " + " ".join(f"{k}={_backend_option(v)}" for k, v in options.items()))
+    return " ".join(parts)
+
+
+def _backend_option(value: object) -> str:
+    """A backend option in one short word: ``pool=gpu,zone=a`` for a mapping, ``2 items`` for a list."""
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in value.items())
+    if isinstance(value, list) and value and not all(isinstance(v, str) for v in value):
+        return f"{len(value)} item{'s' if len(value) != 1 else ''}"
+    return " ".join(value) if isinstance(value, list) else str(value)
 
 
 def describe_usage(used: Mapping[str, Any]) -> str:

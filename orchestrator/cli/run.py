@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
-from orchestrator.cli.output import console, err_console, narrow, print_json
+from orchestrator.cli.output import ACTION_STYLE, STATE_STYLE, console, describe_asks, err_console, narrow, print_json
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -45,20 +45,6 @@ SetOpt = Annotated[
         "pretrain.lr=0.02, dispatch.scheme=ragged, pretrain.mixture='{code: 0.5, prose: 0.5}').",
     ),
 ]
-
-_STYLE = {
-    "CHECKING": "cyan",
-    "WAITING": "yellow",
-    "RUNNING": "blue",
-    "REUSED": "green",
-    "COMPLETED": "bold green",
-    "FAILED": "bold red",
-    "RETRYING": "yellow",
-    "PREEMPTED": "yellow",
-    "CANCELLED": "red",
-    "SKIPPED": "dim",
-    "PENDING": "dim",
-}
 
 
 def _force_value(force: bool, force_stage: list[str] | None) -> bool | frozenset[str]:
@@ -93,7 +79,7 @@ class _Display:
             task = self.tasks.get(event.stage)
             if task is None:
                 return
-            style = _STYLE.get(event.state, "")
+            style = STATE_STYLE.get(event.state, "")
             detail = escape(event.reason[:90]) if event.reason else ""
             if event.state == "RETRYING":  # the bar starts over for the new attempt
                 self.progress.reset(task, start=False)
@@ -130,7 +116,7 @@ def _summary_table(result: Any) -> Table:
     for column in ("stage", "state", "stage run", "identity", "reused from / job", "s", "why"):
         table.add_column(column, overflow="fold")
     for r in result.results.values():
-        style = _STYLE.get(r.state, "")
+        style = STATE_STYLE.get(r.state, "")
         table.add_row(
             r.stage,
             f"[{style}]{r.state}[/]",
@@ -154,7 +140,7 @@ def _summary_blocks(result: Any) -> None:
         console.print(
             Text.assemble(
                 (f"{r.stage:<10}", "bold"),
-                (f"{r.state:<10}", _STYLE.get(r.state, "")),
+                (f"{r.state:<10}", STATE_STYLE.get(r.state, "")),
                 f"{r.stage_run_id}  {r.seconds:.2f} s",
             )
         )
@@ -283,9 +269,8 @@ def explain(
     if json_out:
         print_json({"recipe": resolved.lineage(), "stages": [p.to_dict() for p in plans]})
         return
-    colours = {"reuse": "green", "run": "bold blue", "wait": "yellow", "depends": "cyan"}
     if narrow():  # six columns of prose do not fit: one block per stage instead
-        _explain_blocks(resolved, plans, colours)
+        _explain_blocks(resolved, plans)
         return
     table = Table(title=f"openlab explain {resolved.name}", title_justify="left")
     columns = ["stage", "action", "identity", "why", "changed fields"]
@@ -296,16 +281,16 @@ def explain(
     for p in plans:
         table.add_row(
             p.stage,
-            f"[{colours.get(p.action, '')}]{p.action}[/]",
+            f"[{ACTION_STYLE.get(p.action, '')}]{p.action}[/]",
             (p.identity or "(after upstream)")[:16],
             escape(p.reason),
             escape("\n".join([*p.changes, *(f"by {c}" for c in p.commits)])) or "-",
-            *([_asks(resolved.resources.get(p.stage) or {})] if resolved.resources else []),
+            *([describe_asks(resolved.resources.get(p.stage) or {})] if resolved.resources else []),
         )
     console.print(table)
 
 
-def _explain_blocks(resolved: Any, plans: list[Any], colours: dict[str, str]) -> None:
+def _explain_blocks(resolved: Any, plans: list[Any]) -> None:
     """``explain`` for a narrow terminal: per stage a line with its action, identity and what its
     job asks, then why, then each changed field on its own line. Wrapped by word, so ids stay
     whole (they are what a reader copies into ``lineage show``)."""
@@ -316,11 +301,11 @@ def _explain_blocks(resolved: Any, plans: list[Any], colours: dict[str, str]) ->
     for p in plans:
         line = Text.assemble(
             (f"{p.stage:<10}", "bold"),
-            (f"{p.action:<8}", colours.get(p.action, "")),
+            (f"{p.action:<8}", ACTION_STYLE.get(p.action, "")),
             (p.identity or "(after upstream)")[:16],
         )
         if resolved.resources:
-            line.append(f"  asks {_asks(resolved.resources.get(p.stage) or {})}")
+            line.append(f"  asks {describe_asks(resolved.resources.get(p.stage) or {})}")
         console.print(line)
         reason = p.reason
         if p.changes and reason.startswith("changed since "):  # the list below says what, in full
@@ -332,34 +317,6 @@ def _explain_blocks(resolved: Any, plans: list[Any], colours: dict[str, str]) ->
             console.print(Padding(Text("changed by:"), (0, 0, 0, 4)))
             for commit in p.commits:
                 console.print(Padding(Text(f"- {commit}"), (0, 0, 0, 4)))
-
-
-def _asks(resources: dict[str, object]) -> str:
-    """``cpus=2 mem=4G gpus=1 time=30m`` for a stage's requested resources (``-``: the backend's defaults)."""
-    from orchestrator.recipes import BACKEND_OPTIONS
-
-    if not resources:
-        return "-"
-    names = {"nodes": "nodes", "tasks_per_node": "tasks/node", "cpus": "cpus", "memory": "mem", "gpus": "gpus"}
-    parts = [f"on {resources['backend']}"] if resources.get("backend") else []
-    parts += [f"{names[k]}={resources[k]}" for k in names if k in resources]
-    if "time_limit" in resources:
-        minutes, seconds = divmod(int(resources["time_limit"]), 60)  # type: ignore[call-overload]
-        parts.append(f"time={minutes}m" + (f"{seconds}s" if seconds else ""))
-    for backend in BACKEND_OPTIONS:  # each used when the stage runs there
-        options = resources.get(backend)
-        if isinstance(options, dict) and options:
-            parts.append(backend + " " + " ".join(f"{k}={_option(v)}" for k, v in options.items()))
-    return " ".join(parts)
-
-
-def _option(value: object) -> str:
-    """A backend option in one short word: ``pool=gpu,zone=a`` for a mapping, ``2 items`` for a list."""
-    if isinstance(value, dict):
-        return ",".join(f"{k}={v}" for k, v in value.items())
-    if isinstance(value, list) and value and not all(isinstance(v, str) for v in value):
-        return f"{len(value)} item{'s' if len(value) != 1 else ''}"
-    return " ".join(value) if isinstance(value, list) else str(value)
 
 
 __all__ = ["app", "explain", "run"]

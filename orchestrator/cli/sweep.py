@@ -29,8 +29,17 @@ from rich.table import Column
 from rich.text import Text
 
 from orchestrator.cli.lineage import OverOpt
-from orchestrator.cli.output import console, err_console, narrow, print_json, say
-from orchestrator.cli.run import _STYLE, BackendOpt, JsonFlag, RecipeArg, ReplicaOpt, UntilOpt
+from orchestrator.cli.output import (
+    ACTION_STYLE,
+    STATE_STYLE,
+    console,
+    describe_asks,
+    err_console,
+    narrow,
+    print_json,
+    say,
+)
+from orchestrator.cli.run import BackendOpt, JsonFlag, RecipeArg, ReplicaOpt, UntilOpt
 
 if TYPE_CHECKING:
     from orchestrator.lineage.compare import Aggregate, Comparison
@@ -130,7 +139,7 @@ def short_labels(combinations: list[dict[str, object]]) -> list[str]:
 
 def _styled(text: str, state: str) -> str:
     """``text`` in the colour of ``state`` (dim for a state without one: NOT STARTED)."""
-    return f"[{_STYLE.get(state) or 'dim'}]{escape(text)}[/]"
+    return f"[{STATE_STYLE.get(state) or 'dim'}]{escape(text)}[/]"
 
 
 def _lines_hooks(trial: Trial, count: int) -> PipelineHooks:
@@ -347,14 +356,10 @@ def _compare(
         return comparison, str(exc)
 
 
-_ACTION_STYLE = {"run": "bold blue", "reuse": "green", "wait": "yellow", "shared": "cyan"}
-
-
 def _print_plan(planned: SweepPlan, recipe: ResolvedRecipe, backend: str) -> None:
     """The dry run: a row per run with each stage's action (below 110 columns: a line per run),
     then the jobs the sweep would start, per stage, with what each asks of its backend."""
     from orchestrator.cli.output import compact_table
-    from orchestrator.cli.run import _asks
 
     trials = planned.trials
     stages = list(recipe.stages)
@@ -374,7 +379,7 @@ def _print_plan(planned: SweepPlan, recipe: ResolvedRecipe, backend: str) -> Non
             cells = [actions.get(s, "-") for s in stages]
             table.add_row(
                 escape(f"{trial.number}. {label}"),
-                *(f"[{_ACTION_STYLE.get(a, '')}]{a}[/]" if a in _ACTION_STYLE else a for a in cells),
+                *(f"[{ACTION_STYLE.get(a, '')}]{a}[/]" if a in ACTION_STYLE else a for a in cells),
             )
         console.print(table)
     if not planned.jobs:
@@ -384,7 +389,7 @@ def _print_plan(planned: SweepPlan, recipe: ResolvedRecipe, backend: str) -> Non
     say(f"it would start {total} job{'s' if total != 1 else ''}:")
     for stage in stages:
         if planned.jobs.get(stage):
-            asks = _asks(recipe.resources.get(stage) or {}) if recipe.resources else "-"
+            asks = describe_asks(recipe.resources.get(stage) or {}) if recipe.resources else "-"
             say(f"  {stage}: {planned.jobs[stage]}" + (f" (each asks {asks})" if asks != "-" else ""))
     say("shared: an earlier run of the sweep runs that stage; this one reuses it once it has")
 
