@@ -29,6 +29,7 @@ app = typer.Typer(
 app.command("snapshot")(core.snapshot_cmd)
 app.command("provenance")(core.provenance_cmd)
 app.command("run")(run.run)
+app.command("rerun")(run.rerun)
 app.command("explain")(run.explain)
 app.command("sweep")(sweep.sweep)
 app.command("adopt")(adopt.adopt_cmd)

@@ -175,15 +175,13 @@ def run(
     json_out: JsonFlag = False,
 ) -> None:
     """Run RECIPE's pipeline here (data .. eval, or the stages the replica names), reusing what is done."""
-    from orchestrator.pipeline import PipelineHooks, RunOptions, run_stages, stage_retries, start_recipe
-    from orchestrator.preregistration import outcome_lines
+    from orchestrator.pipeline import RunOptions, stage_retries
     from orchestrator.provenance.invocation import command_line
-    from orchestrator.recipes import parse_sets, resolve, set_words
+    from orchestrator.recipes import parse_sets, resolve
     from orchestrator.settings import load_settings
 
     resolved = resolve(recipe, replica, sets=parse_sets(set_values or [])).until(until)
     settings = load_settings()
-    retries = stage_retries(settings) if retries is None else retries
     options = RunOptions(
         backend=backend or settings.default_backend,
         issue=issue,
@@ -192,6 +190,74 @@ def run(
         trigger="terminal",
         command=command_line(),
     )
+    _run_here(resolved, options, stage_retries(settings) if retries is None else retries, verbose, json_out)
+
+
+@app.command("rerun")
+def rerun(
+    run_id: Annotated[
+        str, typer.Argument(metavar="PIPELINE_RUN", help="The pipeline run to run again (prun_…, or a unique prefix).")
+    ],
+    backend: Annotated[
+        str | None, typer.Option("--backend", "-b", help="Run it on this backend (default: the one it ran on).")
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Re-run every stage, even reusable ones.")] = False,
+    force_stage: Annotated[
+        list[str] | None, typer.Option("--force-stage", help="Re-run this stage (repeatable).")
+    ] = None,
+    retries: Annotated[
+        int | None,
+        typer.Option(
+            "--retries", min=0, help="Retry a failed stage this many times (default: [pipeline] stage_retries, 1)."
+        ),
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print every job log line.")] = False,
+    json_out: JsonFlag = False,
+) -> None:
+    """Run PIPELINE_RUN again here as it was asked (recipe, replica, --set values, --until, backend, issue),
+    recorded as its retry: what completed is reused, a training stage resumes from its checkpoint."""
+    from orchestrator.lineage.store import LineageStore
+    from orchestrator.pipeline import RunOptions, stage_retries
+    from orchestrator.pipeline.rerun import rerun_of
+    from orchestrator.provenance.invocation import command_line
+    from orchestrator.recipes import set_words
+    from orchestrator.settings import load_settings
+
+    settings = load_settings()
+    with LineageStore.open(settings, create=False) as store:
+        again = rerun_of(store, run_id)
+    if again.issue:  # a reference it was refused for is said alone, before the rerun's line
+        from orchestrator.links.github import check_issue_option
+
+        check_issue_option(again.issue, settings)
+    if not json_out:  # what is asked again, as `openlab run` would be typed
+        asked = [again.recipe.name.replace(":", " -r ", 1), *(["--until", again.until] if again.until else [])]
+        asked += [f"--set {w}" for w in set_words(again.recipe.run_set)]
+        err_console.print(
+            f"rerun of {again.of.id} ({again.of.state}): {' '.join(asked)} on {backend or again.backend}"
+            + (f", issue {again.issue}" if again.issue else ""),
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+    options = RunOptions(
+        backend=backend or again.backend,
+        issue=again.issue,
+        force=_force_value(force, force_stage),
+        trigger="terminal",
+        command=command_line(),
+        params=again.params,
+        retry_of=again.of.id,
+    )
+    _run_here(again.recipe, options, stage_retries(settings) if retries is None else retries, verbose, json_out)
+
+
+def _run_here(resolved: Any, options: Any, retries: int, verbose: bool, json_out: bool) -> None:
+    """Run ``resolved`` with ``options`` (``run``, ``rerun``): live lines on a terminal, then the lineage summary."""
+    from orchestrator.pipeline import PipelineHooks, run_stages, start_recipe
+    from orchestrator.preregistration import outcome_lines
+    from orchestrator.recipes import set_words
+
     if json_out or not console.is_terminal:
         hooks = PipelineHooks(
             on_transition=(
@@ -235,10 +301,13 @@ def run(
             err_console.print(f"[bold red]error:[/] {escape(result.error)}", soft_wrap=True)  # a log path: whole
         console.print(f"lineage: [bold]openlab lineage show {result.pipeline_run.id}[/]")
         from orchestrator.lineage.diff import previous_run
+        from orchestrator.lineage.models import PipelineRun
 
-        before = previous_run(ctx.store, result.pipeline_run)
+        retried = ctx.store.get(PipelineRun, options.retry_of) if options.retry_of else None
+        before = retried or previous_run(ctx.store, result.pipeline_run)
         if before is not None:  # what changed since the last run of this replica (the command whole on its line)
-            console.print("what changed since the last run (add -m 'eval/*' for how the metrics moved):")
+            since = "the run it reruns" if retried else "the last run"
+            console.print(f"what changed since {since} (add -m 'eval/*' for how the metrics moved):")
             console.print(f"  openlab lineage diff {before.id} {result.pipeline_run.id}", highlight=False)
     raise typer.Exit(0 if result.ok else 1)
 

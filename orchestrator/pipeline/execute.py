@@ -146,6 +146,9 @@ class RunOptions:
     #: Re-read every output byte when checking reuse (default: trust the snapshot stat cache).
     deep_verify: bool = False
     launcher_overrides: dict[str, Any] = field(default_factory=dict)
+    #: The pipeline run this one runs again (``openlab rerun``); a Prefect retry finds its own
+    #: from the flow run id.
+    retry_of: str | None = None
 
     def forced(self, stage: str) -> bool:
         return self.force is True or (not isinstance(self.force, bool) and stage in self.force)
@@ -502,6 +505,8 @@ def _open_pipeline_run(
     if recipe is not None:
         params["recipe"] = recipe.lineage()
     retried = _retried_run(store, options.flow_run_id)
+    if retried is None and options.retry_of:
+        retried = store.require(PipelineRun, options.retry_of)
     if retried is not None:
         params["retry_of"] = retried.id
     run_id = new_id(PipelineRun.id_prefix)

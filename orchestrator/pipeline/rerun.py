@@ -1,0 +1,77 @@
+"""A pipeline run asked again (``openlab rerun PRUN``): what it was asked, read back from its record.
+
+After a failure is fixed (a node drained, a bug patched, a quota raised), the person who reads
+"FAILED" in ``lineage list`` or a nightly's card should not have to rebuild the command that
+started it: recipe, replica, the values set for it, where it stopped (``--until``), its
+backend, its issue, its sweep. Prefect's *Retry* does this for a flow run; this is the same for
+any run, from a terminal. The new run is recorded as the old one's retry (``params.retry_of``,
+``wasInformedBy`` with role ``retry-of``), like Prefect's, so the recovery is not a new,
+unrelated run; what it reuses and resumes follows from stage identities, as always.
+
+The run's *asks* are read back, not its code: the recipe is this tree's, by name (a recipe file
+given by path is read from that path), so a fix to the code or the recipe is what runs. Its
+``force`` is not carried over (a rerun of a forced run would re-run everything again): the
+rerun takes its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import ConfigError
+from orchestrator.lineage.models import PipelineRun
+from orchestrator.lineage.store import LineageStore
+from orchestrator.recipes import RECIPES_DIR, ResolvedRecipe, resolve
+
+
+@dataclass(frozen=True)
+class Rerun:
+    """What a recorded pipeline run asked, resolved against this tree: ready to start again."""
+
+    #: The run asked again.
+    of: PipelineRun
+    recipe: ResolvedRecipe
+    backend: str
+    issue: str | None
+    #: The stage it stopped after (``--until``); None when it ran the replica whole.
+    until: str | None
+    #: Parameters the new run records as the old one did (its sweep: the retry stays one of its runs).
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+def rerun_of(store: LineageStore, run_id: str, *, root: Path | None = None) -> Rerun:
+    """The run ``run_id`` asked again: its recipe (this tree's, by name), replica, values set,
+    stages, backend, issue and sweep. One-line errors for an id that names no pipeline run, or
+    a run that was not a recipe's (a pipeline built in code records no recipe to run again)."""
+    run = store.find(run_id)  # any record's id: a stage run's is refused naming what it is
+    if not isinstance(run, PipelineRun):
+        raise ConfigError(f"{run_id} is a {run.kind}, not a pipeline run: rerun takes runs (prun_…)")
+    asked = (run.params or {}).get("recipe") or {}
+    if not asked.get("recipe"):
+        raise ConfigError(
+            f"{run.id} records no recipe (a pipeline started from code): start it again as it was started"
+        )
+    name, path = str(asked["recipe"]), asked.get("recipe_path")
+    folder = (root / "recipes") if root is not None else RECIPES_DIR
+    in_tree = any((folder / f"{name}{ext}").is_file() for ext in (".yaml", ".yml"))
+    ref: str | Path = name if in_tree or not path or not Path(path).is_file() else Path(path)
+    resolved = resolve(ref, asked.get("replica"), root=root, sets=asked.get("run_set") or {})
+    stages = list(asked.get("stages") or resolved.stages)
+    until = stages[-1] if tuple(stages) != tuple(resolved.stages) else None
+    if until is not None and until not in resolved.stages:
+        raise ConfigError(
+            f"{run.id} stopped after {until}, which is no longer a stage of {resolved.name}: "
+            f"run `openlab run {name}{_replica_flag(resolved)} --until STAGE` instead"
+        )
+    params = {"sweep": dict(run.sweep)} if run.sweep else {}
+    issue = (run.params or {}).get("issue") or None
+    return Rerun(run, resolved.until(until), run.backend, issue, until, params)
+
+
+def _replica_flag(resolved: ResolvedRecipe) -> str:
+    return f" -r {resolved.replica}" if resolved.replica else ""
+
+
+__all__ = ["Rerun", "rerun_of"]
