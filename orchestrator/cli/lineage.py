@@ -403,10 +403,11 @@ def affected_cmd(
         say(f"later stage runs made from them ({len(report.stage_runs)}):")
         for t in report.stage_runs:
             say(f"  {t.record.id}  {t.record.stage} {t.record.state}  ({t.why})")
-    say(f"pipeline runs affected ({len(report.pipeline_runs)}):")
+    say(f"pipeline runs affected ({len(report.pipeline_runs)}), each with the command that redoes it:")
     for t in report.pipeline_runs:
         run = t.record
         say(f"  {run.id}  {run.recipe or run.name}:{run.replica or '-'} {run.state}")
+        say(f"    {report.rerun_command(run.id)}")
     if report.wandb_runs:
         say(f"W&B runs logged by them ({len(report.wandb_runs)}):")
         for t in report.wandb_runs:

@@ -59,9 +59,24 @@ class AffectedReport:
             "made_there": [t.to_dict() for t in self.made_there],
             "outputs": [t.to_dict() for t in self.outputs],
             "stage_runs": [t.to_dict() for t in self.stage_runs],
-            "pipeline_runs": [t.to_dict() for t in self.pipeline_runs],
+            "pipeline_runs": [t.to_dict() | {"rerun": self.rerun_command(t.record.id)} for t in self.pipeline_runs],
             "wandb_runs": [t.to_dict() for t in self.wandb_runs],
         }
+
+    def stages_to_redo(self, pipeline_run_id: str) -> list[str]:
+        """The stages of that run made there or from what was: each must be forced when the run is
+        redone, since its identity has not changed (a plain rerun would reuse the very outputs to
+        distrust), and those below it too (their inputs' identities have not changed either)."""
+        stages: list[str] = []
+        for tainted in (*self.made_there, *self.stage_runs):
+            if tainted.record.pipeline_run_id == pipeline_run_id and tainted.record.stage not in stages:
+                stages.append(tainted.record.stage)
+        return stages
+
+    def rerun_command(self, pipeline_run_id: str) -> str:
+        """``openlab rerun RUN --force-stage S ...``: that run redone without what it took from there."""
+        forced = "".join(f" --force-stage {stage}" for stage in self.stages_to_redo(pipeline_run_id))
+        return f"openlab rerun {pipeline_run_id}{forced}"
 
 
 def affected(store: LineageStore, flt: RecordFilter) -> AffectedReport:

@@ -79,6 +79,9 @@ def test_what_a_bad_node_touched_is_every_output_made_from_its_jobs_and_the_runs
     }
     # the run that read the same checkpoint content before the bad job was submitted is not affected
     assert {t.record.id for t in report.pipeline_runs} == {h["run"], h["later"]}
+    # redone with what came from there forced: their identities are unchanged, a plain rerun would reuse them
+    assert report.rerun_command(h["run"]) == f"openlab rerun {h['run']} --force-stage pretrain --force-stage midtrain"
+    assert report.rerun_command(h["later"]) == f"openlab rerun {h['later']} --force-stage pretrain"
     # the charts people compared against: the W&B runs those stages logged to, not the clean run's
     assert [(t.record.id, t.why) for t in report.wandb_runs] == [(h["charts"], f"logged by midtrain {h['mid']}")]
     assert affected(store, RecordFilter.from_options(host="n19")).made_there[0].record.id == h["other"]
@@ -93,12 +96,16 @@ def test_the_command(run_cli, openlab_home) -> None:
     shown = run_cli("lineage", "affected", "--host", "n17", env={"COLUMNS": "200"})
     assert shown.returncode == 0, shown.stderr
     assert f"  {h['ckpt']}  pretrain/out /ckpt/pre  (made by {h['pre']})" in shown.stdout, shown.stdout
-    assert "pipeline runs affected (2):" in shown.stdout
+    assert "pipeline runs affected (2), each with the command that redoes it:" in shown.stdout
+    assert f"\n    openlab rerun {h['later']} --force-stage pretrain\n" in shown.stdout, shown.stdout
     assert f"W&B runs logged by them (1):\n  https://wandb.ai/lab/moe/runs/mid1  (logged by midtrain {h['mid']})" in (
         shown.stdout
     )
     data = json.loads(run_cli("lineage", "affected", "--cluster", "west", "--json").stdout)
     assert {o["id"] for o in data["outputs"]} == {h["ckpt"], h["mid_out"]}
+    assert {r["id"]: r["rerun"] for r in data["pipeline_runs"]}[
+        h["later"]
+    ] == f"openlab rerun {h['later']} --force-stage pretrain"
     nowhere = run_cli("lineage", "affected", "--host", "n99")
     assert nowhere.returncode == 0 and nowhere.stdout.strip() == "no stage run had a job there"
     unsaid = run_cli("lineage", "affected")
