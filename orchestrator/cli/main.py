@@ -107,6 +107,10 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         sys.exit(130)
+    except OSError as exc:  # the file system refused (a home that cannot be made, a full disk): said, not traced
+        where = f"{exc.filename}: " if exc.filename else ""
+        print_error(f"{where}{exc.strerror or exc}; check OPENLAB_HOME and the paths given")
+        sys.exit(1)
     # without standalone mode click returns what stopped a command early (typer.Exit(code)) as
     # its code, and a command that ran to its end returns None
     sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)

@@ -150,7 +150,14 @@ def _make_engine(url: str) -> Engine:
     if parsed.get_backend_name() == "sqlite":
         database = parsed.database
         if database and database != ":memory:":
-            Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            folder = Path(database).expanduser().parent
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise StoreError(
+                    f"cannot make the lineage database's folder {folder}: {exc.strerror}; "
+                    "set OPENLAB_HOME (or OPENLAB_DB_URL) to a place this user can write"
+                ) from None
         engine = sa.create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
 
         @sa_event.listens_for(engine, "connect")

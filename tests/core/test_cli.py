@@ -120,6 +120,27 @@ def test_bad_input_is_one_line_exit_2(run_cli, args: tuple[str, ...]) -> None:
     assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1
 
 
+def test_a_home_or_path_the_file_system_refuses_is_one_line_naming_it(run_cli, tmp_path: Path, data: Path) -> None:
+    """OPENLAB_HOME naming a file (or a folder that cannot be made) and an export into one were
+    tracebacks from mkdir; each is one line naming the path."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    home = {"OPENLAB_HOME": str(afile)}
+    for args, code, want in (
+        (("snapshot", str(data)), 2, f"error: cannot make the lineage database's folder {afile}: File exists; set "),
+        (("run", "marin-535b-a23b", "-r", "tiny", "--until", "data"), 2, "error: cannot make the lineage database's"),
+    ):
+        out = run_cli(*args, env=home)
+        assert out.returncode == code and out.stderr.startswith(want), out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert run_cli("snapshot", str(data)).returncode == 0
+    out = run_cli("lineage", "export", "--output", str(afile / "lineage.json"))
+    assert (
+        out.returncode == 1
+        and out.stderr.strip() == f"error: {afile}: File exists; check OPENLAB_HOME and the paths given"
+    )
+
+
 def test_a_misspelt_option_or_command_names_the_command_its_help_and_the_one_meant(run_cli) -> None:
     result = run_cli("lineage", "lst")
     assert result.stderr.strip() == (
