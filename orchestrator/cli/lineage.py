@@ -658,7 +658,7 @@ def _print_aggregate(aggregate: Any, default_metrics: bool) -> None:
     if narrow() or sum(widths) + 3 * len(widths) > console.width:
         for group in aggregate.groups:
             values = " ".join(f"{k}={value(group, k)}" for k in aggregate.varies) or "(all)"
-            say(f"{values}  {len(group.rows)} runs over {over}")
+            say(f"{values}  {len(group.rows)} run{'s' if len(group.rows) != 1 else ''} over {over}")
             for column in of.columns:
                 say(f"    {of.label(column)}: {group.spread(column)}")
     else:

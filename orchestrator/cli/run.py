@@ -46,6 +46,16 @@ SetOpt = Annotated[
     ),
 ]
 
+ForceOpt = Annotated[bool, typer.Option("--force", help="Re-run every stage, even reusable ones.")]
+ForceStageOpt = Annotated[list[str] | None, typer.Option("--force-stage", help="Re-run this stage (repeatable).")]
+RetriesOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--retries", min=0, help="Retry a failed stage this many times (default: [pipeline] stage_retries, 1)."
+    ),
+]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="Print every job log line.")]
+
 
 def _force_value(force: bool, force_stage: list[str] | None) -> bool | frozenset[str]:
     if force:
@@ -159,19 +169,12 @@ def run(
     require_issue: Annotated[
         bool, typer.Option("--require-issue", help="Stop before any job starts if the issue cannot be linked.")
     ] = False,
-    force: Annotated[bool, typer.Option("--force", help="Re-run every stage, even reusable ones.")] = False,
-    force_stage: Annotated[
-        list[str] | None, typer.Option("--force-stage", help="Re-run this stage (repeatable).")
-    ] = None,
+    force: ForceOpt = False,
+    force_stage: ForceStageOpt = None,
     until: UntilOpt = None,
     set_values: SetOpt = None,
-    retries: Annotated[
-        int | None,
-        typer.Option(
-            "--retries", min=0, help="Retry a failed stage this many times (default: [pipeline] stage_retries, 1)."
-        ),
-    ] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print every job log line.")] = False,
+    retries: RetriesOpt = None,
+    verbose: VerboseOpt = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Run RECIPE's pipeline here (data .. eval, or the stages the replica names), reusing what is done."""
@@ -201,17 +204,10 @@ def rerun(
     backend: Annotated[
         str | None, typer.Option("--backend", "-b", help="Run it on this backend (default: the one it ran on).")
     ] = None,
-    force: Annotated[bool, typer.Option("--force", help="Re-run every stage, even reusable ones.")] = False,
-    force_stage: Annotated[
-        list[str] | None, typer.Option("--force-stage", help="Re-run this stage (repeatable).")
-    ] = None,
-    retries: Annotated[
-        int | None,
-        typer.Option(
-            "--retries", min=0, help="Retry a failed stage this many times (default: [pipeline] stage_retries, 1)."
-        ),
-    ] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print every job log line.")] = False,
+    force: ForceOpt = False,
+    force_stage: ForceStageOpt = None,
+    retries: RetriesOpt = None,
+    verbose: VerboseOpt = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Run PIPELINE_RUN again here as it was asked (recipe, replica, --set values, --until, backend, issue),

@@ -39,7 +39,7 @@ from orchestrator.cli.output import (
     print_json,
     say,
 )
-from orchestrator.cli.run import BackendOpt, JsonFlag, RecipeArg, ReplicaOpt, UntilOpt
+from orchestrator.cli.run import BackendOpt, JsonFlag, RecipeArg, ReplicaOpt, RetriesOpt, UntilOpt
 
 if TYPE_CHECKING:
     from orchestrator.lineage.compare import Aggregate, Comparison
@@ -191,12 +191,7 @@ def sweep(
             "machine on the local and docker backends: --at-once 1 runs one after another.",
         ),
     ] = 0,
-    retries: Annotated[
-        int | None,
-        typer.Option(
-            "--retries", min=0, help="Retry a failed stage this many times (default: [pipeline] stage_retries, 1)."
-        ),
-    ] = None,
+    retries: RetriesOpt = None,
     metric: Annotated[
         list[str] | None,
         typer.Option(
