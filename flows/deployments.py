@@ -245,8 +245,9 @@ def build_deployments(
     sweep = replica_sweep.to_deployment(
         name=SWEEP_DEPLOYMENT,
         description=(
-            'Run the replica once per combination of a grid of recipe values ({"pretrain.lr": [0.005, 0.01]}), '
-            "each an ordinary replica-pipeline run, then publish them side by side: what each set, what it measured."
+            'Run the replica once per combination of a grid of recipe values ({"pretrain.lr": [0.005, 0.01]}) '
+            'and per draw of sampled ones ({"pretrain.lr": "loguniform(0.001,0.03)"}, count), each an ordinary '
+            "replica-pipeline run, then publish them side by side: what each set, what it measured."
         ),
         parameters={"grid": {"pretrain.lr": [0.005, 0.01, 0.02]}},
         tags=[*TAGS, "sweep"],

@@ -33,7 +33,10 @@ def sweep_run_name() -> str:
 
     params = flow_run.parameters or {}
     grid = params.get("grid") or {}
-    swept = ", ".join(f"{k} x{len(v) if isinstance(v, list) else '?'}" for k, v in grid.items())
+    swept = ", ".join(
+        [f"{k} x{len(v) if isinstance(v, list) else '?'}" for k, v in grid.items()]
+        + [f"{k} x{params.get('count')} drawn" for k in params.get("samples") or {}]
+    )
     name = f"sweep {params.get('recipe')}:{params.get('replica')} on {params.get('backend')}: {swept}"
     return name + (" (dry run)" if params.get("dry_run") else "")
 
@@ -71,7 +74,10 @@ def cancel_trials(flow: Any, flow_run: Any, state: Any) -> None:
     on_cancellation=[cancel_trials],
 )
 def replica_sweep(
-    grid: dict[str, list[Any]],
+    grid: dict[str, list[Any]] | None = None,
+    samples: dict[str, str] | None = None,
+    count: int = 0,
+    sample_seed: int = 0,
     recipe: str = "marin-535b-a23b",
     replica: str = "tiny",
     backend: Backend = "local",
@@ -89,6 +95,11 @@ def replica_sweep(
     Args:
         grid: Values to try, recipe key -> list: {"pretrain.lr": [0.005, 0.01, 0.02]}. Several keys
             try every combination (at most 64 runs).
+        samples: Values to draw at random instead, recipe key -> distribution:
+            {"pretrain.lr": "loguniform(0.001,0.03)"}; uniform(A,B), loguniform(A,B), int(A,B) or
+            choice(V1,V2,...). Every grid combination runs the same draws.
+        count: How many different draws of the samples to run.
+        sample_seed: Seed of the draws: the same seed draws the same values (and reuses their runs).
         recipe: Recipe name (a file in recipes/) or path.
         replica: Scaled-down replica of the recipe.
         backend: Where the stage jobs run.
@@ -117,13 +128,22 @@ def replica_sweep(
     from orchestrator.lineage.store import LineageStore
     from orchestrator.pipeline.dag import REPO_ROOT
     from orchestrator.pipeline.sweep import check_over, plan_sweep
-    from orchestrator.recipes import set_words
+    from orchestrator.recipes import Sampling, parse_sample, set_words
     from orchestrator.settings import load_settings
 
     logger = get_run_logger()
     if at_once < 0:
         raise ConfigError(f"sweep: at_once must be 0 (all at once) or more, got {at_once}")
-    check_over(over or [], grid, "over")
+    sampling = None
+    if samples or count:
+        if not samples or count < 1:
+            raise ConfigError("samples and count go together: each key of samples is drawn count times (1 or more)")
+        sampled = {key: parse_sample(key, text, "samples") for key, text in samples.items()}
+        sampling = Sampling(sampled, count, sample_seed)
+    elif not grid:
+        raise ConfigError('give the values to try: a grid ({"pretrain.lr": [0.005, 0.01]}) or samples and count')
+    grid = grid or {}
+    check_over(over or [], {**grid, **(sampling.samplers if sampling else {})}, "over")
     if issue:  # refused once, before any run starts (each would fail on it alike)
         from orchestrator.links.github import check_issue_option
 
@@ -132,14 +152,22 @@ def replica_sweep(
     # against it before any run starts: nothing half-swept.
     repo_root = checkout_ref(REPO_ROOT, git_ref, load_settings())
     planned = plan_sweep(
-        recipe, replica, grid, overrides, until=until or None, named=("grid", "overrides"), root=repo_root
+        recipe,
+        replica,
+        grid,
+        overrides,
+        sampling=sampling,
+        until=until or None,
+        named=("grid", "overrides", "samples"),
+        root=repo_root,
     )
     if dry_run:
         return _dry_run(planned, backend=backend, git_ref=git_ref, repo_root=repo_root)
     trials = [trial.sets for trial in planned]
     sweep_id = planned[0].sweep["id"]
     name = f"{replica_pipeline.name}/{PIPELINE_DEPLOYMENT}"
-    logger.info("sweep %s: %d runs of %s:%s on %s: %s", sweep_id, len(trials), recipe, replica, backend, grid)
+    asked = {**grid, **({"sampled": sampling.to_dict()} if sampling else {})}
+    logger.info("sweep %s: %d runs of %s:%s on %s: %s", sweep_id, len(trials), recipe, replica, backend, asked)
 
     pending = list(enumerate(trials))
     running: dict[Any, int] = {}  # flow run id -> trial number

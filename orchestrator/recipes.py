@@ -24,6 +24,7 @@ import copy
 import difflib
 import json
 import math
+import random
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
@@ -527,11 +528,14 @@ def set_words(sets: Mapping[str, Any]) -> list[str]:
 MAX_TRIALS = 64
 
 
-def sweep_trials(grid: Mapping[str, Any], fixed: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
+def sweep_trials(
+    grid: Mapping[str, Any], fixed: Mapping[str, Any] | None = None, sampling: Sampling | None = None
+) -> list[dict[str, Any]]:
     """The values of each run of a sweep: every combination of ``grid``'s lists (the first key
-    varying slowest), each over the values ``fixed`` for all of them. Whether each key is a recipe
-    field and each value fits it is :func:`resolve`'s to say, per run, before any starts."""
-    if not isinstance(grid, Mapping) or not grid:
+    varying slowest), each crossed with every draw of ``sampling`` (when given), each over the
+    values ``fixed`` for all of them. Whether each key is a recipe field and each value fits it
+    is :func:`resolve`'s to say, per run, before any starts."""
+    if not isinstance(grid, Mapping) or (not grid and sampling is None):
         raise ConfigError('sweep: give a grid of values to try, e.g. {"pretrain.lr": [0.005, 0.01, 0.02]}')
     for key, values in grid.items():
         if not isinstance(values, list) or not values:
@@ -541,12 +545,19 @@ def sweep_trials(grid: Mapping[str, Any], fixed: Mapping[str, Any] | None = None
         for i, value in enumerate(values):
             if value in values[:i]:  # a typo, not a repeat: two identical runs would reuse one result
                 raise ConfigError(f"sweep: {key}: the value {value!r} is given twice; give each value once")
-    count = math.prod(len(v) for v in grid.values())
+    for key in sampling.samplers if sampling is not None else ():
+        if key in grid or key in (fixed or {}):
+            raise ConfigError(f"sweep: {key} is both sampled and {'swept' if key in grid else 'set for every run'}")
+    count = math.prod(len(v) for v in grid.values()) * (sampling.count if sampling is not None else 1)
     if count > MAX_TRIALS:
-        raise ConfigError(f"sweep: {count} runs (the product of the grid's lists), more than {MAX_TRIALS}: trim it")
+        what = "the product of the grid's lists" + (" and --count" if sampling is not None else "")
+        raise ConfigError(f"sweep: {count} runs ({what}), more than {MAX_TRIALS}: trim it")
     trials: list[dict[str, Any]] = [{}]
     for key, values in grid.items():
         trials = [{**trial, key: value} for trial in trials for value in values]
+    if sampling is not None:
+        points = sampling.points()
+        trials = [{**trial, **point} for trial in trials for point in points]
     return [{**(fixed or {}), **trial} for trial in trials]
 
 
@@ -575,7 +586,7 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
 
     The values are a YAML list, its brackets optional, as Hydra's multirun takes them:
     ``pretrain.lr=0.005,0.01,0.02`` and ``pretrain.lr='[0.005, 0.01, 0.02]'`` are the same three
-    numbers, ``dispatch.scheme=ragged,water_filling`` two words, and
+    numbers, ``dispatch.scheme=ragged,waterfilling`` two words, and
     ``pretrain.mixture='{code: 0.5, prose: 0.5},{code: 0.7, prose: 0.3}'`` two mappings. A key given
     twice is refused rather than one silently dropping the other's values.
     """
@@ -597,6 +608,118 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
             raise ConfigError(f"--grid {key}: give the values to try, e.g. {key}=V1,V2 (got {text!r})")
         grid[key] = values
     return grid
+
+
+#: How a sampled value is drawn: ``--sample KEY=DIST`` (``openlab sweep``), ``samples`` in the UI's form.
+SAMPLERS = ("uniform", "loguniform", "int", "choice")
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """One ``--sample`` distribution: ``uniform(A, B)``, ``loguniform(A, B)`` (A > 0: learning
+    rates, spread evenly over their orders of magnitude), ``int(A, B)`` (both ends included) or
+    ``choice(V1, V2, ...)``. A drawn float keeps 4 significant digits: what a person reads in the
+    sweep's table is the value the run was given, and the value its identity hashes."""
+
+    kind: str
+    args: tuple[Any, ...]
+
+    @property
+    def text(self) -> str:
+        """As typed, canonically (recorded with the sweep, so it can be drawn again)."""
+        return f"{self.kind}({', '.join(set_value_word(a) for a in self.args)})"
+
+    def draw(self, rng: random.Random) -> Any:
+        if self.kind == "choice":
+            return rng.choice(self.args)
+        low, high = self.args
+        if self.kind == "int":
+            return rng.randint(low, high)
+        value = (
+            math.exp(rng.uniform(math.log(low), math.log(high)))
+            if self.kind == "loguniform"
+            else rng.uniform(low, high)
+        )
+        return float(f"{value:.4g}")
+
+
+def parse_sample(key: str, text: str, option: str = "--sample") -> Sampler:
+    """``loguniform(0.001, 0.03)`` as a :class:`Sampler`, or a one-line error naming ``key`` as
+    given with ``option`` (``samples`` in the UI's form)."""
+    name, paren, rest = str(text).strip().partition("(")
+    name = name.strip()
+    example = "e.g. pretrain.lr=loguniform(0.001,0.03), seed=int(0,99) or dispatch.scheme=choice(ragged,waterfilling)"
+    if not paren or not rest.rstrip().endswith(")"):
+        raise ConfigError(f"{option} {key}: cannot read {text!r} as a distribution; {example}")
+    if name not in SAMPLERS:
+        raise ConfigError(f"{option} {key}: {choices(name, SAMPLERS, label='distributions')}")
+    try:
+        args = yaml.safe_load(f"[{rest.rstrip()[:-1]}]")
+    except yaml.YAMLError:
+        raise ConfigError(f"{option} {key}: cannot read the values of {text!r}; {example}") from None
+    if name == "choice":
+        if not args:
+            raise ConfigError(f"{option} {key}: choice() needs the values to choose from; {example}")
+        return Sampler(name, tuple(args))
+    numeric = int if name == "int" else (int, float)
+    if len(args) != 2 or not all(isinstance(a, numeric) and not isinstance(a, bool) for a in args):
+        want = "two whole numbers" if name == "int" else "two numbers"
+        raise ConfigError(f"{option} {key}: {name}() takes {want}, the lowest and the highest, got {text!r}")
+    low, high = args
+    if not low < high:
+        raise ConfigError(f"{option} {key}: {name}({low}, {high}): the lowest must be below the highest")
+    if name == "loguniform" and low <= 0:
+        raise ConfigError(f"{option} {key}: loguniform({low}, {high}): both ends must be above 0")
+    return Sampler(name, (low, high))
+
+
+def parse_samples(items: Sequence[str]) -> dict[str, Sampler]:
+    """``--sample KEY=DIST`` arguments (a key given twice is refused, as in :func:`parse_grid`)."""
+    samples: dict[str, Sampler] = {}
+    for item in items:
+        key, eq, text = item.partition("=")
+        key = key.strip()
+        if not eq or not key or not text.strip():
+            raise ConfigError(f"--sample {item!r}: expected KEY=DIST, e.g. pretrain.lr=loguniform(0.001,0.03)")
+        if key in samples:
+            raise ConfigError(f"--sample {key} is given twice: one distribution a key")
+        samples[key] = parse_sample(key, text)
+    return samples
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """A sweep's random part: ``count`` different draws of the ``samplers``' values, the same for
+    a given ``seed`` (a sweep drawn again draws the same values, so its runs are reused; another
+    seed draws others). Crossed with the grid: every grid combination runs every draw, so grid
+    values are compared on the same sampled points."""
+
+    samplers: dict[str, Sampler]
+    count: int
+    seed: int = 0
+
+    def points(self) -> list[dict[str, Any]]:
+        """The draws, in order; refused when the distributions hold fewer different points than asked."""
+        if self.count < 1:
+            raise ConfigError(f"sweep: --count {self.count}: how many draws of the sampled values to run, 1 or more")
+        if self.count > MAX_TRIALS:
+            raise ConfigError(f"sweep: --count {self.count}: more than {MAX_TRIALS} runs; trim it")
+        rng = random.Random(self.seed)
+        points: list[dict[str, Any]] = []
+        for _ in range(100 * self.count):
+            point = {key: sampler.draw(rng) for key, sampler in self.samplers.items()}
+            if point not in points:
+                points.append(point)
+                if len(points) == self.count:
+                    return points
+        raise ConfigError(
+            f"sweep: --count {self.count} different draws asked, but the distributions gave only {len(points)}: "
+            "lower --count"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """As a sweep's runs record it (``params.sweep.sampled``): enough to draw the same values again."""
+        return {"samples": {k: v.text for k, v in self.samplers.items()}, "count": self.count, "seed": self.seed}
 
 
 @dataclass(frozen=True)

@@ -155,16 +155,35 @@ def _lines_hooks(trial: Trial, count: int) -> PipelineHooks:
 def sweep(
     recipe: RecipeArg,
     grid: Annotated[
-        list[str],
+        list[str] | None,
         typer.Option(
             "--grid",
             "-g",
             metavar="KEY=V1,V2,...",
             help="Values to try for a recipe key, as a YAML list whose brackets may be left out: "
-            "pretrain.lr=0.005,0.01,0.02, dispatch.scheme=ragged,water_filling. Several --grid keys try every "
+            "pretrain.lr=0.005,0.01,0.02, dispatch.scheme=ragged,waterfilling. Several --grid keys try every "
             "combination (at most 64 runs).",
         ),
-    ],
+    ] = None,
+    sample: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--sample",
+            metavar="KEY=DIST",
+            help="Draw a recipe key's value at random, --count times: uniform(A,B), loguniform(A,B) (learning "
+            "rates), int(A,B) (both ends included) or choice(V1,V2,...). Crossed with --grid: every grid "
+            "combination runs the same draws.",
+        ),
+    ] = None,
+    count: Annotated[
+        int | None, typer.Option("--count", min=1, help="How many different draws of the --sample values to run.")
+    ] = None,
+    sample_seed: Annotated[
+        int,
+        typer.Option(
+            "--sample-seed", help="Seed of the draws: the same seed draws the same values (and reuses their runs)."
+        ),
+    ] = 0,
     replica: ReplicaOpt = None,
     backend: BackendOpt = None,
     set_values: Annotated[
@@ -216,7 +235,8 @@ def sweep(
     ] = False,
     json_out: JsonFlag = False,
 ) -> None:
-    """Run RECIPE's replica once per combination of the --grid values, side by side, then compare the runs.
+    """Run RECIPE's replica once per combination of the --grid values (and per draw of the --sample ones),
+    side by side, then compare the runs.
 
     Each run is the one `openlab run --set KEY=VALUE` would make (its own lineage, card and W&B runs); stages
     they share, such as data and tokenize when only a training value is swept, run once and are reused by
@@ -224,16 +244,24 @@ def sweep(
     runs and their jobs. Exit 0 when every run completed, 1 otherwise.
     """
     from orchestrator.cli.lineage import print_comparison
+    from orchestrator.errors import ConfigError
     from orchestrator.lineage.compare import Aggregate
     from orchestrator.pipeline import PipelineHooks, RunOptions, stage_retries
     from orchestrator.pipeline.sweep import check_over, plan_sweep, run_sweep
     from orchestrator.provenance.invocation import command_line
-    from orchestrator.recipes import parse_grid, parse_sets
+    from orchestrator.recipes import Sampling, parse_grid, parse_samples, parse_sets
     from orchestrator.settings import load_settings
 
-    swept = parse_grid(grid)
-    check_over(over or [], swept)
-    trials = plan_sweep(recipe, replica, swept, parse_sets(set_values or []), until=until)
+    swept = parse_grid(grid or [])
+    sampling = None
+    if sample or count is not None:
+        if not sample or count is None:
+            raise ConfigError("--sample and --count go together: --sample KEY=DIST ... --count N draws N times")
+        sampling = Sampling(parse_samples(sample), count, sample_seed)
+    elif not swept:
+        raise ConfigError("give the values to try: --grid KEY=V1,V2,... or --sample KEY=DIST --count N")
+    check_over(over or [], {**swept, **(sampling.samplers if sampling else {})})
+    trials = plan_sweep(recipe, replica, swept, parse_sets(set_values or []), sampling=sampling, until=until)
     settings = load_settings()
     if issue:  # refused once, before any run is recorded (each run would fail on it alike)
         from orchestrator.links.github import check_issue_option

@@ -29,7 +29,7 @@ from orchestrator.lineage.models import new_id
 from orchestrator.lineage.store import LineageStore
 from orchestrator.pipeline.execute import PipelineHooks, PipelineResult, RunOptions, run_stages, start_recipe
 from orchestrator.pipeline.plan import StagePlan
-from orchestrator.recipes import ResolvedRecipe, resolve, set_words, sweep_trials
+from orchestrator.recipes import ResolvedRecipe, Sampling, resolve, set_words, sweep_trials
 from orchestrator.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
@@ -44,11 +44,12 @@ POLL_SECONDS = 0.5
 SWEEP_PREFIX = "swp"
 
 
-def sweep_params(sweep_id: str, number: int, count: int) -> dict[str, Any]:
+def sweep_params(sweep_id: str, number: int, count: int, sampling: Sampling | None = None) -> dict[str, Any]:
     """What a run of a sweep records as ``params.sweep`` (:attr:`PipelineRun.sweep`): which
     sweep, and which of its runs: ``lineage list --sweep ID`` and ``lineage compare --sweep ID``
-    find the sweep's runs by it, its stages' W&B runs are tagged with it."""
-    return {"id": sweep_id, "run": number, "of": count}
+    find the sweep's runs by it, its stages' W&B runs are tagged with it. A sweep that sampled
+    values records how (``sampled``: distributions, count, seed), so the same draws can be made again."""
+    return {"id": sweep_id, "run": number, "of": count, **({"sampled": sampling.to_dict()} if sampling else {})}
 
 
 @dataclass
@@ -112,8 +113,8 @@ class Trial:
 
 
 def check_over(over: Sequence[str], grid: Mapping[str, Any], option: str = "--over") -> None:
-    """Refuse, before anything runs, to take a sweep's comparison over a value its grid does not
-    vary: that would be found only when the runs had ended."""
+    """Refuse, before anything runs, to take a sweep's comparison over a value its grid (or its
+    sampling: pass both keys) does not vary: that would be found only when the runs had ended."""
     for key in over:
         if key.removeprefix("set.") not in grid:
             raise ConfigError(f"{option} {key!r}: not a key of the grid; {choices(key, list(grid), label='grid keys')}")
@@ -125,22 +126,26 @@ def plan_sweep(
     grid: Mapping[str, Any],
     fixed: Mapping[str, Any] | None = None,
     *,
+    sampling: Sampling | None = None,
     until: str | None = None,
-    named: tuple[str, str] = ("--grid", "--set"),
+    named: tuple[str, str, str] = ("--grid", "--set", "--sample"),
     root: Path | None = None,
 ) -> list[Trial]:
     """The trials of a sweep, each resolved against the recipe (so checked) before any runs, under
-    one new sweep id. ``named``: what the grid and the values fixed for all are called where they
-    were given, for errors (``grid`` and ``overrides`` in the run form). ``root``: the tree whose
-    recipe runs (a git ref's worktree), as :func:`~orchestrator.recipes.resolve` reads it."""
-    combinations = sweep_trials(grid, fixed)
+    one new sweep id: the grid's combinations, each crossed with ``sampling``'s draws when given.
+    ``named``: what the grid, the values fixed for all and the sampled ones are called where they
+    were given, for errors (``grid``, ``overrides`` and ``samples`` in the run form). ``root``: the
+    tree whose recipe runs (a git ref's worktree), as :func:`~orchestrator.recipes.resolve` reads it."""
+    combinations = sweep_trials(grid, fixed, sampling)
+    sampled = sampling.samplers if sampling is not None else {}
     sweep_id = new_id(SWEEP_PREFIX)
     trials = []
     for number, sets in enumerate(combinations, 1):
-        swept = {key: sets[key] for key in grid}
-        sets_from = {key: named[0] if key in grid else named[1] for key in sets}
+        swept = {key: sets[key] for key in (*grid, *sampled)}
+        sets_from = {key: named[0] if key in grid else named[2] if key in sampled else named[1] for key in sets}
         resolved = resolve(recipe, replica, root=root, sets=sets, sets_from=sets_from).until(until)
-        trials.append(Trial(number, sets, resolved, swept, sweep_params(sweep_id, number, len(combinations))))
+        params = sweep_params(sweep_id, number, len(combinations), sampling)
+        trials.append(Trial(number, sets, resolved, swept, params))
     return trials
 
 

@@ -249,9 +249,18 @@ def test_a_sweep_from_the_ui_runs_each_combination_as_a_pipeline_run_and_compare
     assert "| 1. `` data.max_bytes_per_domain=150000 `` | reuse | run |" in plan, plan
     assert "| 2. `` data.max_bytes_per_domain=130000 `` | run | run |" in plan, plan
     assert "It would start 3 jobs: data 1, tokenize 2." in plan, plan
+    # random search from the form: samples drawn count times, no grid
+    drawn = {**dry, "grid": None, "samples": {"data.max_bytes_per_domain": "int(100000, 150000)"}, "count": 2}
+    sampled = wait_flow_run(start_run("replica-sweep/sweep", drawn), 120)
+    assert sampled.state.is_completed(), sampled.state.message
+    assert sampled.name == "sweep marin-535b-a23b:tiny on local: data.max_bytes_per_domain x2 drawn (dry run)"
+    _, plan = sweep_runs_and_table(sampled.id, "sweep-plan")
+    assert plan.count("| 1. `` data.max_bytes_per_domain=1") == 1 and "| 2. `` data.max_bytes_per_domain=1" in plan
 
     bad = wait_flow_run(start_run("replica-sweep/sweep", {**params, "grid": {"data.max_bytes": [1, 2]}}), 120)
     assert bad.state.is_failed() and "grid data.max_bytes: no such recipe field" in (bad.state.message or "")
+    badly_drawn = wait_flow_run(start_run("replica-sweep/sweep", {**drawn, "samples": {"seed": "normal(0, 1)"}}), 120)
+    assert badly_drawn.state.is_failed() and "samples seed: did you mean" in (badly_drawn.state.message or "")
     with get_client(sync_client=True) as client:
         started = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[bad.id]))

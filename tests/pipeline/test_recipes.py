@@ -543,7 +543,7 @@ def test_grid_values_are_a_yaml_list_whose_brackets_may_be_left_out() -> None:
         [
             "pretrain.lr=0.005,0.01,0.02",
             "midtrain.lr=[0.001, 0.002]",
-            "dispatch.scheme=ragged,water_filling",
+            "dispatch.scheme=ragged,waterfilling",
             "pretrain.mixture={code: 0.5, prose: 0.5},{code: 0.7, prose: 0.3}",
             "seed=7",
         ]
@@ -551,7 +551,7 @@ def test_grid_values_are_a_yaml_list_whose_brackets_may_be_left_out() -> None:
     assert grid == {
         "pretrain.lr": [0.005, 0.01, 0.02],
         "midtrain.lr": [0.001, 0.002],
-        "dispatch.scheme": ["ragged", "water_filling"],
+        "dispatch.scheme": ["ragged", "waterfilling"],
         "pretrain.mixture": [{"code": 0.5, "prose": 0.5}, {"code": 0.7, "prose": 0.3}],
         "seed": [7],
     }
@@ -564,6 +564,73 @@ def test_grid_values_are_a_yaml_list_whose_brackets_may_be_left_out() -> None:
     ):
         with pytest.raises(ConfigError, match=re.escape(message)):
             parse_grid(items)
+
+
+def test_sampled_values_are_different_draws_repeatable_by_seed_and_crossed_with_the_grid() -> None:
+    """`--sample KEY=DIST --count N`: N different points, the same for the same seed (a sweep drawn
+    again reuses its runs), each within its distribution, floats at 4 significant digits; every
+    grid combination runs the same draws, so grid values are compared on the same points."""
+    import math
+
+    from orchestrator.recipes import MAX_TRIALS, Sampling, parse_samples, sweep_trials
+
+    samplers = parse_samples(
+        ["pretrain.lr=loguniform(0.001, 0.1)", "seed=int(0, 9)", "dispatch.scheme=choice(ragged,waterfilling)"]
+    )
+    assert [s.text for s in samplers.values()] == [
+        "loguniform(0.001, 0.1)",
+        "int(0, 9)",
+        "choice(ragged, waterfilling)",
+    ]
+    sampling = Sampling(samplers, 12, seed=3)
+    points = sampling.points()
+    assert points == Sampling(samplers, 12, seed=3).points() != Sampling(samplers, 12, seed=4).points()
+    assert len({json.dumps(p, sort_keys=True) for p in points}) == 12
+    for p in points:
+        assert 0.001 <= p["pretrain.lr"] <= 0.1 and float(f"{p['pretrain.lr']:.4g}") == p["pretrain.lr"]
+        assert p["seed"] in range(10) and isinstance(p["seed"], int)
+        assert p["dispatch.scheme"] in ("ragged", "waterfilling")
+    # loguniform spreads over orders of magnitude: about half the draws below the geometric middle
+    lrs = [p["pretrain.lr"] for p in Sampling({"pretrain.lr": samplers["pretrain.lr"]}, 60, seed=0).points()]
+    assert 18 <= sum(lr < math.sqrt(0.001 * 0.1) for lr in lrs) <= 42, lrs
+    assert sampling.to_dict() == {
+        "samples": {
+            "pretrain.lr": "loguniform(0.001, 0.1)",
+            "seed": "int(0, 9)",
+            "dispatch.scheme": "choice(ragged, waterfilling)",
+        },
+        "count": 12,
+        "seed": 3,
+    }
+
+    two = Sampling(parse_samples(["pretrain.lr=uniform(0.01, 0.02)"]), 2)
+    trials = sweep_trials({"midtrain.lr": [0.001, 0.002]}, {"seed": 1}, two)
+    drawn = [t["pretrain.lr"] for t in trials]
+    assert [t["midtrain.lr"] for t in trials] == [0.001, 0.001, 0.002, 0.002]
+    assert drawn[:2] == drawn[2:] == [p["pretrain.lr"] for p in two.points()] and all(t["seed"] == 1 for t in trials)
+    assert len(sweep_trials({}, None, two)) == 2  # samples alone
+
+    for items, count, message in (
+        (["pretrain.lr"], 2, "--sample 'pretrain.lr': expected KEY=DIST"),
+        (["pretrain.lr=normal(0,1)"], 2, "--sample pretrain.lr: did you mean 'uniform'? distributions: uniform,"),
+        (["pretrain.lr=uniform(0.1)"], 2, "--sample pretrain.lr: uniform() takes two numbers"),
+        (["pretrain.lr=uniform(0.2,0.1)"], 2, "uniform(0.2, 0.1): the lowest must be below the highest"),
+        (["pretrain.lr=loguniform(0,1)"], 2, "loguniform(0, 1): both ends must be above 0"),
+        (["seed=int(0,1.5)"], 2, "--sample seed: int() takes two whole numbers"),
+        (["seed=choice()"], 1, "--sample seed: choice() needs the values to choose from"),
+        (["seed=uniform"], 1, "--sample seed: cannot read 'uniform' as a distribution"),
+        (["seed=int(0,1)", "seed=int(0,2)"], 1, "--sample seed is given twice"),
+        (["seed=int(0,1)"], 3, "--count 3 different draws asked, but the distributions gave only 2"),
+        (["seed=int(0,99)"], MAX_TRIALS + 1, f"--count {MAX_TRIALS + 1}: more than {MAX_TRIALS} runs"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            Sampling(parse_samples(items), count).points()
+    with pytest.raises(ConfigError, match="sweep: pretrain.lr is both sampled and swept"):
+        sweep_trials({"pretrain.lr": [0.1]}, None, two)
+    with pytest.raises(ConfigError, match="sweep: pretrain.lr is both sampled and set for every run"):
+        sweep_trials({}, {"pretrain.lr": 0.1}, two)
+    with pytest.raises(ConfigError, match=re.escape("sweep: 66 runs (the product of the grid's lists and --count)")):
+        sweep_trials({"seed": list(range(33))}, None, two)
 
 
 def test_what_changed_is_told_against_the_closest_completed_run_not_only_the_latest(tmp_path: Path) -> None:

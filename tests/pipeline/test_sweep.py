@@ -96,6 +96,35 @@ def test_a_sweep_runs_each_combination_as_a_recorded_run_and_compares_them(run_c
     assert [r["id"] for r in compared["runs"]] == ids  # the first sweep alone, in its grid's order
 
 
+def test_a_sampled_sweep_runs_count_different_draws_and_the_same_seed_draws_them_again(
+    run_cli, openlab_home: Path
+) -> None:
+    """Random search: `--sample KEY=DIST --count N` runs N drawn values, each recorded as the run's
+    value with how it was drawn; the same sweep again draws the same values and reuses their runs."""
+    sample = ("--sample", "data.max_bytes_per_domain=int(100000,150000)", "--count", "2", "-m", BYTES)
+    done = run_cli(*ARGS, *sample, "--json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    drawn = [t["set"]["data.max_bytes_per_domain"] for t in doc["trials"]]
+    assert len(set(drawn)) == 2 and all(100000 <= v <= 150000 for v in drawn), drawn
+    assert [t["state"] for t in doc["trials"]] == ["COMPLETED", "COMPLETED"]
+    rows = doc["comparison"]["runs"]
+    assert [r["asked"]["set.data.max_bytes_per_domain"] for r in rows] == drawn  # the table shows what was drawn
+    with LineageStore.open() as store:
+        runs = [store.require(PipelineRun, t["pipeline_run_id"]) for t in doc["trials"]]
+    how = {"samples": {"data.max_bytes_per_domain": "int(100000, 150000)"}, "count": 2, "seed": 0}
+    assert all(r.sweep["sampled"] == how for r in runs), [r.sweep for r in runs]
+    assert [r.params["recipe"]["run_set"] for r in runs] == [{"data.max_bytes_per_domain": v} for v in drawn]
+
+    again = json.loads(run_cli(*ARGS, *sample, "--json").stdout)  # the same seed: the same draws, reused
+    assert [t["set"]["data.max_bytes_per_domain"] for t in again["trials"]] == drawn
+    with LineageStore.open() as store:
+        reran = [store.list(StageRun, pipeline_run_id=t["pipeline_run_id"])[0] for t in again["trials"]]
+    assert [s.state for s in reran] == ["REUSED", "REUSED"]
+    other = json.loads(run_cli(*ARGS, *sample, "--sample-seed", "1", "--dry-run", "--json").stdout)
+    assert [t["set"]["data.max_bytes_per_domain"] for t in other["trials"]] != drawn  # another seed: other values
+
+
 def test_a_bad_grid_stops_the_sweep_before_anything_runs(run_cli, openlab_home: Path) -> None:
     """Every combination is checked against the recipe first: one line, exit 2, nothing recorded."""
     for grid, extra, message in (
@@ -106,6 +135,9 @@ def test_a_bad_grid_stops_the_sweep_before_anything_runs(run_cli, openlab_home: 
         ("pretrain.lr", (), "--grid 'pretrain.lr': expected KEY=V1,V2,..."),
         ("pretrain.lr=0.01,0.02", ("--over", "seed"), "--over 'seed': not a key of the grid; grid keys: pretrain.lr"),
         ("seed=0,1,0", (), "sweep: seed: the value 0 is given twice"),
+        ("seed=0,1", ("--sample", "seed=int(0,9)", "--count", "2"), "sweep: seed is both sampled and swept"),
+        ("seed=0,1", ("--sample", "pretrain.lrr=uniform(0.01,0.02)", "--count", "2"), "--sample pretrain.lrr: no such"),
+        ("seed=0,1", ("--count", "2"), "--sample and --count go together"),
         ("seed=0,1", ("--issue", "lab/exp"), "malformed issue reference 'lab/exp'"),
     ):
         bad = run_cli(*ARGS, "-g", grid, *extra)
