@@ -863,8 +863,31 @@ def describe_changes(changes: Sequence[FieldChange]) -> list[str]:
     return [c.describe() for c in changes]
 
 
+def latest_completed(store: LineageStore, digest: str) -> StageRun | None:
+    """The latest completed run of this very identity, if any."""
+    same = store.list(
+        StageRun,
+        where=[StageRun.identity == digest, StageRun.state == "COMPLETED"],
+        order_by=col(StageRun.ended_at).desc(),
+        limit=1,
+    )
+    return same[0] if same else None
+
+
+def unchanged_since(digest: str, same: StageRun) -> str:
+    """Why a stage whose identity already completed runs again: nothing of it changed."""
+    return f"identity {digest[:16]} unchanged since {same.id}"
+
+
 def changes_since_last(ctx: PipelineContext, stage: str, identity: StageIdentity) -> tuple[list[str], str]:
-    """Identity fields changed since the last completed run of ``stage``, and a one-line reason."""
+    """Identity fields changed since the last completed run of ``stage``, and a one-line reason.
+
+    A stage run again with the same identity (forced, or its outputs no longer verify) changed
+    nothing: compared with the closest run of another identity it would list that run's
+    differences, as if they were why it ran."""
+    same = latest_completed(ctx.store, identity.digest)
+    if same is not None:
+        return [], unchanged_since(identity.digest, same)
     previous = closest_completed(
         ctx.store,
         stage,
@@ -874,14 +897,6 @@ def changes_since_last(ctx: PipelineContext, stage: str, identity: StageIdentity
         replica=ctx.pipeline_run.replica,
     )
     if previous is None:
-        same = ctx.store.list(
-            StageRun,
-            where=[StageRun.identity == identity.digest, StageRun.state == "COMPLETED"],
-            order_by=col(StageRun.ended_at).desc(),
-            limit=1,
-        )
-        if same:  # run again (forced, or its outputs no longer verify) with nothing changed
-            return [], f"identity {identity.digest[:16]} unchanged since {same[0].id}"
         return [], "no earlier completed run of this stage"
     changes = describe_changes(diff_identities(previous.identity_fields, identity.fields()))
     return changes, f"changed since {previous.id}: " + "; ".join(changes[:6]) + (" ..." if len(changes) > 6 else "")

@@ -27,7 +27,9 @@ from orchestrator.pipeline.execute import (
     environment_values,
     find_reusable,
     known_fields,
+    latest_completed,
     stage_environment,
+    unchanged_since,
 )
 from orchestrator.recipes import ResolvedRecipe, identity_config
 from orchestrator.settings import Settings, load_settings
@@ -174,6 +176,9 @@ def plan(
                 item.reason = (
                     f"identity {identity.digest[:16]} is being run by {item.lease_holder}; will reuse its result"
                 )
+            elif forced and (same := latest_completed(store, identity.digest)) is not None:
+                item.reason = f"forced; {unchanged_since(identity.digest, same)}"  # what changed elsewhere is not why
+                item.changes, item.commits, item.previous = [], [], same.id
             elif forced:
                 item.reason = "forced"
             elif why.startswith(NO_LONGER_VERIFY):  # same identity, but its outputs are gone or changed

@@ -520,15 +520,22 @@ def test_a_stage_on_a_container_backend_has_the_image_as_its_environment(repo: P
 
 
 def test_force_reruns_a_stage_with_the_same_identity(repo: Path, ledger: Path) -> None:
+    """Forced, it runs again and says nothing of it changed, even when the latest run of the stage
+    was of another identity (that run's differences are not why it ran)."""
     first = run_pipeline(toy_pipeline(repo), toy_configs(), options=fast())
+    other = toy_configs()
+    other["gen"]["n"] += 1
+    assert run_pipeline(toy_pipeline(repo), other, options=fast()).results["gen"].state == "COMPLETED"
+    same = f"identity {first.results['gen'].identity[:16]} unchanged since {first.results['gen'].stage_run_id}"
+    (planned, *_) = plan(toy_pipeline(repo), toy_configs(), force=frozenset({"gen"}))
+    assert (planned.action, planned.reason, planned.changes) == ("run", f"forced; {same}", [])
     forced = run_pipeline(
         toy_pipeline(repo), toy_configs(), options=RunOptions(force=frozenset({"gen"}), wait_poll=0.05)
     )
     assert forced.results["gen"].state == "COMPLETED"
     assert forced.results["gen"].identity == first.results["gen"].identity
     assert forced.results["upper"].state == "REUSED"  # byte-identical corpus
-    assert executions(ledger) == ["gen", "upper", "count", "gen"]
-    same = f"identity {first.results['gen'].identity[:16]} unchanged since {first.results['gen'].stage_run_id}"
+    assert executions(ledger) == ["gen", "upper", "count", "gen", "upper", "count", "gen"]
     assert forced.results["gen"].reason == f"forced; {same}"  # there was an earlier completed run: this one
 
 
