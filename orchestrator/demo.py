@@ -95,6 +95,7 @@ def main() -> int:
         f"  (or {server.ui_url}/deployments: replica-sweep/sweep)",
     )
     if pipeline_run_id:
+        where("run it again", f"openlab rerun {pipeline_run_id} --force-stage eval  (recorded as its retry)")
         where("export (Marquez/PROV)", f"openlab lineage export {pipeline_run_id} --format openlineage")
     where("lineage store", str(store.url))
     if shutil.which("openlab") is None:
