@@ -10,7 +10,7 @@ eval, hardware, W&B project and the metrics the nightly verdict tracks — plus 
 identity. Why so explicit: a replica's numbers must be explainable from the reference
 alone, and its lineage records the reference recipe and every factor.
 
-:func:`load_recipe` reads a file with ``yaml.safe_load`` and validates it against
+:func:`load_recipe` reads a file with :func:`load_yaml` (safe YAML; ``1e-4`` a number) and validates it against
 :data:`RECIPE_SCHEMA`; unknown keys and wrong types raise :class:`ConfigError` naming the
 key path (``recipe marin-535b-a23b.yaml: model.experts: expected int, got str``).
 :func:`resolve` turns a recipe and a replica name into concrete per-stage configs in the
@@ -25,6 +25,7 @@ import difflib
 import json
 import math
 import random
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
@@ -513,6 +514,24 @@ def _field_hint(dotted: str, known: Sequence[str]) -> str:
     return "sections: " + ", ".join(dict.fromkeys(n.split(".")[0] for n in known))
 
 
+class YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, reading ``1e-4`` as the number it is (YAML 1.2, and every other YAML
+    reader, do; PyYAML's 1.1 rules want ``1.0e-4`` and made ``--set pretrain.lr=1e-4`` the text
+    "1e-4", refused as "expected number, got str")."""
+
+
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def load_yaml(text: str) -> Any:
+    """``text`` read as YAML by :class:`YamlLoader` (safe: no arbitrary objects)."""
+    return yaml.load(text, Loader=YamlLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def set_value_word(value: Any) -> str:
     """A set value as one word :func:`parse_sets` reads back: text as it is, anything else as JSON."""
     return value if isinstance(value, str) else json.dumps(value)
@@ -575,7 +594,7 @@ def parse_sets(items: Sequence[str]) -> dict[str, Any]:
         if not eq or not key or not raw.strip():
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a dotted recipe key, e.g. pretrain.lr=0.02")
         try:
-            sets[key] = yaml.safe_load(raw)
+            sets[key] = load_yaml(raw)
         except yaml.YAMLError as exc:
             raise ConfigError(f"--set {key}: cannot read the value {raw!r}: {' '.join(str(exc).split())}") from None
     return sets
@@ -601,7 +620,7 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
         if key in grid:
             raise ConfigError(f"--grid {key} is given twice: put all its values in one, e.g. {key}=V1,V2,V3")
         try:
-            values = yaml.safe_load(text if text.startswith("[") else f"[{text}]")
+            values = load_yaml(text if text.startswith("[") else f"[{text}]")
         except yaml.YAMLError as exc:
             raise ConfigError(f"--grid {key}: cannot read the values {text!r}: {' '.join(str(exc).split())}") from None
         if not isinstance(values, list) or not values:
@@ -654,7 +673,7 @@ def parse_sample(key: str, text: str, option: str = "--sample") -> Sampler:
     if name not in SAMPLERS:
         raise ConfigError(f"{option} {key}: {choices(name, SAMPLERS, label='distributions')}")
     try:
-        args = yaml.safe_load(f"[{rest.rstrip()[:-1]}]")
+        args = load_yaml(f"[{rest.rstrip()[:-1]}]")
     except yaml.YAMLError:
         raise ConfigError(f"{option} {key}: cannot read the values of {text!r}; {example}") from None
     if name == "choice":
@@ -863,11 +882,11 @@ def find_recipe(ref: str | Path, recipes_dir: Path | None = None, *, root: Path 
 
 
 def load_recipe(ref: str | Path, recipes_dir: Path | None = None, *, root: Path | None = None) -> Recipe:
-    """Read and validate a recipe (``yaml.safe_load``: no arbitrary objects from YAML)."""
+    """Read and validate a recipe (:func:`load_yaml`: no arbitrary objects from YAML)."""
     path = find_recipe(ref, recipes_dir, root=root)
     where = f"recipe {path.name}"
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = load_yaml(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise ConfigError(f"{where}: invalid YAML: {' '.join(str(exc).split())}") from None
     except OSError as exc:

@@ -566,6 +566,24 @@ def test_grid_values_are_a_yaml_list_whose_brackets_may_be_left_out() -> None:
             parse_grid(items)
 
 
+def test_a_learning_rate_written_1e_4_is_a_number_in_a_set_a_grid_a_sample_and_a_recipe(tmp_path: Path) -> None:
+    """PyYAML read `1e-4` as text: `--set pretrain.lr=1e-4` was refused as "expected number, got str"."""
+    from orchestrator.recipes import Sampling, parse_grid, parse_samples, parse_sets
+
+    assert parse_sets(["pretrain.lr=1e-4", "seed=1E1"]) == {"pretrain.lr": 0.0001, "seed": 10.0}
+    assert (
+        resolve("marin-535b-a23b", "tiny", sets={"pretrain.lr": 1e-4}).stage_configs["pretrain"]["train"]["lr"] == 1e-4
+    )
+    assert parse_grid(["pretrain.lr=1e-4,3e-4"]) == {"pretrain.lr": [0.0001, 0.0003]}
+    drawn = Sampling(parse_samples(["pretrain.lr=loguniform(1e-4, 1e-2)"]), 3).points()
+    assert all(1e-4 <= p["pretrain.lr"] <= 1e-2 for p in drawn), drawn
+    data = yaml.safe_load((RECIPES_DIR / "marin-535b-a23b.yaml").read_text())
+    data["pretrain"]["lr"] = "LR"
+    copy = tmp_path / "sci.yaml"
+    copy.write_text(yaml.safe_dump(data, sort_keys=False).replace("LR", "3e-3"))
+    assert "lr: 3e-3" in copy.read_text() and load_recipe(copy).data["pretrain"]["lr"] == 0.003
+
+
 def test_sampled_values_are_different_draws_repeatable_by_seed_and_crossed_with_the_grid() -> None:
     """`--sample KEY=DIST --count N`: N different points, the same for the same seed (a sweep drawn
     again reuses its runs), each within its distribution, floats at 4 significant digits; every

@@ -111,6 +111,20 @@ def test_set_overrides_one_key_of_the_config(tmp_path: Path) -> None:
         assert not (tmp_path / "bad").exists()
 
 
+def test_a_number_in_scientific_notation_is_a_number_in_a_config_and_a_set() -> None:
+    """`train.lr=1e-4` (and `lr: 1e-4` in a config file) was the text "1e-4" under PyYAML's rules,
+    refused as "must be a number"; text that only looks like it stays text."""
+    from workloads.moe.config import apply_overrides, load_yaml
+
+    assert load_yaml("train: {lr: 1e-4, min_lr: 2.5E-5, steps: 1e2x}") == {
+        "train": {"lr": 0.0001, "min_lr": 2.5e-05, "steps": "1e2x"}
+    }
+    assert apply_overrides({"train": {"lr": 0.01}}, ["train.lr=1e-4", "seed=12"]) == {
+        "train": {"lr": 0.0001},
+        "seed": 12,
+    }
+
+
 def test_extends_starts_from_another_config_and_lays_this_files_keys_on_top(tmp_path: Path) -> None:
     """A variant file holds only its differences (`extends: base.yaml`, relative to the file): mappings
     merge key by key, lists are replaced whole, `--set` still applies last; a missing base or a loop is a

@@ -301,6 +301,25 @@ def parse_config(data: dict[str, Any]) -> Config:
     return cfg
 
 
+def load_yaml(text: str) -> Any:
+    """``text`` read as safe YAML, ``1e-4`` a number as YAML 1.2 reads it (PyYAML's 1.1 rules make it
+    the text "1e-4", and ``--set train.lr=1e-4`` was refused). The orchestrator reads its recipes
+    the same way (its own copy: the workload imports nothing of it)."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+        list("-+0123456789"),
+    )
+    return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
     """``data`` with each ``dotted.key=VALUE`` set (VALUE read as YAML: ``3``, ``0.5``, ``[1, 2]``, ``{a: 1}``).
 
@@ -315,7 +334,7 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
         if not sep or not key or any(not part for part in key.split(".")):
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a dotted KEY, e.g. --set train.steps=20")
         try:
-            value = yaml.safe_load(raw)
+            value = load_yaml(raw)
         except yaml.YAMLError as exc:
             raise ConfigError(f"--set {item!r}: cannot read the value: {str(exc).splitlines()[0]}") from None
         node = out
@@ -359,9 +378,7 @@ def read_config_file(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[st
         if p.suffix == ".json":
             data = json.loads(text)
         else:
-            import yaml
-
-            data = yaml.safe_load(text)
+            data = load_yaml(text)
     except Exception as exc:  # parse errors become one line
         msg = str(exc).replace("\n", " ")
         raise ConfigError(f"config: cannot parse {p}: {msg}") from None
