@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from orchestrator.errors import OpenlabError
+from orchestrator.errors import ConfigError, OpenlabError
 from orchestrator.settings import Settings, load_settings
 
 #: Environment that turns Prefect's telemetry off for servers and clients alike.
@@ -111,10 +111,18 @@ class PrefectServer:
         settings = settings or load_settings()
         section = settings.section("prefect")
         home = Path(section.get("home") or settings.home / "prefect").expanduser()
+        raw = port or section.get("port") or DEFAULT_PORT
+        where = "--port" if port else "[prefect] port"
+        try:
+            number = int(raw)
+        except (TypeError, ValueError):
+            number = -1
+        if not 1 <= number <= 65535:  # a port the socket layer would refuse with a traceback
+            raise ConfigError(f"{where} {raw!r}: a port is a whole number from 1 to 65535 (default {DEFAULT_PORT})")
         return cls(
             home=home,
             host=host or str(section.get("host") or DEFAULT_HOST),
-            port=int(port or section.get("port") or DEFAULT_PORT),
+            port=number,
             database_url=prefect_database_url(settings, home),
         )
 

@@ -813,8 +813,9 @@ class ResolvedRecipe:
     def wandb(self) -> dict[str, Any]:
         return dict(self.values.get("wandb") or {})
 
-    def until(self, stage: str | None) -> ResolvedRecipe:
-        """This replica cut after ``stage`` (it and what it reads from); None: all of it.
+    def until(self, stage: str | None, where: str = "--until") -> ResolvedRecipe:
+        """This replica cut after ``stage`` (it and what it reads from); None: all of it. ``where``:
+        the option that named the stage, for the error when it is none of this replica's.
 
         The stages that remain are the same stages with the same configs, so their identities,
         and what a later full run reuses, do not change.
@@ -823,7 +824,7 @@ class ResolvedRecipe:
             return self
         from orchestrator.pipeline.dag import stages_until  # not at import: the pipeline imports recipes
 
-        kept = stages_until(stage, self.stages)
+        kept = stages_until(stage, self.stages, where)
         return replace(
             self,
             stages=kept,

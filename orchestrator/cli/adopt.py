@@ -46,7 +46,7 @@ def adopt_cmd(
 
     settings = load_settings()
     path = check_source(source, settings.artifacts_dir)
-    resolved = resolve(recipe, replica, sets=parse_sets(set_values or [])).until(stage)
+    resolved = resolve(recipe, replica, sets=parse_sets(set_values or [])).until(stage, "--stage")
     backend = backend or settings.default_backend
     plan_adoption(explain_recipe(resolved, backend=backend, settings=settings), stage)
     params = {"adopt": {"stage": stage, "source": str(path), "by": user_at_host(), "move": move}}

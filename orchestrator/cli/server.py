@@ -55,6 +55,7 @@ def server(
     settings = load_settings()
     previous = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
     started: PrefectServer | None = None
+    up = False  # "stopped" is said of something that ran, not after a refusal
     try:
         if api_url:
             if not health_ok(api_url):
@@ -66,6 +67,7 @@ def server(
             started.start()
             api_url, ui = started.api_url, started.ui_url
             err_console.print(f"server log: {started.log_path}")
+        up = True
         console.print(f"Prefect UI: {ui}", highlight=False)
         console.print(f"Prefect API: {api_url}  (export PREFECT_API_URL={api_url} to use it)", highlight=False)
         if not serve:
@@ -88,7 +90,8 @@ def server(
         if started is not None:
             err_console.print("stopping Prefect server ...")
             started.stop()
-        err_console.print("stopped")
+        if up or started is not None:
+            err_console.print("stopped")
 
 
 if __name__ == "__main__":  # `python -m orchestrator.cli.server`: usable before it is mounted

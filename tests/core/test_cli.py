@@ -141,6 +141,23 @@ def test_a_home_or_path_the_file_system_refuses_is_one_line_naming_it(run_cli, t
     )
 
 
+def test_a_bad_port_or_stage_is_named_as_it_was_given(run_cli) -> None:
+    """`server --port 99999` was an OverflowError traceback followed by "stopped"; `adopt --stage pretrian`
+    was refused as "--until 'pretrian'", an option the person never typed."""
+    for args, env, want in (
+        (("server", "--port", "99999"), {}, "error: --port 99999: a port is a whole number from 1 to 65535"),
+        (("server",), {"OPENLAB_PREFECT__PORT": "http"}, "error: [prefect] port 'http': a port is a whole number"),
+        (
+            ("adopt", "marin-535b-a23b", "-r", "tiny", "--stage", "pretrian", "/tmp"),
+            {},
+            "error: --stage 'pretrian': not a stage of this run; did you mean 'pretrain'?",
+        ),
+    ):
+        out = run_cli(*args, env=env, timeout=60)
+        assert out.returncode == 2 and out.stderr.startswith(want), out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1 and not out.stdout, (out.stdout, out.stderr)
+
+
 def test_a_misspelt_option_or_command_names_the_command_its_help_and_the_one_meant(run_cli) -> None:
     result = run_cli("lineage", "lst")
     assert result.stderr.strip() == (
