@@ -48,6 +48,8 @@ def describe(record: Any) -> str:
             where += " set " + " ".join(set_words(record.run_set))
         if record.sweep:  # one of a sweep's runs: which sweep, which of its runs
             where += f" sweep {record.sweep.get('id')} {record.sweep.get('run')}/{record.sweep.get('of')}"
+        retried = (record.params or {}).get("retry_of")
+        where += f" retry of {retried}" if retried else ""  # the run it recovers (UI Retry, `openlab rerun`)
         where += f" user={record.user}" if record.user else ""  # the account that started it, as squeue's USER
         return f"{record.recipe or record.name} {where} {record.state}{judged}"
     if kind == "stage_run":

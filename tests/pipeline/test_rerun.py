@@ -42,6 +42,8 @@ def test_a_failed_run_is_run_again_as_it_was_asked_once_the_cause_is_fixed(run_c
         [link] = store.list(Relation, subject_id=retry.id, role="retry-of")
         assert link.object_id == first.id and link.relation == "wasInformedBy"
     assert retry.command is not None and retry.command[1:3] == ["rerun", first.id[:12]]
+    listed = run_cli("lineage", "list", "-k", "pipeline_run", env={"COLUMNS": "250"}).stdout
+    assert f"retry of {first.id}" in " ".join(listed.split()), listed  # the recovery says what it recovers
 
     for ref, want in (
         ("prun_nosuch", "error: no lineage record with id 'prun_nosuch'"),
