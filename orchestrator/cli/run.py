@@ -208,6 +208,12 @@ def rerun(
     force_stage: ForceStageOpt = None,
     retries: RetriesOpt = None,
     verbose: VerboseOpt = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option(
+            "--dry-run", help="Say per stage what the rerun would run or reuse, as explain does; run nothing."
+        ),
+    ] = False,
     json_out: JsonFlag = False,
 ) -> None:
     """Run PIPELINE_RUN again here as it was asked (recipe, replica, --set values, --until, backend, issue),
@@ -236,6 +242,12 @@ def rerun(
             highlight=False,
             soft_wrap=True,
         )
+    if dry_run:
+        from orchestrator.pipeline import explain_recipe
+
+        plans = explain_recipe(again.recipe, force=_force_value(force, force_stage), backend=backend or again.backend)
+        _print_plans(again.recipe, plans, json_out)
+        return
     options = RunOptions(
         backend=backend or again.backend,
         issue=again.issue,
@@ -331,6 +343,11 @@ def explain(
     plans = explain_recipe(
         resolved, force=_force_value(force, force_stage), backend=backend or load_settings().default_backend
     )
+    _print_plans(resolved, plans, json_out)
+
+
+def _print_plans(resolved: Any, plans: list[Any], json_out: bool) -> None:
+    """The dry run of ``explain`` and ``rerun --dry-run``: a row per stage (below 110 columns, a block)."""
     if json_out:
         print_json({"recipe": resolved.lineage(), "stages": [p.to_dict() for p in plans]})
         return

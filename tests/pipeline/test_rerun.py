@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -25,6 +26,14 @@ def test_a_failed_run_is_run_again_as_it_was_asked_once_the_cause_is_fixed(run_c
     assert first.state == "FAILED"
 
     config.write_text("")  # the fix
+    planned = run_cli("rerun", first.id, "--dry-run", "--json")
+    assert planned.returncode == 0, planned.stderr
+    assert [(p["stage"], p["action"]) for p in json.loads(planned.stdout)["stages"]] == [
+        ("data", "run"),
+        ("tokenize", "run"),
+    ]
+    with LineageStore.open() as store:
+        assert len(store.list(PipelineRun)) == 1  # the dry run started and recorded nothing
     again = run_cli("rerun", first.id[:12])
     assert again.returncode == 0, again.stderr
     assert again.stderr.startswith(
