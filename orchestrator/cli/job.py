@@ -198,6 +198,17 @@ def _find(store: Any, ident: str, backend: str | None) -> tuple[Any, Any, Any]:
         return attempt, handle_from_attempt(attempt, launcher), launcher
     if backend:
         return None, JobHandle(backend=backend, job_id=ident), get_launcher(backend)
+    if ident.startswith("prun_"):  # a pipeline run ran a job per stage: which one is for the person to say
+        from orchestrator.lineage.models import StageRun
+
+        run = store.find(ident)  # an id that names nothing is said so
+        stages = store.list(StageRun, pipeline_run_id=run.id, order_by=col(StageRun.started_at))
+        listed = ", ".join(f"{s.stage} {s.id}" for s in stages if s.state != "REUSED")
+        raise NotFoundError(
+            f"{run.id} is a pipeline run, a job per stage: give one of its stage runs ({listed})"
+            if listed
+            else f"{run.id} is a pipeline run that ran no job of its own (its stages were reused)"
+        )
     raise NotFoundError(
         f"no attempt or job {ident!r} in lineage; pass --backend to ask a backend about a job openlab did not record"
     )

@@ -35,7 +35,7 @@ from orchestrator.launchers import (
 from orchestrator.launchers.attempts import handle_from_attempt, run_job
 from orchestrator.launchers.base import flag_option, list_option, number_option, table_option, usage_python
 from orchestrator.launchers.local import group_members
-from orchestrator.lineage.models import Attempt, StageRun
+from orchestrator.lineage.models import Attempt, PipelineRun, StageRun
 from orchestrator.lineage.store import LineageStore
 from tests.launchers.harness import Harness, jobcomp_only_slurm
 
@@ -827,12 +827,17 @@ def test_cli_job_run_status_logs_cancel(store: LineageStore) -> None:
     assert f"    log_path: {attempt.log_path}\n" in shown, "a path is copied whole, not wrapped at the width"
     assert cli("job", "logs", attempt.id).stdout == "hi bar\n"
     with store.transaction() as tx:  # a stage run's jobs: `job logs srun_...` is its last one's
-        srun = tx.add(StageRun(stage="pretrain", identity="i-logs"))
+        prun = tx.add(PipelineRun(recipe="r", replica="tiny", backend="local"))
+        srun = tx.add(StageRun(stage="pretrain", identity="i-logs", pipeline_run_id=prun.id))
         tx.update(attempt, stage_run_id=srun.id)
         idle = tx.add(StageRun(stage="eval", identity="i-idle"))
     assert cli("job", "logs", srun.id[:12]).stdout == "hi bar\n"
     never = cli("job", "logs", idle.id)
     assert never.returncode == 2 and "ran no job" in never.stderr, never.stderr
+    whole = cli("job", "logs", prun.id)  # a pipeline run has a job per stage: which, is named
+    assert whole.returncode == 2 and whole.stderr.strip() == (
+        f"error: {prun.id} is a pipeline run, a job per stage: give one of its stage runs (pretrain {srun.id})"
+    ), whole.stderr
 
     runner = subprocess.Popen(  # submitted by the login account ada (getpass reads LOGNAME first, as login sets it)
         [*CLI, "job", "run", "-q", "--backend", "local", "--", "sleep", "60"],
