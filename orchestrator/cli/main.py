@@ -108,8 +108,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.write("interrupted\n")
         sys.exit(130)
     except OSError as exc:  # the file system refused (a home that cannot be made, a full disk): said, not traced
-        where = f"{exc.filename}: " if exc.filename else ""
-        print_error(f"{where}{exc.strerror or exc}; check OPENLAB_HOME and the paths given")
+        if exc.filename:
+            print_error(f"{exc.filename}: {exc.strerror or exc}; check OPENLAB_HOME and the paths given")
+        else:  # a connection refused and the like: its own words, without a hint about paths
+            print_error(" ".join(str(exc).split()) or type(exc).__name__)
         sys.exit(1)
     # without standalone mode click returns what stopped a command early (typer.Exit(code)) as
     # its code, and a command that ran to its end returns None
