@@ -214,11 +214,32 @@ def _find(store: Any, ident: str, backend: str | None) -> tuple[Any, Any, Any]:
     )
 
 
+#: Attempt states (lineage's names) of a job that has ended: nothing the backend says changes them.
+_ENDED = ("COMPLETED", "FAILED", "CANCELLED", "LOST", "PREEMPTED")
+
+
+def _recorded_status(attempt: Any) -> Any:
+    """An ended attempt's status as lineage recorded it (``COMPLETED`` is the backend's ``SUCCEEDED``)."""
+    from orchestrator.launchers import JobState, JobStatus
+
+    state = JobState.SUCCEEDED if attempt.state == "COMPLETED" else JobState(attempt.state)
+    return JobStatus(
+        state,
+        attempt.exit_code,
+        attempt.reason,
+        attempt.host,
+        attempt.started_at,
+        attempt.ended_at,
+        attempt.image_digest,
+        usage=attempt.used,
+    )
+
+
 def _refresh(store: Any, attempt: Any, status: Any) -> None:
     """Bring the attempt up to date when the backend knows more than lineage does."""
     from orchestrator.launchers.attempts import finish_attempt, lineage_state, mark_running
 
-    if attempt is None or attempt.state in ("COMPLETED", "FAILED", "CANCELLED", "LOST", "PREEMPTED"):
+    if attempt is None or attempt.state in _ENDED:
         return
     if status.state.terminal:
         finish_attempt(store, attempt, status)
@@ -234,12 +255,21 @@ def status_cmd(
 ) -> None:
     """Show a job's state, exit code, reason, host and times (and update its attempt)."""
     from orchestrator.cli.output import console, describe_task, describe_usage, print_json, say
+    from orchestrator.launchers import BackendUnavailable
     from orchestrator.lineage.store import open_store
 
+    recorded = None
     with open_store() as store:
         attempt, handle, launcher = _find(store, ident, backend)
-        status = launcher.status(handle)
-        _refresh(store, attempt, status)
+        try:
+            status = launcher.status(handle)
+        except BackendUnavailable as exc:
+            if attempt is None or attempt.state not in _ENDED:
+                raise
+            # an ended job's end is in lineage: said as recorded, with why the backend was not asked
+            status, recorded = _recorded_status(attempt), f"as recorded when it ended ({handle.backend}: {exc})"
+        else:
+            _refresh(store, attempt, status)
     data = {
         "attempt": attempt.id if attempt else None,
         "backend": handle.backend,
@@ -249,6 +279,8 @@ def status_cmd(
         "log_path": handle.log_path,
         **status.to_dict(),
     }
+    if recorded:
+        data["source"] = recorded
     if as_json:
         print_json(data)
         return

@@ -799,6 +799,24 @@ def test_a_cluster_named_in_the_settings_is_what_attempts_record(store: LineageS
     assert run_job(store, named, JobSpec(name="x", command=["true"]))[0].cluster == "lab-a"
 
 
+def test_status_of_an_ended_job_is_its_record_when_the_backend_cannot_be_asked(store: LineageStore) -> None:
+    """On a laptop without the cluster's config (or with its engine down), `job status` of a job that
+    ended was the backend's error; lineage holds its end, so that is said, with why it is the record.
+    A job not known to have ended still needs its backend: the error stands."""
+    with store.transaction() as tx:
+        ended = tx.add(Attempt(backend="docker", job_id="c0ffee", state="FAILED", exit_code=3, host="h1"))
+        live = tx.add(Attempt(backend="docker", job_id="dead11", state="RUNNING"))
+    unreachable = {"DOCKER_HOST": "tcp://127.0.0.1:9"}  # nothing listens there
+    shown = cli("job", "status", ended.id, "--json", env=unreachable)
+    assert shown.returncode == 0, shown.stderr
+    data = json.loads(shown.stdout)
+    assert (data["state"], data["exit_code"], data["host"]) == ("FAILED", 3, "h1")
+    assert data["source"].startswith("as recorded when it ended (docker: docker engine not reachable"), data
+    refused = cli("job", "status", live.id, env=unreachable)
+    assert refused.returncode == 2 and refused.stderr.startswith("error: docker engine not reachable"), refused.stderr
+    assert store.get(Attempt, live.id).state == "RUNNING"  # nothing was decided without its backend
+
+
 def test_cli_job_run_status_logs_cancel(store: LineageStore) -> None:
     proc = cli(
         "job",
