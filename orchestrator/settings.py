@@ -210,11 +210,11 @@ def check_known(config: Mapping[str, Any], path: Path | None, environ: Mapping[s
                 f"{where(key)}[{key}] is not an openlab setting: {choices(key, KNOWN_SETTINGS, label='settings')}"
             )
         keys = KNOWN_SETTINGS[key]
-        if keys is None:
+        if keys is None and key != "backends":  # a value (home, db_url)
             continue
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where(key)}{key} = {value!r}: {key} is a table of settings, [{key}], not a value")
-        for name in value:
+        for name in value if keys is not None else ():  # [backends.*]: each launcher checks its own
             if name not in keys:
                 hint = choices(name, sorted(keys), label=f"[{key}] has")
                 raise ConfigError(f"{where(key, name)}[{key}] {name}: no such setting; {hint}")

@@ -188,6 +188,7 @@ def test_a_setting_nothing_reads_is_refused_where_it_was_written_naming_the_one_
             f"error: {config}: [pipeline] stage_retry: no such setting; did you mean 'stage_retries'?",
         ),
         ('artifacts = "/data"\n', {}, f"error: {config}: artifacts = '/data': artifacts is a table of settings"),
+        ('backends = "slurm"\n', {}, f"error: {config}: backends = 'slurm': backends is a table of settings"),
         (
             "",
             {"OPENLAB_GITHUB__MAX_WAIT": "5"},
