@@ -237,7 +237,8 @@ def rerun(
         asked += [f"--set {w}" for w in set_words(again.recipe.run_set)]
         err_console.print(
             f"rerun of {again.of.id} ({again.of.state}): {' '.join(asked)} on {backend or again.backend}"
-            + (f", issue {again.issue}" if again.issue else ""),
+            + (f", issue {again.issue}" if again.issue else "")
+            + (f"; it ran git ref {again.git_ref}, this reruns the working tree" if again.git_ref else ""),
             markup=False,
             highlight=False,
             soft_wrap=True,

@@ -9,7 +9,8 @@ any run, from a terminal. The new run is recorded as the old one's retry (``para
 unrelated run; what it reuses and resumes follows from stage identities, as always.
 
 The run's *asks* are read back, not its code: the recipe is this tree's, by name (a recipe file
-given by path is read from that path), so a fix to the code or the recipe is what runs. Its
+given by path is read from that path), so a fix to the code or the recipe is what runs; a run the
+UI made at another ``git_ref`` is rerun on this tree, which the rerun says. Its
 ``force`` is not carried over (a rerun of a forced run would re-run everything again): the
 rerun takes its own.
 """
@@ -39,6 +40,8 @@ class Rerun:
     until: str | None
     #: Parameters the new run records as the old one did (its sweep: the retry stays one of its runs).
     params: dict[str, Any] = field(default_factory=dict)
+    #: The git ref the run ran (a UI run's ``git_ref``) when not the working tree: the rerun runs this tree.
+    git_ref: str | None = None
 
 
 def rerun_of(store: LineageStore, run_id: str, *, root: Path | None = None) -> Rerun:
@@ -67,7 +70,9 @@ def rerun_of(store: LineageStore, run_id: str, *, root: Path | None = None) -> R
         )
     params = {"sweep": dict(run.sweep)} if run.sweep else {}
     issue = (run.params or {}).get("issue") or None
-    return Rerun(run, resolved.until(until), run.backend, issue, until, params)
+    ref = (run.params or {}).get("git_ref")
+    git_ref = str(ref) if ref and ref != "HEAD" else None
+    return Rerun(run, resolved.until(until), run.backend, issue, until, params, git_ref)
 
 
 def _replica_flag(resolved: ResolvedRecipe) -> str:
