@@ -252,6 +252,7 @@ def rerun(
     options = RunOptions(
         backend=backend or again.backend,
         issue=again.issue,
+        issue_required=again.issue_required,
         force=_force_value(force, force_stage),
         trigger="terminal",
         command=command_line(),

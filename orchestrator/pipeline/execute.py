@@ -495,6 +495,8 @@ def _open_pipeline_run(
         "issue": options.issue,
         "repo_root": str(pipeline.repo_root),
     }
+    if options.issue and options.issue_required:  # what a rerun asks again (`openlab rerun`)
+        params["issue_required"] = True
     if image_code is not None:
         params["image_code"] = image_code
     if image_code_by_backend:

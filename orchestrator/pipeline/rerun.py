@@ -40,6 +40,8 @@ class Rerun:
     until: str | None
     #: Parameters the new run records as the old one did (its sweep: the retry stays one of its runs).
     params: dict[str, Any] = field(default_factory=dict)
+    #: Whether the run required its issue link (``--require-issue``, the UI's ``require_issue``).
+    issue_required: bool = False
     #: The git ref the run ran (a UI run's ``git_ref``) when not the working tree: the rerun runs this tree.
     git_ref: str | None = None
 
@@ -72,7 +74,8 @@ def rerun_of(store: LineageStore, run_id: str, *, root: Path | None = None) -> R
     issue = (run.params or {}).get("issue") or None
     ref = (run.params or {}).get("git_ref")
     git_ref = str(ref) if ref and ref != "HEAD" else None
-    return Rerun(run, resolved.until(until), run.backend, issue, until, params, git_ref)
+    required = bool(issue and ((run.params or {}).get("issue_required") or (run.params or {}).get("require_issue")))
+    return Rerun(run, resolved.until(until), run.backend, issue, until, params, required, git_ref)
 
 
 def _replica_flag(resolved: ResolvedRecipe) -> str:

@@ -120,4 +120,4 @@ def test_cli_require_issue_without_token_is_one_line_exit_2(openlab_env: Path, r
     assert "Traceback" not in done.stderr
     with open_store() as store:
         assert store.list(Attempt) == []
-        assert [r.state for r in store.list(PipelineRun)] == ["FAILED"]
+        assert [(r.state, r.params.get("issue_required")) for r in store.list(PipelineRun)] == [("FAILED", True)]

@@ -89,6 +89,9 @@ def test_what_a_run_asked_is_read_back_from_its_record(openlab_home: Path) -> No
         assert whole.until is None and whole.params == {} and whole.issue is None and whole.git_ref is None
         assert rerun_of(store, _recorded(store, recipe=asked, git_ref="v1.2").id).git_ref == "v1.2"  # said, not run
         assert rerun_of(store, _recorded(store, recipe=asked, git_ref="HEAD").id).git_ref is None
+        assert not again.issue_required  # the first run did not require its link
+        for flag in ({"issue_required": True}, {"require_issue": True}):  # as a terminal / the UI records it
+            assert rerun_of(store, _recorded(store, recipe=asked, issue="lab/exp#7", **flag).id).issue_required
         assert whole.recipe.stages == ("data", "tokenize", "pretrain", "midtrain", "posttrain", "eval")
         for params, message in (
             ({}, "records no recipe (a pipeline started from code)"),
