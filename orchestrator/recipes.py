@@ -580,6 +580,16 @@ def sweep_trials(
     return [{**(fixed or {}), **trial} for trial in trials]
 
 
+def split_item(item: str, option: str, form: str) -> tuple[str, str]:
+    """``KEY=TEXT`` of a ``--set`` / ``--grid`` / ``--sample`` argument as (key, text), or the one-line
+    error that shows ``form`` (``KEY=VALUE with a dotted recipe key, e.g. pretrain.lr=0.02``)."""
+    key, eq, text = item.partition("=")
+    key = key.strip()
+    if not eq or not key or not text.strip():
+        raise ConfigError(f"{option} {item!r}: expected {form}")
+    return key, text
+
+
 def parse_sets(items: Sequence[str]) -> dict[str, Any]:
     """``--set KEY=VALUE`` arguments as a mapping (a later one of a key wins, as in a shell).
 
@@ -589,10 +599,7 @@ def parse_sets(items: Sequence[str]) -> dict[str, Any]:
     """
     sets: dict[str, Any] = {}
     for item in items:
-        key, eq, raw = item.partition("=")
-        key = key.strip()
-        if not eq or not key or not raw.strip():
-            raise ConfigError(f"--set {item!r}: expected KEY=VALUE with a dotted recipe key, e.g. pretrain.lr=0.02")
+        key, raw = split_item(item, "--set", "KEY=VALUE with a dotted recipe key, e.g. pretrain.lr=0.02")
         try:
             sets[key] = load_yaml(raw)
         except yaml.YAMLError as exc:
@@ -611,12 +618,8 @@ def parse_grid(items: Sequence[str]) -> dict[str, list[Any]]:
     """
     grid: dict[str, list[Any]] = {}
     for item in items:
-        key, eq, raw = item.partition("=")
-        key, text = key.strip(), raw.strip()
-        if not eq or not key or not text:
-            raise ConfigError(
-                f"--grid {item!r}: expected KEY=V1,V2,... with a dotted recipe key, e.g. pretrain.lr=0.01,0.02"
-            )
+        key, raw = split_item(item, "--grid", "KEY=V1,V2,... with a dotted recipe key, e.g. pretrain.lr=0.01,0.02")
+        text = raw.strip()
         if key in grid:
             raise ConfigError(f"--grid {key} is given twice: put all its values in one, e.g. {key}=V1,V2,V3")
         try:
@@ -696,10 +699,7 @@ def parse_samples(items: Sequence[str]) -> dict[str, Sampler]:
     """``--sample KEY=DIST`` arguments (a key given twice is refused, as in :func:`parse_grid`)."""
     samples: dict[str, Sampler] = {}
     for item in items:
-        key, eq, text = item.partition("=")
-        key = key.strip()
-        if not eq or not key or not text.strip():
-            raise ConfigError(f"--sample {item!r}: expected KEY=DIST, e.g. pretrain.lr=loguniform(0.001,0.03)")
+        key, text = split_item(item, "--sample", "KEY=DIST, e.g. pretrain.lr=loguniform(0.001,0.03)")
         if key in samples:
             raise ConfigError(f"--sample {key} is given twice: one distribution a key")
         samples[key] = parse_sample(key, text)
