@@ -214,32 +214,11 @@ def _find(store: Any, ident: str, backend: str | None) -> tuple[Any, Any, Any]:
     )
 
 
-#: Attempt states (lineage's names) of a job that has ended: nothing the backend says changes them.
-_ENDED = ("COMPLETED", "FAILED", "CANCELLED", "LOST", "PREEMPTED")
-
-
-def _recorded_status(attempt: Any) -> Any:
-    """An ended attempt's status as lineage recorded it (``COMPLETED`` is the backend's ``SUCCEEDED``)."""
-    from orchestrator.launchers import JobState, JobStatus
-
-    state = JobState.SUCCEEDED if attempt.state == "COMPLETED" else JobState(attempt.state)
-    return JobStatus(
-        state,
-        attempt.exit_code,
-        attempt.reason,
-        attempt.host,
-        attempt.started_at,
-        attempt.ended_at,
-        attempt.image_digest,
-        usage=attempt.used,
-    )
-
-
 def _refresh(store: Any, attempt: Any, status: Any) -> None:
     """Bring the attempt up to date when the backend knows more than lineage does."""
-    from orchestrator.launchers.attempts import finish_attempt, lineage_state, mark_running
+    from orchestrator.launchers.attempts import ENDED, finish_attempt, lineage_state, mark_running
 
-    if attempt is None or attempt.state in _ENDED:
+    if attempt is None or attempt.state in ENDED:
         return
     if status.state.terminal:
         finish_attempt(store, attempt, status)
@@ -256,6 +235,7 @@ def status_cmd(
     """Show a job's state, exit code, reason, host and times (and update its attempt)."""
     from orchestrator.cli.output import console, describe_task, describe_usage, print_json, say
     from orchestrator.launchers import BackendUnavailable
+    from orchestrator.launchers.attempts import ENDED, recorded_status
     from orchestrator.lineage.store import open_store
 
     recorded = None
@@ -264,10 +244,10 @@ def status_cmd(
         try:
             status = launcher.status(handle)
         except BackendUnavailable as exc:
-            if attempt is None or attempt.state not in _ENDED:
+            if attempt is None or attempt.state not in ENDED:
                 raise
             # an ended job's end is in lineage: said as recorded, with why the backend was not asked
-            status, recorded = _recorded_status(attempt), f"as recorded when it ended ({handle.backend}: {exc})"
+            status, recorded = recorded_status(attempt), f"as recorded when it ended ({handle.backend}: {exc})"
         else:
             _refresh(store, attempt, status)
     data = {

@@ -57,6 +57,26 @@ def lineage_state(state: JobState) -> str:
     return "COMPLETED" if state is JobState.SUCCEEDED else str(state)
 
 
+#: Attempt states (lineage's names) of a job that has ended: nothing its backend says changes them.
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "LOST", "PREEMPTED")
+
+
+def recorded_status(attempt: Attempt) -> JobStatus:
+    """An ended attempt's status as lineage recorded it (:func:`lineage_state` read back), for when
+    its backend cannot be asked."""
+    state = JobState.SUCCEEDED if attempt.state == "COMPLETED" else JobState(attempt.state)
+    return JobStatus(
+        state,
+        attempt.exit_code,
+        attempt.reason,
+        attempt.host,
+        attempt.started_at,
+        attempt.ended_at,
+        attempt.image_digest,
+        usage=attempt.used,
+    )
+
+
 def next_attempt_number(store: LineageStore, stage_run_id: str | None) -> int:
     """Previous attempts of this stage run + 1 (1 for a job outside any stage run)."""
     if stage_run_id is None:
@@ -366,12 +386,14 @@ def run_job(
 
 
 __all__ = [
+    "ENDED",
     "finish_attempt",
     "handle_from_attempt",
     "interruption_reason",
     "lineage_state",
     "mark_running",
     "next_attempt_number",
+    "recorded_status",
     "run_job",
     "submit_attempt",
 ]
