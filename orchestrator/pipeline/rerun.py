@@ -24,7 +24,7 @@ from typing import Any
 from orchestrator.errors import ConfigError
 from orchestrator.lineage.models import PipelineRun
 from orchestrator.lineage.store import LineageStore
-from orchestrator.recipes import RECIPES_DIR, ResolvedRecipe, resolve
+from orchestrator.recipes import ResolvedRecipe, find_recipe, resolve
 
 
 @dataclass(frozen=True)
@@ -59,9 +59,12 @@ def rerun_of(store: LineageStore, run_id: str, *, root: Path | None = None) -> R
             f"{run.id} records no recipe (a pipeline started from code): start it again as it was started"
         )
     name, path = str(asked["recipe"]), asked.get("recipe_path")
-    folder = (root / "recipes") if root is not None else RECIPES_DIR
-    in_tree = any((folder / f"{name}{ext}").is_file() for ext in (".yaml", ".yml"))
-    ref: str | Path = name if in_tree or not path or not Path(path).is_file() else Path(path)
+    try:  # this tree's recipe of that name; else the file the run read, where it is not one of the tree's
+        ref = find_recipe(name, root=root)
+    except ConfigError:
+        if not path or not Path(path).is_file():
+            raise
+        ref = Path(path)
     resolved = resolve(ref, asked.get("replica"), root=root, sets=asked.get("run_set") or {})
     stages = list(asked.get("stages") or resolved.stages)
     until = stages[-1] if tuple(stages) != tuple(resolved.stages) else None
