@@ -134,13 +134,9 @@ def replica_sweep(
     logger = get_run_logger()
     if at_once < 0:
         raise ConfigError(f"sweep: at_once must be 0 (all at once) or more, got {at_once}")
-    sampling = None
-    if samples or count:
-        if not samples or count < 1:
-            raise ConfigError("samples and count go together: each key of samples is drawn count times (1 or more)")
-        sampled = {key: parse_sample(key, text, "samples") for key, text in samples.items()}
-        sampling = Sampling(sampled, count, sample_seed)
-    elif not grid:
+    sampled = {key: parse_sample(key, text, "samples") for key, text in (samples or {}).items()}
+    sampling = Sampling.asked(sampled, count, sample_seed, ("samples", "count"))
+    if sampling is None and not grid:
         raise ConfigError('give the values to try: a grid ({"pretrain.lr": [0.005, 0.01]}) or samples and count')
     grid = grid or {}
     check_over(over or [], {**grid, **(sampling.samplers if sampling else {})}, "over")

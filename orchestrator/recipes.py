@@ -717,6 +717,24 @@ class Sampling:
     count: int
     seed: int = 0
 
+    @classmethod
+    def asked(
+        cls,
+        samplers: Mapping[str, Sampler] | None,
+        count: int | None,
+        seed: int = 0,
+        named: tuple[str, str] = ("--sample", "--count"),
+    ) -> Sampling | None:
+        """The sampling a sweep was asked for (None: none); distributions without a count, or a count
+        without distributions, are refused naming the two as given (``samples``, ``count`` in the form)."""
+        if not samplers and not count:
+            return None
+        if not samplers or count is None or count < 1:
+            raise ConfigError(
+                f"{named[0]} and {named[1]} go together: each {named[0]} key is drawn {named[1]} times (1 or more)"
+            )
+        return cls(dict(samplers), count, seed)
+
     def points(self) -> list[dict[str, Any]]:
         """The draws, in order; refused when the distributions hold fewer different points than asked."""
         if self.count < 1:

@@ -253,12 +253,8 @@ def sweep(
     from orchestrator.settings import load_settings
 
     swept = parse_grid(grid or [])
-    sampling = None
-    if sample or count is not None:
-        if not sample or count is None:
-            raise ConfigError("--sample and --count go together: --sample KEY=DIST ... --count N draws N times")
-        sampling = Sampling(parse_samples(sample), count, sample_seed)
-    elif not swept:
+    sampling = Sampling.asked(parse_samples(sample or []), count, sample_seed)
+    if sampling is None and not swept:
         raise ConfigError("give the values to try: --grid KEY=V1,V2,... or --sample KEY=DIST --count N")
     check_over(over or [], {**swept, **(sampling.samplers if sampling else {})})
     trials = plan_sweep(recipe, replica, swept, parse_sets(set_values or []), sampling=sampling, until=until)
