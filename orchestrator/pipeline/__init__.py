@@ -30,9 +30,7 @@ from orchestrator.pipeline.execute import (
     StageTransition,
     execute_stage,
     execute_stage_resuming,
-    find_reusable,
     finish_pipeline,
-    output_dir,
     pipeline_state,
     preemption_retries,
     run_pipeline,
@@ -42,10 +40,11 @@ from orchestrator.pipeline.execute import (
     stage_retries,
     start_pipeline,
     start_recipe,
-    verify_outputs,
 )
+from orchestrator.pipeline.outputs import output_dir, verify_outputs
 from orchestrator.pipeline.plan import StagePlan, explain_recipe, plan, plan_markdown
 from orchestrator.pipeline.reconcile import Reconciled, ReconciledPipeline, reconcile, reconcile_pipeline_runs
+from orchestrator.pipeline.reuse import find_reusable
 
 __all__ = [
     "DEFAULT_VOLATILE",

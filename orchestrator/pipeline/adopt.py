@@ -39,16 +39,13 @@ from orchestrator.lineage.record import live_records_at, mark_removed
 from orchestrator.pipeline.execute import (
     PipelineContext,
     StageResult,
-    _conclude,
-    _read_metrics,
-    _upstream,
-    find_reusable,
-    hash_output,
-    output_dir,
-    record_outputs,
+    conclude_stage,
     stage_identity,
+    upstream_results,
 )
 from orchestrator.pipeline.gc import folder_bytes
+from orchestrator.pipeline.outputs import hash_output, output_dir, read_metrics, record_outputs
+from orchestrator.pipeline.reuse import find_reusable
 from orchestrator.provenance.invocation import user_at_host
 
 #: ``progress(bytes_copied, bytes_total)`` while a source is copied.
@@ -107,7 +104,7 @@ def adopt_stage(
     settings, store = ctx.settings, ctx.store
     spec = ctx.pipeline.stage(stage)
     path = check_source(source, settings.artifacts_dir)
-    identity = stage_identity(ctx, spec, _upstream(ctx, spec, None))
+    identity = stage_identity(ctx, spec, upstream_results(ctx, spec, None))
     digest = identity.digest
     held = leases.try_hold(
         store,
@@ -144,7 +141,7 @@ def adopt_stage(
                 shutil.rmtree(staging, ignore_errors=True)
             hint = " (--move needs the source on the same filesystem as openlab's artifacts)" if move else ""
             raise AdoptError(f"could not {'move' if move else 'copy'} {source} to {out_dir}: {exc}{hint}") from None
-        inputs = _upstream(ctx, spec, None)
+        inputs = upstream_results(ctx, spec, None)
         replaced = live_records_at(store, out_dir)
         had_old = out_dir.exists()  # a failed run's partial output, or outputs that no longer verify
         if had_old:
@@ -188,7 +185,7 @@ def _record(
     snap = hashed.pop("_snapshot")
     by = user_at_host()
     hashed.update(adopted_from=str(source), adopted_by=by, adopted_by_move=move)
-    metrics = _read_metrics(out_dir)
+    metrics = read_metrics(out_dir)
     now = utcnow()
     reason = f"adopted from {source} by {by}"
     with ctx.store.transaction() as tx:
@@ -214,7 +211,7 @@ def _record(
                 tx.relate("used", run, art, role=key)
         outputs = record_outputs(tx, spec, run, out_dir, hashed, snap)
         run = tx.update(run, outputs=outputs)
-    return _conclude(
+    return conclude_stage(
         ctx, spec, identity, run.id, "COMPLETED", reason, started, out_dir=out_dir, outputs=outputs, metrics=metrics
     )
 

@@ -7,10 +7,10 @@ The flow of :func:`execute_stage`, and why each step is there:
    files such as ``metrics.json``), the working-tree tree hashes of its declared code
    paths and its declared environment fields. The output folder is
    ``artifacts_dir/<stage>/<identity[:16]>``: derived from the identity, never part of it.
-2. **Reuse**: a COMPLETED stage run with the same identity whose outputs still verify
-   (content hash re-checked) is reused: a REUSED stage run points at it (``reused_from``)
-   and the reason is logged. The check runs before the lease (re-hashing is the slow part),
-   the decision under it (step 3).
+2. **Reuse** (:mod:`orchestrator.pipeline.reuse`): a COMPLETED stage run with the same
+   identity whose outputs still verify (content hash re-checked) is reused: a REUSED stage
+   run points at it (``reused_from``) and the reason is logged. The check runs before the
+   lease (re-hashing is the slow part), the decision under it (step 3).
 3. **Lease** (:mod:`orchestrator.lineage.leases`): take the lease on the identity; if another
    live holder has it, wait, then check for reuse again — so two pipeline runs started at
    once execute each identity once. A reuse is recorded under the lease too, after checking
@@ -19,9 +19,9 @@ The flow of :func:`execute_stage`, and why each step is there:
    the removal (and runs the stage again) — never a reused folder deleted in between.
 4. **Run** the job with :func:`orchestrator.launchers.attempts.run_job` on the chosen
    backend, streaming its log to the hooks; a lost lease or a cancel request cancels it.
-5. **Record** the output folder as an Artifact (snapshot Merkle hash) ``wasGeneratedBy``
-   the stage run, which ``used`` its inputs and ``wasAssociatedWith`` the commit and the
-   environment; metrics come from ``metrics.json``.
+5. **Record** (:mod:`orchestrator.pipeline.outputs`) the output folder as an Artifact
+   (snapshot Merkle hash) ``wasGeneratedBy`` the stage run, which ``used`` its inputs and
+   ``wasAssociatedWith`` the commit and the environment; metrics come from ``metrics.json``.
 
 The same functions serve ``openlab run`` (terminal, no Prefect) and the Prefect flows in
 ``flows/``: :func:`start_pipeline` / :func:`execute_stage` / :func:`finish_pipeline` for
@@ -31,7 +31,6 @@ a flow that maps each stage onto a task, :func:`run_pipeline` for everything at 
 from __future__ import annotations
 
 import datetime as dt
-import fnmatch
 import json
 import logging
 import re
@@ -43,10 +42,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sqlmodel import col, select
+from sqlmodel import col
 
 from orchestrator.errors import ConfigError, OpenlabError, choices
-from orchestrator.identity import FieldChange, StageIdentity, compute_identity, diff_identities
+from orchestrator.identity import StageIdentity, compute_identity, diff_identities
 from orchestrator.lineage import leases
 from orchestrator.lineage.models import (
     Artifact,
@@ -57,9 +56,19 @@ from orchestrator.lineage.models import (
     new_id,
     utcnow,
 )
-from orchestrator.lineage.record import live_records_at, mark_removed, record_snapshot
-from orchestrator.lineage.store import LineageStore, Transaction
+from orchestrator.lineage.record import live_records_at, mark_removed
+from orchestrator.lineage.store import LineageStore
 from orchestrator.pipeline.dag import Pipeline, StageSpec, default_python, moe_pipeline
+from orchestrator.pipeline.outputs import hash_output, output_dir, read_metrics, record_outputs
+from orchestrator.pipeline.reuse import (
+    NO_LONGER_VERIFY,
+    closest_completed,
+    describe_changes,
+    find_reusable,
+    latest_completed,
+    still_reusable,
+    unchanged_since,
+)
 from orchestrator.provenance.invocation import current_user
 from orchestrator.recipes import ResolvedRecipe, identity_config
 from orchestrator.settings import Settings, load_settings
@@ -636,7 +645,11 @@ def finish_pipeline(ctx: PipelineContext, state: str | None = None, error: str |
 # -- identity and reuse --------------------------------------------------------------------------
 
 
-def _upstream(ctx: PipelineContext, spec: StageSpec, given: Mapping[str, StageResult] | None) -> dict[str, StageResult]:
+def upstream_results(
+    ctx: PipelineContext, spec: StageSpec, given: Mapping[str, StageResult] | None
+) -> dict[str, StageResult]:
+    """The results ``spec`` reads, by input name: a stage's identity is computed from its inputs'
+    content, so an input that has not completed is an error here, not a missing hash later."""
     out: dict[str, StageResult] = {}
     for key, stage in spec.inputs.items():
         result = (given or {}).get(stage) or ctx.results.get(stage)
@@ -657,110 +670,6 @@ def stage_identity(ctx: PipelineContext, spec: StageSpec, upstream: Mapping[str,
     )
 
 
-def output_dir(settings: Settings, stage: str, identity: str) -> Path:
-    """Where a stage identity's output lives; a function of the identity, never an input to it."""
-    return settings.artifacts_dir / stage / identity[:16]
-
-
-def _volatile(path: str, patterns: Sequence[str]) -> bool:
-    return any(fnmatch.fnmatchcase(path, p) for p in patterns)
-
-
-def detach_external_links(path: Path, volatile: Sequence[str]) -> list[str]:
-    """Remove symlinks under volatile paths that point outside the output folder.
-
-    W&B's offline run folder links ``logs/debug-core.log`` to a file in the user's cache;
-    a snapshot rightly refuses links that leave its root, and that debug log is not a
-    result. Links outside volatile paths are left alone (the snapshot then names them).
-    """
-    import os
-
-    removed: list[str] = []
-    root = os.path.realpath(path)
-    for dirpath, dirnames, filenames in os.walk(path):
-        for name in [*filenames, *dirnames]:
-            full = os.path.join(dirpath, name)
-            if not os.path.islink(full):
-                continue
-            rel = os.path.relpath(full, path).replace(os.sep, "/")
-            target = os.path.realpath(full)
-            if _volatile(rel, volatile) and not (target == root or target.startswith(root + os.sep)):
-                os.unlink(full)
-                removed.append(rel)
-    if removed:
-        log.info("removed %d volatile link(s) leaving %s: %s", len(removed), path, ", ".join(removed[:3]))
-    return removed
-
-
-def hash_output(path: Path, settings: Settings, volatile: Sequence[str]) -> dict[str, Any]:
-    """Snapshot an output folder: full Merkle hash plus the hash without volatile files."""
-    from orchestrator.snapshots import merkle_root, snapshot
-
-    detach_external_links(path, volatile)
-    snap = snapshot(path, settings=settings)
-    stable = [e for e in snap.entries if not _volatile(e.path, volatile)]
-    return {
-        "path": str(snap.path),
-        "content_hash": snap.id,
-        "input_hash": merkle_root(stable),
-        "files": snap.files,
-        "bytes": snap.bytes,
-        "manifest_path": str(snap.manifest_path),
-        "_snapshot": snap,
-    }
-
-
-def verify_outputs(outputs: Mapping[str, Any], settings: Settings, *, deep: bool = False) -> str | None:
-    """None when every recorded output still has its content hash, else what is wrong.
-
-    The default check re-snapshots with the stat cache (one stat per unchanged file), so
-    reuse stays cheap; ``deep`` re-reads every byte.
-    """
-    from orchestrator.snapshots import SnapshotError, snapshot, verify_snapshot
-
-    if not outputs:
-        return "no outputs recorded"
-    for name, out in outputs.items():
-        path = Path(out.get("path", ""))
-        if not path.exists():
-            return f"output {name} is missing at {path}"
-        try:
-            if deep:
-                problems = verify_snapshot(out["content_hash"], settings, path=path)
-                if problems:
-                    return f"output {name}: {problems[0]}"
-            elif snapshot(path, settings=settings).id != out.get("content_hash"):
-                return f"output {name} at {path} changed since it was recorded"
-        except (SnapshotError, OpenlabError) as exc:
-            return f"output {name}: {exc}"
-    return None
-
-
-#: How :func:`find_reusable` begins when the identity completed before but its outputs are gone or changed.
-NO_LONGER_VERIFY = "completed runs with this identity no longer verify: "
-
-
-def find_reusable(
-    store: LineageStore, identity: str, settings: Settings, *, deep: bool = False
-) -> tuple[StageRun | None, str]:
-    """The latest COMPLETED stage run of ``identity`` whose outputs verify, and why (or why not)."""
-    candidates = store.list(
-        StageRun,
-        where=[StageRun.identity == identity, StageRun.state == "COMPLETED"],
-        order_by=col(StageRun.ended_at).desc(),
-        limit=5,
-    )
-    if not candidates:
-        return None, "no completed run with this identity"
-    problems = []
-    for run in candidates:
-        problem = verify_outputs(run.outputs, settings, deep=deep)
-        if problem is None:
-            return run, f"identity {identity[:16]} already completed by {run.id}; outputs verified"
-        problems.append(f"{run.id}: {_removed(store, run) or problem}")
-    return None, NO_LONGER_VERIFY + "; ".join(problems)
-
-
 def would_reuse(ctx: PipelineContext, stage: str) -> bool:
     """Whether :func:`execute_stage` would reuse ``stage`` were it called now.
 
@@ -772,113 +681,8 @@ def would_reuse(ctx: PipelineContext, stage: str) -> bool:
     spec = ctx.pipeline.stage(stage)
     if ctx.options.forced(spec.name):
         return False
-    identity = stage_identity(ctx, spec, _upstream(ctx, spec, None))
+    identity = stage_identity(ctx, spec, upstream_results(ctx, spec, None))
     return find_reusable(ctx.store, identity.digest, ctx.settings)[0] is not None
-
-
-def still_reusable(store: LineageStore, identity: str, original: StageRun) -> bool:
-    """Whether outputs :func:`find_reusable` verified a moment ago are still the ones to reuse.
-
-    Called under the identity's lease, so cheap: no newer run of the identity completed (a forced
-    re-run rewrites the folder), gc has not marked the outputs removed, and they are still there.
-    Anything else sends the caller back to :func:`find_reusable`.
-    """
-    latest = store.list(
-        StageRun,
-        where=[StageRun.identity == identity, StageRun.state == "COMPLETED"],
-        order_by=col(StageRun.ended_at).desc(),
-        limit=1,
-    )
-    if not latest or latest[0].id != original.id or _removed(store, original) is not None:
-        return False
-    return all(Path(out.get("path", "")).exists() for out in original.outputs.values() if isinstance(out, dict))
-
-
-def _removed(store: LineageStore, run: StageRun) -> str | None:
-    """Why ``run``'s outputs are gone when openlab removed them: ``outputs removed by openlab gc on ...``,
-    or ``outputs replaced on ... by a forced re-run ...``."""
-    for out in run.outputs.values():
-        art = store.get(Artifact, out.get("artifact_id") or "") if isinstance(out, dict) else None
-        if art is not None and art.removed_at is not None:
-            when = f"{art.removed_at:%Y-%m-%d %H:%M} UTC"
-            reason = art.removed_reason or ""
-            if reason.startswith("replaced by "):
-                return f"outputs replaced on {when} by {reason.removeprefix('replaced by ')}"
-            return f"outputs removed by openlab gc on {when}"
-    return None
-
-
-#: How many of a stage's latest completed runs the "changed since" comparison looks among.
-CLOSEST_AMONG = 20
-
-
-def closest_completed(
-    store: LineageStore,
-    stage: str,
-    fields: Mapping[str, Any],
-    *,
-    exclude_identity: str | None = None,
-    recipe: str | None = None,
-    replica: str | None = None,
-    unknown_inputs: Sequence[str] = (),
-) -> StageRun | None:
-    """Of the latest completed runs of ``stage`` (this recipe and replica first), the one whose
-    identity differs from ``fields`` in the fewest fields; the latest among equals.
-
-    "Changed since the last run" against whichever ran last buries the one change a person made
-    under another backend's image and packages (a local plan after a Docker run); against the
-    closest run it names that change (Marin's complaint: a dry run could not show which change
-    invalidated a hash). ``unknown_inputs`` (not yet computed) are left out of the count.
-    """
-    with store.session() as session:
-        query = select(StageRun).where(StageRun.stage == stage, StageRun.state == "COMPLETED")
-        if exclude_identity:
-            query = query.where(StageRun.identity != exclude_identity)
-        latest_first = col(StageRun.ended_at).desc()
-        candidates: list[StageRun] = []
-        if recipe is not None:  # this recipe and replica's runs if it has any, else any recipe's
-            same = query.join(PipelineRun, col(StageRun.pipeline_run_id) == col(PipelineRun.id)).where(
-                PipelineRun.recipe == recipe, PipelineRun.replica == replica
-            )
-            candidates = list(session.exec(same.order_by(latest_first).limit(CLOSEST_AMONG)))
-        if not candidates:
-            candidates = list(session.exec(query.order_by(latest_first).limit(CLOSEST_AMONG)))
-    if not candidates:
-        return None
-
-    def distance(run: StageRun) -> int:
-        return len(diff_identities(known_fields(run.identity_fields, unknown_inputs), fields))
-
-    return min(candidates, key=distance)  # min keeps the first (latest) of equals
-
-
-def known_fields(identity_fields: Mapping[str, Any], unknown_inputs: Sequence[str]) -> dict[str, Any]:
-    """An earlier run's identity fields without the inputs not yet known for the stage now (its
-    upstream stages are still to run): what the two can be compared on."""
-    old = dict(identity_fields)
-    if unknown_inputs:
-        old["inputs"] = {k: v for k, v in (old.get("inputs") or {}).items() if k not in unknown_inputs}
-    return old
-
-
-def describe_changes(changes: Sequence[FieldChange]) -> list[str]:
-    return [c.describe() for c in changes]
-
-
-def latest_completed(store: LineageStore, digest: str) -> StageRun | None:
-    """The latest completed run of this very identity, if any."""
-    same = store.list(
-        StageRun,
-        where=[StageRun.identity == digest, StageRun.state == "COMPLETED"],
-        order_by=col(StageRun.ended_at).desc(),
-        limit=1,
-    )
-    return same[0] if same else None
-
-
-def unchanged_since(digest: str, same: StageRun) -> str:
-    """Why a stage whose identity already completed runs again: nothing of it changed."""
-    return f"identity {digest[:16]} unchanged since {same.id}"
 
 
 def changes_since_last(ctx: PipelineContext, stage: str, identity: StageIdentity) -> tuple[list[str], str]:
@@ -927,7 +731,7 @@ def _record_reuse(
         # One edge: the reused run points at the run that produced the outputs (whose own
         # edges say which code, environment and inputs made them). Kept minimal: reuse must stay cheap.
         tx.relate("wasInformedBy", run, original, role="reused")
-    return _conclude(
+    return conclude_stage(
         ctx,
         spec,
         identity,
@@ -942,7 +746,7 @@ def _record_reuse(
     )
 
 
-def _conclude(
+def conclude_stage(
     ctx: PipelineContext,
     spec: StageSpec,
     identity: StageIdentity,
@@ -1098,18 +902,6 @@ def _record_wandb(ctx: PipelineContext, stage_run: StageRun, out_dir: Path) -> N
         log.warning("could not record the W&B run of %s: %s", stage_run.stage, exc)
 
 
-def _read_metrics(out_dir: Path) -> dict[str, Any]:
-    path = out_dir / "metrics.json"
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        log.warning("unreadable metrics %s: %s", path, exc)
-        return {}
-    return data if isinstance(data, dict) else {"value": data}
-
-
 def execute_stage(
     ctx: PipelineContext,
     stage: str | StageSpec,
@@ -1126,7 +918,7 @@ def execute_stage(
     """
     started = time.monotonic()
     spec = stage if isinstance(stage, StageSpec) else ctx.pipeline.stage(stage)
-    inputs = _upstream(ctx, spec, upstream)
+    inputs = upstream_results(ctx, spec, upstream)
     identity = stage_identity(ctx, spec, inputs)
     digest = identity.digest
     ctx.emit(spec.name, "CHECKING", identity=digest)
@@ -1376,7 +1168,7 @@ def _finish_failed(
         log.exception("could not record the end of stage run %s", run.id)
     if attempt is not None and (out_dir / "wandb").is_dir():  # its job logged to W&B before it ended
         _record_wandb(ctx, run, out_dir)
-    return _conclude(
+    return conclude_stage(
         ctx,
         spec,
         identity,
@@ -1388,30 +1180,6 @@ def _finish_failed(
         changes=changes,
         attempt=attempt,
     )
-
-
-def record_outputs(
-    tx: Transaction, spec: StageSpec, run: StageRun, out_dir: Path, hashed: dict[str, Any], snap: Any
-) -> dict[str, Any]:
-    """Record a completed stage's output folder as an artifact (and, for a data stage, a data
-    snapshot) generated by ``run``; returns the stage run's ``outputs``, ids filled in."""
-    art = tx.add(
-        Artifact(
-            id=new_id(Artifact.id_prefix),
-            name=f"{spec.name}/out",
-            artifact_type="folder",
-            uri=str(out_dir),
-            content_hash=snap.id,
-            size=snap.bytes,
-        )
-    )
-    tx.relate("wasGeneratedBy", art, run)
-    hashed["artifact_id"] = art.id
-    if spec.snapshot_output:
-        data_snap = record_snapshot(tx, snap)
-        tx.relate("wasGeneratedBy", data_snap, run)
-        hashed["snapshot_id"] = data_snap.id
-    return {"out": hashed}
 
 
 def _finish_completed(
@@ -1431,13 +1199,13 @@ def _finish_completed(
 
     hashed = hash_output(out_dir, ctx.settings, spec.volatile)
     snap = hashed.pop("_snapshot")
-    metrics = _read_metrics(out_dir)
+    metrics = read_metrics(out_dir)
     with ctx.store.transaction() as tx:
         outputs = record_outputs(tx, spec, run, out_dir, hashed, snap)
         run = tx.update(run, state="COMPLETED", outputs=outputs, metrics=metrics, error=None, ended_at=utcnow())
     if uses_wandb:
         _record_wandb(ctx, run, out_dir)
-    return _conclude(
+    return conclude_stage(
         ctx,
         spec,
         identity,

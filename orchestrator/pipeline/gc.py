@@ -55,7 +55,7 @@ from orchestrator.lineage.listing import parse_when
 from orchestrator.lineage.models import Artifact, DataSnapshot, PipelineRun, StageRun, WandbRun, new_id, utcnow
 from orchestrator.lineage.record import live_records_at, mark_removed
 from orchestrator.lineage.store import LineageStore, Transaction
-from orchestrator.pipeline.execute import output_dir
+from orchestrator.pipeline.outputs import output_dir
 from orchestrator.provenance.invocation import user_at_host
 from orchestrator.retention import DEFAULT_FAILED_UNUSED_FOR, DEFAULT_KEEP_LAST
 from orchestrator.settings import Settings

@@ -19,16 +19,14 @@ from orchestrator.identity import compute_identity, diff_identities, source_file
 from orchestrator.lineage import leases
 from orchestrator.lineage.store import LineageStore
 from orchestrator.pipeline.dag import Pipeline, moe_pipeline
-from orchestrator.pipeline.execute import (
+from orchestrator.pipeline.execute import backend_environments, environment_values, stage_environment
+from orchestrator.pipeline.reuse import (
     NO_LONGER_VERIFY,
-    backend_environments,
     closest_completed,
     describe_changes,
-    environment_values,
     find_reusable,
     known_fields,
     latest_completed,
-    stage_environment,
     unchanged_since,
 )
 from orchestrator.recipes import ResolvedRecipe, identity_config

@@ -30,7 +30,6 @@ from orchestrator.pipeline import (
     run_pipeline,
     start_pipeline,
 )
-from orchestrator.pipeline.execute import output_dir
 from orchestrator.pipeline.gc import (
     DATA_SNAPSHOT,
     IN_USE,
@@ -44,6 +43,7 @@ from orchestrator.pipeline.gc import (
     folder_bytes,
     plan_gc,
 )
+from orchestrator.pipeline.outputs import output_dir
 from orchestrator.settings import load_settings
 from tests.pipeline.toy import git, make_repo, toy_configs, toy_pipeline
 

@@ -613,7 +613,7 @@ def test_outputs_gc_deployment_is_a_dry_run_until_told_otherwise(
 
     from orchestrator.lineage import Artifact
     from orchestrator.pipeline import RunOptions, run_pipeline
-    from orchestrator.pipeline.execute import output_dir
+    from orchestrator.pipeline.outputs import output_dir
     from orchestrator.settings import load_settings
     from tests.pipeline.toy import make_repo, toy_configs, toy_pipeline
 

@@ -89,7 +89,8 @@ def test_a_failed_recording_puts_a_moved_folder_back(
     """--move renames the user's folder into openlab's outputs; if recording it then fails, the folder
     goes back where it was and no stage run claims anything (the adoption's pipeline run says FAILED)."""
     from orchestrator.pipeline import adopt as adopt_module
-    from orchestrator.pipeline.execute import RunOptions, finish_pipeline, output_dir, start_recipe
+    from orchestrator.pipeline.execute import RunOptions, finish_pipeline, start_recipe
+    from orchestrator.pipeline.outputs import output_dir
     from orchestrator.recipes import resolve
 
     corpus = _corpus_made_elsewhere(run_cli, tmp_path)

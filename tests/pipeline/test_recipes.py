@@ -659,7 +659,7 @@ def test_what_changed_is_told_against_the_closest_completed_run_not_only_the_lat
     from orchestrator.identity import StageIdentity, compute_identity, diff_identities
     from orchestrator.lineage import LineageStore, PipelineRun
     from orchestrator.lineage.models import StageRun
-    from orchestrator.pipeline.execute import closest_completed
+    from orchestrator.pipeline.reuse import closest_completed
 
     def identity(lr: float, environment: dict, tokens: str = "t" * 64) -> StageIdentity:
         return compute_identity("pretrain", {"lr": lr}, inputs={"tokens": tokens}, environment=environment)
