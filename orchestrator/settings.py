@@ -10,13 +10,18 @@ Resolution order, lowest to highest precedence (the same for every key):
    ``OPENLAB_BACKENDS__SLURM__PARTITION=debug``;
 4. command-line flags, which callers apply on top with :meth:`Settings.section`'s result.
 
+A relative path (:data:`PATH_SETTINGS`, a SQLite ``db_url``) is made absolute where it is read:
+under the config file's folder for the file, under the working directory for a variable.
+
 Secrets are never stored here: a section names the *variable* that holds a token
 (``token_env = "GITHUB_TOKEN"``), and the value is read where it is used.
 """
 
 from __future__ import annotations
 
+import copy
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -220,13 +225,60 @@ def check_known(config: Mapping[str, Any], path: Path | None, environ: Mapping[s
                 raise ConfigError(f"{where(key, name)}[{key}] {name}: no such setting; {hint}")
 
 
+#: Settings that name a place on disk, as key paths. A relative one is read from where it was
+#: written (the config file's folder; the working directory for a variable) and kept absolute:
+#: jobs run in the repository root, served flows in the server's folder and later commands from
+#: anywhere, so ``OPENLAB_HOME=.openlab`` kept relative sent every job's ``--out`` elsewhere and
+#: the next command from another folder to an empty store (Marin's relative prefix, #6334).
+PATH_SETTINGS: tuple[tuple[str, ...], ...] = (("home",), ("artifacts", "root"), ("prefect", "home"))
+
+_SQLITE_URL = re.compile(r"^(sqlite(?:\+\w+)?:///)(?!/|:memory:|$)(.+)$")
+
+
+def absolute_path(value: Any, base: Path) -> Any:
+    """``value`` as an absolute path (``~`` expanded, a relative one under ``base``); anything but
+    text is left for :func:`check_known` and its reader to refuse."""
+    if not isinstance(value, str) or not value:
+        return value
+    path = Path(value).expanduser()
+    return str(path if path.is_absolute() else base / path)
+
+
+def absolute_db_url(value: Any, base: Path) -> Any:
+    """A SQLite URL with a relative file (``sqlite:///lineage.db``) made absolute under ``base``;
+    other URLs (PostgreSQL, ``sqlite://`` in memory) as they are."""
+    if not isinstance(value, str):
+        return value
+    match = _SQLITE_URL.match(value)
+    return f"{match.group(1)}{absolute_path(match.group(2), base)}" if match else value
+
+
+def anchor_paths(config: Mapping[str, Any], base: Path) -> dict[str, Any]:
+    """``config`` with each :data:`PATH_SETTINGS` value and ``db_url`` made absolute under ``base``."""
+    out = copy.deepcopy(dict(config))
+    for keys in PATH_SETTINGS:
+        node: Any = out
+        for key in keys[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict) and keys[-1] in node:
+            node[keys[-1]] = absolute_path(node[keys[-1]], base)
+    if "db_url" in out:
+        out["db_url"] = absolute_db_url(out["db_url"], base)
+    return out
+
+
 def load_settings(cwd: Path | None = None, environ: Mapping[str, str] | None = None) -> Settings:
     """Resolve settings from defaults, the project file and the environment; refuse a setting
-    nothing reads (:func:`check_known`)."""
+    nothing reads (:func:`check_known`). Paths come back absolute (:data:`PATH_SETTINGS`)."""
     env = os.environ if environ is None else environ
+    here = (cwd or Path.cwd()).absolute()
     file_config, path = load_project_config(cwd)
-    config = _merge(file_config, _env_overrides(env))
+    if path is not None:
+        file_config = anchor_paths(file_config, path.absolute().parent)
+    config = _merge(file_config, anchor_paths(_env_overrides(env), here))
     check_known(config, path, env)
-    home = Path(env.get("OPENLAB_HOME") or config.get("home") or "~/.openlab").expanduser()
-    db_url = env.get("OPENLAB_DB_URL") or config.get("db_url") or f"sqlite:///{home / 'lineage.db'}"
+    home = Path(absolute_path(env.get("OPENLAB_HOME") or config.get("home") or "~/.openlab", here))
+    db_url = (
+        absolute_db_url(env.get("OPENLAB_DB_URL"), here) or config.get("db_url") or f"sqlite:///{home / 'lineage.db'}"
+    )
     return Settings(home=home, db_url=str(db_url), config=config, config_path=path)

@@ -213,6 +213,34 @@ def test_a_setting_nothing_reads_is_refused_where_it_was_written_naming_the_one_
     assert taken.returncode == 0, taken.stderr
 
 
+def test_a_relative_home_is_the_folder_it_named_where_it_was_given(run_cli, openlab_home: Path, tmp_path: Path) -> None:
+    """`OPENLAB_HOME=lab` was kept relative: the stage's job, which runs in the repository root, looked
+    for its config under the repository's `lab/` and failed, and a command from another folder would
+    have opened an empty store. A relative home (and artifacts root, and SQLite file) is the folder it
+    names from where it was written, the working directory for a variable, the file's folder for a
+    setting in a file, and every later command that names that folder finds what was recorded."""
+    work = tmp_path / "work"
+    work.mkdir()
+    ran = run_cli("run", "marin-535b-a23b", "-r", "tiny", "--until", "data", env={"OPENLAB_HOME": "lab"}, cwd=work)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    home = work / "lab"
+    assert [p.name for p in (home / "artifacts").iterdir()] == ["data"], "the job wrote under the home it was given"
+    listed = run_cli("lineage", "list", "--kind", "pipeline_run", "--json", env={"OPENLAB_HOME": str(home)})
+    assert [r["state"] for r in json.loads(listed.stdout)] == ["COMPLETED"], listed.stdout + listed.stderr
+
+    project = tmp_path / "project"
+    (project / "sub").mkdir(parents=True)
+    (project / "openlab.toml").write_text('home = "state"\ndb_url = "sqlite:///state/other.db"\n')
+    (project / "data.txt").write_text("a")
+    from_sub = {"OPENLAB_HOME": "", "OPENLAB_CONFIG": ""}
+    snap = run_cli("snapshot", "../data.txt", "--json", env=from_sub, cwd=project / "sub")
+    assert snap.returncode == 0, snap.stderr
+    assert json.loads(snap.stdout)["manifest_path"].startswith(f"{project}/state/snapshots/"), snap.stdout
+    again = run_cli("lineage", "list", "--kind", "snapshot", "--json", env=from_sub, cwd=project)
+    assert len(json.loads(again.stdout)) == 1, "the store in the file's folder, from the file's own folder too"
+    assert (project / "state" / "other.db").is_file() and not (project / "sub" / "state").exists()
+
+
 def test_every_documented_setting_is_one_openlab_reads() -> None:
     """The `[section] key` settings the README and the docstrings name are all in KNOWN_SETTINGS:
     documenting a new one without it would refuse the very setting the docs tell a person to write."""
