@@ -143,6 +143,21 @@ def shell_path(pattern: str) -> str:
     return "".join(f'"{_PATTERN_VARS[p]}"' if p in _PATTERN_VARS else shlex.quote(p) for p in parts if p)
 
 
+def directive(option: str, value: Any) -> str:
+    """``#SBATCH --option=value``, ``value`` one word as sbatch reads a directive: it splits at blanks
+    and ends the line at an unquoted ``#``, so a home such as ``/data/my runs`` made sbatch refuse
+    every job (``Invalid directive found in batch script: runs/logs/slurm-%j.log``) and ``lab's``
+    stopped it at an unmatched quote. Such a value goes in double quotes, a ``"`` or ``\\`` in it
+    after a backslash (a backslash outside quotes does not keep a blank, in Slurm 22.05); a line
+    break cannot be written at all, and is refused."""
+    text = str(value)
+    if "\n" in text or "\r" in text:
+        raise LauncherError(f"--{option} {text!r}: a Slurm batch directive cannot hold a line break")
+    if re.search(r"[\s'\"#\\]", text):
+        text = '"' + re.sub(r'(["\\])', r"\\\1", text) + '"'
+    return f"#SBATCH --{option}={text}"
+
+
 def usage_prefix(log_path: str | Path) -> str:
     """Where a job's usage wrapper writes (each task's: ``.<rank>``): ``<log without .log>.usage``."""
     return str(log_path).removesuffix(".log") + ".usage"
@@ -414,7 +429,7 @@ class SlurmLauncher(Launcher):
     def batch_script(self, spec: JobSpec, log_pattern: str) -> str:
         """The generated batch script (public so users and tests can see exactly what is sent)."""
         opts = {**self.config, **spec.options}
-        lines = ["#!/bin/bash", f"#SBATCH --job-name={spec.name}", f"#SBATCH --output={log_pattern}"]
+        lines = ["#!/bin/bash", directive("job-name", spec.name), directive("output", log_pattern)]
         lines.append("#SBATCH --export=ALL")
         if spec.time_limit:
             lines.append(f"#SBATCH --time={slurm_time(spec.time_limit)}")
@@ -429,9 +444,9 @@ class SlurmLauncher(Launcher):
             lines.append(f"#SBATCH --ntasks-per-node={spec.tasks_per_node}")
         for key in ("partition", "account", "qos", "array", "nodelist", "constraint"):
             if opts.get(key):
-                lines.append(f"#SBATCH --{key}={opts[key]}")
+                lines.append(directive(key, opts[key]))
         if spec.workdir:
-            lines.append(f"#SBATCH --chdir={spec.workdir}")
+            lines.append(directive("chdir", spec.workdir))
         for flag in list_option(opts, "extra_args", EXTRA_ARGS_EXAMPLE):
             lines.append(f"#SBATCH {flag}")
         lines.append("")
@@ -539,6 +554,12 @@ class SlurmLauncher(Launcher):
         log_dir.mkdir(parents=True, exist_ok=True)
         is_array = bool(opts.get("array"))
         log_pattern = str(log_dir / ("slurm-%A_%a.log" if is_array else "slurm-%j.log"))
+        if "\\" in log_pattern:  # Slurm: "\\ in --output: do not process any of the replacement symbols"
+            raise LauncherError(
+                f"the Slurm log folder {log_dir} has a backslash, which sbatch's --output takes to mean "
+                "'no %j in this name' (one log for every job): set log_dir in [backends.slurm] (or "
+                "OPENLAB_HOME) to a folder without one"
+            )
         script = self.batch_script(spec, log_pattern)
         if measure_usage_option(opts) is not False:
             self._install_wrapper(wrapper_path(log_dir))

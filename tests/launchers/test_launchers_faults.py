@@ -42,9 +42,17 @@ from tests.launchers.harness import Harness, jobcomp_only_slurm
 CLI = [sys.executable, str(Path(__file__).with_name("cli_entry.py"))]
 
 
-def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*CLI, *args], capture_output=True, text=True, env={**os.environ, **(env or {})}, timeout=timeout, check=False
+        [*CLI, *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=timeout,
+        check=False,
+        cwd=cwd,
     )
 
 
@@ -298,6 +306,36 @@ def test_sbatch_refusal_is_quoted(slurm_harness: Harness) -> None:
     assert "Invalid partition name specified" in str(info.value)
     proc = cli("job", "run", "--backend", "slurm", "-o", "partition=no-such-partition", "--", "true")
     assert proc.returncode == 2 and "Invalid partition name specified" in proc.stderr
+
+
+@pytest.mark.slurm
+def test_a_slurm_job_runs_under_a_home_with_blanks_quotes_and_a_hash(slurm_harness: Harness, tmp_path: Path) -> None:
+    """sbatch splits an #SBATCH line at blanks and ends it at '#': `OPENLAB_HOME=/data/my runs` made
+    it refuse every job (`Invalid directive found in batch script: runs/logs/slurm-%j.log`), and
+    `lab's` stopped at an unmatched quote. The job runs, in a working folder named the same way, and
+    its log is where the attempt says; a backslash, which turns off --output's %j, is one line."""
+    home = tmp_path / 'lab\'s #1 "best" runs'
+    workdir = tmp_path / "my project"
+    workdir.mkdir()
+    proc = cli(
+        "job",
+        "run",
+        "--backend",
+        "slurm",
+        "--",
+        "sh",
+        "-c",
+        'echo "ran in $PWD"',
+        env={"OPENLAB_HOME": str(home)},
+        cwd=workdir,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"ran in {workdir}" in proc.stdout, proc.stdout
+    logs = list((home / "logs").glob("slurm-*.log"))
+    assert len(logs) == 1 and f"ran in {workdir}" in logs[0].read_text()
+    refused = cli("job", "run", "--backend", "slurm", "--", "true", env={"OPENLAB_HOME": str(tmp_path / "a\\b")})
+    assert refused.returncode == 2 and "has a backslash" in refused.stderr, refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
 
 
 def _fake_slurm(tmp_path: Path, sbatch_body: str) -> Path:
