@@ -71,6 +71,11 @@ class StageSpec:
     backend_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     #: The backend this stage's job runs on (data prep on local, training on Slurm); None: the run's.
     backend: str | None = None
+    #: The file, in the output folder, a resumable stage saves its progress to. A job of the stage
+    #: stopped by its own time limit after writing it anew made progress a next attempt resumes
+    #: from, so the stage goes on as after a preemption (:mod:`orchestrator.pipeline.execute`):
+    #: a cluster's wall-time cap cuts a long training into jobs instead of failing it.
+    checkpoint: str | None = None
 
     @property
     def tasks(self) -> int:
@@ -141,6 +146,10 @@ class Pipeline:
 
 #: MoE stages whose programs log to W&B (``workloads/moe/train.py`` and ``repro.py`` open a tracker).
 WANDB_STAGES = frozenset({"pretrain", "midtrain", "posttrain", "eval", "repro"})
+#: Where the MoE workload's training stages save progress and resume from (``workloads.moe.train.CKPT``,
+#: kept equal by a test: the library imports nothing of the workload).
+MOE_CHECKPOINT = "checkpoint/state.pt"
+MOE_CHECKPOINT_STAGES = frozenset({"pretrain", "midtrain", "posttrain", "repro"})
 
 #: Every MoE stage in pipeline order, and the upstream stage behind each input it reads.
 #: ``repro`` (the token-dropping reproduction: one router trained while every dispatch arm is
@@ -261,6 +270,7 @@ def moe_pipeline(
                 environment_fields=env[name],
                 snapshot_output=name == "data",
                 tracks_wandb=name in WANDB_STAGES,
+                checkpoint=MOE_CHECKPOINT if name in MOE_CHECKPOINT_STAGES else None,
                 **_job_resources((resources or {}).get(name) or {}),
             )
         )

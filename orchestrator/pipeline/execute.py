@@ -74,7 +74,7 @@ from orchestrator.recipes import ResolvedRecipe, identity_config
 from orchestrator.settings import Settings, load_settings
 
 if TYPE_CHECKING:
-    from orchestrator.launchers.base import Launcher
+    from orchestrator.launchers.base import JobStatus, Launcher
     from orchestrator.provenance import Provenance
 
 log = logging.getLogger("openlab.pipeline")
@@ -108,9 +108,10 @@ class StageCancelled(StageFailed):
 
 
 class StagePreempted(StageFailed):
-    """A stage's job was stopped from outside (preempted, evicted, a scheduler's stop signal):
-    not its own failure, so :func:`execute_stage_resuming` runs it again without spending a
-    retry, and a training stage resumes from the checkpoint it saved on the way out."""
+    """A stage's job was stopped from outside (preempted, evicted, a scheduler's stop signal), or by
+    its own time limit after saving its checkpoint anew (:func:`stopped_with_progress`): not its
+    own failure, so :func:`execute_stage_resuming` runs it again without spending a retry, and a
+    training stage resumes from the checkpoint it saved on the way out."""
 
 
 # -- options, hooks, results ------------------------------------------------------------------
@@ -1073,6 +1074,7 @@ def _run_stage(
         },
     )
     launcher = get_launcher(backend, ctx.settings, **ctx.options.launcher_overrides)
+    saved_before = checkpoint_mark(out_dir, spec)
     cancel_reason: list[str] = []
 
     def cancel() -> bool:
@@ -1138,6 +1140,10 @@ def _run_stage(
         reason = f"job {attempt.job_id} preempted: {status.reason}"
         result = _finish_failed(ctx, spec, run, identity, out_dir, "PREEMPTED", reason, attempt, started, changes)
         raise StagePreempted(f"stage {spec.name} {reason}", result)
+    if stopped_with_progress(status, saved_before, checkpoint_mark(out_dir, spec)):
+        reason = f"job {attempt.job_id} {status.reason} after saving {spec.checkpoint} anew: going on from it"
+        result = _finish_failed(ctx, spec, run, identity, out_dir, "PREEMPTED", reason, attempt, started, changes)
+        raise StagePreempted(f"stage {spec.name} {reason}", result)
     reason = f"job {attempt.job_id} {status.state}" + (
         f" (exit {status.exit_code})" if status.exit_code is not None else ""
     )
@@ -1147,6 +1153,31 @@ def _run_stage(
         reason += f"; log: {attempt.log_path}"
     result = _finish_failed(ctx, spec, run, identity, out_dir, "FAILED", reason, attempt, started, changes)
     raise StageFailed(f"stage {spec.name} failed: {reason}", result)
+
+
+def checkpoint_mark(out_dir: Path, spec: StageSpec) -> tuple[int, int, int] | None:
+    """What tells one save of the stage's checkpoint from the next: its inode, modification time and
+    size (a save replaces the file). Compared before and after a job, not against a clock, so a
+    node whose clock differs from this machine's cannot fake progress or hide it."""
+    if not spec.checkpoint:
+        return None
+    try:
+        st = (out_dir / spec.checkpoint).stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def stopped_with_progress(
+    status: JobStatus, before: tuple[int, int, int] | None, after: tuple[int, int, int] | None
+) -> bool:
+    """Whether a job its own time limit stopped saved its checkpoint anew on the way: the next attempt
+    resumes from there and gets further, so it is not the failure a time limit is for a stage that
+    starts over (which would be stopped at the same point again)."""
+    from orchestrator.launchers.base import TIME_LIMIT_REASON, JobState
+
+    timed_out = status.state is JobState.FAILED and (status.reason or "").startswith(TIME_LIMIT_REASON)
+    return timed_out and after is not None and after != before
 
 
 def _finish_failed(
@@ -1281,7 +1312,7 @@ def execute_stage_resuming(ctx: PipelineContext, name: str) -> StageResult:
         except StagePreempted as exc:  # announced PREEMPTED; the next attempt resumes
             if preempted == limit:
                 times = f"{limit + 1} time{'s' if limit else ''}"
-                message = f"{exc}; preempted {times}, the limit ([pipeline] preemption_retries = {limit})"
+                message = f"{exc}; stopped {times} in a row, the limit ([pipeline] preemption_retries = {limit})"
                 result = _give_up_preempted(ctx, name, exc.result, message)
                 stage_run_id = result.stage_run_id if result else None
                 ctx.emit(name, "FAILED", stage_run_id=stage_run_id, reason=message, result=result)

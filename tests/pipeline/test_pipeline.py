@@ -451,11 +451,67 @@ def test_a_preempted_stage_runs_again_without_spending_a_retry(
     monkeypatch.setenv("OPENLAB_PIPELINE__PREEMPTION_RETRIES", "1")
     again = run_pipeline(toy_pipeline(repo), toy_configs(), options=RunOptions(wait_poll=0.05, force=True))
     assert again.state == "FAILED" and again.results["upper"].state == "FAILED"
-    assert "preempted 2 times, the limit ([pipeline] preemption_retries = 1)" in (again.error or ""), again.error
+    assert "stopped 2 times in a row, the limit ([pipeline] preemption_retries = 1)" in (again.error or ""), again.error
     with LineageStore.open() as store:
         (upper,) = store.list(StageRun, pipeline_run_id=again.pipeline_run.id, stage="upper")
         assert [a.state for a in store.list(Attempt, stage_run_id=upper.id)] == ["PREEMPTED", "PREEMPTED"]
-        assert upper.state == "FAILED" and "preempted 2 times" in (upper.error or ""), (upper.state, upper.error)
+        assert upper.state == "FAILED" and "stopped 2 times" in (upper.error or ""), (upper.state, upper.error)
+
+
+#: One step a job: the stage saves its step to ckpt.json (unless told to save nothing), then outlives
+#: its time limit, until two steps are done; the job after that finishes the stage.
+STEP_PER_JOB = (
+    "\nckpt = out / 'ckpt.json'\n"
+    "step = json.loads(ckpt.read_text())['step'] if ckpt.exists() else 0\n"
+    "if step < 2:\n"
+    "    if not os.environ.get('TOY_SAVE_NOTHING'):\n"
+    "        (out / 'ckpt.tmp').write_text(json.dumps({'step': step + 1}))\n"
+    "        os.replace(out / 'ckpt.tmp', ckpt)\n"
+    "    time.sleep(60)\n"
+)
+
+
+def test_a_stage_stopped_by_its_time_limit_after_saving_progress_goes_on_from_it(
+    repo: Path, ledger: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cluster's wall-time cap is shorter than a long training: each job gets further, saves its
+    checkpoint, and is stopped by its time limit. That is progress, not failure: with no retries at
+    all the stage goes on in new attempts of the same stage run, each resuming from the checkpoint,
+    until it completes. A stage that saved nothing stays FAILED at its limit, since a next attempt
+    would be stopped at the same point again."""
+    from tests.pipeline.toy import COMMON
+
+    script = repo / "stages" / "upper.py"
+    script.write_text(script.read_text().replace(COMMON, COMMON + STEP_PER_JOB, 1))
+    toy = toy_pipeline(repo)
+    stepped = [
+        dataclasses.replace(s, checkpoint="ckpt.json", time_limit=1) if s.name == "upper" else s for s in toy.stages
+    ]
+    pipeline = dataclasses.replace(toy, stages=tuple(stepped))
+    seen: list[tuple[str, str, str]] = []
+    hooks = PipelineHooks(on_transition=lambda e: seen.append((e.stage, e.state, e.reason)))
+
+    result = run_stages(start_pipeline(pipeline, toy_configs(), options=fast(), hooks=hooks), retries=0)
+    assert result.state == "COMPLETED", result.error
+    going_on = [reason for stage, state, reason in seen if state == "PREEMPTED"]
+    assert len(going_on) == 2 and all(
+        "time limit exceeded" in r and "after saving ckpt.json anew" in r for r in going_on
+    )
+    with LineageStore.open() as store:
+        (upper,) = store.list(StageRun, pipeline_run_id=result.pipeline_run.id, stage="upper")
+        attempts = store.list(Attempt, stage_run_id=upper.id, order_by=Attempt.number)
+        assert [(a.number, a.state) for a in attempts] == [(1, "FAILED"), (2, "FAILED"), (3, "COMPLETED")]
+        assert all((a.reason or "").startswith("time limit exceeded") for a in attempts[:2]), attempts
+        assert upper.state == "COMPLETED"
+
+    monkeypatch.setenv("TOY_SAVE_NOTHING", "1")
+    again = run_stages(
+        start_pipeline(pipeline, toy_configs(), options=RunOptions(wait_poll=0.05, force=True)), retries=0
+    )
+    assert again.state == "FAILED" and "time limit exceeded" in (again.error or ""), again.error
+    with LineageStore.open() as store:
+        (upper,) = store.list(StageRun, pipeline_run_id=again.pipeline_run.id, stage="upper")
+        assert [a.state for a in store.list(Attempt, stage_run_id=upper.id)] == ["FAILED"]
 
 
 def test_preemption_retries_setting(monkeypatch: pytest.MonkeyPatch, repo: Path) -> None:

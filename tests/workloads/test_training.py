@@ -210,3 +210,16 @@ def test_the_recipes_ask_for_tasks_only_where_the_workload_trains_over_them() ->
     from workloads.moe.__main__ import TRAINING_STAGES as WORKLOAD_TRAINING_STAGES
 
     assert TRAINING_STAGES == WORKLOAD_TRAINING_STAGES
+
+
+def test_the_pipeline_knows_where_each_training_stage_saves_the_progress_it_resumes_from() -> None:
+    """A stage stopped by its time limit goes on only if its checkpoint was saved anew: the pipeline
+    looks for the file the workload writes and resumes from, stated twice because the workload
+    imports nothing of the orchestrator. A wrong name would fail every long training at its limit."""
+    from orchestrator.pipeline.dag import MOE_CHECKPOINT, moe_pipeline
+    from workloads.moe.train import CKPT
+
+    assert MOE_CHECKPOINT == CKPT
+    stages = ("data", "tokenize", "pretrain", "midtrain", "posttrain", "eval", "repro")
+    saving = {s.name for s in moe_pipeline(stages=stages).stages if s.checkpoint}
+    assert saving == {"pretrain", "midtrain", "posttrain", "repro"}
