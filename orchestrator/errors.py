@@ -18,6 +18,12 @@ class OpenlabError(Exception):
     exit_code: int = 2
 
 
+class ProvenanceWarning(UserWarning):
+    """Provenance could only be captured partially (the folder is not a git repo, an untracked file
+    too large for the patch). Here, with the errors, so the CLI can show it as one line without
+    importing git to name it."""
+
+
 class ConfigError(OpenlabError):
     """A configuration file, recipe or flag is invalid."""
 

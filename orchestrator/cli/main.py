@@ -8,6 +8,7 @@ Every command group lives in its own module and is mounted here. User errors
 from __future__ import annotations
 
 import sys
+import warnings
 
 import typer
 
@@ -17,7 +18,7 @@ from typer._click import Command
 from typer._click import exceptions as click_errors
 
 from orchestrator.cli import adopt, backends, core, deploy, gc, github, job, lineage, run, server, sweep, wandb
-from orchestrator.errors import OpenlabError
+from orchestrator.errors import OpenlabError, ProvenanceWarning
 
 app = typer.Typer(
     name="openlab",
@@ -88,6 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     """Run the CLI, turning user errors into one clear line and a non-zero exit."""
     from orchestrator.cli.output import print_error
 
+    # A provenance warning is logged too, and the terminal shows that line; Python's own warning
+    # format said it again above it, with a source file and line that mean nothing to a user.
+    warnings.filterwarnings("ignore", category=ProvenanceWarning)
     try:
         code = _reflow_all(typer.main.get_command(app))(args=argv, prog_name="openlab", standalone_mode=False)
     except OpenlabError as exc:

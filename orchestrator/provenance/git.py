@@ -8,6 +8,10 @@ capture works from the *working tree*:
   does not exclude. It is stored content-addressed at ``settings.blobs_dir/<hash>``;
   ``patch_hash`` is the BLAKE3 of its bytes (``None`` when the tree is clean).
   ``git apply --binary`` of that patch on the recorded commit rebuilds the tree.
+  An untracked file over :data:`UNTRACKED_PATCH_LIMIT` is left out of the patch and the tree
+  (``untracked_large`` names it, with its size, and a warning says so): a checkpoint or a
+  dataset left in the repository made every capture read it whole into memory and store it
+  again as a blob, and code is not that big; data belongs in a snapshot.
 * ``tree_hashes`` — for each declared code path, the git object id (tree for a
   folder, blob for a file) of that path in the working tree. It is computed by
   ``git add -A`` into a *temporary index* (a copy of the real one, so unchanged files
@@ -49,7 +53,7 @@ from git.exc import (  # noqa: E402
     NoSuchPathError,
 )
 
-from orchestrator.errors import OpenlabError  # noqa: E402
+from orchestrator.errors import OpenlabError, ProvenanceWarning  # noqa: E402
 from orchestrator.hashing import hash_bytes  # noqa: E402
 from orchestrator.settings import Settings, load_settings  # noqa: E402
 from orchestrator.snapshots import atomic_write  # noqa: E402
@@ -58,10 +62,6 @@ log = logging.getLogger(__name__)
 
 #: The id of git's empty tree: the "HEAD" of a repository with no commits yet.
 EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"
-
-
-class ProvenanceWarning(UserWarning):
-    """Provenance could only be captured partially (e.g. the folder is not a git repo)."""
 
 
 class ProvenanceError(OpenlabError):
@@ -95,6 +95,8 @@ class GitInfo:
     patch_path: str | None = None
     patch_bytes: int = 0
     untracked: tuple[str, ...] = ()
+    #: Untracked files left out of the patch and the tree for their size: (path, bytes).
+    untracked_large: tuple[tuple[str, int], ...] = ()
     tree_hashes: Mapping[str, str] = field(default_factory=dict)
     submodules: tuple[SubmoduleInfo, ...] = ()
     message: str | None = None  # the commit's subject line: what a person reads in an audit
@@ -113,6 +115,7 @@ class GitInfo:
             "patch_path": self.patch_path,
             "patch_bytes": self.patch_bytes,
             "untracked": list(self.untracked),
+            "untracked_large": [{"path": p, "bytes": n} for p, n in self.untracked_large],
             "tree_hashes": dict(self.tree_hashes),
             "submodules": [s.to_dict() for s in self.submodules],
             "message": self.message,
@@ -178,8 +181,9 @@ class _TempTree:
     and object directory, so ``diff --cached`` and ``rev-parse`` see that tree.
     """
 
-    def __init__(self, repo: gitpython.Repo) -> None:
+    def __init__(self, repo: gitpython.Repo, exclude: Sequence[str] = ()) -> None:
         self.repo = repo
+        self.exclude = tuple(exclude)
         self.tmp = Path(tempfile.mkdtemp(prefix="openlab-git-"))
         git_dir = Path(repo.git_dir)
         objects = Path(repo.common_dir) / "objects" if hasattr(repo, "common_dir") else git_dir / "objects"
@@ -212,7 +216,7 @@ class _TempTree:
 
     def __enter__(self) -> _TempTree:
         try:
-            self.run("add", "-A", "--", ".")
+            self.run("add", "-A", "--", ".", *(f":(exclude,literal){p}" for p in self.exclude))
             self.tree = self.run("write-tree").strip()
         except BaseException:
             self.close()
@@ -224,6 +228,22 @@ class _TempTree:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: The largest untracked file a capture puts in the dirty patch (and the working tree's hashes).
+UNTRACKED_PATCH_LIMIT = 10 * 2**20
+
+
+def _too_large(root: Path, untracked: Sequence[str]) -> tuple[tuple[str, int], ...]:
+    """The untracked files over :data:`UNTRACKED_PATCH_LIMIT`, largest first (a link is its own
+    size: git records the link, not what it points at)."""
+    sizes = []
+    for rel in untracked:
+        with contextlib.suppress(OSError):
+            size = os.lstat(root / rel).st_size
+            if size > UNTRACKED_PATCH_LIMIT:
+                sizes.append((rel, size))
+    return tuple(sorted(sizes, key=lambda item: (-item[1], item[0])))
 
 
 def _submodules(repo: gitpython.Repo) -> tuple[SubmoduleInfo, ...]:
@@ -314,8 +334,20 @@ def _capture(
     except (TypeError, ValueError):
         branch = None
     base = commit or EMPTY_TREE
+    untracked_raw = repo.git.ls_files("--others", "--exclude-standard", "-z")
+    untracked = tuple(sorted(p for p in untracked_raw.split("\0") if p))
+    large = _too_large(root, untracked)
+    if large:
+        listed = ", ".join(f"{p} ({n / 2**20:.0f} MiB)" for p, n in large[:3]) + (" ..." if len(large) > 3 else "")
+        message = (
+            f"{root}: left out of the recorded working tree, untracked and over "
+            f"{UNTRACKED_PATCH_LIMIT // 2**20} MiB each: {listed}; add it to .gitignore, or record data "
+            "with `openlab snapshot`"
+        )
+        warnings.warn(message, ProvenanceWarning, stacklevel=3)
+        log.warning(message)
 
-    with _TempTree(repo) as work:
+    with _TempTree(repo, exclude=[p for p, _ in large]) as work:
         patch: bytes = work.run(
             "diff",
             "--cached",
@@ -327,8 +359,6 @@ def _capture(
             base,
             binary=True,
         )
-        untracked_raw = repo.git.ls_files("--others", "--exclude-standard", "-z")
-        untracked = tuple(sorted(p for p in untracked_raw.split("\0") if p))
         tree_hashes: dict[str, str] = {}
         for declared in code_paths:
             rel = _relative_code_path(declared, path, root)
@@ -364,6 +394,7 @@ def _capture(
         patch_path=patch_path,
         patch_bytes=len(patch),
         untracked=untracked,
+        untracked_large=large,
         tree_hashes=tree_hashes,
         submodules=submodules,
         message=subject,

@@ -90,6 +90,8 @@ def test_provenance_outside_git_warns_not_crashes(run_cli, tmp_path: Path) -> No
     result = run_cli("provenance", str(plain), "--json", cwd=plain)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["git"]["available"] is False
+    # said once, as a line; Python's warning format said it a second time with a source file and line
+    assert result.stderr == f"{plain}: no git; provenance records no git commit or patch\n", result.stderr
 
 
 @pytest.mark.parametrize(
