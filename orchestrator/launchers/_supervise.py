@@ -1,4 +1,4 @@
-"""Supervisor of one local job; run as ``python -I -S _supervise.py RUN LIMIT GRACE WORKDIR -- CMD...``.
+"""Supervisor of one local job; run as ``python -I -S _supervise.py RUN LIMIT WARN GRACE WORKDIR -- CMD...``.
 
 Why a supervisor: a local job must outlive the process that submitted it, keep its time
 limit without anyone polling, and leave its exit code where *another* process (``openlab
@@ -7,15 +7,17 @@ tiny supervisor is that parent and writes the outcome into its own JSON file ``R
 (``$OPENLAB_HOME/jobs/local/ID.run.json``); the launcher owns ``ID.json`` and reads both, so
 the two writers never race on one file.
 
-The supervisor runs in its own session and the job in its own process group, so the supervisor can end the
-whole group: on SIGTERM/SIGINT/SIGHUP (cancel) or SIGALRM (time limit) it sends SIGTERM to
-the group, then SIGKILL after the grace period. A job whose first process passes a stop on to the
-others itself (the multi-task runner, ``launchers/_tasks.py``; the launcher says so with
-``$OPENLAB_STOP_FIRST_PROCESS``) gets the SIGTERM at that process only, so each task is told once,
-as srun and a container's stop tell it; the SIGKILL still goes to the whole group. When the job's
-main process exits, any processes it left behind in its group are killed too, like Slurm and Docker do. The
-supervisor exits right after writing the outcome, so its exit is the moment a waiter
-(``LocalLauncher.pause``, through a pidfd) can stop waiting.
+The supervisor runs in its own session and the job in its own process group, so the supervisor can
+end the whole group: on SIGTERM/SIGINT/SIGHUP (cancel) or SIGALRM (time limit) it sends SIGTERM to
+the group, then SIGKILL after the grace period; WARN seconds before the time limit (when not 0) it
+sends SIGUSR1 first, the warning Slurm's ``--signal=B:USR1@WARN`` gives, for a job to checkpoint. A
+job whose first process passes a stop on to the others itself (the multi-task runner,
+``launchers/_tasks.py``; the launcher says so with ``$OPENLAB_STOP_FIRST_PROCESS``) gets the SIGTERM
+at that process only, so each task is told once, as srun and a container's stop tell it; the SIGKILL
+still goes to the whole group. When the job's main process exits, any processes it left behind in
+its group are killed too, like Slurm and Docker do. The supervisor exits right after writing the
+outcome, so its exit is the moment a waiter (``LocalLauncher.pause``, through a pidfd) can stop
+waiting.
 
 Stdlib only, imported by path with ``-S``, and only modules that need no Python-level
 imports (``os``, ``sys``, ``time``, ``_signal``): it sits on every local job's critical
@@ -71,10 +73,10 @@ def _write(path, data):
 
 
 def main(argv):
-    run_path, limit, grace, workdir = argv[0], float(argv[1]), float(argv[2]), argv[3]
-    cmd = argv[5:] if argv[4] == "--" else argv[4:]
+    run_path, limit, warn, grace, workdir = argv[0], float(argv[1]), float(argv[2]), float(argv[3]), argv[4]
+    cmd = argv[6:] if argv[5] == "--" else argv[5:]
 
-    why = {"stop": None, "killed": False, "pid": None}
+    why = {"stop": None, "killed": False, "pid": None, "warned": not 0 < warn < limit}
     # the job's own first process passes a graceful stop on (read here, not passed on to the job)
     first_only = os.environ.pop("OPENLAB_STOP_FIRST_PROCESS", "") == "1"
 
@@ -101,6 +103,11 @@ def main(argv):
         stop("cancelled")
 
     def on_alarm(_signum, _frame):
+        if not why["warned"] and why["stop"] is None:  # WARN before the limit: SIGUSR1, as Slurm's --signal
+            why["warned"] = True
+            kill(signal.SIGUSR1)
+            signal.setitimer(signal.ITIMER_REAL, warn)
+            return
         stop("time limit exceeded")  # base.TIME_LIMIT_REASON (this module imports nothing of ours)
 
     # handlers first, so a cancel that arrives while the job starts is not lost
@@ -142,7 +149,7 @@ def main(argv):
     state = {"state": "RUNNING", "pgid": pid, "host": os.uname().nodename, "started_at": time.time()}
     _write(run_path, state)
     if limit > 0:
-        signal.setitimer(signal.ITIMER_REAL, limit)
+        signal.setitimer(signal.ITIMER_REAL, limit - warn if 0 < warn < limit else limit)
 
     usage = None
     while True:

@@ -161,6 +161,11 @@ class JobSpec:
     #: WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR, MASTER_PORT.
     nodes: int = 1
     tasks_per_node: int = 1
+    #: Seconds before ``time_limit`` at which the job is sent SIGUSR1, the warning a workload that
+    #: checkpoints catches (it saves and exits, and a next attempt resumes): Slurm's
+    #: ``--signal=B:USR1@N``, which the local supervisor sends itself. Docker and Kubernetes
+    #: stop a job at its limit with SIGTERM only, which such a workload also saves on.
+    warn_before_limit: int | None = None
 
     def __post_init__(self) -> None:
         if not self.command:
@@ -177,6 +182,11 @@ class JobSpec:
             parse_memory(self.memory)  # fail early on "lots"
         if self.time_limit is not None and self.time_limit <= 0:
             raise OpenlabError(f"time limit must be positive, got {self.time_limit}")
+        if self.warn_before_limit is not None and not 0 < self.warn_before_limit < (self.time_limit or 0):
+            raise OpenlabError(
+                f"the warning before the time limit must be under the limit ({self.time_limit}), "
+                f"got {self.warn_before_limit}"
+            )
 
     @property
     def memory_bytes(self) -> int | None:
@@ -195,6 +205,8 @@ class JobSpec:
             asked["gpus"] = self.gpus
         if self.tasks > 1:
             asked.update(nodes=self.nodes, tasks_per_node=self.tasks_per_node)
+        if self.warn_before_limit:
+            asked["warn_before_limit"] = self.warn_before_limit
         if self.options:
             asked["options"] = dict(self.options)
         return {k: v for k, v in asked.items() if v is not None}

@@ -314,6 +314,7 @@ class LocalLauncher(Launcher):
             supervisor_program(self.state_dir),
             str(self._run_path(job_id)),
             str(spec.time_limit or 0),
+            str(spec.warn_before_limit or 0),
             str(grace),
             workdir or "",
             "--",

@@ -433,6 +433,8 @@ class SlurmLauncher(Launcher):
         lines.append("#SBATCH --export=ALL")
         if spec.time_limit:
             lines.append(f"#SBATCH --time={slurm_time(spec.time_limit)}")
+        if spec.warn_before_limit:  # to the batch shell, which passes it on to the task (see _usage_lines)
+            lines.append(f"#SBATCH --signal=B:USR1@{spec.warn_before_limit}")
         if spec.cpus:
             lines.append(f"#SBATCH --cpus-per-task={max(1, math.ceil(spec.cpus))}")
         if spec.memory_bytes:

@@ -71,10 +71,12 @@ class StageSpec:
     backend_options: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     #: The backend this stage's job runs on (data prep on local, training on Slurm); None: the run's.
     backend: str | None = None
-    #: The file, in the output folder, a resumable stage saves its progress to. A job of the stage
-    #: stopped by its own time limit after writing it anew made progress a next attempt resumes
-    #: from, so the stage goes on as after a preemption (:mod:`orchestrator.pipeline.execute`):
-    #: a cluster's wall-time cap cuts a long training into jobs instead of failing it.
+    #: The file, in the output folder, a resumable stage saves its progress to. Such a stage is sent
+    #: SIGUSR1 ahead of its time limit (``execute.warn_before_limit``), on which it must save and
+    #: stop; a job of it stopped by the warning, or by the limit itself after writing the file
+    #: anew, made progress a next attempt resumes from, so the stage goes on as after a preemption
+    #: (:mod:`orchestrator.pipeline.execute`): a cluster's wall-time cap cuts a long training into
+    #: jobs instead of failing it.
     checkpoint: str | None = None
 
     @property

@@ -1063,6 +1063,7 @@ def _run_stage(
         memory=spec.memory,
         gpus=spec.gpus,
         time_limit=spec.time_limit,
+        warn_before_limit=warn_before_limit(spec),
         nodes=spec.nodes,
         tasks_per_node=spec.tasks_per_node,
         options=dict(spec.backend_options.get(backend) or {}),
@@ -1153,6 +1154,21 @@ def _run_stage(
         reason += f"; log: {attempt.log_path}"
     result = _finish_failed(ctx, spec, run, identity, out_dir, "FAILED", reason, attempt, started, changes)
     raise StageFailed(f"stage {spec.name} failed: {reason}", result)
+
+
+#: The most seconds ahead of its time limit a checkpointing stage is warned (submitit's default is
+#: 90 s; a large model's checkpoint takes minutes to write, and Slurm may signal up to 60 s early).
+WARN_BEFORE_LIMIT_MAX = 300
+
+
+def warn_before_limit(spec: StageSpec) -> int | None:
+    """How long before its time limit a stage that checkpoints is sent SIGUSR1 to save and stop:
+    a tenth of the limit, at most :data:`WARN_BEFORE_LIMIT_MAX`. Stopped at the limit itself, it
+    has only the scheduler's grace (Slurm's KillWait, 30 s by default) to finish a step and save,
+    and what it cannot save is computed again; warned, the next attempt goes on from where it was."""
+    if not spec.checkpoint or not spec.time_limit or spec.time_limit < 2:
+        return None
+    return max(1, min(WARN_BEFORE_LIMIT_MAX, spec.time_limit // 10))
 
 
 def checkpoint_mark(out_dir: Path, spec: StageSpec) -> tuple[int, int, int] | None:

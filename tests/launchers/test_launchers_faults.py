@@ -134,6 +134,18 @@ def test_yes_no_and_number_options_refuse_anything_else() -> None:
     assert usage_python({"measure_usage": "auto"}, {"openlab.io/python": "/opt/py"}) == "/opt/py"
 
 
+def test_a_warning_before_the_time_limit_is_slurms_signal_to_the_batch_shell() -> None:
+    """The batch shell gets SIGUSR1 ahead of the limit (`B:`) and passes it on to the task, which
+    saves and stops; a warning that does not come before the limit is refused before any job."""
+    slurm = get_launcher("slurm")
+    script = slurm.batch_script(JobSpec(name="x", command=["t"], time_limit=1800, warn_before_limit=180), "/l/x.log")
+    assert "#SBATCH --time=00:30:00\n#SBATCH --signal=B:USR1@180\n" in script
+    assert "--signal" not in slurm.batch_script(JobSpec(name="x", command=["t"], time_limit=1800), "/l/x.log")
+    for limit, warn in ((60, 60), (None, 10), (60, 0)):
+        with pytest.raises(OpenlabError, match="the warning before the time limit must be under the limit"):
+            JobSpec(name="x", command=["t"], time_limit=limit, warn_before_limit=warn)
+
+
 def test_table_and_list_options_refuse_text_instead_of_misreading_it() -> None:
     """A string where a list belongs was walked one character at a time: ``extra_args =
     "--exclusive"`` became eleven ``#SBATCH`` lines of one character each."""

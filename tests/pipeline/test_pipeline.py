@@ -514,6 +514,49 @@ def test_a_stage_stopped_by_its_time_limit_after_saving_progress_goes_on_from_it
         assert [a.state for a in store.list(Attempt, stage_run_id=upper.id)] == ["FAILED"]
 
 
+#: Saves and stops on the warning ahead of the time limit (SIGUSR1), as the MoE workload does; the
+#: job after that finds the checkpoint and finishes the stage.
+SAVES_ON_WARNING = (
+    "\nimport signal\n"
+    "ckpt = out / 'ckpt.json'\n"
+    "if not ckpt.exists():\n"
+    "    def _save(signum, frame):\n"
+    "        ckpt.write_text('{\"step\": 1}')\n"
+    "        os._exit(128 + signum)\n"
+    "    signal.signal(signal.SIGUSR1, _save)\n"
+    "    time.sleep(60)\n"
+)
+
+
+def test_a_checkpointing_stage_is_warned_ahead_of_its_time_limit_and_goes_on_from_what_it_saved(
+    repo: Path, ledger: Path
+) -> None:
+    """Stopped at the limit itself, a training stage has only the scheduler's grace to finish a step
+    and save, and what it cannot save is computed again. A stage that checkpoints is sent SIGUSR1 a
+    tenth of its limit ahead (Slurm's --signal=B:USR1@N; the local supervisor sends it itself): it
+    saves and stops, and the next attempt goes on from there, no retry spent."""
+    from tests.pipeline.toy import COMMON
+
+    script = repo / "stages" / "upper.py"
+    script.write_text(script.read_text().replace(COMMON, COMMON + SAVES_ON_WARNING, 1))
+    toy = toy_pipeline(repo)
+    warned = [
+        dataclasses.replace(s, checkpoint="ckpt.json", time_limit=5) if s.name == "upper" else s for s in toy.stages
+    ]
+    seen: list[tuple[str, str, str]] = []
+    hooks = PipelineHooks(on_transition=lambda e: seen.append((e.stage, e.state, e.reason)))
+    ctx = start_pipeline(dataclasses.replace(toy, stages=tuple(warned)), toy_configs(), options=fast(), hooks=hooks)
+    result = run_stages(ctx, retries=0)
+    assert result.state == "COMPLETED", result.error
+    (going_on,) = [reason for stage, state, reason in seen if state == "PREEMPTED"]
+    assert "stopped by SIGUSR1" in going_on, going_on
+    with LineageStore.open() as store:
+        (upper,) = store.list(StageRun, pipeline_run_id=result.pipeline_run.id, stage="upper")
+        attempts = store.list(Attempt, stage_run_id=upper.id, order_by=Attempt.number)
+        assert [(a.number, a.state, a.exit_code) for a in attempts] == [(1, "PREEMPTED", 138), (2, "COMPLETED", 0)]
+        assert attempts[0].resources["warn_before_limit"] == 1, attempts[0].resources
+
+
 def test_preemption_retries_setting(monkeypatch: pytest.MonkeyPatch, repo: Path) -> None:
     assert preemption_retries(load_settings()) == 3
     monkeypatch.setenv("OPENLAB_PIPELINE__PREEMPTION_RETRIES", "0")
