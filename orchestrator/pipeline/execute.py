@@ -58,6 +58,7 @@ from orchestrator.lineage.models import (
 )
 from orchestrator.lineage.record import live_records_at, mark_removed
 from orchestrator.lineage.store import LineageStore
+from orchestrator.pipeline.checkpoints import checkpoint_mark, stopped_with_progress, warn_before_limit
 from orchestrator.pipeline.dag import Pipeline, StageSpec, default_python, moe_pipeline
 from orchestrator.pipeline.outputs import hash_output, output_dir, read_metrics, record_outputs
 from orchestrator.pipeline.reuse import (
@@ -74,7 +75,7 @@ from orchestrator.recipes import ResolvedRecipe, identity_config
 from orchestrator.settings import Settings, load_settings
 
 if TYPE_CHECKING:
-    from orchestrator.launchers.base import JobStatus, Launcher
+    from orchestrator.launchers.base import Launcher
     from orchestrator.provenance import Provenance
 
 log = logging.getLogger("openlab.pipeline")
@@ -109,7 +110,7 @@ class StageCancelled(StageFailed):
 
 class StagePreempted(StageFailed):
     """A stage's job was stopped from outside (preempted, evicted, a scheduler's stop signal), or by
-    its own time limit after saving its checkpoint anew (:func:`stopped_with_progress`): not its
+    its own time limit after saving its checkpoint anew (:mod:`orchestrator.pipeline.checkpoints`): not its
     own failure, so :func:`execute_stage_resuming` runs it again without spending a retry, and a
     training stage resumes from the checkpoint it saved on the way out."""
 
@@ -1154,46 +1155,6 @@ def _run_stage(
         reason += f"; log: {attempt.log_path}"
     result = _finish_failed(ctx, spec, run, identity, out_dir, "FAILED", reason, attempt, started, changes)
     raise StageFailed(f"stage {spec.name} failed: {reason}", result)
-
-
-#: The most seconds ahead of its time limit a checkpointing stage is warned (submitit's default is
-#: 90 s; a large model's checkpoint takes minutes to write, and Slurm may signal up to 60 s early).
-WARN_BEFORE_LIMIT_MAX = 300
-
-
-def warn_before_limit(spec: StageSpec) -> int | None:
-    """How long before its time limit a stage that checkpoints is sent SIGUSR1 to save and stop:
-    a tenth of the limit, at most :data:`WARN_BEFORE_LIMIT_MAX`. Stopped at the limit itself, it
-    has only the scheduler's grace (Slurm's KillWait, 30 s by default) to finish a step and save,
-    and what it cannot save is computed again; warned, the next attempt goes on from where it was."""
-    if not spec.checkpoint or not spec.time_limit or spec.time_limit < 2:
-        return None
-    return max(1, min(WARN_BEFORE_LIMIT_MAX, spec.time_limit // 10))
-
-
-def checkpoint_mark(out_dir: Path, spec: StageSpec) -> tuple[int, int, int] | None:
-    """What tells one save of the stage's checkpoint from the next: its inode, modification time and
-    size (a save replaces the file). Compared before and after a job, not against a clock, so a
-    node whose clock differs from this machine's cannot fake progress or hide it."""
-    if not spec.checkpoint:
-        return None
-    try:
-        st = (out_dir / spec.checkpoint).stat()
-    except OSError:
-        return None
-    return (st.st_ino, st.st_mtime_ns, st.st_size)
-
-
-def stopped_with_progress(
-    status: JobStatus, before: tuple[int, int, int] | None, after: tuple[int, int, int] | None
-) -> bool:
-    """Whether a job its own time limit stopped saved its checkpoint anew on the way: the next attempt
-    resumes from there and gets further, so it is not the failure a time limit is for a stage that
-    starts over (which would be stopped at the same point again)."""
-    from orchestrator.launchers.base import TIME_LIMIT_REASON, JobState
-
-    timed_out = status.state is JobState.FAILED and (status.reason or "").startswith(TIME_LIMIT_REASON)
-    return timed_out and after is not None and after != before
 
 
 def _finish_failed(
