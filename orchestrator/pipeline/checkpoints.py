@@ -26,11 +26,16 @@ WARN_BEFORE_LIMIT_MAX = 300
 
 
 def warn_before_limit(spec: StageSpec) -> int | None:
-    """How long before its time limit a stage that checkpoints is sent SIGUSR1 to save and stop:
-    a tenth of the limit, at most :data:`WARN_BEFORE_LIMIT_MAX`. Stopped at the limit itself, it
-    has only the scheduler's grace (Slurm's KillWait, 30 s by default) to finish a step and save,
-    and what it cannot save is computed again; warned, the next attempt goes on from where it was."""
-    if not spec.checkpoint or not spec.time_limit or spec.time_limit < 2:
+    """How long before its time limit a stage that checkpoints is sent SIGUSR1 to save and stop: the
+    recipe's ``warn_before_limit`` (0: none), else a tenth of the limit, at most
+    :data:`WARN_BEFORE_LIMIT_MAX`. Stopped at the limit itself, it has only the scheduler's grace
+    (Slurm's KillWait, 30 s by default) to finish a step and save, and what it cannot save is
+    computed again; warned, the next attempt goes on from where it was."""
+    if not spec.checkpoint or not spec.time_limit:
+        return None
+    if spec.warn_before_limit is not None:  # the recipe's, checked to be under the limit
+        return spec.warn_before_limit or None
+    if spec.time_limit < 2:
         return None
     return max(1, min(WARN_BEFORE_LIMIT_MAX, spec.time_limit // 10))
 

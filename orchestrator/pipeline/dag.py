@@ -78,6 +78,9 @@ class StageSpec:
     #: (:mod:`orchestrator.pipeline.execute`): a cluster's wall-time cap cuts a long training into
     #: jobs instead of failing it.
     checkpoint: str | None = None
+    #: Seconds ahead of ``time_limit`` the warning comes (0: none); None: the default of
+    #: :func:`orchestrator.pipeline.checkpoints.warn_before_limit`.
+    warn_before_limit: int | None = None
 
     @property
     def tasks(self) -> int:
@@ -212,7 +215,7 @@ def _job_resources(asked: Mapping[str, Any]) -> dict[str, Any]:
     generic = {
         k: v
         for k, v in asked.items()
-        if k in ("cpus", "memory", "gpus", "time_limit", "nodes", "tasks_per_node", "backend")
+        if k in ("cpus", "memory", "gpus", "time_limit", "warn_before_limit", "nodes", "tasks_per_node", "backend")
     }
     options = {k: dict(v) for k, v in asked.items() if k in BACKEND_OPTIONS}
     return {**generic, "backend_options": options} if options else generic

@@ -402,6 +402,19 @@ def stage_resources(
             if backend in default and backend in own:
                 merged[backend] = {**default[backend], **own[backend]}
         out[stage] = merged
+        warn, limit = merged.get("warn_before_limit"), merged.get("time_limit")
+        if warn and not limit:
+            source = stage if "warn_before_limit" in own else "default"
+            raise ConfigError(
+                f"{where}.{source}.warn_before_limit: stage {stage} has no time_limit to be warned ahead of; "
+                "give it one, or leave this out"
+            )
+        if warn is not None and (warn < 0 or (warn and warn >= limit)):
+            source = stage if "warn_before_limit" in own else "default"
+            raise ConfigError(
+                f"{where}.{source}.warn_before_limit: seconds ahead of the stage's time_limit ({limit}), "
+                f"so 0 (no warning) or under it, got {warn!r}"
+            )
         if merged.get("nodes", 1) * merged.get("tasks_per_node", 1) > 1 and stage not in TRAINING_STAGES:
             source = stage if "nodes" in own or "tasks_per_node" in own else "default"
             raise ConfigError(

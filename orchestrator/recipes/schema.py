@@ -138,6 +138,9 @@ _RESOURCES = {
     "memory": Opt(str),
     "gpus": Opt(int),
     "time_limit": Opt(int),
+    # Seconds ahead of time_limit a stage that checkpoints is sent SIGUSR1 to save and stop (0: not
+    # warned); default a tenth of the limit, at most 5 minutes (orchestrator.pipeline.checkpoints).
+    "warn_before_limit": Opt(int),
     # A training stage as several processes of one job (data parallel; Slurm: srun tasks).
     "nodes": Opt(int),
     "tasks_per_node": Opt(int),

@@ -354,6 +354,37 @@ def test_stage_resources_reach_the_jobs_and_never_the_identity(tmp_path: Path) -
     )
 
 
+def test_a_training_stage_is_warned_ahead_of_its_time_limit_as_long_as_its_recipe_says(tmp_path: Path) -> None:
+    """A tenth of the limit ahead, at most five minutes, unless the recipe says how long its
+    checkpoint takes to write (or 0: no warning); a stage that saves nothing is never warned."""
+    from orchestrator.pipeline.checkpoints import warn_before_limit
+    from orchestrator.pipeline.dag import moe_pipeline
+
+    def warnings(resources: dict) -> dict[str, int | None]:
+        data = base()
+        data["replicas"]["tiny"]["resources"] = resources
+        resolved = resolve(load_recipe(write(tmp_path, data)), "tiny")
+        return {
+            s.name: warn_before_limit(s)
+            for s in moe_pipeline(stages=resolved.stages, resources=resolved.resources).stages
+        }
+
+    by_default = warnings({"default": {"time_limit": 900}, "pretrain": {"time_limit": 86400}})
+    assert by_default == {
+        "data": None,
+        "tokenize": None,
+        "pretrain": 300,
+        "midtrain": 90,
+        "posttrain": 90,
+        "eval": None,
+    }
+    told = warnings({"default": {"time_limit": 900}, "pretrain": {"time_limit": 86400, "warn_before_limit": 1200}})
+    assert told["pretrain"] == 1200 and told["midtrain"] == 90
+    off = warnings({"default": {"time_limit": 900, "warn_before_limit": 0}})
+    assert set(off.values()) == {None}
+    assert set(warnings({}).values()) == {None}, "no time limit, nothing to warn of"
+
+
 @pytest.mark.parametrize(
     ("resources", "message"),
     [
@@ -362,6 +393,19 @@ def test_stage_resources_reach_the_jobs_and_never_the_identity(tmp_path: Path) -
         ({"pretrain": {"memory": "lots"}}, "replicas.tiny.resources.pretrain.memory: invalid 'lots'"),
         ({"default": {"cpus": 0}}, "replicas.tiny.resources.default.cpus: must be positive"),
         ({"eval": {"time_limit": -5}}, "replicas.tiny.resources.eval.time_limit: seconds, must be positive"),
+        (
+            {"pretrain": {"time_limit": 1800, "warn_before_limit": 1800}},
+            "replicas.tiny.resources.pretrain.warn_before_limit: seconds ahead of the stage's time_limit (1800), "
+            "so 0 (no warning) or under it, got 1800",
+        ),
+        (
+            {"default": {"time_limit": 600, "warn_before_limit": -1}},
+            "replicas.tiny.resources.default.warn_before_limit: seconds ahead",
+        ),
+        (
+            {"pretrain": {"warn_before_limit": 60}},
+            "replicas.tiny.resources.pretrain.warn_before_limit: stage pretrain has no time_limit to be warned ahead",
+        ),
         ({"eval": {"gpu": 1}}, "replicas.tiny.resources.eval.gpu: unknown key"),
         ({"pretrain": {"tasks_per_node": 0}}, "replicas.tiny.resources.pretrain.tasks_per_node: must be 1 or more"),
         ({"eval": {"nodes": 2}}, "replicas.tiny.resources.eval: stage eval runs as one task; only pretrain, midtrain"),
