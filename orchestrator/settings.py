@@ -123,7 +123,15 @@ def load_project_config(cwd: Path | None = None) -> tuple[dict[str, Any], Path |
         if not path.is_file():
             raise ConfigError(f"OPENLAB_CONFIG names {path}, which does not exist")
         data = _read_toml(path)
-        return (data.get("tool", {}).get("openlab", data) if path.name == "pyproject.toml" else data), path
+        if path.name != "pyproject.toml":
+            return data, path
+        section = data.get("tool", {}).get("openlab")
+        if not isinstance(section, dict):  # the whole file was read as openlab's: "[project] is not a setting"
+            raise ConfigError(
+                f"OPENLAB_CONFIG names {path}, which has no [tool.openlab] table: "
+                "add one there, or name an openlab.toml"
+            )
+        return section, path
     start = (cwd or Path.cwd()).resolve()
     toml_path = _find_upwards(start, "openlab.toml")
     if toml_path:

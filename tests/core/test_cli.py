@@ -208,6 +208,16 @@ def test_a_setting_nothing_reads_is_refused_where_it_was_written_naming_the_one_
         for section, keys in KNOWN_SETTINGS.items()
         if keys is not None
     )
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project]\nname = "lab"\n')
+    named = run_cli("lineage", "list", env={"OPENLAB_CONFIG": str(pyproject)})
+    assert named.returncode == 2 and named.stderr == (
+        f"error: OPENLAB_CONFIG names {pyproject}, which has no [tool.openlab] table: add one there, or name an "
+        "openlab.toml\n"
+    ), named.stderr
+    pyproject.write_text('[project]\nname = "lab"\n\n[tool.openlab.pipeline]\nstage_retries = 2\n')
+    taken = run_cli("snapshot", str(pyproject), env={"OPENLAB_CONFIG": str(pyproject)})
+    assert taken.returncode == 0, taken.stderr
     config.write_text(every)  # every setting openlab reads is taken (what each value must be is each one's to say)
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "a.txt").write_text("a")
