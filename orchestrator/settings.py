@@ -121,7 +121,8 @@ def load_project_config(cwd: Path | None = None) -> tuple[dict[str, Any], Path |
     if explicit:
         path = Path(explicit).expanduser()
         if not path.is_file():
-            raise ConfigError(f"OPENLAB_CONFIG names {path}, which does not exist")
+            what = "is a folder, not a file" if path.is_dir() else "does not exist"
+            raise ConfigError(f"OPENLAB_CONFIG names {path}, which {what}")
         data = _read_toml(path)
         if path.name != "pyproject.toml":
             return data, path

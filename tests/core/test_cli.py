@@ -216,6 +216,8 @@ def test_a_setting_nothing_reads_is_refused_where_it_was_written_naming_the_one_
         "openlab.toml\n"
     ), named.stderr
     pyproject.write_text('[project]\nname = "lab"\n\n[tool.openlab.pipeline]\nstage_retries = 2\n')
+    folder = run_cli("lineage", "list", env={"OPENLAB_CONFIG": str(tmp_path)})
+    assert folder.stderr == f"error: OPENLAB_CONFIG names {tmp_path}, which is a folder, not a file\n", folder.stderr
     taken = run_cli("snapshot", str(pyproject), env={"OPENLAB_CONFIG": str(pyproject)})
     assert taken.returncode == 0, taken.stderr
     config.write_text(every)  # every setting openlab reads is taken (what each value must be is each one's to say)
