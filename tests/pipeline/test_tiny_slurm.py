@@ -18,6 +18,7 @@ import yaml
 
 from orchestrator.lineage.models import Attempt, StageRun
 from orchestrator.lineage.store import LineageStore
+from orchestrator.pipeline.dag import MOE_CHECKPOINT_STAGES
 from orchestrator.recipes import RECIPES_DIR, resolve
 from orchestrator.settings import load_settings
 from tests.services import require_slurm
@@ -60,6 +61,8 @@ def test_tiny_replica_runs_end_to_end_on_slurm(tmp_path: Path) -> None:
             assert attempt.command[0] == sys.executable  # the project's interpreter, not the node's `python`
             partition = "batch" if stage.stage == "pretrain" else "debug"  # debug: the cluster's default
             expected = {k: v for k, v in asked[stage.stage].items() if k != "slurm"}
+            if stage.stage in MOE_CHECKPOINT_STAGES:  # warned ahead of its limit, to save and stop
+                expected["warn_before_limit"] = min(300, expected["time_limit"] // 10)
             assert attempt.resources == {
                 **expected,
                 **({"options": {"partition": "batch"}} if partition == "batch" else {}),
