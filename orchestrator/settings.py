@@ -156,8 +156,8 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 break
-        else:
-            node[parts[-1]] = _coerce(value)
+        else:  # a path is text as written: OPENLAB_ARTIFACTS__ROOT=2026 is a folder, not a number
+            node[parts[-1]] = value if tuple(parts) in PATH_SETTINGS else _coerce(value)
     return out
 
 
@@ -232,6 +232,15 @@ def check_known(config: Mapping[str, Any], path: Path | None, environ: Mapping[s
             if name not in keys:
                 hint = choices(name, sorted(keys), label=f"[{key}] has")
                 raise ConfigError(f"{where(key, name)}[{key}] {name}: no such setting; {hint}")
+    for keys in (*PATH_SETTINGS, ("db_url",)):  # Path(5) was a TypeError traceback
+        value: Any = config
+        for key in keys:
+            value = value.get(key) if isinstance(value, Mapping) else None
+        if value is not None and not (isinstance(value, str) and value.strip()):
+            name = keys[0] if len(keys) == 1 else f"[{keys[0]}] {keys[1]}"
+            what = "a database URL" if keys == ("db_url",) else "a path"
+            source = where(*keys) if len(keys) > 1 else f"{path}: "  # OPENLAB_HOME is read apart, never here
+            raise ConfigError(f"{source}{name} = {value!r}: give {what} as text, in quotes")
 
 
 #: Settings that name a place on disk, as key paths. A relative one is read from where it was

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.settings import KNOWN_SETTINGS
+from orchestrator.settings import KNOWN_SETTINGS, PATH_SETTINGS
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -191,6 +191,9 @@ def test_a_setting_nothing_reads_is_refused_where_it_was_written_naming_the_one_
         ),
         ('artifacts = "/data"\n', {}, f"error: {config}: artifacts = '/data': artifacts is a table of settings"),
         ('backends = "slurm"\n', {}, f"error: {config}: backends = 'slurm': backends is a table of settings"),
+        ("home = 5\n", {}, f"error: {config}: home = 5: give a path as text, in quotes"),
+        ("[artifacts]\nroot = true\n", {}, f"error: {config}: [artifacts] root = True: give a path as text"),
+        ("db_url = 5\n", {}, f"error: {config}: db_url = 5: give a database URL as text, in quotes"),
         (
             "",
             {"OPENLAB_GITHUB__MAX_WAIT": "5"},
@@ -204,7 +207,11 @@ def test_a_setting_nothing_reads_is_refused_where_it_was_written_naming_the_one_
             assert len(out.stderr.strip().splitlines()) == 1 and not out.stdout, out.stderr
     assert not (openlab_home / "lineage.db").exists(), "nothing was run or recorded"
     every = "".join(
-        f"[{section}]\n" + "".join(f"{key} = {'{}' if key == 'labels' else '1'}\n" for key in sorted(keys))
+        f"[{section}]\n"
+        + "".join(
+            f"{key} = {'{}' if key == 'labels' else repr(str(tmp_path)) if (section, key) in PATH_SETTINGS else '1'}\n"
+            for key in sorted(keys)
+        )
         for section, keys in KNOWN_SETTINGS.items()
         if keys is not None
     )
@@ -246,7 +253,7 @@ def test_a_relative_home_is_the_folder_it_named_where_it_was_given(run_cli, open
     (project / "sub").mkdir(parents=True)
     (project / "openlab.toml").write_text('home = "state"\ndb_url = "sqlite:///state/other.db"\n')
     (project / "data.txt").write_text("a")
-    from_sub = {"OPENLAB_HOME": "", "OPENLAB_CONFIG": ""}
+    from_sub = {"OPENLAB_HOME": "", "OPENLAB_CONFIG": "", "OPENLAB_PREFECT__HOME": "2026"}  # a folder, as written
     snap = run_cli("snapshot", "../data.txt", "--json", env=from_sub, cwd=project / "sub")
     assert snap.returncode == 0, snap.stderr
     assert json.loads(snap.stdout)["manifest_path"].startswith(f"{project}/state/snapshots/"), snap.stdout
