@@ -237,7 +237,7 @@ def check_known(config: Mapping[str, Any], path: Path | None, environ: Mapping[s
         for key in keys:
             value = value.get(key) if isinstance(value, Mapping) else None
         if value is not None and not (isinstance(value, str) and value.strip()):
-            name = keys[0] if len(keys) == 1 else f"[{keys[0]}] {keys[1]}"
+            name = keys[0] if len(keys) == 1 else f"[{'.'.join(keys[:-1])}] {keys[-1]}"
             what = "a database URL" if keys == ("db_url",) else "a path"
             source = where(*keys) if len(keys) > 1 else f"{path}: "  # OPENLAB_HOME is read apart, never here
             raise ConfigError(f"{source}{name} = {value!r}: give {what} as text, in quotes")
@@ -248,7 +248,16 @@ def check_known(config: Mapping[str, Any], path: Path | None, environ: Mapping[s
 #: jobs run in the repository root, served flows in the server's folder and later commands from
 #: anywhere, so ``OPENLAB_HOME=.openlab`` kept relative sent every job's ``--out`` elsewhere and
 #: the next command from another folder to an empty store (Marin's relative prefix, #6334).
-PATH_SETTINGS: tuple[tuple[str, ...], ...] = (("home",), ("artifacts", "root"), ("prefect", "home"))
+PATH_SETTINGS: tuple[tuple[str, ...], ...] = (
+    ("home",),
+    ("artifacts", "root"),
+    ("prefect", "home"),
+    ("backends", "slurm", "log_dir"),  # sbatch writes there from the job's folder, openlab reads from its own
+    ("backends", "slurm", "slurm_conf"),
+    ("backends", "slurm", "bin_dir"),
+    ("backends", "kubernetes", "kubeconfig"),
+    ("backends", "kubernetes", "template"),
+)
 
 _SQLITE_URL = re.compile(r"^(sqlite(?:\+\w+)?:///)(?!/|:memory:|$)(.+)$")
 

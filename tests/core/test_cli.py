@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.settings import KNOWN_SETTINGS, PATH_SETTINGS
+from orchestrator.settings import KNOWN_SETTINGS, PATH_SETTINGS, load_settings
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -234,7 +234,9 @@ def test_a_setting_nothing_reads_is_refused_where_it_was_written_naming_the_one_
     assert taken.returncode == 0, taken.stderr
 
 
-def test_a_relative_home_is_the_folder_it_named_where_it_was_given(run_cli, openlab_home: Path, tmp_path: Path) -> None:
+def test_a_relative_home_is_the_folder_it_named_where_it_was_given(
+    run_cli, openlab_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`OPENLAB_HOME=lab` was kept relative: the stage's job, which runs in the repository root, looked
     for its config under the repository's `lab/` and failed, and a command from another folder would
     have opened an empty store. A relative home (and artifacts root, and SQLite file) is the folder it
@@ -251,7 +253,9 @@ def test_a_relative_home_is_the_folder_it_named_where_it_was_given(run_cli, open
 
     project = tmp_path / "project"
     (project / "sub").mkdir(parents=True)
-    (project / "openlab.toml").write_text('home = "state"\ndb_url = "sqlite:///state/other.db"\n')
+    (project / "openlab.toml").write_text(
+        'home = "state"\ndb_url = "sqlite:///state/other.db"\n[backends.slurm]\nlog_dir = "slurm-logs"\n'
+    )
     (project / "data.txt").write_text("a")
     from_sub = {"OPENLAB_HOME": "", "OPENLAB_CONFIG": "", "OPENLAB_PREFECT__HOME": "2026"}  # a folder, as written
     snap = run_cli("snapshot", "../data.txt", "--json", env=from_sub, cwd=project / "sub")
@@ -260,6 +264,10 @@ def test_a_relative_home_is_the_folder_it_named_where_it_was_given(run_cli, open
     again = run_cli("lineage", "list", "--kind", "snapshot", "--json", env=from_sub, cwd=project)
     assert len(json.loads(again.stdout)) == 1, "the store in the file's folder, from the file's own folder too"
     assert (project / "state" / "other.db").is_file() and not (project / "sub" / "state").exists()
+    # sbatch writes a relative log_dir from the job's folder (the repository), openlab read it from its own
+    monkeypatch.delenv("OPENLAB_CONFIG")
+    slurm = load_settings(cwd=project / "sub", environ={}).section("backends.slurm")
+    assert slurm["log_dir"] == str(project / "slurm-logs")
 
 
 def test_every_documented_setting_is_one_openlab_reads() -> None:
