@@ -13,6 +13,7 @@ PYTEST_ARGS ?=
 # Two pytest-xdist workers: most tests wait on a job, a server or a container, not the CPU.
 # Tests marked `slurm` take turns on the cluster (tests/conftest.py). PYTEST_WORKERS=0 runs them in one process.
 PYTEST_WORKERS ?= 2
+# `make test` ends with the 15 slowest tests, so every CI log says where the suite's time goes.
 BENCH_ARGS ?=
 
 export DO_NOT_TRACK := 1
@@ -42,7 +43,7 @@ services-down:
 test: install services-up
 	set -a; [ -f $(INFRA_STATE)/services.env ] && . $(INFRA_STATE)/services.env; set +a; \
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && \
-	$(PY) -m pytest -q -rs -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs -n $(PYTEST_WORKERS) --durations=15 $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -rs -m "not slow" $(PYTEST_ARGS)
