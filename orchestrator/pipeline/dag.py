@@ -72,11 +72,10 @@ class StageSpec:
     #: The backend this stage's job runs on (data prep on local, training on Slurm); None: the run's.
     backend: str | None = None
     #: The file, in the output folder, a resumable stage saves its progress to. Such a stage is sent
-    #: SIGUSR1 ahead of its time limit (``execute.warn_before_limit``), on which it must save and
-    #: stop; a job of it stopped by the warning, or by the limit itself after writing the file
-    #: anew, made progress a next attempt resumes from, so the stage goes on as after a preemption
-    #: (:mod:`orchestrator.pipeline.execute`): a cluster's wall-time cap cuts a long training into
-    #: jobs instead of failing it.
+    #: SIGUSR1 ahead of its time limit, on which it must save and stop; a job of it stopped by the
+    #: warning, or by the limit itself after writing the file anew, made progress a next attempt
+    #: resumes from, so the stage goes on as after a preemption: a cluster's wall-time cap cuts a
+    #: long training into jobs instead of failing it (:mod:`orchestrator.pipeline.checkpoints`).
     checkpoint: str | None = None
     #: Seconds ahead of ``time_limit`` the warning comes (0: none); None: the default of
     #: :func:`orchestrator.pipeline.checkpoints.warn_before_limit`.
