@@ -213,10 +213,11 @@ def test_a_job_recorded_on_another_cluster_is_neither_asked_nor_cancelled_here(
 
 def test_a_cancel_is_acted_on_between_gentle_status_looks(harness: Harness, store: LineageStore) -> None:
     """With status looks a minute apart (``[backends.X] poll_interval = 60``, kind to a busy Slurm
-    controller), a cancel request still stops the job within a second: ``run_job`` asks between looks.
+    controller), a cancel request still stops the job at once: ``run_job`` asks between looks.
 
-    The request comes 7.5 s in, between looks backed off to ~5 s and ~10 s after the submit, so a
-    waiter that only checked for cancels at its looks would act seconds late.
+    The request comes 6 s in, between looks backed off to ~5 s and ~10 s after the submit, so a
+    waiter that only checked for cancels at its looks would act about 4 s late. The bound is 2 s:
+    on a loaded two-core machine the emulated Kubernetes cancel took 1.09 s, over the 1 s this had.
     """
     harness.launcher.poll_interval = 60
     cancels: list[float] = []
@@ -234,7 +235,7 @@ def test_a_cancel_is_acted_on_between_gentle_status_looks(harness: Harness, stor
 
     harness.launcher.status = counted_status  # type: ignore[method-assign]
     harness.launcher.cancel = timed_cancel  # type: ignore[method-assign]
-    requested_at = time.monotonic() + 7.5
+    requested_at = time.monotonic() + 6.0
     attempt, status = run_job(
         store,
         harness.launcher,
@@ -243,7 +244,7 @@ def test_a_cancel_is_acted_on_between_gentle_status_looks(harness: Harness, stor
         timeout=harness.wait_timeout,
     )
     assert status.state is JobState.CANCELLED, status
-    assert cancels and cancels[0] - requested_at < 1.0, f"cancelled {cancels[0] - requested_at:.2f}s after the request"
+    assert cancels and cancels[0] - requested_at < 2.0, f"cancelled {cancels[0] - requested_at:.2f}s after the request"
     assert looks < 20, f"{looks} status looks in ~8 s at a 60 s cadence"
     stored = store.get(Attempt, attempt.id)
     assert stored is not None and stored.state == "CANCELLED"
