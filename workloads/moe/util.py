@@ -70,13 +70,15 @@ def setup_torch(n: int) -> int:
     of the MoE combine (and their backward) accumulate in thread-scheduling order, so two 2-thread
     runs of one config differed from step 2, and the QB fixed-point iteration carried the difference
     into every drop figure. Deterministic mode makes one config on one thread count repeat to the bit
-    (a different thread count still sums in another order). ``warn_only``: an op without a
-    deterministic kernel (some CUDA ones) warns instead of stopping a run.
+    (a different thread count still sums in another order). "warn": an op without a deterministic
+    kernel (some CUDA ones) warns instead of stopping a run. This is
+    ``use_deterministic_algorithms(True, warn_only=True)`` without its import of torch's compiler
+    (for its ``deterministic`` flag, which nothing here compiles for): 1.4 s of every stage's start.
     """
     import torch
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS's condition for repeatable GEMMs
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.set_deterministic_debug_mode("warn")
     if n <= 0:
         try:
             n = len(os.sched_getaffinity(0))
