@@ -1138,12 +1138,11 @@ def _run_stage(
         reason = cancel_reason[0] if cancel_reason else (status.reason or "job cancelled")
         result = _finish_failed(ctx, spec, run, identity, out_dir, "CANCELLED", reason, attempt, started, changes)
         raise StageCancelled(f"stage {spec.name} cancelled: {reason}", result)
-    if status.state is JobState.PREEMPTED:
-        reason = f"job {attempt.job_id} preempted: {status.reason}"
-        result = _finish_failed(ctx, spec, run, identity, out_dir, "PREEMPTED", reason, attempt, started, changes)
-        raise StagePreempted(f"stage {spec.name} {reason}", result)
-    if stopped_with_progress(status, saved_before, checkpoint_mark(out_dir, spec)):
-        reason = f"job {attempt.job_id} {status.reason} after saving {spec.checkpoint} anew: going on from it"
+    # Stopped from outside, or by its time limit after saving its checkpoint anew: run again from it.
+    preempted = status.state is JobState.PREEMPTED
+    if preempted or stopped_with_progress(status, saved_before, checkpoint_mark(out_dir, spec)):
+        how = f"preempted: {status.reason}" if preempted else f"{status.reason} after saving {spec.checkpoint} anew"
+        reason = f"job {attempt.job_id} {how}" + ("" if preempted else ": going on from it")
         result = _finish_failed(ctx, spec, run, identity, out_dir, "PREEMPTED", reason, attempt, started, changes)
         raise StagePreempted(f"stage {spec.name} {reason}", result)
     reason = f"job {attempt.job_id} {status.state}" + (
