@@ -24,6 +24,7 @@ from typing import Any
 
 from orchestrator.errors import ConfigError, choices
 from orchestrator.launchers.base import DEFAULT_PYTHON
+from orchestrator.recipes.schema import DEFAULT_STAGES, TRAINING_STAGES
 from orchestrator.settings import Settings
 
 #: Where this repository lives (the MoE workload's stage programs are under it).
@@ -153,7 +154,7 @@ WANDB_STAGES = frozenset({"pretrain", "midtrain", "posttrain", "eval", "repro"})
 #: Where the MoE workload's training stages save progress and resume from (``workloads.moe.train.CKPT``,
 #: kept equal by a test: the library imports nothing of the workload).
 MOE_CHECKPOINT = "checkpoint/state.pt"
-MOE_CHECKPOINT_STAGES = frozenset({"pretrain", "midtrain", "posttrain", "repro"})
+MOE_CHECKPOINT_STAGES = frozenset({*TRAINING_STAGES, "repro"})
 
 #: Every MoE stage in pipeline order, and the upstream stage behind each input it reads.
 #: ``repro`` (the token-dropping reproduction: one router trained while every dispatch arm is
@@ -167,9 +168,6 @@ MOE_STAGE_INPUTS: dict[str, dict[str, str]] = {
     "eval": {"tokens": "tokenize", "checkpoint": "posttrain"},
     "repro": {"tokens": "tokenize"},
 }
-
-#: The replica chain a recipe runs unless its replica names other stages.
-DEFAULT_STAGES = ("data", "tokenize", "pretrain", "midtrain", "posttrain", "eval")
 
 
 def check_stage_selection(stages: Sequence[str], where: str = "stages") -> tuple[str, ...]:

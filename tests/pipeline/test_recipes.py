@@ -466,13 +466,15 @@ def test_a_run_of_another_tree_reads_that_trees_recipe(tmp_path: Path) -> None:
     assert resolve("marin-535b-a23b", "tiny").stage_configs["data"]["data"]["max_bytes_per_domain"] == 200000
 
 
-def test_the_ui_forms_stage_choices_are_the_recipe_stages() -> None:
+def test_the_ui_forms_stage_choices_and_the_dag_are_the_recipe_stages() -> None:
     from typing import get_args
 
     from flows.pipeline import Stage
+    from orchestrator.pipeline.dag import MOE_STAGE_INPUTS
     from orchestrator.recipes import STAGES
 
     assert get_args(Stage) == STAGES
+    assert tuple(MOE_STAGE_INPUTS) == STAGES  # a stage a recipe names is one the DAG knows how to feed
 
 
 def test_preregistered_predictions_travel_with_the_recipe_and_follow_its_stages(tmp_path: Path) -> None:
