@@ -6,6 +6,7 @@ blobs) and never sees the developer's real configuration.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +22,64 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # would take the CPU from the other worker's job (3 tests measured 43 s with spinning, 36 s without).
 # Jobs inherit it (local and Slurm); it changes no number a run computes.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+#: Tests that share something a worker holds by itself, each run as one unit on one worker
+#: (:func:`pytest_xdist_make_scheduler`): the Slurm cluster, which its tests take in turn (see
+#: ``_current_test``), and the Prefect server with its served runner, which a worker starts once, for
+#: all its flow tests, and which later flow tests reuse the stages of (tests/flows/conftest.py).
+_UNITS = {"slurm": "the slurm cluster", "prefect_server": "the prefect server"}
+
+
+def _unit(item: pytest.Item) -> str | None:
+    if item.get_closest_marker("slurm") is not None:
+        return _UNITS["slurm"]
+    if "prefect_server" in getattr(item, "fixturenames", ()):
+        return _UNITS["prefect_server"]
+    return None
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """(xdist controller) Tell each worker where to write the unit of each test it collected."""
+    node.workerinput["openlab_units"] = str(_units_file(node.config))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """(xdist worker) Write which unit each test belongs to, for the controller's scheduler."""
+    target = getattr(config, "workerinput", {}).get("openlab_units")
+    if target:
+        units = {item.nodeid: unit for item in items if (unit := _unit(item))}
+        Path(f"{target}.{config.workerinput['workerid']}").write_text(json.dumps(units))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Hand each unit of tests to one worker, the largest first, and every other test on its own.
+
+    Handed out with the others, a ``slurm`` test holds its worker idle while another worker's has
+    the cluster, and flow tests on two workers start two Prefect servers and run the tiny replica
+    twice. As units they run back to back on one worker while the others share the rest.
+    """
+    from xdist.scheduler import LoadScopeScheduling
+
+    if config.getvalue("dist") != "load":  # another distribution asked for by name: that one
+        return None
+
+    class UnitScheduling(LoadScopeScheduling):
+        units: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.units is None:  # every worker has collected, and written its list, by now
+                first = min(_units_file(self.config).parent.glob(_units_file(self.config).name + ".*"), default=None)
+                self.units = json.loads(first.read_text()) if first else {}
+            return self.units.get(nodeid, nodeid)
+
+    return UnitScheduling(config, log)
+
+
+def _units_file(config: pytest.Config) -> Path:
+    return config._tmp_path_factory.getbasetemp() / "units"  # type: ignore[attr-defined]
 
 
 @pytest.fixture(autouse=True)
