@@ -519,22 +519,27 @@ _DURATION = re.compile(r"^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
 
 
 def parse_duration(text: str | int) -> int:
-    """Seconds from ``90``, ``"MM:SS"``, ``"HH:MM:SS"``, ``"D-HH:MM:SS"``, ``"1h"``, ``"30m"``, ``"1h30m"``."""
+    """Seconds from ``90`` (seconds), ``"1h"``, ``"30m"``, ``"1h30m"``, or Slurm's forms:
+    ``"MM:SS"``, ``"HH:MM:SS"``, ``"D-HH"``, ``"D-HH:MM"``, ``"D-HH:MM:SS"``.
+
+    After a day count Slurm reads hours first (``1-02:30`` is a day, 2 h and 30 min), without one
+    the last field is seconds (``02:30`` is 2 min 30 s); ``squeue`` and ``sacct`` write times in
+    the same forms. A bare number is seconds here, where ``sbatch --time`` reads minutes.
+    """
     raw = str(text).strip().lower()
     try:
         if raw.isdigit():
             seconds = int(raw)
-        elif ":" in raw:
-            days = 0
-            if "-" in raw:
-                day_text, raw = raw.split("-", 1)
-                days = int(day_text)
-            parts = [int(p) for p in raw.split(":")]
-            if len(parts) > 3 or any(p < 0 for p in parts):
+        elif ":" in raw or re.fullmatch(r"\d+-\d+", raw):
+            days, dash, clock = raw.rpartition("-")
+            parts = [int(p) for p in clock.split(":")]
+            if len(parts) > 3 or any(p < 0 for p in parts) or (dash and not days.isdigit()):
                 raise ValueError
-            while len(parts) < 3:
-                parts.insert(0, 0)
-            seconds = days * 86400 + parts[0] * 3600 + parts[1] * 60 + parts[2]
+            if days:  # D-HH[:MM[:SS]]
+                parts += [0] * (3 - len(parts))
+            else:  # [HH:]MM:SS
+                parts = [0] * (3 - len(parts)) + parts
+            seconds = int(days or 0) * 86400 + parts[0] * 3600 + parts[1] * 60 + parts[2]
         else:
             match = _DURATION.match(raw)
             if not match or not raw:
@@ -543,7 +548,7 @@ def parse_duration(text: str | int) -> int:
             seconds = h * 3600 + m * 60 + s
     except ValueError:
         raise OpenlabError(
-            f"invalid time limit {text!r}: use seconds, MM:SS, HH:MM:SS, D-HH:MM:SS, or 1h / 30m / 45s"
+            f"invalid time limit {text!r}: use seconds, MM:SS, HH:MM:SS, D-HH, D-HH:MM:SS, or 1h / 30m / 45s"
         ) from None
     if seconds <= 0:
         raise OpenlabError(f"invalid time limit {text!r}: must be positive")

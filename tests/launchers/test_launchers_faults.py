@@ -83,6 +83,10 @@ def test_a_slurm_nodelist_names_every_node(nodelist: str, hosts: list[str]) -> N
         ("05:00", 300),
         ("1:02:03", 3723),
         ("1-00:00:01", 86401),
+        # Slurm's forms with a day count read hours first, as sbatch --time does
+        ("4-12", 4 * 86400 + 12 * 3600),
+        ("1-02:30", 86400 + 2 * 3600 + 30 * 60),
+        ("2-00:00:00", 2 * 86400),
         ("1h", 3600),
         ("30m", 1800),
         ("1h30m", 5400),
@@ -93,7 +97,7 @@ def test_time_limits_parse(text: str | int, seconds: int) -> None:
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["abc", "0", "1:2:3:4", "-5", "", "1d"])
+@pytest.mark.parametrize("text", ["abc", "0", "1:2:3:4", "-5", "", "1d", "-1:00", "1-2-3", "1-", "x-02:00"])
 def test_bad_time_limits_are_user_errors(text: str) -> None:
     with pytest.raises(OpenlabError, match="time limit"):
         parse_duration(text)
