@@ -96,7 +96,9 @@ def run_cmd(
     tasks_per_node: int = typer.Option(
         1, "--tasks-per-node", help="processes per machine, each given RANK, WORLD_SIZE, MASTER_ADDR... (slurm)"
     ),
-    time_limit: str = typer.Option(None, "--time-limit", help="seconds, MM:SS, HH:MM:SS, 1h, 30m"),
+    time_limit: str = typer.Option(
+        None, "--time-limit", help="seconds, 1h, 30m, or as sbatch --time: MM:SS, HH:MM:SS, D-HH, D-HH:MM:SS"
+    ),
     env: list[str] = typer.Option(None, "--env", "-e", help="KEY=VALUE for the job's environment (repeatable)"),
     option: list[str] = typer.Option(
         None,

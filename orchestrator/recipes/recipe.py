@@ -25,6 +25,7 @@ from orchestrator.preregistration import Prediction
 from orchestrator.recipes.schema import (
     BACKEND_OPTIONS,
     DEFAULT_STAGES,
+    DURATION_KEYS,
     RECIPE_SCHEMA,
     RUNTIME_KEYS,
     SCALE_RULES,
@@ -35,6 +36,7 @@ from orchestrator.recipes.schema import (
     load_yaml,
     parse_ratio,
     put_dotted,
+    seconds,
     type_name,
 )
 from orchestrator.tolerances import check_metric, parse_tolerances
@@ -369,6 +371,10 @@ def stage_resources(
     if unknown:
         hint = choices(unknown[0], [*stages, "default"], label="stages")
         raise ConfigError(f"{where}.{unknown[0]}: not a stage this runs; {hint}")
+    asked = {  # time_limit: "2-00:00:00" as a Slurm user writes it, kept as the seconds a job asks for
+        name: {**entry, **{k: seconds(entry[k], f"{where}.{name}.{k}") for k in DURATION_KEYS if k in entry}}
+        for name, entry in asked.items()
+    }
     for name, entry in asked.items():
         label = f"{where}.{name}"
         if "cpus" in entry and entry["cpus"] <= 0:

@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
-from orchestrator.errors import ConfigError, choices
-from orchestrator.launchers.base import BACKENDS
+from orchestrator.errors import ConfigError, OpenlabError, choices
+from orchestrator.launchers.base import BACKENDS, parse_duration
 
 #: The workload stages a recipe can resolve to, in pipeline order (a replica picks some with
 #: ``stages``; the default is the training chain without ``repro``).
@@ -40,6 +40,11 @@ class _Number:
 
 class _Ratio:
     """Schema marker: a positive scale factor, written ``0.25`` or ``"1/4"``."""
+
+
+class _Duration:
+    """Schema marker: seconds, written ``7200`` or as a duration, ``"2h"`` or Slurm's ``"2-00:00:00"``
+    (:func:`~orchestrator.launchers.base.parse_duration`); :func:`seconds` reads it."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,7 @@ class OneOf:
 
 NUMBER = _Number()
 RATIO = _Ratio()
+DURATION = _Duration()
 
 _TRAIN = {
     "lr": NUMBER,
@@ -137,10 +143,10 @@ _RESOURCES = {
     "cpus": Opt(NUMBER),
     "memory": Opt(str),
     "gpus": Opt(int),
-    "time_limit": Opt(int),
+    "time_limit": Opt(DURATION),
     # Seconds ahead of time_limit a stage that checkpoints is sent SIGUSR1 to save and stop (0: not
     # warned); default a tenth of the limit, at most 5 minutes (orchestrator.pipeline.checkpoints).
-    "warn_before_limit": Opt(int),
+    "warn_before_limit": Opt(DURATION),
     # A training stage as several processes of one job (data parallel; Slurm: srun tasks).
     "nodes": Opt(int),
     "tasks_per_node": Opt(int),
@@ -150,6 +156,9 @@ _RESOURCES = {
     # Where the stage's job runs, over the run's backend (data prep here, training on the cluster).
     "backend": Opt(OneOf(tuple(BACKENDS))),
 }
+
+#: The resources written as durations (seconds or "2h"), which a resolved recipe holds as seconds.
+DURATION_KEYS = tuple(key for key, spec in _RESOURCES.items() if isinstance(spec, Opt) and spec.spec is DURATION)
 
 #: A pre-registered result: the stage that reports the metric, the value predicted, and how far
 #: off the measurement may be for the prediction to count as met.
@@ -307,6 +316,8 @@ def _spec_name(spec: Any) -> str:
         return "number"
     if spec is RATIO:
         return "scale factor (number or 'a/b')"
+    if spec is DURATION:
+        return "seconds or a duration ('2h', '1-12:00:00')"
     if isinstance(spec, OneOf):
         return "one of " + ", ".join(spec.choices)
     if isinstance(spec, (dict, MapOf)):
@@ -314,6 +325,19 @@ def _spec_name(spec: Any) -> str:
     if isinstance(spec, ListOf):
         return "list"
     return getattr(spec, "__name__", str(spec))
+
+
+def seconds(value: Any, where: str) -> int:
+    """Seconds from a :data:`DURATION` value: an int as it is (checked where it is used: 0 means "no
+    warning" for ``warn_before_limit``), text as a duration."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}: expected seconds or a duration, got {type_name(value)}")
+    try:
+        return parse_duration(value)
+    except OpenlabError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
 
 
 def parse_ratio(value: Any, where: str) -> Fraction:
@@ -384,6 +408,9 @@ def check_schema(value: Any, spec: Any, path: str, where: str) -> None:
         return
     if spec is RATIO:
         parse_ratio(value, label)
+        return
+    if spec is DURATION:
+        seconds(value, label)
         return
     if spec is NUMBER:
         if isinstance(value, bool) or not isinstance(value, (int, float)):

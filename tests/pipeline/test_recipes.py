@@ -382,6 +382,14 @@ def test_a_training_stage_is_warned_ahead_of_its_time_limit_as_long_as_its_recip
     assert told["pretrain"] == 1200 and told["midtrain"] == 90
     off = warnings({"default": {"time_limit": 900, "warn_before_limit": 0}})
     assert set(off.values()) == {None}
+    # written as a Slurm user writes --time (a day count reads hours next), or as 10m
+    slurm_style = warnings(
+        {"default": {"time_limit": "15:00"}, "pretrain": {"time_limit": "1-00", "warn_before_limit": "10m"}}
+    )
+    assert slurm_style == {**by_default, "pretrain": 600}
+    data = base()
+    data["replicas"]["tiny"]["resources"] = {"pretrain": {"time_limit": "1-02:30"}}
+    assert resolve(load_recipe(write(tmp_path, data)), "tiny").resources["pretrain"]["time_limit"] == 95400
     assert set(warnings({}).values()) == {None}, "no time limit, nothing to warn of"
 
 
@@ -393,6 +401,11 @@ def test_a_training_stage_is_warned_ahead_of_its_time_limit_as_long_as_its_recip
         ({"pretrain": {"memory": "lots"}}, "replicas.tiny.resources.pretrain.memory: invalid 'lots'"),
         ({"default": {"cpus": 0}}, "replicas.tiny.resources.default.cpus: must be positive"),
         ({"eval": {"time_limit": -5}}, "replicas.tiny.resources.eval.time_limit: seconds, must be positive"),
+        (
+            {"eval": {"time_limit": "2 days"}},
+            "replicas.tiny.resources.eval.time_limit: invalid time limit '2 days': use seconds, MM:SS, HH:MM:SS, D-HH,",
+        ),
+        ({"eval": {"time_limit": 1.5}}, "replicas.tiny.resources.eval.time_limit: expected seconds or a duration"),
         (
             {"pretrain": {"time_limit": 1800, "warn_before_limit": 1800}},
             "replicas.tiny.resources.pretrain.warn_before_limit: seconds ahead of the stage's time_limit (1800), "
