@@ -543,7 +543,11 @@ class EmulatedCluster:
         except RuntimeError:  # the loop has closed (the emulator stopped): no "never awaited" warning
             coro.close()
             raise
-        return future.result(10)
+        try:  # the loop answers the API too: on a loaded machine it can be busy for seconds
+            return future.result(60)
+        except TimeoutError:
+            future.cancel()  # not left to run after the emulator stops ("never awaited")
+            raise
 
     # -- objects -----------------------------------------------------------------------
     def jobs(self) -> dict[tuple[str, str], dict[str, Any]]:
