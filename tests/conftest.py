@@ -18,7 +18,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-# Two xdist workers on two cores each start torch jobs with two OpenMP threads: spinning idle threads
+# xdist workers sharing two cores each start torch jobs with two OpenMP threads: spinning idle threads
 # would take the CPU from the other worker's job (3 tests measured 43 s with spinning, 36 s without).
 # Jobs inherit it (local and Slurm); it changes no number a run computes.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -87,11 +87,13 @@ def _current_test(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     """Let the service helpers see which test asks for a service (its marks), and give a ``slurm`` test
     the cluster to itself.
 
-    `make test` runs two pytest-xdist workers. The Slurm cluster is one 2-CPU node: a test filling it,
-    or preempting from the urgent partition, would starve or cancel the other worker's job. So a test
-    marked ``slurm`` holds a lock shared by the workers while it runs, and ``require_slurm`` refuses
-    a test that uses the cluster without the mark. (A lock, not ``--dist loadgroup``: pytest 9 names
-    items by ``_id``, and pytest-xdist 3.8 still renames ``_nodeid``, so its groups do nothing.)
+    `make test` runs several pytest-xdist workers. The Slurm cluster is one 2-CPU node: a test filling
+    it, or preempting from the urgent partition, would starve or cancel another worker's job. The
+    scheduler runs the ``slurm`` tests on one worker (:func:`pytest_xdist_make_scheduler`); the lock
+    shared by the workers, held while such a test runs, keeps them apart under any other
+    distribution (``--dist loadgroup`` would not: pytest 9 names items by ``_id``, and pytest-xdist
+    3.8 still renames ``_nodeid``, so its groups do nothing). ``require_slurm`` refuses a test that
+    uses the cluster without the mark.
     """
     import fcntl
 
