@@ -187,7 +187,11 @@ class StageTransition:
             where = f" on {self.result.cluster}" if self.result.cluster else ""
             job = f", job {self.result.job_id}{where}" if self.result.job_id else ""
             why = f" (it ran because: {self.reason})" if self.reason else ""
-            return f"{self.stage} COMPLETED in {self.result.seconds:.1f} s{job}{why}"
+            took = f"{self.result.seconds:.1f} s"
+            if stopped := self.result.stopped_seconds:  # the last job's time alone hid the others'
+                total = self.result.seconds + sum(stopped)
+                took += f", {total:.1f} s in all over {len(stopped) + 1} jobs ({len(stopped)} stopped, each went on)"
+            return f"{self.stage} COMPLETED in {took}{job}{why}"
         return f"{self.stage} {self.state}{': ' + self.reason if self.reason else ''}"
 
 
@@ -231,6 +235,9 @@ class StageResult:
     #: Where that job ran (the attempt's :attr:`~orchestrator.lineage.models.Attempt.cluster`).
     cluster: str | None = None
     seconds: float = 0.0
+    #: The seconds of each earlier job of this stage in this pipeline run that was stopped from
+    #: outside, or by its limit after saving, and went on in the next (:func:`execute_stage_resuming`).
+    stopped_seconds: tuple[float, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -296,6 +303,8 @@ class PipelineContext:
     owns_store: bool = False
     #: ``[pipeline] preemption_retries`` as read when the run started (:func:`execute_stage_resuming`).
     preemption_retries: int = DEFAULT_PREEMPTION_RETRIES
+    #: stage -> the seconds of each of its jobs stopped and run again (:attr:`StageResult.stopped_seconds`).
+    stopped_seconds: dict[str, list[float]] = field(default_factory=dict)
     #: The pipeline run's own lease (:func:`orchestrator.pipeline.reconcile.pipeline_lease_key`): its
     #: heartbeat says this process still looks after the run; released when the run is closed.
     lease: leases.HeldLease | None = None
@@ -787,6 +796,7 @@ def conclude_stage(
         job_id=getattr(attempt, "job_id", None),
         cluster=getattr(attempt, "cluster", None),
         seconds=time.monotonic() - started,
+        stopped_seconds=tuple(ctx.stopped_seconds.get(spec.name, ())),
     )
     with ctx.lock:
         ctx.results[spec.name] = result
@@ -1286,6 +1296,9 @@ def execute_stage_resuming(ctx: PipelineContext, name: str) -> StageResult:
         try:
             return execute_stage(ctx, name)
         except StagePreempted as exc:  # announced PREEMPTED; the next attempt resumes
+            if exc.result is not None:
+                with ctx.lock:
+                    ctx.stopped_seconds.setdefault(name, []).append(exc.result.seconds)
             if preempted == limit:
                 times = f"{limit + 1} time{'s' if limit else ''}"
                 message = f"{exc}; stopped {times} in a row, the limit ([pipeline] preemption_retries = {limit})"

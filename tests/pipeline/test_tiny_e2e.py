@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -140,7 +141,8 @@ def test_a_preempted_training_stage_resumes_from_its_checkpoint_in_a_new_attempt
     pipeline = moe_pipeline(stages=resolved.stages, resources=resolved.resources)
     settings = load_settings()
     seen: list[tuple[str, str]] = []
-    hooks = PipelineHooks(on_transition=lambda e: seen.append((e.stage, e.state)))
+    lines: list[str] = []
+    hooks = PipelineHooks(on_transition=lambda e: (seen.append((e.stage, e.state)), lines.append(e.line())))
     ctx = start_pipeline(
         pipeline, configs, options=RunOptions(backend="local"), hooks=hooks, settings=settings, recipe=resolved
     )  # the recipe's W&B project: pretrain logs to a W&B run (offline)
@@ -163,6 +165,10 @@ def test_a_preempted_training_stage_resumes_from_its_checkpoint_in_a_new_attempt
     assert stopped, "pretrain was signalled while it ran"
     assert result.state == "COMPLETED", result.error
     assert ("pretrain", "PREEMPTED") in seen and ("pretrain", "RETRYING") not in seen
+    # the stage's time is both jobs', not the last one's alone
+    (done_line,) = [line for line in lines if line.startswith("pretrain COMPLETED")]
+    took = re.match(r"pretrain COMPLETED in ([\d.]+) s, ([\d.]+) s in all over 2 jobs \(1 stopped", done_line)
+    assert took and float(took[2]) > float(took[1]) > 0, done_line
     with LineageStore.open(settings) as store:
         (pretrain,) = store.list(StageRun, pipeline_run_id=result.pipeline_run.id, stage="pretrain")
         first, second = store.list(Attempt, stage_run_id=pretrain.id, order_by=Attempt.number)
