@@ -132,6 +132,33 @@ def test_a_large_untracked_file_is_named_not_copied_into_the_patch(repo: Path, s
     assert b"small.bin" in (settings.blobs_dir / str(kept.patch_hash)).read_bytes()
 
 
+def test_a_folder_of_untracked_files_is_warned_of_and_kept(repo: Path, settings: Settings) -> None:
+    """20,000 small untracked files (a run's outputs, a virtualenv .gitignore misses) made every
+    capture take 12 s and store a 37 MB patch, silently. Past a thousand, a warning names the
+    folders that hold them; they stay in the patch, since they may be code."""
+    import warnings
+
+    from orchestrator.provenance.git import UNTRACKED_WARN_FILES
+
+    outputs = repo / "outputs"
+    outputs.mkdir()
+    for i in range(UNTRACKED_WARN_FILES):
+        (outputs / f"{i}.json").write_text(f"{i}\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ProvenanceWarning)  # a thousand: not yet
+        capture_git(repo, code_paths=["src"], settings=settings, keep_patch=False)
+    (repo / "notes.txt").write_text("one more\n")
+    with pytest.warns(
+        ProvenanceWarning,
+        match=r"1001 untracked files go into every run's recorded working tree, "
+        r"most in outputs/ \(1000\), notes.txt \(1\); add what is not code to .gitignore",
+    ):
+        info = capture_git(repo, code_paths=["src"], settings=settings)
+    assert (
+        len(info.untracked) == 1001 and b"outputs/999.json" in (settings.blobs_dir / str(info.patch_hash)).read_bytes()
+    )
+
+
 def test_staged_only_is_dirty(repo: Path, settings: Settings) -> None:
     (repo / "src" / "model.py").write_text("x = 1\n")
     git(repo, "add", "src/model.py")
