@@ -291,6 +291,10 @@ class Attempt(LineageRecord, table=True):
     #: parent): ``max_rss_bytes`` (the largest process's peak resident memory) and ``cpu_seconds``
     #: (user + system time of the job and every process it waited for). None where not measured.
     used: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    #: True when the job was stopped (preempted, or by its time limit) after saving its stage's
+    #: checkpoint anew, which the stage's next attempt goes on from (migration 0015): its hours are
+    #: not lost, as a failed job's are (:mod:`orchestrator.lineage.usage`). None otherwise.
+    progress_saved: bool | None = None
 
 
 class Relation(LineageRecord, table=True):

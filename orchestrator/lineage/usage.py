@@ -12,7 +12,10 @@ its start, end, state and what it asked for (:attr:`Attempt.resources`), so the 
   job of 2 nodes × 8 tasks asking 4 CPUs and 8 GPUs holds 64 CPUs and 16 GPUs. A job that asked
   for no CPU count (the backend's default) counts as 1 CPU per task; one that asked for no GPU as 0.
 - **lost hours**: the wall hours of attempts that did not complete (failed, preempted,
-  cancelled, lost): what a retry or a resume had to redo, at most.
+  cancelled, lost): what a retry or a resume had to redo, at most. Not those of a job stopped
+  after saving its checkpoint anew (:attr:`Attempt.progress_saved`), which the next attempt went
+  on from: a training longer than a cluster's wall-time cap runs as a chain of such jobs, and
+  counting them lost made a month of pretraining read as a month lost.
 - **used** (where openlab measures it: :attr:`Attempt.used`, the local backend today): the CPU-hours
   the measured jobs used beside the CPU-hours those same jobs asked for, so a recipe that asks 8
   CPUs and uses 1.5 shows it, and the largest peak resident memory of any of them.
@@ -76,7 +79,7 @@ class Usage:
         cpu_hours = hours * float(asked.get("cpus") or 1) * tasks
         self.cpu_hours += cpu_hours
         self.gpu_hours += hours * float(asked.get("gpus") or 0) * nodes
-        if attempt.state not in ("COMPLETED", "RUNNING", "PENDING"):
+        if attempt.state not in ("COMPLETED", "RUNNING", "PENDING") and not attempt.progress_saved:
             self.lost_hours += hours
         used = attempt.used or {}
         if used:

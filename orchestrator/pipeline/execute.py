@@ -49,6 +49,7 @@ from orchestrator.identity import StageIdentity, compute_identity, diff_identiti
 from orchestrator.lineage import leases
 from orchestrator.lineage.models import (
     Artifact,
+    Attempt,
     Commit,
     Environment,
     PipelineRun,
@@ -1150,7 +1151,10 @@ def _run_stage(
         raise StageCancelled(f"stage {spec.name} cancelled: {reason}", result)
     # Stopped from outside, or by its time limit after saving its checkpoint anew: run again from it.
     preempted = status.state is JobState.PREEMPTED
-    if preempted or stopped_with_progress(status, saved_before, checkpoint_mark(out_dir, spec)):
+    saved_after = checkpoint_mark(out_dir, spec)
+    if preempted or stopped_with_progress(status, saved_before, saved_after):
+        if saved_after is not None and saved_after != saved_before:  # the next attempt goes on from it
+            _record_progress_saved(ctx, attempt.id)
         how = f"preempted: {status.reason}" if preempted else f"{status.reason} after saving {spec.checkpoint} anew"
         reason = f"job {attempt.job_id} {how}" + ("" if preempted else ": going on from it")
         result = _finish_failed(ctx, spec, run, identity, out_dir, "PREEMPTED", reason, attempt, started, changes)
@@ -1164,6 +1168,18 @@ def _run_stage(
         reason += f"; log: {attempt.log_path}"
     result = _finish_failed(ctx, spec, run, identity, out_dir, "FAILED", reason, attempt, started, changes)
     raise StageFailed(f"stage {spec.name} failed: {reason}", result)
+
+
+def _record_progress_saved(ctx: PipelineContext, attempt_id: str) -> None:
+    """Mark a stopped job that saved its checkpoint anew (:attr:`Attempt.progress_saved`): the
+    hours it ran are not lost, whatever ended it."""
+    try:
+        with ctx.store.transaction() as tx:
+            attempt = tx.get(Attempt, attempt_id)
+            if attempt is not None:
+                tx.update(attempt, progress_saved=True)
+    except Exception:  # noqa: BLE001 - the stop matters more than its accounting
+        log.exception("could not record that attempt %s saved its progress", attempt_id)
 
 
 def _finish_failed(

@@ -164,6 +164,42 @@ def test_usage_sums_hours_and_what_was_asked_and_counts_the_lost(store: LineageS
         usage(store, by="team")
 
 
+def test_a_chain_of_jobs_that_each_saved_and_went_on_lost_nothing(store: LineageStore) -> None:
+    """A pretraining longer than the cluster's 24 h cap runs as a chain: each job is stopped by the
+    limit (or preempted) after saving its checkpoint, and the next goes on from it. Those hours were
+    not lost; a job that ran out of time without saving anything was."""
+    with store.transaction() as tx:
+        run = tx.add(PipelineRun(recipe="marin", replica="hero", backend="slurm", started_at=NOW - 60 * H))
+        pre = tx.add(StageRun(pipeline_run_id=run.id, stage="pretrain", identity="p", started_at=NOW - 60 * H))
+        for number, (state, saved, start, hours) in enumerate(
+            [
+                ("FAILED", True, 60, 24),
+                ("PREEMPTED", True, 36, 10),
+                ("FAILED", None, 26, 1),
+                ("COMPLETED", None, 25, 20),
+            ],
+            1,
+        ):
+            tx.add(
+                Attempt(
+                    stage_run_id=pre.id,
+                    number=number,
+                    backend="slurm",
+                    state=state,
+                    progress_saved=saved,
+                    resources={"gpus": 8},
+                    submitted_at=NOW - start * H,
+                    started_at=NOW - start * H,
+                    ended_at=NOW - (start - hours) * H,
+                )
+            )
+    (hero,) = usage(store, by="replica").groups
+    assert hero.wall_hours == pytest.approx(55.0) and hero.gpu_hours == pytest.approx(440.0)
+    assert hero.lost_hours == pytest.approx(1.0), "only the job that saved nothing"
+    with LineageStore.open() as again:  # the field is stored, not only held in memory
+        assert sorted(str(a.progress_saved) for a in again.list(Attempt)) == ["None", "None", "True", "True"]
+
+
 def test_the_command_prints_the_table_and_json(run_cli, openlab_home) -> None:
     from orchestrator.lineage import open_store
 

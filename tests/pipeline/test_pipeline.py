@@ -502,6 +502,7 @@ def test_a_stage_stopped_by_its_time_limit_after_saving_progress_goes_on_from_it
         attempts = store.list(Attempt, stage_run_id=upper.id, order_by=Attempt.number)
         assert [(a.number, a.state) for a in attempts] == [(1, "FAILED"), (2, "FAILED"), (3, "COMPLETED")]
         assert all((a.reason or "").startswith("time limit exceeded") for a in attempts[:2]), attempts
+        assert [a.progress_saved for a in attempts] == [True, True, None], "their hours are not lost"
         assert upper.state == "COMPLETED"
 
     monkeypatch.setenv("TOY_SAVE_NOTHING", "1")
@@ -511,7 +512,7 @@ def test_a_stage_stopped_by_its_time_limit_after_saving_progress_goes_on_from_it
     assert again.state == "FAILED" and "time limit exceeded" in (again.error or ""), again.error
     with LineageStore.open() as store:
         (upper,) = store.list(StageRun, pipeline_run_id=again.pipeline_run.id, stage="upper")
-        assert [a.state for a in store.list(Attempt, stage_run_id=upper.id)] == ["FAILED"]
+        assert [(a.state, a.progress_saved) for a in store.list(Attempt, stage_run_id=upper.id)] == [("FAILED", None)]
 
 
 #: Saves and stops on the warning ahead of the time limit (SIGUSR1), as the MoE workload does; the

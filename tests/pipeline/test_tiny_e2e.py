@@ -173,6 +173,7 @@ def test_a_preempted_training_stage_resumes_from_its_checkpoint_in_a_new_attempt
         (pretrain,) = store.list(StageRun, pipeline_run_id=result.pipeline_run.id, stage="pretrain")
         first, second = store.list(Attempt, stage_run_id=pretrain.id, order_by=Attempt.number)
         assert (first.state, first.exit_code, second.state) == ("PREEMPTED", 143, "COMPLETED")
+        assert (first.progress_saved, second.progress_saved) == (True, None), "saved on SIGTERM: not lost hours"
         # its W&B run was linked when the job was preempted (as W&B then said: preempted), and the
         # same run, resumed, when it finished: a person sees the curve of a stopped job too
         linked = store.list(Relation, where=[Relation.subject_id == pretrain.id, Relation.object_kind == "wandb_run"])
