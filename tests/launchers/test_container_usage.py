@@ -233,18 +233,24 @@ def test_an_evicted_kubernetes_pod_under_the_wrapper_tells_its_job_once(k8s_clus
         launcher.cleanup(handle)
 
 
-#: Leaves an orphan that burns 0.5 s of CPU and ends; then counts the zombies in the container.
+#: Leaves an orphan that burns 0.5 s of CPU and ends, waits until it is gone (reaped: a zombie stays
+#: in /proc), then counts the zombies in the container.
 ORPHAN = """
 import os, time
+r, w = os.pipe()
 if os.fork() == 0:
     if os.fork() == 0:
+        os.write(w, str(os.getpid()).encode())
         start = time.process_time()
         while time.process_time() - start < 0.5:
             pass
         os._exit(0)
     os._exit(0)
 os.wait()
-time.sleep(2)
+orphan = int(os.read(r, 32))
+deadline = time.monotonic() + 60  # until it has used its 0.5 s and is reaped, however loaded the machine
+while os.path.exists(f"/proc/{orphan}") and time.monotonic() < deadline:
+    time.sleep(0.05)
 def state(pid):
     with open(f"/proc/{pid}/stat") as fh:
         return fh.read().rsplit(")", 1)[1].split()[0]
