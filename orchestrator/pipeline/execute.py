@@ -191,7 +191,7 @@ class StageTransition:
             took = f"{self.result.seconds:.1f} s"
             if stopped := self.result.stopped_seconds:  # the last job's time alone hid the others'
                 total = self.result.seconds + sum(stopped)
-                took += f", {total:.1f} s in all over {len(stopped) + 1} jobs ({len(stopped)} stopped, each went on)"
+                took += f", {total:.1f} s in all over {len(stopped) + 1} jobs ({len(stopped)} stopped and run again)"
             return f"{self.stage} COMPLETED in {took}{job}{why}"
         return f"{self.stage} {self.state}{': ' + self.reason if self.reason else ''}"
 
