@@ -22,7 +22,10 @@
   once, as a ``docker stop`` tells it; without it timeout signals the job and then its whole
   process group, so a job could hear its time limit or a cancel twice, and one that saves on
   the first SIGTERM and quits on the second would lose its checkpoint. What the job started
-  ends with the container.
+  ends with the container. A job asked to be warned ahead of its limit (``warn_before_limit``)
+  gets SIGUSR1 that long before it from a second ``timeout`` inside the first, as Slurm's
+  ``--signal=USR1@N`` gives it, so that a training saves and stops while it may; one that goes
+  on is stopped at the limit as before.
 - What a job used (CPU seconds, peak resident memory) is measured inside the container by
   ``launchers/_usage.py``, the parent of the job's command, because the container's cgroup
   and its counters are gone once it exits. It writes ``/.openlab/usage.json`` in the
@@ -326,6 +329,9 @@ class DockerLauncher(Launcher):
             labels[TIME_LIMIT_LABEL] = str(spec.time_limit)
             if flag_option(opts, "time_limit_wrapper", True):
                 grace = int(number_option(opts, "grace", 5))
+                if spec.warn_before_limit:  # --preserve-status: the job's own exit, not timeout's 124
+                    warn_at = str(spec.time_limit - spec.warn_before_limit)
+                    command = ["timeout", "--foreground", "--preserve-status", "-s", "USR1", warn_at, *command]
                 command = ["timeout", "--foreground", "-k", str(grace), str(spec.time_limit), *command]
         python = usage_python(opts, image.labels)  # module docstring: measure_usage
         if python is not None:  # the job runs under the usage wrapper, its parent in the container

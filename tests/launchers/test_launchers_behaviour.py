@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -264,6 +265,42 @@ def test_time_limit_exceeded(harness: Harness, store: LineageStore) -> None:
     stored = store.get(Attempt, attempt.id)
     assert stored is not None and stored.state == "FAILED" and "time limit" in (stored.reason or "")
     assert harness.nothing_running(handle_from_attempt(stored)) == []
+
+
+#: Saves and stops on SIGUSR1, the warning ahead of the time limit, as the MoE workload does.
+SAVES_ON_WARNING = (
+    "import signal, sys, time\n"
+    "def save(signum, frame):\n"
+    "    print('warned: saving', flush=True)\n"
+    "    sys.exit(128 + signum)\n"
+    "signal.signal(signal.SIGUSR1, save)\n"
+    "time.sleep(120)\n"
+)
+
+
+@pytest.mark.parametrize("harness", [p for p in BACKENDS if p.id in ("local", "docker")], indirect=True)
+def test_a_job_is_warned_ahead_of_its_time_limit_and_saving_on_it_is_not_a_failure(
+    harness: Harness, store: LineageStore
+) -> None:
+    """``warn_before_limit``: SIGUSR1 that many seconds before the limit, as Slurm's
+    ``--signal=USR1@N`` (checked in its batch script; Slurm's limits take minutes to reach). A job
+    that saves and stops on it was stopped from outside, not failed: its stage goes on from the
+    save. On Docker a second ``timeout`` in the container sends it."""
+    python = sys.executable if harness.name == "local" else "python3"
+    lines: list[str] = []
+    attempt, status = run_job(
+        store,
+        harness.launcher,
+        spec(harness, "warned", [python, "-c", SAVES_ON_WARNING], time_limit=60, warn_before_limit=55),
+        on_log=lines.append,
+        timeout=harness.wait_timeout + 60,
+    )
+    assert "warned: saving" in lines, lines
+    assert status.state is JobState.PREEMPTED and "SIGUSR1" in (status.reason or ""), status
+    ran = store.require(Attempt, attempt.id)
+    assert ran.started_at and ran.ended_at and (ran.ended_at - ran.started_at).total_seconds() < 50, (
+        "warned 55 s ahead of its 60 s limit, not stopped at it"
+    )
 
 
 def test_env_labels_and_artifact_root(harness: Harness, tmp_path: Path) -> None:
