@@ -19,6 +19,11 @@ docker-init) it reaps orphans as an init does, and counts what they used. When `
 cannot be written the job's outcome is unchanged; only the record of what it used is
 missing.
 
+``--warn-after=SECONDS`` sends the command SIGUSR1 that long after it started: the warning ahead
+of a time limit that Slurm gives with ``--signal=USR1@N``, for a Kubernetes pod, whose
+``activeDeadlineSeconds`` ends it with SIGTERM alone (not with ``--slurm-batch``, which has the
+alarm, and Slurm warns by itself).
+
 ``--forward=SIGUSR1,SIGUSR2`` passes on only those and outlives the others; ``--no-forward``
 passes on nothing. Under Slurm, which signals every process of a job step (a cancel, a
 preemption, ``--signal`` without ``B:``), the command has been sent those signals already, and
@@ -71,18 +76,22 @@ HOLD = 0.1
 
 
 def main(argv):
-    relay, slurm_batch = set(FORWARDED), False
-    while argv and argv[0] in ("--no-forward", "--slurm-batch") or (argv and argv[0].startswith("--forward=")):
+    relay, slurm_batch, warn_after = set(FORWARDED), False, 0.0
+    flags = ("--forward=", "--warn-after=")
+    while argv and (argv[0] in ("--no-forward", "--slurm-batch") or argv[0].startswith(flags)):
         flag, argv = argv[0], argv[1:]
         if flag == "--no-forward":
             relay = set()
         elif flag == "--slurm-batch":
             slurm_batch = True
+        elif flag.startswith("--warn-after="):
+            warn_after = float(flag.split("=", 1)[1])
         else:
             relay = {n for n in flag.split("=", 1)[1].split(",") if n}
-    if len(argv) < 3 or argv[1] != "--":
+    if len(argv) < 3 or argv[1] != "--" or (warn_after and slurm_batch):
         sys.stderr.write(
-            "usage: python -I -S _usage.py [--forward=SIG,... | --no-forward | --slurm-batch] OUT -- CMD...\n"
+            "usage: python -I -S _usage.py [--forward=SIG,... | --no-forward | --slurm-batch | --warn-after=SECONDS]"
+            " OUT -- CMD...\n"
         )
         return 2
     out, cmd = argv[0], argv[2:]
@@ -119,9 +128,14 @@ def main(argv):
             if cont["at"] is None or abs(at - cont["at"]) > SLURM_END_WINDOW:  # for the batch shell alone
                 send(signum)
 
+    def warn(_signum, _frame):
+        send(signal.SIGUSR1)
+
     if slurm_batch:
         signal.signal(signal.SIGCONT, on_cont)
         signal.signal(signal.SIGALRM, decide)
+    elif warn_after > 0:
+        signal.signal(signal.SIGALRM, warn)
 
     sigs = [getattr(signal, name) for name in FORWARDED if hasattr(signal, name)]
     for sig in sigs:
@@ -140,6 +154,8 @@ def main(argv):
     child["pid"] = pid
     for sig in pending:
         send(sig)
+    if warn_after > 0:
+        signal.setitimer(signal.ITIMER_REAL, warn_after)
 
     # Any child, not just the command: as a pod's first process (PID 1) the wrapper is also the
     # parent of every orphan in the container, and an init that does not reap them leaves them as

@@ -163,9 +163,9 @@ class JobSpec:
     tasks_per_node: int = 1
     #: Seconds before ``time_limit`` at which the job is sent SIGUSR1, the warning a workload that
     #: checkpoints catches (it saves and exits, and a next attempt resumes): Slurm's
-    #: ``--signal=B:USR1@N``, which the local supervisor sends itself and Docker's container a
-    #: second ``timeout``. Kubernetes stops a job at its limit with SIGTERM only, which such a
-    #: workload also saves on.
+    #: ``--signal=B:USR1@N``, which the local supervisor sends itself, Docker's container a
+    #: second ``timeout``, and a Kubernetes pod's usage wrapper (without it the pod is stopped at
+    #: its limit with SIGTERM only, which such a workload also saves on).
     warn_before_limit: int | None = None
 
     def __post_init__(self) -> None:

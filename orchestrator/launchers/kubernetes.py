@@ -26,7 +26,9 @@
   ``python``), ``false`` never. A pod whose runtime could not start the command (a
   ``StartError``: no such program in the image) or whose helper could not start the job's command
   (exit 127) fails with a reason that names the program, and the option to set when it is the
-  helpers' Python.
+  helpers' Python. The same wrapper sends a job asked to be warned ahead of its time limit
+  (``warn_before_limit``) SIGUSR1 that long before ``activeDeadlineSeconds`` ends the pod with
+  SIGTERM alone, as Slurm's ``--signal=USR1@N`` does; without the wrapper there is no warning.
 - A container's first process is its PID 1, which the kernel gives no default action for SIGTERM
   and which inherits every orphan: the usage wrapper, when it runs, is written to be that (it
   passes signals on and reaps, counting what orphans used). A pod without it gets
@@ -517,6 +519,8 @@ class KubernetesLauncher(Launcher):
         if wrapper is not None:  # what the job used, written where the kubelet returns it in the pod's status
             out = str(main.get("terminationMessagePath") or TERMINATION_MESSAGE_PATH)
             runner = ["-I", "-S", f"{HELPERS_MOUNT}/usage.py"] if shipped else ["-m", "orchestrator.launchers._usage"]
+            if shipped and spec.time_limit and spec.warn_before_limit:  # ahead of activeDeadlineSeconds' SIGTERM
+                runner.append(f"--warn-after={spec.time_limit - spec.warn_before_limit}")
             main["command"] = [wrapper, *runner, out, "--", *main["command"]]
             pythons.append(wrapper)
         if pythons:
