@@ -69,6 +69,15 @@ def _exit_code(status: Any) -> int:
     return 130 if status.state is JobState.CANCELLED else 1
 
 
+def _duration(text: str | None, option: str) -> int | None:
+    from orchestrator.launchers import parse_duration
+
+    try:
+        return parse_duration(text) if text else None
+    except OpenlabError as exc:
+        raise OpenlabError(f"{option}: {exc}") from None
+
+
 def _refuse_unknown_option(ctx: typer.Context, first: str) -> None:
     """``job run`` passes options it does not know on to the command (so ``job run python -c X``
     works without ``--``), which made a misspelt option (``--tasks 2 -- train``) the program to
@@ -99,6 +108,11 @@ def run_cmd(
     time_limit: str = typer.Option(
         None, "--time-limit", help="seconds, 1h, 30m, or as sbatch --time: MM:SS, HH:MM:SS, D-HH, D-HH:MM:SS"
     ),
+    warn_before_limit: str = typer.Option(
+        None,
+        "--warn-before-limit",
+        help="send the job SIGUSR1 this long before --time-limit, to save and stop (sbatch --signal=USR1@N); 5m",
+    ),
     env: list[str] = typer.Option(None, "--env", "-e", help="KEY=VALUE for the job's environment (repeatable)"),
     option: list[str] = typer.Option(
         None,
@@ -114,7 +128,7 @@ def run_cmd(
     quiet: bool = typer.Option(False, "--quiet", "-q", help="do not stream the job's log"),
 ) -> None:
     """Run CMD as one job, stream its log, record the attempt; exit with the job's exit code."""
-    from orchestrator.launchers import JobSpec, get_launcher, parse_duration
+    from orchestrator.launchers import JobSpec, get_launcher
     from orchestrator.launchers.attempts import run_job
     from orchestrator.lineage.store import open_store
     from orchestrator.settings import load_settings
@@ -140,7 +154,8 @@ def run_cmd(
         gpus=gpus,
         nodes=nodes,
         tasks_per_node=tasks_per_node,
-        time_limit=parse_duration(time_limit) if time_limit else None,
+        time_limit=_duration(time_limit, "--time-limit"),
+        warn_before_limit=_duration(warn_before_limit, "--warn-before-limit"),
         labels=labels,
         options=_options(option),
     )

@@ -183,7 +183,11 @@ class JobSpec:
             parse_memory(self.memory)  # fail early on "lots"
         if self.time_limit is not None and self.time_limit <= 0:
             raise OpenlabError(f"time limit must be positive, got {self.time_limit}")
-        if self.warn_before_limit is not None and not 0 < self.warn_before_limit < (self.time_limit or 0):
+        if self.warn_before_limit is not None and not self.time_limit:
+            raise OpenlabError(
+                f"a warning {self.warn_before_limit} s before the time limit needs a time limit: give one"
+            )
+        if self.warn_before_limit is not None and not 0 < self.warn_before_limit < self.time_limit:
             raise OpenlabError(
                 f"the warning before the time limit must be under the limit ({self.time_limit}), "
                 f"got {self.warn_before_limit}"

@@ -145,9 +145,11 @@ def test_a_warning_before_the_time_limit_is_slurms_signal_to_the_batch_shell() -
     script = slurm.batch_script(JobSpec(name="x", command=["t"], time_limit=1800, warn_before_limit=180), "/l/x.log")
     assert "#SBATCH --time=00:30:00\n#SBATCH --signal=B:USR1@180\n" in script
     assert "--signal" not in slurm.batch_script(JobSpec(name="x", command=["t"], time_limit=1800), "/l/x.log")
-    for limit, warn in ((60, 60), (None, 10), (60, 0)):
+    for limit, warn in ((60, 60), (60, 0)):
         with pytest.raises(OpenlabError, match="the warning before the time limit must be under the limit"):
             JobSpec(name="x", command=["t"], time_limit=limit, warn_before_limit=warn)
+    with pytest.raises(OpenlabError, match="a warning 10 s before the time limit needs a time limit: give one"):
+        JobSpec(name="x", command=["t"], warn_before_limit=10)
 
 
 def test_table_and_list_options_refuse_text_instead_of_misreading_it() -> None:
@@ -869,6 +871,42 @@ def test_status_of_an_ended_job_is_its_record_when_the_backend_cannot_be_asked(s
     refused = cli("job", "status", live.id, env=unreachable)
     assert refused.returncode == 2 and refused.stderr.startswith("error: docker engine not reachable"), refused.stderr
     assert store.get(Attempt, live.id).state == "RUNNING"  # nothing was decided without its backend
+
+
+def test_cli_job_run_warns_ahead_of_the_time_limit_as_sbatch_signal_does(store: LineageStore) -> None:
+    """`--warn-before-limit 55` with `--time-limit 1m`: SIGUSR1 at 5 s. A job that saves and stops on it
+    was stopped from outside, not failed; a warning without a limit, or a bad one, is one line."""
+    saves = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGUSR1, lambda s, f: (print('saving'), sys.exit(138)))\n"
+        "time.sleep(60)"
+    )
+    run = cli(
+        "job",
+        "run",
+        "--backend",
+        "local",
+        "--time-limit",
+        "1m",
+        "--warn-before-limit",
+        "55",
+        "--",
+        sys.executable,
+        "-c",
+        saves,
+    )
+    assert run.returncode == 138 and run.stdout == "saving\n", (run.stdout, run.stderr)
+    assert "PREEMPTED exit 138 (stopped by SIGUSR1 from outside" in run.stderr, run.stderr
+    (attempt,) = store.list(Attempt)
+    assert attempt.state == "PREEMPTED" and attempt.resources == {"time_limit": 60, "warn_before_limit": 55}
+    for args, said in (
+        (("--warn-before-limit", "5"), "error: a warning 5 s before the time limit needs a time limit: give one"),
+        (("--time-limit", "60", "--warn-before-limit", "5x"), "error: --warn-before-limit: invalid time limit '5x'"),
+        (("--time-limit", "1-"), "error: --time-limit: invalid time limit '1-'"),
+    ):
+        bad = cli("job", "run", "--backend", "local", *args, "--", "true")
+        assert bad.returncode == 2 and bad.stderr.startswith(said) and len(bad.stderr.splitlines()) == 1, bad.stderr
+    assert len(store.list(Attempt)) == 1, "nothing recorded for a refused job"
 
 
 def test_cli_job_run_status_logs_cancel(store: LineageStore) -> None:
