@@ -6,12 +6,15 @@ job that was preempted and is being resumed? These events name it, about openlab
 resources (``openlab.pipeline-run.<id>``, ``openlab.stage-run.<id>``), with the flow run, task
 run and deployment attached by Prefect from the run context. An Automation then triggers on,
 say, ``openlab.nightly.regressed`` to page someone, or on ``openlab.stage.preempted`` more
-than three times an hour to move the nightlies to another partition.
+than three times an hour to move the nightlies to another partition. A training stage that its own
+time limit stopped after it saved its checkpoint, and that goes on from it in the next job (a
+chain under a cluster's wall-time cap), is ``openlab.stage.time-limited``, not a preemption: such
+an Automation must not fire on every planned link of the chain.
 
 | event | resource | when |
 |---|---|---|
 | ``openlab.pipeline-run.completed`` / ``.failed`` / ``.cancelled`` | pipeline run | a run ends |
-| ``openlab.stage.failed`` / ``.preempted`` / ``.cancelled`` | stage run | a stage's attempt ends so |
+| ``openlab.stage.failed`` / ``.preempted`` / ``.time-limited`` / ``.cancelled`` | stage run | an attempt ends so |
 | ``openlab.nightly.passed`` / ``.regressed`` / ``.baseline`` | pipeline run | the verdict is in |
 | ``openlab.prediction.met`` / ``.missed`` / ``.not-measured`` | pipeline run | a pre-registered result is checked |
 
@@ -98,15 +101,23 @@ def emitting_transitions(ctx: PipelineContext) -> None:
 
 
 def stage_transition(ctx: PipelineContext, event: StageTransition) -> None:
-    """``openlab.stage.<state>`` for a stage that failed, was preempted or was cancelled."""
+    """``openlab.stage.<state>`` for a stage that failed, was preempted or was cancelled;
+    ``openlab.stage.time-limited`` for one stopped by its own time limit that goes on from the
+    checkpoint it saved. A stop's payload says whether the job saved its checkpoint anew."""
     if event.state not in STAGE_EVENTS:
         return
+    name = event.state.lower()
+    payload: dict[str, Any] = {"stage": event.stage, "reason": event.reason, "identity": event.identity}
+    if event.state == "PREEMPTED" and event.result is not None:
+        if event.result.stopped_by == "time-limit":
+            name = "time-limited"
+        payload["progress_saved"] = event.result.progress_saved
     emit(
-        f"openlab.stage.{event.state.lower()}",
+        f"openlab.stage.{name}",
         "stage-run",
         event.stage_run_id or f"{ctx.id}.{event.stage}",
         event.stage,
-        payload={"stage": event.stage, "reason": event.reason, "identity": event.identity},
+        payload=payload,
         related=_pipeline_related(ctx),
     )
 

@@ -4,7 +4,8 @@ A training stage longer than a cluster's wall-time cap is not a failure if each 
 it is warned ahead of its limit (:func:`warn_before_limit`, SIGUSR1) so that it saves and stops,
 and a job stopped by the limit itself that saved its checkpoint anew (:func:`stopped_with_progress`)
 made progress the next attempt resumes from. :mod:`orchestrator.pipeline.execute` then runs the
-stage again as after a preemption, within ``[pipeline] preemption_retries``. The checkpoint is the
+stage again as after a preemption; such a stop does not count towards ``[pipeline]
+preemption_retries``, which bounds the stops in a row that saved nothing. The checkpoint is the
 file :attr:`~orchestrator.pipeline.dag.StageSpec.checkpoint` names in the stage's output folder.
 """
 

@@ -239,6 +239,12 @@ class StageResult:
     #: The seconds of each earlier job of this stage in this pipeline run that was stopped from
     #: outside, or by its limit after saving, and went on in the next (:func:`execute_stage_resuming`).
     stopped_seconds: tuple[float, ...] = ()
+    #: For a PREEMPTED result, what stopped the job: ``"preemption"`` (from outside: a scheduler, an
+    #: eviction, a signal) or ``"time-limit"`` (its own limit, after saving its checkpoint anew).
+    stopped_by: str | None = None
+    #: For a PREEMPTED result, whether the job saved its checkpoint anew, so the next attempt gets
+    #: further: such stops do not count towards ``[pipeline] preemption_retries``.
+    progress_saved: bool = False
 
     @property
     def ok(self) -> bool:
@@ -773,6 +779,8 @@ def conclude_stage(
     metrics: Mapping[str, Any] | None = None,
     reused_from: str | None = None,
     attempt: Any = None,
+    stopped_by: str | None = None,
+    progress_saved: bool = False,
 ) -> StageResult:
     """The one way a stage ends in this pipeline run: build its result, keep it, announce it.
 
@@ -798,6 +806,8 @@ def conclude_stage(
         cluster=getattr(attempt, "cluster", None),
         seconds=time.monotonic() - started,
         stopped_seconds=tuple(ctx.stopped_seconds.get(spec.name, ())),
+        stopped_by=stopped_by,
+        progress_saved=progress_saved,
     )
     with ctx.lock:
         ctx.results[spec.name] = result
@@ -1153,11 +1163,25 @@ def _run_stage(
     preempted = status.state is JobState.PREEMPTED
     saved_after = checkpoint_mark(out_dir, spec)
     if preempted or stopped_with_progress(status, saved_before, saved_after):
-        if saved_after is not None and saved_after != saved_before:  # the next attempt goes on from it
+        progress = saved_after is not None and saved_after != saved_before  # the next attempt goes on from it
+        if progress:
             _record_progress_saved(ctx, attempt.id)
         how = f"preempted: {status.reason}" if preempted else f"{status.reason} after saving {spec.checkpoint} anew"
         reason = f"job {attempt.job_id} {how}" + ("" if preempted else ": going on from it")
-        result = _finish_failed(ctx, spec, run, identity, out_dir, "PREEMPTED", reason, attempt, started, changes)
+        result = _finish_failed(
+            ctx,
+            spec,
+            run,
+            identity,
+            out_dir,
+            "PREEMPTED",
+            reason,
+            attempt,
+            started,
+            changes,
+            stopped_by="preemption" if preempted else "time-limit",
+            progress_saved=progress,
+        )
         raise StagePreempted(f"stage {spec.name} {reason}", result)
     reason = f"job {attempt.job_id} {status.state}" + (
         f" (exit {status.exit_code})" if status.exit_code is not None else ""
@@ -1193,6 +1217,9 @@ def _finish_failed(
     attempt: Any,
     started: float,
     changes: list[str],
+    *,
+    stopped_by: str | None = None,
+    progress_saved: bool = False,
 ) -> StageResult:
     try:
         with ctx.store.transaction() as tx:
@@ -1212,6 +1239,8 @@ def _finish_failed(
         out_dir=out_dir,
         changes=changes,
         attempt=attempt,
+        stopped_by=stopped_by,
+        progress_saved=progress_saved,
     )
 
 
@@ -1302,28 +1331,42 @@ def preemption_retries(settings: Settings | None = None) -> int:
 
 
 def execute_stage_resuming(ctx: PipelineContext, name: str) -> StageResult:
-    """:func:`execute_stage`, run again each time its job is preempted, up to
-    ``[pipeline] preemption_retries`` times (read when the pipeline started). Each run is a new
-    attempt of the same stage run; the attempt that was stopped is recorded PREEMPTED and a
-    training stage resumes from the checkpoint it wrote when it was signalled. Failures and
-    cancellations pass through: retrying those is the caller's (``stage_retries``, Prefect's)."""
+    """:func:`execute_stage`, run again each time its job is preempted, or stopped by its own time
+    limit after saving its checkpoint anew. Each run is a new attempt of the same stage run; the
+    attempt that was stopped is recorded PREEMPTED (a time-limited one FAILED, with its reason) and
+    a training stage resumes from the checkpoint it wrote when it was signalled.
+
+    ``[pipeline] preemption_retries`` (read when the pipeline started) bounds the stops *in a row
+    that saved nothing*: a job preempted every time before it can save, or that dies by SIGTERM on
+    its own, would otherwise run for ever. A stop after which the checkpoint was saved anew starts
+    the count afresh, so a training longer than a cluster's wall-time cap runs as a chain of as many
+    jobs as it needs, as a Slurm user's chain of dependent jobs does. Failures and cancellations
+    pass through: retrying those is the caller's (``stage_retries``, Prefect's)."""
     limit = ctx.preemption_retries
-    for preempted in range(limit + 1):
+    in_a_row = 0  # stops since the checkpoint was last saved anew
+    while True:
         try:
             return execute_stage(ctx, name)
         except StagePreempted as exc:  # announced PREEMPTED; the next attempt resumes
             if exc.result is not None:
                 with ctx.lock:
                     ctx.stopped_seconds.setdefault(name, []).append(exc.result.seconds)
-            if preempted == limit:
-                times = f"{limit + 1} time{'s' if limit else ''}"
-                message = f"{exc}; stopped {times} in a row, the limit ([pipeline] preemption_retries = {limit})"
+            if exc.result is not None and exc.result.progress_saved:
+                in_a_row = 0
+                transition_log.info("%s: going on from its checkpoint after: %s", name, exc)
+                continue
+            in_a_row += 1
+            if in_a_row > limit:
+                times = f"{in_a_row} time{'s' if in_a_row > 1 else ''}"
+                message = (
+                    f"{exc}; stopped {times} in a row without saving progress, "
+                    f"the limit ([pipeline] preemption_retries = {limit})"
+                )
                 result = _give_up_preempted(ctx, name, exc.result, message)
                 stage_run_id = result.stage_run_id if result else None
                 ctx.emit(name, "FAILED", stage_run_id=stage_run_id, reason=message, result=result)
                 raise StagePreempted(message, result) from exc
-            transition_log.info("%s: resuming (%d of %d) after: %s", name, preempted + 1, limit, exc)
-    raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+            transition_log.info("%s: resuming (%d of %d) after: %s", name, in_a_row, limit, exc)
 
 
 def _give_up_preempted(ctx: PipelineContext, name: str, result: StageResult | None, message: str) -> StageResult | None:

@@ -18,6 +18,11 @@ PREEMPTED_ONCE = (
     "first = not m.exists(); m.touch(); first and os.kill(os.getpid(), signal.SIGTERM)"
 )
 ALWAYS_FAILS = "import sys; sys.exit(3)"
+#: The first job saves its checkpoint and outlives its 1 s limit; the next finds it and finishes.
+SAVES_THEN_OUTLIVES_ITS_LIMIT = (
+    "import pathlib, sys, time; out = pathlib.Path(sys.argv[1]); ckpt = out / 'ckpt.json';"
+    "first = not ckpt.exists(); ckpt.write_text('1'); first and time.sleep(60)"
+)
 
 
 def test_a_preempted_stage_and_the_end_of_the_run_are_events(prefect_server: PrefectServer, openlab_home: Path) -> None:
@@ -30,7 +35,7 @@ def test_a_preempted_stage_and_the_end_of_the_run_are_events(prefect_server: Pre
         (stage,) = store.list(StageRun)
         assert [a.state for a in store.list(Attempt, stage_run_id=stage.id)] == ["PREEMPTED", "COMPLETED"]
     assert preempted.resource.id == f"openlab.stage-run.{stage.id}" and preempted.payload["stage"] == "spot"
-    assert "SIGTERM" in preempted.payload["reason"]
+    assert "SIGTERM" in preempted.payload["reason"] and preempted.payload["progress_saved"] is False
     roles = {r.role: r.id for r in preempted.related}
     assert roles["pipeline-run"] == f"openlab.pipeline-run.{stage.pipeline_run_id}"
     assert roles["flow-run"] == f"prefect.flow-run.{flow_run_id}", "Prefect attached the run it came from"
@@ -38,6 +43,22 @@ def test_a_preempted_stage_and_the_end_of_the_run_are_events(prefect_server: Pre
     assert done.resource.id == f"openlab.pipeline-run.{stage.pipeline_run_id}"
     assert done.payload["stages"] == {"spot": "COMPLETED"}
     assert "openlab.stage.failed" not in found, "a preemption is not reported as a failure"
+
+
+def test_a_stage_its_time_limit_stopped_after_saving_is_time_limited_not_preempted(
+    prefect_server: PrefectServer, openlab_home: Path
+) -> None:
+    """One link of a chain of jobs under a wall-time cap is planned: an Automation paging on
+    preemptions must not fire on it, so it has its own event, which says the job saved."""
+    state = run_one_stage_flow("chained", SAVES_THEN_OUTLIVES_ITS_LIMIT, checkpoint="ckpt.json", time_limit=1)
+    assert state.is_completed(), state.message
+    found = openlab_events(
+        state.state_details.flow_run_id, {"openlab.stage.time-limited", "openlab.pipeline-run.completed"}
+    )
+    limited = found["openlab.stage.time-limited"]
+    assert "time limit exceeded" in limited.payload["reason"] and "going on from it" in limited.payload["reason"]
+    assert limited.payload["progress_saved"] is True
+    assert "openlab.stage.preempted" not in found and "openlab.stage.failed" not in found, sorted(found)
 
 
 def test_a_failed_stage_and_run_are_events(prefect_server: PrefectServer, openlab_home: Path) -> None:

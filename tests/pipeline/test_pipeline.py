@@ -451,7 +451,9 @@ def test_a_preempted_stage_runs_again_without_spending_a_retry(
     monkeypatch.setenv("OPENLAB_PIPELINE__PREEMPTION_RETRIES", "1")
     again = run_pipeline(toy_pipeline(repo), toy_configs(), options=RunOptions(wait_poll=0.05, force=True))
     assert again.state == "FAILED" and again.results["upper"].state == "FAILED"
-    assert "stopped 2 times in a row, the limit ([pipeline] preemption_retries = 1)" in (again.error or ""), again.error
+    assert "stopped 2 times in a row without saving progress, the limit ([pipeline] preemption_retries = 1)" in (
+        again.error or ""
+    ), again.error
     with LineageStore.open() as store:
         (upper,) = store.list(StageRun, pipeline_run_id=again.pipeline_run.id, stage="upper")
         assert [a.state for a in store.list(Attempt, stage_run_id=upper.id)] == ["PREEMPTED", "PREEMPTED"]
@@ -477,9 +479,13 @@ def test_a_stage_stopped_by_its_time_limit_after_saving_progress_goes_on_from_it
     """A cluster's wall-time cap is shorter than a long training: each job gets further, saves its
     checkpoint, and is stopped by its time limit. That is progress, not failure: with no retries at
     all the stage goes on in new attempts of the same stage run, each resuming from the checkpoint,
-    until it completes. A stage that saved nothing stays FAILED at its limit, since a next attempt
-    would be stopped at the same point again."""
+    until it completes, however many jobs that takes (a month of 24-hour jobs is thirty): the
+    preemption bound counts stops in a row that saved nothing, and this chain is longer than it. A
+    stage that saved nothing stays FAILED at its limit, since a next attempt would be stopped at the
+    same point again."""
     from tests.pipeline.toy import COMMON
+
+    monkeypatch.setenv("OPENLAB_PIPELINE__PREEMPTION_RETRIES", "1")
 
     script = repo / "stages" / "upper.py"
     script.write_text(script.read_text().replace(COMMON, COMMON + STEP_PER_JOB, 1))
@@ -488,15 +494,16 @@ def test_a_stage_stopped_by_its_time_limit_after_saving_progress_goes_on_from_it
         dataclasses.replace(s, checkpoint="ckpt.json", time_limit=1) if s.name == "upper" else s for s in toy.stages
     ]
     pipeline = dataclasses.replace(toy, stages=tuple(stepped))
-    seen: list[tuple[str, str, str]] = []
-    hooks = PipelineHooks(on_transition=lambda e: seen.append((e.stage, e.state, e.reason)))
+    seen: list[StageTransition] = []
+    hooks = PipelineHooks(on_transition=seen.append)
 
     result = run_stages(start_pipeline(pipeline, toy_configs(), options=fast(), hooks=hooks), retries=0)
     assert result.state == "COMPLETED", result.error
-    going_on = [reason for stage, state, reason in seen if state == "PREEMPTED"]
+    going_on = [e for e in seen if e.state == "PREEMPTED"]
     assert len(going_on) == 2 and all(
-        "time limit exceeded" in r and "after saving ckpt.json anew" in r for r in going_on
+        "time limit exceeded" in e.reason and "after saving ckpt.json anew" in e.reason for e in going_on
     )
+    assert all(e.result and (e.result.stopped_by, e.result.progress_saved) == ("time-limit", True) for e in going_on)
     with LineageStore.open() as store:
         (upper,) = store.list(StageRun, pipeline_run_id=result.pipeline_run.id, stage="upper")
         attempts = store.list(Attempt, stage_run_id=upper.id, order_by=Attempt.number)
