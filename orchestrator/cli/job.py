@@ -10,12 +10,14 @@ attempt in lineage and revive its handle, so they work from any process.
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
 import typer
 
+from orchestrator.cli.output import given_path
 from orchestrator.errors import ConfigError, NotFoundError, OpenlabError, choices
 
 app = typer.Typer(
@@ -122,7 +124,9 @@ def run_cmd(
     ),
     name: str = typer.Option(None, "--name", help="job name (default: the command's first word)"),
     workdir: str = typer.Option(None, "--workdir", help="working directory of the job"),
-    artifact_root: Path = typer.Option(None, "--artifact-root", help="mounted at the same path in containers"),
+    artifact_root: Path = typer.Option(
+        None, "--artifact-root", parser=given_path, help="mounted at the same path in containers"
+    ),
     stage_run: str = typer.Option(None, "--stage-run", help="record the attempt under this stage run id"),
     timeout: float = typer.Option(None, "--timeout", help="give up (and cancel) after this many seconds"),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="do not stream the job's log"),
@@ -136,6 +140,8 @@ def run_cmd(
     if not command:
         raise OpenlabError("no command given: openlab job run [OPTIONS] -- CMD [ARGS...]")
     _refuse_unknown_option(ctx, command[0])
+    if timeout is not None and not 0 < timeout < math.inf:
+        raise OpenlabError(f"--timeout must be a positive number of seconds, got {timeout:g}")
     settings = load_settings()
     backend = backend or _default_backend()
     launcher = get_launcher(backend, settings)
@@ -206,7 +212,7 @@ def _find(store: Any, ident: str, backend: str | None) -> tuple[Any, Any, Any]:
         found = store.list(Attempt, where=where, order_by=col(Attempt.submitted_at).desc(), limit=1)
         attempt = found[0] if found else None
     if attempt is None and ident.startswith("att_") and len(ident) >= 6:
-        found = store.list(Attempt, where=[col(Attempt.id).startswith(ident)], limit=2)
+        found = store.list(Attempt, where=[col(Attempt.id).startswith(ident, autoescape=True)], limit=2)
         if len(found) > 1:
             raise NotFoundError(f"attempt prefix {ident!r} is ambiguous: give more characters")
         attempt = found[0] if found else None

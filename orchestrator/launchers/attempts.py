@@ -27,7 +27,9 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import func
 from sqlmodel import select
 
+from orchestrator.errors import OpenlabError
 from orchestrator.launchers.base import (
+    BackendUnavailable,
     Backoff,
     JobHandle,
     JobSpec,
@@ -50,6 +52,11 @@ log = logging.getLogger(__name__)
 LOG_DRAIN_TIMEOUT = 10.0
 #: Longest a cancel request waits to be acted on while :func:`run_job` waits between status looks.
 CANCEL_CHECK_SECONDS = 0.25
+#: How long :func:`run_job` goes on waiting for a job while its backend cannot be asked about it (a
+#: slurmctld restarting or failing over, an API server upgrade). The job runs on meanwhile: giving up
+#: at the first failed look would cancel a healthy job, or leave it running unwatched while a retry
+#: starts another. Past this the backend is taken to be gone, and the job is cancelled if it can be.
+STATUS_OUTAGE_GRACE = 900.0
 
 
 def lineage_state(state: JobState) -> str:
@@ -107,7 +114,10 @@ def submit_attempt(
     """Submit ``spec`` and record the attempt; a refused submit is recorded FAILED and re-raised
     (a job the backend could never run as asked is refused first, with nothing recorded)."""
     launcher.refuse_unsupported(spec)
+    if stage_run_id is not None:
+        _require_stage_run(store, stage_run_id)
     number = next_attempt_number(store, stage_run_id)
+    secrets = spec.secret_values()  # the job's own (``-e MY_TOKEN=...``), which the store cannot know
     attempt = Attempt(
         stage_run_id=stage_run_id,
         number=number,
@@ -115,7 +125,7 @@ def submit_attempt(
         cluster=launcher.cluster,
         job_name=spec.name,
         image=launcher.image_name(spec),  # the image that runs, also when it is the backend's default
-        command=list(spec.command),
+        command=[scrub(arg, secrets) for arg in spec.command],
         user=current_user(),
         resources=spec.resources() or None,
         state="PENDING",
@@ -126,7 +136,7 @@ def submit_attempt(
         with store.transaction() as tx:
             stopped = interruption_reason(exc)
             attempt.state = "CANCELLED" if stopped else "FAILED"
-            attempt.reason = f"submit {stopped}" if stopped else f"submit failed: {_one_line(exc)}"
+            attempt.reason = f"submit {stopped}" if stopped else f"submit failed: {scrub(_one_line(exc), secrets)}"
             attempt.ended_at = utcnow()
             attempt = tx.add(attempt)
         raise
@@ -135,6 +145,18 @@ def submit_attempt(
         attempt.log_path = handle.log_path
         attempt = tx.add(attempt)
     return attempt, handle
+
+
+def _require_stage_run(store: LineageStore, stage_run_id: str) -> None:
+    """Refuse, before anything is submitted, an attempt for a stage run lineage does not hold: the
+    job would run, and then its attempt could not be recorded (nor found, nor cancelled)."""
+    from orchestrator.lineage.models import StageRun
+
+    if store.get(StageRun, stage_run_id) is None:
+        raise OpenlabError(
+            f"no stage run {stage_run_id!r} in lineage: give the full id of a recorded stage run "
+            "(openlab lineage show PIPELINE_RUN lists them), or leave the stage run out"
+        )
 
 
 def mark_running(store: LineageStore, attempt: Attempt, status: JobStatus) -> Attempt:
@@ -239,6 +261,24 @@ class _LogPump(threading.Thread):
             self.error = exc
 
 
+def _outage(launcher: Launcher, handle: JobHandle, exc: BackendUnavailable, since: float | None) -> float:
+    """Note a failed status look during a backend outage; re-raise once it has lasted longer than
+    :data:`STATUS_OUTAGE_GRACE`. Returns when the outage began."""
+    now = time.monotonic()
+    if since is None:
+        log.warning(
+            "%s cannot be asked about job %s (%s): the job runs on; waiting up to %g s for it to answer",
+            launcher.name,
+            handle.job_id,
+            _one_line(exc),
+            STATUS_OUTAGE_GRACE,
+        )
+        return now
+    if now - since > STATUS_OUTAGE_GRACE:
+        raise BackendUnavailable(f"{_one_line(exc)} (for {now - since:.0f} s, longer than {STATUS_OUTAGE_GRACE:g} s)")
+    return since
+
+
 def _pause(launcher: Launcher, handle: JobHandle, seconds: float, should_cancel: Callable[[], bool] | None) -> None:
     """``launcher.pause`` for up to ``seconds``, in slices of :data:`CANCEL_CHECK_SECONDS` with a
     cancel check between them; returns as soon as a cancel is requested or a slice ends early.
@@ -326,8 +366,19 @@ def run_job(
     try:
         if pump is not None:
             pump.start()
+        outage: float | None = None  # since when the backend could not be asked, if it cannot now
         while True:
-            status = launcher.status(handle)
+            try:
+                status = launcher.status(handle)
+            except BackendUnavailable as exc:
+                outage = _outage(launcher, handle, exc, outage)
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise JobTimeout(f"{launcher.name} job {handle.job_id} did not finish within {timeout:g}s") from exc
+                time.sleep(min(backoff.next_delay(), 5.0))
+                continue
+            if outage is not None:
+                log.warning("%s answers again: job %s is %s", launcher.name, handle.job_id, status.state)
+                outage = None
             if status.state is JobState.RUNNING or (status.state.terminal and status.started_at):
                 attempt = mark_running(store, attempt, status)
             if status.state.terminal:
@@ -367,7 +418,7 @@ def run_job(
             log.warning("could not cancel %s job %s: %s", launcher.name, handle.job_id, _one_line(cancel_exc))
         end = JobStatus(
             state=JobState.CANCELLED if stopped or isinstance(exc, JobTimeout) else JobState.FAILED,
-            reason=stopped or _one_line(exc),
+            reason=stopped or scrub(_one_line(exc), spec.secret_values()),
             tasks=_tasks_after_cancel(launcher, handle),
         )
         try:

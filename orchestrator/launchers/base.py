@@ -175,7 +175,7 @@ class JobSpec:
             value = getattr(self, what)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise OpenlabError(f"{what.replace('_', ' ')} must be a whole number of at least 1, got {value!r}")
-        if self.cpus is not None and (isinstance(self.cpus, bool) or not self.cpus > 0):
+        if self.cpus is not None and (isinstance(self.cpus, bool) or not 0 < self.cpus < math.inf):
             raise OpenlabError(f"cpus must be a positive number, got {self.cpus!r}")
         if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 0:
             raise OpenlabError(f"gpus must be a whole number of 0 or more, got {self.gpus!r}")
