@@ -13,13 +13,16 @@ from typing import Annotated
 
 import typer
 
-from orchestrator.cli.output import byte_progress, console, print_json
+from orchestrator.cli.output import byte_progress, console, given_path, print_json
 from orchestrator.cli.run import JsonFlag, RecipeArg, ReplicaOpt, SetOpt
 
 
 def adopt_cmd(
     recipe: RecipeArg,
-    source: Annotated[Path, typer.Argument(help="The folder to adopt (a built corpus, token shards, a checkpoint).")],
+    source: Annotated[
+        Path,
+        typer.Argument(parser=given_path, help="The folder to adopt (a built corpus, token shards, a checkpoint)."),
+    ],
     stage: Annotated[str, typer.Option("--stage", "-s", help="The stage whose output it is (e.g. tokenize).")],
     replica: ReplicaOpt = None,
     move: Annotated[

@@ -8,13 +8,13 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from orchestrator.cli.output import byte_progress, console, print_json
+from orchestrator.cli.output import byte_progress, console, given_path, print_json
 
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print one JSON object for scripts.")]
 
 
 def snapshot_cmd(
-    path: Annotated[Path, typer.Argument(help="File or folder to snapshot.")],
+    path: Annotated[Path, typer.Argument(parser=given_path, help="File or folder to snapshot.")],
     json_out: JsonFlag = False,
 ) -> None:
     """Snapshot PATH: a content-addressed manifest (BLAKE3 per file, Merkle root = id), recorded in lineage."""
@@ -49,7 +49,7 @@ def snapshot_cmd(
 
 
 def provenance_cmd(
-    path: Annotated[Path, typer.Argument(help="Folder inside the git repository.")] = Path("."),
+    path: Annotated[Path, typer.Argument(parser=given_path, help="Folder inside the git repository.")] = Path("."),
     code: Annotated[
         list[str] | None, typer.Option("--code", help="A path the stage declares as its code (repeatable).")
     ] = None,

@@ -20,6 +20,7 @@ from orchestrator.cli.output import (
     describe_task,
     describe_usage,
     fit_last_column,
+    given_path,
     narrow,
     print_fields,
     print_json,
@@ -237,7 +238,9 @@ def show_cmd(
 
 @app.command("which")
 def which_cmd(
-    path: Annotated[Path, typer.Argument(help="A file (a checkpoint, a shard) or a folder, wherever it is now.")],
+    path: Annotated[
+        Path, typer.Argument(parser=given_path, help="A file (a checkpoint, a shard) or a folder, wherever it is now.")
+    ],
     json_out: JsonFlag = False,
 ) -> None:
     """Which recorded output holds this content: found by hash, so a copied or renamed checkpoint
@@ -940,6 +943,8 @@ def export_cmd(
 
     if fmt not in (*FORMATS, "ro-crate"):
         raise ConfigError(f"unknown export format {fmt!r}; {choices(fmt, (*FORMATS, 'ro-crate'), label='formats')}")
+    if output is not None and not output.strip():
+        raise ConfigError("--output is empty: give a file (a directory for ro-crate), or leave it out for stdout")
     flt = _record_filter(locals())
     if flt.given():
         picked = list_records(_open(), ["pipeline_run"], flt, limit=None).records

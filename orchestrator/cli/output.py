@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -13,6 +14,19 @@ from rich.table import Table
 
 console = Console()
 err_console = Console(stderr=True)
+
+
+def given_path(value: str | Path) -> Path:
+    """A path argument as typed, refusing an empty one: ``Path("")`` is the current directory, so
+    a variable that expanded to nothing (``openlab adopt ... "$OUT"``) would adopt, snapshot or
+    overwrite whatever folder the command ran in. For ``typer``'s ``parser=``."""
+    if isinstance(value, Path):
+        return value
+    if not value.strip():
+        import typer
+
+        raise typer.BadParameter("an empty path: give a file or folder (. for this one)")
+    return Path(value)
 
 
 def print_json(data: Any) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from orchestrator.cli.github import one_line_errors
+from orchestrator.cli.output import given_path
 
 app = typer.Typer(help="W&B runs of stage jobs: read back into lineage, upload offline runs.", no_args_is_help=True)
 
@@ -30,7 +31,7 @@ def sync() -> None:
 @one_line_errors
 def record(
     stage_run: str = typer.Argument(..., help="stage run id"),
-    path: Path = typer.Argument(..., help="the job's output dir or a wandb run dir"),
+    path: Path = typer.Argument(..., parser=given_path, help="the job's output dir or a wandb run dir"),
 ) -> None:
     """Read a stage's W&B run back from its files and record it in lineage."""
     from orchestrator.lineage.store import open_store

@@ -143,6 +143,36 @@ def test_a_home_or_path_the_file_system_refuses_is_one_line_naming_it(run_cli, t
     )
 
 
+def test_an_empty_path_is_refused_not_read_as_the_folder_the_command_ran_in(run_cli, tmp_path: Path) -> None:
+    """``Path("")`` is ``.``: a variable that expanded to nothing adopted (or with --move, moved) the
+    working tree, snapshotted it, or wrote an export's temporary file into it."""
+    for args in (
+        ("adopt", "marin-535b-a23b", "-r", "tiny", "--stage", "data", ""),
+        ("snapshot", ""),
+        ("lineage", "which", ""),
+        ("provenance", ""),
+        ("wandb", "record", "srun_x", ""),
+        ("job", "run", "--artifact-root", "", "--", "true"),
+        ("lineage", "export", "-o", ""),
+    ):
+        out = run_cli(*args, cwd=tmp_path, timeout=60)
+        assert out.returncode == 2 and "empty" in out.stderr, (args, out.stderr)
+        assert len(out.stderr.strip().splitlines()) == 1 and not out.stdout, (args, out.stdout, out.stderr)
+    assert list(tmp_path.iterdir()) == [], "nothing was written where the command ran"
+
+
+def test_server_options_are_checked_before_a_server_starts(run_cli) -> None:
+    """`server --limit -1` started Prefect, served every deployment, then died in two tracebacks;
+    `--nightly-cron bogus` started and stopped a server before saying so."""
+    for args, want in (
+        (("server", "--limit", "-1"), "error: --limit -1: give the most flow runs at once, 1 or more"),
+        (("server", "--nightly-cron", "bogus"), "error: invalid nightly cron 'bogus'"),
+    ):
+        out = run_cli(*args, timeout=60)
+        assert out.returncode == 2 and out.stderr.startswith(want), out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1 and not out.stdout, (out.stdout, out.stderr)
+
+
 def test_a_bad_port_or_stage_is_named_as_it_was_given(run_cli) -> None:
     """`server --port 99999` was an OverflowError traceback followed by "stopped"; `adopt --stage pretrian`
     was refused as "--until 'pretrian'", an option the person never typed."""
