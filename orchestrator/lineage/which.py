@@ -55,6 +55,8 @@ def holders(store: LineageStore, settings: Settings, path: Path) -> tuple[str, l
     if path.is_dir():
         digest = content_hash(path)
         found = {digest: [""]}
+    elif not path.is_file():  # reading a fifo waits for a writer that may never come
+        raise NotFoundError(f"{path}: not a regular file or folder (device, fifo or socket): no content to look up")
     else:
         digest = file_hash(path)
         found = _manifests_holding(settings.snapshots_dir, digest)

@@ -159,6 +159,16 @@ def test_an_empty_path_is_refused_not_read_as_the_folder_the_command_ran_in(run_
         assert out.returncode == 2 and "empty" in out.stderr, (args, out.stderr)
         assert len(out.stderr.strip().splitlines()) == 1 and not out.stdout, (args, out.stdout, out.stderr)
     assert list(tmp_path.iterdir()) == [], "nothing was written where the command ran"
+    (tmp_path / "f.txt").write_text("x")
+    assert run_cli("snapshot", str(tmp_path / "f.txt")).returncode == 0  # a lineage database to look in
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # `lineage which` on it waited for a writer for ever
+    out = run_cli("lineage", "which", str(fifo), timeout=60)
+    assert (
+        out.returncode == 2
+        and out.stderr.strip()
+        == f"error: {fifo}: not a regular file or folder (device, fifo or socket): no content to look up"
+    ), out.stderr
 
 
 def test_server_options_are_checked_before_a_server_starts(run_cli) -> None:
