@@ -194,6 +194,10 @@ def load_recipe(ref: str | Path, recipes_dir: Path | None = None, *, root: Path 
         data = load_yaml(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise ConfigError(f"{where}: invalid YAML: {' '.join(str(exc).split())}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{where}: not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset {exc.start}); save the file as UTF-8"
+        ) from None
     except OSError as exc:
         raise ConfigError(f"{where}: cannot read: {exc.strerror}") from None
     return parse_recipe(data, path)
@@ -241,10 +245,12 @@ def parse_recipe(data: Any, path: Path) -> Recipe:
 
 
 def _scaled(value: Any, factor: Fraction, path: str) -> Any:
+    """``value`` times ``factor``: a count stays at least 1, and 0 stays 0 (no shared experts, full
+    attention: a scale does not turn "none" into one)."""
     if value is None:
         return None
     if isinstance(value, int):
-        return max(1, int(round(Fraction(value) * factor)))
+        return max(1, int(round(Fraction(value) * factor))) if value else 0
     return float(Fraction(value).limit_denominator(10**12) * factor)
 
 
@@ -312,9 +318,6 @@ def resolve(
     check_values(values, where, repro, stages)  # what the sets left must still hang together
     source = recipe.replicas[replica] if replica is not None else recipe.data
     predicted = source.get("preregistered") or {}
-    for name, p in predicted.items():
-        if p["tolerance"] < 0:
-            raise ConfigError(f"{where}: preregistered.{name}.tolerance: must be 0 or more, got {p['tolerance']!r}")
     # A prediction for a stage this run does not have can never be checked: it is left out, as a
     # tracked metric is (a recipe-wide prediction for `eval` means nothing to the `drops` replica).
     predictions = tuple(
@@ -375,17 +378,10 @@ def stage_resources(
         name: {**entry, **{k: seconds(entry[k], f"{where}.{name}.{k}") for k in DURATION_KEYS if k in entry}}
         for name, entry in asked.items()
     }
-    for name, entry in asked.items():
+    for name, entry in asked.items():  # cpus, gpus, nodes ...: their ranges are the schema's
         label = f"{where}.{name}"
-        if "cpus" in entry and entry["cpus"] <= 0:
-            raise ConfigError(f"{label}.cpus: must be positive, got {entry['cpus']!r}")
-        if "gpus" in entry and entry["gpus"] < 0:
-            raise ConfigError(f"{label}.gpus: must be 0 or more, got {entry['gpus']!r}")
         if "time_limit" in entry and entry["time_limit"] <= 0:
             raise ConfigError(f"{label}.time_limit: seconds, must be positive, got {entry['time_limit']!r}")
-        for key in ("nodes", "tasks_per_node"):
-            if key in entry and entry[key] < 1:
-                raise ConfigError(f"{label}.{key}: must be 1 or more, got {entry[key]!r}")
 
         sizes = {"memory": entry.get("memory"), "docker.shm_size": (entry.get("docker") or {}).get("shm_size")}
         for key, value in sizes.items():
@@ -439,7 +435,7 @@ def _train_section(section: Mapping[str, Any], steps: int, batch: int) -> dict[s
         "warmup_steps": max(1, int(round(section["warmup_fraction"] * steps))) if steps > 1 else 0,
         "weight_decay": section["weight_decay"],
         "grad_clip": section["grad_clip"],
-        "checkpoint_every": max(1, min(int(section["checkpoint_every"]), steps)),
+        "checkpoint_every": min(int(section["checkpoint_every"]), steps),  # 1 or more: the schema's range
     }
     if section.get("mixture"):
         out["mixture"] = dict(section["mixture"])

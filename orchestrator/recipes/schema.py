@@ -1,8 +1,9 @@
 """What a recipe may say: its schema, the check of a value against it, and how YAML is read.
 
-:data:`RECIPE_SCHEMA` is the one description of a recipe file's keys and types; :func:`check_schema`
-validates a value against it, naming the key path (``recipe marin-535b-a23b.yaml: model.experts:
-expected int, got str``), and :func:`check_set` does the same for one ``--set``. Kept apart from
+:data:`RECIPE_SCHEMA` is the one description of a recipe file's keys, types and ranges;
+:func:`check_schema` validates a value against it, naming the key path (``recipe marin-535b-a23b.yaml:
+model.experts: expected int, got str``; ``pretrain.lr: must be positive (the peak learning rate), got
+-1``), and :func:`check_set` does the same for one ``--set``. Kept apart from
 :mod:`orchestrator.recipes.recipe` (loading and resolving) so the overrides a command line gives
 (:mod:`orchestrator.recipes.overrides`) are checked against the very schema the file is.
 """
@@ -76,20 +77,76 @@ class OneOf:
     choices: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class Range:
+    """Schema marker: a number (``spec``: :data:`NUMBER` or ``int``) from ``low`` to ``high`` (None:
+    no bound), each bound allowed unless ``above`` / ``below`` exclude it; ``what`` says what the
+    value is, in the error that gives the range (``pretrain.lr: must be positive (the peak learning
+    rate), got -1``). Every range a recipe value has is stated here, in the schema, so the file, a
+    replica's ``set`` and a run's ``--set`` are held to the same one, before any job starts."""
+
+    spec: Any
+    low: float | None = None
+    high: float | None = None
+    above: bool = False
+    below: bool = False
+    what: str = ""
+
+    def allowed(self) -> str:
+        """``positive``, ``1 or more``, ``in [0, 1]``: the range, as the error says it."""
+        low, high = _bound(self.low), _bound(self.high)
+        if self.high is None:
+            if self.above:
+                return "positive" if self.low == 0 else f"more than {low}"
+            return f"{low} or more"
+        if self.low is None:
+            return f"under {high}" if self.below else f"{high} or less"
+        return f"in {'(' if self.above else '['}{low}, {high}{')' if self.below else ']'}"
+
+    def holds(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.above else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.below else value <= self.high)
+
+
+def _bound(value: float | None) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
 NUMBER = _Number()
 RATIO = _Ratio()
 DURATION = _Duration()
 
+
+def positive(what: str, spec: Any = None) -> Range:
+    """A number above 0 (``spec``: :data:`NUMBER` unless given)."""
+    return Range(NUMBER if spec is None else spec, low=0, above=True, what=what)
+
+
+def at_least(low: int, what: str, spec: Any = int) -> Range:
+    """A count (``spec``: ``int`` unless given) of ``low`` or more."""
+    return Range(spec, low=low, what=what)
+
+
+def fraction(what: str, *, open_: bool = False) -> Range:
+    """A share of a whole: in [0, 1], or in (0, 1) when ``open_`` (neither end allowed)."""
+    return Range(NUMBER, low=0, high=1, above=open_, below=open_, what=what)
+
+
+#: A domain's weight in a training mixture (the weights are normalised; the workload refuses all zero).
+_WEIGHT = Range(NUMBER, low=0, what="a domain's weight in the mixture")
+
 _TRAIN = {
-    "lr": NUMBER,
-    "min_lr_ratio": NUMBER,
-    "warmup_fraction": NUMBER,
-    "weight_decay": NUMBER,
-    "grad_clip": NUMBER,
-    "mixture": Opt(MapOf(NUMBER)),
-    "checkpoint_every": int,
+    "lr": positive("the peak learning rate"),
+    "min_lr_ratio": fraction("the final learning rate over the peak"),
+    "warmup_fraction": fraction("the share of the stage's steps that warm the learning rate up"),
+    "weight_decay": Range(NUMBER, low=0, what="AdamW's weight decay; 0: none"),
+    # torch's clip_grad_norm_ scales the gradients to at most this norm: 0 zeroes them, below 0 flips them
+    "grad_clip": positive("the largest gradient norm kept; 0 would zero every gradient"),
+    "mixture": Opt(MapOf(_WEIGHT)),
+    "checkpoint_every": at_least(1, "steps between checkpoints"),
     #: Keep every N-th step's checkpoint as an immutable revision (the workload's train.keep_every).
-    "keep_every": Opt(int),
+    "keep_every": Opt(at_least(0, "keep every N-th step's checkpoint; 0: only the latest")),
 }
 
 #: Where a stage's Slurm job goes (``#SBATCH --partition`` ...), per stage: data prep on a CPU
@@ -140,16 +197,16 @@ BACKEND_OPTIONS = ("slurm", "kubernetes", "docker")
 
 #: What a stage's job asks its backend for (JobSpec's fields); never part of a stage's identity.
 _RESOURCES = {
-    "cpus": Opt(NUMBER),
+    "cpus": Opt(positive("CPU cores")),
     "memory": Opt(str),
-    "gpus": Opt(int),
+    "gpus": Opt(at_least(0, "GPUs")),
     "time_limit": Opt(DURATION),
     # Seconds ahead of time_limit a stage that checkpoints is sent SIGUSR1 to save and stop (0: not
     # warned); default a tenth of the limit, at most 5 minutes (orchestrator.pipeline.checkpoints).
     "warn_before_limit": Opt(DURATION),
     # A training stage as several processes of one job (data parallel; Slurm: srun tasks).
-    "nodes": Opt(int),
-    "tasks_per_node": Opt(int),
+    "nodes": Opt(at_least(1, "nodes of the job")),
+    "tasks_per_node": Opt(at_least(1, "processes on each node")),
     "slurm": Opt(_SLURM_STAGE_OPTIONS),
     "kubernetes": Opt(_KUBERNETES_STAGE_OPTIONS),
     "docker": Opt(_DOCKER_STAGE_OPTIONS),
@@ -162,7 +219,12 @@ DURATION_KEYS = tuple(key for key, spec in _RESOURCES.items() if isinstance(spec
 
 #: A pre-registered result: the stage that reports the metric, the value predicted, and how far
 #: off the measurement may be for the prediction to count as met.
-_PREDICTION = {"stage": OneOf(STAGES), "value": NUMBER, "tolerance": NUMBER, "description": Opt(str)}
+_PREDICTION = {
+    "stage": OneOf(STAGES),
+    "value": NUMBER,
+    "tolerance": at_least(0, "how far off the measurement may be", spec=NUMBER),
+    "description": Opt(str),
+}
 
 #: Each scale factor and the recipe fields it multiplies.
 SCALE_RULES: dict[str, tuple[str, ...]] = {
@@ -188,15 +250,15 @@ SCALE_RULES: dict[str, tuple[str, ...]] = {
 #: validation before any job starts.
 _REPRO: dict[str, Any] = {
     "train": {
-        "steps": int,
-        "batch_sequences": int,
-        "lr": NUMBER,
-        "min_lr_ratio": Opt(NUMBER),
-        "warmup_steps": Opt(int),
-        "weight_decay": Opt(NUMBER),
-        "grad_clip": Opt(NUMBER),
-        "mixture": Opt(MapOf(NUMBER)),
-        "checkpoint_every": Opt(int),
+        "steps": at_least(1, "training steps"),
+        "batch_sequences": at_least(1, "sequences per step"),
+        "lr": _TRAIN["lr"],
+        "min_lr_ratio": Opt(_TRAIN["min_lr_ratio"]),
+        "warmup_steps": Opt(at_least(0, "steps that warm the learning rate up")),
+        "weight_decay": Opt(_TRAIN["weight_decay"]),
+        "grad_clip": Opt(_TRAIN["grad_clip"]),
+        "mixture": Opt(MapOf(_WEIGHT)),
+        "checkpoint_every": Opt(_TRAIN["checkpoint_every"]),
     },
     "measure": MapOf(object),
 }
@@ -207,57 +269,60 @@ RECIPE_SCHEMA: dict[str, Any] = {
     "name": str,
     "description": Opt(str),
     "reference": Opt(str),
-    "seed": Opt(int),
+    "seed": Opt(at_least(0, "the run's random seed")),
     "model": {
-        "d_model": int,
-        "layers": int,
-        "heads": int,
-        "experts": int,
-        "top_k": int,
-        "expert_hidden": int,
-        "shared_experts": int,
-        "shared_hidden": int,
-        "context": int,
-        "attn_window": Opt(int),
-        "routed_weight_sum": Opt(NUMBER),
-        "rope_theta": Opt(NUMBER),
+        "d_model": at_least(1, "the model width"),
+        "layers": at_least(1, "transformer layers"),
+        "heads": at_least(1, "attention heads"),
+        "experts": at_least(1, "routed experts"),
+        "top_k": at_least(1, "routed experts per token"),
+        "expert_hidden": at_least(1, "a routed expert's hidden width"),
+        "shared_experts": at_least(0, "always-on experts; 0: none"),
+        "shared_hidden": at_least(0, "a shared expert's hidden width"),
+        "context": at_least(1, "tokens per sequence"),
+        "attn_window": Opt(at_least(0, "tokens a sliding window attends to; 0: full causal attention")),
+        "routed_weight_sum": Opt(positive("what a token's routed expert weights sum to")),
+        "rope_theta": Opt(Range(NUMBER, low=1, above=True, what="the RoPE base, e.g. 10000")),
     },
     "routing": {
         "balancing": OneOf(("quantile", "none")),
-        "aux_loss_coef": Opt(NUMBER),
-        "z_loss_coef": Opt(NUMBER),
+        "aux_loss_coef": Opt(Range(NUMBER, low=0, what="the load-balancing loss's weight; 0: off")),
+        "z_loss_coef": Opt(Range(NUMBER, low=0, what="the router z-loss's weight; 0: off")),
     },
     "dispatch": {
         "scheme": OneOf(("dropless", "fixed_all_to_all", "pooled_wave", "ragged", "waterfilling")),
-        "ranks": int,
-        "capacity_factor": NUMBER,
-        "transport_capacity_factor": Opt(NUMBER),
-        "waves": Opt(int),
-        "chunks": Opt(int),
+        "ranks": at_least(1, "expert-parallel ranks"),
+        "capacity_factor": positive("a receiver's capacity over its even share"),
+        "transport_capacity_factor": Opt(positive("pooled_wave's sender capacity over its even share")),
+        "waves": Opt(at_least(1, "pooled_wave's waves")),
+        "chunks": Opt(at_least(1, "ragged's chunks")),
     },
     "data": {
         "domains": MapOf(str),
-        "heldout_fraction": NUMBER,
-        "max_bytes_per_domain": Opt(int, nullable=True),
-        "max_sft_examples": Opt(int),
+        "heldout_fraction": fraction("the share of the documents held out", open_=True),
+        "max_bytes_per_domain": Opt(at_least(1, "bytes of text taken per domain"), nullable=True),
+        "max_sft_examples": Opt(at_least(1, "post-training examples taken")),
     },
-    "tokenizer": {"vocab_size": int, "min_frequency": Opt(int)},
+    "tokenizer": {
+        "vocab_size": at_least(300, "256 bytes, the merges and the special tokens"),
+        "min_frequency": Opt(at_least(1, "how often a pair must occur to be merged")),
+    },
     "tokens": {
-        "budget": NUMBER,
-        "pretrain_fraction": NUMBER,
-        "midtrain_fraction": NUMBER,
-        "batch_sequences": int,
+        "budget": positive("the tokens of pretrain and midtrain"),
+        "pretrain_fraction": fraction("pretrain's share of the budget"),
+        "midtrain_fraction": fraction("midtrain's share of the budget"),
+        "batch_sequences": at_least(1, "sequences per step"),
     },
     "pretrain": dict(_TRAIN),
     "midtrain": dict(_TRAIN),
-    "posttrain": {"tokens": NUMBER, **{k: v for k, v in _TRAIN.items() if k != "mixture"}},
-    "eval": {"batches": int},
+    "posttrain": {"tokens": positive("the tokens of posttrain"), **{k: v for k, v in _TRAIN.items() if k != "mixture"}},
+    "eval": {"batches": at_least(1, "held-out batches per domain")},
     "hardware": Opt(
         {
             "system": str,
-            "systems": int,
-            "gpus_per_system": Opt(int),
-            "expert_parallel": Opt(int),
+            "systems": at_least(1, "systems the run takes"),
+            "gpus_per_system": Opt(at_least(1, "GPUs in each system")),
+            "expert_parallel": Opt(at_least(1, "expert-parallel degree")),
             "notes": Opt(str),
         }
     ),
@@ -288,7 +353,12 @@ RECIPE_SCHEMA: dict[str, Any] = {
                 "description": Opt(str),
                 "scale": Opt({key: Opt(RATIO) for key in SCALE_RULES}),
                 "set": Opt(MapOf(object)),
-                "runtime": Opt({"device": Opt(OneOf(("auto", "cpu", "cuda"))), "threads": Opt(int)}),
+                "runtime": Opt(
+                    {
+                        "device": Opt(OneOf(("auto", "cpu", "cuda"))),
+                        "threads": Opt(at_least(0, "CPU threads; 0: all visible cores")),
+                    }
+                ),
                 "resources": Opt(MapOf(_RESOURCES)),
                 "preregistered": Opt(MapOf(_PREDICTION)),
                 # Which stages this replica runs (default: the training chain, data .. eval).
@@ -310,7 +380,7 @@ def type_name(value: Any) -> str:
 
 
 def _spec_name(spec: Any) -> str:
-    if isinstance(spec, Opt):
+    if isinstance(spec, (Opt, Range)):
         return _spec_name(spec.spec)
     if spec is NUMBER:
         return "number"
@@ -405,6 +475,12 @@ def check_schema(value: Any, spec: Any, path: str, where: str) -> None:
     if isinstance(spec, OneOf):
         if not isinstance(value, str) or value not in spec.choices:
             raise ConfigError(f"{label}: got {value!r}; {choices(value, spec.choices, label='expected one of')}")
+        return
+    if isinstance(spec, Range):
+        check_schema(value, spec.spec, path, where)
+        if not spec.holds(value):
+            what = f" ({spec.what})" if spec.what else ""
+            raise ConfigError(f"{label}: must be {spec.allowed()}{what}, got {value!r}")
         return
     if spec is RATIO:
         parse_ratio(value, label)

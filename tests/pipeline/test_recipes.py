@@ -575,6 +575,197 @@ def test_a_bad_set_is_one_line_naming_the_key_before_anything_runs(replica: str,
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("replica", "item", "message"),
+    [
+        # a batch of no sequences divided the token budget by zero: a traceback, not an error
+        (
+            "tiny",
+            "tokens.batch_sequences=0",
+            "--set tokens.batch_sequences: must be 1 or more (sequences per step), got 0",
+        ),
+        ("tiny", "model.context=0", "--set model.context: must be 1 or more (tokens per sequence), got 0"),
+        ("tiny", "pretrain.lr=-1", "--set pretrain.lr: must be positive (the peak learning rate), got -1"),
+        ("tiny", "pretrain.lr=0", "--set pretrain.lr: must be positive (the peak learning rate), got 0"),
+        # a budget of no tokens was clamped to one step, a checkpoint every 0 steps to every step
+        (
+            "tiny",
+            "tokens.budget=-1",
+            "--set tokens.budget: must be positive (the tokens of pretrain and midtrain), got -1",
+        ),
+        (
+            "tiny",
+            "tokens.budget=0",
+            "--set tokens.budget: must be positive (the tokens of pretrain and midtrain), got 0",
+        ),
+        ("tiny", "pretrain.checkpoint_every=0", "--set pretrain.checkpoint_every: must be 1 or more (steps between"),
+        ("tiny", "eval.batches=-3", "--set eval.batches: must be 1 or more (held-out batches per domain), got -3"),
+        ("tiny", "pretrain.warmup_fraction=5", "--set pretrain.warmup_fraction: must be in [0, 1] (the share of"),
+        # torch clips to the norm given: 0 zeroes every gradient, below 0 flips them
+        (
+            "tiny",
+            "pretrain.grad_clip=-1",
+            "--set pretrain.grad_clip: must be positive (the largest gradient norm kept;",
+        ),
+        ("tiny", "midtrain.grad_clip=0", "--set midtrain.grad_clip: must be positive (the largest gradient norm kept;"),
+        ("tiny", "pretrain.weight_decay=-1", "--set pretrain.weight_decay: must be 0 or more (AdamW's weight decay"),
+        ("tiny", "pretrain.min_lr_ratio=-1", "--set pretrain.min_lr_ratio: must be in [0, 1] (the final learning rate"),
+        ("tiny", "posttrain.lr=-0.5", "--set posttrain.lr: must be positive (the peak learning rate), got -0.5"),
+        ("tiny", "posttrain.tokens=-1", "--set posttrain.tokens: must be positive (the tokens of posttrain), got -1"),
+        ("tiny", "pretrain.keep_every=-2", "--set pretrain.keep_every: must be 0 or more"),
+        ("tiny", "pretrain.mixture={code: -1, prose: 2}", "--set pretrain.mixture.code: must be 0 or more"),
+        ("tiny", "tokens.midtrain_fraction=1.5", "--set tokens.midtrain_fraction: must be in [0, 1]"),
+        ("tiny", "data.heldout_fraction=1", "--set data.heldout_fraction: must be in (0, 1)"),
+        ("tiny", "data.max_bytes_per_domain=0", "--set data.max_bytes_per_domain: must be 1 or more"),
+        ("tiny", "tokenizer.vocab_size=100", "--set tokenizer.vocab_size: must be 300 or more"),
+        ("tiny", "model.layers=0", "--set model.layers: must be 1 or more (transformer layers), got 0"),
+        ("tiny", "model.shared_experts=-1", "--set model.shared_experts: must be 0 or more"),
+        ("tiny", "model.attn_window=-64", "--set model.attn_window: must be 0 or more"),
+        ("tiny", "model.rope_theta=0.5", "--set model.rope_theta: must be more than 1 (the RoPE base"),
+        ("tiny", "routing.aux_loss_coef=-0.01", "--set routing.aux_loss_coef: must be 0 or more"),
+        ("tiny", "dispatch.ranks=0", "--set dispatch.ranks: must be 1 or more"),
+        ("tiny", "dispatch.capacity_factor=0", "--set dispatch.capacity_factor: must be positive"),
+        ("tiny", "dispatch.waves=0", "--set dispatch.waves: must be 1 or more"),
+        ("tiny", "seed=-1", "--set seed: must be 0 or more (the run's random seed), got -1"),
+        ("tiny", "hardware.systems=0", "--set hardware.systems: must be 1 or more"),
+        ("drops-tiny", "repro.train.grad_clip=0", "--set repro.train.grad_clip: must be positive"),
+        ("drops-tiny", "repro.train.steps=0", "--set repro.train.steps: must be 1 or more (training steps), got 0"),
+        ("drops-tiny", "repro.train.warmup_steps=-1", "--set repro.train.warmup_steps: must be 0 or more"),
+        ("drops-tiny", "repro.train.batch_sequences=0", "--set repro.train.batch_sequences: must be 1 or more"),
+    ],
+)
+def test_a_value_out_of_its_range_is_one_line_naming_the_key_the_value_and_the_range(
+    replica: str, item: str, message: str
+) -> None:
+    """A nonsensical number (a negative learning rate, a batch of no sequences) is refused by the
+    schema's range for its key, before any stage config is computed from it (a batch of 0 divided
+    by zero) or clamped to something that runs (a budget of -1 tokens ran one step)."""
+    from orchestrator.recipes import parse_sets
+
+    with pytest.raises(ConfigError) as err:
+        resolve("marin-535b-a23b", replica, sets=parse_sets([item]))
+    said = str(err.value)
+    assert said.startswith("recipe marin-535b-a23b.yaml: ") and message in said and "\n" not in said, said
+
+
+def test_a_sweeps_grid_value_out_of_range_names_the_grid() -> None:
+    from orchestrator.recipes import parse_grid, sweep_trials
+
+    for trial in sweep_trials(parse_grid(["pretrain.lr=0.01,-1"])):
+        if trial["pretrain.lr"] > 0:
+            resolve("marin-535b-a23b", "tiny", sets=trial, sets_from={"pretrain.lr": "--grid"})
+            continue
+        with pytest.raises(ConfigError) as err:
+            resolve("marin-535b-a23b", "tiny", sets=trial, sets_from={"pretrain.lr": "--grid"})
+        assert "--grid pretrain.lr: must be positive (the peak learning rate), got -1" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        (("pretrain", "lr"), 0, "recipe r.yaml: pretrain.lr: must be positive (the peak learning rate), got 0"),
+        (("tokens", "batch_sequences"), 0, "recipe r.yaml: tokens.batch_sequences: must be 1 or more"),
+        (("midtrain", "mixture", "prose"), -0.3, "recipe r.yaml: midtrain.mixture.prose: must be 0 or more"),
+        (("posttrain", "warmup_fraction"), 1.01, "recipe r.yaml: posttrain.warmup_fraction: must be in [0, 1]"),
+        (("replicas", "tiny", "set"), {"eval.batches": 0}, "recipe r.yaml: replicas.tiny.set.eval.batches: must be 1"),
+        (("replicas", "tiny", "runtime", "threads"), -2, "recipe r.yaml: replicas.tiny.runtime.threads: must be 0 or"),
+        (
+            ("replicas", "drops-tiny", "repro", "train", "lr"),
+            -0.01,
+            "recipe r.yaml: replicas.drops-tiny.repro.train.lr: must be positive",
+        ),
+        # the ranges a job's resources had in stage_resources are the schema's too, same words
+        (
+            ("replicas", "small", "resources"),
+            {"eval": {"gpus": -1}},
+            "replicas.small.resources.eval.gpus: must be 0 or",
+        ),
+        (
+            ("replicas", "tiny", "resources", "default", "cpus"),
+            0,
+            "replicas.tiny.resources.default.cpus: must be posit",
+        ),
+    ],
+)
+def test_a_recipe_file_value_out_of_its_range_is_refused_when_the_file_loads(
+    tmp_path: Path, path: tuple[str, ...], value: object, message: str
+) -> None:
+    data = base()
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(ConfigError) as err:
+        load_recipe(write(tmp_path, data))
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_the_ends_of_each_range_that_mean_something_are_allowed(tmp_path: Path) -> None:
+    """0 where the workload reads it as "none" or "off" (weight decay, warmup, a final learning rate
+    of 0, full attention, no shared experts, no kept revisions) and 1 where a share may be all."""
+    sets = {
+        "pretrain.weight_decay": 0,
+        "pretrain.warmup_fraction": 0,
+        "midtrain.warmup_fraction": 1,
+        "pretrain.min_lr_ratio": 0,
+        "midtrain.min_lr_ratio": 1,
+        "pretrain.keep_every": 0,
+        "model.attn_window": 0,
+        "routing.aux_loss_coef": 0,
+        "pretrain.mixture": {"code": 1, "prose": 0},
+        "seed": 0,
+    }
+    tiny = resolve("marin-535b-a23b", "tiny", sets=sets)
+    assert tiny.stage_configs["pretrain"]["model"]["attn_window"] == 0
+    assert tiny.stage_configs["pretrain"]["train"]["weight_decay"] == 0
+    # a count of 0 ("none") stays 0 under a replica's scale factor: it was made 1 shared expert
+    data = base()
+    data["model"]["shared_experts"] = 0
+    data["model"]["attn_window"] = 0
+    model = resolve(load_recipe(write(tmp_path, data)), "tiny").stage_configs["pretrain"]["model"]
+    assert (model["n_shared"], model["attn_window"]) == (0, 0)
+
+
+def test_a_recipe_that_is_not_utf8_is_one_line_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "bin.yaml"
+    path.write_bytes(b"\xff\xfen\x00a\x00m\x00e\x00")  # UTF-16, as some editors save
+    with pytest.raises(ConfigError) as err:
+        load_recipe(path)
+    assert str(err.value) == "recipe bin.yaml: not UTF-8 text (byte 0xff at offset 0); save the file as UTF-8"
+
+
+def test_the_cli_refuses_a_value_out_of_range_and_a_file_not_utf8_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "bin.yaml").write_bytes(b"\xff\xfen\x00")
+    for args, said in (
+        (
+            ["marin-535b-a23b", "--replica", "tiny", "--set", "tokens.batch_sequences=0"],
+            "error: recipe marin-535b-a23b.yaml: --set tokens.batch_sequences: must be 1 or more (sequences per "
+            "step), got 0",
+        ),
+        ([str(tmp_path / "bin.yaml"), "--replica", "tiny"], "error: recipe bin.yaml: not UTF-8 text"),
+    ):
+        out = subprocess.run(
+            [sys.executable, "-c", "from orchestrator.cli.main import main; main()", "explain", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 2, (out.returncode, out.stderr)
+        assert out.stderr.startswith(said) and out.stderr.count("\n") == 1, out.stderr
+        assert "Traceback" not in out.stderr and out.stdout == "", out.stdout
+
+
+def test_every_replica_of_every_shipped_recipe_still_resolves() -> None:
+    """The shipped recipes sit inside every range, at full scale and at each replica's scale."""
+    recipes = [p for p in sorted(RECIPES_DIR.glob("*.yaml")) if "name" in (yaml.safe_load(p.read_text()) or {})]
+    assert recipes
+    for path in recipes:
+        recipe = load_recipe(path)
+        resolve(recipe, None, validate=False)
+        for replica in recipe.replicas:
+            resolve(recipe, replica)
+
+
 def test_a_sweeps_grid_is_every_combination_over_the_values_fixed_for_all() -> None:
     from orchestrator.recipes import MAX_TRIALS, sweep_trials
 
