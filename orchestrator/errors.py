@@ -48,6 +48,8 @@ def choices(name: object, known: Iterable[str], *, label: str = "known") -> str:
     every backend, stage, replica, state, key and format openlab refuses, so a typo always
     comes back with the name meant (compared without case: ``Slurm``, ``completd``)."""
     names = [str(k) for k in known]
+    if not names:  # "columns: " read as if the list had been cut off
+        return f"{label}: none"
     by_lower = {n.lower(): n for n in names}
     close = difflib.get_close_matches(str(name).strip().lower(), list(by_lower), n=1)
     listed = f"{label}: {', '.join(names)}"

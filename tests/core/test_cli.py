@@ -171,6 +171,14 @@ def test_an_empty_path_is_refused_not_read_as_the_folder_the_command_ran_in(run_
     ), out.stderr
 
 
+def test_a_refused_name_says_the_names_there_are_even_when_there_are_none() -> None:
+    """`lineage compare --sort nosuch` over runs that measured nothing ended "columns: ", as if cut off."""
+    from orchestrator.errors import choices
+
+    assert choices("nosuch", [], label="columns") == "columns: none"
+    assert choices("slurmm", ["local", "slurm"]) == "did you mean 'slurm'? known: local, slurm"
+
+
 def test_server_options_are_checked_before_a_server_starts(run_cli) -> None:
     """`server --limit -1` started Prefect, served every deployment, then died in two tracebacks;
     `--nightly-cron bogus` started and stopped a server before saying so."""
@@ -996,4 +1004,23 @@ def test_compare_over_seeds_gives_each_setting_its_mean_and_spread(run_cli, open
     assert (
         bad.returncode == 2
         and "--over 'sed': not a value that varies among these runs; did you mean 'seed'?" in bad.stderr
+    )
+
+
+def test_a_config_file_that_is_not_utf8_text_is_one_line_naming_it(run_cli, tmp_path: Path) -> None:
+    """A config saved as UTF-16 (it starts \\xff\\xfe) was a `UnicodeDecodeError` traceback."""
+    config = tmp_path / "bin.toml"
+    config.write_bytes(b"\xff\xfe" + 'home = "/x"\n'.encode("utf-16-le"))
+    out = run_cli("lineage", "list", env={"OPENLAB_CONFIG": str(config)})
+    assert out.returncode == 2 and not out.stdout, out.stdout
+    assert (
+        out.stderr.strip()
+        == f"error: {config}: not UTF-8 text (byte 0 is b'\\xff'): save it as UTF-8 text, as TOML must be"
+    )
+    found = tmp_path / "project" / "openlab.toml"  # found from the working directory, not named
+    found.parent.mkdir()
+    found.write_bytes(b'[artifacts]\nroot = "/data/caf\xe9"\n')
+    out = run_cli("lineage", "list", env={"OPENLAB_CONFIG": ""}, cwd=found.parent)
+    assert out.returncode == 2 and out.stderr.startswith(f"error: {found}: not UTF-8 text (byte 29 is b'\\xe9')"), (
+        out.stderr
     )
