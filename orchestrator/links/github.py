@@ -36,6 +36,7 @@ import datetime as dt
 import hashlib
 import logging
 import os
+import re
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
@@ -170,6 +171,25 @@ class GithubConfig:
         else:
             return None
         return self.labels.get(key) or None
+
+
+_CONNECTION_PREFIX = re.compile(r"^\w+\(host=[^)]*\):\s*")
+
+
+def network_reason(exc: BaseException, limit: int = 200) -> str:
+    """What went wrong on the wire, in words: the innermost cause of a ``requests`` error
+    (``Failed to resolve 'api.github.com' ([Errno -2] Name or service not known)``), without the
+    connection pool's wrapping, which filled the 200 characters kept and was cut mid-word."""
+    inner = exc
+    for _ in range(8):  # requests' error -> urllib3's MaxRetryError -> its reason
+        nxt = getattr(inner, "reason", None)
+        if not isinstance(nxt, BaseException):
+            nxt = inner.args[0] if inner.args and isinstance(inner.args[0], BaseException) else None
+        if nxt is None or nxt is inner:
+            break
+        inner = nxt
+    text = " ".join(_CONNECTION_PREFIX.sub("", str(inner)).split()) or type(inner).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 class _Failure(Exception):
@@ -349,7 +369,7 @@ class GithubLinker:
                 self._sleep(wait)
                 self._waited += wait
             except (requests.RequestException, OSError) as exc:
-                reason = self.scrub(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)[:200]
+                reason = self.scrub(network_reason(exc))
                 raise _Failure(f"cannot reach GitHub at {self.config.base_url}: {reason}", retryable=True) from None
         raise _Failure("GitHub rate limit persists after waiting", retryable=True)
 
