@@ -226,6 +226,10 @@ def rerun(
     from orchestrator.settings import load_settings
 
     settings = load_settings()
+    if backend is not None:  # refused alone, before the line that says what would run where
+        from orchestrator.launchers.base import known_backend
+
+        backend = known_backend(backend, "--backend")
     with LineageStore.open(settings, create=False) as store:
         again = rerun_of(store, run_id)
     if again.issue:  # a reference it was refused for is said alone, before the rerun's line

@@ -179,6 +179,15 @@ def test_a_refused_name_says_the_names_there_are_even_when_there_are_none() -> N
     assert choices("slurmm", ["local", "slurm"]) == "did you mean 'slurm'? known: local, slurm"
 
 
+def test_rerun_refuses_a_backend_before_it_says_what_it_would_run(run_cli) -> None:
+    """`rerun RUN --dry-run -b nosuch` printed what it would rerun on 'nosuch', then the error."""
+    out = run_cli("rerun", "prun_whatever", "--dry-run", "-b", "slurmm", timeout=60)
+    assert out.returncode == 2 and out.stderr.strip().startswith(
+        "error: --backend 'slurmm': not a backend; did you mean 'slurm'?"
+    ), out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
 def test_server_options_are_checked_before_a_server_starts(run_cli) -> None:
     """`server --limit -1` started Prefect, served every deployment, then died in two tracebacks;
     `--nightly-cron bogus` started and stopped a server before saying so."""
