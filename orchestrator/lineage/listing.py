@@ -28,6 +28,7 @@ from orchestrator.lineage.models import (
     PipelineRun,
     Relation,
     StageRun,
+    as_utc,
     utcnow,
 )
 from orchestrator.lineage.store import LineageStore
@@ -40,21 +41,40 @@ _RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
+#: The earliest time a span can reach: "since 800000 days ago" is before year 1, which Python's dates
+#: start at, and means what "since the beginning" does.
+EARLIEST = dt.datetime.min.replace(tzinfo=dt.UTC)
+#: The latest time there is (a date late in year 9999 in a zone west of UTC is after it in UTC).
+LATEST = dt.datetime.max.replace(tzinfo=dt.UTC)
+
+_WHEN_FORMS = "give a date (2026-12-01), a date and time (2026-12-01T14:00) or a span back from now (90m, 12h, 7d, 2w)"
+
+
 def parse_when(text: str, *, now: dt.datetime | None = None) -> dt.datetime:
-    """A point in time from ``2026-12-01``, ``2026-12-01T14:00`` (UTC unless it says otherwise)
-    or a span back from now: ``90m``, ``12h``, ``7d``, ``2w``."""
+    """A point in time, in UTC, from ``2026-12-01``, ``2026-12-01T14:00`` (UTC unless it says
+    otherwise) or a span back from now: ``90m``, ``12h``, ``7d``, ``2w``. A span that reaches before
+    year 1 is :data:`EARLIEST` (everything since then is everything); empty text is an error, not
+    "no limit"."""
     value = text.strip()
+    if not value:
+        raise ConfigError(f"no time given ({text!r}): {_WHEN_FORMS}")
     m = _RELATIVE.match(value)
     if m:
-        return (now or utcnow()) - dt.timedelta(seconds=float(m.group(1)) * _UNIT_S[m.group(2)])
+        start = as_utc(now or utcnow())
+        try:
+            return start - dt.timedelta(seconds=float(m.group(1)) * _UNIT_S[m.group(2)])
+        except OverflowError:  # past year 1, or more seconds than a timedelta holds
+            return EARLIEST
     try:
         when = dt.datetime.fromisoformat(value)
     except ValueError:
-        raise ConfigError(
-            f"cannot read {text!r} as a time: give a date (2026-12-01), a date and time (2026-12-01T14:00) "
-            "or a span back from now (90m, 12h, 7d, 2w)"
-        ) from None
-    return when if when.tzinfo else when.replace(tzinfo=dt.UTC)
+        raise ConfigError(f"cannot read {text!r} as a time: {_WHEN_FORMS}") from None
+    if when.tzinfo is None:
+        return when.replace(tzinfo=dt.UTC)
+    try:
+        return when.astimezone(dt.UTC)
+    except OverflowError:  # 0001-01-01T00:00+05:00 is before year 1 in UTC; 9999-12-31T23:00-05:00 after 9999
+        return EARLIEST if when.year == dt.MINYEAR else LATEST
 
 
 @dataclass(frozen=True)
@@ -103,7 +123,17 @@ class RecordFilter:
         trigger: str | None = None,
         sweep: str | None = None,
     ) -> RecordFilter:
-        """A filter from command-line text (times as :func:`parse_when` reads them)."""
+        """A filter from command-line text (times as :func:`parse_when` reads them). An option given
+        empty (``--user ''``, a variable that was not set) is an error: leaving it out would list,
+        or cancel, everything."""
+        texts = {"recipe": recipe, "replica": replica, "backend": backend, "commit": commit, "issue": issue}
+        texts |= {"host": host, "cluster": cluster, "user": user, "trigger": trigger, "sweep": sweep}
+        texts |= {"since": since, "until": until}
+        texts |= {"stage": next((s for s in stage or () if not s.strip()), None)}
+        texts |= {"state": next((s for s in state or () if not s.strip()), None)}
+        empty = next((name for name, value in texts.items() if value is not None and not value.strip()), None)
+        if empty is not None:
+            raise ConfigError(f"--{empty} is empty: give a value, or leave the option out to keep every record")
         if commit is not None and len(commit.strip()) < 7:
             raise ConfigError(f"--commit {commit!r}: give at least 7 characters of the sha")
         unknown = [s for s in state or () if s.upper() not in KNOWN_STATES]
@@ -116,7 +146,8 @@ class RecordFilter:
             from orchestrator.launchers.base import known_backend
 
             backend = known_backend(backend, "--backend")
-        start, end = (parse_when(since) if since else None), (parse_when(until) if until else None)
+        start = parse_when(since) if since is not None else None
+        end = parse_when(until) if until is not None else None
         if start is not None and end is not None and start >= end:
             raise ConfigError(f"--since {since!r} is not before --until {until!r}: nothing could match; swap them")
         return cls(
@@ -262,11 +293,15 @@ def _statement(kind: str, flt: RecordFilter, session: Any) -> Any:
         # The pipeline run's own relations name its commit and its issue (wasAssociatedWith).
         run_id = col(PipelineRun.id) if kind == "pipeline_run" else col(StageRun.pipeline_run_id)
         if flt.commit:
-            stmt = stmt.where(run_id.in_(_runs_related("commit", col(Relation.object_id).startswith(flt.commit))))
+            stmt = stmt.where(
+                run_id.in_(_runs_related("commit", col(Relation.object_id).startswith(flt.commit, autoescape=True)))
+            )
         if flt.issue:
             issue = flt.issue
             match = (
-                col(Relation.object_id).endswith(issue) if issue.startswith("#") else col(Relation.object_id) == issue
+                col(Relation.object_id).endswith(issue, autoescape=True)
+                if issue.startswith("#")
+                else col(Relation.object_id) == issue
             )
             stmt = stmt.where(run_id.in_(_runs_related("github_issue", match)))
         if flt.sweep:  # the id each run of a sweep records (params.sweep.id), or its prefix
@@ -340,4 +375,4 @@ def list_records(
     return Listing(records=rows[:limit] if limit is not None else rows, matched=matched)
 
 
-__all__ = ["Listing", "RecordFilter", "answers", "list_records", "parse_when", "time_field"]
+__all__ = ["EARLIEST", "LATEST", "Listing", "RecordFilter", "answers", "list_records", "parse_when", "time_field"]

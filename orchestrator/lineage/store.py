@@ -19,6 +19,7 @@ import contextlib
 import datetime as dt
 import logging
 import os
+import re
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -27,7 +28,7 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy import event as sa_event
 from sqlalchemy.engine import URL, Engine, make_url
-from sqlalchemy.exc import DatabaseError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, DatabaseError, OperationalError, SQLAlchemyError
 from sqlmodel import Session, SQLModel, col, select
 
 from orchestrator.errors import NotFoundError, StoreError
@@ -52,6 +53,9 @@ from orchestrator.settings import Settings, load_settings
 log = logging.getLogger(__name__)
 
 GENESIS_HASH = "0" * 64
+#: The shortest id prefix :meth:`LineageStore.find` looks records up by.
+MIN_PREFIX = 6
+_URL_FORMS = "use sqlite:///PATH or postgresql://USER@HOST/DBNAME"
 _PG_CHAIN_LOCK = 0x6F70656E6C6162  # "openlab"
 
 R = TypeVar("R", bound=LineageRecord)
@@ -95,10 +99,47 @@ def event_hash(seq: int, at: dt.datetime, kind: str, record_id: str, action: str
 
 def display_url(url: str | URL) -> str:
     """A database URL safe to print: the password is never shown."""
-    try:
-        return make_url(str(url)).render_as_string(hide_password=True)
+    try:  # libpq also takes the password as a parameter: postgresql://host/db?password=...
+        return _hide_password_parameter(make_url(str(url)).render_as_string(hide_password=True))
     except Exception:  # noqa: BLE001 - an unparsable URL is shown as the user wrote it, minus nothing secret
         return "<unparsable database URL>"
+
+
+def _hide_password_parameter(text: str) -> str:
+    return re.sub(r"(?i)(password=)[^&]*", r"\1***", text)
+
+
+def _masked(text: str) -> str:
+    """Text meant as a database URL that does not parse, safe to print: whatever stands before an
+    ``@`` (a user and password) and a ``password=`` value are hidden, the rest shown."""
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        scheme, rest = "", text
+    if "@" in rest:
+        rest = "***@" + rest.rpartition("@")[2]
+    return _hide_password_parameter(scheme + sep + rest)
+
+
+def _parse_url(url: str, setting: str = "the lineage database URL") -> URL:
+    """``url`` parsed, or a :class:`StoreError` naming ``setting`` (where the URL came from) and the
+    forms it can take, never the password."""
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):  # ValueError: a port that is not a number
+        parsed = None
+    if parsed is None or (parsed.get_backend_name() == "sqlite" and (parsed.host or parsed.port)):
+        # sqlite://lineage.db (two slashes) names a host, which SQLite has none of
+        raise StoreError(f"{setting} is not a database URL ({_masked(url)!r}): {_URL_FORMS}")
+    return parsed
+
+
+def url_setting(settings: Settings) -> str:
+    """Where ``settings.db_url`` came from, as a message names it."""
+    if (os.environ.get("OPENLAB_DB_URL") or "").strip():
+        return "OPENLAB_DB_URL"
+    if settings.config.get("db_url"):
+        return f"db_url in {settings.config_path}" if settings.config_path else "db_url"
+    return "the lineage database URL (from OPENLAB_HOME)"
 
 
 def _normalise_url(url: str) -> str:
@@ -109,12 +150,17 @@ def _normalise_url(url: str) -> str:
     return url
 
 
-def _require_sqlite_file(url: str) -> None:
-    parsed = make_url(url)
+def _sqlite_path(url: str) -> Path | None:
+    """The file of a SQLite URL; None for another database or one in memory."""
+    parsed = _parse_url(url)
     if parsed.get_backend_name() != "sqlite" or not parsed.database or parsed.database == ":memory:":
-        return
-    path = Path(parsed.database).expanduser()
-    if not path.is_file():
+        return None
+    return Path(parsed.database).expanduser()
+
+
+def _require_sqlite_file(url: str) -> None:
+    path = _sqlite_path(url)
+    if path is not None and not path.is_file():
         raise StoreError(
             f"no lineage database at {path}: nothing has been recorded there; "
             "check OPENLAB_HOME or OPENLAB_DB_URL (a first run or snapshot creates it)"
@@ -145,8 +191,42 @@ def _use_wal(cur: Any, patience_s: float = 60.0) -> None:
             delay = min(delay * 2, 0.5)
 
 
-def _make_engine(url: str) -> Engine:
-    parsed = make_url(url)
+def _sqlite_tables(path: Path) -> list[str] | None:
+    """The tables in the SQLite file at ``path``, read without writing to it (not even the switch to
+    WAL mode every openlab connection makes); None where it cannot be read so (the engine then says why)."""
+    import sqlite3
+
+    if not path.is_file():
+        return None
+    try:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=60)
+    except sqlite3.Error:
+        return None
+    try:
+        return [row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+    except sqlite3.Error:
+        return None
+    finally:
+        conn.close()
+
+
+def _refuse_foreign(url: str, tables: Iterable[str] | None) -> None:
+    """Raise :class:`StoreError` when a database that has tables is not an openlab lineage database:
+    no ``alembic_version`` or none of openlab's tables. Migrating it would write openlab's schema
+    into someone else's database (and a reader would then call it an empty, intact history); an
+    empty database, or a new one, is what openlab creates its schema in."""
+    names = sorted(t for t in tables or () if not t.startswith("sqlite_"))
+    if not names or ("alembic_version" in names and set(names) & set(SQLModel.metadata.tables)):
+        return
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    raise StoreError(
+        f"{display_url(url)} is not an openlab lineage database (it holds {shown}): "
+        "point OPENLAB_DB_URL/OPENLAB_HOME elsewhere; it was left as it is"
+    )
+
+
+def _make_engine(url: str, setting: str = "the lineage database URL") -> Engine:
+    parsed = _parse_url(url, setting)
     if parsed.get_backend_name() == "sqlite":
         database = parsed.database
         if database and database != ":memory:":
@@ -158,7 +238,10 @@ def _make_engine(url: str) -> Engine:
                     f"cannot make the lineage database's folder {folder}: {exc.strerror}; "
                     "set OPENLAB_HOME (or OPENLAB_DB_URL) to a place this user can write"
                 ) from None
-        engine = sa.create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
+        try:
+            engine = sa.create_engine(url, connect_args={"timeout": 60, "check_same_thread": False})
+        except (ArgumentError, ImportError):  # sqlite://host/x, sqlite+nodriver:///x
+            raise StoreError(f"unsupported lineage database URL {display_url(url)}: {_URL_FORMS}") from None
 
         @sa_event.listens_for(engine, "connect")
         def _on_connect(dbapi_conn: Any, _record: Any) -> None:
@@ -177,8 +260,11 @@ def _make_engine(url: str) -> Engine:
 
         return engine
     if parsed.get_backend_name() == "postgresql":
-        return sa.create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 10})
-    raise StoreError(f"unsupported lineage database URL {display_url(url)}: use sqlite:///PATH or postgresql://...")
+        try:
+            return sa.create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": 10})
+        except (ArgumentError, ImportError):  # postgresql+nodriver://
+            pass
+    raise StoreError(f"unsupported lineage database URL {display_url(url)}: {_URL_FORMS}")
 
 
 def _explain_db_error(url: str, exc: BaseException) -> str:
@@ -316,27 +402,41 @@ class Transaction:
 class LineageStore:
     """Access to one lineage database (SQLite by default, PostgreSQL by URL)."""
 
-    def __init__(self, url: str, *, migrate: bool = True, create: bool = True) -> None:
+    def __init__(
+        self, url: str, *, migrate: bool = True, create: bool = True, setting: str = "the lineage database URL"
+    ) -> None:
         """``create=False`` is for readers: a SQLite file that does not exist is an error, not a new
         empty database, so a mistyped ``OPENLAB_DB_URL`` cannot make an audit report "nothing" (or
-        `verify` report "intact") about a database nobody wrote."""
+        `verify` report "intact") about a database nobody wrote. A database that holds tables but
+        not openlab's is refused either way, untouched. ``setting`` names where ``url`` came from,
+        for the message about a URL that does not parse."""
+        _parse_url(url, setting)  # as the user wrote it, for the message
         self.url = _normalise_url(url)
         if not create:
             _require_sqlite_file(self.url)
-        self.engine = _make_engine(self.url)
+        path = _sqlite_path(self.url)
+        if path is not None:  # before the engine: its first connection switches the file to WAL mode
+            _refuse_foreign(self.url, _sqlite_tables(path))
+        self.engine = _make_engine(self.url, setting)
         try:
             from orchestrator.lineage.migrations import ensure_schema
 
+            if not self.is_sqlite:
+                with self.engine.connect() as conn:
+                    _refuse_foreign(self.url, sa.inspect(conn).get_table_names())
             ensure_schema(self.engine, migrate=migrate)
         except (OperationalError, DatabaseError) as exc:
             self.engine.dispose()
             raise StoreError(_explain_db_error(self.url, exc)) from None
+        except StoreError:
+            self.engine.dispose()
+            raise
 
     @classmethod
     def open(cls, settings: Settings | None = None, *, migrate: bool = True, create: bool = True) -> LineageStore:
         """Open the configured store: ``OPENLAB_DB_URL`` or ``$OPENLAB_HOME/lineage.db``."""
         settings = settings or load_settings()
-        return cls(settings.db_url, migrate=migrate, create=create)
+        return cls(settings.db_url, migrate=migrate, create=create, setting=url_setting(settings))
 
     @classmethod
     def open_to_plan(cls, settings: Settings | None = None) -> LineageStore:
@@ -344,11 +444,14 @@ class LineageStore:
         an empty one in memory (every stage would run), so that asking what a run would do leaves no
         database behind at a mistyped ``OPENLAB_HOME``."""
         settings = settings or load_settings()
+        setting = url_setting(settings)
+        _parse_url(settings.db_url, setting)  # a URL that does not parse is an error, not a plan against nothing
+        url = _normalise_url(settings.db_url)
         try:
-            _require_sqlite_file(_normalise_url(settings.db_url))
+            _require_sqlite_file(url)
         except StoreError:
             return cls("sqlite://")
-        return cls(settings.db_url)
+        return cls(settings.db_url, setting=setting)
 
     @property
     def is_sqlite(self) -> bool:
@@ -465,15 +568,22 @@ class LineageStore:
                 if len(runs) == 1:
                     return runs[0]
                 matches.extend(runs)
-            if len(record_id) >= 6:
+            if len(record_id) >= MIN_PREFIX:
                 for model in models:
                     id_col = model.id  # type: ignore[attr-defined]
-                    matches.extend(session.exec(select(model).where(id_col.startswith(record_id)).limit(3)))
+                    # autoescape: `%` and `_` in what was typed are characters of an id, not wildcards
+                    prefixed = id_col.startswith(record_id, autoescape=True)
+                    matches.extend(session.exec(select(model).where(prefixed).limit(3)))
         if len(matches) == 1:
             return matches[0]
         if matches:
             ids = ", ".join(m.id for m in matches[:3])  # type: ignore[attr-defined]
             raise NotFoundError(f"id prefix {record_id!r} is ambiguous ({ids}, ...): give more characters")
+        if len(record_id) < MIN_PREFIX:
+            raise NotFoundError(
+                f"no lineage record with id {asked!r}; an id prefix needs at least {MIN_PREFIX} characters "
+                "(`openlab lineage list` shows ids)"
+            )
         raise NotFoundError(f"no lineage record with id {asked!r}; `openlab lineage list` shows ids")
 
     @staticmethod
@@ -529,6 +639,7 @@ def open_store(settings: Settings | None = None, *, create: bool = True) -> Line
 
 __all__ = [
     "GENESIS_HASH",
+    "MIN_PREFIX",
     "LineageStore",
     "StoreError",
     "SQLAlchemyError",

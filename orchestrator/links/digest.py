@@ -109,11 +109,17 @@ class DigestWindow:
         return f"{self.end.astimezone(dt.UTC):%Y-%m-%d}"
 
     def text(self) -> str:
-        return f"{self.start.astimezone(dt.UTC):%Y-%m-%d %H:%M} to {self.end.astimezone(dt.UTC):%Y-%m-%d %H:%M} UTC"
+        return f"{_minutes(self.start, ' ')} to {_minutes(self.end, ' ')} UTC"
 
     def since_arg(self) -> str:
         """The window's start as ``--since`` of ``openlab lineage list`` reads it."""
-        return f"{self.start.astimezone(dt.UTC):%Y-%m-%dT%H:%M}"
+        return _minutes(self.start, "T")
+
+
+def _minutes(when: dt.datetime, sep: str) -> str:
+    """``when`` in UTC to the minute, as ``--since`` reads it back: ``2026-12-01T07:00``, and
+    ``0001-01-01T00:00`` for a window from the beginning (``%Y`` writes year 1 as ``1``)."""
+    return when.astimezone(dt.UTC).replace(tzinfo=None).isoformat(sep=sep, timespec="minutes")
 
 
 def digest_window(since: str | None = None, *, until: dt.datetime | None = None) -> DigestWindow:
@@ -121,7 +127,7 @@ def digest_window(since: str | None = None, *, until: dt.datetime | None = None)
     reads it) to ``until`` (now). Raises :class:`ConfigError` for text it cannot read or a window
     that is empty."""
     end = as_utc(until or utcnow())
-    start = parse_when(since or DEFAULT_SINCE, now=end)
+    start = parse_when(DEFAULT_SINCE if since is None else since, now=end)  # an empty --since is refused
     if start >= end:
         raise ConfigError(
             f"--since {since!r} is not before {end:%Y-%m-%d %H:%M} UTC: give a span back from now (24h, 7d) "

@@ -354,3 +354,78 @@ def test_export_takes_the_same_filters_and_never_reads_no_match_as_everything(ru
     none = run_cli("lineage", "export", "--recipe", "nope", "-o", str(target))
     assert none.returncode == 2 and "no pipeline run matches" in none.stderr, none.stderr
     assert len(none.stderr.strip().splitlines()) == 1 and not target.exists()
+
+
+def test_a_span_back_past_year_one_means_since_the_beginning_and_an_empty_one_is_refused() -> None:
+    """`--since 800000d` was `OverflowError: date value out of range`, `--since 1e22h` in digits
+    `Python int too large to convert to C int`; `--since ''` was read as no --since at all."""
+    from orchestrator.lineage.listing import EARLIEST, LATEST
+
+    for span in ("800000d", "99999999d", "9999999999999999999999h", "9" * 400 + "w"):
+        assert parse_when(span, now=NOW) == EARLIEST, span
+    # a zone east of UTC on 0001-01-01 is still year 0 in UTC; one west of it on 9999-12-31, year 10000
+    assert parse_when("0001-01-01T00:00+05:00") == EARLIEST
+    assert parse_when("9999-12-31T23:00-05:00") == LATEST
+    for empty in ("", "  "):
+        with pytest.raises(ConfigError, match="no time given.*7d"):
+            parse_when(empty)
+    for option, value in (("since", ""), ("until", " "), ("user", ""), ("recipe", ""), ("host", " ")):
+        with pytest.raises(ConfigError, match=f"^--{option} is empty: "):
+            RecordFilter.from_options(**{option: value})
+    with pytest.raises(ConfigError, match="^--stage is empty: "):
+        RecordFilter.from_options(stage=["pretrain", ""])
+
+
+def test_a_filter_from_the_beginning_keeps_every_record_on_both_databases(store: LineageStore) -> None:
+    h = _history(store)
+    everything = _ids(store, KINDS)
+    assert _ids(store, KINDS, since=parse_when("800000d")) == everything
+    assert _ids(store, KINDS, until=parse_when("800000d")) == set()
+    assert _ids(store, KINDS, since=parse_when("0001-01-01T00:00+05:00"), until=parse_when("9999-12-31T23:00-05:00"))
+    assert h["new"] in everything
+
+
+def test_a_commit_or_issue_with_like_wildcards_matches_those_characters_not_everything(store: LineageStore) -> None:
+    """`--commit %%%%%%%` (or `_______`) matched every run with a commit, `--issue #%` every linked run."""
+    h = _history(store)
+    assert _ids(store, ["pipeline_run"], commit="a1b2c3d") == {h["old"]}
+    for wild in ("%%%%%%%", "_______", "a1b2c3%"):
+        assert _ids(store, ["pipeline_run"], commit=wild) == set(), wild
+    assert _ids(store, ["pipeline_run"], issue="#42") == {h["new"]}
+    assert _ids(store, ["pipeline_run"], issue="#%") == set()
+    assert _ids(store, ["pipeline_run"], issue="#_2") == set()
+
+
+def test_every_command_that_takes_a_time_span_takes_one_back_past_year_one(run_cli, openlab_home) -> None:
+    from orchestrator.lineage import open_store
+
+    with open_store() as store:
+        h = _history(store)
+    every = run_cli("lineage", "list", "-k", "pipeline_run", "--since", "800000d", "--json")
+    assert every.returncode == 0, every.stderr
+    assert {r["id"] for r in json.loads(every.stdout)} == {h["old"], h["new"], h["other"]}
+    none = run_cli("lineage", "list", "--until", "99999999d")
+    assert none.returncode == 0 and none.stdout.strip() == "no records match", none.stdout + none.stderr
+    for args in (
+        ("lineage", "list", "--since", "9999999999999999999999h"),
+        ("lineage", "usage", "--since", "800000d"),
+        ("lineage", "compare", "--since", "800000d"),
+        ("lineage", "export", "-f", "prov", "--since", "800000d"),
+        ("lineage", "affected", "--host", "n02", "--since", "99999999d"),
+        ("gc", "--dry-run", "--unused-for", "99999999d"),
+        ("github", "digest", "--since", "99999999d", "--dry-run"),
+    ):
+        out = run_cli(*args, timeout=120)
+        assert out.returncode == 0, (args, out.stderr)
+        assert "Traceback" not in out.stderr and "Error" not in out.stderr, (args, out.stderr)
+    for args in (
+        ("lineage", "list", "--since", ""),
+        ("lineage", "list", "--user", ""),
+        ("lineage", "usage", "--until", ""),
+        ("github", "digest", "--since", "", "--dry-run"),
+        ("gc", "--dry-run", "--unused-for", ""),
+    ):
+        bad = run_cli(*args, timeout=120)
+        assert bad.returncode == 2, (args, bad.stdout, bad.stderr)
+        assert "is empty" in bad.stderr or "no time given" in bad.stderr, (args, bad.stderr)
+        assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr, (args, bad.stderr)

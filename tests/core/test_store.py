@@ -288,3 +288,130 @@ def test_get_many_reads_records_by_id_in_one_query(store: LineageStore) -> None:
     found = store.get_many(PipelineRun, [a.id, None, "prun_nope", b.id, a.id])
     assert {k: v.recipe for k, v in found.items()} == {a.id: "r", b.id: "s"}
     assert store.get_many(PipelineRun, [None]) == {}
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("garbage", "'garbage'"),
+        ("postgresql://u:hunter2@db:notaport/x", "'postgresql://***@db:notaport/x'"),
+        ("postgres:hunter2@db/x", "'***@db/x'"),  # the // forgotten: no URL, still no password
+        ("sqlite://lineage.db", "'sqlite://lineage.db'"),  # two slashes: a host, which SQLite has none of
+    ],
+)
+def test_a_database_url_that_does_not_parse_is_one_line_naming_the_setting(run_cli, url: str, shown: str) -> None:
+    """`OPENLAB_DB_URL=garbage` was `sqlalchemy.exc.ArgumentError: Could not parse SQLAlchemy URL`."""
+    result = run_cli("lineage", "list", env={"OPENLAB_DB_URL": url})
+    assert result.returncode == 2, result.stdout
+    assert result.stderr.strip() == (
+        f"error: OPENLAB_DB_URL is not a database URL ({shown}): use sqlite:///PATH or postgresql://USER@HOST/DBNAME"
+    )
+    assert "hunter2" not in result.stderr
+    with pytest.raises(StoreError, match="^the lineage database URL is not a database URL"):
+        LineageStore(url)
+
+
+def test_a_database_url_in_the_config_file_that_does_not_parse_names_the_file(run_cli, tmp_path: Path) -> None:
+    config = tmp_path / "openlab.toml"
+    config.write_text('db_url = "postgresql+psycopg://u:hunter2@db:port/x"\n')
+    for args in (("lineage", "list"), ("lineage", "verify"), ("gc", "--dry-run")):
+        result = run_cli(*args, env={"OPENLAB_CONFIG": str(config)})
+        assert result.returncode == 2, (args, result.stdout)
+        assert result.stderr.startswith(f"error: db_url in {config} is not a database URL ("), result.stderr
+        assert "hunter2" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    unsupported = run_cli("lineage", "list", env={"OPENLAB_DB_URL": "postgresql+nodriver://u:hunter2@db/x"})
+    assert unsupported.returncode == 2 and "unsupported lineage database URL" in unsupported.stderr
+    assert "hunter2" not in unsupported.stderr and "Traceback" not in unsupported.stderr
+
+
+def _foreign_sqlite(path: Path) -> bytes:
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE foo (x)")
+    conn.execute("INSERT INTO foo VALUES (1)")
+    conn.commit()
+    conn.close()
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("command", [("lineage", "list"), ("lineage", "verify"), ("lineage", "show", "abcdef12")])
+def test_a_database_that_is_not_openlabs_is_refused_and_left_as_it_was(
+    run_cli, openlab_home: Path, command: tuple[str, ...]
+) -> None:
+    """A SQLite file holding someone else's table was read as an empty lineage ("no records match",
+    `verify`: "event chain intact"), and left holding openlab's whole schema beside it."""
+    path = openlab_home / "lineage.db"
+    before = _foreign_sqlite(path)
+    result = run_cli(*command)
+    assert result.returncode == 2, result.stdout
+    assert result.stderr.strip() == (
+        f"error: sqlite:///{path} is not an openlab lineage database (it holds foo): "
+        "point OPENLAB_DB_URL/OPENLAB_HOME elsewhere; it was left as it is"
+    )
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in openlab_home.iterdir()) == ["lineage.db", "openlab.toml"]
+
+
+def test_every_opener_refuses_a_foreign_sqlite_database_but_creates_in_an_empty_file(openlab_home: Path) -> None:
+    from orchestrator.lineage.store import open_store
+
+    path = openlab_home / "lineage.db"
+    before = _foreign_sqlite(path)
+    for opener in (
+        open_store,
+        lambda: open_store(create=False),
+        lambda: LineageStore.open(migrate=False),
+        LineageStore.open_to_plan,
+        lambda: LineageStore(f"sqlite:///{path}"),
+    ):
+        with pytest.raises(StoreError, match="is not an openlab lineage database"):
+            opener()
+        assert path.read_bytes() == before
+    path.write_bytes(b"")  # an empty file is a new database, as a missing one is
+    with open_store() as store:
+        _populate(store)
+        assert verify(store, load_settings()) == []
+
+
+def test_a_postgresql_database_that_is_not_openlabs_is_refused_and_left_as_it_was() -> None:
+    """Pointed at another application's PostgreSQL database (Prefect's has an alembic_version too),
+    openlab must neither write its schema there nor call that schema "newer than this openlab"."""
+    import uuid
+
+    from tests.core.conftest import _drop_database, _postgres_admin_url
+
+    admin_url = _postgres_admin_url()
+    name = f"openlab_t_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    url = sa.engine.make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+    other = sa.create_engine(url)
+    try:
+        with other.begin() as conn:
+            conn.execute(sa.text("CREATE TABLE foo (x int)"))
+        for tables in (["foo"], ["alembic_version", "foo"]):
+            with pytest.raises(StoreError, match=r"is not an openlab lineage database \(it holds "):
+                LineageStore(url)
+            with other.connect() as conn:
+                assert sorted(sa.inspect(conn).get_table_names()) == tables
+            with other.begin() as conn:  # another application's migrations
+                conn.execute(sa.text("CREATE TABLE IF NOT EXISTS alembic_version (version_num varchar(32))"))
+                conn.execute(sa.text("INSERT INTO alembic_version VALUES ('a1b2c3d4e5f6')"))
+    finally:
+        other.dispose()
+        _drop_database(admin, name)
+        admin.dispose()
+
+
+def test_an_id_prefix_is_characters_of_an_id_not_a_like_pattern(store: LineageStore) -> None:
+    """`lineage show "c6873%"` found a record from five characters, `"%%%%%%"` and `"______"` matched
+    every record; and a 4-character prefix said only that no record has that id."""
+    from orchestrator.errors import NotFoundError
+
+    run, stage = _populate(store)
+    assert store.find(run.id[:10]).id == run.id  # a real prefix, `_` included, still finds it
+    for pattern in (run.id[:5] + "%", "%%%%%%", "______", run.id[:4] + "_" * 6, "%" + run.id[-6:]):
+        with pytest.raises(NotFoundError, match=r"^no lineage record with id "):
+            store.find(pattern)
+    with pytest.raises(NotFoundError, match="an id prefix needs at least 6 characters"):
+        store.find(run.id[:4])

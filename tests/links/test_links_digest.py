@@ -376,3 +376,24 @@ def test_a_real_pipeline_run_is_digested_beside_its_card(
     assert " toy stages" in body, "the commit's subject"
     assert "**Used:** 3 job(s)" in body
     assert "CPU-hours used of the " in body and "the measured jobs asked" in body, "local jobs are measured"
+
+
+def test_a_window_back_past_year_one_digests_everything_and_an_empty_since_is_refused(
+    fake_github: FakeGitHub, store: LineageStore, day: dict[str, PipelineRun]
+) -> None:
+    """`github digest --since 99999999d` was `OverflowError: date value out of range`; `--since ''`
+    was read as the default 24 hours."""
+    from orchestrator.errors import ConfigError
+    from orchestrator.lineage.listing import EARLIEST, parse_when
+
+    window = digest_window("99999999d", until=NOW)
+    assert window.start == EARLIEST
+    assert window.since_arg() == "0001-01-01T00:00" and parse_when(window.since_arg()) == EARLIEST
+    assert window.text().startswith("0001-01-01 00:00 to ")
+    report = post_digests(store, since="99999999d", until=NOW, dry_run=True)
+    [seven] = [d for d in report.digests if d.issue_id == "lab/exp#7"]
+    assert "prun_old" in seven.body and "prun_done" in seven.body, "the run days before is in the window too"
+    assert fake_github.count("POST", "/comments$") == 0
+    for empty in ("", " "):
+        with pytest.raises(ConfigError, match="no time given"):
+            digest_window(empty, until=NOW)
