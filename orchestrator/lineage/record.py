@@ -62,14 +62,15 @@ def live_records_at(store: LineageStore, folder: Path) -> list[Artifact | DataSn
         Artifact,
         where=[
             col(Artifact.removed_at).is_(None),
-            or_(col(Artifact.uri).in_(uris), *(col(Artifact.uri).startswith(u + "/") for u in uris)),
+            # autoescape: a path's ``_`` (run_1) is that character, not LIKE's any one (runX1)
+            or_(col(Artifact.uri).in_(uris), *(col(Artifact.uri).startswith(u + "/", autoescape=True) for u in uris)),
         ],
     )
     snapshots = store.list(
         DataSnapshot,
         where=[
             col(DataSnapshot.removed_at).is_(None),
-            or_(col(DataSnapshot.path) == base, col(DataSnapshot.path).startswith(base + "/")),
+            or_(col(DataSnapshot.path) == base, col(DataSnapshot.path).startswith(base + "/", autoescape=True)),
         ],
     )
     return [*artifacts, *snapshots]

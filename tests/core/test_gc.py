@@ -581,6 +581,24 @@ def test_a_replaced_snapshot_captured_again_is_live_again(store: LineageStore, t
     assert verify(store, settings) == []
 
 
+def test_deleting_a_folder_marks_only_what_is_under_it_not_what_its_name_matches_as_a_pattern(
+    store: LineageStore, tmp_path: Path
+) -> None:
+    """Paths were matched with LIKE: removing ``run_1`` (``_`` is any one character there) marked
+    ``runX1``'s snapshot removed too, and `lineage verify` no longer checked its bytes."""
+    from orchestrator.lineage.record import live_records_at, record_snapshot
+    from orchestrator.snapshots import snapshot
+
+    settings = load_settings()
+    recorded = {}
+    for name in ("run_1", "runX1"):
+        (tmp_path / name / "data").mkdir(parents=True)
+        (tmp_path / name / "data" / "a.txt").write_text(f"{name}\n")
+        with store.transaction() as tx:
+            recorded[name] = record_snapshot(tx, snapshot(tmp_path / name / "data", settings=settings)).id
+    assert [r.id for r in live_records_at(store, tmp_path / "run_1")] == [recorded["run_1"]]
+
+
 def test_the_bytes_gc_frees_count_a_hard_linked_revision_once(tmp_path: Path) -> None:
     """A checkpoint revision is a hard link to the checkpoint saved at its step: removing the folder
     frees those bytes once, and a symlink's target is not the folder's."""
