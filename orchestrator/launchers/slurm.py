@@ -5,9 +5,17 @@
   ``--partition``, ``--account``, ``--qos``, ``--array``, ``--chdir`` and the lineage
   labels as ``--comment`` (JSON). The environment reaches the job through sbatch's own
   environment and ``--export=ALL``, so secret values are never written to the script file.
+  What the Slurm commands would read as options is taken out of that environment first (the
+  caller's ``SBATCH_*``, which beat ``#SBATCH`` lines, an enclosing job's ``SLURM_*``,
+  ``SRUN_*``...: :data:`SLURM_INPUT_PREFIXES`; ``SLURM_CONF`` and ``SLURM_CLUSTERS`` stay); a
+  job's own variable of such a name (``-e``) reaches the job alone, the batch script giving it
+  its name back.
 - Status comes from ``scontrol show job -o`` while slurmctld remembers the job, then
   ``sacct`` where accounting works, then the jobcomp/filetxt log (``JobCompLoc``) where it
-  does not; a job none of them knows is ``LOST``.
+  does not; a job none of them knows is ``LOST``. sacct failing (slurmdbd down) is
+  :class:`BackendUnavailable`, not "unknown". A pending job that Slurm says will never start
+  (``DependencyNeverSatisfied``) is cancelled and FAILED with that reason. A log follower
+  reads its file often but asks slurmctld whether the job ended at most every ``poll_interval``.
 - Job arrays (``options={"array": "0-7%2"}``): the handle is the array job; its status
   has one entry per task in :attr:`JobStatus.tasks` (pending tasks Slurm still keeps in one
   compressed record, ``2,4-7%2``, are expanded) and aggregates them: RUNNING while any
@@ -38,7 +46,9 @@
 - ``scancel`` cancels; :meth:`SlurmLauncher.cancel` waits until the job has left the
   queue, so nothing of it is running when it returns.
 - sbatch/scontrol errors are quoted verbatim; "Socket timed out" and "Unable to contact
-  slurm controller" are retried a bounded number of times (``retries``, default 3).
+  slurm controller" are retried a bounded number of times (``retries``, default 3). sbatch is
+  run again after an error that leaves open whether it submitted the job (a socket timeout, no
+  answer) only once squeue shows no job running that submission's script.
 
 Config (``[backends.slurm]``): partition, account, qos, slurm_conf (exported as
 SLURM_CONF), bin_dir, extra_args (list of sbatch flags), retries, log_dir, measure_usage,
@@ -98,6 +108,16 @@ TRANSIENT = (
     "Zero Bytes were transmitted or received",
 )
 
+#: Transient errors after which a command may have done what it was asked: the request reached
+#: slurmctld, whose answer was lost. sbatch is not simply run again after these (it would submit
+#: the job twice): the queue is asked first whether the job is there (SlurmLauncher._sbatch).
+MAYBE_DONE = ("Socket timed out", "Zero Bytes were transmitted or received")
+
+
+class NoAnswer(BackendUnavailable):
+    """A Slurm command that did not answer within its timeout (and was killed)."""
+
+
 #: Slurm job states -> (JobState, reason when the state itself is the reason).
 STATE_MAP: dict[str, tuple[JobState, str | None]] = {
     "PENDING": (JobState.PENDING, None),
@@ -123,6 +143,21 @@ STATE_MAP: dict[str, tuple[JobState, str | None]] = {
     "SPECIAL_EXIT": (JobState.FAILED, "special exit"),
     "REVOKED": (JobState.CANCELLED, "revoked (federation)"),
 }
+
+#: Why a pending job waits, where Slurm documents that it will never start (squeue(1), JOB REASON
+#: CODES): a dependency that "will never be satisfied" (``afterok:`` on a job that failed). Other
+#: reasons that sound final are not, and stay pending with the reason in the status: a partition's
+#: or QOS's *current* limits (PartitionTimeLimit, PartitionNodeLimit), a node not *currently*
+#: available (ReqNodeNotAvail), an account or QOS an administrator can still add (InvalidAccount,
+#: InvalidQOS), and BadConstraints, which sites see clear once the nodes are free.
+NEVER_STARTS = frozenset({"DependencyNeverSatisfied"})
+
+
+def never_started(reason: str) -> str:
+    """The reason of a job that ended without starting because Slurm would never start it."""
+    why = {"DependencyNeverSatisfied": "a job it depends on ended in a way its --dependency rules out"}
+    return f"never started: Slurm says {reason} ({why.get(reason, 'it will never start')}); job cancelled"
+
 
 _KV = re.compile(r"(\S+?)=(.*?)(?=\s+[A-Za-z][\w:/]*=|$)")
 
@@ -168,6 +203,16 @@ def wrapper_path(log_dir: Path) -> Path:
     so a job never runs a copy another openlab version left there."""
     digest = hashlib.sha256(helper_script("usage.py").read_bytes()).hexdigest()[:12]
     return log_dir / f".openlab-usage-{digest}.py"
+
+
+def _user() -> str:
+    """This process's login name, as squeue's ``-u`` takes it."""
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return str(os.getuid())
 
 
 def slurm_time(seconds: int) -> str:
@@ -333,6 +378,42 @@ def _exit_code(text: str | None) -> tuple[int | None, int]:
 
 EXTRA_ARGS_EXAMPLE = '["--exclusive"]'
 
+#: Prefixes of the environment variables the Slurm commands read as input: sbatch's ``SBATCH_*``
+#: (which beat the script's ``#SBATCH`` lines), salloc's and srun's (srun runs in the job, with
+#: the job's environment), squeue's, sacct's, scancel's (``SQUEUE_PARTITION``, ``SCANCEL_STATE``
+#: narrow what the launcher asks for) and ``SLURM_*``: what an enclosing job sets
+#: (``SLURM_MEM_PER_CPU``, ``SLURM_NTASKS``...), which srun and sbatch read as options, and
+#: ``SLURM_TIME_FORMAT``, which changes the times the launcher parses.
+SLURM_INPUT_PREFIXES = ("SBATCH_", "SALLOC_", "SRUN_", "SLURM_", "SQUEUE_", "SACCT_", "SCANCEL_", "SINFO_", "SCONTROL_")
+#: ...but for these: where the cluster's slurm.conf is, and which clusters every command talks to.
+SLURM_INPUT_KEPT = frozenset({"SLURM_CONF", "SLURM_CLUSTERS"})
+#: A job's own variable of such a name (``-e SLURM_HINT=...``) reaches sbatch under this prefix
+#: and is given its name back by the batch script, for the job alone.
+PASSED_PREFIX = "OPENLAB_JOB_ENV__"
+
+
+def slurm_input(name: str) -> bool:
+    """Whether a Slurm command would read the environment variable ``name`` as an option."""
+    return name.startswith(SLURM_INPUT_PREFIXES) and name not in SLURM_INPUT_KEPT
+
+
+def passed_env(env: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """A job's environment as sbatch is given it, and the names the batch script gives back.
+
+    A job's variable that sbatch would read as an option (:func:`slurm_input`) goes under
+    :data:`PASSED_PREFIX`, so it reaches the job (``--export=ALL``) without changing what sbatch
+    asks Slurm for; names that are not shell identifiers cannot be options, and go as they are."""
+    given: dict[str, str] = {}
+    renamed: list[str] = []
+    for key, value in env.items():
+        name = str(key)
+        if slurm_input(name) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            given[PASSED_PREFIX + name] = str(value)
+            renamed.append(name)
+        else:
+            given[name] = str(value)
+    return given, sorted(renamed)
+
 
 #: What the Slurm client says when it finds no slurm.conf (nor a DNS SRV record naming the controller).
 NO_CONFIG = "Could not establish a configuration source"
@@ -371,11 +452,18 @@ class SlurmLauncher(Launcher):
         super().__init__(settings, config)
         self.script_dir = self.settings.home / "jobs" / "slurm"
         self.retries = int(number_option(self.config, "retries", 3))
+        #: job id -> (when, whether it had ended) of the last look at it: a log follower asks
+        #: whether its job ended from this, asking slurmctld at most every poll_interval (see _ended)
+        self._looked: dict[str, tuple[float, bool]] = {}
 
     # -- running the Slurm CLI --------------------------------------------------------
     def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        env = dict(os.environ)
-        env.pop("SLURM_JWT", None)  # with it the CLI switches to JWT auth and sacct fails
+        """This process's environment without the variables the Slurm commands read as input
+        (:func:`slurm_input`): ``SBATCH_PARTITION`` in the caller's shell beat the job's own
+        ``#SBATCH --partition``, and the ``SLURM_*`` of an enclosing job (an orchestrator run
+        inside an sbatch job) reached the new job through ``--export=ALL``, where srun refused to
+        start (``SLURM_MEM_PER_CPU, SLURM_MEM_PER_GPU, and SLURM_MEM_PER_NODE are mutually exclusive``)."""
+        env = {key: value for key, value in os.environ.items() if not slurm_input(key)}
         if self.config.get("slurm_conf"):
             env["SLURM_CONF"] = str(self.config["slurm_conf"])
         if extra:
@@ -387,10 +475,18 @@ class SlurmLauncher(Launcher):
         return str(Path(bin_dir) / tool) if bin_dir else tool
 
     def _run(
-        self, tool: str, *args: str, env: dict[str, str] | None = None, check: bool = True, timeout: float = 30
+        self,
+        tool: str,
+        *args: str,
+        env: dict[str, str] | None = None,
+        check: bool = True,
+        timeout: float = 30,
+        retries: int | None = None,
     ) -> subprocess.CompletedProcess[str]:
-        """Run a Slurm command, retrying transient controller errors; quote its error verbatim."""
+        """Run a Slurm command, retrying transient controller errors (``retries`` times, else the
+        launcher's); quote its error verbatim."""
         argv = [self._bin(tool), *args]
+        retries = self.retries if retries is None else retries
         conf = (env or self._env()).get("SLURM_CONF")
         if conf and not Path(conf).is_file():  # the client would retry for a minute, then fail
             raise BackendUnavailable(
@@ -398,7 +494,7 @@ class SlurmLauncher(Launcher):
                 "at the cluster's slurm.conf"
             )
         delay = 0.5
-        for attempt in range(self.retries + 1):
+        for attempt in range(retries + 1):
             try:
                 proc = subprocess.run(
                     argv, capture_output=True, text=True, env=env or self._env(), timeout=timeout, check=False
@@ -406,13 +502,13 @@ class SlurmLauncher(Launcher):
             except FileNotFoundError:
                 raise BackendUnavailable(f"{tool} not found: is the Slurm client installed (bin_dir)?") from None
             except subprocess.TimeoutExpired:
-                if attempt < self.retries:
+                if attempt < retries:
                     time.sleep(delay)
                     delay *= 2
                     continue
-                raise BackendUnavailable(f"{tool} did not answer within {timeout:g}s") from None
+                raise NoAnswer(f"{tool} did not answer within {timeout:g}s") from None
             message = "; ".join(line.strip() for line in (proc.stderr or proc.stdout).strip().splitlines())
-            if proc.returncode != 0 and any(t in message for t in TRANSIENT) and attempt < self.retries:
+            if proc.returncode != 0 and any(t in message for t in TRANSIENT) and attempt < retries:
                 time.sleep(delay)
                 delay *= 2
                 continue
@@ -420,7 +516,7 @@ class SlurmLauncher(Launcher):
                 raise BackendUnavailable(_no_config(tool))
             if check and proc.returncode != 0:
                 if any(t in message for t in TRANSIENT):
-                    raise BackendUnavailable(f"{tool} failed after {self.retries + 1} tries: {message}")
+                    raise BackendUnavailable(f"{tool} failed after {retries + 1} tries: {message}")
                 raise LauncherError(f"{tool} failed: {message}")
             return proc
         raise AssertionError("unreachable")
@@ -452,6 +548,8 @@ class SlurmLauncher(Launcher):
         for flag in list_option(opts, "extra_args", EXTRA_ARGS_EXAMPLE):
             lines.append(f"#SBATCH {flag}")
         lines.append("")
+        for name in passed_env(spec.env)[1]:  # the job's own SBATCH_*/SLURM_*: see passed_env
+            lines.append(f'export {name}="${PASSED_PREFIX}{name}"; unset {PASSED_PREFIX}{name}')
         measured = self._usage_lines(opts, log_pattern)
         lines.extend(measured)
         if spec.tasks > 1:
@@ -568,7 +666,7 @@ class SlurmLauncher(Launcher):
         self.script_dir.mkdir(parents=True, exist_ok=True)
         script_path = self.script_dir / f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', spec.name)[:40]}-{uuid.uuid4().hex[:8]}.sh"
         script_path.write_text(script)
-        env_extra = {str(k): str(v) for k, v in spec.env.items()}
+        env_extra = passed_env(spec.env)[0]
         env_extra["OPENLAB_JOB_NAME"] = spec.name
         env_extra["OPENLAB_LABELS"] = json.dumps(dict(spec.labels), sort_keys=True)
         if spec.artifact_root is not None:
@@ -577,17 +675,73 @@ class SlurmLauncher(Launcher):
         args = ["--parsable"]
         if spec.labels:  # on the command line, not in the script: no quoting rules to trip over
             args.append("--comment=" + json.dumps(dict(spec.labels), sort_keys=True, separators=(",", ":")))
-        proc = self._run("sbatch", *args, str(script_path), env=self._env(env_extra), check=False)
+        proc = self._sbatch([*args, str(script_path)], script_path, spec.name, self._env(env_extra))
         if proc.returncode != 0:
             message = "; ".join(line.strip() for line in (proc.stderr or proc.stdout).strip().splitlines())
-            if any(t in message for t in TRANSIENT):
-                raise BackendUnavailable(f"sbatch failed after {self.retries + 1} tries: {message}")
             raise LauncherError(f"sbatch refused the job: {message}")
         job_id = proc.stdout.strip().split(";", 1)[0]
         if not job_id.isdigit():
             raise LauncherError(f"sbatch --parsable printed no job id: {proc.stdout.strip()!r}")
         log_path = log_pattern.replace("%A", job_id).replace("%j", job_id)
         return JobHandle(self.name, job_id, log_path, {"script": str(script_path), "array": is_array})
+
+    def _sbatch(
+        self, args: list[str], script_path: Path, name: str, env: dict[str, str]
+    ) -> subprocess.CompletedProcess[str]:
+        """Run sbatch, retrying transient errors (``retries``) without submitting the job twice.
+
+        After an error that leaves open whether the job went in (:data:`MAYBE_DONE`, or no answer
+        at all) the queue is asked for a job running this submission's own script (a new file each
+        time) before sbatch runs again: found, its id is the answer; while the queue cannot say,
+        sbatch is not run blind. A refusal (the controller said no) is returned as it is.
+        """
+        delay, message, unsure = 0.5, "", False
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(delay)
+                delay *= 2
+            if unsure:
+                found = self._submitted(script_path, name)
+                if found:
+                    return subprocess.CompletedProcess(["sbatch", *args], 0, stdout=f"{found}\n", stderr="")
+                if found is None:  # the queue did not answer: the job may be in it
+                    continue
+            try:
+                proc = self._run("sbatch", *args, env=env, check=False, retries=0)
+            except NoAnswer as exc:
+                message, unsure = str(exc), True
+                continue
+            message = "; ".join(line.strip() for line in (proc.stderr or proc.stdout).strip().splitlines())
+            if proc.returncode == 0 or not any(t in message for t in TRANSIENT):
+                return proc
+            unsure = any(t in message for t in MAYBE_DONE)
+        if unsure and (found := self._submitted(script_path, name)):
+            return subprocess.CompletedProcess(["sbatch", *args], 0, stdout=f"{found}\n", stderr="")
+        maybe = (
+            f"; it may have submitted the job all the same: look for one running {script_path} (squeue -o %o)"
+            if unsure
+            else ""
+        )
+        raise BackendUnavailable(f"sbatch failed after {self.retries + 1} tries: {message}{maybe}")
+
+    def _submitted(self, script_path: Path, name: str) -> str | None:
+        """The id of a job of this user's that runs ``script_path`` (each submission's own file);
+        ``""`` when the queue has none, None when squeue did not answer."""
+        args = ["-h", "--states=all", "-u", _user(), "-o", "%i|%o"]
+        if "," not in name:  # --name takes a list
+            args.append(f"--name={name}")
+        try:
+            proc = self._run("squeue", *args, check=False, retries=0)
+        except BackendUnavailable:
+            return None
+        if proc.returncode != 0:
+            return None
+        wanted = {str(script_path), str(script_path.absolute())}
+        for line in proc.stdout.splitlines():
+            job_id, _, command = line.strip().partition("|")
+            if command in wanted and job_id.partition("_")[0].isdigit():
+                return job_id.partition("_")[0]  # an array's tasks: the array job
+        return ""
 
     @staticmethod
     def _install_wrapper(path: Path) -> None:
@@ -612,9 +766,23 @@ class SlurmLauncher(Launcher):
         return [parse_scontrol(line) for line in proc.stdout.splitlines() if line.strip()]
 
     def _sacct(self, job_id: str) -> list[dict[str, str]] | None:
+        """sacct's records of ``job_id``; None where it has none, or the cluster keeps no accounting
+        (``sacct = false``, or sacct says so). Any other failure is :class:`BackendUnavailable`:
+        slurmdbd down or slow is not "no such job", which recorded a job that had ended as LOST,
+        for good, whenever slurmdbd did not answer after slurmctld had forgotten the job."""
+        if not flag_option(self.config, "sacct", True):
+            return None
         fields = ["JobID", "State", "ExitCode", "NodeList", "Start", "End", "Reason"]
         proc = self._run("sacct", "-j", job_id, "-X", "-n", "-P", "-o", ",".join(fields), check=False)
-        if proc.returncode != 0 or not proc.stdout.strip():
+        if proc.returncode != 0:
+            message = "; ".join(line.strip() for line in (proc.stderr or proc.stdout).strip().splitlines())
+            if "accounting storage is disabled" in message.lower():
+                self.config["sacct"] = False
+                return None
+            raise BackendUnavailable(
+                f"slurmctld no longer knows job {job_id} and sacct failed: {message or f'exit {proc.returncode}'}"
+            )
+        if not proc.stdout.strip():
             return None
         rows = []
         for line in proc.stdout.splitlines():
@@ -680,7 +848,13 @@ class SlurmLauncher(Launcher):
         rows = self._scontrol(job_id)
         if rows:
             return rows, "scontrol"
-        rows = self._sacct(job_id)
+        try:
+            rows = self._sacct(job_id)
+        except BackendUnavailable:  # slurmdbd not answering: the jobcomp log may still know the job
+            rows = self._jobcomp(job_id)
+            if rows:
+                return rows, "jobcomp"
+            raise
         if rows:
             return rows, "sacct"
         return self._jobcomp(job_id), "jobcomp"
@@ -760,7 +934,8 @@ class SlurmLauncher(Launcher):
         for handle in handles:
             rows = shown.get(handle.job_id)
             states = [self._row_status(r) for r in rows or ()]
-            if rows and not (handle.extra or {}).get("array") and not any(s.state.terminal for s in states):
+            waits = not any(s.state.terminal or s.reason in NEVER_STARTS for s in states)  # else: _read_status
+            if rows and not (handle.extra or {}).get("array") and waits:
                 found.append(self._from_rows(handle, rows, states))
             else:
                 found.extend(super().statuses([handle]))
@@ -786,14 +961,36 @@ class SlurmLauncher(Launcher):
         return rows
 
     def _status(self, handle: JobHandle) -> JobStatus:
+        status = self._read_status(handle)
+        self._looked[handle.job_id] = (time.monotonic(), status.state.terminal)
+        return status
+
+    def _read_status(self, handle: JobHandle, *, end_hopeless: bool = True) -> JobStatus:
+        """The job's status from its records. A job Slurm says it will never start (:data:`NEVER_STARTS`)
+        is cancelled first (``end_hopeless``) and then reads FAILED with why (:meth:`_row_status`),
+        instead of waiting in the queue for ever: with ``--dependency=afterok:`` on a job that
+        failed, ``run_job`` never returned."""
         rows, _source = self._rows(handle.job_id)
         if not rows:
             reason = f"slurm no longer knows job {handle.job_id} (scontrol, sacct, jobcomp)"
             return JobStatus(JobState.LOST, reason=reason)
         tasks = self._tasks(handle.job_id, rows)
-        if tasks:
-            return aggregate_tasks(tasks)
-        return self._from_rows(handle, rows, [self._row_status(r) for r in rows])
+        status = aggregate_tasks(tasks) if tasks else self._from_rows(handle, rows, [self._row_status(r) for r in rows])
+        if end_hopeless and status.state is JobState.PENDING and status.reason in NEVER_STARTS:
+            self._run("scancel", handle.job_id, check=False)  # one that just went is gone all the same
+            self._wait_gone(handle)
+            return self._read_status(handle, end_hopeless=False)
+        return status
+
+    def _ended(self, handle: JobHandle) -> bool:
+        """Whether the job has ended, for a log follower, which reads its file far more often:
+        slurmctld is asked at most every ``poll_interval`` (the last look at the job, by anyone
+        here, answers in between: the look that ``run_job`` makes counts). A 21 s job's follower
+        asked 211 times, ``scontrol show job`` each, whatever ``poll_interval`` said."""
+        seen = self._looked.get(handle.job_id)
+        if seen is not None and time.monotonic() - seen[0] < self.poll_interval:
+            return seen[1]
+        return self._status(handle).state.terminal
 
     def _from_rows(self, handle: JobHandle, rows: list[dict[str, str]], states: list[JobStatus]) -> JobStatus:
         """One status from a job's records (several for a heterogeneous job) and each one's own."""
@@ -862,6 +1059,8 @@ class SlurmLauncher(Launcher):
             state, reason = JobState.FAILED, f"exit code {code}"
         if state is JobState.PENDING and row.get("Reason") not in (None, "", "None"):
             reason = row["Reason"]
+        if state is JobState.CANCELLED and row.get("Reason") in NEVER_STARTS:  # cancelled as it could not start
+            state, reason, code, sig = JobState.FAILED, never_started(row["Reason"]), None, 0
         if sig and code == 0 and state.terminal:
             code = 128 + sig
         restarts = int(row.get("Restarts") or 0) if str(row.get("Restarts") or "0").isdigit() else 0
@@ -887,7 +1086,13 @@ class SlurmLauncher(Launcher):
         log_path = handle.log_path or str(log_dir / f"slurm-{handle.job_id}.log")
         if "%a" in log_path:
             return self._array_logs(handle, log_path, follow=follow, tail=tail)
-        return follow_file(Path(log_path), lambda: self.status(handle).state.terminal, follow=follow, tail=tail)
+        return follow_file(
+            Path(log_path),
+            lambda: self._ended(handle),
+            follow=follow,
+            tail=tail,
+            pause=lambda seconds: self.pause(handle, seconds),
+        )
 
     def _array_logs(self, handle: JobHandle, pattern: str, *, follow: bool, tail: int | None) -> Iterator[str]:
         """Every task's log, each line prefixed ``[task]``; ``tail`` counts per task.
@@ -919,7 +1124,7 @@ class SlurmLauncher(Launcher):
         backoff = Backoff(self.poll_interval)
         try:
             while True:
-                done = self.status(handle).state.terminal  # before reading: what a finished array wrote is read below
+                done = self._ended(handle)  # before reading: what a finished array wrote is read below
                 for task, path in task_files():
                     if task not in readers:
                         fh = path.open("r", encoding="utf-8", errors="replace")
@@ -957,6 +1162,10 @@ class SlurmLauncher(Launcher):
         if status.state.terminal:
             return
         self._run("scancel", handle.job_id)  # an array's id cancels every task, pending ones too
+        self._wait_gone(handle)
+
+    def _wait_gone(self, handle: JobHandle) -> None:
+        """Wait until a cancelled job has left the queue (``cancel_timeout``)."""
         timeout = number_option(self.config, "cancel_timeout", 30)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

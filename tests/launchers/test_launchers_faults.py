@@ -375,7 +375,10 @@ def test_sbatch_transient_errors_are_retried_a_bounded_number_of_times(tmp_path:
         "fi\n"
         "echo 4242\n"
     )
-    launcher = get_launcher("slurm", bin_dir=str(_fake_slurm(tmp_path, body)), retries=3)
+    bin_dir = _fake_slurm(tmp_path, body)
+    (bin_dir / "squeue").write_text("#!/bin/sh\nexit 0\n")  # asked before each retry: no such job in the queue
+    (bin_dir / "squeue").chmod(0o755)
+    launcher = get_launcher("slurm", bin_dir=str(bin_dir), retries=3)
     handle = launcher.submit(JobSpec(name="x", command=["true"]))
     assert handle.job_id == "4242" and calls.read_text().count("x") == 3
 
