@@ -762,6 +762,8 @@ class SlurmLauncher(Launcher):
             message = (proc.stderr or proc.stdout).strip()
             if "Invalid job id" in message:
                 return None
+            if any(t in message for t in TRANSIENT):  # slurmctld down or failing over: the job is not the problem
+                raise BackendUnavailable(f"scontrol show job {job_id} failed: {message}")
             raise LauncherError(f"scontrol show job {job_id} failed: {message}")
         return [parse_scontrol(line) for line in proc.stdout.splitlines() if line.strip()]
 

@@ -94,9 +94,10 @@ def _judge(
     store: LineageStore, run: StageRun, settings: Settings, *, cancel: bool = True
 ) -> tuple[str, str, Attempt | None, Any]:
     """(state, reason, last attempt, backend status) for a stale stage run; ``cancel=False`` only asks.
-    RUNNING: left as it is, its job being on a cluster this openlab does not reach."""
+    RUNNING: left as it is, its job being on a cluster this openlab does not reach, or its backend
+    unreachable for now (a later pass asks again: recording LOST would be for good)."""
     from orchestrator.launchers.attempts import handle_from_attempt, lineage_state
-    from orchestrator.launchers.base import JobState, LauncherError, OtherCluster, get_launcher
+    from orchestrator.launchers.base import BackendUnavailable, JobState, LauncherError, OtherCluster, get_launcher
 
     attempts = store.list(Attempt, stage_run_id=run.id, order_by=col(Attempt.number).desc(), limit=1)
     if not attempts:
@@ -114,6 +115,13 @@ def _judge(
         return "RUNNING", str(exc), attempt, None
     try:
         status = launcher.status(handle)
+    except BackendUnavailable as exc:  # slurmctld or slurmdbd down for now: the job may be fine; ask again later
+        return (
+            "RUNNING",
+            f"backend {attempt.backend} cannot be asked about job {attempt.job_id} now: {exc}",
+            attempt,
+            None,
+        )
     except LauncherError as exc:
         return "LOST", f"backend {attempt.backend} cannot report job {attempt.job_id}: {exc}", attempt, None
     if not status.state.terminal:
@@ -163,7 +171,7 @@ def reconcile(store: LineageStore, *, settings: Settings | None = None, dry_run:
         if not is_stale(store, run):
             continue
         state, reason, attempt, status = _judge(store, run, settings, cancel=not dry_run)
-        if state == "RUNNING" or dry_run:  # RUNNING: left as it is (its job is on another cluster)
+        if state == "RUNNING" or dry_run:  # RUNNING: left as it is (another cluster's job, or a backend down)
             if state == "RUNNING":
                 log.warning("left stage run %s (%s) running: %s", run.id, run.stage, reason)
             done.append(Reconciled(run.id, run.stage, state, reason, attempt.job_id if attempt else None))

@@ -284,6 +284,32 @@ def test_reconcile_closes_stale_running_stage_runs(repo: Path) -> None:
         assert reconcile(store, settings=settings) == []
 
 
+def test_reconcile_leaves_a_stage_alone_while_its_backend_cannot_be_asked(
+    repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """slurmctld failing over while the reaper passed closed the stage run LOST, for good, and the
+    job ran on unwatched; the reaper now leaves it for a later pass, when Slurm answers again."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(
+        "#!/bin/sh\necho 'slurm_load_jobs error: Unable to contact slurm controller (connect failure)' >&2\nexit 1\n"
+    )
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("OPENLAB_BACKENDS__SLURM__BIN_DIR", str(bin_dir))
+    monkeypatch.setenv("OPENLAB_BACKENDS__SLURM__RETRIES", "0")
+    settings = load_settings()
+    with LineageStore.open(settings) as store:
+        with store.transaction() as tx:
+            run = tx.add(StageRun(stage="gen", identity="i-down", state="RUNNING"))
+            tx.add(Attempt(stage_run_id=run.id, backend="slurm", job_id="4711", state="RUNNING"))
+        (done,) = reconcile(store, settings=settings)
+        assert done.state == "RUNNING" and "cannot be asked about job 4711 now" in done.reason, done
+        assert "Unable to contact slurm controller" in done.reason
+        assert store.require(StageRun, run.id).state == "RUNNING"
+        assert [a.state for a in store.list(Attempt, stage_run_id=run.id)] == ["RUNNING"]
+
+
 def test_failed_stage_fails_the_pipeline_and_skips_the_rest(repo: Path, ledger: Path) -> None:
     (repo / "stages" / "upper.py").write_text((repo / "stages" / "upper.py").read_text() + "raise SystemExit(3)\n")
     seen: list[tuple[str, str]] = []
