@@ -136,8 +136,10 @@ STATE_MAP: dict[str, tuple[JobState, str | None]] = {
     "CANCELLED": (JobState.CANCELLED, "cancelled"),
     "TIMEOUT": (JobState.FAILED, TIME_LIMIT_REASON),
     "OUT_OF_MEMORY": (JobState.FAILED, "out of memory"),
-    "NODE_FAIL": (JobState.FAILED, "node failure"),
-    "BOOT_FAIL": (JobState.FAILED, "node boot failure"),
+    # A node that died or never booted under the job is the cluster's failure, not the job's: it
+    # is run again from its checkpoint as after a preemption, not retried as a failure would be.
+    "NODE_FAIL": (JobState.PREEMPTED, "a node of the job failed (NODE_FAIL)"),
+    "BOOT_FAIL": (JobState.PREEMPTED, "a node of the job failed to boot (BOOT_FAIL)"),
     "DEADLINE": (JobState.FAILED, "deadline reached"),
     "PREEMPTED": (JobState.PREEMPTED, "preempted by a higher-priority job"),
     "SPECIAL_EXIT": (JobState.FAILED, "special exit"),

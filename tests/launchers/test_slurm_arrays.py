@@ -309,6 +309,10 @@ def test_slurm_states_and_stop_exits() -> None:
     assert stopped_from_outside(timeout) is timeout, "a time limit is not a preemption"
     usr1 = SlurmLauncher._row_status({**row, "JobState": "FAILED", "ExitCode": "138:0"})
     assert stopped_from_outside(usr1).state is JobState.PREEMPTED
+    # a node that died under the job: the cluster's failure, run again without spending a retry
+    for state, said in (("NODE_FAIL", "a node of the job failed"), ("BOOT_FAIL", "failed to boot")):
+        lost_node = SlurmLauncher._row_status({**row, "JobState": state, "ExitCode": "0:9"})
+        assert lost_node.state is JobState.PREEMPTED and said in str(lost_node.reason), lost_node
 
 
 def test_array_status_falls_back_to_jobcomp_with_one_record_per_task(tmp_path: Path) -> None:
