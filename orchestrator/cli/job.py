@@ -176,8 +176,9 @@ def run_cmd(
         )
     where = f" on {status.host}" if status.host else ""
     detail = f" ({status.reason})" if status.reason else ""
+    code = f" exit {status.exit_code}" if status.exit_code is not None else ""  # None: it never started
     sys.stderr.write(
-        f"openlab: {backend} job {attempt.job_id}{where}: {status.state} exit {status.exit_code}{detail}; "
+        f"openlab: {backend} job {attempt.job_id}{where}: {status.state}{code}{detail}; "
         f"attempt {attempt.id}, log {attempt.log_path}\n"
     )
     raise typer.Exit(_exit_code(status))
