@@ -292,6 +292,10 @@ class Launcher(ABC):
     #: options): any other name is refused by :meth:`check_options`, since a misspelt one
     #: (``partiton``) would otherwise be ignored without a word and the job run somewhere else.
     known_options: frozenset[str] = frozenset({"poll_interval", "python", "cluster"})
+    #: Options that say how this openlab reaches and asks the backend, read from its
+    #: ``[backends.NAME]`` settings alone: given to one job (``-o slurm_conf=...``) they were
+    #: accepted and ignored, and a job meant for another cluster went to the default one.
+    settings_only: frozenset[str] = frozenset({"poll_interval"})
 
     def __init__(self, settings: Settings | None = None, config: Mapping[str, Any] | None = None) -> None:
         from orchestrator.settings import load_settings
@@ -417,6 +421,13 @@ class Launcher(ABC):
             raise ConfigError(
                 f"cluster is a [backends.{self.name}] setting, the name this openlab gives the place its "
                 f"{self.name} jobs run, not an option of one job: set it in openlab.toml"
+            )
+        own = sorted(str(key) for key in spec.options if str(key) in self.settings_only)
+        if own:
+            raise ConfigError(
+                f"{own[0]} is a [backends.{self.name}] setting (how this openlab reaches and asks the backend), "
+                f"not an option of one job: set it in openlab.toml or as OPENLAB_BACKENDS__{self.name.upper()}__"
+                f"{own[0].upper()}"
             )
         self.check_options({**self.config, **spec.options})
 

@@ -440,6 +440,9 @@ class SlurmLauncher(Launcher):
         "slurm_conf", "bin_dir", "retries", "cancel_timeout", "measure_usage", "sacct",
         "jobcomp_loc",  # where jobcomp/filetxt writes: read from `scontrol show config` unless set
     }  # fmt: skip
+    settings_only = Launcher.settings_only | {
+        "slurm_conf", "bin_dir", "retries", "cancel_timeout", "sacct", "jobcomp_loc",
+    }  # fmt: skip
 
     @classmethod
     def check_options(cls, opts: Mapping[str, Any]) -> None:

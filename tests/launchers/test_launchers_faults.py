@@ -847,6 +847,16 @@ def test_a_cluster_named_in_the_settings_is_what_attempts_record(store: LineageS
         "run, not an option of one job: set it in openlab.toml"
     ), refused.stderr
     assert len(store.list(Attempt)) == 1, "nothing recorded for the refused job"
+    # how openlab reaches a backend is its setting too: `-o slurm_conf=...` was accepted and ignored,
+    # and the job went to the default cluster
+    for backend, option in (("slurm", "slurm_conf=/etc/slurm-west/slurm.conf"), ("local", "poll_interval=5")):
+        refused = cli("job", "run", "--backend", backend, "-o", option, "--", "true")
+        key = option.partition("=")[0]
+        assert refused.returncode == 2 and refused.stderr.strip() == (
+            f"error: {key} is a [backends.{backend}] setting (how this openlab reaches and asks the backend), not "
+            f"an option of one job: set it in openlab.toml or as OPENLAB_BACKENDS__{backend.upper()}__{key.upper()}"
+        ), refused.stderr
+    assert len(store.list(Attempt)) == 1, "nothing recorded for the refused jobs"
     named = get_launcher("local", cluster="lab-a")
     with pytest.raises(OtherCluster, match="ran on local cluster 'lab-b'"):
         with store.transaction() as tx:
