@@ -51,6 +51,10 @@ def choices(name: object, known: Iterable[str], *, label: str = "known") -> str:
     if not names:  # "columns: " read as if the list had been cut off
         return f"{label}: none"
     by_lower = {n.lower(): n for n in names}
-    close = difflib.get_close_matches(str(name).strip().lower(), list(by_lower), n=1)
+    typed = str(name).strip().lower()
+    close = difflib.get_close_matches(typed, list(by_lower), n=1)
+    if not close and typed:  # the start of one name: `marin` for marin-535b-a23b
+        close = [n for n in by_lower if n.startswith(typed)]
+        close = close if len(close) == 1 else []
     listed = f"{label}: {', '.join(names)}"
     return f"did you mean {by_lower[close[0]]!r}? {listed}" if close else listed

@@ -70,7 +70,7 @@ def gc_cmd(
     left alone: a retry resumes from them. --include-failed lets those go too once no attempt has
     started or ended for --failed-unused-for (30d); a later run then starts from scratch.
     """
-    from orchestrator.lineage.listing import parse_when
+    from orchestrator.lineage.listing import RecordFilter, parse_when, refuse_unknown_names
     from orchestrator.lineage.store import open_store
     from orchestrator.pipeline.gc import collect, plan_gc
     from orchestrator.settings import load_settings
@@ -85,6 +85,8 @@ def gc_cmd(
     failed_used_since = parse_when(failed_unused_for or DEFAULT_FAILED_UNUSED_FOR) if include_failed else None
     settings = load_settings()
     store = open_store(settings, create=False)
+    # a misspelt --stage would plan "0 to delete", which reads as "nothing to free"
+    refuse_unknown_names(store, RecordFilter(stage=tuple(stage or ()), recipe=recipe, replica=replica))
     plan = plan_gc(
         store,
         settings,

@@ -372,7 +372,56 @@ def list_records(
         return (value is not None, value or dt.datetime.min.replace(tzinfo=dt.UTC))
 
     rows.sort(key=newest, reverse=True)
+    if not matched:  # nothing: say so only if the names asked for are names at all
+        refuse_unknown_names(store, flt)
     return Listing(records=rows[:limit] if limit is not None else rows, matched=matched)
 
 
-__all__ = ["EARLIEST", "LATEST", "Listing", "RecordFilter", "answers", "list_records", "parse_when", "time_field"]
+def refuse_unknown_names(store: LineageStore, flt: RecordFilter) -> None:
+    """Raise :class:`ConfigError` for a ``--stage``, ``--recipe`` or ``--replica`` that neither a
+    record nor a recipe names, with the name meant: ``--stage pretrian`` listed (and ``job cancel``
+    cancelled) nothing, which reads as "nothing ran". A known name that matched nothing is no error.
+    Asked only once nothing matched, since it reads the recipes."""
+    asked = [("stage", s) for s in flt.stage] + [(k, getattr(flt, k)) for k in ("recipe", "replica") if getattr(flt, k)]
+    if not asked:
+        return
+    known = _known_names(store)
+    for key, name in asked:
+        if name not in known[key]:
+            hint = choices(name, sorted(known[key]), label=f"{key}s recorded or in the recipes")
+            raise ConfigError(f"--{key} {name!r}: no record or recipe has such a {key}; {hint}")
+
+
+def _known_names(store: LineageStore) -> dict[str, set[str]]:
+    """Every stage, recipe and replica name in the store or in the shipped recipes."""
+    from orchestrator.recipes.recipe import RECIPES_DIR
+    from orchestrator.recipes.schema import STAGES, load_yaml
+
+    known: dict[str, set[str]] = {"stage": set(STAGES), "recipe": set(), "replica": set()}
+    with store.session() as session:
+        known["stage"] |= {s for s in session.exec(select(StageRun.stage).distinct()) if s}
+        for recipe, replica in session.exec(select(PipelineRun.recipe, PipelineRun.replica).distinct()):
+            known["recipe"] |= {recipe} if recipe else set()
+            known["replica"] |= {replica} if replica else set()
+    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+        try:
+            data = load_yaml(path.read_text(encoding="utf-8"))
+        except Exception:  # noqa: BLE001 - a recipe that does not load names nothing here
+            continue
+        if isinstance(data, dict) and isinstance(data.get("replicas"), dict):
+            known["recipe"].add(path.stem)
+            known["replica"] |= {str(name) for name in data["replicas"]}
+    return known
+
+
+__all__ = [
+    "EARLIEST",
+    "LATEST",
+    "Listing",
+    "RecordFilter",
+    "answers",
+    "list_records",
+    "parse_when",
+    "refuse_unknown_names",
+    "time_field",
+]

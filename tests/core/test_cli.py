@@ -890,7 +890,8 @@ def test_compare_puts_a_sweeps_runs_side_by_side_with_what_each_set_and_measured
 
     for args, message in (
         ((), "error: give pipeline run ids, or filters that pick runs (e.g. --replica tiny --since 1d)"),
-        (("--replica", "nope"), "error: no pipeline run matches these filters;"),
+        (("--replica", "drops"), "error: no pipeline run matches these filters;"),  # a replica these runs are not
+        (("--replica", "nope"), "error: --replica 'nope': no record or recipe has such a replica;"),
         (
             (ids[0], "-m", "eval/cod/loss"),
             "error: -m eval/cod/loss: no metric of these runs matches; did you mean 'eval/code/loss'?",

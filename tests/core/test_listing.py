@@ -226,6 +226,31 @@ def test_a_filter_no_kind_can_answer_is_an_error_not_an_empty_list(store: Lineag
         list_records(store, ["bogus"])
 
 
+def test_a_misspelt_stage_recipe_or_replica_is_an_error_naming_the_one_meant(store: LineageStore) -> None:
+    """`--stage pretrian` listed nothing (and `job cancel --stage pretrian` cancelled nothing), which
+    reads as "nothing ran"; a name a record or a recipe has is no error, even when nothing matches."""
+    _history(store)
+    for flt, said in (
+        (
+            RecordFilter(stage=("pretrian",)),
+            "--stage 'pretrian': no record or recipe has such a stage; did you mean 'pretrain'?",
+        ),
+        (RecordFilter(recipe="lama"), "--recipe 'lama': no record or recipe has such a recipe; did you mean 'llama'?"),
+        (RecordFilter(replica="tny"), "--replica 'tny': no record or recipe has such a replica; did you mean 'tiny'?"),
+        (RecordFilter(recipe="marin-535"), "did you mean 'marin-535b-a23b'?"),  # the start of a shipped recipe's name
+    ):
+        with pytest.raises(ConfigError) as raised:
+            list_records(store, ["stage_run", "attempt"], flt)
+        assert str(raised.value).startswith(said) or said in str(raised.value), raised.value
+    # known names that match nothing: an empty listing, as before
+    for flt in (
+        RecordFilter(stage=("posttrain",)),  # no record has it; the recipes do
+        RecordFilter(replica="small"),
+        RecordFilter(recipe="marin", replica="drops", stage=("eval",)),
+    ):
+        assert list_records(store, ["stage_run"], flt).matched == 0
+
+
 def test_every_state_a_job_or_run_can_be_in_can_be_asked_for() -> None:
     from orchestrator.launchers import JobState
     from orchestrator.lineage.listing import KNOWN_STATES
@@ -267,8 +292,10 @@ def test_the_command_answers_which_pretrain_jobs_failed_this_week(run_cli, openl
     # ids are copied from here into `lineage show`: each whole on its line, even 80 columns wide
     whole = re.findall(r"\b(?:prun|srun|att)_[0-9a-f]{20}\b", table.stdout)
     assert len(whole) == 2 and set(whole) <= set(h.values()), table.stdout
-    none = run_cli("lineage", "list", "--recipe", "nope")
+    none = run_cli("lineage", "list", "--recipe", "llama", "--replica", "drops")  # names there are, together nowhere
     assert none.returncode == 0 and none.stdout.strip() == "no records match", none.stdout
+    typo = run_cli("lineage", "list", "--recipe", "lama")
+    assert typo.returncode == 2 and "did you mean 'llama'?" in typo.stderr, typo.stderr
     for args, needle in (
         (("--since", "last tuesday"), "cannot read 'last tuesday' as a time"),
         (("--kind", "snapshot", "--state", "FAILED"), "--state cannot be answered by snapshot"),
@@ -351,7 +378,7 @@ def test_export_takes_the_same_filters_and_never_reads_no_match_as_everything(ru
     week = run_cli("lineage", "export", "-f", "prov", "--since", "7d", "--state", "completed")
     assert h["other"] in week.stdout and h["new"] not in week.stdout and h["old"] not in week.stdout
     target = tmp_path / "archive.json"
-    none = run_cli("lineage", "export", "--recipe", "nope", "-o", str(target))
+    none = run_cli("lineage", "export", "--recipe", "llama", "--replica", "drops", "-o", str(target))
     assert none.returncode == 2 and "no pipeline run matches" in none.stderr, none.stderr
     assert len(none.stderr.strip().splitlines()) == 1 and not target.exists()
 

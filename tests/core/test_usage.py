@@ -222,7 +222,9 @@ def test_the_command_prints_the_table_and_json(run_cli, openlab_home) -> None:
     assert "marin  4 jobs: 3 completed 1 preempted" in lines, narrow.stdout
     assert "    wall 6.50 h · CPU " in narrow.stdout, narrow.stdout
     assert "    measured: CPU 0.50 h used of 1.00 h asked · peak memory 3.00 GiB" in lines, narrow.stdout
-    assert run_cli("lineage", "usage", "--recipe", "nope").stdout.strip() == "no jobs match"
+    assert run_cli("lineage", "usage", "--recipe", "marin-535b-a23b").stdout.strip() == "no jobs match"
+    typo = run_cli("lineage", "usage", "--recipe", "marn")  # a misspelt name is not "nothing used"
+    assert typo.returncode == 2 and "did you mean 'marin'?" in typo.stderr, typo.stderr
     bad = run_cli("lineage", "usage", "--by", "team")
     assert bad.returncode == 2 and "cannot group usage by 'team'" in bad.stderr and "Traceback" not in bad.stderr
 
