@@ -74,7 +74,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import OpenlabError
+from orchestrator.errors import ConfigError, OpenlabError
 from orchestrator.launchers.base import (
     TIME_LIMIT_REASON,
     BackendUnavailable,
@@ -380,6 +380,46 @@ def _exit_code(text: str | None) -> tuple[int | None, int]:
 
 EXTRA_ARGS_EXAMPLE = '["--exclusive"]'
 
+#: sbatch flags ``extra_args`` may not give, each with what to give instead: openlab writes them
+#: itself, reads the job's log, environment and labels through them, or records them from their
+#: own field (a ``--partition`` in extra_args beat the recorded one, so lineage named the wrong one).
+OWN_FLAGS: dict[str, str] = {
+    "--output": "openlab reads the job's log from its own --output (log_dir)",
+    "--error": "openlab reads the job's log from its own --output (log_dir)",
+    "--export": "the job's environment is passed with --export=ALL (job run -e KEY=VALUE)",
+    "--job-name": "the job's name is openlab's (job run --name)",
+    "--comment": "openlab's labels are the job's --comment",
+    "--parsable": "openlab adds it",
+    "--chdir": "give the working directory (job run --workdir)",
+    "--array": "use the array option",
+    "--time": "give the time limit (job run --time-limit, resources.<stage>.time_limit)",
+    "--cpus-per-task": "give cpus",
+    "--mem": "give memory",
+    "--nodes": "give nodes",
+    "--ntasks-per-node": "give tasks_per_node",
+    "--partition": "use the partition option",
+    "--account": "use the account option",
+    "--qos": "use the qos option",
+    "--nodelist": "use the nodelist option",
+    "--constraint": "use the constraint option",
+}
+_SHORT_FLAGS = {
+    "-o": "--output", "-e": "--error", "-J": "--job-name", "-D": "--chdir", "-a": "--array", "-t": "--time",
+    "-c": "--cpus-per-task", "-N": "--nodes", "-p": "--partition", "-A": "--account", "-q": "--qos",
+    "-w": "--nodelist", "-C": "--constraint",
+}  # fmt: skip
+
+
+def refuse_own_flags(flags: Sequence[str]) -> None:
+    """Refuse an ``extra_args`` flag that is openlab's own (:data:`OWN_FLAGS`): ``--export=NONE``
+    ran the job without its -e values, ``--output`` sent its log where openlab does not read it."""
+    for flag in flags:
+        word = str(flag).strip().split("=", 1)[0].split(None, 1)[0] if str(flag).strip() else ""
+        name = _SHORT_FLAGS.get(word[:2], word) if word.startswith("-") and not word.startswith("--") else word
+        if name in OWN_FLAGS:
+            raise ConfigError(f"extra_args {flag!r}: {name} is not for extra_args: {OWN_FLAGS[name]}")
+
+
 #: Prefixes of the environment variables the Slurm commands read as input: sbatch's ``SBATCH_*``
 #: (which beat the script's ``#SBATCH`` lines), salloc's and srun's (srun runs in the job, with
 #: the job's environment), squeue's, sacct's, scancel's (``SQUEUE_PARTITION``, ``SCANCEL_STATE``
@@ -447,7 +487,7 @@ class SlurmLauncher(Launcher):
     @classmethod
     def check_options(cls, opts: Mapping[str, Any]) -> None:
         super().check_options(opts)
-        list_option(opts, "extra_args", EXTRA_ARGS_EXAMPLE)
+        refuse_own_flags(list_option(opts, "extra_args", EXTRA_ARGS_EXAMPLE))
         number_option(opts, "retries", 3)
         number_option(opts, "cancel_timeout", 30)
         measure_usage_option(opts)

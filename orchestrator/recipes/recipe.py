@@ -393,6 +393,13 @@ def stage_resources(
                 raise ConfigError(
                     f"{label}.{key}: invalid {value!r}: a number with K, M, G or T, e.g. 512M or 2G"
                 ) from None
+        if extra := (entry.get("slurm") or {}).get("extra_args"):  # refused here, not once a job is submitted
+            from orchestrator.launchers.slurm import refuse_own_flags
+
+            try:
+                refuse_own_flags(extra)
+            except ConfigError as exc:
+                raise ConfigError(f"{label}.slurm.{exc}") from None
     default = dict(asked.get("default") or {})
     out: dict[str, dict[str, Any]] = {}
     for stage in stages:

@@ -152,6 +152,25 @@ def test_a_warning_before_the_time_limit_is_slurms_signal_to_the_batch_shell() -
         JobSpec(name="x", command=["t"], warn_before_limit=10)
 
 
+def test_extra_args_may_not_give_the_flags_openlab_writes_or_reads_the_job_through() -> None:
+    """``extra_args=["--export=NONE"]`` ran the job without its -e values, ``--output=...`` sent its
+    log where openlab does not read it (it recorded an empty one), and ``-p urgent`` beat the
+    partition lineage recorded."""
+    launcher = get_launcher("slurm")
+    for flag, said in (
+        ("--export=NONE", "--export is not for extra_args: the job's environment is passed with --export=ALL"),
+        ("--output=/tmp/other-%j.out", "--output is not for extra_args: openlab reads the job's log"),
+        ("-o /tmp/x.out", "--output is not for extra_args"),
+        ("-p urgent", "--partition is not for extra_args: use the partition option"),
+        ("--time 10", "--time is not for extra_args: give the time limit"),
+    ):
+        spec = JobSpec(name="x", command=["true"], options={"extra_args": [flag]})
+        with pytest.raises(ConfigError, match=re.escape(f"extra_args {flag!r}: {said}")):
+            launcher.refuse_unsupported(spec)
+    for fine in (["--exclusive"], ["--signal=B:TERM@120"], ["--gres=gpu:h100:8"], ["--dependency=afterok:1"]):
+        launcher.refuse_unsupported(JobSpec(name="x", command=["true"], options={"extra_args": fine}))
+
+
 def test_table_and_list_options_refuse_text_instead_of_misreading_it() -> None:
     """A string where a list belongs was walked one character at a time: ``extra_args =
     "--exclusive"`` became eleven ``#SBATCH`` lines of one character each."""
