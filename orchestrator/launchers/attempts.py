@@ -52,11 +52,6 @@ log = logging.getLogger(__name__)
 LOG_DRAIN_TIMEOUT = 10.0
 #: Longest a cancel request waits to be acted on while :func:`run_job` waits between status looks.
 CANCEL_CHECK_SECONDS = 0.25
-#: How long :func:`run_job` goes on waiting for a job while its backend cannot be asked about it (a
-#: slurmctld restarting or failing over, an API server upgrade). The job runs on meanwhile: giving up
-#: at the first failed look would cancel a healthy job, or leave it running unwatched while a retry
-#: starts another. Past this the backend is taken to be gone, and the job is cancelled if it can be.
-STATUS_OUTAGE_GRACE = 900.0
 
 
 def lineage_state(state: JobState) -> str:
@@ -262,20 +257,23 @@ class _LogPump(threading.Thread):
 
 
 def _outage(launcher: Launcher, handle: JobHandle, exc: BackendUnavailable, since: float | None) -> float:
-    """Note a failed status look during a backend outage; re-raise once it has lasted longer than
-    :data:`STATUS_OUTAGE_GRACE`. Returns when the outage began."""
+    """Note a failed status look while the backend cannot be asked (a slurmctld restarting or
+    failing over): the job runs on meanwhile, and giving up at the first failed look cancelled a
+    healthy job, or left it running unwatched while a retry started another. Re-raise once the
+    outage has lasted longer than the launcher's :attr:`~Launcher.outage_grace`; returns when it began."""
     now = time.monotonic()
+    grace = launcher.outage_grace
     if since is None:
         log.warning(
             "%s cannot be asked about job %s (%s): the job runs on; waiting up to %g s for it to answer",
             launcher.name,
             handle.job_id,
             _one_line(exc),
-            STATUS_OUTAGE_GRACE,
+            grace,
         )
         return now
-    if now - since > STATUS_OUTAGE_GRACE:
-        raise BackendUnavailable(f"{_one_line(exc)} (for {now - since:.0f} s, longer than {STATUS_OUTAGE_GRACE:g} s)")
+    if now - since > grace:
+        raise BackendUnavailable(f"{_one_line(exc)} (for {now - since:.0f} s, longer than outage_grace {grace:g} s)")
     return since
 
 

@@ -291,11 +291,15 @@ class Launcher(ABC):
     #: Every option this backend reads (``[backends.NAME]`` keys, a job's ``-o``, a recipe's stage
     #: options): any other name is refused by :meth:`check_options`, since a misspelt one
     #: (``partiton``) would otherwise be ignored without a word and the job run somewhere else.
-    known_options: frozenset[str] = frozenset({"poll_interval", "python", "cluster"})
+    known_options: frozenset[str] = frozenset({"poll_interval", "python", "cluster", "outage_grace"})
     #: Options that say how this openlab reaches and asks the backend, read from its
     #: ``[backends.NAME]`` settings alone: given to one job (``-o slurm_conf=...``) they were
     #: accepted and ignored, and a job meant for another cluster went to the default one.
-    settings_only: frozenset[str] = frozenset({"poll_interval"})
+    settings_only: frozenset[str] = frozenset({"poll_interval", "outage_grace"})
+    #: How long a job is waited for while this backend cannot be asked about it (a slurmctld failing
+    #: over, an API server upgrade, a Docker engine restarting) before it is taken to be gone:
+    #: ``[backends.NAME] outage_grace`` seconds (:func:`orchestrator.launchers.attempts.run_job`).
+    outage_grace: float = 900.0
 
     def __init__(self, settings: Settings | None = None, config: Mapping[str, Any] | None = None) -> None:
         from orchestrator.settings import load_settings
@@ -308,6 +312,7 @@ class Launcher(ABC):
             raise ConfigError(f"[backends.{self.name}] {exc}") from None
         if "poll_interval" in self.config:  # ``[backends.NAME] poll_interval = 5``: gentler on a busy controller
             self.poll_interval = float(self.config["poll_interval"])
+        self.outage_grace = number_option(self.config, "outage_grace", type(self).outage_grace)
 
     def image_name(self, spec: JobSpec) -> str | None:
         """The image reference a job of ``spec`` runs in (None where jobs run on the host)."""
@@ -411,6 +416,7 @@ class Launcher(ABC):
                 value = math.nan
             if not value > 0:
                 raise ConfigError(f"poll_interval must be a positive number of seconds, got {raw!r}")
+        number_option(opts, "outage_grace", cls.outage_grace)
 
     def refuse_unsupported(self, spec: JobSpec) -> None:
         """Refuse, before anything is submitted or recorded, a job this backend cannot run as asked."""

@@ -11,7 +11,6 @@ import pytest
 
 from orchestrator.errors import OpenlabError
 from orchestrator.launchers import BackendUnavailable, JobHandle, JobSpec, JobState, JobStatus, get_launcher
-from orchestrator.launchers import attempts as attempts_module
 from orchestrator.launchers.attempts import run_job
 from orchestrator.launchers.local import LocalLauncher
 from orchestrator.lineage.models import Attempt
@@ -60,8 +59,8 @@ class _ControllerDown(LocalLauncher):
 
     down_for = 3.0
 
-    def __init__(self) -> None:
-        super().__init__(config={"grace": 1})
+    def __init__(self, **config: object) -> None:
+        super().__init__(config={"grace": 1, **config})
         self.down_from: float | None = None
         self.failed_looks = 0
 
@@ -83,13 +82,13 @@ def test_a_backend_that_cannot_be_asked_for_a_while_does_not_cost_the_job(store:
     assert status.state is JobState.SUCCEEDED and attempt.state == "COMPLETED", (status, attempt.reason)
 
 
-def test_a_backend_gone_for_longer_than_the_grace_fails_the_attempt(
-    store: LineageStore, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(attempts_module, "STATUS_OUTAGE_GRACE", 1.0)
-    launcher = _ControllerDown()
+def test_a_backend_gone_for_longer_than_its_outage_grace_fails_the_attempt(store: LineageStore) -> None:
+    launcher = _ControllerDown(outage_grace=1)  # [backends.NAME] outage_grace (default 900 s)
+    assert _ControllerDown().outage_grace == 900
     launcher.down_for = 60.0
-    with pytest.raises(BackendUnavailable, match=r"Unable to contact slurm controller \(for \d+ s, longer than 1 s\)"):
+    with pytest.raises(
+        BackendUnavailable, match=r"Unable to contact slurm controller \(for \d+ s, longer than outage_grace 1 s\)"
+    ):
         run_job(store, launcher, JobSpec(name="x", command=["sleep", "60"]))
     (attempt,) = store.list(Attempt)
     assert attempt.state == "FAILED" and "Unable to contact" in (attempt.reason or ""), attempt.reason
