@@ -132,7 +132,16 @@ def digest_cron(settings: Settings | None = None) -> str | None:
 def nightly_timezone(settings: Settings | None = None) -> str:
     """The nightly schedule's time zone (``[prefect] nightly_timezone``, UTC by default)."""
     settings = settings or load_settings()
-    return str(settings.section("prefect").get("nightly_timezone") or DEFAULT_NIGHTLY_TIMEZONE)
+    zone = str(settings.section("prefect").get("nightly_timezone") or DEFAULT_NIGHTLY_TIMEZONE).strip()
+    from prefect.client.schemas.schedules import CronSchedule
+
+    try:  # refused here, in one line, not as pydantic's traceback once a server has started
+        CronSchedule(cron="0 2 * * *", timezone=zone)
+    except ValueError:
+        raise ConfigError(
+            f"invalid time zone {zone!r} ([prefect] nightly_timezone): use an IANA name, e.g. 'Europe/Berlin' or 'UTC'"
+        ) from None
+    return zone
 
 
 def build_deployments(
@@ -249,7 +258,7 @@ def build_deployments(
             'and per draw of sampled ones ({"pretrain.lr": "loguniform(0.001,0.03)"}, count), each an ordinary '
             "replica-pipeline run, then publish them side by side: what each set, what it measured."
         ),
-        parameters={"grid": {"pretrain.lr": [0.005, 0.01, 0.02]}},
+        # no grid filled in: one left there when samples are asked for crossed every draw with its values
         tags=[*TAGS, "sweep"],
         entrypoint_type=EntrypointType.MODULE_PATH,
     )

@@ -112,7 +112,7 @@ def _nightly_run_name() -> str:
 def nightly_replica(
     recipe: str = "marin-535b-a23b",
     replica: str = "small",
-    backend: Backend = "local",
+    backend: Backend | None = None,
     git_ref: str = "main",
     issue: str | None = None,
 ) -> dict[str, Any]:
@@ -121,7 +121,7 @@ def nightly_replica(
     Args:
         recipe: Recipe name (a file in recipes/) or path.
         replica: Scaled-down replica to run (small is sized for a nightly).
-        backend: Where the stage jobs run.
+        backend: Where the stage jobs run; empty: `[backends] default` of openlab.toml (local when unset).
         git_ref: Commit to test; main by default (the current main commit).
         issue: Experiment issue owner/repo#N to post the lineage card to.
     """

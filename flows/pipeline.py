@@ -217,7 +217,7 @@ def run_replica(
     *,
     recipe: str,
     replica: str,
-    backend: str,
+    backend: str | None,
     issue: str | None,
     git_ref: str,
     force: bool,
@@ -241,6 +241,7 @@ def run_replica(
     flow_run_id = str(flow_run.id) if flow_run is not None else None
     with library_logs_to_run(flow_run_id):  # the library's warnings reach this run's log in the UI
         settings = load_settings()
+        backend = flow_backend(backend, settings)
         from orchestrator.pipeline.dag import REPO_ROOT
 
         repo_root = checkout_ref(REPO_ROOT, git_ref, settings)
@@ -506,6 +507,27 @@ def _dry_run(
     }
 
 
+def flow_backend(backend: str | None, settings: Settings | None = None) -> str:
+    """The backend a flow's stage jobs run on: the form's, else ``[backends] default`` (as ``openlab
+    run`` without ``--backend``): the scheduled nightly, whose form nobody fills in, ran on the
+    server's own machine whatever the lab had configured."""
+    from orchestrator.launchers.base import known_backend
+    from orchestrator.settings import load_settings
+
+    if backend:
+        return backend
+    chosen = (settings or load_settings()).default_backend
+    return known_backend(chosen, "[backends] default")
+
+
+def default_backend_name() -> str:
+    """``[backends] default``, for a run name; "the default backend" where the settings cannot be read."""
+    try:
+        return flow_backend(None)
+    except Exception:  # noqa: BLE001 - a name must not fail a run; the run itself says why
+        return "the default backend"
+
+
 def replica_run_name(prefix: str = "") -> str:
     """The flow run's name in the UI's run list, from its parameters: ``marin-535b-a23b:tiny on
     slurm``, ``… @ v1.2 until tokenize (dry run)``, where Prefect would pick two random words
@@ -515,7 +537,9 @@ def replica_run_name(prefix: str = "") -> str:
     from orchestrator.recipes import set_words
 
     params = flow_run.parameters or {}
-    name = f"{prefix}{params.get('recipe')}:{params.get('replica')} on {params.get('backend')}"
+    name = (
+        f"{prefix}{params.get('recipe')}:{params.get('replica')} on {params.get('backend') or default_backend_name()}"
+    )
     if params.get("git_ref") not in (None, "", "HEAD"):
         name += f" @ {params['git_ref']}"
     if params.get("until"):
@@ -538,7 +562,7 @@ def replica_run_name(prefix: str = "") -> str:
 def replica_pipeline(
     recipe: str = "marin-535b-a23b",
     replica: str = "tiny",
-    backend: Backend = "local",
+    backend: Backend | None = None,
     issue: str | None = None,
     require_issue: bool = False,
     git_ref: str = "HEAD",
@@ -552,7 +576,7 @@ def replica_pipeline(
     Args:
         recipe: Recipe name (a file in recipes/) or path.
         replica: Scaled-down replica of the recipe (tiny runs in minutes on 2 CPU cores).
-        backend: Where the stage jobs run.
+        backend: Where the stage jobs run; empty: `[backends] default` of openlab.toml (local when unset).
         issue: Experiment issue owner/repo#N whose card shows this run's lineage.
         require_issue: Fail before any job starts when the issue cannot be resolved (no token, 404, 401).
         git_ref: Commit to run; HEAD runs the working tree as it is, anything else a clean checkout.
@@ -583,6 +607,8 @@ __all__ = [
     "Backend",
     "CancelWatcher",
     "Stage",
+    "default_backend_name",
+    "flow_backend",
     "replica_pipeline",
     "run_replica",
     "run_stage",

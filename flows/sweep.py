@@ -31,13 +31,16 @@ def sweep_run_name() -> str:
     """``sweep marin-535b-a23b:tiny on local: pretrain.lr x3``: the UI's run list says what was swept."""
     from prefect.runtime import flow_run
 
+    from flows.pipeline import default_backend_name
+
     params = flow_run.parameters or {}
     grid = params.get("grid") or {}
     swept = ", ".join(
         [f"{k} x{len(v) if isinstance(v, list) else '?'}" for k, v in grid.items()]
         + [f"{k} x{params.get('count')} drawn" for k in params.get("samples") or {}]
     )
-    name = f"sweep {params.get('recipe')}:{params.get('replica')} on {params.get('backend')}: {swept}"
+    where = params.get("backend") or default_backend_name()
+    name = f"sweep {params.get('recipe')}:{params.get('replica')} on {where}: {swept}"
     return name + (" (dry run)" if params.get("dry_run") else "")
 
 
@@ -80,7 +83,7 @@ def replica_sweep(
     sample_seed: int = 0,
     recipe: str = "marin-535b-a23b",
     replica: str = "tiny",
-    backend: Backend = "local",
+    backend: Backend | None = None,
     overrides: dict[str, Any] | None = None,
     issue: str | None = None,
     until: Stage | None = None,
@@ -102,11 +105,12 @@ def replica_sweep(
         sample_seed: Seed of the draws: the same seed draws the same values (and reuses their runs).
         recipe: Recipe name (a file in recipes/) or path.
         replica: Scaled-down replica of the recipe.
-        backend: Where the stage jobs run.
+        backend: Where the stage jobs run; empty: `[backends] default` of openlab.toml (local when unset).
         overrides: Values set for every run of the sweep, as `openlab run --set` sets them.
         issue: Experiment issue owner/repo#N every run of the sweep is linked to (its card on it).
         until: Stop each run after this stage; empty runs every stage of the replica.
-        git_ref: Commit to run; HEAD runs the working tree as it is.
+        git_ref: Commit to run; HEAD runs the working tree as it is (each run as it finds it). Another ref is
+            resolved once, when the sweep starts: every run runs that commit, wherever the ref moves meanwhile.
         at_once: How many runs at a time; 0 starts them all at once.
         metrics: Metric patterns for the comparison (`eval/*/loss`, `eval:eval/*/loss`); empty: eval's
             losses and repro's late-window drop fractions.
@@ -132,6 +136,9 @@ def replica_sweep(
     from orchestrator.settings import load_settings
 
     logger = get_run_logger()
+    from flows.pipeline import flow_backend
+
+    backend = flow_backend(backend)  # every run of the sweep on the one backend, whatever the default is by then
     if at_once < 0:
         raise ConfigError(f"sweep: at_once must be 0 (all at once) or more, got {at_once}")
     sampled = {key: parse_sample(key, text, "samples") for key, text in (samples or {}).items()}
@@ -147,6 +154,10 @@ def replica_sweep(
     # The recipe of the tree the runs will run (a git ref brings its own), every combination checked
     # against it before any run starts: nothing half-swept.
     repo_root = checkout_ref(REPO_ROOT, git_ref, load_settings())
+    if git_ref and git_ref.strip() not in ("HEAD", "@"):  # each run at the commit checked, not where the ref is later
+        from flows.gitref import resolve_ref
+
+        git_ref = resolve_ref(REPO_ROOT, git_ref.strip())
     planned = plan_sweep(
         recipe,
         replica,

@@ -47,12 +47,17 @@ def test_deploy_registers_parameter_schema_and_nightly_cron(prefect_server: Pref
         nightly = client.read_deployment_by_name(NIGHTLY)
     props = pipeline.parameter_openapi_schema["properties"]
     assert {"recipe", "replica", "backend", "issue", "git_ref", "force", "dry_run", "until", "overrides"} <= set(props)
-    assert props["backend"]["enum"] == ["local", "docker", "slurm", "kubernetes"]
+    backend = props["backend"]  # empty by default: [backends] default of openlab.toml, as `openlab run`
+    assert [b["enum"] for b in backend.get("anyOf", [backend]) if "enum" in b] == [
+        ["local", "docker", "slurm", "kubernetes"]
+    ], backend
+    assert backend.get("default") is None and "[backends] default" in backend["description"], backend
     assert props["force"]["type"] == "boolean" and props["dry_run"]["default"] is False
     assert "description" in props["replica"]  # from the flow's docstring, shown in the UI form
-    with get_client(sync_client=True) as client:  # the sweep: a grid to fill in, prefilled with an example
+    with get_client(sync_client=True) as client:  # the sweep: a grid or samples to fill in, the example in its text
         sweep = client.read_deployment_by_name("replica-sweep/sweep")
-    assert sweep.parameters == {"grid": {"pretrain.lr": [0.005, 0.01, 0.02]}}
+    # no preset grid: one filled in with samples and count ran every draw at each of its values (3 x count)
+    assert sweep.parameters == {} and '{"pretrain.lr": [0.005, 0.01]}' in (sweep.description or "")
     sweep_props = sweep.parameter_openapi_schema["properties"]
     assert {
         "grid",
