@@ -176,8 +176,16 @@ def pipeline_commit(store: LineageStore, run: PipelineRun) -> str | None:
     return params.get("commit") or params.get("git_sha") or params.get("git_ref")
 
 
+def asked_ref(run: PipelineRun) -> str:
+    """The git ref a run was asked to run (the flow's ``git_ref``; ``HEAD`` for a run from a terminal)."""
+    return str(((run.params or {}).get("prefect") or {}).get("git_ref") or "HEAD")
+
+
 def previous_nightly(store: LineageStore, run: PipelineRun) -> PipelineRun | None:
-    """The latest earlier completed nightly of the same recipe and replica with a good verdict."""
+    """The latest earlier completed nightly of the same recipe and replica, on the same backend and
+    asked for the same git ref, with a good verdict. A run of the nightly from the UI on a branch,
+    or on another backend, is judged against its own kind and never becomes the baseline the next
+    scheduled nightly of ``main`` is judged against."""
     candidates = store.list(
         PipelineRun,
         where=[
@@ -192,7 +200,8 @@ def previous_nightly(store: LineageStore, run: PipelineRun) -> PipelineRun | Non
     )
     for candidate in candidates:
         verdict = candidate.verdict or {}
-        if verdict.get("status") in GOOD_STATUSES:
+        same = candidate.backend == run.backend and asked_ref(candidate) == asked_ref(run)
+        if same and verdict.get("status") in GOOD_STATUSES:
             return candidate
     return None
 
@@ -277,6 +286,7 @@ __all__ = [
     "parse_tolerances",
     "pipeline_commit",
     "pipeline_metrics",
+    "asked_ref",
     "previous_nightly",
     "raise_for_verdict",
     "record_verdict",

@@ -72,6 +72,23 @@ def test_first_nightly_is_the_baseline_and_is_recorded(store: LineageStore) -> N
     assert [e.action for e in store.events(run.id)][-1] == "update"  # written through a logged transaction
 
 
+def test_a_run_of_another_branch_or_backend_is_not_the_next_nightlys_baseline(store: LineageStore) -> None:
+    """Run nightly-replica from the UI on a branch (or on slurm), and the next scheduled nightly of
+    main (on local) was judged against that branch's figures."""
+    good = plant_run(store, "a" * 40, 3.0, 0.10, minutes=0)
+    assert evaluate_nightly(store, good.id, TOLERANCES).status == "baseline"
+    branch = plant_run(store, "b" * 40, 9.0, 0.10, minutes=10)
+    slurm = plant_run(store, "c" * 40, 9.0, 0.10, minutes=20)
+    with store.transaction() as tx:
+        tx.update(branch, params={"prefect": {"git_ref": "my-branch"}})
+        tx.update(slurm, backend="slurm")
+    assert evaluate_nightly(store, branch.id, TOLERANCES).status == "baseline", "judged against its own ref's"
+    assert evaluate_nightly(store, slurm.id, TOLERANCES).status == "baseline", "judged against its own backend's"
+    nightly = plant_run(store, "d" * 40, 3.0, 0.10, minutes=30)
+    verdict = evaluate_nightly(store, nightly.id, TOLERANCES)
+    assert verdict.status == "passed" and verdict.previous_run_id == good.id, verdict
+
+
 def test_unchanged_run_passes(store: LineageStore) -> None:
     base = plant_run(store, "a" * 40, 3.0, 0.10, minutes=0)
     evaluate_nightly(store, base.id, TOLERANCES)
