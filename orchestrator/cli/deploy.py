@@ -39,7 +39,9 @@ def resolve_api_url(settings: Settings, flag: str | None = None) -> str:
 def deploy(
     api_url: str = typer.Option(None, "--api-url", help="Prefect API URL (default: PREFECT_API_URL or local)."),
     nightly_cron: str = typer.Option(
-        None, "--nightly-cron", help="Cron for the nightly, UTC ([prefect] nightly_cron, default '0 2 * * *')."
+        None,
+        "--nightly-cron",
+        help="Cron for the nightly, in [prefect] nightly_timezone (UTC) ([prefect] nightly_cron, default '0 2 * * *').",
     ),
     work_pool: str = typer.Option(
         None, "--work-pool", help="Work pool whose workers run the flows (default: none, `openlab server` serves)."
@@ -56,6 +58,7 @@ def deploy(
         digest_cron,
         gc_cron,
         in_repo_root,
+        nightly_timezone,
         reconcile_every,
     )
     from flows.deployments import nightly_cron as resolve_cron
@@ -65,6 +68,7 @@ def deploy(
     if not health_ok(url):
         raise OpenlabError(f"no Prefect API answers at {url}: start one with `openlab server`, or pass --api-url")
     cron = resolve_cron(settings, nightly_cron)
+    zone = nightly_timezone(settings)  # every schedule's (nightlies, gc, digest)
     with use_api(url), in_repo_root():
         ids = apply_deployments(
             build_deployments(settings, cron=cron, paused_nightly=paused_nightly), work_pool=work_pool
@@ -73,20 +77,20 @@ def deploy(
     for name, deployment_id in ids.items():
         say(f"deployed {name}  {ui}/deployments/deployment/{deployment_id}")
     paused = " paused" if paused_nightly else ""
-    say(f"nightly schedule: {cron} (UTC){paused}")
+    say(f"nightly schedule: {cron} ({zone}){paused}")
     drops_cron = resolve_cron(settings, key="nightly_drops_cron", default=DEFAULT_DROPS_NIGHTLY_CRON)
-    say(f"drop-fraction nightly schedule: {drops_cron} (UTC){paused}")
+    say(f"drop-fraction nightly schedule: {drops_cron} ({zone}){paused}")
     every = reconcile_every(settings)
     reaper = f"every {every:g} s{paused}" if every else "none (run it from the UI or `openlab lineage reconcile`)"
     say(f"reconcile schedule: {reaper}")
     gc_schedule = gc_cron(settings)
     gc_says = (
-        f"{gc_schedule} (UTC){paused}" if gc_schedule else "none (a dry run from the UI; [prefect] gc_cron sets one)"
+        f"{gc_schedule} ({zone}){paused}" if gc_schedule else "none (a dry run from the UI; [prefect] gc_cron sets one)"
     )
     say(f"outputs gc schedule: {gc_says}")
     digest_schedule = digest_cron(settings)
     digest_says = (
-        f"{digest_schedule} (UTC){paused}"
+        f"{digest_schedule} ({zone}){paused}"
         if digest_schedule
         else "none (run it from the UI or `openlab github digest`; [prefect] digest_cron sets one)"
     )

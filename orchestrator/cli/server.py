@@ -57,8 +57,10 @@ def server(
         raise OpenlabError(f"--limit {limit}: give the most flow runs at once, 1 or more (leave it out: no limit)")
     if serve:  # refused before a server starts, not after it has (its schedules would be built with it)
         from flows.deployments import nightly_cron as checked_cron
+        from flows.deployments import nightly_timezone
 
         checked_cron(settings, nightly_cron)
+        nightly_timezone(settings)
     previous = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
     started: PrefectServer | None = None
     up = False  # "stopped" is said of something that ran, not after a refusal

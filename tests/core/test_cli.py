@@ -194,8 +194,10 @@ def test_server_options_are_checked_before_a_server_starts(run_cli) -> None:
     for args, want in (
         (("server", "--limit", "-1"), "error: --limit -1: give the most flow runs at once, 1 or more"),
         (("server", "--nightly-cron", "bogus"), "error: invalid nightly cron 'bogus'"),
+        (("server",), "error: invalid time zone 'Europe/Berln' ([prefect] nightly_timezone): use an IANA name"),
     ):
-        out = run_cli(*args, timeout=60)
+        zone = {"OPENLAB_PREFECT__NIGHTLY_TIMEZONE": "Europe/Berln"} if args == ("server",) else {}
+        out = run_cli(*args, timeout=60, env=zone)
         assert out.returncode == 2 and out.stderr.startswith(want), out.stderr
         assert len(out.stderr.strip().splitlines()) == 1 and not out.stdout, (out.stdout, out.stderr)
 
