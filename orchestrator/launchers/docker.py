@@ -297,6 +297,8 @@ class DockerLauncher(Launcher):
         return self.settings.logs_dir / f"{job_id}.log"
 
     def _get(self, job_id: str) -> Any | None:
+        import requests
+
         errors = self._errors()
         try:
             return self.client.containers.get(job_id)
@@ -304,6 +306,11 @@ class DockerLauncher(Launcher):
             return None
         except errors.APIError as exc:
             raise LauncherError(f"docker could not inspect container {job_id}: {_api_message(exc)}") from None
+        except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
+            # the engine restarting: the container may well run on (live-restore), so this is an
+            # outage to wait out (run_job's outage_grace), not the job's failure
+            where = _engine_url(self.config)
+            raise BackendUnavailable(f"docker engine not reachable at {where}: {type(exc).__name__}") from None
 
     # -- interface -------------------------------------------------------------------
     def submit(self, spec: JobSpec) -> JobHandle:
@@ -490,7 +497,7 @@ class DockerLauncher(Launcher):
         elapsed = (ended - started).total_seconds() if started and ended else 0.0
         if self._cancel_marker(job_id).exists():
             job_state, reason = JobState.CANCELLED, "cancelled"
-        elif state.get("OOMKilled"):
+        elif state.get("OOMKilled") and code != 0:  # a child killed for memory, the job itself fine: its own exit
             mem = container.attrs.get("HostConfig", {}).get("Memory") or 0
             job_state = JobState.FAILED
             reason = f"out of memory (limit {mem // (1024 * 1024)}M)" if mem else "out of memory"

@@ -8,6 +8,9 @@ looks. These tests pin both halves, against the real engine.
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 import time
 
 import pytest
@@ -68,3 +71,71 @@ def test_a_container_that_never_started_does_not_make_the_waiter_spin() -> None:
 def test_poll_interval_must_be_positive_seconds(value: str) -> None:
     with pytest.raises(ConfigError, match=r"\[backends.docker\] poll_interval must be a positive number"):
         get_launcher("docker", poll_interval=value)
+
+
+def _engine_proxy() -> tuple[int, threading.Event]:
+    """A TCP port that relays to the local engine's socket until the event is set (then it refuses),
+    as a Docker engine restarting looks to a client."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    down = threading.Event()
+    live: list[socket.socket] = []
+
+    def pipe(a: socket.socket, b: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := a.recv(65536):
+                b.sendall(data)
+        for s in (a, b):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def serve() -> None:
+        server.settimeout(0.2)
+        while not down.is_set():
+            try:
+                client, _ = server.accept()
+            except TimeoutError:
+                continue
+            engine = socket.socket(socket.AF_UNIX)
+            engine.connect("/var/run/docker.sock")
+            live.extend((client, engine))
+            for a, b in ((client, engine), (engine, client)):
+                threading.Thread(target=pipe, args=(a, b), daemon=True).start()
+        server.close()
+        for s in live:  # the engine went away: its open connections too
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return port, down
+
+
+def test_an_engine_that_cannot_be_reached_is_an_outage_to_wait_out_not_the_jobs_failure() -> None:
+    """The engine restarting mid-job: the status look raised requests' ConnectionError, which
+    run_job took for the job's failure (FAILED, a cancel that could not reach the engine either),
+    while the container ran on; it is now BackendUnavailable, which run_job waits out."""
+    from orchestrator.launchers import BackendUnavailable
+
+    require_docker()
+    port, down = _engine_proxy()
+    launcher = get_launcher("docker", base_url=f"tcp://127.0.0.1:{port}", timeout=5)
+    assert launcher.status(JobHandle("docker", "openlab-nosuch-0000")).state is JobState.LOST  # reached
+    down.set()
+    time.sleep(0.5)
+    with pytest.raises(BackendUnavailable, match=rf"docker engine not reachable at tcp://127.0.0.1:{port}"):
+        launcher.status(JobHandle("docker", "openlab-nosuch-0000"))
+
+
+def test_a_child_killed_for_memory_is_not_the_jobs_failure_when_the_job_exits_0() -> None:
+    """Docker says OOMKilled when any process of the container was; a job whose worker died of
+    it and which went on to exit 0 was FAILED "exit 0 (out of memory)", and `job run` exited 1."""
+    require_docker()
+    image = docker_image("base")
+    launcher = get_launcher("docker", image=image)
+    child = "python3 -c 'x = bytearray(400 * 1024 * 1024)' || true"
+    handle = launcher.submit(JobSpec(name="oomchild", command=["sh", "-c", child], image=image, memory="64M"))
+    try:
+        status = launcher.wait(handle, timeout=120)
+        assert status.state is JobState.SUCCEEDED and status.exit_code == 0, status
+    finally:
+        launcher.cleanup(handle)
