@@ -179,6 +179,15 @@ def k8s_cpu(cpus: float) -> str:
     return str(int(cpus)) if float(cpus).is_integer() else f"{int(round(cpus * 1000))}m"
 
 
+def _retry_after(exc: Any) -> float | None:
+    """Seconds an API server's ``Retry-After`` header asks a client to wait (429, 503), if any."""
+    headers = getattr(exc, "headers", None) or {}
+    try:
+        return float(headers.get("Retry-After") or headers.get("retry-after"))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+
+
 def _api_message(exc: Any) -> str:
     body = getattr(exc, "body", None)
     if body:
@@ -380,7 +389,10 @@ class KubernetesLauncher(Launcher):
         return client.CoreV1Api(self.api_client)
 
     def _call(self, what: str, fn: Callable[[], T], *, not_found: Callable[[], T] | None = None) -> T:
-        """Call the API; retry 5xx/connection errors; 404 -> ``not_found()``; quote the server's message."""
+        """Call the API; retry 5xx, 429 (API Priority and Fairness, after its Retry-After) and
+        connection errors; 404 -> ``not_found()``; quote the server's message. A 5xx or 429 that
+        outlasts the retries is :class:`BackendUnavailable`, an outage ``run_job`` waits out, not
+        the job's failure (which cancelled a healthy multi-day job when the API server was busy)."""
         from kubernetes.client.exceptions import ApiException
         from urllib3.exceptions import HTTPError
 
@@ -391,10 +403,13 @@ class KubernetesLauncher(Launcher):
             except ApiException as exc:
                 if exc.status == 404 and not_found is not None:
                     return not_found()
-                if exc.status and exc.status >= 500 and attempt < self.retries:
-                    time.sleep(delay)
+                busy = exc.status == 429 or (exc.status or 0) >= 500
+                if busy and attempt < self.retries:
+                    time.sleep(min(_retry_after(exc) or delay, 30.0))
                     delay *= 2
                     continue
+                if busy:
+                    raise BackendUnavailable(f"kubernetes API could not {what}: {_api_message(exc)}") from None
                 raise LauncherError(f"kubernetes API refused to {what}: {_api_message(exc)}") from None
             except HTTPError as exc:
                 if attempt < self.retries:

@@ -533,9 +533,33 @@ def test_kubernetes_5xx_is_retried_then_reported(httpserver: HTTPServer) -> None
     httpserver.expect_request("/apis/batch/v1/namespaces/default/jobs", method="POST").respond_with_data(
         _status(500, "internal error: etcd is down", "InternalError"), status=500, content_type="application/json"
     )
-    with pytest.raises(LauncherError, match="etcd is down"):
+    with pytest.raises(BackendUnavailable, match="etcd is down"):  # an outage run_job waits out, not a refusal
         get_launcher("kubernetes", host=url, retries=2, measure_usage=False).submit(JobSpec(name="x", command=["true"]))
     assert len(httpserver.log) == 3
+
+
+def test_kubernetes_429_is_retried_after_what_the_server_asks(httpserver: HTTPServer) -> None:
+    """API Priority and Fairness answers a busy client 429 with Retry-After: a status look that got
+    one was the job's end (FAILED, and a cancel of a healthy multi-day job)."""
+    busy = _status(429, "too many requests, please try again later", "TooManyRequests")
+    path = "/apis/batch/v1/namespaces/default/jobs"
+    httpserver.expect_ordered_request(path, method="POST").respond_with_data(
+        busy, status=429, content_type="application/json", headers={"Retry-After": "1"}
+    )
+    created = json.dumps({"kind": "Job", "apiVersion": "batch/v1", "metadata": {"name": "x"}})
+    httpserver.expect_ordered_request(path, method="POST").respond_with_data(
+        created, status=201, content_type="application/json"
+    )
+    url = httpserver.url_for("/").rstrip("/")
+    started = time.monotonic()
+    handle = get_launcher("kubernetes", host=url, retries=3, measure_usage=False).submit(
+        JobSpec(name="x", command=["true"])
+    )
+    assert handle.job_id.startswith("default/openlab-x-") and time.monotonic() - started >= 1.0
+    httpserver.clear()
+    httpserver.expect_request(path, method="POST").respond_with_data(busy, status=429, content_type="application/json")
+    with pytest.raises(BackendUnavailable, match="too many requests"):
+        get_launcher("kubernetes", host=url, retries=1, measure_usage=False).submit(JobSpec(name="x", command=["true"]))
 
 
 def test_kubernetes_unreachable_api(tmp_path: Path) -> None:
