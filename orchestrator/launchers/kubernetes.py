@@ -179,6 +179,35 @@ def k8s_cpu(cpus: float) -> str:
     return str(int(cpus)) if float(cpus).is_integer() else f"{int(round(cpus * 1000))}m"
 
 
+def _phase(pod: Any) -> str | None:
+    return pod.status.phase if pod.status else None
+
+
+#: Container waiting reasons that are only the way to running, not a reason to tell anyone.
+_ON_THE_WAY = frozenset({"ContainerCreating", "PodInitializing"})
+
+
+def _waiting(pods: list[Any]) -> str | None:
+    """Why pods the Job controller counts as active do not run: not scheduled (``Unschedulable:
+    0/4 nodes are available: 4 Insufficient nvidia.com/gpu``), or a container that cannot start
+    (``ImagePullBackOff``, ``CreateContainerConfigError``: a Secret it names is missing). Without
+    it such a Job read RUNNING, with no reason, for as long as it waited, and its clock ran."""
+    for pod in pods:
+        status = pod.status
+        if status is None:
+            continue
+        for cond in status.conditions or []:
+            if cond.type == "PodScheduled" and cond.status == "False":
+                return f"not scheduled: {cond.reason or 'Unschedulable'}" + (
+                    f": {cond.message}" if cond.message else ""
+                )
+        for cs in [*(status.init_container_statuses or []), *(status.container_statuses or [])]:
+            waiting = cs.state.waiting if cs.state else None
+            if waiting is not None and waiting.reason and waiting.reason not in _ON_THE_WAY:
+                return f"{waiting.reason}" + (f": {waiting.message}" if waiting.message else "")
+    return None
+
+
 def _retry_after(exc: Any) -> float | None:
     """Seconds an API server's ``Retry-After`` header asks a client to wait (429, 503), if any."""
     headers = getattr(exc, "headers", None) or {}
@@ -925,6 +954,10 @@ class KubernetesLauncher(Launcher):
             state, reason = JobState.PENDING, None
         if state is JobState.PENDING and pods and pods[-1].status and pods[-1].status.phase == "Running":
             state = JobState.RUNNING
+        if state is JobState.RUNNING and current and all(_phase(p) == "Pending" for p in current):
+            waiting = _waiting(current)  # active to the Job controller, but no pod of it runs: say why
+            if waiting:
+                state, reason, started = JobState.PENDING, waiting, None
         if not state.terminal:
             exit_code, ended = None, None
         notes = []

@@ -204,3 +204,63 @@ def test_job_controller_pod_retries_are_followed_and_named(process_cluster: Emul
         )
         assert failed.state is JobState.FAILED and failed.exit_code == 5, failed
         assert failed.reason and "Kubernetes ran 2 pods (backoffLimit)" in failed.reason, failed.reason
+
+
+def _pending_job_and_pod(**pod_status: Any) -> tuple[Any, Any]:
+    """A Job the controller counts as active, and its one pod, Pending with ``pod_status``."""
+    from kubernetes.client import V1Job, V1JobStatus, V1ObjectMeta, V1Pod, V1PodSpec, V1PodStatus
+
+    job = V1Job(metadata=V1ObjectMeta(name="openlab-x-1", annotations={}), status=V1JobStatus(active=1))
+    pod = V1Pod(
+        metadata=V1ObjectMeta(name="openlab-x-1-abcde", labels={}),
+        spec=V1PodSpec(containers=[], node_name=None),
+        status=V1PodStatus(phase="Pending", **pod_status),
+    )
+    return job, pod
+
+
+def test_a_pod_that_cannot_be_scheduled_or_pulled_is_pending_with_the_reason_not_running() -> None:
+    """Insufficient GPUs or a wrong image tag: the Job is active to its controller, so it read
+    RUNNING with no reason for as long as it waited (its GPU-hours counting), and a time limit
+    that ended it blamed the job."""
+    from kubernetes.client import (
+        V1ContainerState,
+        V1ContainerStateWaiting,
+        V1ContainerStatus,
+        V1PodCondition,
+    )
+
+    from orchestrator.launchers import JobHandle
+
+    launcher = get_launcher("kubernetes", host="http://127.0.0.1:9", measure_usage=False)
+    handle = JobHandle("kubernetes", "default/openlab-x-1")
+    unschedulable = V1PodCondition(
+        type="PodScheduled",
+        status="False",
+        reason="Unschedulable",
+        message="0/4 nodes are available: 4 Insufficient nvidia.com/gpu.",
+    )
+    job, pod = _pending_job_and_pod(conditions=[unschedulable])
+    status = launcher._status_of(handle, job, [pod])
+    assert status.state is JobState.PENDING and status.started_at is None, status
+    assert status.reason == "not scheduled: Unschedulable: 0/4 nodes are available: 4 Insufficient nvidia.com/gpu."
+    pulling = V1ContainerStatus(
+        name="job",
+        image="openlab/job:nosuch",
+        image_id="",
+        ready=False,
+        restart_count=0,
+        state=V1ContainerState(
+            waiting=V1ContainerStateWaiting(reason="ImagePullBackOff", message='Back-off pulling "openlab/job:nosuch"')
+        ),
+    )
+    job, pod = _pending_job_and_pod(container_statuses=[pulling])
+    status = launcher._status_of(handle, job, [pod])
+    assert (status.state, status.reason) == (
+        JobState.PENDING,
+        'ImagePullBackOff: Back-off pulling "openlab/job:nosuch"',
+    )
+    creating = V1ContainerStateWaiting(reason="ContainerCreating")  # on its way: no reason to tell
+    pulling.state = V1ContainerState(waiting=creating)
+    job, pod = _pending_job_and_pod(container_statuses=[pulling])
+    assert launcher._status_of(handle, job, [pod]).state is JobState.RUNNING
