@@ -11,11 +11,16 @@ the same code in the working tree, and vice versa.
 from __future__ import annotations
 
 import fcntl
+import logging
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from orchestrator.errors import ConfigError
 from orchestrator.settings import Settings
+
+#: Longest a nightly waits for ``git fetch`` of the branch it tests (:func:`latest_ref`).
+FETCH_TIMEOUT = 120.0
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -33,6 +38,39 @@ def resolve_ref(repo: Path, ref: str) -> str:
         return _git(repo, "rev-parse", "--verify", "--quiet", f"{ref}^{{commit}}")
     except ConfigError:
         raise ConfigError(f"git ref {ref!r} names no commit in {repo}") from None
+
+
+def latest_ref(repo: Path, ref: str, log: logging.Logger | logging.LoggerAdapter[Any] | None = None) -> str:
+    """``ref``'s upstream, fetched first, for a branch that tracks one (``main`` -> ``origin/main``);
+    ``ref`` itself for anything else (a tag, a sha, a branch with no upstream, HEAD).
+
+    The nightly tests "the current main": the server's checkout of ``main`` is only as new as the
+    last time someone pulled there, and a nightly of it tested the same commit every night, every
+    stage reused, green. A fetch that fails (no network, the remote down) is said, and the upstream
+    as last fetched is tested."""
+    name = (ref or "").strip()
+    if not name or name in ("HEAD", "@"):
+        return ref
+    try:
+        upstream = _git(repo, "rev-parse", "--abbrev-ref", "--symbolic-full-name", f"{name}@{{upstream}}")
+    except ConfigError:  # not a branch, or one that tracks nothing: what it names here
+        return ref
+    remote = _git(repo, "config", "--get", f"branch.{name}.remote")
+    merge = _git(repo, "config", "--get", f"branch.{name}.merge").removeprefix("refs/heads/")
+    try:
+        proc = subprocess.run(  # noqa: S603 - fixed git arguments
+            ["git", "-C", str(repo), "fetch", "--quiet", remote, merge],
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=FETCH_TIMEOUT,
+        )
+        failed = proc.stderr.strip() if proc.returncode else ""
+    except subprocess.TimeoutExpired:
+        failed = f"no answer within {FETCH_TIMEOUT:g} s"
+    if failed and log is not None:
+        log.warning("could not fetch %s from %s (%s): testing %s as last fetched", merge, remote, failed, upstream)
+    return upstream
 
 
 def checkout_ref(repo: Path, ref: str | None, settings: Settings) -> Path:
@@ -57,4 +95,4 @@ def checkout_ref(repo: Path, ref: str | None, settings: Settings) -> Path:
     return path
 
 
-__all__ = ["checkout_ref", "resolve_ref"]
+__all__ = ["checkout_ref", "latest_ref", "resolve_ref"]

@@ -122,15 +122,21 @@ def nightly_replica(
         recipe: Recipe name (a file in recipes/) or path.
         replica: Scaled-down replica to run (small is sized for a nightly).
         backend: Where the stage jobs run; empty: `[backends] default` of openlab.toml (local when unset).
-        git_ref: Commit to test; main by default (the current main commit).
+        git_ref: Commit to test; main by default: a branch that tracks a remote one is fetched first and its
+            remote head tested (origin/main), not this server's checkout as it was last pulled.
         issue: Experiment issue owner/repo#N to post the lineage card to.
     """
+    from flows.gitref import latest_ref
+    from orchestrator.pipeline.dag import REPO_ROOT
+
+    # main as the remote has it now, not as this server's checkout last pulled it
+    tested = latest_ref(REPO_ROOT, git_ref, get_run_logger())
     summary = run_replica(
         recipe=recipe,
         replica=replica,
         backend=backend,
         issue=issue,
-        git_ref=git_ref,
+        git_ref=tested,
         force=False,
         dry_run=False,
         trigger=None,

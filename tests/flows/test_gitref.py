@@ -95,3 +95,41 @@ def test_a_ref_whose_recipe_this_code_cannot_read_says_so(prefect_server: object
     message = str(err.value)
     assert "speculative_decoding" in message and f"git ref {sha}" in message, message
     assert "serve the flows from that ref" in message
+
+
+def test_the_nightly_tests_main_as_the_remote_has_it_not_as_last_pulled(tmp_path: Path) -> None:
+    """The server's checkout of main is as new as its last pull: a nightly of `main` tested the same
+    commit every night, every stage reused, a green status on it each morning."""
+    import logging
+
+    from flows.gitref import latest_ref
+
+    upstream = tmp_path / "upstream.git"
+    _git(tmp_path, "init", "-q", "--bare", "-b", "main", str(upstream))
+    dev = tmp_path / "dev"
+    _git(tmp_path, "clone", "-q", str(upstream), str(dev))
+    ident = ("-c", "user.name=t", "-c", "user.email=t@e")
+    (dev / "stage.py").write_text("v = 1\n")
+    _git(dev, "add", ".")
+    _git(dev, *ident, "commit", "-qm", "one")
+    _git(dev, "push", "-q", "origin", "HEAD:main")
+    server = tmp_path / "server"
+    _git(tmp_path, "clone", "-q", str(upstream), str(server))
+    (dev / "stage.py").write_text("v = 2\n")
+    _git(dev, *ident, "commit", "-qam", "two")
+    _git(dev, "push", "-q", "origin", "HEAD:main")
+    pushed = _git(dev, "rev-parse", "HEAD")
+    assert _git(server, "rev-parse", "main") != pushed, "the server has not pulled"
+
+    ref = latest_ref(server, "main")
+    assert ref == "origin/main" and _git(server, "rev-parse", ref) == pushed
+    sha = _git(server, "rev-parse", "main")
+    assert latest_ref(server, sha) == sha and latest_ref(server, "HEAD") == "HEAD", "only a tracking branch moves"
+    _git(server, "remote", "set-url", "origin", str(tmp_path / "gone.git"))  # the remote down: said, last fetched
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("test-latest-ref")
+    log.addHandler(handler)
+    assert latest_ref(server, "main", log) == "origin/main"
+    assert records and records[0].startswith("could not fetch main from origin"), records
