@@ -6,8 +6,9 @@
   these machines have no registry. Its digest (RepoDigests, else the image id) is recorded.
 - Limits: ``nano_cpus``, ``mem_limit`` (with swap off, so over the limit means OOM, which
   is reported as ``FAILED`` with reason "out of memory"), ``pids_limit`` (default 4096).
-  ``shm_size`` (``2G``) sizes ``/dev/shm``: Docker's default is 64 MB, too small for
-  PyTorch's DataLoader workers, which pass batches through it.
+  ``shm_size`` (e.g. ``2G``; not set by default) sizes ``/dev/shm``: Docker's default is 64 MB,
+  too small for PyTorch's DataLoader workers, which pass batches through it (the MoE workload
+  uses none, so it is left to a stage that does: ``resources.<stage>.docker.shm_size``).
 - ``network_mode`` defaults to ``"none"``: a job reads its inputs from the artifact root,
   which is bind-mounted at the same path, so lineage paths mean the same inside and out.
 - The spec's working directory, when it is a folder on this host, is bind-mounted
