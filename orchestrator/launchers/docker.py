@@ -101,6 +101,7 @@ from orchestrator.launchers.base import (
     usage_python,
     with_notes,
 )
+from orchestrator.secrets import scrub, secret_values
 
 DEFAULT_IMAGE = "openlab/job:latest"
 
@@ -183,6 +184,13 @@ def _helpers_archive(names: list[str]) -> bytes:
             info.size, info.mode, info.mtime = len(data), 0o444, int(time.time())
             tar.addfile(info, io.BytesIO(data))
     return buffer.getvalue()
+
+
+def _container_secrets(container: Any) -> list[str]:
+    """The values of the container's secret-named variables (``-e MY_TOKEN=...``), which whoever
+    reads its log later (``openlab job logs`` in another process) cannot know from its own."""
+    env = dict(e.split("=", 1) for e in (container.attrs.get("Config") or {}).get("Env") or [] if "=" in e)
+    return secret_values(env)
 
 
 class DockerLauncher(Launcher):
@@ -603,7 +611,9 @@ class DockerLauncher(Launcher):
             if not path.exists():
                 raise JobNotFound(f"container {handle.job_id} is gone and no log was saved at {path}")
             return follow_file(path, lambda: True, follow=False, tail=tail)
-        return self._stream(container, follow=follow, tail=tail)
+        secrets = _container_secrets(container)
+        lines = self._stream(container, follow=follow, tail=tail)
+        return (scrub(line, secrets) for line in lines) if secrets else lines
 
     @staticmethod
     def _stream(container: Any, *, follow: bool, tail: int | None) -> Iterator[str]:
@@ -648,7 +658,10 @@ class DockerLauncher(Launcher):
             return
         log_path = Path(handle.log_path or self._log_path(handle.job_id))
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        log_path.write_bytes(container.logs(stdout=True, stderr=True))
+        text = container.logs(stdout=True, stderr=True)
+        if secrets := _container_secrets(container):  # the job's own (-e MY_TOKEN=...): masked in the kept log
+            text = scrub(text.decode("utf-8", "replace"), secrets).encode()
+        log_path.write_bytes(text)
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._final_path(handle.job_id).write_text(json.dumps(status.to_dict()))
         try:

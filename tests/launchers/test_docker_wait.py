@@ -9,9 +9,11 @@ looks. These tests pin both halves, against the real engine.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -139,3 +141,22 @@ def test_a_child_killed_for_memory_is_not_the_jobs_failure_when_the_job_exits_0(
         assert status.state is JobState.SUCCEEDED and status.exit_code == 0, status
     finally:
         launcher.cleanup(handle)
+
+
+def test_a_jobs_own_secret_is_masked_in_the_log_openlab_keeps_and_shows_later() -> None:
+    """`-e MY_TOKEN=...`: masked in the live stream, but the saved log and `openlab job logs` from
+    another process (which knows only its own environment's secrets) printed it."""
+    require_docker()
+    image = docker_image("base")
+    launcher = get_launcher("docker", image=image)
+    secret = "s3cr3t-value-of-the-job-42"
+    spec = JobSpec(name="talks", command=["sh", "-c", 'echo "token is $MY_TOKEN"'], image=image)
+    handle = launcher.submit(dataclasses.replace(spec, env={"MY_TOKEN": secret}))
+    try:
+        assert launcher.wait(handle, timeout=60).state is JobState.SUCCEEDED
+        assert list(launcher.logs(handle)) == ["token is ***"], "while the container is there"
+    finally:
+        launcher.cleanup(handle)
+    fresh = get_launcher("docker", image=image)  # `job logs` later: the container is gone, the saved log read
+    assert list(fresh.logs(handle)) == ["token is ***"]
+    assert secret not in Path(str(handle.log_path)).read_text()
