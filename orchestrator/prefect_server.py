@@ -152,6 +152,11 @@ class PrefectServer:
         # The server must not think it is a client of some other server.
         env.pop("PREFECT_API_URL", None)
         env.pop("PREFECT_API_KEY", None)
+        if self.host in ("0.0.0.0", "::", "") and not env.get("PREFECT_UI_API_URL"):  # noqa: S104 - a check
+            # Listening on every interface is for browsers on other machines; the UI would tell them
+            # to ask http://0.0.0.0:PORT/api, which is their own machine. This one's name instead
+            # (PREFECT_UI_API_URL set by hand wins: a proxy, a name the machine does not know).
+            env["PREFECT_UI_API_URL"] = f"http://{socket.getfqdn()}:{self.port}/api"
         env.update(self.extra_env)
         return env
 

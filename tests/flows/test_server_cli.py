@@ -217,6 +217,21 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def test_a_server_on_every_interface_tells_its_ui_to_ask_this_machine_not_0000(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`openlab server --host 0.0.0.0` is for browsers on other machines; Prefect's UI told them to
+    ask http://0.0.0.0:4200/api, their own machine, and showed nothing."""
+    import socket
+
+    monkeypatch.delenv("PREFECT_UI_API_URL", raising=False)
+    server = PrefectServer(home=tmp_path, host="0.0.0.0", port=4301)
+    assert server.env()["PREFECT_UI_API_URL"] == f"http://{socket.getfqdn()}:4301/api"
+    assert "PREFECT_UI_API_URL" not in PrefectServer(home=tmp_path, port=4301).env(), "127.0.0.1: Prefect's own"
+    monkeypatch.setenv("PREFECT_UI_API_URL", "https://prefect.lab.example/api")  # behind a proxy: as given
+    assert server.env()["PREFECT_UI_API_URL"] == "https://prefect.lab.example/api"
+
+
 def test_prefect_database_and_cron_come_from_openlab_settings(tmp_path: Path) -> None:
     """SQLite under $OPENLAB_HOME/prefect by default; [prefect] database_url switches to PostgreSQL (asyncpg)."""
     from flows.deployments import nightly_cron
