@@ -5,7 +5,9 @@
   ids whose values are valid label values; all of them also as annotations), the first
   container's image/command/env/resources/workingDir, ``activeDeadlineSeconds`` (the time
   limit), ``backoffLimit`` and ``ttlSecondsAfterFinished`` (from the template unless
-  configured), and mounts the artifact root as a hostPath at the same path.
+  configured), and mounts the artifact root at the same path: the template's own volume named
+  ``openlab-artifacts`` where it has one (a PersistentVolumeClaim, NFS: storage every node and
+  this side share), else a hostPath.
 - Every manifest passes ``kubernetes_validate.validate(manifest, version, strict=True)``
   (``version`` from config, default 1.33) before it is sent: a typo in the template is
   reported here, with the schema's message, not as a half-created Job.
@@ -612,8 +614,14 @@ class KubernetesLauncher(Launcher):
         if spec.artifact_root is not None:
             root = str(Path(spec.artifact_root).resolve())
             env.append({"name": "OPENLAB_ARTIFACT_ROOT", "value": root})
-            volumes = [v for v in pod_spec.get("volumes") or [] if v.get("name") != "openlab-artifacts"]
-            volumes.append({"name": "openlab-artifacts", "hostPath": {"path": root, "type": "DirectoryOrCreate"}})
+            volumes = pod_spec.get("volumes") or []
+            shared = next((v for v in volumes if v.get("name") == "openlab-artifacts" and "hostPath" not in v), None)
+            if shared is None:  # a node's own disk, at the same path: one machine, or storage every node mounts there
+                volumes = [v for v in volumes if v.get("name") != "openlab-artifacts"]
+                volumes.append({"name": "openlab-artifacts", "hostPath": {"path": root, "type": "DirectoryOrCreate"}})
+            # else the template's own volume of that name (a PersistentVolumeClaim, NFS): the cluster's
+            # shared storage, mounted at the artifact root's path, as this side sees it (hostPath is
+            # refused under Pod Security "baseline", and each node would write to its own disk)
             pod_spec["volumes"] = volumes
             mounts = [m for m in main.get("volumeMounts") or [] if m.get("name") != "openlab-artifacts"]
             mounts.append({"name": "openlab-artifacts", "mountPath": root})

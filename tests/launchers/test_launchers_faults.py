@@ -597,6 +597,26 @@ def test_the_manifest_carries_the_spec_and_passes_strict_validation(tmp_path: Pa
     assert manifest["metadata"]["annotations"]["openlab.io/note"] == "has spaces"  # ...so kept as an annotation
 
 
+def test_an_artifact_volume_the_template_gives_is_kept_not_replaced_by_a_host_path(tmp_path: Path) -> None:
+    """A cluster's shared storage (a PVC, NFS) named openlab-artifacts in the template was replaced
+    by a hostPath: each node wrote to its own disk, and Pod Security "baseline" refused the pod."""
+
+    def shared(manifest: dict[str, Any]) -> None:
+        pod = manifest["spec"]["template"]["spec"]
+        pod["volumes"] = [{"name": "openlab-artifacts", "persistentVolumeClaim": {"claimName": "lab-artifacts"}}]
+
+    path = _edited_template(tmp_path, shared)
+    launcher = get_launcher("kubernetes", host="http://127.0.0.1:9", template=str(path), measure_usage=False)
+    job = JobSpec(name="x", command=["true"], artifact_root=tmp_path / "artifacts")
+    pod = launcher.manifest(job, "openlab-x-12345678")["spec"]["template"]["spec"]
+    assert pod["volumes"] == [{"name": "openlab-artifacts", "persistentVolumeClaim": {"claimName": "lab-artifacts"}}]
+    root = str((tmp_path / "artifacts").resolve())
+    assert {"name": "openlab-artifacts", "mountPath": root} in pod["containers"][0]["volumeMounts"]
+    plain = get_launcher("kubernetes", host="http://127.0.0.1:9", measure_usage=False)
+    volumes = plain.manifest(job, "openlab-x-12345678")["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "openlab-artifacts", "hostPath": {"path": root, "type": "DirectoryOrCreate"}} in volumes
+
+
 def test_a_stages_placement_reaches_the_pod_over_the_templates(tmp_path: Path) -> None:
     """Node selector, tolerations, priority class and service account (a recipe's per-stage
     `kubernetes:` options) join the template's own and still pass strict validation."""
