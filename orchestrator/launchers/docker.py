@@ -61,6 +61,7 @@ The job id is the container name (``openlab-<name>-<hex>``).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import io
 import json
@@ -641,10 +642,22 @@ class DockerLauncher(Launcher):
             self._cancel_marker(handle.job_id).write_text(str(time.time()))
             try:
                 container.stop(timeout=int(self.config.get("grace", 5)))
+                container.reload()
             except self._errors().NotFound:
                 return
             except self._errors().APIError as exc:
                 raise LauncherError(f"docker could not stop {handle.job_id}: {_api_message(exc)}") from None
+            if container.attrs.get("State", {}).get("Status") == "created":
+                # never started (a submit cut short between create and start): stop does nothing to
+                # it, and cleanup keeps what has not ended, so it stayed PENDING and was never removed
+                ended = JobStatus(
+                    JobState.CANCELLED, reason="cancelled before it started", ended_at=dt.datetime.now(dt.UTC)
+                )
+                self._final_path(handle.job_id).write_text(json.dumps(ended.to_dict()))
+                with contextlib.suppress(self._errors().NotFound):
+                    container.remove(force=True)
+                self._forget_folders(handle.job_id)
+                return
         self.cleanup(handle)
 
     def cleanup(self, handle: JobHandle) -> None:

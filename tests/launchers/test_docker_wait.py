@@ -160,3 +160,21 @@ def test_a_jobs_own_secret_is_masked_in_the_log_openlab_keeps_and_shows_later() 
     fresh = get_launcher("docker", image=image)  # `job logs` later: the container is gone, the saved log read
     assert list(fresh.logs(handle)) == ["token is ***"]
     assert secret not in Path(str(handle.log_path)).read_text()
+
+
+def test_cancelling_a_container_that_never_started_removes_it_and_ends_the_job() -> None:
+    """A submit cut short between create and start left a `created` container: cancel's stop did
+    nothing to it, cleanup keeps what has not ended, so it stayed PENDING and was never removed."""
+    require_docker()
+    image = docker_image("base")
+    launcher = get_launcher("docker", image=image)
+    created = launcher.client.containers.create(image, ["sleep", "60"], labels={"openlab.io/managed": "true"})
+    handle = JobHandle("docker", created.name)
+    try:
+        launcher.cancel(handle)
+        status = launcher.status(handle)
+        assert status.state is JobState.CANCELLED and status.reason == "cancelled before it started", status
+        assert launcher._get(created.name) is None, "the container is gone"
+    finally:
+        with contextlib.suppress(Exception):
+            created.remove(force=True)
