@@ -36,7 +36,8 @@ def collect_outputs(
 
     Args:
         keep: Keep the outputs of the last N completed runs of each recipe and replica.
-        unused_for: Only outputs no run made or reused for this long (90m, 12h, 7d, 2w).
+        unused_for: Only outputs no run made or reused for this long (90m, 12h, 7d, 2w); the git
+            worktrees runs of a git ref checked out (the nightly's commits) no run used for this long go too.
         stages: Only outputs of these stages (empty: all).
         recipe: Only outputs runs of this recipe used.
         replica: Only outputs runs of this replica used.
@@ -75,7 +76,14 @@ def collect_outputs(
             for out in collect(store, settings, plan):
                 line = f"{out.stage} {out.identity[:16]} ({decimal(out.bytes)}): {out.outcome}"
                 (logger.info if out.outcome == "removed" else logger.warning)(line)
+    from flows.gitref import prune_worktrees, stale_worktrees
+    from orchestrator.pipeline.dag import REPO_ROOT
+
+    used_since = parse_when(unused_for)  # each nightly on a new commit checked out a whole worktree of it
+    worktrees = stale_worktrees(settings, used_since) if dry_run else prune_worktrees(REPO_ROOT, settings, used_since)
     verb = "would remove" if dry_run else "removed"
+    if worktrees:
+        logger.info("%s %d git worktree(s) of commits no run used since %s", verb, len(worktrees), unused_for)
     headline = f"{verb} {len(removable)} output folder(s), {decimal(plan.bytes_removable)}; kept {plan.kept_summary()}"
     logger.info(headline)
     # with include_failed, say which folders are a failed run's leftovers (and its last attempt)

@@ -10,8 +10,12 @@ the same code in the working tree, and vice versa.
 
 from __future__ import annotations
 
+import contextlib
+import datetime as dt
 import fcntl
 import logging
+import re
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -95,4 +99,43 @@ def checkout_ref(repo: Path, ref: str | None, settings: Settings) -> Path:
     return path
 
 
-__all__ = ["checkout_ref", "latest_ref", "resolve_ref"]
+def stale_worktrees(settings: Settings, unused_since: dt.datetime) -> list[Path]:
+    """The commit worktrees (``$OPENLAB_HOME/worktrees/<sha>``) no run has checked out since
+    ``unused_since``: each run of a ref takes the checkout's lock, whose file's time is its last use."""
+    root = settings.home / "worktrees"
+    stale = []
+    for path in sorted(root.glob("*")) if root.is_dir() else []:
+        if not path.is_dir() or not re.fullmatch(r"[0-9a-f]{40}", path.name):
+            continue
+        lock = root / f"{path.name}.lock"
+        used = (lock if lock.exists() else path).stat().st_mtime
+        if dt.datetime.fromtimestamp(used, dt.UTC) < unused_since:
+            stale.append(path)
+    return stale
+
+
+def prune_worktrees(repo: Path, settings: Settings, unused_since: dt.datetime) -> list[Path]:
+    """Remove :func:`stale_worktrees`, each as ``git worktree remove`` does (the repository's list of
+    worktrees too): each nightly on a new commit added a whole checkout, for good. One a run holds
+    now (its lock taken) is left. Returns those removed."""
+    removed = []
+    for path in stale_worktrees(settings, unused_since):
+        lock = path.parent / f"{path.name}.lock"
+        with lock.open("a") as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # a run checks it out right now
+                continue
+            try:
+                _git(repo, "worktree", "remove", "--force", str(path))
+            except ConfigError:  # not one of this repository's: its files alone
+                shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        lock.unlink(missing_ok=True)
+    if removed:
+        with contextlib.suppress(ConfigError):
+            _git(repo, "worktree", "prune")
+    return removed
+
+
+__all__ = ["checkout_ref", "latest_ref", "prune_worktrees", "resolve_ref", "stale_worktrees"]

@@ -111,9 +111,17 @@ def gc_cmd(
             raise typer.Exit(1)
     elif not json_out:
         _print_plan(plan)
+    # the checkouts runs of a git ref made ($OPENLAB_HOME/worktrees/<sha>): a cache of commits, made again when asked
+    from flows.gitref import prune_worktrees, stale_worktrees
+    from orchestrator.pipeline.dag import REPO_ROOT
+
+    worktrees = stale_worktrees(settings, used_since) if dry_run else prune_worktrees(REPO_ROOT, settings, used_since)
+    if worktrees and not json_out:
+        verb = "would remove" if dry_run else "removed"
+        console.print(f"{verb} {len(worktrees)} git worktree(s) of commits no run used since then", markup=False)
     if dry_run or not removable:
         if json_out:
-            print_json({"dry_run": dry_run, **plan.to_dict()})
+            print_json({"dry_run": dry_run, **plan.to_dict(), "worktrees": [str(p) for p in worktrees]})
         return
     if json_out or not console.is_terminal:
         done = collect(store, settings, plan)
@@ -123,7 +131,7 @@ def gc_cmd(
             done = collect(store, settings, plan, progress=lambda o: bar.advance(task, o.bytes))
     removed = [o for o in done if o.outcome == "removed"]
     if json_out:
-        print_json({"dry_run": False, **plan.to_dict()})
+        print_json({"dry_run": False, **plan.to_dict(), "worktrees": [str(p) for p in worktrees]})
     else:
         for o in done:
             if o.outcome != "removed":

@@ -133,3 +133,40 @@ def test_the_nightly_tests_main_as_the_remote_has_it_not_as_last_pulled(tmp_path
     log.addHandler(handler)
     assert latest_ref(server, "main", log) == "origin/main"
     assert records and records[0].startswith("could not fetch main from origin"), records
+
+
+def test_worktrees_no_run_used_since_are_removed_and_one_in_use_is_kept(tmp_path: Path) -> None:
+    """Each nightly on a new commit added a whole checkout under $OPENLAB_HOME/worktrees, and a
+    worktree entry in the repository, for good: gc removes those no run has used since its cut."""
+    import datetime as dt
+    import fcntl
+
+    from flows.gitref import prune_worktrees, stale_worktrees
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q", "-b", "main")
+    ident = ("-c", "user.name=t", "-c", "user.email=t@e")
+    shas = []
+    for v in (1, 2):
+        (repo / "stage.py").write_text(f"v = {v}\n")
+        _git(repo, "add", ".")
+        _git(repo, *ident, "commit", "-qm", f"v{v}")
+        shas.append(_git(repo, "rev-parse", "HEAD"))
+    settings = load_settings(environ={"OPENLAB_HOME": str(tmp_path / "home"), "OPENLAB_CONFIG": str(repo / "x.toml")})
+    (repo / "x.toml").write_text("")
+    old, new = (checkout_ref(repo, sha, settings) for sha in shas)
+    week_ago = dt.datetime.now(dt.UTC) - dt.timedelta(days=7)
+    stamp = (week_ago - dt.timedelta(days=1)).timestamp()
+    os.utime(old.parent / f"{old.name}.lock", (stamp, stamp))  # last checked out eight days ago
+
+    assert stale_worktrees(settings, week_ago) == [old]
+    assert prune_worktrees(repo, settings, week_ago) == [old]
+    assert not old.exists() and new.exists()
+    assert str(old) not in _git(repo, "worktree", "list") and str(new) in _git(repo, "worktree", "list")
+    assert checkout_ref(repo, shas[0], settings) == old and old.exists(), "made again when a run asks for it"
+
+    os.utime(old.parent / f"{old.name}.lock", (stamp, stamp))
+    with (old.parent / f"{old.name}.lock").open("a") as held:  # a run checking it out right now
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert prune_worktrees(repo, settings, week_ago) == [] and old.exists()
