@@ -133,6 +133,11 @@ def test_small_replica_resolves_and_passes_the_workload_checks() -> None:
 def test_validation_errors_name_the_key_path(
     tmp_path: Path, path: tuple[str, ...], value: object, message: str
 ) -> None:
+    assert message in _refusal_of(tmp_path, path, value)
+
+
+def _refusal_of(tmp_path: Path, path: tuple[str, ...], value: object) -> str:
+    """The error loading the base recipe with ``value`` at ``path`` gives."""
     data = base()
     node = data
     for key in path[:-1]:
@@ -140,7 +145,7 @@ def test_validation_errors_name_the_key_path(
     node[path[-1]] = value
     with pytest.raises(ConfigError) as err:
         load_recipe(write(tmp_path, data))
-    assert message in str(err.value)
+    return str(err.value)
 
 
 def test_a_tracked_metric_without_a_tolerance_is_refused_by_the_verdicts_rule(tmp_path: Path) -> None:
@@ -694,14 +699,8 @@ def test_a_sweeps_grid_value_out_of_range_names_the_grid() -> None:
 def test_a_recipe_file_value_out_of_its_range_is_refused_when_the_file_loads(
     tmp_path: Path, path: tuple[str, ...], value: object, message: str
 ) -> None:
-    data = base()
-    node = data
-    for key in path[:-1]:
-        node = node[key]
-    node[path[-1]] = value
-    with pytest.raises(ConfigError) as err:
-        load_recipe(write(tmp_path, data))
-    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+    said = _refusal_of(tmp_path, path, value)
+    assert message in said and "\n" not in said, said
 
 
 def test_the_ends_of_each_range_that_mean_something_are_allowed(tmp_path: Path) -> None:
