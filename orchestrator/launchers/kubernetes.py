@@ -1135,6 +1135,16 @@ class KubernetesLauncher(Launcher):
                 return
             backoff.sleep()
 
+    def cancel_wait(self) -> float:
+        """How long a cancel waits for the Job's pods to go: ``cancel_timeout``, else the pods' own
+        grace (the template's ``terminationGracePeriodSeconds``, Kubernetes' 30 s) and 30 s more.
+        It was 30 s flat, as long as the grace a job that saves on SIGTERM is given: such a cancel
+        ended "pods still exist", and the attempt FAILED instead of CANCELLED."""
+        pod = ((self.template().get("spec") or {}).get("template") or {}).get("spec") or {}
+        grace = pod.get("terminationGracePeriodSeconds")
+        grace = 30 if grace is None else grace
+        return number_option(self.config, "cancel_timeout", float(grace) + 30)
+
     def cancel(self, handle: JobHandle) -> None:
         from kubernetes import client
 
@@ -1154,7 +1164,7 @@ class KubernetesLauncher(Launcher):
             ),
             not_found=lambda: None,
         )
-        timeout = number_option(self.config, "cancel_timeout", 30)
+        timeout = self.cancel_wait()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.pods(handle.job_id):

@@ -617,6 +617,19 @@ def test_an_artifact_volume_the_template_gives_is_kept_not_replaced_by_a_host_pa
     assert {"name": "openlab-artifacts", "hostPath": {"path": root, "type": "DirectoryOrCreate"}} in volumes
 
 
+def test_a_cancel_waits_longer_than_the_grace_the_pods_are_given_to_save(tmp_path: Path) -> None:
+    """30 s flat, the pods' own default grace: a job that saves on SIGTERM outlived the wait, and
+    the cancel ended "pods still exist", recording the attempt FAILED instead of CANCELLED."""
+    assert get_launcher("kubernetes", host="http://127.0.0.1:9").cancel_wait() == 60  # Kubernetes' 30 s, and 30
+
+    def patient(manifest: dict[str, Any]) -> None:
+        manifest["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = 300
+
+    path = _edited_template(tmp_path, patient)
+    assert get_launcher("kubernetes", host="http://127.0.0.1:9", template=str(path)).cancel_wait() == 330
+    assert get_launcher("kubernetes", host="http://127.0.0.1:9", cancel_timeout=10).cancel_wait() == 10
+
+
 def test_a_stages_placement_reaches_the_pod_over_the_templates(tmp_path: Path) -> None:
     """Node selector, tolerations, priority class and service account (a recipe's per-stage
     `kubernetes:` options) join the template's own and still pass strict validation."""
