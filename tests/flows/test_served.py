@@ -314,6 +314,8 @@ def _plant_better_nightly(store: LineageStore, loss_factor: float) -> PipelineRu
                 state="COMPLETED",
                 started_at=dt.datetime.now(dt.UTC) - dt.timedelta(days=1),
                 verdict={"status": "baseline"},
+                backend="local",  # a nightly of the same kind: same backend, same git ref asked
+                params={"prefect": {"git_ref": "HEAD"}},
             )
         )
         sha = "0123456789abcdef0123456789abcdef01234567"
