@@ -511,13 +511,14 @@ def flow_backend(backend: str | None, settings: Settings | None = None) -> str:
     """The backend a flow's stage jobs run on: the form's, else ``[backends] default`` (as ``openlab
     run`` without ``--backend``): the scheduled nightly, whose form nobody fills in, ran on the
     server's own machine whatever the lab had configured."""
-    from orchestrator.launchers.base import known_backend
+    from orchestrator.launchers.base import check_backends_section
     from orchestrator.settings import load_settings
 
     if backend:
         return backend
-    chosen = (settings or load_settings()).default_backend
-    return known_backend(chosen, "[backends] default")
+    settings = settings or load_settings()
+    check_backends_section(settings)  # a misspelt default, named where it was written
+    return settings.default_backend
 
 
 def default_backend_name() -> str:

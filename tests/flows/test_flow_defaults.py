@@ -24,5 +24,5 @@ def test_a_flow_left_without_a_backend_runs_on_the_configured_default(
     config.write_text("")
     assert flow_backend(None, load_settings()) == "local"
     config.write_text('[backends]\ndefault = "slurmm"\n')
-    with pytest.raises(ConfigError, match=r"\[backends\] default 'slurmm': not a backend; did you mean 'slurm'\?"):
+    with pytest.raises(ConfigError, match=r"\[backends\] default = 'slurmm' is not a backend: did you mean 'slurm'\?"):
         flow_backend(None, load_settings())
