@@ -394,23 +394,16 @@ def refuse_unknown_names(store: LineageStore, flt: RecordFilter) -> None:
 
 def _known_names(store: LineageStore) -> dict[str, set[str]]:
     """Every stage, recipe and replica name in the store or in the shipped recipes."""
-    from orchestrator.recipes.recipe import RECIPES_DIR
-    from orchestrator.recipes.schema import STAGES, load_yaml
+    from orchestrator.recipes.recipe import shipped_names
+    from orchestrator.recipes.schema import STAGES
 
-    known: dict[str, set[str]] = {"stage": set(STAGES), "recipe": set(), "replica": set()}
+    recipes, replicas = shipped_names()
+    known: dict[str, set[str]] = {"stage": set(STAGES), "recipe": recipes, "replica": replicas}
     with store.session() as session:
         known["stage"] |= {s for s in session.exec(select(StageRun.stage).distinct()) if s}
         for recipe, replica in session.exec(select(PipelineRun.recipe, PipelineRun.replica).distinct()):
             known["recipe"] |= {recipe} if recipe else set()
             known["replica"] |= {replica} if replica else set()
-    for path in sorted(RECIPES_DIR.glob("*.yaml")):
-        try:
-            data = load_yaml(path.read_text(encoding="utf-8"))
-        except Exception:  # noqa: BLE001 - a recipe that does not load names nothing here
-            continue
-        if isinstance(data, dict) and isinstance(data.get("replicas"), dict):
-            known["recipe"].add(path.stem)
-            known["replica"] |= {str(name) for name in data["replicas"]}
     return known
 
 

@@ -186,6 +186,23 @@ def find_recipe(ref: str | Path, recipes_dir: Path | None = None, *, root: Path 
     raise ConfigError(f"recipe {ref}: no such file, and no recipe of that name in {folder}; {hint}")
 
 
+def shipped_names(folder: Path | None = None) -> tuple[set[str], set[str]]:
+    """The names of the recipes in ``folder`` (``recipes/``) that have replicas, and of their
+    replicas: what a filter naming a recipe or replica may name before any run recorded it. Read
+    as plain YAML, unchecked: a recipe that does not load names nothing here."""
+    recipes: set[str] = set()
+    replicas: set[str] = set()
+    for path in sorted((folder or RECIPES_DIR).glob("*.yaml")):
+        try:
+            data = load_yaml(path.read_text(encoding="utf-8"))
+        except Exception:  # noqa: BLE001 - see above
+            continue
+        if isinstance(data, dict) and isinstance(data.get("replicas"), dict):
+            recipes.add(path.stem)
+            replicas |= {str(name) for name in data["replicas"]}
+    return recipes, replicas
+
+
 def load_recipe(ref: str | Path, recipes_dir: Path | None = None, *, root: Path | None = None) -> Recipe:
     """Read and validate a recipe (:func:`load_yaml`: no arbitrary objects from YAML)."""
     path = find_recipe(ref, recipes_dir, root=root)
