@@ -124,7 +124,7 @@ def replica_sweep(
 
     from flows.deployments import PIPELINE_DEPLOYMENT
     from flows.gitref import checkout_ref
-    from flows.pipeline import replica_pipeline, sweep_tags
+    from flows.pipeline import flow_backend, replica_pipeline, sweep_tags
     from orchestrator.cards import render_comparison
     from orchestrator.errors import ConfigError
     from orchestrator.lineage.compare import DEFAULT_METRICS, compare_runs
@@ -136,8 +136,6 @@ def replica_sweep(
     from orchestrator.settings import load_settings
 
     logger = get_run_logger()
-    from flows.pipeline import flow_backend
-
     backend = flow_backend(backend)  # every run of the sweep on the one backend, whatever the default is by then
     if at_once < 0:
         raise ConfigError(f"sweep: at_once must be 0 (all at once) or more, got {at_once}")

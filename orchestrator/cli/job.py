@@ -194,6 +194,7 @@ def _find(store: Any, ident: str, backend: str | None) -> tuple[Any, Any, Any]:
     from orchestrator.launchers import JobHandle, get_launcher
     from orchestrator.launchers.attempts import handle_from_attempt
     from orchestrator.lineage.models import Attempt
+    from orchestrator.lineage.store import MIN_PREFIX
 
     attempt = store.get(Attempt, ident)
     if attempt is None and ident.startswith("srun_"):  # a stage run: the job that ran it last
@@ -212,7 +213,7 @@ def _find(store: Any, ident: str, backend: str | None) -> tuple[Any, Any, Any]:
             where.append(Attempt.backend == backend)
         found = store.list(Attempt, where=where, order_by=col(Attempt.submitted_at).desc(), limit=1)
         attempt = found[0] if found else None
-    if attempt is None and ident.startswith("att_") and len(ident) >= 6:
+    if attempt is None and ident.startswith("att_") and len(ident) >= MIN_PREFIX:
         found = store.list(Attempt, where=[col(Attempt.id).startswith(ident, autoescape=True)], limit=2)
         if len(found) > 1:
             raise NotFoundError(f"attempt prefix {ident!r} is ambiguous: give more characters")
