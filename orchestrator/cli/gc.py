@@ -146,6 +146,8 @@ def gc_cmd(
 
 
 def _print_plan(plan: GcPlan) -> None:
+    from orchestrator.lineage.listing import utc_minute
+
     removable = plan.removable
     with_failed = plan.failed_used_since is not None
     if removable:
@@ -159,18 +161,18 @@ def _print_plan(plan: GcPlan) -> None:
                 o.identity[:16],
                 *((o.state.split(",")[0],) if with_failed else ()),  # "failed": its last attempt is "last used"
                 escape(", ".join(o.recipes)),
-                f"{o.last_used:%Y-%m-%d %H:%M}",
+                f"{utc_minute(o.last_used)}",
                 decimal(o.bytes),
             )
         console.print(table)
     failed_rule = (
-        f"; failed identities attempted since {plan.failed_used_since:%Y-%m-%d %H:%M} UTC"
+        f"; failed identities attempted since {utc_minute(plan.failed_used_since)} UTC"
         if plan.failed_used_since is not None
         else ""
     )
     console.print(
         f"{len(removable)} to delete ({decimal(plan.bytes_removable)}); kept: {plan.kept_summary()} "
         f"(last {plan.keep_last} completed runs of each recipe and replica, used since "
-        f"{plan.used_since:%Y-%m-%d %H:%M} UTC{failed_rule})",
+        f"{utc_minute(plan.used_since)} UTC{failed_rule})",
         markup=False,
     )

@@ -47,6 +47,14 @@ EARLIEST = dt.datetime.min.replace(tzinfo=dt.UTC)
 #: The latest time there is (a date late in year 9999 in a zone west of UTC is after it in UTC).
 LATEST = dt.datetime.max.replace(tzinfo=dt.UTC)
 
+
+def utc_minute(when: dt.datetime) -> str:
+    """``when`` as ``2026-12-01 14:00`` (its UTC reading). ``%Y`` alone writes year 1 (:data:`EARLIEST`,
+    what "unused for 800000d" reaches) as ``1-01-01``, which reads as a typo; this keeps four digits."""
+    when = as_utc(when)
+    return f"{when.year:04d}-{when:%m-%d %H:%M}"
+
+
 _WHEN_FORMS = "give a date (2026-12-01), a date and time (2026-12-01T14:00) or a span back from now (90m, 12h, 7d, 2w)"
 
 
@@ -415,6 +423,7 @@ __all__ = [
     "answers",
     "list_records",
     "parse_when",
+    "utc_minute",
     "refuse_unknown_names",
     "time_field",
 ]

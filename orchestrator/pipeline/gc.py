@@ -51,7 +51,7 @@ from sqlmodel import col
 
 from orchestrator.errors import ConfigError
 from orchestrator.lineage import leases
-from orchestrator.lineage.listing import parse_when
+from orchestrator.lineage.listing import parse_when, utc_minute
 from orchestrator.lineage.models import Artifact, DataSnapshot, PipelineRun, StageRun, WandbRun, new_id, utcnow
 from orchestrator.lineage.record import live_records_at, mark_removed
 from orchestrator.lineage.store import LineageStore, Transaction
@@ -113,7 +113,7 @@ class Output:
         """``completed``, or ``failed, last attempt 2026-12-01 14:00 UTC`` for a failed identity's folder."""
         if self.completed:
             return "completed"
-        return f"{(self.last_state or 'unfinished').lower()}, last attempt {self.last_used:%Y-%m-%d %H:%M} UTC"
+        return f"{(self.last_state or 'unfinished').lower()}, last attempt {utc_minute(self.last_used)} UTC"
 
     @property
     def failed(self) -> bool:
@@ -417,11 +417,11 @@ def _removal_reason(out: Output, who: str, plan: GcPlan) -> str:
         since = plan.failed_used_since or plan.used_since
         return (
             f"openlab gc by {who}: partial outputs of attempts that never completed ({out.state}), "
-            f"no attempt since {since:%Y-%m-%d %H:%M} UTC"
+            f"no attempt since {utc_minute(since)} UTC"
         )
     return (
-        f"openlab gc by {who}: last used {out.last_used:%Y-%m-%d %H:%M} UTC, before "
-        f"{plan.used_since:%Y-%m-%d %H:%M} UTC, and in none of the last {plan.keep_last} completed runs "
+        f"openlab gc by {who}: last used {utc_minute(out.last_used)} UTC, before "
+        f"{utc_minute(plan.used_since)} UTC, and in none of the last {plan.keep_last} completed runs "
         f"of {', '.join(out.recipes) or 'its recipe'}"
     )
 

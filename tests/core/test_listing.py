@@ -445,6 +445,8 @@ def test_every_command_that_takes_a_time_span_takes_one_back_past_year_one(run_c
         out = run_cli(*args, timeout=120)
         assert out.returncode == 0, (args, out.stderr)
         assert "Traceback" not in out.stderr and "Error" not in out.stderr, (args, out.stderr)
+        if args[0] == "gc":  # the rule it applied, with the year in four digits (`%Y` wrote "1-01-01")
+            assert "used since 0001-01-01 00:00 UTC" in " ".join(out.stdout.split()), out.stdout
     for args in (
         ("lineage", "list", "--since", ""),
         ("lineage", "list", "--user", ""),
