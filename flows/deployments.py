@@ -20,6 +20,12 @@ digest (``github-digest/daily``: one summary comment per experiment issue, defau
 The nightlies, the reaper, the gc and the digest carry a deployment concurrency limit of one with
 CANCEL_NEW: a scheduled run that finds the previous one still going is cancelled by the server, not queued.
 
+Registering again keeps what people set on the server: a deployment paused in the UI stays paused,
+a schedule switched off stays off (a cron changed in the settings applies, still off), and
+``openlab server`` no longer pauses what it served when it stops. ``--resume`` (``openlab deploy``,
+``openlab server``) turns everything back on; ``--paused-nightly`` registers the schedules paused.
+See :func:`keep_server_state`.
+
 Entrypoints are module paths (``flows.pipeline.replica_pipeline``), so a served run or a
 work-pool worker finds the flow wherever openlab is installed. Callers still serve from
 :func:`repo_root` (:func:`in_repo_root`), so flow runs start in the repository and
@@ -28,10 +34,12 @@ relative paths a person types into the UI (``recipes/x.yaml``) mean the same as 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -154,7 +162,11 @@ def build_deployments(
     """The pipeline, the two nightlies, the reaper, the outputs gc and the daily digest (not yet
     registered). Call inside :func:`in_repo_root`.
 
-    ``paused_nightly`` registers every schedule paused (``make demo`` runs no runner to take them).
+    ``paused_nightly`` builds every scheduled deployment paused (``--paused-nightly``): registered
+    paused, whatever the server had. Otherwise each is built on, and :func:`keep_server_state` (which
+    :func:`apply_deployments` and :func:`serve_deployments` call) keeps what the server has paused.
+    Each schedule carries a slug, its deployment's name, so registering again updates it in place
+    (same id) and knows it after its cron changed.
     """
     from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
     from prefect.deployments.runner import EntrypointType
@@ -173,7 +185,6 @@ def build_deployments(
     # that then runs back to back, and two reapers at once would race to cancel the same job.
     one_at_a_time = ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW)
     timezone = nightly_timezone(settings)
-    schedule = Cron(nightly_cron(settings, cron), timezone=timezone)
     drops_cron = nightly_cron(settings, key="nightly_drops_cron", default=DEFAULT_DROPS_NIGHTLY_CRON)
     pipeline = replica_pipeline.to_deployment(
         name=PIPELINE_DEPLOYMENT,
@@ -190,7 +201,7 @@ def build_deployments(
             "Nightly replica of the current main commit; fails when a tracked metric moved beyond the "
             "recipe's tolerance since the previous successful nightly."
         ),
-        schedules=[schedule],
+        schedules=[Cron(nightly_cron(settings, cron), timezone=timezone, slug=NIGHTLY_DEPLOYMENT)],
         parameters=nightly_parameters or None,
         paused=paused_nightly,
         tags=[*TAGS, "nightly"],
@@ -203,7 +214,7 @@ def build_deployments(
             "Nightly token-dropping reproduction (replica drops: data, tokenize, repro) of the current main "
             "commit; fails when an arm's late-window drop fraction moved beyond the recipe's tolerance."
         ),
-        schedules=[Cron(drops_cron, timezone=timezone)],
+        schedules=[Cron(drops_cron, timezone=timezone, slug=DROPS_NIGHTLY_DEPLOYMENT)],
         parameters={**(nightly_parameters or {}), "replica": DROPS_NIGHTLY_REPLICA},
         paused=paused_nightly,
         tags=[*TAGS, "nightly", "drops"],
@@ -217,7 +228,7 @@ def build_deployments(
             "Close runs whose orchestrator died (lease expired) and cancel their orphaned Slurm jobs, "
             "containers or Kubernetes Jobs; the same pass every pipeline start makes. dry_run only reports."
         ),
-        schedules=[Interval(every)] if every else None,
+        schedules=[Interval(every, slug=RECONCILE_DEPLOYMENT)] if every else None,
         paused=paused_nightly,
         tags=[*TAGS, "maintenance"],
         concurrency_limit=one_at_a_time,
@@ -231,7 +242,9 @@ def build_deployments(
             "their lineage records stay, marked removed. A dry run unless dry_run is unticked; "
             "[prefect] gc_cron schedules it for real."
         ),
-        schedules=[Cron(gc_schedule, timezone=timezone, parameters={"dry_run": False})] if gc_schedule else None,
+        schedules=[Cron(gc_schedule, timezone=timezone, parameters={"dry_run": False}, slug=GC_DEPLOYMENT)]
+        if gc_schedule
+        else None,
         paused=paused_nightly,
         tags=[*TAGS, "maintenance"],
         concurrency_limit=one_at_a_time,
@@ -245,7 +258,7 @@ def build_deployments(
             "24 h: states, commits, failures, key metrics, predictions, verdicts, W&B runs, hours. "
             "[prefect] digest_cron schedules it (07:00 UTC by default)."
         ),
-        schedules=[Cron(digest_schedule, timezone=timezone)] if digest_schedule else None,
+        schedules=[Cron(digest_schedule, timezone=timezone, slug=DIGEST_DEPLOYMENT)] if digest_schedule else None,
         paused=paused_nightly,
         tags=[*TAGS, "github"],
         concurrency_limit=one_at_a_time,
@@ -265,38 +278,243 @@ def build_deployments(
     return [pipeline, nightly, drops, reaper, gc, digest, sweep]
 
 
-def apply_deployments(deployments: Iterable[RunnerDeployment], *, work_pool: str | None = None) -> dict[str, str]:
-    """Register (create or update) deployments with the API; returns ``{full name: id}``."""
+#: Tag ``make demo`` puts on a scheduled deployment it paused because no runner serves it: that pause
+#: is the demo's, not a person's, so the next ``openlab server`` or ``openlab deploy`` lifts it.
+DEMO_PAUSED_TAG = "paused-by-demo"
+
+
+@dataclass
+class KeptState:
+    """What registering did with the paused state already on the server, to tell the person at the terminal.
+
+    Names are ``flow/deployment``; a schedule is named with its deployment and when it runs.
+    """
+
+    #: deployments that exist paused and stay paused (the UI's toggle, ``--paused-nightly`` before)
+    paused: list[str] = field(default_factory=list)
+    #: schedules that exist inactive and stay inactive: (deployment, "0 4 * * * (UTC)")
+    inactive: list[tuple[str, str]] = field(default_factory=list)
+    #: ``--resume``: deployments or schedules that were paused and are active again
+    resumed: list[str] = field(default_factory=list)
+    #: paused by ``make demo`` before (:data:`DEMO_PAUSED_TAG`), active again: a runner serves them now
+    resumed_demo: list[str] = field(default_factory=list)
+    #: ``make demo``: scheduled deployments paused because no runner serves them
+    paused_unserved: list[str] = field(default_factory=list)
+    #: every deployment registered existed and was paused (what an older ``openlab server`` left when it stopped)
+    every_paused: bool = False
+
+    def off(self, name: str) -> str:
+        """`` paused (kept)`` or `` inactive (kept)`` for a deployment left off as the server had it, else ``""``."""
+        if name in self.paused:
+            return " paused (kept as set on the server)"
+        if any(deployment == name for deployment, _ in self.inactive):
+            return " inactive (kept as set on the server)"
+        return ""
+
+    def lines(self, command: str = "openlab deploy") -> list[str]:
+        """What to print: each list that is not empty, one line, and how to resume what was kept off."""
+        out: list[str] = []
+        if self.paused:
+            out.append(f"kept paused, as set on the Prefect server: {', '.join(self.paused)}")
+            if self.every_paused:
+                out.append(
+                    "(every deployment is paused: `openlab server` used to pause all it served when it stopped, "
+                    "and no longer does; resume them once)"
+                )
+        if self.inactive:
+            shown = ", ".join(f"{name} schedule {when}" for name, when in self.inactive)
+            out.append(f"kept inactive, as set on the Prefect server: {shown}")
+        if self.paused or self.inactive:
+            out.append(
+                f"resume in the Prefect UI (Deployments: its toggle, or its schedule's), or `{command} --resume`"
+            )
+        if self.resumed:
+            out.append(f"resumed (--resume): {', '.join(self.resumed)}")
+        if self.resumed_demo:
+            out.append(f"resumed (paused by `make demo`, which serves nothing): {', '.join(self.resumed_demo)}")
+        if self.paused_unserved:
+            out.append(
+                f"registered paused, no runner serves them (`openlab server` resumes them): "
+                f"{', '.join(self.paused_unserved)}"
+            )
+        return out
+
+
+@dataclass
+class Registration:
+    """Registered deployments (``{full name: id}``) and what was kept as the server had it."""
+
+    ids: dict[str, str]
+    kept: KeptState
+
+
+def _when(schedule: Any) -> str:
+    """A schedule as a person reads it: ``0 2 * * * (UTC)``, ``every 600 s``."""
+    cron = getattr(schedule, "cron", None)
+    if cron:
+        return f"{cron} ({getattr(schedule, 'timezone', None) or DEFAULT_NIGHTLY_TIMEZONE})"
+    interval = getattr(schedule, "interval", None)
+    if interval is not None:
+        return f"every {interval.total_seconds():g} s"
+    return str(getattr(schedule, "rrule", schedule))
+
+
+def _replaced(built: list[Any], existing: list[Any]) -> list[Any]:
+    """For each schedule built, the schedule on the server it replaces (or ``None``): the one with its
+    slug; else one registered without a slug (by openlab before schedules had slugs), the same schedule
+    first, else the first (one schedule a deployment: the cron in the code changed)."""
+    unslugged = [s for s in existing if not s.slug]
+    out = []
+    for schedule in built:
+        match = next((s for s in existing if schedule.slug and s.slug == schedule.slug), None)
+        if match is None and unslugged:
+            match = next((s for s in unslugged if s.schedule == schedule.schedule), unslugged[0])
+            unslugged.remove(match)
+        out.append(match)
+    return out
+
+
+def keep_server_state(
+    deployments: Iterable[RunnerDeployment], *, resume: bool = False, pause_unserved: bool = False
+) -> KeptState:
+    """Before registering again: carry what people set on the server over to the deployments as built.
+
+    Prefect's ``apply()`` (and ``serve()``, which applies) sends ``paused`` (``False`` unless built
+    paused) and every schedule's ``active`` (``True``) with each update, so a deployment paused in the
+    UI, or a schedule switched off there, came back on at every ``openlab server`` start. Here, for
+    each deployment that exists:
+
+    - paused there: built paused (kept). A pause ``make demo`` made (:data:`DEMO_PAUSED_TAG`) is the
+      demo's, not a person's: lifted;
+    - each schedule gets the ``active`` of the schedule it replaces (same slug; the cron may have
+      changed in the code: the new cron applies, switched off as before);
+    - a schedule of this deployment that the settings no longer build (``[prefect] digest_cron = ""``)
+      is deleted: Prefect keeps slugged schedules an update leaves out.
+
+    A deployment built paused (``paused_nightly``: ``--paused-nightly``) is registered paused, as
+    asked. ``resume``: nothing is kept, every deployment and schedule is registered as built (on).
+    ``pause_unserved`` (``make demo``, which serves nothing): a scheduled deployment no runner polls
+    (new, or its runner gone) is registered paused, tagged :data:`DEMO_PAUSED_TAG`. Needs the API
+    (:func:`orchestrator.prefect_server.use_api`); changes ``deployments`` in place.
+    """
+    from prefect import get_client
+    from prefect.client.schemas.objects import DeploymentStatus
+    from prefect.exceptions import ObjectNotFound
+
+    kept = KeptState()
+    deployments = list(deployments)
+    with get_client(sync_client=True) as client:
+        for deployment in deployments:
+            name = deployment.full_name
+            built = list(deployment.schedules or [])
+            try:
+                existing = client.read_deployment_by_name(name)
+            except ObjectNotFound:
+                existing = None
+            if existing is None:
+                if pause_unserved and built and not deployment.paused:
+                    deployment.paused = True
+                    deployment.tags = [*deployment.tags, DEMO_PAUSED_TAG]
+                    kept.paused_unserved.append(name)
+                continue
+            for old in existing.schedules:  # ours, no longer wanted: Prefect would keep it
+                if old.slug and old.slug == deployment.name and not any(s.slug == old.slug for s in built):
+                    with contextlib.suppress(ObjectNotFound):
+                        client.delete_deployment_schedule(existing.id, old.id)
+            was_demo = DEMO_PAUSED_TAG in (existing.tags or [])
+            if resume:
+                if existing.paused:
+                    kept.resumed.append(name)
+                for schedule, old in zip(built, _replaced(built, existing.schedules), strict=True):
+                    if old is not None and not old.active:
+                        kept.resumed.append(f"{name} schedule {_when(schedule.schedule)}")
+                continue
+            if deployment.paused:  # built paused: asked for
+                pass
+            elif existing.paused and not was_demo:
+                deployment.paused = True
+                kept.paused.append(name)
+            elif existing.paused and pause_unserved:  # the demo's pause, and still nobody serves it
+                deployment.paused = True
+                deployment.tags = [*deployment.tags, DEMO_PAUSED_TAG]
+                kept.paused_unserved.append(name)
+            elif existing.paused:
+                kept.resumed_demo.append(name)
+            elif pause_unserved and built and existing.status != DeploymentStatus.READY:
+                deployment.paused = True
+                deployment.tags = [*deployment.tags, DEMO_PAUSED_TAG]
+                kept.paused_unserved.append(name)
+            for i, (schedule, old) in enumerate(zip(built, _replaced(built, existing.schedules), strict=True)):
+                if old is not None and not old.active and schedule.active:
+                    built[i] = schedule.model_copy(update={"active": False})
+                    kept.inactive.append((name, _when(schedule.schedule)))
+            if built:
+                deployment.schedules = built
+    kept.every_paused = bool(deployments) and len(kept.paused) == len(deployments)
+    return kept
+
+
+def apply_deployments(
+    deployments: Iterable[RunnerDeployment],
+    *,
+    work_pool: str | None = None,
+    resume: bool = False,
+    pause_unserved: bool = False,
+) -> Registration:
+    """Register (create or update) deployments with the API, keeping what is paused there
+    (:func:`keep_server_state`; ``resume`` and ``pause_unserved`` as there)."""
+    deployments = list(deployments)
+    kept = keep_server_state(deployments, resume=resume, pause_unserved=pause_unserved)
     out: dict[str, str] = {}
     for deployment in deployments:
         deployment_id = deployment.apply(work_pool_name=work_pool)
         out[deployment.full_name] = str(deployment_id)
-    return out
+    return Registration(ids=out, kept=kept)
 
 
-def serve_deployments(deployments: Iterable[RunnerDeployment], *, limit: int | None = None) -> None:
-    """Serve the deployments in this process until Ctrl-C (or SIGTERM); runs execute as subprocesses."""
+def serve_deployments(
+    deployments: Iterable[RunnerDeployment],
+    *,
+    limit: int | None = None,
+    resume: bool = False,
+    report: Callable[[KeptState], None] | None = None,
+) -> None:
+    """Serve the deployments in this process until Ctrl-C (or SIGTERM); runs execute as subprocesses.
+
+    ``serve()`` registers them: what is paused on the server stays paused (:func:`keep_server_state`,
+    whose answer ``report`` gets before serving starts). Stopping leaves them as they are: Prefect's
+    ``pause_on_shutdown`` would pause every served deployment at each Ctrl-C, schedules other people
+    rely on included, and, kept paused, they would never come back on.
+    """
     from prefect import serve
 
-    serve(*deployments, limit=limit, print_starting_message=False)
+    deployments = list(deployments)
+    kept = keep_server_state(deployments, resume=resume)
+    if report is not None:
+        report(kept)
+    serve(*deployments, limit=limit, pause_on_shutdown=False, print_starting_message=False)
 
 
 __all__ = [
     "DEFAULT_DIGEST_CRON",
     "DEFAULT_DROPS_NIGHTLY_CRON",
+    "DEMO_PAUSED_TAG",
     "DIGEST_DEPLOYMENT",
     "DEFAULT_NIGHTLY_CRON",
     "DROPS_NIGHTLY_DEPLOYMENT",
     "GC_DEPLOYMENT",
+    "KeptState",
     "NIGHTLY_DEPLOYMENT",
     "PIPELINE_DEPLOYMENT",
     "RECONCILE_DEPLOYMENT",
+    "Registration",
     "SWEEP_DEPLOYMENT",
     "apply_deployments",
     "build_deployments",
     "digest_cron",
     "gc_cron",
     "in_repo_root",
+    "keep_server_state",
     "nightly_cron",
     "reconcile_every",
     "repo_root",

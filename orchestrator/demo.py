@@ -1,10 +1,12 @@
 """``make demo``: the scaled-down replica pipeline end to end on the embedded defaults.
 
 Starts (or reuses) a local Prefect server, registers the openlab deployments so they
-appear in the UI, runs the ``tiny`` replica of the Marin recipe as a Prefect flow on
-the local backend with the SQLite lineage store, then prints where to look. The
-Prefect server is left running so the UI can be opened afterwards; the demo prints
-how to stop it.
+appear in the UI (the scheduled ones paused where no runner serves them, as on the server
+the demo starts: tagged ``paused-by-demo``, the next ``openlab server`` resumes them; on a
+server an ``openlab server`` is serving they are left as they are), runs the ``tiny``
+replica of the Marin recipe as a Prefect flow on the local backend with the SQLite
+lineage store, then prints where to look. The Prefect server is left running so the UI
+can be opened afterwards; the demo prints how to stop it.
 """
 
 from __future__ import annotations
@@ -13,10 +15,15 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from orchestrator.errors import OpenlabError
+
+if TYPE_CHECKING:
+    from flows.deployments import Registration
+    from orchestrator.settings import Settings
 
 console = Console()
 
@@ -42,6 +49,17 @@ def _server(home: Path):  # type: ignore[no-untyped-def]
     return server, True
 
 
+def register_deployments(settings: Settings) -> Registration:
+    """Register the deployments so they show in the UI (the API of :func:`use_api`). The demo serves
+    nothing, so a scheduled deployment no runner polls is registered paused, tagged ``paused-by-demo``
+    (the next ``openlab server`` or ``openlab deploy`` resumes it); on a server that an ``openlab
+    server`` serves they are left as they are, and so is anything a person paused."""
+    from flows.deployments import apply_deployments, build_deployments, in_repo_root
+
+    with in_repo_root():
+        return apply_deployments(build_deployments(settings), pause_unserved=True)
+
+
 def main() -> int:
     from orchestrator.lineage.store import open_store
     from orchestrator.lineage.verify import anchor_of
@@ -57,12 +75,12 @@ def main() -> int:
     console.print(f"[green]✓[/] lineage store {store.url}")
     server, started = _server(settings.home)
     with use_api(server.api_url):
-        from flows.deployments import apply_deployments, build_deployments, in_repo_root
         from flows.pipeline import replica_pipeline
 
-        with in_repo_root():
-            names = apply_deployments(build_deployments(settings, paused_nightly=True))
-        console.print(f"[green]✓[/] deployments registered: {', '.join(sorted(names))}")
+        done = register_deployments(settings)
+        console.print(f"[green]✓[/] deployments registered: {', '.join(sorted(done.ids))}")
+        for line in done.kept.lines("openlab deploy"):
+            console.print(f"  {line}", highlight=False, markup=False, soft_wrap=True)
         console.print(f"running the {REPLICA} replica (six stages; a few minutes on 2 CPU cores)…")
         state = replica_pipeline(recipe=RECIPE, replica=REPLICA, backend="local", return_state=True)
     result = state.result(raise_on_failure=False) if state.is_completed() else None

@@ -3,7 +3,10 @@
 Registration is separate from serving so a team can point openlab at a shared Prefect
 server (``--api-url`` or ``PREFECT_API_URL``) and let workers of a work pool
 (``--work-pool``) execute the runs; on a laptop ``openlab server`` registers and serves
-in one go. Registering again updates the deployments in place (same names).
+in one go. Registering again updates the deployments in place (same names, same schedule ids)
+and keeps what people set on the server: a deployment paused in the UI stays paused, a schedule
+switched off stays off, with its new cron if the settings changed it; what was kept is printed.
+``--resume`` turns everything back on; ``--paused-nightly`` registers every schedule paused.
 """
 
 from __future__ import annotations
@@ -47,12 +50,22 @@ def deploy(
         None, "--work-pool", help="Work pool whose workers run the flows (default: none, `openlab server` serves)."
     ),
     paused_nightly: bool = typer.Option(False, "--paused-nightly", help="Register every schedule paused."),
+    resume: bool = typer.Option(
+        False,
+        "--resume",
+        help="Resume every deployment and schedule paused on the server (else they stay paused, as set in the UI).",
+    ),
 ) -> None:
     """Create or update the ``replica-pipeline/replica``, ``nightly-replica/nightly``,
     ``nightly-replica/nightly-drops``, ``lineage-reconcile/reconcile``, ``outputs-gc/gc`` and
-    ``github-digest/daily`` deployments."""
+    ``github-digest/daily`` deployments, keeping what the server has paused unless ``--resume``."""
     from flows.deployments import (
         DEFAULT_DROPS_NIGHTLY_CRON,
+        DIGEST_DEPLOYMENT,
+        DROPS_NIGHTLY_DEPLOYMENT,
+        GC_DEPLOYMENT,
+        NIGHTLY_DEPLOYMENT,
+        RECONCILE_DEPLOYMENT,
         apply_deployments,
         build_deployments,
         digest_cron,
@@ -63,6 +76,8 @@ def deploy(
     )
     from flows.deployments import nightly_cron as resolve_cron
 
+    if resume and paused_nightly:
+        raise OpenlabError("--resume and --paused-nightly ask for opposite things: give one")
     settings = load_settings()
     url = resolve_api_url(settings, api_url)
     if not health_ok(url):
@@ -70,31 +85,42 @@ def deploy(
     cron = resolve_cron(settings, nightly_cron)
     zone = nightly_timezone(settings)  # every schedule's (nightlies, gc, digest)
     with use_api(url), in_repo_root():
-        ids = apply_deployments(
-            build_deployments(settings, cron=cron, paused_nightly=paused_nightly), work_pool=work_pool
-        )
+        built = build_deployments(settings, cron=cron, paused_nightly=paused_nightly)
+        done = apply_deployments(built, work_pool=work_pool, resume=resume)
+    full_name = {d.name: d.full_name for d in built}
     ui = url.removesuffix("/api")
-    for name, deployment_id in ids.items():
+    for name, deployment_id in done.ids.items():
         say(f"deployed {name}  {ui}/deployments/deployment/{deployment_id}")
-    paused = " paused" if paused_nightly else ""
-    say(f"nightly schedule: {cron} ({zone}){paused}")
+
+    def paused(name: str) -> str:  # how a schedule's deployment was left: asked paused, or kept paused
+        return " paused" if paused_nightly else done.kept.off(full_name[name])
+
+    say(f"nightly schedule: {cron} ({zone}){paused(NIGHTLY_DEPLOYMENT)}")
     drops_cron = resolve_cron(settings, key="nightly_drops_cron", default=DEFAULT_DROPS_NIGHTLY_CRON)
-    say(f"drop-fraction nightly schedule: {drops_cron} ({zone}){paused}")
+    say(f"drop-fraction nightly schedule: {drops_cron} ({zone}){paused(DROPS_NIGHTLY_DEPLOYMENT)}")
     every = reconcile_every(settings)
-    reaper = f"every {every:g} s{paused}" if every else "none (run it from the UI or `openlab lineage reconcile`)"
+    reaper = (
+        f"every {every:g} s{paused(RECONCILE_DEPLOYMENT)}"
+        if every
+        else "none (run it from the UI or `openlab lineage reconcile`)"
+    )
     say(f"reconcile schedule: {reaper}")
     gc_schedule = gc_cron(settings)
     gc_says = (
-        f"{gc_schedule} ({zone}){paused}" if gc_schedule else "none (a dry run from the UI; [prefect] gc_cron sets one)"
+        f"{gc_schedule} ({zone}){paused(GC_DEPLOYMENT)}"
+        if gc_schedule
+        else "none (a dry run from the UI; [prefect] gc_cron sets one)"
     )
     say(f"outputs gc schedule: {gc_says}")
     digest_schedule = digest_cron(settings)
     digest_says = (
-        f"{digest_schedule} ({zone}){paused}"
+        f"{digest_schedule} ({zone}){paused(DIGEST_DEPLOYMENT)}"
         if digest_schedule
         else "none (run it from the UI or `openlab github digest`; [prefect] digest_cron sets one)"
     )
     say(f"github digest schedule: {digest_says}")
+    for line in done.kept.lines("openlab deploy"):
+        say(line)
     if work_pool is None:
         say("runs execute where the deployments are served: keep `openlab server` running")
 

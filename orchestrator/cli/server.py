@@ -7,8 +7,11 @@ database_url`` names PostgreSQL); this process registers both deployments and se
 them, so UI-triggered and scheduled runs execute here as subprocesses.
 
 Ctrl-C (or SIGTERM) stops the runner first — its in-flight runs are cancelled, which
-cancels their backend jobs — and then the server. ``--api-url`` attaches to a server
-that is already running (a team's PostgreSQL-backed one) and serves only.
+cancels their backend jobs — and then the server. Stopping pauses nothing (Prefect's
+``serve()`` would pause every served deployment), and registering at start keeps what is
+paused on the server, as set in the UI, and says so; ``--resume`` turns it all back on.
+``--api-url`` attaches to a server that is already running (a team's PostgreSQL-backed
+one) and serves only.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from types import FrameType
 
 import typer
 
-from orchestrator.cli.output import console, err_console, print_error
+from orchestrator.cli.output import console, err_console, print_error, say
 from orchestrator.prefect_server import PrefectServer, health_ok, use_api
 from orchestrator.settings import load_settings
 
@@ -47,6 +50,11 @@ def server(
     serve: bool = typer.Option(True, "--serve/--no-serve", help="Serve the deployments (else: server only)."),
     nightly_cron: str = typer.Option(None, "--nightly-cron", help="Cron for the nightly ([prefect] nightly_cron)."),
     limit: int = typer.Option(None, help="Most flow runs executed at once by this runner."),
+    resume: bool = typer.Option(
+        False,
+        "--resume",
+        help="Resume every deployment and schedule paused on the server (else they stay paused, as set in the UI).",
+    ),
 ) -> None:
     """Start Prefect (or attach with --api-url), print the UI address and serve until Ctrl-C."""
     from orchestrator.errors import OpenlabError
@@ -82,15 +90,20 @@ def server(
             console.print("serving nothing (--no-serve); press Ctrl-C to stop", highlight=False)
             signal.pause()
             return
-        from flows.deployments import build_deployments, in_repo_root, serve_deployments
+        from flows.deployments import KeptState, build_deployments, in_repo_root, serve_deployments
 
         with use_api(api_url), in_repo_root():
             deployments = build_deployments(settings, cron=nightly_cron)
             for d in deployments:
                 console.print(f"serving deployment {d.full_name}: {ui}/deployments", highlight=False)
-            console.print("press Ctrl-C to stop", highlight=False)
-            sys.stdout.flush()
-            serve_deployments(deployments, limit=limit)
+
+            def report(kept: KeptState) -> None:  # before serving starts: what stays paused, and how to resume it
+                for line in kept.lines("openlab server"):
+                    say(line)
+                console.print("press Ctrl-C to stop", highlight=False)
+                sys.stdout.flush()
+
+            serve_deployments(deployments, limit=limit, resume=resume, report=report)
     except KeyboardInterrupt:
         pass
     finally:
