@@ -445,7 +445,33 @@ def sweep_of(flow_run: Any) -> dict[str, Any] | None:
     runs = [t[len(SWEEP_RUN_TAG) :].partition("/") for t in tags if t.startswith(SWEEP_RUN_TAG)]
     if len(ids) != 1 or len(runs) != 1 or not (runs[0][0].isdigit() and runs[0][2].isdigit()):
         return None
-    return sweep_params(ids[0], int(runs[0][0]), int(runs[0][2]))
+    return sweep_params(ids[0], int(runs[0][0]), int(runs[0][2]), _sweep_sampling(flow_run))
+
+
+def _sweep_sampling(flow_run: Any) -> Any:
+    """How the sweep flow run that started ``flow_run`` drew its values (``params.sweep.sampled``, as
+    ``openlab sweep --sample`` records it), read from that sweep's own parameters: its ``samples``,
+    ``count`` and ``sample_seed`` are enough to draw the same values again, and a tag could not hold
+    them. None for a grid-only sweep, or when the sweep's run cannot be read (logged: the run goes on)."""
+    parent_task_run = getattr(flow_run, "parent_task_run_id", None)
+    if parent_task_run is None:
+        return None
+    from prefect import get_client
+
+    from orchestrator.recipes import Sampling, parse_sample
+
+    try:
+        with get_client(sync_client=True) as client:
+            sweep = client.read_flow_run(client.read_task_run(parent_task_run).flow_run_id)
+        given = dict(sweep.parameters or {})
+        samples = given.get("samples") or {}
+        if not samples:
+            return None
+        sampled = {key: parse_sample(key, text, "samples") for key, text in samples.items()}
+        return Sampling.asked(sampled, given.get("count"), given.get("sample_seed") or 0, ("samples", "count"))
+    except Exception as exc:  # noqa: BLE001 - a record without `sampled` beats a run that fails over it
+        get_run_logger().warning("could not read how the sweep drew this run's values: %s", exc)
+        return None
 
 
 def _automation(flow_run: Any) -> str | None:

@@ -238,6 +238,19 @@ def test_a_sweep_from_the_ui_runs_each_combination_as_a_pipeline_run_and_compare
         assert 0 < int(row.split("|")[4]) < value, row
     (again,) = [line for line in table.splitlines() if "openlab lineage compare" in line]  # how to see it again
     assert f"openlab lineage compare --sweep {sweep_id} -m data:data/code/train_bytes" in again, again
+    assert all("sampled" not in r.sweep for r in runs.values())  # a grid: nothing drawn
+
+    # values drawn in the form: each run records how (`params.sweep.sampled`), as `openlab sweep --sample` does,
+    # enough to draw the same values again (here a draw of the grid's first value: its data stage is reused)
+    how = {"samples": {"data.max_bytes_per_domain": "choice(150000)"}, "count": 1, "seed": 7}
+    drawn_sweep = {**params, "grid": None, "samples": how["samples"], "count": 1, "sample_seed": 7}
+    drawn_run = wait_flow_run(start_run("replica-sweep/sweep", drawn_sweep), 240)
+    assert drawn_run.state.is_completed(), f"{drawn_run.state.message}\n{served.log()[-3000:]}"
+    (child,), _ = sweep_runs_and_table(drawn_run.id)
+    with LineageStore(served.db_url) as store:
+        (recorded,) = store.list(PipelineRun, flow_run_id=str(child.id))
+    assert recorded.sweep["sampled"] == how, recorded.sweep
+    assert recorded.params["recipe"]["run_set"]["data.max_bytes_per_domain"] == 150000
 
     # a dry run from the form: per run and stage what it would do, as an artifact; no run started
     dry = {**params, "until": "tokenize", "grid": {"data.max_bytes_per_domain": [150000, 130000]}, "dry_run": True}
