@@ -20,8 +20,10 @@ import datetime as dt
 import logging
 import os
 import re
+import shlex
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -39,10 +41,13 @@ from orchestrator.lineage.models import (
     RELATION_KINDS,
     Artifact,
     Attempt,
+    Commit,
     DataSnapshot,
     Event,
+    GithubIssue,
     LineageRecord,
     Relation,
+    StageRun,
     WandbRun,
     new_id,
     utcnow,
@@ -538,16 +543,26 @@ class LineageStore:
             return list(session.exec(stmt).all())
 
     def find(self, record_id: str) -> LineageRecord:
-        """The record with this id (or unique id prefix, at least 6 characters), of any kind.
+        """The record ``record_id`` names, of any kind: its id, or a unique id prefix (at least
+        :data:`MIN_PREFIX` characters), or another name people have for it in hand:
 
-        A W&B run is also found by its run id alone (``2d5eb8fa``, what the W&B UI shows),
-        not only by ``entity/project/run_id``. ``kind:id`` (``environment:40b288d4``), the form
-        ``openlab lineage show`` prints a related record in, looks among that kind only. A path on
-        this machine (a checkpoint file, an output folder) finds the output recorded there.
+        - a backend job id (``local-5f21cecd4c23``, Slurm's ``4711``): the attempt that is that job
+          (:meth:`find_job`; one that names jobs on two clusters is refused, naming each);
+        - a commit sha or a unique sha prefix: the commit (its clean tree's record; a sha recorded
+          only from dirty trees, several of them, raises :class:`CommitTrees`, which says which);
+          an exact ``sha+patch`` id is that dirty tree;
+        - a W&B run's id (``2d5eb8fa``, what the W&B UI shows), ``project/run_id``,
+          ``entity/project/run_id`` or its URL, and a unique prefix of its run id;
+        - an issue, ``owner/repo#N``, ``#N`` or its URL;
+        - a path on this machine (a checkpoint file, an output folder, a job's log): the output,
+          snapshot or job recorded there.
+
+        ``kind:id`` (``environment:40b288d4``), the form ``openlab lineage show`` prints a related
+        record in, looks among that kind only. What names several records is refused in one line
+        that lists them and says how to name one, never answered with one of them.
         """
-        matches: list[LineageRecord] = []
-        models = list(RECORD_TYPES.values())
         asked = record_id
+        models = list(RECORD_TYPES.values())
         kind, qualified, rest = record_id.partition(":")
         own = PREFIXES.get(record_id.partition("_")[0])  # srun_… is a stage run's id: ask that table first
         with self.session() as session:
@@ -560,31 +575,49 @@ class LineageStore:
                 exact = session.get(models[0], record_id)
                 if exact is not None:
                     return exact
-            at_path = self._recorded_at(session, record_id) if len(models) > 1 else None
-            if at_path is not None:
-                return at_path
-            if WandbRun in models:
-                runs = list(session.exec(select(WandbRun).where(WandbRun.run_id == record_id).limit(3)))
-                if len(runs) == 1:
-                    return runs[0]
-                matches.extend(runs)
+            on_disk = len(models) > 1 and _is_path(record_id)
+            if on_disk:
+                at_path = self._recorded_at(session, record_id)
+                if at_path is not None:
+                    return at_path
+            if GithubIssue in models and not on_disk and _names_issue(record_id):
+                return _issue(session, record_id)
+            named = _named(session, record_id, models)
+            if named:
+                return _one(record_id, named, prefix=False)
             if len(record_id) >= MIN_PREFIX:
-                for model in models:
-                    id_col = model.id  # type: ignore[attr-defined]
-                    # autoescape: `%` and `_` in what was typed are characters of an id, not wildcards
-                    prefixed = id_col.startswith(record_id, autoescape=True)
-                    matches.extend(session.exec(select(model).where(prefixed).limit(3)))
-        if len(matches) == 1:
-            return matches[0]
-        if matches:
-            ids = ", ".join(m.id for m in matches[:3])  # type: ignore[attr-defined]
-            raise NotFoundError(f"id prefix {record_id!r} is ambiguous ({ids}, ...): give more characters")
+                prefixed = _prefixed(session, record_id, models)
+                if prefixed:
+                    return _one(record_id, prefixed, prefix=True)
+        if on_disk:
+            shown = shlex.quote(record_id)
+            raise NotFoundError(
+                f"no lineage record with id {asked!r}: that path is not a recorded output, snapshot or job log "
+                "(nothing was recorded at it or at a folder above it); if it is a copy of an output, "
+                f"`openlab lineage which {shown}` finds the output that held its content"
+            )
         if len(record_id) < MIN_PREFIX:
             raise NotFoundError(
                 f"no lineage record with id {asked!r}; an id prefix needs at least {MIN_PREFIX} characters "
                 "(`openlab lineage list` shows ids)"
             )
         raise NotFoundError(f"no lineage record with id {asked!r}; `openlab lineage list` shows ids")
+
+    def find_job(self, job_id: str, *, backend: str | None = None) -> Attempt | None:
+        """The attempt that is backend job ``job_id`` (on ``backend`` only, when given), or None.
+
+        A job id means something only on its cluster (Slurm numbers jobs per cluster, and starts
+        again when a controller loses its state): attempts with this id on two clusters, or for two
+        stage runs, are two jobs, and asking for one is refused naming each (:class:`NotFoundError`).
+        The same job recorded twice for one stage run on one cluster is that job: its last attempt.
+        """
+        with self.session() as session:
+            groups = _jobs(session, job_id, backend)
+        if not groups:
+            return None
+        if len(groups) > 1:
+            raise NotFoundError(_jobs_ambiguous(job_id, groups))
+        return groups[0].pick()
 
     @staticmethod
     def _recorded_at(session: Session, text: str) -> LineageRecord | None:
@@ -632,6 +665,211 @@ class LineageStore:
             return list(session.exec(stmt).all())
 
 
+class CommitTrees(NotFoundError):
+    """A commit recorded only with uncommitted changes, from several trees (``sha+patch`` each): no
+    one record is the commit, so :meth:`LineageStore.find` names the trees; ``lineage trace SHA
+    --down`` walks them all (:func:`orchestrator.lineage.trace.trace`)."""
+
+    def __init__(self, sha: str, trees: list[Commit]) -> None:
+        listed = ", ".join(t.id for t in trees[:5]) + (f" and {len(trees) - 5} more" if len(trees) > 5 else "")
+        super().__init__(
+            f"commit {sha[:12]} was recorded only with uncommitted changes, from {len(trees)} trees ({listed}): "
+            f"give one of their ids; `openlab lineage trace {sha[:12]} --down` shows what was made from all of them"
+        )
+        self.sha = sha
+        self.trees = trees
+
+
+@dataclass
+class _Found:
+    """One thing a name or a prefix found: a record, or records that are one thing (a commit's
+    trees, a job recorded twice for its stage run), with the text it was found by (``key``), how a
+    message names it, and how it was found: ``id`` (an id prefix), ``job``, ``commit``, ``wandb``."""
+
+    records: list[Any]
+    key: str
+    label: str
+    source: str
+
+    def pick(self) -> LineageRecord:
+        if self.source == "commit":  # the commit: its clean tree's record, or its only tree
+            clean = [t for t in self.records if t.id == self.key]
+            if clean:
+                return clean[0]  # type: ignore[no-any-return]
+            if len(self.records) > 1:
+                raise CommitTrees(self.key, self.records)
+        return self.records[0]  # type: ignore[no-any-return]  # a job's: the newest attempt
+
+
+#: A W&B run's page: https://wandb.ai/ENTITY/PROJECT/runs/RUN_ID.
+_WANDB_URL = re.compile(r"^https?://[^/\s]+/([^/\s]+)/([^/\s]+)/runs/([^/?#\s]+)/?(?:[?#].*)?$")
+#: An issue's page on GitHub (what orchestrator.links.refs parses, told from other URLs).
+_ISSUE_URL = re.compile(r"^https?://[^/\s]+/[^/\s]+/[^/\s]+/(?:issues|pull)/")
+
+
+def _is_path(text: str) -> bool:
+    """Whether ``text`` names something on this machine (``""`` is not the current folder)."""
+    if not text.strip():
+        return False
+    try:
+        return Path(text).expanduser().exists()
+    except (OSError, ValueError):  # a name too long to be a path, a NUL byte
+        return False
+
+
+def _names_issue(text: str) -> bool:
+    return "#" in text or bool(_ISSUE_URL.match(text))
+
+
+def _issue(session: Session, text: str) -> GithubIssue:
+    """The issue ``owner/repo#N``, ``#N`` (in whichever repository has one) or an issue URL names,
+    or a :class:`NotFoundError` that says how issues are named."""
+    from orchestrator.links.refs import GithubLinkError, parse_issue_ref
+
+    missing = "an issue is recorded when a run names it (`--issue`); `openlab lineage list -k github_issue` lists them"
+    bare = re.fullmatch(r"#([0-9]+)", text.strip())
+    if bare:
+        number = int(bare.group(1))
+        stmt = select(GithubIssue).where(GithubIssue.number == number).order_by(col(GithubIssue.id)).limit(10)
+        found = list(session.exec(stmt))
+        if len(found) == 1:
+            return found[0]
+        if found:
+            listed = ", ".join(i.id for i in found)
+            raise NotFoundError(
+                f"#{number} is an issue in {len(found)} repositories: {listed}; give owner/repo#{number}"
+            )
+        raise NotFoundError(f"no issue #{number} in lineage: {missing}")
+    try:
+        ref = parse_issue_ref(text)
+    except GithubLinkError:
+        raise NotFoundError(
+            f"{text!r} is no record id, and no issue: an issue is named owner/repo#N or #N (or by its URL)"
+        ) from None
+    issue = session.get(GithubIssue, ref.id)
+    if issue is None:
+        raise NotFoundError(f"no issue {ref.id} in lineage: {missing}")
+    return issue
+
+
+def _trees(session: Session, sha: str) -> list[Commit]:
+    """Commit ``sha``'s records: the clean tree's first, then each dirty tree's as recorded."""
+    stmt = select(Commit).where(Commit.sha == sha).order_by(col(Commit.created_at), col(Commit.id))
+    trees = list(session.exec(stmt))
+    return sorted(trees, key=lambda t: t.id != sha)
+
+
+def _jobs(session: Session, job_id: str, backend: str | None) -> list[_Found]:
+    """The jobs recorded with backend job id ``job_id``, each its attempts newest first: attempts on
+    one backend and cluster for one stage run are one job (recorded again when requeued)."""
+    stmt = select(Attempt).where(Attempt.job_id == job_id)
+    if backend:
+        stmt = stmt.where(Attempt.backend == backend)
+    stmt = stmt.order_by(col(Attempt.submitted_at).desc(), col(Attempt.number).desc()).limit(50)
+    groups: dict[tuple[str, str | None, str | None], list[Attempt]] = {}
+    for attempt in session.exec(stmt):
+        groups.setdefault((attempt.backend, attempt.cluster, attempt.stage_run_id), []).append(attempt)
+    stage_ids = [k[2] for k in groups if k[2]]
+    stages: dict[str, StageRun] = {}
+    if stage_ids:
+        stages = {s.id: s for s in session.exec(select(StageRun).where(col(StageRun.id).in_(stage_ids)))}
+    out = []
+    for (backend_name, cluster, stage_id), attempts in groups.items():
+        where = f"cluster {cluster!r}" if cluster else "a cluster not recorded"
+        stage = stages.get(stage_id or "")
+        label = f"{attempts[0].id} ({backend_name} job on {where}"
+        label += f", stage {stage.stage}" if stage is not None else ""
+        label += f", submitted {attempts[0].submitted_at:%Y-%m-%d %H:%M})"
+        out.append(_Found(attempts, job_id, label, "job"))
+    return out
+
+
+def _jobs_ambiguous(job_id: str, jobs: list[_Found]) -> str:
+    listed = "; ".join(j.label for j in jobs)
+    return (
+        f"job id {job_id!r} names {len(jobs)} recorded jobs: {listed}; give the attempt id "
+        "(a job id means something only on its cluster)"
+    )
+
+
+def _wandb_runs(session: Session, text: str) -> list[WandbRun]:
+    """The W&B runs ``text`` names as W&B does: ``run_id``, ``project/run_id``,
+    ``entity/project/run_id`` or the run's URL. A run recorded offline has no entity (its id is
+    ``/project/run_id``): any entity given matches it, as it does once the run is synced."""
+    url = _WANDB_URL.match(text)
+    parts = list(url.groups()) if url else text.split("/")
+    if len(parts) > 3 or not all(parts[-2:]):
+        return []
+    stmt = select(WandbRun).where(WandbRun.run_id == parts[-1])
+    if len(parts) > 1:
+        stmt = stmt.where(WandbRun.project == parts[-2])
+    runs = list(session.exec(stmt.order_by(col(WandbRun.id)).limit(10)))
+    if len(parts) == 3:
+        entity = parts[0]
+        same = [r for r in runs if (r.entity or "") == entity]
+        runs = same or ([r for r in runs if not r.entity] if entity else [])
+    return runs
+
+
+def _named(session: Session, text: str, models: list[type[LineageRecord]]) -> list[_Found]:
+    """What ``text`` names whole, though no record has it as its id: a backend job id, a commit sha
+    recorded only from dirty trees, a W&B run's own names."""
+    found: list[_Found] = []
+    if Attempt in models:
+        found += _jobs(session, text, None)
+    if Commit in models:
+        trees = _trees(session, text)
+        if trees:
+            found.append(_Found(trees, text, text, "commit"))
+    if WandbRun in models:
+        found += [_Found([r], r.run_id, r.id, "wandb") for r in _wandb_runs(session, text)]
+    return found
+
+
+def _prefixed(session: Session, text: str, models: list[type[LineageRecord]]) -> list[_Found]:
+    """What ``text`` is the start of: ids, a commit's sha (all its trees one commit), W&B run ids."""
+    found: list[_Found] = []
+    for model in models:
+        id_col = col(model.id)  # type: ignore[attr-defined]
+        # autoescape: `%` and `_` in what was typed are characters of an id, not wildcards
+        where = id_col.startswith(text, autoescape=True)
+        if model is Commit and "+" not in text:  # a sha's start: the commit, not each of its trees
+            shas = select(Commit.sha).where(col(Commit.sha).startswith(text, autoescape=True)).distinct().limit(4)
+            for sha in session.exec(shas):
+                found.append(_Found(_trees(session, sha), sha, sha, "commit"))  # type: ignore[arg-type]
+            where = where & col(Commit.sha).is_(None)  # a tree of no git (no-git+patch): by its id
+        found += [_Found([r], r.id, r.id, "id") for r in session.exec(select(model).where(where).limit(4))]  # type: ignore[attr-defined]
+    if WandbRun in models:
+        seen = {f.records[0].id for f in found if f.source == "id"}
+        runs = select(WandbRun).where(col(WandbRun.run_id).startswith(text, autoescape=True))
+        for run in session.exec(runs.order_by(col(WandbRun.id)).limit(4)):
+            if run.id not in seen:
+                found.append(_Found([run], run.run_id, run.id, "wandb"))
+    return found
+
+
+def _one(text: str, found: list[_Found], *, prefix: bool) -> LineageRecord:
+    """The record of the one thing found, or a one-line refusal that lists what was found and says
+    how to name one: more characters only where more characters can tell them apart."""
+    if len(found) == 1:
+        return found[0].pick()
+    if all(f.source == "job" for f in found):
+        raise NotFoundError(_jobs_ambiguous(text, found))
+    listed = ", ".join(f.label for f in found[:3]) + (", ..." if len(found) > 3 else "")
+    keys = {f.key for f in found}
+    if all(f.source == "wandb" for f in found) and len(keys) == 1:  # one run id in several projects
+        raise NotFoundError(
+            f"W&B run {found[0].key} is in {len(found)} projects ({listed}): "
+            "give project/run_id, or entity/project/run_id"
+        )
+    if prefix and len(keys) == len(found):
+        raise NotFoundError(f"id prefix {text!r} is ambiguous ({listed}): give more characters")
+    raise NotFoundError(
+        f"{text!r} names {len(found)} records ({listed}): give a whole id, or KIND:ID (attempt:ID, "
+        "wandb_run:ID, commit:SHA) to look among one kind"
+    )
+
+
 def open_store(settings: Settings | None = None, *, create: bool = True) -> LineageStore:
     """Open the configured lineage store, migrating it to this code's schema (see LineageStore for create)."""
     return LineageStore.open(settings, create=create)
@@ -640,6 +878,7 @@ def open_store(settings: Settings | None = None, *, create: bool = True) -> Line
 __all__ = [
     "GENESIS_HASH",
     "MIN_PREFIX",
+    "CommitTrees",
     "LineageStore",
     "StoreError",
     "SQLAlchemyError",

@@ -13,7 +13,11 @@ entity). So *up* follows relations from subject to object and *down* from object
 subject, whatever their name; a W&B run, the one agent people start from, leads up to the
 stage run that logged to it ("recordOf"). Two structural links are walked too, because they are
 columns rather than relation rows: a stage run's attempts (the jobs that ran it, with
-backend, job id and host) and its pipeline run (whose issue and trigger it shares).
+backend, job id and host) and its pipeline run (whose issue and trigger it shares). An attempt
+leads, up and down, to the stage run it ran (``jobOf``): a trace from a job, its id or its log
+file, is its stage run's, with the job on top. A commit leads down to its dirty trees too
+(``wasDerivedFrom``, role ``dirty``: the commit plus uncommitted changes, recorded as
+``sha+patch``), so "what was made at this commit" is every run at it.
 A record reached twice is shown again but expanded once, so a diamond (two stages that
 used one snapshot) cannot loop or repeat a whole subtree.
 """
@@ -26,13 +30,43 @@ from typing import Any, Literal
 
 from sqlmodel import Session, col, select
 
-from orchestrator.lineage.models import RECORD_TYPES, Attempt, LineageRecord, PipelineRun, Relation, StageRun, WandbRun
-from orchestrator.lineage.store import LineageStore, in_chunks
+from orchestrator.lineage.models import (
+    RECORD_TYPES,
+    Attempt,
+    Commit,
+    LineageRecord,
+    PipelineRun,
+    Relation,
+    StageRun,
+    WandbRun,
+)
+from orchestrator.lineage.store import CommitTrees, LineageStore, in_chunks
 
 Direction = Literal["up", "down"]
 
 #: Relation roles that are bookkeeping of the GitHub mirror (a comment on its issue), not provenance of the work.
 SKIPPED_ROLES = frozenset({"comment-on"})
+
+#: The ``patch_hash`` of :func:`whole_commit`'s record, which stands for a commit recorded only
+#: with uncommitted changes: no stored record has it (a patch hash is a hex digest, or None).
+ALL_TREES = "*"
+
+
+def whole_commit(sha: str, trees: list[Commit]) -> Commit:
+    """A record, not stored, that stands for commit ``sha`` where only its dirty trees were recorded:
+    the root of ``lineage trace SHA --down``, its trees below it."""
+    first = trees[0] if trees else Commit(id=sha)
+    return Commit(
+        id=sha,
+        sha=sha,
+        repo_path=first.repo_path,
+        remote_url=first.remote_url,
+        branch=first.branch,
+        dirty=True,
+        patch_hash=ALL_TREES,
+        message=first.message,
+        authored_at=first.authored_at,
+    )
 
 
 def describe(record: Any) -> str:
@@ -69,7 +103,10 @@ def describe(record: Any) -> str:
     if kind == "commit":  # the id is the sha (plus the patch hash when dirty): say what it does not
         where = " ".join(x for x in (record.branch, record.remote_url) if x)
         first_line = (record.message or "").strip().splitlines()[:1]
-        return " ".join(x for x in ("dirty" if record.dirty else "clean", where, *first_line) if x)
+        state = "dirty" if record.dirty else "clean"
+        if record.patch_hash == ALL_TREES:  # whole_commit: no clean tree of it was recorded
+            state = "recorded only with uncommitted changes (each tree below)"
+        return " ".join(x for x in (state, where, *first_line) if x)
     if kind == "environment":
         image = f" image={record.image_digest[:19]}" if record.image_digest else ""
         gpu = f" gpu={record.gpu}" if record.gpu else ""
@@ -172,6 +209,15 @@ def _hops(
             query = select(Attempt).where(col(Attempt.stage_run_id).in_(chunk)).order_by(col(Attempt.number))
             for attempt in session.exec(query):
                 extra[attempt.stage_run_id or ""].append(("ranAs", "job", attempt))
+    for record in records:  # a job, either way, leads to the stage run it ran: what it came from, what it made
+        if isinstance(record, Attempt) and record.stage_run_id:
+            extra[record.id].append(("jobOf", "stage", (StageRun.kind, record.stage_run_id)))
+    shas = [r.id for r in records if isinstance(r, Commit) and r.id == r.sha]  # a commit, not one dirty tree of it
+    if direction == "down" and shas:
+        for chunk in in_chunks(shas):
+            query = select(Commit).where(col(Commit.sha).in_(chunk), col(Commit.id) != col(Commit.sha))
+            for tree in session.exec(query.order_by(col(Commit.created_at), col(Commit.id))):
+                extra[tree.sha or ""].append(("wasDerivedFrom", "dirty", tree))
     run_ids = [r.id for r in records if isinstance(r, PipelineRun)]
     if direction == "down" and run_ids:
         for chunk in in_chunks(run_ids):
@@ -291,7 +337,9 @@ def trace(
     prune: Callable[[LineageRecord], bool] | None = None,
     hops: Hops | None = None,
 ) -> TraceNode:
-    """The lineage tree of ``record_id`` (an id or unique prefix) ``depth`` hops deep (None: all of it).
+    """The lineage tree of ``record_id`` (whatever :meth:`LineageStore.find` takes: an id, a unique prefix,
+    a job id, a sha, a path...) ``depth`` hops deep (None: all of it). A sha recorded only from dirty
+    trees is the root of them all (:func:`whole_commit`).
 
     A record ``prune`` says yes to is a leaf: listed, not expanded, and not counted as expanded,
     so where it is reached again by another way it is expanded there (``lineage affected`` prunes
@@ -301,18 +349,23 @@ def trace(
     first from what was read, each record expanded where the walk first meets it. ``hops`` (read
     the same ``direction``) holds what earlier walks read, so this one reads only what they did not.
     """
-    root = TraceNode(store.find(record_id))
+    try:
+        found = store.find(record_id)
+    except CommitTrees as trees:  # a sha of dirty trees only: the commit stands above them all
+        found = whole_commit(trees.sha, trees.trees)
+    root = TraceNode(found)
     if hops is not None and hops.direction != direction:
         raise ValueError(f"hops read {hops.direction} cannot serve a walk {direction}")
     hops_of = hops.of if hops is not None else {}
     expanded: set[str] = set()
 
-    def grow(node: TraceNode, left: int | None) -> None:
+    def grow(node: TraceNode, left: int | None, parent: str | None) -> None:
         if node.id in expanded:
             node.repeated = True
             return
         expanded.add(node.id)
-        below = hops_of[node.id]
+        # A job reached from its stage run does not lead back to it: a line under every job of a trace.
+        below = [h for h in hops_of[node.id] if not (h[0] == "jobOf" and h[2].id == parent)]  # type: ignore[attr-defined]
         if left == 0:
             node.truncated = bool(below)
             return
@@ -320,11 +373,11 @@ def trace(
             child = TraceNode(other, relation, role)
             node.children.append(child)
             if prune is None or not prune(other):
-                grow(child, None if left is None else left - 1)
+                grow(child, None if left is None else left - 1, node.id)
 
     with store.session() as session:  # one session for the whole walk, not one per record
         _reach(session, [root.record], direction, depth, prune, hops_of)
-        grow(root, depth)
+        grow(root, depth, None)
     return root
 
 
@@ -343,6 +396,9 @@ _DOT_STYLE = {
     "wandb_run": _AGENT,
     "github_issue": 'shape=note, style=filled, fillcolor="#e8e8e8"',
 }
+
+
+_PART_OF = frozenset({"hasPart", "jobOf"})
 
 
 def to_dot(root: TraceNode, direction: Direction) -> str:
@@ -366,7 +422,8 @@ def to_dot(root: TraceNode, direction: Direction) -> str:
                 summary += " (more beyond --depth)"
             nodes[node.id] = f'  "{_dot_escape(node.id)}" [label="{label}", tooltip="{_dot_escape(summary)}", {style}];'
         for child in node.children:
-            later, earlier = (child, node) if direction == "down" and child.relation != "hasPart" else (node, child)
+            # down, the child is the later record, but for a run's stage (hasPart) or a job's stage run (jobOf)
+            later, earlier = (child, node) if direction == "down" and child.relation not in _PART_OF else (node, child)
             role = f" ({child.role})" if child.role else ""
             if (earlier.id, later.id) not in pairs:  # a W&B run's recordOf its stage: one arrow is enough
                 pairs.add((later.id, earlier.id))
@@ -385,4 +442,4 @@ def _dot_escape(text: str) -> str:
     return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", " ")
 
 
-__all__ = ["Direction", "Hops", "TraceNode", "describe", "to_dot", "trace"]
+__all__ = ["ALL_TREES", "Direction", "Hops", "TraceNode", "describe", "to_dot", "trace", "whole_commit"]
