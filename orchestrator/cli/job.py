@@ -207,12 +207,8 @@ def _find(store: Any, ident: str, backend: str | None) -> tuple[Any, Any, Any]:
         if not tried:
             raise NotFoundError(f"stage run {stage.id} ({stage.stage}, {stage.state}) ran no job: nothing to show")
         attempt = tried[0]
-    if attempt is None:
-        where = [Attempt.job_id == ident]
-        if backend:
-            where.append(Attempt.backend == backend)
-        found = store.list(Attempt, where=where, order_by=col(Attempt.submitted_at).desc(), limit=1)
-        attempt = found[0] if found else None
+    if attempt is None:  # a backend job id: one that names jobs on two clusters is refused, naming each
+        attempt = store.find_job(ident, backend=backend)
     if attempt is None and ident.startswith("att_") and len(ident) >= MIN_PREFIX:
         found = store.list(Attempt, where=[col(Attempt.id).startswith(ident, autoescape=True)], limit=2)
         if len(found) > 1:

@@ -53,6 +53,21 @@ def test_a_jobs_own_secret_is_masked_in_its_recorded_command(store: LineageStore
     assert secret not in json.dumps([e.payload for e in store.events()])
 
 
+def test_a_job_id_recorded_on_two_clusters_is_refused_naming_both(store: LineageStore) -> None:
+    """Slurm numbers jobs per cluster: `job status 4711` with 4711 recorded on 'east' and on 'west'
+    asked about the newest, whichever cluster it was; now it names both and asks for the attempt."""
+    with store.transaction() as tx:
+        east = tx.add(Attempt(backend="slurm", job_id="4711", cluster="east"))
+        west = tx.add(Attempt(backend="slurm", job_id="4711", cluster="west"))
+    for command in ("status", "logs", "cancel"):
+        proc = cli("job", command, "4711")
+        said = proc.stderr.strip()
+        assert proc.returncode == 2 and "\n" not in said, (command, said)
+        assert said.startswith("error: job id '4711' names 2 recorded jobs: "), said
+        assert f"{east.id} (slurm job on cluster 'east'" in said and f"{west.id} (slurm job on cluster 'west'" in said
+        assert said.endswith("give the attempt id (a job id means something only on its cluster)"), said
+
+
 class _ControllerDown(LocalLauncher):
     """The local backend, unable to say anything of a job from ``down_from`` on, for ``down_for`` seconds
     (a slurmctld failing over: the job goes on, only its status cannot be read)."""
