@@ -3,21 +3,41 @@
 - The manifest starts from an editable base template (``infra/k8s/job-template.yaml``, or
   ``[backends.kubernetes] template``); openlab sets the name, namespace, labels (lineage
   ids whose values are valid label values; all of them also as annotations), the first
-  container's image/command/env/resources/workingDir, ``activeDeadlineSeconds`` (the time
-  limit), ``backoffLimit`` and ``ttlSecondsAfterFinished`` (from the template unless
+  container's image/command/env/resources/workingDir, the pod's ``activeDeadlineSeconds`` (the
+  time limit), ``backoffLimit`` and ``ttlSecondsAfterFinished`` (from the template unless
   configured), and mounts the artifact root at the same path: the template's own volume named
   ``openlab-artifacts`` where it has one (a PersistentVolumeClaim, NFS: storage every node and
   this side share), else a hostPath.
+- The time limit is the pod template's ``activeDeadlineSeconds``, which a kubelet counts from the
+  pod's ``startTime`` (once it is on a node), not the Job's, which counts from the Job's start: with
+  that one a job whose pods waited to be scheduled (no GPU free, a node being added) lost its run
+  time while PENDING. The kubelet then fails the pod (reason ``DeadlineExceeded``) and stops its containers with
+  the pod's grace period; the job is FAILED with the time-limit reason once its main container has
+  ended (not while it saves), as for a Job-level ``DeadlineExceeded`` (a template's own, kept). Under
+  ``backoffLimit`` the Job controller would replace such a pod; openlab does not count it (a rerun
+  stops at the same point, as with the Job-level limit) and cleanup deletes the Job whatever
+  ``delete_finished`` says. A pod that is never scheduled never times out: it stays PENDING with
+  the scheduler's reason, as a Slurm job waits in the queue. A job's start is its first pod's.
+- A job's secret-named variables (:func:`orchestrator.secrets.is_secret_name`: ``-e WANDB_API_KEY=...``)
+  are not written into the Job, which whoever may ``get jobs`` reads: they go in a Secret
+  ``<job>-openlab-env`` (Opaque) made just before the Job, which the container's env refers to
+  (``valueFrom.secretKeyRef``), owned by the Job and deleted with it, like the helpers ConfigMap
+  below. A job without any makes none. The right to create Secrets is needed only by such jobs:
+  ``backends check`` names it without failing, and such a job is refused naming its variables.
 - Every manifest passes ``kubernetes_validate.validate(manifest, version, strict=True)``
   (``version`` from config, default 1.33) before it is sent: a typo in the template is
   reported here, with the schema's message, not as a half-created Job.
 - Status comes from the Job's conditions (Complete / Failed with DeadlineExceeded or
   BackoffLimitExceeded) and counts, exit code and node from its pod (found by the
-  ``job-name`` label, filtered client-side too). Logs come from that pod. A pod that
+  ``job-name`` label, filtered client-side too). Logs come from that pod. Exit code, image and
+  log are those of the main container (the template's first, named in the pod annotation
+  ``kubectl.kubernetes.io/default-container``, which ``kubectl logs`` follows too), never a
+  sidecar's (istio-proxy, a log shipper): with two containers the API server refuses a log read
+  that names none. A container waiting to start has no log yet (not an error). A pod that
   Kubernetes evicted or preempted carries the ``DisruptionTarget`` condition: its failed Job
   is PREEMPTED, with Kubernetes' reason (``EvictionByEvictionAPI``, ``PreemptionByScheduler``...).
-- Cancel deletes the Job with ``propagationPolicy=Background`` and waits until its pods
-  are gone. A cancelled or cleaned-up Job's final status is kept in
+- Cancel deletes the Job (and its Service, ConfigMap and Secret) with ``propagationPolicy=Background``
+  and waits until its pods are gone. A cancelled or cleaned-up Job's final status is kept in
   ``$OPENLAB_HOME/jobs/kubernetes/`` so status still answers after the Job is deleted.
 - What a job used (CPU seconds, peak resident memory) comes back in its pods' termination
   messages: the first container runs the command under the usage wrapper
@@ -30,7 +50,9 @@
   (exit 127) fails with a reason that names the program, and the option to set when it is the
   helpers' Python. The same wrapper sends a job asked to be warned ahead of its time limit
   (``warn_before_limit``) SIGUSR1 that long before ``activeDeadlineSeconds`` ends the pod with
-  SIGTERM alone, as Slurm's ``--signal=USR1@N`` does; without the wrapper there is no warning.
+  SIGTERM alone, as Slurm's ``--signal=USR1@N`` does; without the wrapper there is no warning. The
+  wrapper counts from its own start, the kubelet from the pod's, before the image is pulled: the
+  warning comes that much later than asked (give ``warn_before_limit`` room for a slow pull).
 - A container's first process is its PID 1, which the kernel gives no default action for SIGTERM
   and which inherits every orphan: the usage wrapper, when it runs, is written to be that (it
   passes signals on and reaps, counting what orphans used). A pod without it gets
@@ -70,6 +92,7 @@ by cancel and cleanup.
 
 from __future__ import annotations
 
+import base64
 import copy
 import datetime as dt
 import json
@@ -111,6 +134,7 @@ from orchestrator.launchers.base import (
     usage_python,
     with_notes,
 )
+from orchestrator.secrets import is_secret_name
 
 DEFAULT_VERSION = "1.33"
 #: The Job annotation naming where a multi-task pod's tasks write how they ended (artifact root).
@@ -128,6 +152,9 @@ NODE_SELECTOR_EXAMPLE = '{"nvidia.com/gpu.product" = "H100"}'
 TOLERATIONS_EXAMPLE = '[{key = "gpu", operator = "Exists"}]'
 #: Where a container writes its termination message unless its spec says otherwise (Kubernetes' default).
 TERMINATION_MESSAGE_PATH = "/dev/termination-log"
+#: Who needs the right to make Secrets: only jobs given secret-named variables (their values go in
+#: one, never in the Job's manifest), so ``backends check`` does not fail without it.
+SECRETS_NEEDED_BY = "jobs given secret-named variables, for their values"
 #: What the launcher asks of the API server in its namespace: (API group, resource, verbs, what
 #: needs it). ``infra/k8s/rbac.yaml`` grants exactly this (a test holds both to the requests the
 #: launcher really makes); ``backends check`` asks the server which of it is allowed.
@@ -137,7 +164,15 @@ API_NEEDS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ("", "pods/log", ("get",), "every job's log"),
     ("", "services", ("create", "patch", "delete"), "jobs of several nodes"),
     ("", "configmaps", ("create", "patch", "delete"), "jobs of several tasks or measured: helpers_configmap"),
+    ("", "secrets", ("create", "patch", "delete"), SECRETS_NEEDED_BY),
 )
+#: The pod annotation naming the container ``kubectl logs`` and ``exec`` pick by default; openlab sets it to
+#: the main container (the template's first) and reads logs, exit code and image of that one, not of a
+#: sidecar (istio-proxy, a log shipper), which a mutating webhook may even put first.
+DEFAULT_CONTAINER_ANNOTATION = "kubectl.kubernetes.io/default-container"
+#: The reason a kubelet gives a pod it stopped at its own ``activeDeadlineSeconds`` (phase Failed), and
+#: the Job controller a Job stopped at the Job's.
+DEADLINE_EXCEEDED = "DeadlineExceeded"
 #: The pod volume of the job's helper scripts (a ConfigMap of :meth:`KubernetesLauncher.helpers_manifest`).
 HELPERS_VOLUME = "openlab-helpers"
 #: Longest wait before re-reading a pod log whose follow stream ended while the pod still runs.
@@ -170,6 +205,16 @@ def k8s_name(name: str) -> str:
 def helpers_name(job: str) -> str:
     """The name of the ConfigMap that holds a Job's helper scripts."""
     return f"{job}-openlab"
+
+
+def env_secret_name(job: str) -> str:
+    """The name of the Secret that holds a Job's secret-named variables."""
+    return f"{job}-openlab-env"
+
+
+def secret_env(env: Mapping[str, str]) -> dict[str, str]:
+    """Those of a job's variables whose names say they hold secrets (:func:`orchestrator.secrets.is_secret_name`)."""
+    return {str(k): str(v) for k, v in env.items() if is_secret_name(str(k))}
 
 
 def k8s_memory(nbytes: int) -> str:
@@ -251,6 +296,51 @@ def _pods_of(pods: list[Any], job: str) -> list[Any]:
     return sorted(own, key=lambda p: _aware(p.metadata.creation_timestamp) or dt.datetime.min.replace(tzinfo=dt.UTC))
 
 
+def _main_name(pod: Any) -> str | None:
+    """The name of a pod's main container: the one its annotation names (the Job template's first,
+    which openlab runs the command in), else the first of its spec."""
+    name = (pod.metadata.annotations or {}).get(DEFAULT_CONTAINER_ANNOTATION) if pod.metadata else None
+    if name:
+        return str(name)
+    containers = pod.spec.containers if pod.spec else None
+    return str(containers[0].name) if containers else None
+
+
+def _main_status(pod: Any) -> Any | None:
+    """The main container's status: a sidecar's exit code, image and termination message are not the job's."""
+    statuses = (pod.status.container_statuses or []) if pod.status else []
+    name = _main_name(pod)
+    if name is None:
+        return statuses[0] if statuses else None
+    return next((cs for cs in statuses if cs.name == name), None)
+
+
+def _terminated(pod: Any) -> Any | None:
+    """How the pod's main container ended (None while it has not)."""
+    cs = _main_status(pod)
+    return cs.state.terminated if cs is not None and cs.state else None
+
+
+def _past_deadline(pod: Any) -> bool:
+    """Whether the kubelet stopped the pod at its ``activeDeadlineSeconds``: the job's time limit."""
+    return bool(pod.status and pod.status.phase == "Failed" and pod.status.reason == DEADLINE_EXCEEDED)
+
+
+def _up_to_time_limit(pods: list[Any]) -> list[Any]:
+    """``pods`` (oldest first) without those the Job controller made after a pod stopped at its time
+    limit (under ``backoffLimit`` it replaces it as any failed pod): a rerun would stop at the same
+    point, so they are not the job's, as no pod came after a Job-level limit."""
+    limited = next((i for i, p in enumerate(pods) if _past_deadline(p) and _index_of(p) is None), None)
+    return pods if limited is None else pods[: limited + 1]
+
+
+def _main_running(pod: Any) -> bool:
+    """Whether the pod's main container still runs (a pod past its deadline is Failed at once, while
+    its containers are stopped with the pod's grace period: the workload may be saving)."""
+    cs = _main_status(pod)
+    return bool(cs is not None and cs.state and cs.state.running is not None)
+
+
 def _pod_end(pod: Any) -> str:
     """``name exit 1`` (or ``name stopped by Kubernetes: reason``) for an ended pod of a Job."""
     name = pod.metadata.name
@@ -258,11 +348,12 @@ def _pod_end(pod: Any) -> str:
     for c in (status.conditions or []) if status else []:
         if c.type == "DisruptionTarget" and c.status == "True":
             return f"{name} stopped by Kubernetes: {c.reason}"
-    for cs in (status.container_statuses or []) if status else []:
-        term = cs.state.terminated if cs.state else None
-        if term is not None:
-            why = f" ({term.reason})" if term.reason not in (None, "Completed", "Error") else ""
-            return f"{name} exit {term.exit_code}{why}"
+    term = _terminated(pod)
+    if term is not None:
+        why = f" ({term.reason})" if term.reason not in (None, "Completed", "Error") else ""
+        if not why and status and status.reason:  # the pod's own (DeadlineExceeded: its time limit)
+            why = f" ({status.reason})"
+        return f"{name} exit {term.exit_code}{why}"
     return f"{name} {status.phase.lower() if status and status.phase else 'ended'}"
 
 
@@ -287,19 +378,20 @@ def _current(pods: list[Any]) -> list[Any]:
 
 
 def _finished(pod: Any) -> dt.datetime | None:
-    for cs in (pod.status.container_statuses or []) if pod.status else []:
-        term = cs.state.terminated if cs.state else None
-        if term is not None:
-            return _aware(term.finished_at)
-    return None
+    term = _terminated(pod)
+    return _aware(term.finished_at) if term is not None else None
 
 
 def _exit_code(pod: Any) -> int | None:
-    for cs in (pod.status.container_statuses or []) if pod.status else []:
-        term = cs.state.terminated if cs.state else None
-        if term is not None:
-            return int(term.exit_code)
-    return None
+    term = _terminated(pod)
+    return int(term.exit_code) if term is not None else None
+
+
+def _started(pods: list[Any]) -> dt.datetime | None:
+    """When the first of ``pods`` started on a node (its ``startTime``, set once the kubelet took it):
+    the job's start, not the Job's, which counts the time its pods waited to be scheduled."""
+    starts = [s for p in pods if p.status is not None and (s := _aware(p.status.start_time)) is not None]
+    return min(starts) if starts else None
 
 
 def _pods_usage(pods: list[Any]) -> dict[str, float] | None:
@@ -527,13 +619,13 @@ class KubernetesLauncher(Launcher):
             jspec.update(completionMode="Indexed", completions=spec.nodes, parallelism=spec.nodes, backoffLimit=0)
         if "ttl_seconds" in opts:
             jspec["ttlSecondsAfterFinished"] = int(opts["ttl_seconds"])
-        if spec.time_limit:
-            jspec["activeDeadlineSeconds"] = int(spec.time_limit)
         pod = jspec.setdefault("template", {})
         pod_meta = pod.setdefault("metadata", {})
         pod_meta["labels"] = {**(pod_meta.get("labels") or {}), **labels}
         pod_spec = pod.setdefault("spec", {})
         pod_spec["restartPolicy"] = "Never"
+        if spec.time_limit:  # the pod's, counted from when it is on a node: time queued is not run time
+            pod_spec["activeDeadlineSeconds"] = int(spec.time_limit)
         if spec.nodes > 1:
             pod_spec["subdomain"] = name  # <job>-<index>.<job>: the headless Service's DNS names
         # Placement (a recipe's `resources.<stage>.kubernetes`, or [backends.kubernetes]) over the template's.
@@ -550,6 +642,8 @@ class KubernetesLauncher(Launcher):
             containers.append({"name": "job"})
         main = containers[0]
         main.setdefault("name", "job")
+        # The container logs are read from (and `kubectl logs` shows): a sidecar makes it ambiguous.
+        pod_meta["annotations"] = {**(pod_meta.get("annotations") or {}), DEFAULT_CONTAINER_ANNOTATION: main["name"]}
         main["image"] = spec.image or opts.get("image") or main.get("image") or "openlab/job:latest"
         main["command"] = list(spec.command)
         # The helper scripts from this launcher's ConfigMap (module docstring), or the image's openlab.
@@ -586,7 +680,13 @@ class KubernetesLauncher(Launcher):
             else:
                 owner.pop(key, None)
         env = [e for e in main.get("env") or [] if e.get("name") not in spec.env]
-        env += [{"name": str(k), "value": str(v)} for k, v in spec.env.items()]
+        secrets = secret_env(spec.env)  # in the Job's Secret, so that whoever may read the Job does not see them
+        env += [
+            {"name": str(k), "valueFrom": {"secretKeyRef": {"name": env_secret_name(name), "key": str(k)}}}
+            if str(k) in secrets
+            else {"name": str(k), "value": str(v)}
+            for k, v in spec.env.items()
+        ]
         env += [
             {"name": "OPENLAB_JOB_ID", "value": f"{meta['namespace']}/{name}"},
             {"name": "OPENLAB_JOB_NAME", "value": spec.name},
@@ -654,6 +754,27 @@ class KubernetesLauncher(Launcher):
         self.validate(service)
         return service
 
+    def env_secret_manifest(self, spec: JobSpec, job: dict[str, Any]) -> dict[str, Any] | None:
+        """The Secret of a Job's secret-named variables (validated like the Job), which its main
+        container's env refers to (``valueFrom.secretKeyRef``); None when it has none."""
+        values = secret_env(spec.env)
+        if not values:
+            return None
+        meta = job["metadata"]
+        secret = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "type": "Opaque",
+            "metadata": {
+                "name": env_secret_name(meta["name"]),
+                "namespace": meta["namespace"],
+                "labels": dict(meta.get("labels") or {}),
+            },
+            "data": {k: base64.b64encode(v.encode()).decode("ascii") for k, v in values.items()},
+        }
+        self.validate(secret)
+        return secret
+
     def helpers_manifest(self, job: dict[str, Any]) -> dict[str, Any] | None:
         """The ConfigMap of helper scripts a Job's pods mount (validated like the Job), or None when
         its manifest mounts none (one task, no usage wrapper, or ``helpers_configmap = false``)."""
@@ -717,9 +838,10 @@ class KubernetesLauncher(Launcher):
         namespace = manifest["metadata"]["namespace"]
         job_id = f"{namespace}/{name}"
         helpers = self.helpers_manifest(manifest)
+        secret = self.env_secret_manifest(spec, manifest)
         service = self.service_manifest(manifest) if spec.nodes > 1 else None
-        # Both before the Job: its pods cannot start without their ConfigMap, and pod 0's name must
-        # resolve when its peers look it up.
+        # All before the Job: its pods cannot start without their ConfigMap and Secret, and pod 0's
+        # name must resolve when its peers look it up.
         if helpers is not None:
             try:
                 self._call(
@@ -733,6 +855,22 @@ class KubernetesLauncher(Launcher):
                     f"{exc} (the job's helper scripts go in a ConfigMap; without the right to create one, "
                     "set [backends.kubernetes] helpers_configmap = false to run the image's own openlab)"
                 ) from None
+        if secret is not None:
+            try:
+                self._call(
+                    f"create Secret {namespace}/{env_secret_name(name)}",
+                    lambda: self.core.create_namespaced_secret(namespace, secret),
+                )
+            except LauncherError as exc:
+                self._delete_companions(job_id, service=False, helpers=helpers is not None, secret=False)
+                if isinstance(exc, BackendUnavailable):
+                    raise
+                names = ", ".join(sorted(secret["data"]))
+                raise LauncherError(
+                    f"{exc} (the job's secret-named variables ({names}) go in a Secret, so that its manifest "
+                    "does not show their values: grant create, patch, delete on secrets (infra/k8s/rbac.yaml), "
+                    "or give them to its pods from a Secret of your own in the job template)"
+                ) from None
         try:
             if service is not None:
                 self._call(
@@ -741,17 +879,21 @@ class KubernetesLauncher(Launcher):
                 )
             created = self._call(f"create Job {job_id}", lambda: self.batch.create_namespaced_job(namespace, manifest))
         except LauncherError:
-            self._delete_companions(job_id, service=service is not None, helpers=helpers is not None)
+            self._delete_companions(
+                job_id, service=service is not None, helpers=helpers is not None, secret=secret is not None
+            )
             raise
         uid = getattr(getattr(created, "metadata", None), "uid", None)
         if service is not None:
             self._own(job_id, uid, "Service", name, self.core.patch_namespaced_service)
         if helpers is not None:
             self._own(job_id, uid, "ConfigMap", helpers_name(name), self.core.patch_namespaced_config_map)
+        if secret is not None:
+            self._own(job_id, uid, "Secret", env_secret_name(name), self.core.patch_namespaced_secret)
         return JobHandle(self.name, job_id, str(self.settings.logs_dir / f"k8s-{namespace}-{name}.log"))
 
     def _own(self, job_id: str, uid: str | None, kind: str, name: str, patch: Callable[..., Any]) -> None:
-        """Make the Job the owner of its Service or ConfigMap, so Kubernetes deletes that with the
+        """Make the Job the owner of its Service, ConfigMap or Secret, so Kubernetes deletes that with the
         Job (its TTL, or a user's ``kubectl delete``) even if openlab never gets to."""
         if not uid:  # an API server always assigns one; without it, deleting it is openlab's alone
             return
@@ -763,8 +905,12 @@ class KubernetesLauncher(Launcher):
             not_found=lambda: None,
         )
 
-    def _delete_companions(self, job_id: str, *, service: bool = True, helpers: bool = True) -> None:
-        """Delete a Job's headless Service and helpers ConfigMap (either gone or never made: nothing to do)."""
+    def _delete_companions(
+        self, job_id: str, *, service: bool = True, helpers: bool = True, secret: bool | None = True
+    ) -> None:
+        """Delete a Job's headless Service, helpers ConfigMap and variables' Secret (any gone or never
+        made: nothing to do). ``secret=None``: perhaps one, so a namespace that refuses openlab Secrets
+        (which jobs without secret variables do not need) is no error."""
         namespace, name = self._split(job_id)
         if service:
             self._call(
@@ -778,30 +924,54 @@ class KubernetesLauncher(Launcher):
                 lambda: self.core.delete_namespaced_config_map(helpers_name(name), namespace),
                 not_found=lambda: None,
             )
+        if secret or secret is None:
+            try:
+                self._call(
+                    f"delete Secret {namespace}/{env_secret_name(name)}",
+                    lambda: self.core.delete_namespaced_secret(env_secret_name(name), namespace),
+                    not_found=lambda: None,
+                )
+            except LauncherError as exc:
+                if secret or isinstance(exc, BackendUnavailable):
+                    raise
+                log.debug("no Secret of %s deleted: %s", job_id, exc)
 
     def _nodes(self, job_id: str) -> int:
-        """How many pods (nodes) a Job runs at once: its ``completions`` when indexed, else 1."""
+        """How many pods (nodes) a Job runs at once: its ``completions`` when indexed, else 1; 0 when
+        the Job is gone (its pods may outlive it a while)."""
         namespace, name = self._split(job_id)
         job = self._call(
             f"read Job {job_id}", lambda: self.batch.read_namespaced_job(name, namespace), not_found=lambda: None
         )
-        if job is None or job.spec is None or job.spec.completion_mode != "Indexed":
+        if job is None:
+            return 0
+        if job.spec is None or job.spec.completion_mode != "Indexed":
             return 1
         return int(job.spec.completions or 1)
 
-    def _companions(self, job_id: str) -> dict[str, bool]:
-        """Which of its Service and helpers ConfigMap a Job was given (both, to be sure, when the Job
-        is gone already: deleting what does not exist is a no-op)."""
+    def _companions(self, job_id: str) -> dict[str, bool | None]:
+        """Which of its Service, helpers ConfigMap and Secret a Job was given (all, to be sure, when the
+        Job is gone already: deleting what does not exist is a no-op)."""
         namespace, name = self._split(job_id)
         job = self._call(
             f"read Job {job_id}", lambda: self.batch.read_namespaced_job(name, namespace), not_found=lambda: None
         )
+        return self._companions_of(job_id, job)
+
+    @classmethod
+    def _companions_of(cls, job_id: str, job: Any) -> dict[str, bool | None]:
+        """:meth:`_companions` of a Job as read (None: gone)."""
+        _, name = cls._split(job_id)
         if job is None or job.spec is None:
-            return {"service": True, "helpers": True}
-        volumes = (job.spec.template.spec.volumes or []) if job.spec.template and job.spec.template.spec else []
+            return {"service": True, "helpers": True, "secret": None}
+        pod = job.spec.template.spec if job.spec.template and job.spec.template.spec else None
+        volumes = (pod.volumes or []) if pod is not None else []
+        env = (pod.containers[0].env or []) if pod is not None and pod.containers else []
+        refs = [e.value_from.secret_key_ref for e in env if e.value_from and e.value_from.secret_key_ref]
         return {
             "service": job.spec.completion_mode == "Indexed",
             "helpers": any(v.name == HELPERS_VOLUME for v in volumes),
+            "secret": any(ref.name == env_secret_name(name) for ref in refs),
         }
 
     def _final_path(self, job_id: str) -> Path:
@@ -828,14 +998,15 @@ class KubernetesLauncher(Launcher):
         self._final_path(job_id).write_text(json.dumps(status.to_dict()))
 
     def pods(self, job_id: str) -> list[Any]:
-        """The Job's pods, newest last (selector sent, and applied again here)."""
+        """The Job's pods, newest last (selector sent, and applied again here), up to one stopped at its
+        time limit (:func:`_up_to_time_limit`)."""
         namespace, name = self._split(job_id)
         found = self._call(
             f"list pods of {job_id}",
             lambda: self.core.list_namespaced_pod(namespace, label_selector=f"job-name={name}"),
             not_found=lambda: None,
         )
-        return _pods_of(found.items if found is not None else [], name)
+        return _up_to_time_limit(_pods_of(found.items if found is not None else [], name))
 
     def _pods_at(self, job_id: str, index: int | None) -> list[Any]:
         """The Job's pods, or (``index`` given) those of one index of an indexed Job, newest last."""
@@ -909,10 +1080,15 @@ class KubernetesLauncher(Launcher):
             pods = []  # nothing ran yet
         elif pods is None:
             pods = self.pods(handle.job_id)
+        # A pod the kubelet stopped at its activeDeadlineSeconds is the job's time limit, whatever the Job
+        # controller does next (cleanup deletes a Job it would go on with).
+        pods = _up_to_time_limit(pods)
+        limited = next((p for p in pods if _past_deadline(p)), None)
+        started = _started(pods) or started  # its first pod on a node: the time it waited is not run time
         current = _current(pods)  # one pod per index (the last one); the last pod of a plain Job
         ends_prefix = (job.metadata.annotations or {}).get(TASK_ENDS_ANNOTATION)
         if current:
-            pod = _deciding(current, ends_prefix)
+            pod = limited if limited is not None else _deciding(current, ends_prefix)
             host = ",".join(sorted({p.spec.node_name for p in current if p.spec and p.spec.node_name})) or None
             # Kubernetes marks a pod it evicts or preempts (Eviction API, scheduler preemption, node
             # pressure, taints) with the DisruptionTarget condition before it stops it.
@@ -925,20 +1101,25 @@ class KubernetesLauncher(Launcher):
                 ),
                 None,
             )
-            for cs in (pod.status.container_statuses or []) if pod.status else []:
-                digest = cs.image_id or digest
-                term = cs.state.terminated if cs.state else None
-                if term is not None:
-                    exit_code = term.exit_code
-                    pod_reason = term.reason if term.reason not in (None, "Completed", "Error") else None
-                    pod_message = term.message
-                    started = started or _aware(term.started_at)
-                    ended = ended or _aware(term.finished_at)
+            main = _main_status(pod)  # not a sidecar's: its image, exit code and message are not the job's
+            digest = (main.image_id or None) if main is not None else None
+            term = _terminated(pod)
+            if term is not None:
+                exit_code = term.exit_code
+                pod_reason = term.reason if term.reason not in (None, "Completed", "Error") else None
+                pod_message = term.message
+                started = started or _aware(term.started_at)
+                ended = ended or _aware(term.finished_at)
         if "Complete" in conditions or "SuccessCriteriaMet" in conditions:
             state, reason = JobState.SUCCEEDED, None
             exit_code = 0 if exit_code is None else exit_code
             cond = conditions.get("Complete") or conditions["SuccessCriteriaMet"]
             ended = ended or _aware(cond.last_transition_time)
+        elif limited is not None and any(_main_running(p) for p in current):  # stopping, within the grace period
+            state, reason = JobState.RUNNING, None
+        elif limited is not None:  # as the Job-level DeadlineExceeded below
+            state = JobState.FAILED
+            reason = f"{TIME_LIMIT_REASON} ({limited.spec.active_deadline_seconds}s)"
         elif "Failed" in conditions or "FailureTarget" in conditions:
             cond = conditions.get("Failed") or conditions["FailureTarget"]
             state = JobState.FAILED
@@ -1000,8 +1181,14 @@ class KubernetesLauncher(Launcher):
         pods = self.pods(handle.job_id) if pods is None else pods
         if not pods:
             return None
+        main = _main_status(pods[-1])
+        if main is not None and main.state and main.state.waiting is not None:
+            return None  # not started (pulling its image, say): the kubelet answers 400 "waiting to start"
         pod = pods[-1].metadata.name
         kwargs: dict[str, Any] = {"_preload_content": False}
+        container = _main_name(pods[-1])
+        if container is not None:  # required once a pod has a sidecar: 400 "a container name must be specified"
+            kwargs["container"] = container
         if tail is not None:
             kwargs["tail_lines"] = tail
         if follow:
@@ -1018,9 +1205,10 @@ class KubernetesLauncher(Launcher):
             yield from self._logs_of_nodes(handle, nodes, follow=follow, tail=tail)
             return
         if not follow:
-            resp = self._read_log(handle, tail=tail)
+            saved = Path(handle.log_path) if handle.log_path else None
+            # A deleted Job's log is the one kept at cleanup (every node's), even while its pods terminate.
+            resp = None if nodes == 0 and saved is not None and saved.exists() else self._read_log(handle, tail=tail)
             if resp is None:
-                saved = Path(handle.log_path) if handle.log_path else None
                 if saved is not None and saved.exists():
                     from orchestrator.launchers.local import follow_file
 
@@ -1196,9 +1384,22 @@ class KubernetesLauncher(Launcher):
             return
         self._save_logs(handle)
         self._save(handle.job_id, status)
-        if flag_option(self.config, "delete_finished", True):
-            namespace, name = self._split(handle.job_id)
-            self._delete_companions(handle.job_id, **self._companions(handle.job_id))
+        namespace, name = self._split(handle.job_id)
+        job = self._call(
+            f"read Job {handle.job_id}", lambda: self.batch.read_namespaced_job(name, namespace), not_found=lambda: None
+        )
+        # A Job Kubernetes has not finished though openlab has (a pod stopped at its time limit, which the
+        # Job controller would replace under backoffLimit) is deleted whatever delete_finished says.
+        going_on = (
+            job is not None
+            and (6 if job.spec is None or job.spec.backoff_limit is None else job.spec.backoff_limit) > 0
+            and not any(
+                c.status == "True" and c.type in ("Complete", "SuccessCriteriaMet", "Failed", "FailureTarget")
+                for c in ((job.status.conditions or []) if job.status else [])
+            )
+        )
+        if flag_option(self.config, "delete_finished", True) or going_on:
+            self._delete_companions(handle.job_id, **self._companions_of(handle.job_id, job))
             self._call(
                 f"delete Job {handle.job_id}",
                 lambda: self.batch.delete_namespaced_job(
@@ -1213,25 +1414,36 @@ class KubernetesLauncher(Launcher):
                 f"list Jobs in namespace {self.namespace}",
                 lambda: self.batch.list_namespaced_job(self.namespace, limit=1),
             )
-            refused = self.refused_rights()
+            refused = self._refused()
         except LauncherError as exc:
             return False, str(exc)
         host = self.api_client.configuration.host
         where = f"API at {host}, namespace {self.namespace}"
-        if refused:
-            return False, f"{where}: may not {'; '.join(refused)} (grant the Role in infra/k8s/rbac.yaml)"
+        # Secrets only for jobs given secret-named variables: without them the rest runs, so it is said, not failed.
+        needed = [text for resource, text in refused or [] if resource != "secrets"]
+        if needed:
+            texts = "; ".join(text for _, text in refused or [])
+            return False, f"{where}: may not {texts} (grant the Role in infra/k8s/rbac.yaml)"
         rights = "rights not checked: the server answers no SelfSubjectAccessReview" if refused is None else "rights ok"
+        if refused:
+            rights += f" except: may not {refused[0][1]}: such a job is refused (grant the Role in infra/k8s/rbac.yaml)"
         return True, f"{where}, {rights}, manifests validated for Kubernetes {self.version}"
 
     def refused_rights(self) -> list[str] | None:
         """What of :data:`API_NEEDS` the server says this client may not do in its namespace, one
         entry per resource (``create, patch configmaps (jobs of several tasks...)``), as ``kubectl
         auth can-i`` asks it (SelfSubjectAccessReview); None when the server answers no such review.
-        ConfigMaps are not needed with ``helpers_configmap = false``."""
+        ConfigMaps are not needed with ``helpers_configmap = false``; Secrets only by jobs given
+        secret-named variables (``-e WANDB_API_KEY=...``), so :meth:`check` names them without failing."""
+        refused = self._refused()
+        return None if refused is None else [text for _, text in refused]
+
+    def _refused(self) -> list[tuple[str, str]] | None:
+        """:meth:`refused_rights`, each with its resource."""
         from kubernetes import client
 
         auth = client.AuthorizationV1Api(self.api_client)
-        refused: list[str] = []
+        refused: list[tuple[str, str]] = []
         for group, resource, verbs, why in API_NEEDS:
             if resource == "configmaps" and not flag_option(self.config, "helpers_configmap", True):
                 continue
@@ -1253,5 +1465,5 @@ class KubernetesLauncher(Launcher):
                 if not (answer.status and answer.status.allowed):
                     denied.append(verb)
             if denied:
-                refused.append(f"{', '.join(denied)} {resource} ({why})")
+                refused.append((resource, f"{', '.join(denied)} {resource} ({why})"))
         return refused

@@ -2,36 +2,60 @@
 
 kmock stores and serves objects over real HTTP but runs no controller: nothing creates
 pods, runs them or writes status. :class:`EmulatedCluster` adds the part the launcher
-needs to be tested for real: for every new batch/v1 Job it creates a pod object, runs the
-pod's container, serves its output as the pod log, enforces ``activeDeadlineSeconds`` and
-writes Job/pod status back (active/succeeded/failed, conditions, start/completion time,
-exit code, node, image id). Deleting the Job kills the pod's workload and deletes its pods.
+needs to be tested for real: for every new batch/v1 Job it creates a pod object (with the
+template's labels and annotations), runs each of the pod's containers, serves their output as
+the pod log, enforces ``activeDeadlineSeconds`` and writes Job/pod status back
+(active/succeeded/failed, conditions, start/completion time, exit code, node, image id).
+Deleting the Job kills the pod's workload and deletes its pods.
 :meth:`EmulatedCluster.evict` does what the Eviction API or a node's kubelet does to a pod: the
 ``DisruptionTarget`` condition, SIGTERM, SIGKILL after the grace period, pod phase Failed.
+
+Pods are scheduled onto the one node at once, unless it is cordoned (:meth:`EmulatedCluster.cordon`):
+then they stay Pending (``PodScheduled`` False, ``Unschedulable``) until it is not, as in a cluster
+with no room for them. A pod's ``startTime`` is when it is scheduled. Its containers start once the
+Secrets and ConfigMaps their env names (``valueFrom.secretKeyRef``/``configMapKeyRef``) exist; until
+then they wait in ``CreateContainerConfigError`` (``secret "x" not found``), as a kubelet makes them.
+Deadlines are counted as Kubernetes counts them: the Job's ``activeDeadlineSeconds`` from the Job's
+start (time Pending included; its pods are stopped, one not yet scheduled deleted, and the Job Failed
+with reason DeadlineExceeded, no new pod); the pod template's from the pod's ``startTime``, after
+which the kubelet makes the pod Failed (reason DeadlineExceeded) at once and stops its containers
+(SIGTERM, SIGKILL after the pod's ``terminationGracePeriodSeconds``, here 2 s unless it says), and
+the Job controller counts it as any failed pod (a new one under ``backoffLimit``).
+
+A pod of several containers (a sidecar) runs each; it ends when all have (``restartPolicy: Never``),
+Failed if any failed; container statuses are sorted by name, as a kubelet sorts them. The log
+endpoint answers as the API server and kubelet do: ``container=`` picks one, and must be given when
+the pod has several (400 ``a container name must be specified for pod P, choose one of: [a b]``);
+an unknown one is 400; a pod not yet scheduled has an empty log, a container waiting to start a 400
+(``... is waiting to start: CreateContainerConfigError``); a deleted pod 404.
 
 An *indexed* Job (``completionMode: Indexed``) gets one pod per index at once, as the Job
 controller makes them: the ``batch.kubernetes.io/job-completion-index`` label and annotation, the
 ``JOB_COMPLETION_INDEX`` env var, hostname ``<job>-<index>``. It completes when every index has
 succeeded; the first failure beyond ``backoffLimit`` fails it and the others are stopped (SIGTERM,
-SIGKILL after a grace period), and its Failed condition is written once all have ended. Services
-and ConfigMaps are stored (kmock serves them), and deleting a Job deletes the Services and ConfigMaps
-whose ``ownerReferences`` name its uid, as the garbage collector does (every created object gets a ``uid`` and a
-``creationTimestamp``, as from an API server); a pod whose ``subdomain`` names a Service of its namespace gets the
-DNS names cluster DNS would give it (``<hostname>.<subdomain>[.<ns>.svc[.cluster.local]]``): its
-container joins this cluster's own Docker network with those names as aliases.
+SIGKILL after a grace period), and its Failed condition is written once all have ended. Services,
+ConfigMaps and Secrets are stored (kmock serves them; a Secret's ``stringData`` is merged into its
+base64 ``data``, as an API server does), and deleting a Job deletes the Services, ConfigMaps and
+Secrets whose ``ownerReferences`` name its uid, as the garbage collector does (every created object
+gets a ``uid`` and a ``creationTimestamp``, as from an API server); a pod whose ``subdomain`` names
+a Service of its namespace gets the DNS names cluster DNS would give it
+(``<hostname>.<subdomain>[.<ns>.svc[.cluster.local]]``): its main container joins this cluster's
+own Docker network with those names as aliases.
 
 Where the pod runs (``runtime``), as a kubelet would as far as the launcher can tell:
 
 - ``docker`` (chosen when the engine is up and the test job image exists): a real
-  container of the pod's image, ``command``/``args`` as entrypoint/cmd, env, workingDir,
+  container of the pod's image per container, ``command``/``args`` as entrypoint/cmd, env (its
+  ``valueFrom`` resolved), workingDir,
   hostPath volumes as bind mounts, configMap volumes as read-only bind mounts of a folder holding
   the ConfigMap's keys as files (as the kubelet projects them), cpu/memory limits (so an OOM kill
   is ``OOMKilled``), the image's real id as ``imageID``. Without ``shareProcessNamespace`` the
   command is the container's PID 1, as in a pod (no default action for SIGTERM, orphans left as
   zombies); with it, Docker's init plays the pause container's part (PID 1, reaping orphans; the
   command gets the stop signal as an ordinary process). Manifests are then exercised the way a
-  cluster would run them, not just accepted.
-- ``process`` (otherwise): the command as a local process in its own process group, with
+  cluster would run them, not just accepted. A sidecar's container does not share the main one's
+  network namespace, as in a pod it would.
+- ``process`` (otherwise): each container's command as a local process in its own process group, with
   the manifest's env and workingDir and this machine's PATH; a process has no mounts of its own,
   so an argument under a configMap volume's ``mountPath`` is rewritten to that folder.
 
@@ -52,6 +76,7 @@ or write of the emulator's objects is done on the loop thread.
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import datetime as dt
 import os
@@ -76,7 +101,18 @@ JOBS = resource("batch", "v1", "jobs")
 PODS = resource("", "v1", "pods")
 SERVICES = resource("", "v1", "services")
 CONFIGMAPS = resource("", "v1", "configmaps")
+SECRETS = resource("", "v1", "secrets")
+#: What the garbage collector deletes once the owners its ``ownerReferences`` name are gone.
+OWNED = (SERVICES, CONFIGMAPS, SECRETS)
 NODE = "emulated-node"
+#: What the scheduler says of a pod while the node is cordoned (:meth:`EmulatedCluster.cordon`).
+UNSCHEDULABLE = (
+    "0/1 nodes are available: 1 node(s) were unschedulable. preemption: 0/1 nodes are available: "
+    "1 Preemption is not helpful for scheduling."
+)
+#: What a kubelet writes into a pod it stopped at its ``activeDeadlineSeconds`` (reason DeadlineExceeded).
+POD_DEADLINE_MESSAGE = "Pod was active on the node longer than the specified deadline"
+_LOG_PATH = re.compile(r"^/api/v1/namespaces/(?P<ns>[^/]+)/pods/(?P<pod>[^/]+)/log$")
 INDEX = "batch.kubernetes.io/job-completion-index"
 #: Seconds between SIGTERM and SIGKILL when a failed Job stops its other pods (30 in Kubernetes).
 GRACE_S = 2.0
@@ -182,6 +218,7 @@ class _Container(_Workload):
         network: str | None = None,
         aliases: list[str] | None = None,
         sources: dict[str, Path] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         import docker.errors
 
@@ -227,7 +264,7 @@ class _Container(_Workload):
                 container["image"],
                 entrypoint=container.get("command") or None,  # Kubernetes' command replaces the ENTRYPOINT...
                 command=container.get("args") or None,  # ...and args the CMD
-                environment={e["name"]: e.get("value", "") for e in container.get("env") or []},
+                environment=env or {},  # the kubelet's part: valueFrom resolved (EmulatedCluster._env)
                 working_dir=container.get("workingDir"),
                 volumes=binds,
                 name=pod,
@@ -331,14 +368,82 @@ class _Container(_Workload):
         return self.container.status in ("created", "running", "restarting", "paused")
 
 
+class _NotStarted(_Workload):
+    """A pod's containers before they start (not scheduled, or a Secret they need is missing)."""
+
+    def poll(self) -> int | None:
+        return None
+
+    def kill(self) -> None:
+        pass
+
+    def terminate(self) -> None:
+        pass
+
+    def alive(self) -> bool:
+        return False
+
+
+class _Pod(_Workload):
+    """A pod's containers, each a workload of its own, by name; the first is the main one. Under
+    ``restartPolicy: Never`` the pod has ended once every container has: a sidecar that runs on keeps
+    it running, as in Kubernetes."""
+
+    def __init__(self, parts: dict[str, _Workload], main: str) -> None:
+        self.parts, self.main = parts, main
+
+    @property  # type: ignore[override]
+    def image_id(self) -> str | None:
+        return self.parts[self.main].image_id
+
+    @property  # type: ignore[override]
+    def oom_killed(self) -> bool:
+        return self.parts[self.main].oom_killed
+
+    @property  # type: ignore[override]
+    def start_error(self) -> str | None:
+        return self.parts[self.main].start_error
+
+    def termination_message(self) -> str | None:
+        return self.parts[self.main].termination_message()
+
+    def poll(self) -> int | None:
+        """The main container's exit code once all have ended, else the first other's that failed."""
+        codes = {name: part.poll() for name, part in self.parts.items()}
+        if any(code is None for code in codes.values()):
+            return None
+        return codes[self.main] or next((code for code in codes.values() if code), 0)
+
+    def kill(self) -> None:
+        for part in self.parts.values():
+            part.kill()
+
+    def terminate(self) -> None:
+        for part in self.parts.values():
+            part.terminate()
+
+    def alive(self) -> bool:
+        return any(part.alive() for part in self.parts.values())
+
+
 class _Run:
-    def __init__(self, workload: _Workload, log: Path, pod: str, deadline: float | None) -> None:
-        self.workload, self.log, self.pod, self.deadline = workload, log, pod, deadline
-        self.image_id = ""
-        self.started = _now()
-        self.started_mono = time.monotonic()
+    """One pod of a Job: made Pending, then scheduled (its ``startTime``: a pod's
+    ``activeDeadlineSeconds`` counts from it) and its containers started when they can be."""
+
+    def __init__(self, pod: str, pod_spec: dict[str, Any], logs: dict[str, Path], deadline: float | None) -> None:
+        self.pod, self.spec, self.logs, self.deadline = pod, pod_spec, logs, deadline
+        self.workload: _Workload = _NotStarted()
+        grace = pod_spec.get("terminationGracePeriodSeconds")
+        self.grace = GRACE_S if grace is None else float(grace)
+        self.created = _now()
+        self.started: str | None = None  # when scheduled: the pod's startTime
+        self.started_mono: float | None = None
+        #: Why its containers wait to start once scheduled (CreateContainerConfigError), if they do.
+        self.waiting: tuple[str, str] | None = None
+        self.running = False  # its containers were started
+        self.labels: dict[str, str] = {}  # of its Docker containers
         self.finished = False
-        self.deadline_hit = False
+        self.deadline_hit = False  # stopped at its own activeDeadlineSeconds (the kubelet's part)
         #: Set by an eviction: the DisruptionTarget condition, and when the grace period ends.
         self.disruption: dict[str, str] | None = None
         self.kill_at: float | None = None
@@ -348,6 +453,10 @@ class _Run:
         self.retry_at: float | None = None
         self.index: int | None = None  # of an indexed Job's pod
         self.code: int | None = None
+
+    @property
+    def main(self) -> str:
+        return str(self.spec["containers"][0]["name"])
 
 
 def docker_runtime() -> tuple[Any, str | None, str]:
@@ -370,6 +479,10 @@ def docker_runtime() -> tuple[Any, str | None, str]:
     except Exception as exc:  # noqa: BLE001
         return None, None, f"job image {image} missing: {exc}"
     return client, image, ""
+
+
+class _NotReady(Exception):
+    """What a container needs to start is not there yet (a Secret): it waits, as a kubelet makes it."""
 
 
 def _failed(reason: str, now: str) -> dict[str, str]:
@@ -410,10 +523,50 @@ def _status(code: int, reason: str, message: str) -> aiohttp.web.Response:
 
 class _ApiServer(kmock.KubernetesEmulator):
     """kmock's emulator, plus what every API server writes into an object it creates: a
-    ``metadata.uid`` (what ``ownerReferences`` name) and a ``creationTimestamp``; and RBAC when
-    :attr:`rules` is set (module docstring)."""
+    ``metadata.uid`` (what ``ownerReferences`` name) and a ``creationTimestamp``; a Secret's
+    ``stringData`` merged into its base64 ``data``; pod logs as a kubelet serves them, by container
+    (:meth:`_pod_log`); and RBAC when :attr:`rules` is set (module docstring)."""
 
     rules: frozenset[tuple[str, str, str]] | None = None
+    #: Each pod's containers' log files, by (namespace, pod) and container name (EmulatedCluster fills it).
+    logs: dict[tuple[str, str], dict[str, Path]]
+
+    def _pod_log(self, ns: str, name: str, params: dict[str, str]) -> aiohttp.web.Response:
+        """``GET .../pods/NAME/log`` as the API server and kubelet answer it: the named container's log
+        (``container=``), which must be named when the pod has several (400, as the API server says
+        it); empty before the pod is on a node; 400 while the container waits to start."""
+        key = (PODS, ns, name)
+        obj = self.objects[key] if key in self.objects else None
+        if obj is None or obj.deleted:
+            return _status(404, "NotFound", f'pods "{name}" not found')
+        pod = obj.last.raw
+        names = [c["name"] for c in (pod.get("spec") or {}).get("containers") or []]
+        container = params.get("container")
+        if not container:
+            if len(names) != 1:
+                return _status(
+                    400,
+                    "BadRequest",
+                    f"a container name must be specified for pod {name}, choose one of: [{' '.join(names)}]",
+                )
+            container = names[0]
+        elif container not in names:
+            return _status(400, "BadRequest", f"container {container} is not valid for pod {name}")
+        if not (pod.get("spec") or {}).get("nodeName"):
+            return aiohttp.web.Response(body=b"")  # not scheduled: no kubelet to ask, an empty log
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            waiting = (cs.get("state") or {}).get("waiting")
+            if cs.get("name") == container and waiting is not None:
+                return _status(
+                    400,
+                    "BadRequest",
+                    f'container "{container}" in pod "{name}" is waiting to start: {waiting.get("reason")}',
+                )
+        path = (self.logs.get((ns, name)) or {}).get(container)
+        text = path.read_text(errors="replace") if path is not None and path.exists() else ""
+        if params.get("tailLines"):
+            text = "".join(text.splitlines(keepends=True)[-int(params["tailLines"]) :])
+        return aiohttp.web.Response(body=text.encode(), content_type="text/plain")
 
     def _allowed(self, group: str, resource: str, verb: str) -> bool:
         return self.rules is None or (group, resource, verb) in self.rules
@@ -438,10 +591,17 @@ class _ApiServer(kmock.KubernetesEmulator):
                     f'{kind} is forbidden: User "{USER}" cannot {verb} resource "{resource}" '
                     f'in API group "{group}" in the namespace "{ns}"',
                 )
+        if method == "GET" and (found := _LOG_PATH.match(path)):
+            return self._pod_log(found["ns"], found["pod"], dict(request.params))
         if request.action == kmock.action.CREATE and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {})
             meta["uid"] = str(uuid.uuid4())
             meta.setdefault("creationTimestamp", dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+            if path.endswith("/secrets"):  # stringData is write-only: merged into data, base64
+                strings = request.data.pop("stringData", None) or {}
+                data = request.data.setdefault("data", {})
+                data.update({k: base64.b64encode(str(v).encode()).decode() for k, v in strings.items()})
+                request.data.setdefault("type", "Opaque")
         return await super()._handle(request)
 
 
@@ -476,7 +636,10 @@ class EmulatedCluster:
         #: Jobs (still asked whether anything lives).
         self._runs: dict[tuple[str, str], list[_Run]] = {}
         self._ended: dict[tuple[str, str], list[_Run]] = {}
-        self._settled: set[tuple[str, str]] = set()  # indexed Jobs whose final condition is written
+        self._settled: set[tuple[str, str]] = set()  # Jobs whose final condition is written
+        self._job_started: dict[tuple[str, str], float] = {}  # a Job's startTime (monotonic): its deadline's
+        #: Whether the one node is cordoned (:meth:`cordon`): new pods are not scheduled meanwhile.
+        self.cordoned = False
         self._network: str | None = None  # this cluster's Docker network, made for the first pod DNS asks for
         self._logdir = Path(tempfile.mkdtemp(prefix="k8s-emulator-"))
         self.errors: list[BaseException] = []
@@ -518,6 +681,8 @@ class EmulatedCluster:
                 km.resources["batch/v1/jobs"] = {}
                 km.resources["v1/services"] = {}
                 km.resources["v1/configmaps"] = {}
+                km.resources["v1/secrets"] = {}
+                km.logs = {}
                 self.km, self._loop = km, asyncio.get_running_loop()
                 self.url = str(server.url).rstrip("/")
                 self._ready.set()
@@ -584,16 +749,6 @@ class EmulatedCluster:
 
         self.on_loop(write)
 
-    def _serve_log(self, ns: str, pod: str, path: Path) -> None:
-        def respond(request: Any) -> bytes:  # bytes: a str would be served JSON-encoded
-            text = path.read_text(errors="replace") if path.exists() else ""
-            tail = request.params.get("tailLines") if hasattr(request, "params") else None
-            if tail:
-                text = "".join(text.splitlines(keepends=True)[-int(tail) :])
-            return text.encode()
-
-        self.on_loop(lambda: self.km[f"get /api/v1/namespaces/{ns}/pods/{pod}/log"] << respond)
-
     # -- the controller -----------------------------------------------------------------
     def _control(self) -> None:
         while not self._stop.is_set():
@@ -618,11 +773,19 @@ class EmulatedCluster:
             self._ended[key] = runs
             for run in runs:
                 run.workload.kill()
-                self.on_loop(lambda k=key, r=run: self.km.objects.__delitem__((PODS, k[0], r.pod)))
+                self._delete_pod(key[0], run.pod)
         self._collect_orphans()
 
+    def _delete_pod(self, ns: str, pod: str) -> None:
+        def delete() -> None:
+            key = (PODS, ns, pod)
+            if key in self.km.objects and not self.km.objects[key].deleted:
+                del self.km.objects[key]
+
+        self.on_loop(delete)
+
     def _collect_orphans(self) -> None:
-        """The garbage collector's part: delete a Service or ConfigMap whose owners in
+        """The garbage collector's part: delete a Service, ConfigMap or Secret whose owners in
         ``ownerReferences`` are all gone, whether or not the controller ever saw them (a Job deleted
         before it started). Jobs and owned objects are read in one step on the server's loop, so an
         owner created meanwhile counts."""
@@ -635,7 +798,7 @@ class EmulatedCluster:
                 if key[0] == JOBS and not obj.deleted
             }
             for key, obj in objects:
-                if key[0] not in (SERVICES, CONFIGMAPS) or obj.deleted:
+                if key[0] not in OWNED or obj.deleted:
                     continue
                 owners = (obj.last.raw.get("metadata") or {}).get("ownerReferences") or []
                 if owners and not any(str(o.get("uid")) in live for o in owners):
@@ -661,6 +824,59 @@ class EmulatedCluster:
             return [(str(r.method.value).upper(), r.url.path, dict(r.params)) for r in list(self.km._requests)]
 
         return self.on_loop(read)
+
+    def cordon(self) -> None:
+        """As ``kubectl cordon`` on the one node: pods made from now on stay Pending, not scheduled
+        (``PodScheduled`` False, ``Unschedulable``), as while a cluster has no room for them, until
+        :meth:`uncordon`. Pods already on the node run on."""
+        self.cordoned = True
+
+    def uncordon(self) -> None:
+        self.cordoned = False
+
+    def secrets(self) -> list[tuple[str, str]]:
+        return self.on_loop(
+            lambda: [(k[1], k[2]) for k, obj in list(self.km.objects.items()) if k[0] == SECRETS and not obj.deleted]
+        )
+
+    def secret(self, ns: str, name: str) -> dict[str, Any] | None:
+        """A stored Secret as the API serves it (None when there is none)."""
+
+        def read() -> dict[str, Any] | None:
+            key = (SECRETS, ns, name)
+            obj = self.km.objects[key] if key in self.km.objects else None
+            return None if obj is None or obj.deleted else copy.deepcopy(dict(obj.last.raw))
+
+        return self.on_loop(read)
+
+    def _env(self, ns: str, container: dict[str, Any]) -> dict[str, str]:
+        """The kubelet's part for a container's env: ``value`` as it is, ``valueFrom.secretKeyRef`` (base64
+        decoded) and ``configMapKeyRef`` from the object they name. One that is missing (not
+        ``optional``) is :class:`_NotReady`: the container waits in ``CreateContainerConfigError``."""
+        env: dict[str, str] = {}
+        for entry in container.get("env") or []:
+            source = entry.get("valueFrom")
+            if source is None:
+                env[entry["name"]] = str(entry.get("value", ""))
+                continue
+            ref = source.get("secretKeyRef") or source.get("configMapKeyRef")
+            if ref is None:
+                raise RuntimeError(f"the emulator does not resolve env valueFrom {sorted(source)} ({entry['name']})")
+            secret = "secretKeyRef" in source
+            obj = self.secret(ns, ref["name"]) if secret else self.configmap(ns, ref["name"])
+            data = ((obj or {}).get("data") or {}) if obj is not None else None
+            if data is None or ref["key"] not in data:
+                if ref.get("optional"):
+                    continue
+                kind = "Secret" if secret else "ConfigMap"
+                raise _NotReady(
+                    f'{kind.lower()} "{ref["name"]}" not found'
+                    if data is None
+                    else f"couldn't find key {ref['key']} in {kind} {ns}/{ref['name']}"
+                )
+            value = data[ref["key"]]
+            env[entry["name"]] = base64.b64decode(value).decode() if secret else str(value)
+        return env
 
     def configmaps(self) -> list[tuple[str, str]]:
         return self.on_loop(
@@ -724,55 +940,44 @@ class EmulatedCluster:
         return self._network, [short, f"{short}.{ns}.svc", f"{short}.{ns}.svc.cluster.local"]
 
     def _start_job(self, key: tuple[str, str], job: dict[str, Any]) -> None:
-        """The Job controller's first pods: one, or one per index of an indexed Job."""
+        """The Job controller's first pods: one, or one per index of an indexed Job. The Job's
+        ``startTime`` is now, whether or not its pods can be scheduled: a Job-level
+        ``activeDeadlineSeconds`` counts the time they wait."""
+        self._job_started[key] = time.monotonic()
         if job["spec"].get("completionMode") == "Indexed":
             count = int(job["spec"].get("completions") or 1)
             self._runs[key] = [self._start_pod(key, job, index=i) for i in range(count)]
         else:
             self._runs[key] = [self._start_pod(key, job)]
         runs = self._runs[key]
-        self._patch(JOBS, *key, {"active": len(runs), "ready": len(runs), "startTime": runs[0].started})
+        ready = sum(1 for r in runs if r.running)
+        self._patch(JOBS, *key, {"active": len(runs), "ready": ready, "startTime": _now()})
 
     def _start_pod(self, key: tuple[str, str], job: dict[str, Any], index: int | None = None) -> _Run:
+        """A new pod of the Job, as its controller makes it from the template (labels and annotations
+        included), started at once where it can be (:meth:`_schedule`)."""
         ns, name = key
-        pod_spec = copy.deepcopy(job["spec"]["template"]["spec"])
-        container = pod_spec["containers"][0]
-        for volume in pod_spec.get("volumes") or []:  # the kubelet's part for hostPath volumes
-            host_path = volume.get("hostPath") or {}
-            if host_path.get("type") == "DirectoryOrCreate":
-                Path(host_path["path"]).mkdir(parents=True, exist_ok=True)
-        labels = {"job-name": name, "batch.kubernetes.io/job-name": name}
-        annotations: dict[str, str] = {}
+        template = job["spec"]["template"]
+        pod_spec = copy.deepcopy(template["spec"])
+        meta = template.get("metadata") or {}
+        labels = {**(meta.get("labels") or {}), "job-name": name, "batch.kubernetes.io/job-name": name}
+        annotations: dict[str, str] = dict(meta.get("annotations") or {})
         if index is not None:  # what the Job controller gives an indexed Job's pods
             labels[INDEX] = annotations[INDEX] = str(index)
-            env = [e for e in container.get("env") or [] if e.get("name") != "JOB_COMPLETION_INDEX"]
-            container["env"] = [*env, {"name": "JOB_COMPLETION_INDEX", "value": str(index)}]
+            for container in pod_spec["containers"]:
+                env = [e for e in container.get("env") or [] if e.get("name") != "JOB_COMPLETION_INDEX"]
+                container["env"] = [*env, {"name": "JOB_COMPLETION_INDEX", "value": str(index)}]
             pod_spec.setdefault("hostname", f"{name}-{index}")
             pod = f"{name}-{index}-{uuid.uuid4().hex[:5]}"
         else:
             pod = f"{name}-{uuid.uuid4().hex[:5]}"
-        log = self._logdir / f"{ns}-{pod}.log"
-        sources = self._project(ns, pod, pod_spec)
-        workload: _Workload
-        if self.docker is not None:
-            network, aliases = self._dns(ns, pod_spec)
-            tags = {"openlab-test.emulator": self.id, "openlab-test.pod": f"{ns}/{pod}"}
-            workload = _Container(self.docker, pod, container, pod_spec, log, tags, network, aliases, sources)
-        else:
-            env = {e["name"]: e.get("value", "") for e in container.get("env") or []}
-            argv = container.get("command", []) + container.get("args", [])
-            for mount in container.get("volumeMounts") or []:  # no mounts for a process: point at the folder
-                if mount.get("name") in sources:
-                    at = mount["mountPath"].rstrip("/")
-                    here = str(sources[mount["name"]])
-                    argv = [here + a[len(at) :] if a == at or a.startswith(at + "/") else a for a in argv]
-            workload = _Process(argv, env, container.get("workingDir"), log)
-        image_id = f"docker://{workload.image_id}" if workload.image_id else f"docker-pullable://x@sha256:{'0' * 64}"
-        deadline = job["spec"].get("activeDeadlineSeconds")
-        run = _Run(workload, log, pod, float(deadline) if deadline else None)
-        run.image_id, run.index = image_id, index
-        spec = {"nodeName": NODE, "restartPolicy": "Never", "containers": [container]}
-        spec.update({k: pod_spec[k] for k in ("hostname", "subdomain") if pod_spec.get(k)})
+        logs = {c["name"]: self._logdir / f"{ns}-{pod}-{c['name']}.log" for c in pod_spec["containers"]}
+        deadline = pod_spec.get("activeDeadlineSeconds")
+        run = _Run(pod, pod_spec, logs, float(deadline) if deadline else None)
+        run.index = index
+        run.labels = {"openlab-test.emulator": self.id, "openlab-test.pod": f"{ns}/{pod}"}
+        self._schedule(key, run)
+        spec = {**pod_spec, **({"nodeName": NODE} if run.started else {})}
         pod_obj = {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -780,34 +985,123 @@ class EmulatedCluster:
                 "name": pod,
                 "namespace": ns,
                 "labels": labels,
-                "creationTimestamp": run.started,
+                "creationTimestamp": run.created,
                 **({"annotations": annotations} if annotations else {}),
             },
             "spec": spec,
-            "status": {
-                "phase": "Running",
-                "containerStatuses": [
-                    {
-                        "name": container["name"],
-                        "image": container["image"],
-                        "imageID": image_id,
-                        "ready": True,
-                        "restartCount": 0,
-                        "state": {"running": {"startedAt": run.started}},
-                    }
-                ],
-            },
+            "status": self._pod_status(run),
         }
 
         def create() -> None:
+            # The log files first: a pod the launcher can see has them, as with a kubelet.
+            self.km.logs[(ns, pod)] = logs
             self.km.objects[(PODS, ns, pod)] = pod_obj
 
-        # The log endpoint first: a pod the launcher can see must already have its log, as with a
-        # kubelet. The other order left a window (wide on a loaded machine) in which GET .../log
-        # fell through to kmock's pod handler and the launcher read the Pod's JSON as log text.
-        self._serve_log(ns, pod, log)
         self.on_loop(create)
         return run
+
+    def _schedule(self, key: tuple[str, str], run: _Run, *, patch: bool = False) -> None:
+        """The scheduler's and the kubelet's part for a pod that does not run yet: onto the node unless
+        it is cordoned (then ``startTime``, from which the pod's own ``activeDeadlineSeconds`` counts),
+        then its containers, once what their env names exists (else they wait in
+        ``CreateContainerConfigError``, retried on every pass). ``patch``: write what changed."""
+        ns, _ = key
+        if run.started is None:
+            if self.cordoned:
+                return
+            run.started, run.started_mono = _now(), time.monotonic()
+            if patch:
+                self._patch(PODS, ns, run.pod, self._pod_status(run), {"nodeName": NODE})
+        try:
+            envs = {c["name"]: self._env(ns, c) for c in run.spec["containers"]}
+        except _NotReady as exc:
+            if run.waiting != ("CreateContainerConfigError", str(exc)):
+                run.waiting = ("CreateContainerConfigError", str(exc))
+                if patch:
+                    self._patch(PODS, ns, run.pod, self._pod_status(run))
+            return
+        run.waiting = None
+        for volume in run.spec.get("volumes") or []:  # the kubelet's part for hostPath volumes
+            host_path = volume.get("hostPath") or {}
+            if host_path.get("type") == "DirectoryOrCreate":
+                Path(host_path["path"]).mkdir(parents=True, exist_ok=True)
+        sources = self._project(ns, run.pod, run.spec)
+        network, aliases = self._dns(ns, run.spec) if self.docker is not None else (None, [])
+        parts: dict[str, _Workload] = {}
+        for container in run.spec["containers"]:
+            log, cname = run.logs[container["name"]], container["name"]
+            if self.docker is not None:
+                docker_name = run.pod if cname == run.main else f"{run.pod}-{cname}"
+                parts[cname] = _Container(
+                    self.docker,
+                    docker_name,
+                    container,
+                    run.spec,
+                    log,
+                    run.labels,
+                    network,
+                    aliases if cname == run.main else [],  # the pod's DNS names reach its main container
+                    sources,
+                    envs[cname],
+                )
+            else:
+                argv = container.get("command", []) + container.get("args", [])
+                for mount in container.get("volumeMounts") or []:  # no mounts for a process: point at the folder
+                    if mount.get("name") in sources:
+                        at = mount["mountPath"].rstrip("/")
+                        here = str(sources[mount["name"]])
+                        argv = [here + a[len(at) :] if a == at or a.startswith(at + "/") else a for a in argv]
+                parts[cname] = _Process(argv, envs[cname], container.get("workingDir"), log)
+        run.workload = _Pod(parts, run.main)
+        run.running = True
+        if patch:
+            self._patch(PODS, ns, run.pod, self._pod_status(run))
+
+    def _image_id(self, workload: _Workload) -> str:
+        return f"docker://{workload.image_id}" if workload.image_id else f"docker-pullable://x@sha256:{'0' * 64}"
+
+    def _pod_status(self, run: _Run) -> dict[str, Any]:
+        """A pod's status as a kubelet reports it before it ends: Pending and unschedulable, Pending
+        with its containers waiting, or Running (container statuses sorted by name, as a kubelet
+        sorts them)."""
+        if run.started is None:
+            return {
+                "phase": "Pending",
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": UNSCHEDULABLE,
+                        "lastTransitionTime": run.created,
+                    }
+                ],
+            }
+        scheduled = {"type": "PodScheduled", "status": "True", "lastTransitionTime": run.started}
+        statuses = []
+        for container in sorted(run.spec["containers"], key=lambda c: c["name"]):
+            if run.running:
+                part = run.workload.parts[container["name"]]  # type: ignore[attr-defined]
+                image_id, state = self._image_id(part), {"running": {"startedAt": run.started}}
+            else:
+                reason, message = run.waiting or ("ContainerCreating", "")
+                image_id, state = "", {"waiting": {"reason": reason, **({"message": message} if message else {})}}
+            statuses.append(
+                {
+                    "name": container["name"],
+                    "image": container["image"],
+                    "imageID": image_id,
+                    "ready": run.running,
+                    "restartCount": 0,
+                    "state": state,
+                }
+            )
+        return {
+            "phase": "Running" if run.running else "Pending",
+            "startTime": run.started,
+            "conditions": [scheduled, *([run.disruption] if run.disruption else [])],
+            "containerStatuses": statuses,
+        }
 
     def evict(self, job_id: str, reason: str = "EvictionByEvictionAPI", grace: float = 2.0, index: int = 0) -> None:
         """Evict the pod of Job ``namespace/name`` (of its ``index``, for an indexed Job) as the
@@ -832,54 +1126,104 @@ class EmulatedCluster:
         run.kill_at = time.monotonic() + grace
         run.workload.terminate()
 
-    def _ended_now(self, run: _Run) -> int | None:
-        """The run's exit code if its workload has ended (the kubelet's part: deadline and grace
-        period kills), else None."""
-        if run.deadline and time.monotonic() - run.started_mono > run.deadline and run.workload.poll() is None:
+    def _ended_now(self, key: tuple[str, str], run: _Run) -> int | None:
+        """The run's exit code if its workload has ended (the kubelet's part: its own deadline and
+        grace period kills), else None. At the pod's ``activeDeadlineSeconds``, counted from its
+        ``startTime``, the kubelet makes it Failed (reason DeadlineExceeded) at once and stops its
+        containers as in a graceful kill: SIGTERM, SIGKILL after the pod's grace period."""
+        now = time.monotonic()
+        if (
+            run.deadline
+            and not run.deadline_hit
+            and run.started_mono is not None
+            and now - run.started_mono > run.deadline
+            and run.workload.poll() is None
+        ):
             run.deadline_hit = True
-            run.workload.kill()
-        if run.kill_at is not None and time.monotonic() > run.kill_at and run.workload.poll() is None:
+            status = {"phase": "Failed", "reason": "DeadlineExceeded", "message": POD_DEADLINE_MESSAGE}
+            self._patch(PODS, key[0], run.pod, status)
+            run.kill_at = now + run.grace
+            run.workload.terminate()
+        if run.kill_at is not None and now > run.kill_at and run.workload.poll() is None:
             run.workload.kill()  # the grace period is over
         return run.workload.poll()
 
     def _record_end(self, key: tuple[str, str], job: dict[str, Any], run: _Run, code: int) -> str:
-        """Write an ended pod's status (phase, terminated container state); return the time."""
+        """Write an ended pod's status (phase, each container's terminated state); return the time."""
         run.finished, run.code = True, code
         now = _now()
-        terminated = {
-            "exitCode": code,
-            "reason": "Completed" if code == 0 else "Error",
-            "startedAt": run.started,
-            "finishedAt": now,
-        }
-        message = run.workload.termination_message()
-        if message:
-            terminated["message"] = message
-        if run.workload.start_error is not None:  # what a kubelet reports when the runtime could not start it
-            terminated["reason"], terminated["message"] = "StartError", run.workload.start_error
-        if run.workload.oom_killed:
-            terminated["reason"] = "OOMKilled"
-        if run.deadline_hit:
-            terminated["reason"] = "DeadlineExceeded"
-        container = job["spec"]["template"]["spec"]["containers"][0]
-        pod_status = {
-            "phase": "Succeeded" if code == 0 else "Failed",
-            **({"conditions": [run.disruption]} if run.disruption else {}),
-            "containerStatuses": [
+        statuses = []
+        for container in sorted(run.spec["containers"], key=lambda c: c["name"]):
+            part = run.workload.parts[container["name"]]  # type: ignore[attr-defined]
+            exit_code = part.poll()
+            exit_code = 128 + signal.SIGKILL if exit_code is None else exit_code
+            terminated = {
+                "exitCode": exit_code,
+                "reason": "Completed" if exit_code == 0 else "Error",
+                "startedAt": run.started,
+                "finishedAt": now,
+            }
+            message = part.termination_message()
+            if message:
+                terminated["message"] = message
+            if part.start_error is not None:  # what a kubelet reports when the runtime could not start it
+                terminated["reason"], terminated["message"] = "StartError", part.start_error
+            if part.oom_killed:
+                terminated["reason"] = "OOMKilled"
+            statuses.append(
                 {
                     "name": container["name"],
                     "image": container["image"],
-                    "imageID": run.image_id,
+                    "imageID": self._image_id(part),
                     "ready": False,
                     "restartCount": 0,
                     "state": {"terminated": terminated},
                 }
-            ],
+            )
+        failed = code != 0 or run.deadline_hit  # a pod the kubelet stopped at its deadline failed, whatever its exit
+        pod_status: dict[str, Any] = {
+            "phase": "Failed" if failed else "Succeeded",
+            "startTime": run.started,
+            **({"conditions": [run.disruption]} if run.disruption else {}),
+            "containerStatuses": statuses,
         }
+        if run.deadline_hit:
+            pod_status.update(reason="DeadlineExceeded", message=POD_DEADLINE_MESSAGE)
         self._patch(PODS, key[0], run.pod, pod_status)
         return now
 
+    def _past_job_deadline(self, key: tuple[str, str], job: dict[str, Any]) -> bool:
+        """Whether the Job's own ``activeDeadlineSeconds`` has passed, counted from its startTime
+        (so the time its pods waited to be scheduled counts)."""
+        limit = job["spec"].get("activeDeadlineSeconds")
+        return bool(limit) and time.monotonic() - self._job_started[key] > float(limit)
+
+    def _fail_at_job_deadline(self, key: tuple[str, str], job: dict[str, Any]) -> None:
+        """The Job controller at a Job's deadline: every pod of it stopped (a pod not yet on a node is
+        deleted), no new one, and the Failed condition with reason DeadlineExceeded."""
+        self._settled.add(key)
+        runs = self._runs[key]
+        for run in runs:
+            run.retry_at = None
+            if run.finished:
+                continue
+            if not run.running:
+                run.finished = True
+                self._delete_pod(key[0], run.pod)
+                continue
+            run.workload.kill()
+            self._record_end(key, job, run, run.workload.poll() or 128 + signal.SIGKILL)
+        failed = sum(1 for r in runs if r.code) + max((r.failed_before for r in runs), default=0)
+        self._patch(
+            JOBS, *key, {"active": 0, "ready": 0, "failed": failed, "conditions": [_failed("DeadlineExceeded", _now())]}
+        )
+
     def _watch(self, key: tuple[str, str], job: dict[str, Any]) -> None:
+        if key in self._settled:
+            return
+        if self._past_job_deadline(key, job):
+            self._fail_at_job_deadline(key, job)
+            return
         (run,) = self._runs[key]
         if run.finished:
             if run.retry_at is not None and time.monotonic() >= run.retry_at:  # the Job controller's next pod
@@ -887,69 +1231,94 @@ class EmulatedCluster:
                 new = self._start_pod(key, job)
                 new.failed_before = run.failed_before + 1
                 self._runs[key] = [new]
-                self._patch(JOBS, *key, {"active": 1, "ready": 1})
+                self._patch(JOBS, *key, {"active": 1, "ready": int(new.running)})
+            return
+        if not run.running:
+            self._schedule(key, run, patch=True)
+            if run.running:
+                self._patch(JOBS, *key, {"ready": 1})
             return
         ns, name = key
-        code = self._ended_now(run)
+        code = self._ended_now(key, run)
         if code is None:
             return
         now = self._record_end(key, job, run, code)
-        if code == 0:
+        if code == 0 and not run.deadline_hit:
+            self._settled.add(key)
             cond = {"type": "Complete", "status": "True", "lastTransitionTime": now}
             self._patch(
                 JOBS, ns, name, {"active": 0, "ready": 0, "succeeded": 1, "completionTime": now, "conditions": [cond]}
             )
-        elif not run.deadline_hit and run.failed_before + 1 <= int(job["spec"].get("backoffLimit", 6)):
-            # The Job controller replaces a failed pod until backoffLimit failures: a new pod, a new
-            # name, after a back-off (10 s and doubling in Kubernetes; 1.1 s here, so that the new
-            # pod's creationTimestamp, which has whole seconds, sorts after the old one's)
+        elif run.failed_before + 1 <= int(job["spec"].get("backoffLimit", 6)):
+            # The Job controller replaces a failed pod until backoffLimit failures, one its kubelet stopped
+            # at its own activeDeadlineSeconds too: a new pod, a new name, after a back-off (10 s and
+            # doubling in Kubernetes; 1.1 s here, so that the new pod's creationTimestamp, which has
+            # whole seconds, sorts after the old one's)
             self._patch(JOBS, ns, name, {"active": 0, "ready": 0, "failed": run.failed_before + 1})
             run.retry_at = time.monotonic() + 1.1
         else:
-            reason = "DeadlineExceeded" if run.deadline_hit else "BackoffLimitExceeded"
+            self._settled.add(key)
             self._patch(
                 JOBS,
                 ns,
                 name,
-                {"active": 0, "ready": 0, "failed": run.failed_before + 1, "conditions": [_failed(reason, now)]},
+                {
+                    "active": 0,
+                    "ready": 0,
+                    "failed": run.failed_before + 1,
+                    "conditions": [_failed("BackoffLimitExceeded", now)],
+                },
             )
 
     def _watch_indexed(self, key: tuple[str, str], job: dict[str, Any]) -> None:
-        """An indexed Job: count its pods' ends; past ``backoffLimit`` failures (or the deadline) stop
-        the rest, and once none runs write Complete or Failed. Failed pods are not replaced here
-        beyond what backoffLimit 0 needs (openlab's several-node Jobs ask for 0)."""
+        """An indexed Job: count its pods' ends; past ``backoffLimit`` failures stop the rest, and once
+        none runs write Complete or Failed (its deadline: :meth:`_fail_at_job_deadline`). Failed pods are
+        not replaced here beyond what backoffLimit 0 needs (openlab's several-node Jobs ask for 0)."""
         if key in self._settled:
+            return
+        if self._past_job_deadline(key, job):
+            self._fail_at_job_deadline(key, job)
             return
         runs = self._runs[key]
         for run in runs:
-            if not run.finished:
-                code = self._ended_now(run)
-                if code is not None:
-                    self._record_end(key, job, run, code)
-        failed = [r for r in runs if r.finished and r.code]
-        deadline = any(r.deadline_hit for r in runs)
-        if (deadline or len(failed) > int(job["spec"].get("backoffLimit", 6))) and not any(
-            r.kill_at for r in runs if not r.finished
-        ):
-            for r in runs:  # the Job failed: Kubernetes stops its other pods
-                if not r.finished:
-                    r.kill_at = time.monotonic() + GRACE_S
-                    r.workload.terminate()
+            if run.finished:
+                continue
+            if not run.running:
+                self._schedule(key, run, patch=True)
+                continue
+            code = self._ended_now(key, run)
+            if code is not None:
+                self._record_end(key, job, run, code)
+        failed = [r for r in runs if r.finished and (r.code or r.deadline_hit)]
+        if len(failed) > int(job["spec"].get("backoffLimit", 6)) and not any(r.kill_at for r in runs if not r.finished):
+            for r in runs:  # the Job failed: Kubernetes stops its other pods (one not yet on a node is deleted)
+                if r.finished:
+                    continue
+                if not r.running:
+                    r.finished = True
+                    self._delete_pod(key[0], r.pod)
+                    continue
+                r.kill_at = time.monotonic() + GRACE_S
+                r.workload.terminate()
         active = [r for r in runs if not r.finished]
-        succeeded = [r for r in runs if r.finished and r.code == 0]
+        succeeded = [r for r in runs if r.finished and r.code == 0 and not r.deadline_hit]
         done = ",".join(str(r.index) for r in succeeded)
-        counts = {"active": len(active), "ready": len(active), "succeeded": len(succeeded), "failed": len(failed)}
+        counts = {
+            "active": len(active),
+            "ready": sum(1 for r in active if r.running),
+            "succeeded": len(succeeded),
+            "failed": len(failed),
+        }
         if active:
             self._patch(JOBS, *key, {**counts, **({"completedIndexes": done} if done else {})})
             return
         now = _now()
         self._settled.add(key)
-        if not failed and not deadline:
+        if not failed:
             cond = {"type": "Complete", "status": "True", "lastTransitionTime": now}
             self._patch(JOBS, *key, {**counts, "completedIndexes": done, "completionTime": now, "conditions": [cond]})
         else:
-            reason = "DeadlineExceeded" if deadline else "BackoffLimitExceeded"
-            self._patch(JOBS, *key, {**counts, "conditions": [_failed(reason, now)]})
+            self._patch(JOBS, *key, {**counts, "conditions": [_failed("BackoffLimitExceeded", now)]})
 
     def workload_alive(self, job_id: str) -> bool:
         """Whether anything of a Job's (``namespace/name``) pods still runs: a process group or container.

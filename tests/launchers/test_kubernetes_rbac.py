@@ -74,11 +74,19 @@ def test_under_the_role_every_path_works_and_asks_for_all_of_it_and_nothing_else
     launcher = get_launcher("kubernetes", host=k8s_cluster.url, image=k8s_cluster.image, measure_usage=True)
     launcher.poll_interval = 0.2
     with k8s_cluster.rbac(_granted(RBAC)):
-        # Job, Service and ConfigMap made and owned, pods listed, logs followed, all deleted at cleanup
+        # Job, Service, ConfigMap and Secret made and owned, pods listed, logs followed, all deleted at cleanup
         lines: list[str] = []
-        spec = JobSpec(name="rbac", command=["python", "-c", "print('hello')"], nodes=2, cpus=0.5)
+        check_key = "import os; print('hello' if os.environ['WANDB_API_KEY'] == 'rbac-secret-value' else 'no key')"
+        spec = JobSpec(
+            name="rbac",
+            command=["python", "-c", check_key],
+            nodes=2,
+            cpus=0.5,
+            env={"WANDB_API_KEY": "rbac-secret-value"},
+        )
         _, status = run_job(store, launcher, spec, on_log=lines.append, timeout=180)
         assert status.state is JobState.SUCCEEDED, (status, lines)
+        assert lines.count("0: hello") == 1 and lines.count("1: hello") == 1, lines
 
         # a running job cancelled
         handle = launcher.submit(JobSpec(name="rbac-cancel", command=["sleep", "120"]))
@@ -130,4 +138,40 @@ def test_a_namespace_without_configmap_rights_is_found_by_backends_check_and_nam
         assert ok, why
         own.poll_interval = 0.2
         _, status = run_job(store, own, JobSpec(name="own-helpers", command=["true"]), timeout=120)
+        assert status.state is JobState.SUCCEEDED, status
+
+
+@pytest.mark.docker
+def test_a_namespace_without_secret_rights_refuses_only_jobs_given_secrets(
+    k8s_cluster: EmulatedCluster, store: LineageStore
+) -> None:
+    """Only a job given secret-named variables needs the right to make a Secret: ``backends check``
+    passes without it, saying which jobs are refused, and such a job is refused in one line naming
+    its variables (not their values) and what to do, leaving nothing behind; other jobs run."""
+    assert k8s_cluster.runtime == "docker", k8s_cluster.runtime_reason
+    no_secrets = {rule for rule in _granted(RBAC) if rule[1] != "secrets"}
+    launcher = get_launcher("kubernetes", host=k8s_cluster.url, image=k8s_cluster.image, measure_usage=True)
+    launcher.poll_interval = 0.2
+    with k8s_cluster.rbac(no_secrets):
+        ok, why = launcher.check()
+        assert ok, why
+        assert (
+            "rights ok except: may not create, patch, delete secrets (jobs given secret-named variables, for "
+            "their values): such a job is refused (grant the Role in infra/k8s/rbac.yaml)"
+        ) in why, why
+        assert launcher.refused_rights() == [
+            "create, patch, delete secrets (jobs given secret-named variables, for their values)"
+        ]
+
+        before = (set(k8s_cluster.configmaps()), set(k8s_cluster.secrets()))
+        with pytest.raises(LauncherError) as refused:
+            launcher.submit(JobSpec(name="needs-secret", command=["true"], env={"HF_TOKEN": "hf-refused-value"}))
+        message = str(refused.value)
+        assert "secrets is forbidden" in message and "(HF_TOKEN)" in message, message
+        assert "grant create, patch, delete on secrets (infra/k8s/rbac.yaml)" in message, message
+        assert "hf-refused-value" not in message
+        assert not [n for _, n in k8s_cluster.jobs() if "-needs-secret-" in n], "no Job is sent"
+        assert (set(k8s_cluster.configmaps()), set(k8s_cluster.secrets())) == before, "its ConfigMap is deleted"
+
+        _, status = run_job(store, launcher, JobSpec(name="no-secret", command=["true"], env={"A": "1"}), timeout=120)
         assert status.state is JobState.SUCCEEDED, status

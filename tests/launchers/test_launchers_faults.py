@@ -586,7 +586,8 @@ def test_the_manifest_carries_the_spec_and_passes_strict_validation(tmp_path: Pa
     )
     manifest = launcher.manifest(job, "openlab-train-big-12345678")
     container = manifest["spec"]["template"]["spec"]["containers"][0]
-    assert manifest["spec"]["activeDeadlineSeconds"] == 600 and manifest["spec"]["backoffLimit"] == 0
+    assert manifest["spec"]["template"]["spec"]["activeDeadlineSeconds"] == 600  # the pod's: from when it runs
+    assert manifest["spec"]["backoffLimit"] == 0 and "activeDeadlineSeconds" not in manifest["spec"]
     assert manifest["spec"]["template"]["spec"]["restartPolicy"] == "Never"
     assert "ttlSecondsAfterFinished" in manifest["spec"]
     assert container["resources"]["limits"] == {"cpu": "1500m", "memory": "1024Mi", "nvidia.com/gpu": "1"}
