@@ -15,7 +15,7 @@ import os
 import re
 import threading
 import traceback
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 SECRET_NAME = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
 MASK = "***"
@@ -75,6 +75,35 @@ def is_secret_option(name: str) -> bool:
         return is_secret_name(name)
     words = _WORDS.findall(name)
     return bool(words) and words[-1].lower() in CREDENTIAL_WORDS
+
+
+def redact_argv(args: Sequence[str], values: Iterable[str] | None = None) -> list[str]:
+    """``args`` with the values of secret options and ``NAME=value`` secrets masked, and any
+    secret value (``values``; default: this process's environment's) scrubbed wherever it appears.
+    The one rule for a command line that is recorded: what ``openlab run`` was typed as, and the
+    command a job runs (``env DB_PASSWORD=x train.py``, ``train.py --db-password x``).
+
+    ``--token X`` and ``--token=X`` hide X; ``-e WANDB_API_KEY=X`` and ``--env=GITHUB_TOKEN=X``
+    hide X (the first secret-looking name in a chain of ``=`` hides all after it).
+    """
+    found = secret_values() if values is None else list(values)
+    out: list[str] = []
+    mask_next = False
+    for arg in args:
+        if mask_next:
+            out.append(MASK)
+            mask_next = False
+            continue
+        parts = arg.split("=")
+        secret_at = next((i for i, part in enumerate(parts[:-1]) if is_secret_option(part)), None)
+        if secret_at is not None:
+            out.append("=".join([*parts[: secret_at + 1], MASK]))
+        elif arg.startswith("--") and len(parts) == 1 and is_secret_option(arg):
+            out.append(arg)
+            mask_next = True  # its value is the next word
+        else:
+            out.append(scrub(arg, found))
+    return out
 
 
 def redact_value(value: object, values: Iterable[str] | None = None) -> object:

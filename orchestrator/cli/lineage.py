@@ -187,6 +187,7 @@ def show_cmd(
     events = store.events(record.id)
     linked = _linked(store, record)
     parts_name, parts = _parts(store, record)
+    patch = _patch(record)
     if json_out:
         doc = {
             "kind": record.kind,
@@ -197,10 +198,18 @@ def show_cmd(
         }
         if parts_name:
             doc[parts_name] = [{"id": p.id, "summary": describe(p)} for p in parts]
+        if patch is not None:
+            doc["patch"] = patch
         print_json(doc)
         return
     console.print(f"[bold]{record.kind}[/] {record.id}")
     payload = record_payload(record)
+    if patch is not None:  # where the uncommitted changes are, beside their hash
+        if patch["present"]:
+            on = record.sha or "the commit"
+            payload["patch"] = f"{patch['path']}  (`{patch['apply']}` on {on} rebuilds the tree)"
+        else:
+            payload["patch"] = f"{patch['path']}  (missing from this openlab home: `lineage verify` names it)"
     tasks = payload.pop("tasks", None)
     payload.pop("id", None)
     if isinstance(payload.get("command"), list):  # as a shell would take it: copied to run it again
@@ -319,6 +328,17 @@ def trace_cmd(
     # In a terminal long lines fold under their branch; piped, each record stays on one line for grep.
     out = console if console.is_terminal else Console(width=100_000, no_color=True, highlight=False)
     out.print(tree)
+
+
+def _patch(record: Any) -> dict[str, Any] | None:
+    """Where a dirty-tree commit's uncommitted changes are (the blob store holds the patch under its
+    hash), whether they are there, and how to put them back; None for any other record."""
+    if record.kind != "commit" or not getattr(record, "patch_hash", None):
+        return None
+    from orchestrator.settings import load_settings
+
+    blob = load_settings().blobs_dir / record.patch_hash
+    return {"path": str(blob), "present": blob.is_file(), "apply": f"git apply --binary {shlex.quote(str(blob))}"}
 
 
 def _what(store: Any, kind: str, record_id: str) -> str:
@@ -447,6 +467,8 @@ def diff_cmd(
             "kind": left.kind,
             "changes": {s.name: s.fields for s in sections},
         }
+        # how each stage ended where the two differ (COMPLETED against FAILED, with why)
+        out["states"] = {s.name: s.states for s in sections if s.states}
         if metric:
             out["metrics"] = {s.name: [c.to_dict() for c in s.metrics] for s in sections if s.kind == "stage"}
         out["code_commits"] = {
@@ -464,10 +486,14 @@ def diff_cmd(
         if section.only_in:  # a stage one of the runs did not run
             say(f"{section.name}: only in {section.only_in} (the other run did not run it: no metrics to compare)")
             continue
-        if not section.fields:
-            console.print(f"[green]{escape(section.name)}: identical[/]")
-        else:
+        if section.fields:
             console.print(f"[bold]{escape(section.name)}[/]: {len(section.fields)} field(s) differ")
+        elif section.states:  # the same inputs, and one run's stage did not complete
+            console.print(f"[bold]{escape(section.name)}[/]: identical inputs, ended differently")
+        else:
+            console.print(f"[green]{escape(section.name)}: identical[/]")
+        if section.states:
+            _print_states(section.states, left.id, right.id)
         for change in section.fields:
             say(f"  {change['path']}: {change['old']!r} -> {change['new']!r}")
         if section.commit_range:
@@ -494,19 +520,33 @@ def _print_code_commits(section: Section) -> None:
         say(f"  no commit {old}..{new} touches that code: it changed in an uncommitted working tree")
 
 
+def _print_states(states: dict[str, Any], a: str, b: str) -> None:
+    """``state: COMPLETED -> FAILED`` and, under it, why the one that did not complete did not."""
+    say(f"  state: {states['old']} -> {states['new']}")
+    for side, run in (("old", a), ("new", b)):
+        if f"{side}_reason" in states:
+            say(f"    {states[side]} in {run}: {states[f'{side}_reason'] or 'no reason recorded'}")
+
+
 def _print_metric_changes(section: Section) -> None:
-    """``metrics: 3 of 12 moved`` and one aligned line per moved metric under a stage's field changes."""
+    """``metrics: 3 of 12 moved, 1 missing`` and one aligned line per metric that moved or that one
+    side lacks (with which, and why: its stage failed) under a stage's field changes."""
     if not section.compared:
         console.print("  metrics: none matches --metric", highlight=False, markup=False)
         return
-    console.print(f"  metrics: {len(section.metrics)} of {section.compared} moved", highlight=False, markup=False)
+    moved, missing = section.moved, section.missing
+    gone = f", {len(missing)} missing" if missing else ""
+    console.print(f"  metrics: {len(moved)} of {section.compared} moved{gone}", highlight=False, markup=False)
     width = max((len(c.metric) for c in section.metrics), default=0)
     for c in section.metrics:
         old = "-" if c.old is None else format(c.old, ".6g")
         new = "-" if c.new is None else format(c.new, ".6g")
-        change = "" if c.delta is None else f"  ({c.delta:+.4g}"
-        if change:
-            change += ")" if c.relative is None else f", {c.relative:+.2%})"
+        if c.missing:
+            change = f"  missing in {c.missing_in}{f' ({c.why})' if c.why else ''}"
+        else:
+            change = "" if c.delta is None else f"  ({c.delta:+.4g}"
+            if change:
+                change += ")" if c.relative is None else f", {c.relative:+.2%})"
         say(f"    {c.metric:<{width}}  {old} -> {new}{change}")
 
 
@@ -731,13 +771,19 @@ def verify_cmd(
         notes = published.without_anchor
         # asked to check them and could not: that is not a pass
         unchecked = [Problem("card", line) for line in published.unreadable]
+    unseen: list[str] = []  # outputs whose artifact root is not on this machine: not checked, not passed
     if json_out or not console.is_terminal:
-        problems = verify(store, settings, anchors=anchors)
+        problems = verify(store, settings, anchors=anchors, notes=unseen)
     else:
         with console.status("verifying lineage…") as status:
             problems = verify(
-                store, settings, anchors=anchors, progress=lambda what: status.update(f"verifying {what}")
+                store,
+                settings,
+                anchors=anchors,
+                progress=lambda what: status.update(f"verifying {what}"),
+                notes=unseen,
             )
+    notes += unseen
     problems += unchecked
     if json_out:
         print_json(
@@ -757,9 +803,9 @@ def verify_cmd(
             say(f"  {p}")
     else:
         held = f"; {len(anchors)} published anchor(s) held" if anchors else ""
-        console.print(
-            f"[green]lineage verified: event chain intact, records match their log, data and commits present{held}[/]"
-        )
+        # outputs on another machine's storage were not checked: the line claims only what was
+        data = "commits present, data present where it is on this machine" if unseen else "data and commits present"
+        console.print(f"[green]lineage verified: event chain intact, records match their log, {data}{held}[/]")
     raise typer.Exit(1 if problems else 0)
 
 

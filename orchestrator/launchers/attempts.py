@@ -41,7 +41,7 @@ from orchestrator.launchers.base import (
 )
 from orchestrator.lineage.models import Attempt, utcnow
 from orchestrator.provenance.invocation import current_user
-from orchestrator.secrets import scrub
+from orchestrator.secrets import redact_argv, scrub
 
 if TYPE_CHECKING:
     from orchestrator.lineage.store import LineageStore
@@ -120,7 +120,9 @@ def submit_attempt(
         cluster=launcher.cluster,
         job_name=spec.name,
         image=launcher.image_name(spec),  # the image that runs, also when it is the backend's default
-        command=[scrub(arg, secrets) for arg in spec.command],
+        # secret options and NAME=value masked as in a run's command, the job's own secret values
+        # scrubbed (this process's: by the store's gate)
+        command=redact_argv(spec.command, secrets),
         user=current_user(),
         resources=spec.resources() or None,
         state="PENDING",

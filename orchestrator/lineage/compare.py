@@ -55,6 +55,9 @@ def asked_word(asked: Mapping[str, Any], key: str) -> str:
     return "-" if value is None else set_value_word(value)
 
 
+_COUNTS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine"}
+
+
 @dataclass
 class Row:
     """One pipeline run of a comparison."""
@@ -118,7 +121,11 @@ class Comparison:
             matches = [c for c in self.columns if c[1] == name]
         if len(matches) != 1:
             labels = [self.label(c) for c in self.columns]
-            why = "names two columns; give STAGE:METRIC" if matches else choices(name, labels, label="columns")
+            if matches:  # one metric several stages report: each column said, to pick one
+                count = _COUNTS.get(len(matches), str(len(matches)))
+                why = f"names {count} columns ({', '.join(self.label(c) for c in matches)}); give STAGE:METRIC"
+            else:
+                why = choices(name, labels, label="columns")
             raise ConfigError(f"--sort {name!r}: {why}")
         return matches[0]
 

@@ -56,11 +56,19 @@ def stage_metrics(store: LineageStore, srun: StageRun) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class MetricChange:
-    """One metric that moved (or that only one of the two runs reported: the other side is None)."""
+    """One metric that moved, or that only one of the two runs reported: the other side is None,
+    and ``missing_in`` names the run (or stage run) without it and ``why`` says why where lineage
+    knows (its stage failed, was cancelled...). A missing metric has not moved: it is not there."""
 
     metric: str
     old: float | None
     new: float | None
+    missing_in: str | None = None
+    why: str | None = None
+
+    @property
+    def missing(self) -> bool:
+        return (self.old is None) != (self.new is None)
 
     @property
     def delta(self) -> float | None:
@@ -72,7 +80,10 @@ class MetricChange:
         return None if self.delta is None or not self.old else self.delta / abs(self.old)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"metric": self.metric, "old": self.old, "new": self.new, "delta": self.delta, "relative": self.relative}
+        out = {"metric": self.metric, "old": self.old, "new": self.new, "delta": self.delta, "relative": self.relative}
+        if self.missing:
+            out |= {"missing_in": self.missing_in, "why": self.why}
+        return out
 
 
 def _matches(name: str, patterns: Iterable[str]) -> bool:
@@ -80,13 +91,67 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
 
 
 def diff_metrics(
-    old: Mapping[str, float], new: Mapping[str, float], patterns: Iterable[str] = ("*",)
+    old: Mapping[str, float],
+    new: Mapping[str, float],
+    patterns: Iterable[str] = ("*",),
+    *,
+    sides: tuple[str | None, str | None] = (None, None),
+    why: tuple[str | None, str | None] = (None, None),
 ) -> list[MetricChange]:
     """Every metric matching one of the shell-style ``patterns`` (``eval/*/loss``) whose value
-    differs between ``old`` and ``new``, by name; equal values are left out."""
+    differs between ``old`` and ``new``, by name; equal values are left out. One reported on a
+    side only is missing on the other, named by ``sides`` (the two runs' ids) with ``why``."""
     wanted = list(patterns)
     names = sorted(n for n in old.keys() | new.keys() if _matches(n, wanted))
-    return [MetricChange(n, old.get(n), new.get(n)) for n in names if old.get(n) != new.get(n)]
+    changes = []
+    for n in names:
+        if old.get(n) == new.get(n):
+            continue
+        gone = 0 if n not in old else 1 if n not in new else None
+        changes.append(
+            MetricChange(
+                n,
+                old.get(n),
+                new.get(n),
+                missing_in=sides[gone] if gone is not None else None,
+                why=why[gone] if gone is not None else None,
+            )
+        )
+    return changes
+
+
+#: States in which a stage run has its outputs: it completed, or took a completed run's.
+DONE = ("COMPLETED", "REUSED")
+
+
+def failure_reason(store: LineageStore, srun: StageRun) -> str | None:
+    """Why a stage run did not complete: its error, else its last job's reason."""
+    if srun.error:
+        return srun.error
+    from orchestrator.lineage.models import Attempt
+
+    last = store.list(Attempt, stage_run_id=srun.id, order_by=col(Attempt.number).desc(), limit=1)
+    return last[0].reason if last and last[0].reason else None
+
+
+def _absence(stage: str, srun: StageRun | None) -> str | None:
+    """Why a side may lack a stage's metrics: ``pretrain FAILED``, ``pretrain not run``; None when
+    it completed (then it simply did not report that metric)."""
+    if srun is None:
+        return f"{stage} not run"
+    return None if srun.state in DONE else f"{stage} {srun.state}"
+
+
+def _states(store: LineageStore, a: StageRun, b: StageRun) -> dict[str, Any] | None:
+    """Each side's state (and the reason of one that did not complete), when one side completed and
+    the other did not, or the two did not complete alike (FAILED beside CANCELLED)."""
+    if (a.state in DONE and b.state in DONE) or a.state == b.state:
+        return None
+    out: dict[str, Any] = {"old": a.state, "new": b.state}
+    for side, run in (("old", a), ("new", b)):
+        if run.state not in DONE:
+            out[f"{side}_reason"] = failure_reason(store, run)
+    return out
 
 
 @dataclass
@@ -113,6 +178,20 @@ class Section:
     #: ``stage`` (a stage's identity and metrics), or ``run``: what two pipeline runs were asked
     #: to do differently as a whole (values ``--set``, backend, recipe, replica), no metrics.
     kind: str = "stage"
+    #: How the stage ended on each side, when one completed (or reused a completed run) and the
+    #: other did not: ``{"old": "COMPLETED", "new": "FAILED", "new_reason": "exit code 1: ..."}``.
+    #: None when both ended alike (a reuse is a completion: it took a completed run's outputs).
+    states: dict[str, Any] | None = None
+
+    @property
+    def moved(self) -> list[MetricChange]:
+        """The metrics both sides reported, with different values."""
+        return [c for c in self.metrics if not c.missing]
+
+    @property
+    def missing(self) -> list[MetricChange]:
+        """The metrics one side reported and the other did not."""
+        return [c for c in self.metrics if c.missing]
 
 
 #: What two pipeline runs may be asked differently as a whole, beside their stages' identities.
@@ -230,10 +309,13 @@ def diff_records(
         else:
             section = Section(stage, [c.__dict__ for c in diff_identities(a.identity_fields, b.identity_fields)])
             _code_commits(section, commit_of(store, a), commit_of(store, b))  # a stage run's, else its run's
+            section.states = _states(store, a, b)
         if patterns:
             old = stage_metrics(store, a) if a is not None else {}
             new = stage_metrics(store, b) if b is not None else {}
-            section.metrics = diff_metrics(old, new, patterns)
+            sides = (left.id, right.id)  # type: ignore[attr-defined]
+            why = (_absence(stage, a), _absence(stage, b))
+            section.metrics = diff_metrics(old, new, patterns, sides=sides, why=why)
             section.compared = sum(1 for n in old.keys() | new.keys() if _matches(n, patterns))
         sections.append(section)
     return sections

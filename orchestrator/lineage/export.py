@@ -23,7 +23,7 @@ import json
 import re
 import urllib.parse
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -78,6 +78,8 @@ class Closure:
 
     records: dict[str, LineageRecord] = field(default_factory=dict)
     relations: list[Relation] = field(default_factory=list)
+    #: A reused stage run's id -> the id of the stage run that made the outputs it took.
+    reused: dict[str, str] = field(default_factory=dict)
 
     def of_kind(self, kind: str) -> list[Any]:
         return [r for r in self.records.values() if r.kind == kind]
@@ -92,6 +94,10 @@ def collect(store: LineageStore, pipeline_run_ids: Sequence[str] = ()) -> Closur
                 for record in store.list(model):
                     closure.records[record.id] = record  # type: ignore[attr-defined]
         closure.relations = store.list(Relation, order_by=col(Relation.created_at))
+        for record in list(closure.records.values()):  # every stage run is here: no query a reuse
+            source = reused_source(closure.records.get, record)
+            if source is not None:
+                closure.reused[record.id] = source.id  # type: ignore[attr-defined]
         return closure
 
     core: list[LineageRecord] = []
@@ -107,9 +113,26 @@ def collect(store: LineageStore, pipeline_run_ids: Sequence[str] = ()) -> Closur
     for record in core:
         closure.records[record.id] = record  # type: ignore[attr-defined]
     seen: set[str] = set()
+    # A reused stage run records one edge, to the stage run that made its outputs: that one's inputs
+    # and outputs are what the reuse took, so they are exported too (where a reused stage's input came
+    # from, and the outputs a later stage of these runs used).
+    core_ids = {record.id for record in core}  # type: ignore[attr-defined]
+    sources: list[StageRun] = []
     for record in core:
+        source = reused_source(store, record)
+        if source is not None:
+            closure.reused[record.id] = source.id  # type: ignore[attr-defined]
+            if source.id not in core_ids:
+                sources.append(source)
+    for record in [*core, *sources]:
+        is_source = record.id not in core_ids  # type: ignore[attr-defined]
         for rel in store.relations(record.id):  # type: ignore[attr-defined]
             if rel.id in seen:
+                continue
+            if is_source and not (
+                (rel.relation == "used" and rel.subject_id == record.id)  # type: ignore[attr-defined]
+                or (rel.relation == "wasGeneratedBy" and rel.object_id == record.id)  # type: ignore[attr-defined]
+            ):
                 continue
             seen.add(rel.id)
             closure.relations.append(rel)
@@ -124,6 +147,38 @@ def collect(store: LineageStore, pipeline_run_ids: Sequence[str] = ()) -> Closur
             if experiment is not None:
                 closure.records[experiment.id] = experiment  # type: ignore[attr-defined]
     return closure
+
+
+def reused_source(get: Callable[[str], Any] | LineageStore, record: Any) -> StageRun | None:
+    """The stage run whose outputs a reused stage run took (followed through a reuse of a reuse),
+    or None for one that is no reuse or whose source is gone. ``get`` finds a stage run by id: a
+    store, or a lookup of records already read."""
+    if not isinstance(record, StageRun) or not record.reused_from:
+        return None
+    find = (lambda rid: get.get(StageRun, rid)) if isinstance(get, LineageStore) else get
+    source, seen = record, {record.id}
+    while source.reused_from and source.reused_from not in seen:
+        seen.add(source.reused_from)
+        found = find(source.reused_from)
+        if not isinstance(found, StageRun):
+            break
+        source = found
+    return source if source is not record else None
+
+
+def patch_files(closure: Closure) -> dict[str, Path]:
+    """Where each dirty-tree commit's patch (its uncommitted changes, ``git apply --binary`` on the
+    commit) is in this openlab home's blob store, by commit id; only those present here. An export
+    names the file, as it names outputs by their paths, and does not copy it: a working tree's
+    diff may hold what no export should carry."""
+    dirty = [r for r in closure.records.values() if r.kind == "commit" and getattr(r, "patch_hash", None)]
+    if not dirty:
+        return {}
+    from orchestrator.settings import load_settings
+
+    blobs = load_settings().blobs_dir
+    found = {c.id: blobs / c.patch_hash for c in dirty}  # type: ignore[attr-defined]
+    return {commit_id: path for commit_id, path in found.items() if path.is_file()}
 
 
 # -- secret-safe values -----------------------------------------------------------------
@@ -180,6 +235,7 @@ def to_prov(closure: Closure) -> dict[str, Any]:
         return doc.setdefault(name, {})
 
     section("agent")[ORCHESTRATOR_AGENT] = {"prov:type": {"$": "prov:SoftwareAgent", "type": "prov:QUALIFIED_NAME"}}
+    patches = patch_files(closure)
     for record in closure.records.values():
         attrs: dict[str, Any] = {"prov:type": {"$": f"openlab:{record.kind}", "type": "prov:QUALIFIED_NAME"}}
         for key, value in _payload(record, secrets).items():
@@ -189,6 +245,9 @@ def to_prov(closure: Closure) -> dict[str, Any]:
                 continue
             # PROV attribute values are literals: structured fields travel as JSON text.
             attrs[f"openlab:{key}"] = json.dumps(value, sort_keys=True) if isinstance(value, dict | list) else value
+        if record.id in patches:  # type: ignore[attr-defined]
+            # a dirty tree's commit: where its uncommitted changes are (a file URI, as outputs are named)
+            attrs["openlab:patch_location"] = scrub(patches[record.id].resolve().as_uri(), secrets)  # type: ignore[attr-defined]
         if record.prov_type == "activity":
             start = getattr(record, "started_at", None) or getattr(record, "submitted_at", None)
             end = getattr(record, "ended_at", None)
@@ -211,8 +270,10 @@ def to_prov(closure: Closure) -> dict[str, Any]:
             continue
         kind, subject_attr, object_attr = PROV_RELATIONS[rel.relation]
         body = {subject_attr: subject, object_attr: obj}
-        if rel.role and kind != "wasInformedBy":  # PROV has no role on communication
-            body["prov:role"] = rel.role
+        if rel.role:
+            # PROV allows prov:role on usage, generation, start and association, not on communication:
+            # there the role (`reused`, `retry-of`: what tells a reuse from a retry) is openlab's attribute
+            body["openlab:role" if kind == "wasInformedBy" else "prov:role"] = rel.role
         section(kind)[_qn(rel.id)] = body
 
     # Structure the store keeps in foreign keys, said in PROV: a pipeline run started its

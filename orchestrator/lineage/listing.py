@@ -387,9 +387,16 @@ def list_records(
 
 def refuse_unknown_names(store: LineageStore, flt: RecordFilter) -> None:
     """Raise :class:`ConfigError` for a ``--stage``, ``--recipe`` or ``--replica`` that neither a
-    record nor a recipe names, with the name meant: ``--stage pretrian`` listed (and ``job cancel``
-    cancelled) nothing, which reads as "nothing ran". A known name that matched nothing is no error.
-    Asked only once nothing matched, since it reads the recipes."""
+    record nor a recipe names, or a ``--host`` no job ever ran on, with the name meant: ``--stage
+    pretrian`` listed (and ``job cancel`` cancelled) nothing, and ``lineage affected --host n71``
+    said no stage run had a job there, which read as "nothing ran" and "nothing to distrust". A
+    known name that matched nothing is no error. Asked only once nothing matched, since it reads
+    the recipes and every job's hosts."""
+    if flt.host:
+        hosts = known_hosts(store)
+        if flt.host not in hosts:
+            hint = _listed(choices(flt.host, hosts, label="hosts jobs ran on"), "hosts jobs ran on", hosts)
+            raise ConfigError(f"--host {flt.host!r}: no job in lineage ran on such a host; {hint}")
     asked = [("stage", s) for s in flt.stage] + [(k, getattr(flt, k)) for k in ("recipe", "replica") if getattr(flt, k)]
     if not asked:
         return
@@ -398,6 +405,31 @@ def refuse_unknown_names(store: LineageStore, flt: RecordFilter) -> None:
         if name not in known[key]:
             hint = choices(name, sorted(known[key]), label=f"{key}s recorded or in the recipes")
             raise ConfigError(f"--{key} {name!r}: no record or recipe has such a {key}; {hint}")
+
+
+#: At most this many known hosts are listed in a refusal (a cluster has thousands of nodes).
+_MOST_LISTED = 20
+
+
+def _listed(hint: str, label: str, names: Sequence[str]) -> str:
+    """``choices``' hint with its list of names cut to :data:`_MOST_LISTED` and the count of all."""
+    if len(names) <= _MOST_LISTED:
+        return hint
+    meant = hint.partition(f"{label}: ")[0]
+    return f"{meant}{label} ({len(names)}): {', '.join(names[:_MOST_LISTED])}, …"
+
+
+def known_hosts(store: LineageStore) -> list[str]:
+    """Every host a recorded job ran on, sorted: each node of a Slurm NodeList, each task's host."""
+    from orchestrator.launchers.slurm import expand_hostlist
+
+    hosts: set[str] = set()
+    with store.session() as session:
+        for host in session.exec(select(Attempt.host).where(col(Attempt.host).is_not(None)).distinct()):
+            hosts.update(expand_hostlist(host))
+        for tasks in session.exec(select(Attempt.tasks).where(col(Attempt.tasks).is_not(None))):
+            hosts.update(h for task in (tasks or {}).values() for h in expand_hostlist((task or {}).get("host")))
+    return sorted(hosts)
 
 
 def _known_names(store: LineageStore) -> dict[str, set[str]]:
@@ -423,6 +455,7 @@ __all__ = [
     "answers",
     "list_records",
     "parse_when",
+    "known_hosts",
     "utc_minute",
     "refuse_unknown_names",
     "time_field",

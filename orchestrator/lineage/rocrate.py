@@ -14,7 +14,10 @@ pipeline run is a ``CreateAction`` (instrument: the workflow) and each stage run
 (instrument: its stage's tool); an ``OrganizeAction`` per pipeline run is openlab's own run,
 with one ``ControlAction`` per stage linking step to stage run. Stage inputs (``object``) and
 outputs (``result``) are the snapshots and artifacts lineage hashed, named by their file URIs
-with their content hash as ``identifier``; the commit is an input of the pipeline run, the
+with their content hash as ``identifier`` (a reused stage's are those of the stage run whose
+outputs it took, in an earlier run: so a later stage's input is always some action's result);
+the commit is an input of the pipeline run (a dirty tree's patch, where this openlab home has
+it, a ``File`` part of it), the
 GitHub issue and W&B runs are what the runs are ``subjectOf``, and backend jobs (Slurm job id,
 container, Kubernetes Job, host, exit code) are ``identifier`` property values of their stage
 run. Values pass through the same secret masking as every other export.
@@ -41,6 +44,7 @@ from orchestrator.lineage.export import (
     clean_value,
     collect,
     iso_time,
+    patch_files,
     producer_uri,
 )
 from orchestrator.lineage.models import Attempt, PipelineRun, StageRun
@@ -93,6 +97,7 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
         (r for r in closure.records.values() if isinstance(r, StageRun) and r.pipeline_run_id in run_ids),
         key=lambda r: r.started_at,
     )
+    patches = patch_files(closure)
     attempts: dict[str, list[Attempt]] = {}
     for record in closure.records.values():
         if isinstance(record, Attempt) and record.stage_run_id:
@@ -182,7 +187,8 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
             return add(
                 {
                     "@id": scrub(uri, secrets),
-                    "@type": "Dataset" if record.artifact_type == "directory" else "File",  # type: ignore[attr-defined]
+                    # a stage's output folder is a Dataset, as its snapshot (the same folder, the same @id) is
+                    "@type": "Dataset" if record.artifact_type in ("folder", "directory") else "File",  # type: ignore[attr-defined]
                     "name": record.name,  # type: ignore[attr-defined]
                     "identifier": record.content_hash,  # type: ignore[attr-defined]
                     "contentSize": str(record.size),  # type: ignore[attr-defined]
@@ -190,6 +196,20 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
             )
         if record.kind == "commit":
             where = record.remote_url or record.repo_path  # type: ignore[attr-defined]
+            patch = None
+            if record.id in patches:  # the uncommitted changes, where this openlab home keeps them
+                blob = patches[record.id]
+                patch = add(
+                    {
+                        "@id": blob.resolve().as_uri(),
+                        "@type": "File",
+                        "name": f"uncommitted changes on {record.sha or 'no commit'}",  # type: ignore[attr-defined]
+                        "encodingFormat": "text/x-diff",
+                        "identifier": record.patch_hash,  # type: ignore[attr-defined]
+                        "contentSize": str(blob.stat().st_size),
+                        "description": f"`git apply --binary` it on {record.sha} to rebuild the tree that ran",  # type: ignore[attr-defined]
+                    }
+                )
             return add(
                 {
                     "@id": f"#commit-{record.id}",
@@ -199,6 +219,7 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
                     "version": record.sha,  # type: ignore[attr-defined]
                     "identifier": record.id,
                     "description": f"uncommitted changes: patch {record.patch_hash}" if record.dirty else None,  # type: ignore[attr-defined]
+                    "hasPart": [patch] if patch else None,
                 }
             )
         if record.kind == "github_issue":
@@ -281,18 +302,32 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
                 )
                 for a in sorted(attempts.get(stage.id, []), key=lambda a: a.number)
             ]
+            # A reused stage took the outputs of the stage run that made them (another run's): those
+            # outputs, and the inputs they were made from, are this action's, so a later stage's
+            # input is some action's result and the data snapshot is in the crate.
+            source_id = closure.reused.get(stage.id)
+            made_by = source_id or stage.id
+            states = [stage.state.lower()]
+            if stage.reused_from and stage.state != "REUSED":
+                states.append("reused")
+            reused = ""
+            if source_id:
+                source = closure.records.get(source_id)
+                owner = getattr(source, "pipeline_run_id", None)
+                reused = f"; reuses the outputs of stage run {source_id}" + (f" of run {owner}" if owner else "")
+            elif stage.reused_from:
+                reused = f"; reuses stage run {stage.reused_from}"
             action = add(
                 {
                     "@id": f"#{stage.id}",
                     "@type": "CreateAction",
-                    "name": f"{stage.stage} ({stage.state.lower()}{', reused' if stage.reused_from else ''})",
+                    "name": f"{stage.stage} ({', '.join(states)})",
                     "instrument": _ref(f"#tool-{stage.stage}"),
-                    "object": linked(stage.id, "used", as_subject=True),
-                    "result": linked(stage.id, "wasGeneratedBy", as_subject=False),
+                    "object": linked(made_by, "used", as_subject=True),
+                    "result": linked(made_by, "wasGeneratedBy", as_subject=False),
                     "identifier": [{"@id": f"#identity-{stage.id}"}, *jobs],
                     "subjectOf": about(stage.id),
-                    "description": f"stage identity {stage.identity}"
-                    + (f"; reuses stage run {stage.reused_from}" if stage.reused_from else ""),
+                    "description": f"stage identity {stage.identity}{reused}",
                     **timing(stage),
                 }
             )

@@ -7,9 +7,11 @@ Four checks, each naming every broken record it finds:
 2. the records: every row equals the content of its last event (a row edited in SQL
    behind openlab's back no longer does), every row has events, every record an
    event describes still exists;
-3. the data: snapshots and artifacts whose files are present (and not removed by
-   ``openlab gc``) are re-hashed (not trusted from a stat cache) and compared with what was
-   recorded;
+3. the data: snapshots and artifacts not marked removed (``openlab gc`` and a forced re-run mark
+   what they delete) are re-hashed (not trusted from a stat cache) and compared with what was
+   recorded; an output folder that is gone though its artifact root is here was deleted behind
+   openlab's back, and one whose root is not on this machine (another machine's storage, not
+   mounted here) is noted as not checked;
 4. the code: every recorded commit still exists in its repository, and every dirty
    patch is still in the blob store with the recorded hash;
 5. anchors, when given: each names an event (``SEQ:HASH``) that was published outside the
@@ -26,6 +28,7 @@ without the anchor failing. This is what makes a pre-registration worth its name
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -35,7 +38,7 @@ from sqlmodel import col, select
 
 from orchestrator.errors import OpenlabError
 from orchestrator.hashing import hash_file
-from orchestrator.lineage.models import RECORD_TYPES, Artifact, Commit, DataSnapshot, Event
+from orchestrator.lineage.models import RECORD_TYPES, Artifact, Commit, DataSnapshot, Event, StageRun
 from orchestrator.lineage.store import GENESIS_HASH, LineageStore, event_hash, record_payload
 from orchestrator.settings import Settings, load_settings
 
@@ -166,7 +169,9 @@ def _check_records(store: LineageStore, latest: dict[tuple[str, str], dict]) -> 
     return problems
 
 
-def _check_data(store: LineageStore, settings: Settings, progress: Progress | None) -> list[Problem]:
+def _check_data(
+    store: LineageStore, settings: Settings, progress: Progress | None, notes: list[str] | None = None
+) -> list[Problem]:
     from orchestrator.snapshots import content_hash, verify_snapshot
 
     problems: list[Problem] = []
@@ -192,10 +197,18 @@ def _check_data(store: LineageStore, settings: Settings, progress: Progress | No
         if manifest_id != snap.id:
             found.append(f"manifest id {manifest_id} is not the recorded id")
         problems.extend(Problem(f"snapshot:{snap.id}", msg) for msg in found)
+    away: dict[Path, list[str]] = {}  # artifact root not on this machine -> its artifacts, not checked
     for art in store.list(Artifact):
+        if art.removed_at is not None:
+            continue  # removed by `openlab gc` or replaced by a re-run (new bytes may be there): the record says
         path = Path(art.uri.removeprefix("file://"))
-        if art.removed_at is not None or not path.exists():
-            continue  # removed by `openlab gc` or replaced by a re-run (new bytes may be there), or not here
+        if not os.path.lexists(path):
+            root = artifact_root(path, art.name, settings)
+            if not root.is_dir():  # another machine's storage, not mounted here: nothing to say of it
+                away.setdefault(root, []).append(art.id)
+                continue
+            problems.append(Problem(f"artifact:{art.id}", _missing_artifact(store, art, path)))
+            continue
         if progress:
             progress(f"artifact {art.name}")
         try:
@@ -210,7 +223,42 @@ def _check_data(store: LineageStore, settings: Settings, progress: Progress | No
                     f"{path} content changed (recorded {art.content_hash[:16]}…, now {digest[:16]}…)",
                 )
             )
+    if notes is not None:
+        notes.extend(_not_here(root, ids) for root, ids in sorted(away.items()))
     return problems
+
+
+def artifact_root(path: Path, name: str, settings: Settings) -> Path:
+    """The artifact root an output lives under: the configured one (``[artifacts] root``) when the
+    path is under it, else the folder above ``<stage>/<identity>`` (outputs of another machine, or of
+    a root configured otherwise when they were made), else the folder that holds it."""
+    configured = settings.artifacts_dir
+    if path.is_relative_to(configured) and path != configured:
+        return configured
+    stage = name.split("/", 1)[0]
+    return path.parent.parent if stage and path.parent.name == stage else path.parent
+
+
+def _missing_artifact(store: LineageStore, art: Artifact, path: Path) -> str:
+    """What a missing output's problem says: which stage run made it, where it was, and why it is a
+    problem (a removal openlab made is recorded; this one is not)."""
+    made_by = [r for r in store.relations(art.id) if r.relation == "wasGeneratedBy" and r.subject_id == art.id]
+    run = store.get(StageRun, made_by[0].object_id) if made_by else None
+    stage = run.stage if run is not None else art.name.split("/", 1)[0]
+    by = f"stage {stage}, stage run {run.id}" if run is not None else f"stage {stage}"
+    what = "output folder" if art.artifact_type in ("folder", "directory") else "output"
+    return (
+        f"{art.name} ({by}): {what} {path} is missing, and lineage records no removal of it "
+        "(`openlab gc` records each removal it makes: a folder deleted by hand looks like this)"
+    )
+
+
+def _not_here(root: Path, ids: list[str]) -> str:
+    shown = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+    return (
+        f"{len(ids)} artifact{'s' if len(ids) != 1 else ''} not on this machine, not checked "
+        f"(their artifact root {root} is not here): {shown}"
+    )
 
 
 def _check_commits(store: LineageStore, settings: Settings) -> list[Problem]:
@@ -237,12 +285,15 @@ def verify(
     *,
     progress: Progress | None = None,
     anchors: Iterable[Anchor] = (),
+    notes: list[str] | None = None,
 ) -> list[Problem]:
-    """Run every check (anchors only when given); an empty list means lineage is intact."""
+    """Run every check (anchors only when given); an empty list means lineage is intact. What could
+    not be checked here (outputs whose artifact root is another machine's storage, not mounted on
+    this one) is appended to ``notes``: no problem, but no pass either."""
     settings = settings or load_settings()
     chain_problems, latest = _check_chain(store)
     problems = chain_problems + _check_records(store, latest)
-    problems += _check_data(store, settings, progress)
+    problems += _check_data(store, settings, progress, notes)
     problems += _check_commits(store, settings)
     problems += check_anchors(store, anchors)
     return problems

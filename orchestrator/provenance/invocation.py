@@ -10,7 +10,8 @@ squeue's USER column shows.
 
 The command is what the person typed (``openlab run marin-535b-a23b tiny -b slurm``), with
 any value that looks like a secret masked: an option whose name says token/key/password
-(``--wandb-key X``, ``--token=X``) or a ``NAME=value`` pair with a secret-looking name.
+(``--wandb-key X``, ``--token=X``) or a ``NAME=value`` pair with a secret-looking name
+(:func:`orchestrator.secrets.redact_argv`, the rule a job's recorded command follows too).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
-from orchestrator.secrets import MASK, is_secret_option, scrub
+from orchestrator.secrets import redact_argv
 
 
 def current_user() -> str | None:
@@ -46,27 +47,4 @@ def command_line(args: Sequence[str] | None = None) -> list[str]:
     return ["openlab", *redact_argv(sys.argv[1:] if args is None else args)]
 
 
-def redact_argv(args: Sequence[str]) -> list[str]:
-    """``args`` with the values of secret options and ``NAME=value`` secrets masked, and any
-    secret value of this process's environment scrubbed wherever it appears.
-
-    ``--token X`` and ``--token=X`` hide X; ``-e WANDB_API_KEY=X`` and ``--env=GITHUB_TOKEN=X``
-    hide X (the first secret-looking name in a chain of ``=`` hides all after it).
-    """
-    out: list[str] = []
-    mask_next = False
-    for arg in args:
-        if mask_next:
-            out.append(MASK)
-            mask_next = False
-            continue
-        parts = arg.split("=")
-        secret_at = next((i for i, part in enumerate(parts[:-1]) if is_secret_option(part)), None)
-        if secret_at is not None:
-            out.append("=".join([*parts[: secret_at + 1], MASK]))
-        elif arg.startswith("--") and len(parts) == 1 and is_secret_option(arg):
-            out.append(arg)
-            mask_next = True  # its value is the next word
-        else:
-            out.append(scrub(arg))
-    return out
+__all__ = ["command_line", "current_user", "redact_argv", "user_at_host"]

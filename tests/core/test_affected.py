@@ -106,8 +106,19 @@ def test_the_command(run_cli, openlab_home) -> None:
     assert {r["id"]: r["rerun"] for r in data["pipeline_runs"]}[
         h["later"]
     ] == f"openlab rerun {h['later']} --force-stage pretrain"
-    nowhere = run_cli("lineage", "affected", "--host", "n99")
-    assert nowhere.returncode == 0 and nowhere.stdout.strip() == "no stage run had a job there"
+    # a host no job ever ran on is a typo (n177 for n17), not "nothing to distrust": one line, the hosts known
+    nowhere = run_cli("lineage", "affected", "--host", "n177")
+    assert nowhere.returncode == 2 and nowhere.stdout == "", nowhere.stdout
+    assert nowhere.stderr.strip() == (
+        "error: --host 'n177': no job in lineage ran on such a host; did you mean 'n17'? "
+        "hosts jobs ran on: n17, n18, n19"
+    ), nowhere.stderr
+    listed = run_cli("lineage", "list", "--host", "vn")
+    assert listed.returncode == 2 and "--host 'vn': no job in lineage ran on such a host" in listed.stderr
+    assert len(listed.stderr.strip().splitlines()) == 1, listed.stderr
+    # a host jobs ran on, but not in that time: an answer, not an error
+    not_then = run_cli("lineage", "affected", "--host", "n17", "--since", "1h")
+    assert not_then.returncode == 0 and not_then.stdout.strip() == "no stage run had a job there in that time"
     unsaid = run_cli("lineage", "affected")
     assert unsaid.returncode == 2 and unsaid.stderr.strip() == (
         "error: say where: --host (a machine) or --cluster; see openlab lineage affected --help"

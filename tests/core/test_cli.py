@@ -483,11 +483,12 @@ def test_diff_of_two_pipeline_runs_says_what_went_in_differently_and_how_the_res
             fields = {"identity": ident.digest, "identity_fields": ident.fields()}
             return tx.add(StageRun(pipeline_run_id=run.id, stage=ident.stage, **fields, **kw))
 
-        t1 = stage(night1, tok, metrics={"tokens": 1000})
-        stage(night1, old_pt, metrics=done)
-        stage(night1, compute_identity("eval", {}, inputs={"model": old_pt.digest}), metrics=done)  # night 2 stopped
+        t1 = stage(night1, tok, state="COMPLETED", metrics={"tokens": 1000})  # what a reuse takes: a completed run
+        stage(night1, old_pt, state="COMPLETED", metrics=done)
+        evaluated = compute_identity("eval", {}, inputs={"model": old_pt.digest})
+        stage(night1, evaluated, state="COMPLETED", metrics=done)  # night 2 stopped before it
         stage(night2, tok, state="REUSED", reused_from=t1.id)  # no metrics of its own: t1's are its
-        stage(night2, new_pt, metrics=moved)
+        stage(night2, new_pt, state="COMPLETED", metrics=moved)
     shown = run_cli("lineage", "diff", night1.id, night2.id, "--metric", "eval/*/loss", "-m", "moe/*", "-m", "new/*")
     assert shown.returncode == 0, shown.stderr
     lines = shown.stdout.splitlines()
@@ -495,10 +496,10 @@ def test_diff_of_two_pipeline_runs_says_what_went_in_differently_and_how_the_res
     start = lines.index("pretrain: 1 field(s) differ")
     assert lines[start + 1 :] == [
         "  config.lr: 0.01 -> 0.02",
-        "  metrics: 3 of 3 moved",
+        "  metrics: 2 of 3 moved, 1 missing",  # a metric only one run reported has not moved: it is missing
         "    eval/code/loss     5.25 -> 5.5  (+0.25, +4.76%)",
         "    moe/drop_fraction  0.031 -> 0.045  (+0.014, +45.16%)",
-        "    new/x              - -> 1",
+        f"    new/x              - -> 1  missing in {night1.id}",
         f"eval: only in {night1.id} (the other run did not run it: no metrics to compare)",
     ], lines
     data = json.loads(run_cli("lineage", "diff", night1.id, night2.id, "-m", "*", "--json").stdout)
@@ -863,7 +864,8 @@ def test_compare_puts_a_sweeps_runs_side_by_side_with_what_each_set_and_measured
     best = json.loads(run_cli("lineage", "compare", *ids, "--sort", "eval/code/loss", "--json").stdout)
     assert [r["id"] for r in best["runs"]] == [ids[1], ids[2], ids[0]]  # the lowest loss first, ties as they came
     both = run_cli("lineage", "compare", *ids, "-m", "*loss", "--sort", "eval/sft/loss")
-    assert both.returncode == 2 and "--sort 'eval/sft/loss': names two columns; give STAGE:METRIC" in both.stderr
+    said = "--sort 'eval/sft/loss': names two columns (posttrain:eval/sft/loss, eval:eval/sft/loss); give STAGE:METRIC"
+    assert both.returncode == 2 and said in both.stderr, both.stderr
     by_stage = json.loads(
         run_cli("lineage", "compare", *ids, "-m", "*loss", "--sort", "posttrain:eval/sft/loss", "--json").stdout
     )

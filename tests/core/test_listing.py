@@ -190,7 +190,15 @@ def test_filters_reach_through_runs_on_both_databases(store: LineageStore) -> No
     assert _ids(store, ["attempt"], host="n02") == {h["old_job"], h["retry1"]}
     assert _ids(store, ["stage_run"], host="n02") == {h["old_pre"], h["new_pre"]}
     assert _ids(store, ["pipeline_run"], host="n02") == {h["old"], h["new"]}
-    assert _ids(store, ["attempt"], host="n2") == set() and _ids(store, ["attempt"], host="n20") == {h["retry2"]}
+    assert _ids(store, ["attempt"], host="n20") == {h["retry2"]}
+    # n2 is no host any job ran on: an error naming those there are, not an empty list ("nothing ran there")
+    with pytest.raises(ConfigError) as typo:
+        _ids(store, ["attempt"], host="n2")
+    assert str(typo.value) == (  # every node of a NodeList, every task's host
+        "--host 'n2': no job in lineage ran on such a host; did you mean 'n20'? "
+        "hosts jobs ran on: gpu1, n01, n02, n03, n20"
+    )
+    assert _ids(store, ["attempt"], host="n02", since=NOW + dt.timedelta(days=1)) == set()  # known, not then
     assert _ids(store, ["attempt", "pipeline_run"], cluster="west") == {h["old_job"], h["old"]}
     assert _ids(store, ["attempt"], cluster="east", host="n20") == {h["retry2"]}
     # no filter: every kind, snapshots included

@@ -1,0 +1,444 @@
+"""What an auditor reads from lineage: `verify`, `diff`, `show`, `compare` and the exports say what
+happened, not less (an output deleted by hand, a failed stage, where a reused stage's outputs came
+from, where a dirty tree's changes are) and never a secret a job was typed with.
+
+Records are built directly in a store, as a pipeline would have recorded them; no pipeline runs.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.errors import ConfigError
+from orchestrator.lineage import (
+    Artifact,
+    Attempt,
+    Commit,
+    DataSnapshot,
+    LineageStore,
+    PipelineRun,
+    StageRun,
+    open_store,
+    utcnow,
+)
+from orchestrator.settings import load_settings
+
+T0 = utcnow() - dt.timedelta(days=1)
+
+
+def _at(minutes: float) -> dt.datetime:
+    return T0 + dt.timedelta(minutes=minutes)
+
+
+# -- verify: an output folder deleted by hand -------------------------------------------------
+
+
+def test_verify_names_an_output_deleted_by_hand_and_notes_one_on_another_machine(
+    run_cli, openlab_home: Path, tmp_path: Path
+) -> None:
+    """`mv artifacts/pretrain/<identity> /tmp/x` passed `lineage verify` as "data present": a removal
+    openlab made is recorded (gc, a forced re-run), so a folder gone without one is a problem. An
+    output whose artifact root is not on this machine (another machine's storage) is not checked,
+    and the line that says lineage verified must not claim it was."""
+    from orchestrator.snapshots import content_hash
+
+    out = load_settings().artifacts_dir / "pretrain" / "0123456789abcdef"
+    (out / "checkpoint").mkdir(parents=True)
+    (out / "checkpoint" / "state.pt").write_bytes(b"weights")
+    elsewhere = tmp_path / "cluster" / "artifacts" / "tokenize" / "fedcba9876543210"  # that root is not here
+    with open_store() as store, store.transaction() as tx:
+        stage = tx.add(StageRun(stage="pretrain", identity="i-pre", state="COMPLETED"))
+        hashed = content_hash(out)
+        made = tx.add(Artifact(name="pretrain/out", artifact_type="folder", uri=str(out), content_hash=hashed))
+        tx.relate("wasGeneratedBy", made, stage)
+        away = tx.add(Artifact(name="tokenize/out", artifact_type="folder", uri=str(elsewhere), content_hash="d" * 64))
+        gone_by_gc = tx.add(
+            Artifact(
+                name="pretrain/out",
+                artifact_type="folder",
+                uri=str(out.parent / "aaaaaaaaaaaaaaaa"),
+                content_hash="e" * 64,
+                removed_at=utcnow(),
+                removed_reason="openlab gc by ada@vm",
+            )
+        )
+    assert gone_by_gc.removed_at is not None
+
+    shutil.move(out, tmp_path / "x")  # deleted by hand: no record says so
+    broken = run_cli("lineage", "verify", "--json")
+    assert broken.returncode == 1, broken.stdout + broken.stderr
+    report = json.loads(broken.stdout)
+    assert [p["record"] for p in report["problems"]] == [f"artifact:{made.id}"], report
+    message = report["problems"][0]["message"]
+    assert f"stage pretrain, stage run {stage.id}" in message and f"output folder {out} is missing" in message
+    assert "`openlab gc` records each removal" in message and "deleted by hand" in message, message
+    said = run_cli("lineage", "verify")
+    assert said.returncode == 1 and f"artifact:{made.id}: pretrain/out (stage pretrain" in said.stdout, said.stdout
+
+    shutil.move(tmp_path / "x", out)  # put back: what is on this machine verifies; what is not, is noted
+    ok = run_cli("lineage", "verify", "--json")
+    assert ok.returncode == 0, ok.stdout
+    report = json.loads(ok.stdout)
+    assert report["ok"] is True and report["problems"] == []
+    assert report["notes"] == [
+        f"1 artifact not on this machine, not checked (their artifact root {elsewhere.parent.parent} "
+        f"is not here): {away.id}"
+    ], report["notes"]
+    text = run_cli("lineage", "verify", env={"COLUMNS": "300"})
+    assert text.returncode == 0 and "note: 1 artifact not on this machine, not checked" in text.stdout
+    assert "data and commits present" not in text.stdout, "the unchecked artifact must not read as checked"
+    assert "lineage verified: event chain intact, records match their log, commits present, data present where" in (
+        text.stdout
+    ), text.stdout
+
+
+def test_verify_on_both_databases_skips_removed_outputs_and_names_missing_ones(store: LineageStore) -> None:
+    from orchestrator.lineage.verify import verify
+
+    settings = load_settings()
+    root = settings.artifacts_dir
+    root.mkdir(parents=True)
+    with store.transaction() as tx:
+        tx.add(Artifact(name="eval/out", artifact_type="folder", uri=str(root / "eval" / "x"), content_hash="c" * 64))
+        tx.add(
+            Artifact(
+                name="eval/out",
+                artifact_type="folder",
+                uri=str(root / "eval" / "y"),
+                content_hash="c" * 64,
+                removed_at=utcnow(),
+                removed_reason="replaced by a forced re-run",
+            )
+        )
+    notes: list[str] = []
+    problems = verify(store, settings, notes=notes)
+    assert len(problems) == 1 and "eval/out (stage eval): output folder" in problems[0].message, problems
+    assert notes == []
+
+
+# -- job commands: secrets typed as NAME=value or an option ------------------------------------
+
+
+def test_a_jobs_recorded_command_masks_secret_options_and_name_value_pairs(run_cli, openlab_home: Path) -> None:
+    """`job run -- env DB_PASSWORD=x ...` recorded x in the attempt's command (and so in every
+    export); the rule that masks a run's typed command now masks a job's."""
+    typed = ["env", "DB_PASSWORD=literalpw98765", "sh", "-c", "echo ok", "sh", "--db-password", "pw2secret99"]
+    done = run_cli("job", "run", "-b", "local", "--", *typed)
+    assert done.returncode == 0, done.stderr
+    assert "ok" in done.stdout  # the job itself ran with the real values
+    with open_store() as store:
+        (attempt,) = store.list(Attempt)
+        assert attempt.command == ["env", "DB_PASSWORD=***", "sh", "-c", "echo ok", "sh", "--db-password", "***"]
+        events = json.dumps([e.payload for e in store.events()])
+    exported = run_cli("lineage", "export", "-f", "prov").stdout
+    for text in (events, exported, (openlab_home / "lineage.db").read_bytes().decode("latin-1")):
+        assert "literalpw98765" not in text and "pw2secret99" not in text
+
+
+def test_one_rule_masks_a_typed_run_and_a_jobs_command() -> None:
+    from orchestrator.provenance import invocation
+    from orchestrator.secrets import redact_argv
+
+    assert invocation.redact_argv is redact_argv
+    assert redact_argv(["train.py", "--api-key", "k1234567", "key_dim=64"], ["zzz-job-own-secret"]) == [
+        "train.py",
+        "--api-key",
+        "***",
+        "key_dim=64",  # a shape, not a secret
+    ]
+    assert redact_argv(["--note", "uses zzz-job-own-secret"], ["zzz-job-own-secret"]) == ["--note", "uses ***"]
+
+
+# -- diff against a failed run ---------------------------------------------------------------
+
+
+def _failed_pair(store: LineageStore) -> dict[str, Any]:
+    """A completed run and one whose pretrain failed (lr negative); data reused by the second."""
+    with store.transaction() as tx:
+        a = tx.add(PipelineRun(recipe="r", replica="tiny", backend="local", state="COMPLETED", started_at=_at(0)))
+        b = tx.add(
+            PipelineRun(
+                recipe="r",
+                replica="tiny",
+                backend="local",
+                state="FAILED",
+                started_at=_at(60),
+                params={"recipe": {"run_set": {"pretrain.lr": -1}}},
+            )
+        )
+        data_a = tx.add(
+            StageRun(pipeline_run_id=a.id, stage="data", identity="d", state="COMPLETED", started_at=_at(1))
+        )
+        tx.add(
+            StageRun(
+                pipeline_run_id=b.id,
+                stage="data",
+                identity="d",
+                state="REUSED",
+                reused_from=data_a.id,
+                started_at=_at(61),
+            )
+        )
+        tx.add(
+            StageRun(
+                pipeline_run_id=a.id,
+                stage="pretrain",
+                identity="p1",
+                identity_fields={"config": {"lr": 0.01}},
+                state="COMPLETED",
+                metrics={"eval": {"code": {"loss": 5.27558}}, "steps": 10},
+                started_at=_at(2),
+            )
+        )
+        pre_b = tx.add(
+            StageRun(
+                pipeline_run_id=b.id,
+                stage="pretrain",
+                identity="p2",
+                identity_fields={"config": {"lr": -1}},
+                state="FAILED",
+                metrics={"steps": 3},
+                started_at=_at(62),
+            )
+        )
+        tx.add(
+            Attempt(
+                stage_run_id=pre_b.id,
+                backend="local",
+                job_id="1",
+                state="FAILED",
+                reason="exit code 1: ValueError: lr must be positive",
+            )
+        )
+    return {"a": a.id, "b": b.id}
+
+
+def test_diff_says_a_stage_failed_and_a_metric_it_never_reported_is_missing_not_moved(
+    run_cli, openlab_home: Path
+) -> None:
+    with open_store() as store:
+        ids = _failed_pair(store)
+    a, b = ids["a"], ids["b"]
+    out = run_cli("lineage", "diff", a, b, "-m", "eval/code/loss", "-m", "steps", env={"COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    text = out.stdout
+    assert "pretrain: 1 field(s) differ" in text, text
+    assert "  state: COMPLETED -> FAILED\n" in text, text
+    assert f"    FAILED in {b}: exit code 1: ValueError: lr must be positive\n" in text, text
+    assert "  metrics: 1 of 2 moved, 1 missing\n" in text, text
+    assert f"eval/code/loss  5.27558 -> -  missing in {b} (pretrain FAILED)" in text, text
+    assert "steps           10 -> 3  (-7, -70.00%)" in text, text
+    assert "data: identical" in text  # a reuse is a completion: nothing to say of its state
+    doc = json.loads(run_cli("lineage", "diff", a, b, "-m", "eval/code/loss", "--json").stdout)
+    assert doc["states"] == {
+        "pretrain": {"old": "COMPLETED", "new": "FAILED", "new_reason": "exit code 1: ValueError: lr must be positive"}
+    }
+    (missing,) = doc["metrics"]["pretrain"]
+    assert missing["missing_in"] == b and missing["why"] == "pretrain FAILED" and missing["new"] is None
+
+
+def test_diff_of_the_same_inputs_that_ended_differently_is_not_identical(store: LineageStore) -> None:
+    from orchestrator.lineage.diff import diff_records
+
+    with store.transaction() as tx:
+        ok = tx.add(StageRun(stage="eval", identity="e", state="COMPLETED", metrics={"loss": 2.0}))
+        bad = tx.add(StageRun(stage="eval", identity="e", state="CANCELLED", error="cancelled by ada"))
+    (section,) = diff_records(store, ok, bad, ["*"])
+    assert section.fields == [] and section.states == {
+        "old": "COMPLETED",
+        "new": "CANCELLED",
+        "new_reason": "cancelled by ada",
+    }
+    assert section.moved == [] and [(c.metric, c.missing_in, c.why) for c in section.missing] == [
+        ("loss", bad.id, "eval CANCELLED")
+    ]
+
+
+# -- exports: a reuse, a retry, a dirty tree ---------------------------------------------------
+
+
+def _reused_history(store: LineageStore, tmp_path: Path) -> dict[str, Any]:
+    """Run 1 made data (a snapshot and a folder), tokenize and pretrain; run 2 reused data and
+    tokenize and trained again on run 1's tokens; run 3 is a retry of run 2."""
+    art = tmp_path / "artifacts"
+    with store.transaction() as tx:
+        commit = tx.add(Commit(id="a" * 40 + "+" + "b" * 16, sha="a" * 40, dirty=True, patch_hash="b" * 64))
+        first = tx.add(PipelineRun(recipe="toy", replica="tiny", state="COMPLETED", started_at=_at(0)))
+        second = tx.add(PipelineRun(recipe="toy", replica="tiny", state="COMPLETED", started_at=_at(60)))
+        retry = tx.add(PipelineRun(recipe="toy", replica="tiny", state="COMPLETED", started_at=_at(120)))
+        for run in (first, second, retry):
+            tx.relate("wasAssociatedWith", run, commit, role="code")
+        tx.relate("wasInformedBy", retry, second, role="retry-of")
+
+        def stage(run: PipelineRun, name: str, minute: float, **kw: Any) -> StageRun:
+            return tx.add(StageRun(pipeline_run_id=run.id, stage=name, identity=name, started_at=_at(minute), **kw))
+
+        def output(name: str, folder: str) -> Artifact:
+            return tx.add(Artifact(name=f"{name}/out", artifact_type="folder", uri=str(art / name / folder),
+                                   content_hash=folder * 4))  # fmt: skip
+
+        data = stage(first, "data", 1, state="COMPLETED")
+        data_out = output("data", "d" * 16)  # a data stage's folder is also a snapshot: one hash, one path
+        snap = tx.add(DataSnapshot(id=data_out.content_hash, path=data_out.uri, files=2, bytes=9,
+                                   manifest_path="/m.json"))  # fmt: skip
+        tx.relate("wasGeneratedBy", data_out, data)
+        tx.relate("wasGeneratedBy", snap, data)
+        tok = stage(first, "tokenize", 2, state="COMPLETED")
+        tx.relate("used", tok, data_out, role="data")
+        tx.relate("used", tok, snap, role="data")
+        tokens = output("tokenize", "e" * 16)
+        tx.relate("wasGeneratedBy", tokens, tok)
+        pre1 = stage(first, "pretrain", 3, state="COMPLETED")
+        tx.relate("used", pre1, tokens, role="tokens")
+        tx.relate("wasGeneratedBy", output("pretrain", "1" * 16), pre1)
+
+        data2 = stage(second, "data", 61, state="REUSED", reused_from=data.id)
+        tx.relate("wasInformedBy", data2, data, role="reused")
+        tok2 = stage(second, "tokenize", 62, state="REUSED", reused_from=tok.id)
+        tx.relate("wasInformedBy", tok2, tok, role="reused")
+        pre2 = stage(second, "pretrain", 63, state="COMPLETED")
+        tx.relate("used", pre2, tokens, role="tokens")
+        tx.relate("wasGeneratedBy", output("pretrain", "2" * 16), pre2)
+    return {k: v for k, v in locals().items() if hasattr(v, "kind") and hasattr(v, "id")}
+
+
+def test_ro_crate_says_where_a_reused_stages_outputs_came_from(run_cli, openlab_home: Path, tmp_path: Path) -> None:
+    """A reused stage's CreateAction had no object and no result, so the crate never said where
+    pretrain's tokens came from, and the data snapshot was not in it; its name said "reused" twice."""
+    import warnings
+
+    from rocrate.rocrate import ROCrate
+
+    with open_store() as store:
+        h = _reused_history(store, tmp_path)
+    crate_dir = tmp_path / "crate"
+    done = run_cli("lineage", "export", h["second"].id, "-f", "ro-crate", "-o", str(crate_dir))
+    assert done.returncode == 0, done.stderr
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        crate = ROCrate(crate_dir)
+    actions = {a.id: a for a in crate.get_by_type("CreateAction")}
+    data, tok, pre = (actions[f"#{h[k].id}"] for k in ("data2", "tok2", "pre2"))
+    assert (data["name"], tok["name"], pre["name"]) == ("data (reused)", "tokenize (reused)", "pretrain (completed)")
+
+    def ids(entities: Any) -> set[str]:
+        return {e["identifier"] for e in (entities if isinstance(entities, list) else [entities] if entities else [])}
+
+    # the outputs the reuse took, as the earlier run's data stage made them: the folder, its snapshot
+    snapshot = next(e for e in crate.get_by_type("Dataset") if e.get("identifier") == h["snap"].id)
+    assert "data snapshot of 2 files" in snapshot["description"]
+    assert ids(data.get("result")) == {h["snap"].id}
+    assert ids(tok.get("object")) == {h["snap"].id}
+    assert ids(tok.get("result")) == {h["tokens"].content_hash}
+    results = tok["result"] if isinstance(tok["result"], list) else [tok["result"]]
+    assert [e.type for e in results] == ["Dataset"], "an output folder is a Dataset, not a File"
+    assert ids(pre["object"]) <= ids(tok["result"]), "pretrain's input is what the reused tokenize has"
+    assert f"reuses the outputs of stage run {h['tok'].id} of run {h['first'].id}" in tok["description"]
+    run = actions[f"#{h['second'].id}"]
+    assert h["tokens"].content_hash not in ids(run["object"]), "made by a stage of the run (a reused one)"
+
+
+def test_prov_keeps_the_role_that_tells_a_reuse_from_a_retry(openlab_home: Path, tmp_path: Path) -> None:
+    """wasInformedBy dropped its role, so a reuse and a retry read the same in PROV; the role is an
+    openlab attribute (PROV allows prov:role on communication nowhere), and the `prov` library reads
+    the document back. A reused stage's source's inputs and outputs are exported with it."""
+    from prov.model import ProvCommunication, ProvDocument, ProvGeneration
+
+    from orchestrator.lineage.export import export
+
+    with open_store() as store:
+        h = _reused_history(store, tmp_path)
+        text = export(store, "prov", [h["second"].id, h["retry"].id])
+    doc = ProvDocument.deserialize(content=text, format="json")
+    roles = {
+        (str(c.formal_attributes[0][1]), str(c.formal_attributes[1][1])): {
+            str(v) for v in c.get_attribute("openlab:role")
+        }
+        for c in doc.get_records(ProvCommunication)
+    }
+    assert roles[(f"openlab:{h['tok2'].id}", f"openlab:{h['tok'].id}")] == {"reused"}
+    assert roles[(f"openlab:{h['retry'].id}", f"openlab:{h['second'].id}")] == {"retry-of"}
+    generated = {
+        (str(g.formal_attributes[0][1]), str(g.formal_attributes[1][1])) for g in doc.get_records(ProvGeneration)
+    }
+    assert (f"openlab:{h['tokens'].id}", f"openlab:{h['tok'].id}") in generated, "where the reused tokens came from"
+    again = ProvDocument.deserialize(content=doc.serialize(format="json"), format="json")
+    assert again == doc
+
+
+def test_show_and_the_exports_say_where_a_dirty_trees_changes_are(run_cli, openlab_home: Path, tmp_path: Path) -> None:
+    """`lineage show 'commit:<sha>+<patch>'` showed only the patch's hash; the patch is a file in the
+    blob store, which `show` names (and how to apply it), as do the exports."""
+    from orchestrator.lineage.export import export
+
+    with open_store() as store:
+        h = _reused_history(store, tmp_path)
+    commit = h["commit"]
+    blob = load_settings().blobs_dir / commit.patch_hash
+    missing = run_cli("lineage", "show", f"commit:{commit.id}", env={"COLUMNS": "300"})
+    assert missing.returncode == 0, missing.stderr
+    assert f"patch           {blob}  (missing from this openlab home" in missing.stdout, missing.stdout
+    blob.parent.mkdir(parents=True)
+    blob.write_text("diff --git a/train.py b/train.py\n")
+    shown = run_cli("lineage", "show", f"commit:{commit.id}", env={"COLUMNS": "300"})
+    assert f"patch           {blob}  (`git apply --binary {blob}` on {commit.sha} rebuilds the tree)" in shown.stdout
+    doc = json.loads(run_cli("lineage", "show", commit.id, "--json").stdout)
+    assert doc["patch"] == {"path": str(blob), "present": True, "apply": f"git apply --binary {blob}"}
+    assert doc["record"]["patch_hash"] == commit.patch_hash
+
+    with open_store() as store:
+        prov = json.loads(export(store, "prov", [h["first"].id]))
+    assert prov["entity"][f"openlab:{commit.id}"]["openlab:patch_location"] == blob.resolve().as_uri()
+    crate_dir = tmp_path / "crate"
+    assert run_cli("lineage", "export", h["first"].id, "-f", "ro-crate", "-o", str(crate_dir)).returncode == 0
+    graph = {e["@id"]: e for e in json.loads((crate_dir / "ro-crate-metadata.json").read_text())["@graph"]}
+    patch = graph[blob.resolve().as_uri()]
+    assert patch["@type"] == "File" and patch["identifier"] == commit.patch_hash
+    assert graph[f"#commit-{commit.id}"]["hasPart"] == [{"@id": blob.resolve().as_uri()}]
+
+
+# -- compare --sort: how many columns a name matches -----------------------------------------
+
+
+def test_sort_by_a_metric_three_stages_report_says_three(store: LineageStore) -> None:
+    from orchestrator.lineage.compare import compare_runs
+
+    with store.transaction() as tx:
+        runs = [tx.add(PipelineRun(recipe="r", replica="tiny", started_at=_at(i))) for i in range(2)]
+        for i, run in enumerate(runs):
+            for j, name in enumerate(("pretrain", "midtrain", "eval")):
+                tx.add(
+                    StageRun(
+                        pipeline_run_id=run.id,
+                        stage=name,
+                        identity=f"{name}{i}",
+                        metrics={"eval/code/loss": 5.0 - j - i},
+                        started_at=_at(i * 10 + j),
+                    )
+                )
+    comparison = compare_runs(store, runs, ["*"])
+    with pytest.raises(ConfigError) as raised:
+        comparison.sorted_by("eval/code/loss")
+    assert str(raised.value) == (
+        "--sort 'eval/code/loss': names three columns (pretrain:eval/code/loss, midtrain:eval/code/loss, "
+        "eval:eval/code/loss); give STAGE:METRIC"
+    )
+    assert [r.run.id for r in comparison.sorted_by("eval:eval/code/loss").rows] == [runs[1].id, runs[0].id]
+
+
+def test_a_host_refusal_lists_at_most_twenty_of_a_clusters_hosts(store: LineageStore) -> None:
+    from orchestrator.lineage.listing import RecordFilter, list_records
+
+    with store.transaction() as tx:
+        tx.add(Attempt(backend="slurm", job_id="1", host="n[001-050]"))
+    with pytest.raises(ConfigError) as raised:
+        list_records(store, ["attempt"], RecordFilter(host="n0017"))
+    said = str(raised.value)
+    assert said.startswith("--host 'n0017': no job in lineage ran on such a host; did you mean 'n017'? "), said
+    assert "hosts jobs ran on (50): n001, n002," in said and said.endswith("n020, …") and "n021" not in said
