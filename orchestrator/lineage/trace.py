@@ -385,17 +385,16 @@ def trace(
 _ENTITY = 'shape=ellipse, style=filled, fillcolor="#fffc87"'
 _ACTIVITY = 'shape=box, style=filled, fillcolor="#9fb1fc"'
 _AGENT = 'shape=house, style=filled, fillcolor="#fed37f"'
-_DOT_STYLE = {
-    "artifact": _ENTITY,
-    "snapshot": _ENTITY,
-    "pipeline_run": _ACTIVITY,
-    "stage_run": _ACTIVITY,
-    "attempt": _ACTIVITY,
-    "commit": _AGENT,
-    "environment": _AGENT,
-    "wandb_run": _AGENT,
-    "github_issue": 'shape=note, style=filled, fillcolor="#e8e8e8"',
-}
+#: Shapes by PROV class, as PROV's own diagrams draw them; the class is the record's (``prov_type``), the
+#: one ``lineage export -f prov`` writes, so a picture and an export never disagree on what a record is.
+_DOT_STYLE = {"entity": _ENTITY, "activity": _ACTIVITY, "agent": _AGENT}
+#: Kinds drawn apart from their class: an issue is an entity, drawn as the note it is.
+_DOT_KIND_STYLE = {"github_issue": 'shape=note, style=filled, fillcolor="#e8e8e8"'}
+
+
+def _dot_style(record: Any) -> str:
+    kind = getattr(record, "kind", "")
+    return _DOT_KIND_STYLE.get(kind) or _DOT_STYLE.get(getattr(record, "prov_type", ""), "shape=box")
 
 
 _PART_OF = frozenset({"hasPart", "jobOf"})
@@ -416,7 +415,7 @@ def to_dot(root: TraceNode, direction: Direction) -> str:
             short = summary if len(summary) <= 48 else summary[:47] + "…"
             shown = node.id if len(node.id) <= 32 else node.id[:16]  # a sha or a content hash: its head
             label = f"{node.kind}\\n{_dot_escape(shown)}\\n{_dot_escape(short)}"  # \\n: DOT's line break
-            style = _DOT_STYLE.get(node.kind, "shape=box")
+            style = _dot_style(node.record)
             if node.truncated:  # its lineage goes on beyond --depth: a dashed border says the picture stops here
                 style = style.replace("style=filled", 'style="filled,dashed"')
                 summary += " (more beyond --depth)"

@@ -96,6 +96,12 @@ def test_trace_of_an_unknown_id_is_one_line(run_cli, recorded) -> None:
     ]
 
 
+def _json(dot: str, graph: str) -> str:
+    done = subprocess.run([dot, "-Tjson"], input=graph, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def _rendered(dot: str, graph: str) -> tuple[set[str], set[tuple[str, str, str]]]:
     """The records and arrows of a DOT graph, as graphviz itself reads them (``dot -Tjson``)."""
     done = subprocess.run([dot, "-Tjson"], input=graph, capture_output=True, text=True, timeout=60)
@@ -125,6 +131,10 @@ def test_trace_as_a_graph_draws_each_record_once_with_prov_arrows_and_renders(ru
     assert any(a[:2] == (count.id, upper_out) and a[2].startswith("used") for a in arrows), arrows
     assert (count.id, recorded["sha"], "wasAssociatedWith (code)") in arrows
     assert not {(b, a) for a, b, _ in arrows} & {(a, b) for a, b, _ in arrows}, "no pair drawn both ways"
+    shapes = {o["name"]: o.get("shape") for o in json.loads(_json(dot, graph.stdout))["objects"]}
+    # by PROV class, as `lineage export -f prov` types them: a commit is an entity (an ellipse), not an agent
+    assert shapes[recorded["sha"]] == "ellipse" and shapes[artifact_id] == "ellipse", shapes
+    assert shapes[count.id] == "box", shapes
     svg = subprocess.run([dot, "-Tsvg"], input=graph.stdout, capture_output=True, text=True, timeout=60)
     assert svg.returncode == 0 and "<svg" in svg.stdout and "count COMPLETED" in svg.stdout, svg.stderr
 
