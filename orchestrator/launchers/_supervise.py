@@ -19,6 +19,33 @@ its group are killed too, like Slurm and Docker do. The supervisor exits right a
 outcome, so its exit is the moment a waiter (``LocalLauncher.pause``, through a pidfd) can stop
 waiting.
 
+Secrets stay out of the log (``orchestrator.secrets``): where the job's environment holds a secret
+value (a variable whose name has TOKEN, KEY, SECRET, PASSWORD, PASSWD or CREDENTIAL in it, of
+:data:`MIN_SECRET_LENGTH` characters or more: that module's rule, copied here, and
+tests/core/test_secrets.py checks that the two agree), the job does not write its log file itself:
+its output comes to the supervisor through a pipe and goes on to the log (the supervisor's own
+standard output) chunk by chunk, as it comes, with each such value replaced by ``***`` (:func:`pump`).
+A value cut in two by a read is still caught: an end of a chunk that a secret value begins with waits
+for the next one. Bytes are kept as they are, partial lines and binary output included. When the
+job's main process exits, its group is killed (as above) and what is left in the pipe is read, so a
+process that left the group and keeps the pipe open does not hold up the end (what such a process
+writes after that is lost). If the supervisor itself dies (SIGKILL), the job's writes fail with
+EPIPE; the launcher reports such a job LOST and ends it anyway. Without such values the job's output
+goes straight to the log file, as it always did, with no copying.
+
+The same file is the filter a Slurm job's output goes through where the job's environment holds
+secrets (the Slurm launcher copies it beside the logs and the batch script runs it):
+``python -I -S _supervise.py --mask-output (--slurm-batch | --no-forward) -- CMD...`` runs CMD as its
+child, its output through :func:`pump` to standard output (the file slurmstepd writes, or the step's
+output that srun labels), and exits with CMD's exit code (128 + the signal that killed it, as the
+usage wrapper and a shell say it). ``--no-forward`` (a task of an srun step: Slurm
+signals every process of the step itself) outlives the stop signals without passing them on;
+``--slurm-batch`` (the batch shell's own process) passes on a signal for the batch shell alone
+(``--signal=B:USR1@300``, ``scancel --batch``) and not the SIGTERM with which Slurm ends a job, which
+CMD gets itself, told apart by the SIGCONT Slurm sends every process just before it, as the usage
+wrapper (``launchers/_usage.py``) does. Without secrets in its environment it execs CMD, so it is not
+there at all. That mode runs on the node's Python: nothing newer than Python 3.8 in this file.
+
 Stdlib only, imported by path with ``-S``, and only modules that need no Python-level
 imports (``os``, ``sys``, ``time``, ``_signal``): it sits on every local job's critical
 path, and ``json`` (``re``, ``enum``), ``socket`` and ``signal`` (``enum``) once cost
@@ -34,6 +61,25 @@ try:  # the C module: ``signal`` itself wraps it in enums, and importing enum co
     import _signal as signal
 except ImportError:  # pragma: no cover - not CPython
     import signal
+
+#: ``orchestrator.secrets``' rule (SECRET_NAME, MIN_SECRET_LENGTH, MASK), copied: this file imports
+#: nothing of openlab. A variable is secret when its name has one of these words in it, in any case.
+SECRET_WORDS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
+MIN_SECRET_LENGTH = 6
+MASK = b"***"
+#: A name in upper case as ``re.IGNORECASE`` reads the words: ASCII letters, and the four other
+#: characters it takes for one of theirs (dotted and dotless i, long s, the Kelvin sign); nothing
+#: else (``str.upper`` would make ``ß`` SS). ``re`` itself is not imported: it costs milliseconds.
+_UPPER = str.maketrans("abcdefghijklmnopqrstuvwxyz\u0130\u0131\u017f\u212a", "ABCDEFGHIJKLMNOPQRSTUVWXYZIISK")
+#: How long the end of a job may take to read what is left in the pipe, in seconds: a process that
+#: left the job's group (or, under Slurm, outlives the command until Slurm ends it) may keep writing.
+DRAIN_S = 1.0
+#: Signals the ``--mask-output`` filter passes on or outlives: those the usage wrapper passes on.
+FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+#: ``--slurm-batch``: how close to a SIGCONT (seconds) a signal is Slurm ending the job, and how long
+#: a signal is held before deciding (the usage wrapper's SLURM_END_WINDOW and HOLD).
+SLURM_END_WINDOW = 1.0
+HOLD = 0.1
 
 
 def _json_str(text):
@@ -72,13 +118,124 @@ def _write(path, data):
     os.replace(tmp, path)
 
 
+def secret_values(environ):
+    """The values of ``environ``'s secret-named variables as bytes (as the job writes them), longest
+    first: ``orchestrator.secrets.secret_values``, for a job's output."""
+    found = set()
+    for name, value in environ.items():
+        if value and len(value) >= MIN_SECRET_LENGTH:
+            upper = name.translate(_UPPER)
+            for word in SECRET_WORDS:
+                if word in upper:
+                    found.add(os.fsencode(value))
+                    break
+    return sorted(found, key=len, reverse=True)
+
+
+def masked(data, secrets, final=False):
+    """``data`` with every secret value in it replaced by ``***``, as (what can be written now, what
+    must wait for more): an end of ``data`` that a secret value begins with waits, unless ``final``,
+    since the next read may complete it."""
+    for secret in secrets:
+        if secret in data:
+            data = data.replace(secret, MASK)
+    if final:
+        return data, b""
+    size, keep = len(data), 0
+    for secret in secrets:
+        first = secret[:1]
+        at = data.find(first, max(size - len(secret) + 1, 0))
+        while at != -1 and size - at > keep:
+            if secret.startswith(data[at:]):
+                keep = size - at
+                break
+            at = data.find(first, at + 1)
+    return data[: size - keep], data[size - keep :]
+
+
+def _write_all(fd, data):
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except OSError:  # the log's disk is full or gone: the job goes on all the same, as it did
+            return
+
+
+def pump(pipe, secrets, ended):
+    """Copy the pipe ``pipe["fd"]`` to standard output, masked (:func:`masked`), each chunk as it
+    comes, until its end; once ``ended["at"]`` is set (the job's main process is gone, and the pipe
+    made non-blocking) until it is empty, for at most :data:`DRAIN_S` seconds. Closes it."""
+    held = b""
+    while True:
+        try:
+            chunk = os.read(pipe["fd"], 65536)
+        except OSError:  # BlockingIOError: the job ended and nothing is left to read
+            break
+        if not chunk:
+            break
+        out, held = masked(held + chunk, secrets)
+        _write_all(1, out)
+        if ended["at"] is not None and time.monotonic() - ended["at"] > DRAIN_S:
+            break
+    _write_all(1, masked(held, secrets, final=True)[0])
+    fd, pipe["fd"] = pipe["fd"], None
+    os.close(fd)
+
+
+def _on_child_end(pid, ended, pipe, then=None):
+    """A SIGCHLD handler: when ``pid["pid"]`` has exited, record how (``ended``), call ``then`` and
+    make the pipe ``pipe["fd"]`` non-blocking, so :func:`pump` stops once it has read what is there."""
+
+    def handler(_signum=None, _frame=None):
+        if ended["at"] is not None or pid["pid"] is None:
+            return
+        try:
+            done, status, usage = os.wait4(pid["pid"], os.WNOHANG)
+        except ChildProcessError:  # reaped by _wait, which records how it ended
+            return
+        if not done:
+            return
+        ended.update(status=status, usage=usage, at=time.monotonic())
+        if then is not None:
+            then()
+        if pipe["fd"] is not None:
+            os.set_blocking(pipe["fd"], False)
+
+    return handler
+
+
+def _wait(pid, ended):
+    """Wait for ``pid`` unless a SIGCHLD handler has reaped it; ``ended`` says how it ended."""
+    while ended["at"] is None:
+        try:  # wait4: the exit status and what the job used (it and every process it waited for)
+            _, status, usage = os.wait4(pid, 0)
+        except ChildProcessError:  # reaped by the handler meanwhile, or not ours
+            if ended["at"] is None:
+                ended.update(status=255 << 8, usage=None, at=time.monotonic())
+            break
+        ended.update(status=status, usage=usage, at=time.monotonic())
+
+
+def _child_output(source, sink):
+    """In the child: standard output and error to the pipe's ``sink``."""
+    os.close(source)
+    os.dup2(sink, 1)
+    os.dup2(sink, 2)
+    os.close(sink)
+
+
 def main(argv):
+    if argv and argv[0] == "--mask-output":
+        return mask_output(argv[1:])
     run_path, limit, warn, grace, workdir = argv[0], float(argv[1]), float(argv[2]), float(argv[3]), argv[4]
     cmd = argv[6:] if argv[5] == "--" else argv[5:]
 
     why = {"stop": None, "killed": False, "pid": None, "warned": not 0 < warn < limit}
     # the job's own first process passes a graceful stop on (read here, not passed on to the job)
     first_only = os.environ.pop("OPENLAB_STOP_FIRST_PROCESS", "") == "1"
+    secrets = secret_values(os.environ)
+    ended = {"status": None, "usage": None, "at": None}
 
     def kill(sig):
         if why["pid"] is not None:
@@ -114,6 +271,13 @@ def main(argv):
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_cancel)
     signal.signal(signal.SIGALRM, on_alarm)
+    source = sink = None
+    if secrets:  # the job's output through a pipe, masked on its way to the log (module docstring)
+        source, sink = os.pipe()
+        pipe = {"fd": source}
+        # when the main process exits, nothing of the job outlives it: the group's pipe ends close too
+        on_child = _on_child_end(why, ended, pipe, then=lambda: kill(signal.SIGKILL))
+        signal.signal(signal.SIGCHLD, on_child)
 
     # Why the command could not start, if it could not: the child writes it here; the pipe is
     # close-on-exec, so a command that did start leaves it empty. Exit 127 alone cannot tell a
@@ -123,8 +287,10 @@ def main(argv):
     if pid == 0:  # the job, in its own process group (the supervisor already has its own session)
         os.close(not_started)
         os.setpgid(0, 0)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGALRM):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGALRM, signal.SIGCHLD):
             signal.signal(sig, signal.SIG_DFL)
+        if sink is not None:
+            _child_output(source, sink)
         what = f"cannot run {cmd[0]!r}"
         try:
             if workdir:
@@ -138,6 +304,8 @@ def main(argv):
             os.write(told, f"{what}: {exc.strerror}".encode())
             os._exit(127)
     os.close(told)
+    if sink is not None:
+        os.close(sink)
     try:  # set it from both sides, so the group exists before anyone signals it
         os.setpgid(pid, pid)
     except OSError:
@@ -151,14 +319,11 @@ def main(argv):
     if limit > 0:
         signal.setitimer(signal.ITIMER_REAL, limit - warn if 0 < warn < limit else limit)
 
-    usage = None
-    while True:
-        try:  # wait4: the exit status and what the job used (it and every process it waited for)
-            _, status, usage = os.wait4(pid, 0)
-            break
-        except ChildProcessError:
-            status = 255 << 8
-            break
+    if source is not None:
+        on_child()  # it may have ended before its pid was known
+        pump(pipe, secrets, ended)
+    _wait(pid, ended)
+    status, usage = ended["status"], ended["usage"]
     signal.setitimer(signal.ITIMER_REAL, 0)
     try:  # nothing of the job outlives it
         os.killpg(pid, signal.SIGKILL)
@@ -188,6 +353,85 @@ def main(argv):
         state.update(max_rss_bytes=usage.ru_maxrss * 1024, cpu_seconds=round(usage.ru_utime + usage.ru_stime, 3))
     _write(run_path, state)
     return 0
+
+
+def mask_output(argv):
+    """``--mask-output (--slurm-batch | --no-forward) -- CMD...``: CMD's output masked (module docstring)."""
+    if len(argv) < 3 or argv[0] not in ("--slurm-batch", "--no-forward") or argv[1] != "--":
+        sys.stderr.write("usage: python -I -S _supervise.py --mask-output (--slurm-batch | --no-forward) -- CMD...\n")
+        return 2
+    slurm_batch, cmd = argv[0] == "--slurm-batch", argv[2:]
+    secrets = secret_values(os.environ)
+    if not secrets:  # nothing to mask: be CMD
+        try:
+            os.execvp(cmd[0], cmd)
+        except OSError as exc:
+            sys.stderr.write(f"openlab: cannot run {cmd[0]!r}: {exc.strerror}\n")
+            return 127
+    child = {"pid": None}
+    ended = {"status": None, "usage": None, "at": None}
+    pending = []  # signals that came before CMD existed
+    held = []  # --slurm-batch: (signal, when) not yet passed on
+    cont = {"at": None}  # --slurm-batch: when the last SIGCONT came
+
+    def send(signum):
+        if child["pid"] is None:
+            pending.append(signum)
+            return
+        try:
+            os.kill(child["pid"], signum)
+        except OSError:
+            pass
+
+    def forward(signum, _frame):
+        if slurm_batch:  # decide once a SIGCONT that came with it has been seen (module docstring)
+            held.append((signum, time.monotonic()))
+            signal.setitimer(signal.ITIMER_REAL, HOLD)
+        # --no-forward: CMD got it too; outlive it, nothing more
+
+    def on_cont(_signum, _frame):
+        cont["at"] = time.monotonic()
+
+    def decide(_signum, _frame):
+        while held:
+            signum, at = held.pop(0)
+            if cont["at"] is None or abs(at - cont["at"]) > SLURM_END_WINDOW:  # for the batch shell alone
+                send(signum)
+
+    sigs = [getattr(signal, name) for name in FORWARDED if hasattr(signal, name)]
+    for sig in sigs:
+        signal.signal(sig, forward)
+    if slurm_batch:
+        signal.signal(signal.SIGCONT, on_cont)
+        signal.signal(signal.SIGALRM, decide)
+    source, sink = os.pipe()
+    pipe = {"fd": source}
+    on_child = _on_child_end(child, ended, pipe)
+    signal.signal(signal.SIGCHLD, on_child)
+    pid = os.fork()
+    if pid == 0:
+        # every signal as a command started by a shell has it (Python ignores SIGPIPE and SIGXFSZ)
+        restored = [getattr(signal, name) for name in ("SIGPIPE", "SIGXFSZ") if hasattr(signal, name)]
+        for sig in [*sigs, *restored, signal.SIGCONT, signal.SIGALRM, signal.SIGCHLD]:
+            signal.signal(sig, signal.SIG_DFL)
+        _child_output(source, sink)
+        try:
+            os.execvp(cmd[0], cmd)
+        except OSError as exc:
+            sys.stderr.write(f"openlab: cannot run {cmd[0]!r}: {exc.strerror}\n")
+            sys.stderr.flush()
+            os._exit(127)
+    os.close(sink)
+    child["pid"] = pid
+    for sig in pending:
+        send(sig)
+    on_child()  # it may have ended before its pid was known
+    pump(pipe, secrets, ended)
+    _wait(pid, ended)
+    status = ended["status"]
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)  # as the usage wrapper and a shell say it
+    return os.WEXITSTATUS(status)
 
 
 if __name__ == "__main__":

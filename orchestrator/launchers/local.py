@@ -5,7 +5,10 @@ it keeps the time limit, ends the whole process group on cancel (SIGTERM, then S
 after ``grace`` seconds) and writes the outcome into ``$OPENLAB_HOME/jobs/local/ID.run.json``
 beside the launcher's own ``ID.json`` (what was asked: command, labels, supervisor pid), so
 any process can ask for the status of a job it did not start. Output goes to
-``logs_dir/ID.log``.
+``logs_dir/ID.log``: straight from the job, or, where the job's environment holds secret values
+(``-e MY_TOKEN=...``, an inherited ``WANDB_API_KEY``), through the supervisor, which writes it
+with each of them replaced by ``***`` as it comes, so no secret ever reaches the file (and so
+neither ``job logs`` nor anyone reading the file sees one).
 
 Waiting costs no poll latency: the supervisor exits right after writing the outcome, and
 :meth:`LocalLauncher.pause` waits on a pidfd of the supervisor, so :meth:`wait` and log

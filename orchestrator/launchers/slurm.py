@@ -43,6 +43,17 @@
   largest MaxRSS of its steps, which is what ``jobacct_gather`` sampled
   (``JobAcctGatherFrequency``), so a step shorter than one sample has none. ``sacct = false``
   never asks sacct (a cluster without accounting is found out once per launcher anyway).
+- A job whose environment holds secret values (``-e MY_TOKEN=...``, an inherited
+  ``WANDB_API_KEY``: :func:`orchestrator.secrets.secret_values`) never writes them into its log:
+  slurmstepd writes the file, so the batch script runs the job under a filter, the local
+  supervisor's ``--mask-output`` mode (``launchers/_supervise.py``), copied beside the logs
+  (``.openlab-mask-<hash>.py``) and run with the usage wrapper's Python (option ``python``; a node
+  without it runs the job unfiltered). It is the wrapper's parent (or the command's, unmeasured):
+  exec'd as the batch shell's process for one task, so a ``--signal=B:...`` warning reaches it and
+  it passes that on as the wrapper does, not Slurm's own end of the job, and it has written the
+  job's last words before the job ends; under each task's shell for several tasks
+  (``--no-forward``), inside srun's ``--label``. Its exit is the wrapper's. A job without secrets
+  runs the same script as before (:meth:`SlurmLauncher._mask_lines`).
 - ``scancel`` cancels; :meth:`SlurmLauncher.cancel` waits until the job has left the
   queue, so nothing of it is running when it returns.
 - sbatch/scontrol errors are quoted verbatim; "Socket timed out" and "Unable to contact
@@ -205,6 +216,17 @@ def wrapper_path(log_dir: Path) -> Path:
     so a job never runs a copy another openlab version left there."""
     digest = hashlib.sha256(helper_script("usage.py").read_bytes()).hexdigest()[:12]
     return log_dir / f".openlab-usage-{digest}.py"
+
+
+#: The helper whose ``--mask-output`` mode masks a job's secrets in its output: the local supervisor.
+MASK_HELPER = "supervise.py"
+
+
+def mask_filter_path(log_dir: Path) -> Path:
+    """The launcher's copy of the output filter (:data:`MASK_HELPER`) in the log folder, named by its
+    content as :func:`wrapper_path` is."""
+    digest = hashlib.sha256(helper_script(MASK_HELPER).read_bytes()).hexdigest()[:12]
+    return log_dir / f".openlab-mask-{digest}.py"
 
 
 def _user() -> str:
@@ -597,17 +619,52 @@ class SlurmLauncher(Launcher):
             lines.append(f'export {name}="${PASSED_PREFIX}{name}"; unset {PASSED_PREFIX}{name}')
         measured = self._usage_lines(opts, log_pattern)
         lines.extend(measured)
+        masked = self._mask_lines(spec, opts, log_pattern)
+        lines.extend(masked)
+        # under the output filter where there is one (_mask_lines): "$@" is its command line, else empty
+        under = '"$@" ' if masked else ""
         if spec.tasks > 1:
-            lines.extend(self._task_lines(spec, log_pattern))
+            lines.extend(self._task_lines(spec, log_pattern, masked=bool(masked)))
         elif measured:  # exec: see _usage_lines
             command = " ".join(shlex.quote(c) for c in spec.command)
             lines.append(
-                'if [ -n "$OPENLAB_USAGE_PY" ]; then exec "$OPENLAB_USAGE_PY" -I -S "$OPENLAB_USAGE_WRAPPER" '
-                f'--slurm-batch "$OPENLAB_USAGE" -- {command}; else exec {command}; fi'
+                f'if [ -n "$OPENLAB_USAGE_PY" ]; then exec {under}"$OPENLAB_USAGE_PY" -I -S "$OPENLAB_USAGE_WRAPPER" '
+                f'--slurm-batch "$OPENLAB_USAGE" -- {command}; else exec {under}{command}; fi'
             )
         else:
-            lines.append("exec " + " ".join(shlex.quote(c) for c in spec.command))
+            lines.append(f"exec {under}" + " ".join(shlex.quote(c) for c in spec.command))
         return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def _mask_lines(spec: JobSpec, opts: Mapping[str, Any], log_pattern: str) -> list[str]:
+        """Where the job's environment holds secret values (:func:`orchestrator.secrets.secret_values`:
+        its own, ``-e MY_TOKEN=...``, and the ones it inherits, ``--export=ALL``), set up the filter its
+        output goes through on the way to its log (the local supervisor's ``--mask-output`` mode, from
+        the launcher's copy beside the logs, :func:`mask_filter_path`, run with the usage wrapper's
+        Python where the node has it), and leave its command line in ``"$@"`` for a one-task job
+        (empty without that Python: the job then runs as it is). No lines for a job without secrets.
+
+        The filter is the parent of the usage wrapper, or of the command, and reads their output
+        through a pipe, so the job's exit status, its signals and its usage record are the wrapper's
+        as before (``_supervise.py`` says how). For a one-task job it is the batch shell's process
+        (exec'd), so it outlives the end of the command and has written everything before the job
+        ends (a process the batch shell left behind is killed by Slurm, mid-write); for a task of a
+        multi-task job it is the task's process, the per-task shell waiting for it."""
+        if not spec.secret_values():
+            return []
+        lines = [
+            f"OPENLAB_MASK_FILTER={shlex.quote(str(mask_filter_path(Path(log_pattern).parent)))}",
+            f"OPENLAB_MASK_PY={shlex.quote(helpers_python(opts))}",
+            '[ -r "$OPENLAB_MASK_FILTER" ] && command -v "$OPENLAB_MASK_PY" >/dev/null 2>&1 || OPENLAB_MASK_PY=',
+            "export OPENLAB_MASK_FILTER OPENLAB_MASK_PY",
+        ]
+        if spec.tasks == 1:  # the batch shell's own process: passes on a signal for it alone (_supervise.py)
+            lines += [
+                "set --",
+                '[ -z "$OPENLAB_MASK_PY" ] || set -- "$OPENLAB_MASK_PY" -I -S "$OPENLAB_MASK_FILTER" --mask-output '
+                "--slurm-batch --",
+            ]
+        return lines
 
     @staticmethod
     def _usage_lines(opts: Mapping[str, Any], log_pattern: str) -> list[str]:
@@ -638,7 +695,7 @@ class SlurmLauncher(Launcher):
         ]
         return lines
 
-    def _task_lines(self, spec: JobSpec, log_pattern: str) -> list[str]:
+    def _task_lines(self, spec: JobSpec, log_pattern: str, *, masked: bool = False) -> list[str]:
         """Start one process per task with ``srun``, each told its place; end with the exit code of
         the task that failed first.
 
@@ -649,10 +706,23 @@ class SlurmLauncher(Launcher):
         stopped, not the failure. So each task's wrapper writes how it ended (rank, code, node,
         time) to ``<log>.ends.<rank>`` and the job exits with the code of the first task that
         failed: a crash is FAILED with its own code, and a preemption (every task SIGTERMed)
-        stays a preemption. ``--label`` puts the rank in front of each log line.
+        stays a preemption. ``--label`` puts the rank in front of each log line. With ``masked``
+        (:meth:`_mask_lines`) each task runs under the output filter, ``--no-forward`` as the wrapper.
         """
         cpus = f" --cpus-per-task={max(1, math.ceil(spec.cpus))}" if spec.cpus else ""  # srun no longer inherits it
         ends = shell_path(task_ends_prefix(log_pattern))
+        # each task under the usage wrapper, when the batch script set one up (see _usage_lines)
+        run_task = (
+            'if [ -n "${OPENLAB_USAGE_PY:-}" ]; then "$OPENLAB_USAGE_PY" -I -S "$OPENLAB_USAGE_WRAPPER" --no-forward '
+            '"$OPENLAB_USAGE.$RANK" -- "$@"; else "$@"; fi\n'
+        )
+        if masked:  # ...and that under the output filter, where the batch script set one up (see _mask_lines)
+            run_task = (
+                'if [ -n "${OPENLAB_USAGE_PY:-}" ]; then set -- "$OPENLAB_USAGE_PY" -I -S "$OPENLAB_USAGE_WRAPPER" '
+                '--no-forward "$OPENLAB_USAGE.$RANK" -- "$@"; fi\n'
+                'if [ -n "${OPENLAB_MASK_PY:-}" ]; then set -- "$OPENLAB_MASK_PY" -I -S "$OPENLAB_MASK_FILTER" '
+                '--mask-output --no-forward -- "$@"; fi\n"$@"\n'
+            )
         place = (
             'export RANK="$SLURM_PROCID" LOCAL_RANK="$SLURM_LOCALID" NODE_RANK="$SLURM_NODEID" '
             f"LOCAL_WORLD_SIZE={spec.tasks_per_node}\n"
@@ -661,9 +731,7 @@ class SlurmLauncher(Launcher):
             # runs in the foreground, with every signal's default: bash starts a background command with
             # SIGINT and SIGQUIT ignored, so `scancel -s INT` did not reach it.
             "trap : TERM INT QUIT HUP USR1 USR2\n"
-            # each task under the usage wrapper, when the batch script set one up (see _usage_lines)
-            'if [ -n "${OPENLAB_USAGE_PY:-}" ]; then "$OPENLAB_USAGE_PY" -I -S "$OPENLAB_USAGE_WRAPPER" --no-forward '
-            '"$OPENLAB_USAGE.$RANK" -- "$@"; else "$@"; fi\ncode=$?\n'
+            f"{run_task}code=$?\n"
             'echo "$RANK $code ${SLURMD_NODENAME:-$(hostname)} $(date +%s.%N)" > "$OPENLAB_TASK_ENDS.$RANK"\n'
             "exit $code"
         )
@@ -707,7 +775,9 @@ class SlurmLauncher(Launcher):
             )
         script = self.batch_script(spec, log_pattern)
         if measure_usage_option(opts) is not False:
-            self._install_wrapper(wrapper_path(log_dir))
+            self._install_helper(wrapper_path(log_dir), "usage.py")
+        if "OPENLAB_MASK_FILTER=" in script:
+            self._install_helper(mask_filter_path(log_dir), MASK_HELPER)
         self.script_dir.mkdir(parents=True, exist_ok=True)
         script_path = self.script_dir / f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', spec.name)[:40]}-{uuid.uuid4().hex[:8]}.sh"
         script_path.write_text(script)
@@ -789,10 +859,10 @@ class SlurmLauncher(Launcher):
         return ""
 
     @staticmethod
-    def _install_wrapper(path: Path) -> None:
-        """Put the launcher's copy of the usage wrapper at ``path`` (whole or not at all: a job
-        starting meanwhile must not run half a file)."""
-        text = helper_script("usage.py").read_bytes()
+    def _install_helper(path: Path, name: str) -> None:
+        """Put the launcher's copy of helper ``name`` (the usage wrapper, the output filter) at
+        ``path`` (whole or not at all: a job starting meanwhile must not run half a file)."""
+        text = helper_script(name).read_bytes()
         if path.exists() and path.read_bytes() == text:
             return
         tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}.tmp")

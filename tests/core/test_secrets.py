@@ -133,3 +133,52 @@ def test_a_secret_value_of_the_environment_is_scrubbed_from_any_argument(monkeyp
 
     monkeypatch.setenv("HF_TOKEN", "hf_abcdef123456")
     assert command_line(["run", "--note", "hf_abcdef123456 leaked"]) == ["openlab", "run", "--note", "*** leaked"]
+
+
+def test_the_job_supervisors_copy_of_the_secret_rule_agrees_with_this_one() -> None:
+    """The local job supervisor (also the Slurm jobs' output filter) masks a job's secrets in its log
+    with its own copy of the rule, since it imports nothing of openlab (launchers/_supervise.py): the
+    same words in the same case-blind way (``re.IGNORECASE``, which also reads the Kelvin sign as K,
+    the long s as S, and dotted and dotless i as I), the same shortest value, the same mask."""
+    import os
+    import random
+    import re
+    import string
+
+    from orchestrator.launchers import _supervise
+    from orchestrator.secrets import MASK, MIN_SECRET_LENGTH, SECRET_NAME
+
+    assert set(SECRET_NAME.pattern.split("|")) == set(_supervise.SECRET_WORDS)
+    assert SECRET_NAME.flags & re.IGNORECASE
+    assert _supervise.MIN_SECRET_LENGTH == MIN_SECRET_LENGTH and _supervise.MASK == MASK.encode()
+    # every character re.IGNORECASE takes for a letter of the words, and only those, upper-cases to it
+    letters = sorted(set("".join(_supervise.SECRET_WORDS)))
+    any_letter = re.compile(f"[{''.join(letters)}]", re.IGNORECASE)
+    for code in range(0x110000):
+        char = chr(code)
+        folded = char.translate(_supervise._UPPER)
+        if any_letter.fullmatch(char):
+            assert [letter for letter in letters if re.fullmatch(letter, char, re.IGNORECASE)] == [folded], char
+        else:
+            assert folded not in letters, char
+
+    value = "v4lue-0123"
+    names = [
+        "GITHUB_TOKEN", "WANDB_API_KEY", "AWS_SECRET_ACCESS_KEY", "DB_PASSWORD", "PASSWD", "GCP_CREDENTIALS",
+        "my_token", "ApiKey", "monkey", "KEYBOARD", "tokenizer", "PATH", "LR", "HOME", "SECRETARY",
+        "to\u212aen", "\u017fecret", "pa\u017f\u017fword", "PAßWORD", "\ufb06oken", "TOKEN\u0130", "\u0131d_KEY",
+    ]  # fmt: skip
+    rand = random.Random(7)  # words in any case, cut or whole, among other characters
+    for _ in range(500):
+        word = "".join(c.lower() if rand.random() < 0.5 else c for c in rand.choice(_supervise.SECRET_WORDS))
+        if rand.random() < 0.3:
+            word = word[: rand.randrange(1, len(word))]
+        names.append("".join(rand.choices(string.ascii_letters + "_", k=3)) + word + rand.choice(["", "_ID", "S"]))
+    env = {name: f"{value}-{i}" for i, name in enumerate(names)}
+    env.update(SHORT_TOKEN="abcde", EMPTY_KEY="", WIDE_KEY="éééé€", EXACT_KEY="abcdef", NON_UTF8_KEY="caf\udce9-bytes")
+    expected = {os.fsencode(value) for value in secret_values(env)}
+    assert set(_supervise.secret_values(env)) == expected
+    assert b"abcdef" in expected and "éééé€".encode() not in expected  # five characters, though twelve bytes
+    assert b"caf\xe9-bytes" in expected  # as the job writes it: the bytes of its environment
+    lengths = [len(found) for found in _supervise.secret_values(env)]
+    assert lengths == sorted(lengths, reverse=True)  # longest first, as scrub replaces them
