@@ -26,17 +26,22 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 #: Tests that share something a worker holds by itself, each run as one unit on one worker
 #: (:func:`pytest_xdist_make_scheduler`): the Slurm cluster, which its tests take in turn (see
-#: ``_current_test``), and the Prefect server with its served runner, which a worker starts once, for
-#: all its flow tests, and which later flow tests reuse the stages of (tests/flows/conftest.py).
-_UNITS = {"slurm": "the slurm cluster", "prefect_server": "the prefect server"}
+#: ``_current_test``), and the Prefect servers a worker starts once for all the tests that use one:
+#: the session's, with its served runner, whose stages later flow tests reuse (tests/flows/conftest.py),
+#: and the one tests/flows/test_deploy_state.py pauses and resumes deployments on (~30 s to start on
+#: two busy cores: started on each worker, it cost a minute more).
+_UNITS = {"slurm": "the slurm cluster"}
+_FIXTURE_UNITS = {
+    "prefect_server": "the prefect server",
+    "deploy_state_server": "the deploy-state prefect server",
+}
 
 
 def _unit(item: pytest.Item) -> str | None:
     if item.get_closest_marker("slurm") is not None:
         return _UNITS["slurm"]
-    if "prefect_server" in getattr(item, "fixturenames", ()):
-        return _UNITS["prefect_server"]
-    return None
+    fixtures = getattr(item, "fixturenames", ())
+    return next((unit for fixture, unit in _FIXTURE_UNITS.items() if fixture in fixtures), None)
 
 
 @pytest.hookimpl(optionalhook=True)

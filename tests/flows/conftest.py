@@ -70,10 +70,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         items[slot] = item
 
 
-@pytest.fixture(scope="session")
-def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
-    """A running Prefect server; this process's Prefect client points at it."""
-    home = tmp_path_factory.mktemp("prefect-home")
+@contextlib.contextmanager
+def running_prefect_server(home: Path) -> Iterator[PrefectServer]:
+    """A Prefect server of its own under ``home``, with this process's Prefect client pointed at it
+    for the block (``PREFECT_HOME`` too), stopped after it."""
     server = PrefectServer(home=home, port=free_port())
     try:
         server.start(timeout=120)
@@ -96,6 +96,13 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
             os.environ.pop("PREFECT_HOME", None)
         else:
             os.environ["PREFECT_HOME"] = saved_home
+
+
+@pytest.fixture(scope="session")
+def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+    """A running Prefect server; this process's Prefect client points at it."""
+    with running_prefect_server(tmp_path_factory.mktemp("prefect-home")) as server:
+        yield server
 
 
 @dataclass

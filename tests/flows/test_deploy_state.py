@@ -11,7 +11,6 @@ the session's, whose runner serves the same deployment names for the other flow 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -22,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from orchestrator.prefect_server import PrefectServer, free_port, use_api
-from tests.flows.conftest import REPO_ROOT, runner_env, stop_process, unavailable, wait_for_deployments
+from orchestrator.prefect_server import PrefectServer, use_api
+from tests.flows.conftest import REPO_ROOT, runner_env, running_prefect_server, stop_process, wait_for_deployments
 
 pytestmark = [pytest.mark.prefect]
 
@@ -39,38 +38,23 @@ SCHEDULED = [NIGHTLY, DROPS, RECONCILE, DIGEST]  # gc has no schedule unless [pr
 
 
 @pytest.fixture(scope="module")
-def own_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
+def deploy_state_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrefectServer]:
     """A Prefect server for this module alone; this process's client points at it."""
-    home = tmp_path_factory.mktemp("deploy-state-prefect")
-    server = PrefectServer(home=home, port=free_port())
-    try:
-        server.start(timeout=120)
-    except Exception as exc:  # noqa: BLE001 - any start-up failure is reported the same way
-        unavailable(f"cannot start a Prefect server: {exc}")
-    saved_home = os.environ.get("PREFECT_HOME")
-    os.environ["PREFECT_HOME"] = str(home / "client")
-    try:
-        with use_api(server.api_url):
-            yield server
-    finally:
-        server.stop()
-        if saved_home is None:
-            os.environ.pop("PREFECT_HOME", None)
-        else:
-            os.environ["PREFECT_HOME"] = saved_home
+    with running_prefect_server(tmp_path_factory.mktemp("deploy-state-prefect")) as server:
+        yield server
 
 
 @pytest.fixture
-def server(own_server: PrefectServer) -> PrefectServer:
+def server(deploy_state_server: PrefectServer) -> PrefectServer:
     """The module's server with no deployments: each test registers from scratch."""
     from prefect import get_client
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterTags
 
-    with use_api(own_server.api_url), get_client(sync_client=True) as client:
+    with use_api(deploy_state_server.api_url), get_client(sync_client=True) as client:
         ours = DeploymentFilter(tags=DeploymentFilterTags(all_=["openlab"]))
         for deployment in client.read_deployments(deployment_filter=ours):
             client.delete_deployment(deployment.id)
-    return own_server
+    return deploy_state_server
 
 
 def _deploy(server: PrefectServer, home: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
