@@ -82,6 +82,10 @@ SLURM_END_WINDOW = 1.0
 HOLD = 0.1
 
 
+#: Signals Python ignores at start, which a job is started with at their default (as a shell starts one).
+RESTORED = tuple(getattr(signal, name) for name in ("SIGPIPE", "SIGXFSZ") if hasattr(signal, name))
+
+
 def _json_str(text):
     out = ['"']
     for ch in text:
@@ -287,7 +291,9 @@ def main(argv):
     if pid == 0:  # the job, in its own process group (the supervisor already has its own session)
         os.close(not_started)
         os.setpgid(0, 0)
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGALRM, signal.SIGCHLD):
+        # every signal at its default, as a shell starts a command: Python ignores SIGPIPE and SIGXFSZ,
+        # and an ignored signal stays ignored across exec (`yes | head` printed "Broken pipe")
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGALRM, signal.SIGCHLD, *RESTORED):
             signal.signal(sig, signal.SIG_DFL)
         if sink is not None:
             _child_output(source, sink)
@@ -411,8 +417,7 @@ def mask_output(argv):
     pid = os.fork()
     if pid == 0:
         # every signal as a command started by a shell has it (Python ignores SIGPIPE and SIGXFSZ)
-        restored = [getattr(signal, name) for name in ("SIGPIPE", "SIGXFSZ") if hasattr(signal, name)]
-        for sig in [*sigs, *restored, signal.SIGCONT, signal.SIGALRM, signal.SIGCHLD]:
+        for sig in [*sigs, *RESTORED, signal.SIGCONT, signal.SIGALRM, signal.SIGCHLD]:
             signal.signal(sig, signal.SIG_DFL)
         _child_output(source, sink)
         try:

@@ -143,7 +143,9 @@ def main(argv):
 
     pid = os.fork()
     if pid == 0:
-        for sig in [*sigs, signal.SIGCONT, signal.SIGALRM]:
+        # ...and those Python ignores, which stay ignored across exec: a job starts as a shell starts it
+        restored = [getattr(signal, name) for name in ("SIGPIPE", "SIGXFSZ") if hasattr(signal, name)]
+        for sig in [*sigs, signal.SIGCONT, signal.SIGALRM, *restored]:
             signal.signal(sig, signal.SIG_DFL)
         try:
             os.execvp(cmd[0], cmd)

@@ -115,6 +115,27 @@ def test_nonzero_exit_code(harness: Harness, store: LineageStore) -> None:
     assert plain.state is JobState.FAILED and "done" not in (plain.reason or ""), plain.reason
 
 
+def test_a_job_starts_with_every_signal_at_its_default_as_a_shell_starts_it(
+    harness: Harness, store: LineageStore
+) -> None:
+    """Python ignores SIGPIPE and SIGXFSZ, and an ignored signal stays ignored across exec: a job
+    started by the local supervisor or under the usage wrapper (Docker, Slurm, Kubernetes) inherited
+    both, so `yes | head -n 1` printed "yes: standard output: Broken pipe" where a shell's is silent."""
+    lines: list[str] = []
+    script = "yes | head -n 1; grep SigIgn /proc/self/status"
+    _, status = run_job(
+        store,
+        harness.launcher,
+        spec(harness, "sigpipe", ["sh", "-c", script]),
+        on_log=lines.append,
+        timeout=harness.wait_timeout,
+    )
+    assert status.state is JobState.SUCCEEDED, status
+    (ignored,) = [int(line.split()[-1], 16) for line in lines if line.startswith("SigIgn")]
+    assert not ignored & (1 << (13 - 1)) and not ignored & (1 << (25 - 1)), f"{ignored:x}: SIGPIPE or SIGXFSZ ignored"
+    assert not any("Broken pipe" in line for line in lines), lines
+
+
 #: How each backend names a program it could not start (the image's, the node's or this machine's).
 NOT_THERE = {
     "local": "cannot run 'no-such-trainer': No such file or directory",
