@@ -46,6 +46,14 @@ CMD gets itself, told apart by the SIGCONT Slurm sends every process just before
 wrapper (``launchers/_usage.py``) does. Without secrets in its environment it execs CMD, so it is not
 there at all. That mode runs on the node's Python: nothing newer than Python 3.8 in this file.
 
+A job that asks for GPUs on a machine whose GPUs the launcher knows (``$OPENLAB_GPUS``:
+``COUNT:ID,ID,...``) is given GPUs no other local job holds: the supervisor claims them in a ledger
+shared by every supervisor of this openlab home (``$OPENLAB_GPU_LEDGER``: a line ``GPU PID JOB`` each,
+under ``fcntl.flock``; a claim whose supervisor is gone is free), sets ``CUDA_VISIBLE_DEVICES`` to
+them and releases them when the job ends. Until enough are free the job is PENDING, its reason
+naming the jobs that hold them, as a Slurm job waits for its GRES: two jobs on one GPU would each run
+out of its memory. Its time limit and its start count from when it got them.
+
 Stdlib only, imported by path with ``-S``, and only modules that need no Python-level
 imports (``os``, ``sys``, ``time``, ``_signal``): it sits on every local job's critical
 path, and ``json`` (``re``, ``enum``), ``socket`` and ``signal`` (``enum``) once cost
@@ -84,6 +92,52 @@ HOLD = 0.1
 
 #: Signals Python ignores at start, which a job is started with at their default (as a shell starts one).
 RESTORED = tuple(getattr(signal, name) for name in ("SIGPIPE", "SIGXFSZ") if hasattr(signal, name))
+
+
+def claim_gpus(ledger, count, ids, job):
+    """``count`` of the GPUs ``ids`` that no live supervisor holds, claimed for this one in ``ledger``
+    (module docstring); None, and who holds them (``{gpu: job}``), when fewer are free."""
+    import fcntl  # a C module, only for jobs that ask for GPUs
+
+    with open(ledger, "a+", encoding="utf-8") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        fh.seek(0)
+        held = {}
+        for line in fh.read().splitlines():
+            parts = line.split("\t")
+            if len(parts) == 3 and parts[1].isdigit() and _alive(int(parts[1])):
+                held[parts[0]] = (parts[1], parts[2])
+        free = [gpu for gpu in ids if gpu not in held]
+        mine = free[:count] if len(free) >= count else None
+        for gpu in mine or ():
+            held[gpu] = (str(os.getpid()), job)
+        fh.seek(0)
+        fh.truncate()
+        fh.write("".join(f"{gpu}\t{pid}\t{who}\n" for gpu, (pid, who) in held.items()))
+    return mine, {gpu: who for gpu, (_pid, who) in held.items()}
+
+
+def release_gpus(ledger):
+    """Give back every GPU this supervisor holds in ``ledger``."""
+    import fcntl
+
+    with open(ledger, "a+", encoding="utf-8") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        fh.seek(0)
+        kept = [line for line in fh.read().splitlines() if line.split("\t")[1:2] != [str(os.getpid())]]
+        fh.seek(0)
+        fh.truncate()
+        fh.write("".join(line + "\n" for line in kept))
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
 
 
 def _json_str(text):
@@ -240,6 +294,7 @@ def main(argv):
     first_only = os.environ.pop("OPENLAB_STOP_FIRST_PROCESS", "") == "1"
     secrets = secret_values(os.environ)
     ended = {"status": None, "usage": None, "at": None}
+    gpus, ledger = os.environ.pop("OPENLAB_GPUS", ""), os.environ.pop("OPENLAB_GPU_LEDGER", "")
 
     def kill(sig):
         if why["pid"] is not None:
@@ -275,6 +330,27 @@ def main(argv):
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_cancel)
     signal.signal(signal.SIGALRM, on_alarm)
+    if gpus and ledger:  # GPUs no other local job holds, waited for (module docstring)
+        count, _, ids = gpus.partition(":")
+        job = os.path.basename(run_path).split(".")[0]
+        asked, waiting = int(count), False
+        while True:
+            mine, held = claim_gpus(ledger, asked, ids.split(","), job)
+            if mine is not None:
+                os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+                break
+            if why["stop"] is not None:  # cancelled while it waited: it never ran
+                _write(
+                    run_path,
+                    {"state": "CANCELLED", "reason": "cancelled while waiting for GPUs", "ended_at": time.time()},
+                )
+                return 0
+            if not waiting:
+                waiting = True
+                holders = ", ".join(sorted(set(held.values())))
+                reason = f"waiting for {asked} GPU(s) of {ids}: held by {holders}"
+                _write(run_path, {"state": "PENDING", "reason": reason, "host": os.uname().nodename})
+            time.sleep(0.25)
     source = sink = None
     if secrets:  # the job's output through a pipe, masked on its way to the log (module docstring)
         source, sink = os.pipe()
@@ -335,6 +411,8 @@ def main(argv):
         os.killpg(pid, signal.SIGKILL)
     except OSError:
         pass
+    if gpus and ledger:
+        release_gpus(ledger)
 
     if os.WIFSIGNALED(status):
         code = 128 + os.WTERMSIG(status)

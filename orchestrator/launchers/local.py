@@ -15,8 +15,14 @@ Waiting costs no poll latency: the supervisor exits right after writing the outc
 following wake the moment a job ends instead of at the next poll (where pidfds are
 missing it sleeps, as other backends do).
 
+A job that asks for GPUs gets GPUs no other local job holds (``CUDA_VISIBLE_DEVICES``), and waits,
+PENDING with the holders named, until enough are free (the supervisor keeps a ledger of who holds
+which): two stages of a sweep on one workstation each on GPU 0 would both run out of its memory.
+The GPUs are ``[backends.local] gpus`` (a count or a list of ids), else the ones this process may use
+(``CUDA_VISIBLE_DEVICES``), else those ``nvidia-smi`` lists; where none are known, ``0..N-1`` as before.
+
 Config (``[backends.local]``): ``grace`` (seconds between SIGTERM and SIGKILL, default 5),
-``inherit_env`` (pass this process's environment to jobs, default true).
+``inherit_env`` (pass this process's environment to jobs, default true), ``gpus`` (above).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import datetime as dt
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,6 +42,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from orchestrator.errors import ConfigError
 from orchestrator.launchers._tasks import command as tasks_command
 from orchestrator.launchers.base import (
     Backoff,
@@ -53,6 +61,24 @@ from orchestrator.launchers.base import (
 )
 
 SUPERVISOR = Path(__file__).with_name("_supervise.py")
+GPUS_EXAMPLE = '[backends.local] gpus = 4 (GPUs 0-3), or a list of ids: gpus = ["0", "2"]'
+
+
+def gpu_ids_option(opts: Mapping[str, Any]) -> list[str] | None:
+    """``gpus`` as the ids of the GPUs local jobs share (a count ``n``: ``0``..``n-1``); None when
+    unset or ``"auto"``. Anything else is refused in one line."""
+    raw = opts.get("gpus", "auto")
+    if raw == "auto" or raw is None:
+        return None
+    if isinstance(raw, int) and not isinstance(raw, bool) and raw >= 0:
+        return [str(i) for i in range(raw)]
+    if isinstance(raw, list) and all(isinstance(i, (str, int)) and not isinstance(i, bool) for i in raw):
+        ids = [str(i).strip() for i in raw]
+        if all(ids) and len(set(ids)) == len(ids) and not any("," in i or "\t" in i or ":" in i for i in ids):
+            return ids
+    raise ConfigError(f"backend option gpus = {raw!r} is not GPUs: give {GPUS_EXAMPLE}, or 'auto'")
+
+
 _COMPILED: dict[Path, str] = {}
 
 
@@ -215,13 +241,35 @@ class LocalLauncher(Launcher):
     #: Longest gap between status looks; :meth:`pause` wakes on the job's end (a pidfd), so this
     #: bounds only how soon a cancel request is acted on, and the lateness where pidfds are missing.
     poll_interval = 0.5
-    known_options = Launcher.known_options | {"grace", "inherit_env"}
+    known_options = Launcher.known_options | {"grace", "inherit_env", "gpus"}
 
     @classmethod
     def check_options(cls, opts: Mapping[str, Any]) -> None:
         super().check_options(opts)
         number_option(opts, "grace", 5)
         flag_option(opts, "inherit_env", True)
+        gpu_ids_option(opts)
+
+    def gpu_ids(self) -> list[str]:
+        """This machine's GPUs that local jobs share out (module docstring): ``[backends.local] gpus``,
+        else the ones this process may use (``CUDA_VISIBLE_DEVICES``), else those ``nvidia-smi`` lists;
+        none known: a job asking for GPUs gets ``CUDA_VISIBLE_DEVICES`` 0..N-1, as before."""
+        given = gpu_ids_option(self.config)
+        if given is not None:
+            return given
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+        if visible:
+            return [v.strip() for v in visible.split(",") if v.strip()]
+        smi = shutil.which("nvidia-smi")
+        if smi is None:
+            return []
+        try:
+            done = subprocess.run(
+                [smi, "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+        return [line.strip() for line in done.stdout.splitlines() if line.strip()] if done.returncode == 0 else []
 
     def __init__(self, settings: Any = None, config: Any = None) -> None:
         super().__init__(settings, config)
@@ -289,7 +337,17 @@ class LocalLauncher(Launcher):
         if spec.artifact_root is not None:
             Path(spec.artifact_root).mkdir(parents=True, exist_ok=True)
             env["OPENLAB_ARTIFACT_ROOT"] = str(spec.artifact_root)
-        if spec.gpus:
+        gpu_ids = self.gpu_ids() if spec.gpus else []
+        if spec.gpus and gpu_ids:  # GPUs no other local job holds, waited for by the supervisor
+            if spec.gpus > len(gpu_ids):
+                raise LauncherError(
+                    f"the job asks for {spec.gpus} GPUs and this machine has {len(gpu_ids)} ({', '.join(gpu_ids)}); "
+                    "ask for fewer, or set [backends.local] gpus to the GPUs local jobs may use"
+                )
+            env.pop("CUDA_VISIBLE_DEVICES", None)
+            env["OPENLAB_GPUS"] = f"{spec.gpus}:{','.join(gpu_ids)}"
+            env["OPENLAB_GPU_LEDGER"] = str(self.state_dir / "gpus.held")
+        elif spec.gpus:
             env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(spec.gpus)))
         command = list(spec.command)
         if spec.tasks > 1:  # one process per task, told its place, as srun does (launchers/_tasks.py)
