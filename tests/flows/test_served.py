@@ -784,9 +784,14 @@ def test_a_killed_flow_process_has_its_job_cancelled_by_the_crash_hook(served: S
             assert time.monotonic() - killed_at < 60, f"local job {running.job_id} still runs after the crash"
             time.sleep(0.3)
         with LineageStore(served.db_url) as store:
+            # the hook records after it cancelled (attempt, stage, then the run): the job can be gone
+            # a moment before its record says so, so wait for the run's, the last write, within the bound
+            (run,) = store.list(PipelineRun, flow_run_id=str(flow_run_id))
+            while run.state == "RUNNING" and time.monotonic() - killed_at < 60:
+                time.sleep(0.3)
+                run = store.require(PipelineRun, run.id)
             attempt = store.require(Attempt, running.id)
             assert attempt.state == "CANCELLED" and attempt.reason.startswith("crashed: "), attempt.reason
-            (run,) = store.list(PipelineRun, flow_run_id=str(flow_run_id))
             assert run.state == "FAILED" and run.error.startswith("crashed: "), (run.state, run.error)
     finally:  # a job left running would load the cores for the rest of the suite
         if running is not None and _job_alive(served, "local", running.job_id):
