@@ -300,6 +300,8 @@ class KeptState:
     resumed_demo: list[str] = field(default_factory=list)
     #: ``make demo``: scheduled deployments paused because no runner serves them
     paused_unserved: list[str] = field(default_factory=list)
+    #: schedules people added on the server (the UI's "+ Schedule"), kept as they are: (deployment, when)
+    added: list[tuple[str, str]] = field(default_factory=list)
     #: every deployment registered existed and was paused (what an older ``openlab server`` left when it stopped)
     every_paused: bool = False
 
@@ -328,6 +330,9 @@ class KeptState:
             out.append(
                 f"resume in the Prefect UI (Deployments: its toggle, or its schedule's), or `{command} --resume`"
             )
+        if self.added:
+            shown = ", ".join(f"{name} schedule {when}" for name, when in self.added)
+            out.append(f"kept as added on the Prefect server (not openlab's, left as they are): {shown}")
         if self.resumed:
             out.append(f"resumed (--resume): {', '.join(self.resumed)}")
         if self.resumed_demo:
@@ -374,6 +379,25 @@ def _replaced(built: list[Any], existing: list[Any]) -> list[Any]:
     return out
 
 
+def _theirs(ours: str, existing: list[Any], replaced: list[Any]) -> list[Any]:
+    """The schedules on the server that openlab did not register (neither replaced by a schedule
+    built nor slugged ``ours``, the deployment's name), as schedules to send back unchanged."""
+    from prefect.client.schemas.actions import DeploymentScheduleCreate
+
+    taken = {old.id for old in replaced if old is not None}
+    return [
+        DeploymentScheduleCreate(
+            schedule=s.schedule,
+            active=s.active,
+            parameters=s.parameters,
+            slug=s.slug,
+            max_scheduled_runs=s.max_scheduled_runs,
+        )
+        for s in existing
+        if s.id not in taken and s.slug != ours
+    ]
+
+
 def keep_server_state(
     deployments: Iterable[RunnerDeployment], *, resume: bool = False, pause_unserved: bool = False
 ) -> KeptState:
@@ -389,7 +413,10 @@ def keep_server_state(
     - each schedule gets the ``active`` of the schedule it replaces (same slug; the cron may have
       changed in the code: the new cron applies, switched off as before);
     - a schedule of this deployment that the settings no longer build (``[prefect] digest_cron = ""``)
-      is deleted: Prefect keeps slugged schedules an update leaves out.
+      is deleted: Prefect keeps slugged schedules an update leaves out;
+    - a schedule people added on the server (not one openlab registered) is sent back as it is, with
+      its state and parameters, ``resume`` or not: Prefect replaces every schedule of a deployment
+      whose schedules are not all slugged (the UI's have none), so it went at the next registration.
 
     A deployment built paused (``paused_nightly``: ``--paused-nightly``) is registered paused, as
     asked. ``resume``: nothing is kept, every deployment and schedule is registered as built (on).
@@ -422,12 +449,16 @@ def keep_server_state(
                     with contextlib.suppress(ObjectNotFound):
                         client.delete_deployment_schedule(existing.id, old.id)
             was_demo = DEMO_PAUSED_TAG in (existing.tags or [])
+            replaced = _replaced(built, existing.schedules)
+            theirs = _theirs(deployment.name, existing.schedules, replaced)
+            kept.added.extend((name, _when(s.schedule)) for s in theirs)
             if resume:
                 if existing.paused:
                     kept.resumed.append(name)
-                for schedule, old in zip(built, _replaced(built, existing.schedules), strict=True):
+                for schedule, old in zip(built, replaced, strict=True):
                     if old is not None and not old.active:
                         kept.resumed.append(f"{name} schedule {_when(schedule.schedule)}")
+                deployment.schedules = [*built, *theirs]
                 continue
             if deployment.paused:  # built paused: asked for
                 pass
@@ -444,12 +475,12 @@ def keep_server_state(
                 deployment.paused = True
                 deployment.tags = [*deployment.tags, DEMO_PAUSED_TAG]
                 kept.paused_unserved.append(name)
-            for i, (schedule, old) in enumerate(zip(built, _replaced(built, existing.schedules), strict=True)):
+            for i, (schedule, old) in enumerate(zip(built, replaced, strict=True)):
                 if old is not None and not old.active and schedule.active:
                     built[i] = schedule.model_copy(update={"active": False})
                     kept.inactive.append((name, _when(schedule.schedule)))
-            if built:
-                deployment.schedules = built
+            # sent even when none are built: Prefect's update takes the schedules sent as all there are
+            deployment.schedules = [*built, *theirs]
     kept.every_paused = bool(deployments) and len(kept.paused) == len(deployments)
     return kept
 

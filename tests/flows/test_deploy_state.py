@@ -305,3 +305,46 @@ def test_every_deployment_paused_by_an_older_server_is_kept_and_explained(
     assert any("`openlab server --resume`" in line for line in lines), lines
     _register(tmp_path, resume=True)
     assert _paused() == set()
+
+
+def test_a_schedule_added_in_the_ui_is_kept_beside_openlabs_own(server: PrefectServer, tmp_path: Path) -> None:
+    """A person adds a second schedule to the nightly in the UI (a Saturday run with its own
+    parameters, no slug, as the UI's form makes it) and one to the pipeline, which openlab schedules
+    nothing on: registering again keeps both, as they were, and openlab's own schedule is updated
+    beside them. Prefect replaces every schedule of a deployment whose schedules are not all slugged,
+    so without carrying it over the next ``openlab server`` start deleted the person's schedule."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import DeploymentScheduleCreate
+    from prefect.client.schemas.schedules import CronSchedule
+
+    first = _register(tmp_path)
+    assert not first.kept.lines()
+    saturday = DeploymentScheduleCreate(
+        schedule=CronSchedule(cron="0 9 * * 6", timezone="Europe/Berlin"), active=False, parameters={"force": True}
+    )
+    weekly = DeploymentScheduleCreate(schedule=CronSchedule(cron="0 3 * * 1", timezone="UTC"), active=True)
+    with get_client(sync_client=True) as client:
+        client.create_deployment_schedules(_read(NIGHTLY).id, [saturday])
+        client.create_deployment_schedules(_read(PIPELINE).id, [weekly])
+
+    again = _register(tmp_path)
+    nightly = {s.schedule.cron: s for s in _read(NIGHTLY).schedules}
+    assert set(nightly) == {"0 2 * * *", "0 9 * * 6"}, nightly
+    added = nightly["0 9 * * 6"]
+    assert (added.active, added.parameters, added.schedule.timezone, added.slug) == (
+        False,
+        {"force": True},
+        "Europe/Berlin",
+        None,
+    ), added
+    assert nightly["0 2 * * *"].active and nightly["0 2 * * *"].slug == "nightly"
+    assert [s.schedule.cron for s in _read(PIPELINE).schedules] == ["0 3 * * 1"]
+    assert (NIGHTLY, "0 9 * * 6 (Europe/Berlin)") in again.kept.added, again.kept
+    assert any("added on the Prefect server" in line for line in again.kept.lines()), again.kept.lines()
+
+    # the cron in the settings moves: openlab's schedule moves, the person's stays
+    from flows.deployments import apply_deployments, build_deployments, in_repo_root
+
+    with in_repo_root():
+        apply_deployments(build_deployments(_settings(tmp_path, OPENLAB_PREFECT__NIGHTLY_CRON="30 1 * * *")))
+    assert {s.schedule.cron for s in _read(NIGHTLY).schedules} == {"30 1 * * *", "0 9 * * 6"}
