@@ -300,6 +300,9 @@ class KeptState:
     resumed_demo: list[str] = field(default_factory=list)
     #: ``make demo``: scheduled deployments paused because no runner serves them
     paused_unserved: list[str] = field(default_factory=list)
+    #: openlab's schedules whose time registering changed, as the settings (or a flag) say now, a time set
+    #: in the UI included: (deployment, what it was, what it is)
+    moved: list[tuple[str, str, str]] = field(default_factory=list)
     #: schedules people added on the server (the UI's "+ Schedule"), kept as they are: (deployment, when)
     added: list[tuple[str, str]] = field(default_factory=list)
     #: every deployment registered existed and was paused (what an older ``openlab server`` left when it stopped)
@@ -329,6 +332,12 @@ class KeptState:
         if self.paused or self.inactive:
             out.append(
                 f"resume in the Prefect UI (Deployments: its toggle, or its schedule's), or `{command} --resume`"
+            )
+        if self.moved:
+            shown = ", ".join(f"{name} schedule {was} -> {now}" for name, was, now in self.moved)
+            out.append(
+                f"schedule changed to what the settings say (a time set in the UI does not survive registering; "
+                f"[prefect] nightly_cron and the other *_cron settings keep one): {shown}"
             )
         if self.added:
             shown = ", ".join(f"{name} schedule {when}" for name, when in self.added)
@@ -452,6 +461,11 @@ def keep_server_state(
             replaced = _replaced(built, existing.schedules)
             theirs = _theirs(deployment.name, existing.schedules, replaced)
             kept.added.extend((name, _when(s.schedule)) for s in theirs)
+            kept.moved.extend(
+                (name, _when(old.schedule), _when(new.schedule))
+                for new, old in zip(built, replaced, strict=True)
+                if old is not None and _when(old.schedule) != _when(new.schedule)
+            )
             if resume:
                 if existing.paused:
                     kept.resumed.append(name)

@@ -157,6 +157,7 @@ def test_deploy_again_keeps_a_paused_deployment_and_a_switched_off_schedule(
     assert not drops.paused and drops.schedules[0].schedule.cron == "30 5 * * *" and not drops.schedules[0].active
     assert drops.schedules[0].id == drops_schedule_id
     assert f"{DROPS} schedule 30 5 * * * (UTC)" in " ".join(moved.stdout.split())
+    assert f"{NIGHTLY} schedule 0 2 * * * (UTC) -> 15 1 * * * (UTC)" in " ".join(moved.stdout.split()), moved.stdout
 
     # --resume is the explicit way back (and refuses to be combined with --paused-nightly)
     both = _deploy(server, tmp_path, "--resume", "--paused-nightly")
@@ -341,6 +342,14 @@ def test_a_schedule_added_in_the_ui_is_kept_beside_openlabs_own(server: PrefectS
     assert [s.schedule.cron for s in _read(PIPELINE).schedules] == ["0 3 * * 1"]
     assert (NIGHTLY, "0 9 * * 6 (Europe/Berlin)") in again.kept.added, again.kept
     assert any("added on the Prefect server" in line for line in again.kept.lines()), again.kept.lines()
+
+    # openlab's own schedule edited in the UI goes back to what the settings say, and says so
+    ours = next(s for s in _read(NIGHTLY).schedules if s.slug == "nightly")
+    with get_client(sync_client=True) as client:
+        client.update_deployment_schedule(_read(NIGHTLY).id, ours.id, schedule=CronSchedule(cron="0 3 * * *"))
+    reset = _register(tmp_path)
+    assert {s.schedule.cron for s in _read(NIGHTLY).schedules} == {"0 2 * * *", "0 9 * * 6"}
+    assert reset.kept.moved == [(NIGHTLY, "0 3 * * * (UTC)", "0 2 * * * (UTC)")], reset.kept
 
     # the cron in the settings moves: openlab's schedule moves, the person's stays
     from flows.deployments import apply_deployments, build_deployments, in_repo_root
