@@ -387,7 +387,8 @@ def list_records(
 
 def refuse_unknown_names(store: LineageStore, flt: RecordFilter) -> None:
     """Raise :class:`ConfigError` for a ``--stage``, ``--recipe`` or ``--replica`` that neither a
-    record nor a recipe names, or a ``--host`` no job ever ran on, with the name meant: ``--stage
+    record nor a recipe names, or a ``--host`` or ``--cluster`` no job ever ran on (a cluster named in
+    ``[backends.NAME] cluster`` is known before its first job), with the name meant: ``--stage
     pretrian`` listed (and ``job cancel`` cancelled) nothing, and ``lineage affected --host n71``
     said no stage run had a job there, which read as "nothing ran" and "nothing to distrust". A
     known name that matched nothing is no error. Asked only once nothing matched, since it reads
@@ -397,6 +398,11 @@ def refuse_unknown_names(store: LineageStore, flt: RecordFilter) -> None:
         if flt.host not in hosts:
             hint = _listed(choices(flt.host, hosts, label="hosts jobs ran on"), "hosts jobs ran on", hosts)
             raise ConfigError(f"--host {flt.host!r}: no job in lineage ran on such a host; {hint}")
+    if flt.cluster:
+        clusters = known_clusters(store)
+        if flt.cluster not in clusters:
+            hint = choices(flt.cluster, clusters, label="clusters jobs ran on or configured")
+            raise ConfigError(f"--cluster {flt.cluster!r}: no job in lineage ran on such a cluster; {hint}")
     asked = [("stage", s) for s in flt.stage] + [(k, getattr(flt, k)) for k in ("recipe", "replica") if getattr(flt, k)]
     if not asked:
         return
@@ -432,6 +438,17 @@ def known_hosts(store: LineageStore) -> list[str]:
     return sorted(hosts)
 
 
+def known_clusters(store: LineageStore) -> list[str]:
+    """Every cluster a recorded job ran on and every ``[backends.NAME] cluster`` configured, sorted."""
+    from orchestrator.settings import load_settings
+
+    backends = load_settings().section("backends").values()
+    configured = {str(table["cluster"]) for table in backends if isinstance(table, dict) and table.get("cluster")}
+    with store.session() as session:
+        recorded = set(session.exec(select(Attempt.cluster).where(col(Attempt.cluster).is_not(None)).distinct()))
+    return sorted(recorded | configured)
+
+
 def _known_names(store: LineageStore) -> dict[str, set[str]]:
     """Every stage, recipe and replica name in the store or in the shipped recipes."""
     from orchestrator.recipes.recipe import shipped_names
@@ -455,6 +472,7 @@ __all__ = [
     "answers",
     "list_records",
     "parse_when",
+    "known_clusters",
     "known_hosts",
     "utc_minute",
     "refuse_unknown_names",

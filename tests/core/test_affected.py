@@ -113,6 +113,14 @@ def test_the_command(run_cli, openlab_home) -> None:
         "error: --host 'n177': no job in lineage ran on such a host; did you mean 'n17'? "
         "hosts jobs ran on: n17, n18, n19"
     ), nowhere.stderr
+    # and so is a cluster no job ran on and none is configured as ("wset" for "west")
+    typo = run_cli("lineage", "affected", "--cluster", "wset")
+    assert typo.returncode == 2 and typo.stdout == "", typo.stdout
+    assert typo.stderr.strip().startswith(
+        "error: --cluster 'wset': no job in lineage ran on such a cluster; did you mean 'west'?"
+    ), typo.stderr
+    configured = run_cli("lineage", "affected", "--cluster", "east", env={"OPENLAB_BACKENDS__SLURM__CLUSTER": "east"})
+    assert configured.returncode == 0, configured.stderr  # configured, no job there yet: an answer
     listed = run_cli("lineage", "list", "--host", "vn")
     assert listed.returncode == 2 and "--host 'vn': no job in lineage ran on such a host" in listed.stderr
     assert len(listed.stderr.strip().splitlines()) == 1, listed.stderr

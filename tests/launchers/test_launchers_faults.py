@@ -1151,8 +1151,9 @@ def test_slurm_statuses_ask_squeue_once_and_answer_as_status_does(slurm_harness:
         table = cli("job", "list", env={"COLUMNS": "100"}).stdout
         narrowed = {  # as squeue -t and -M narrow, and by the stage lineage knows
             args: [r["attempt"] for r in json.loads(cli("job", "list", "--json", *args).stdout)]
-            for args in (("--state", "pending"), ("-t", "running"), ("--stage", "eval"), ("--cluster", "elsewhere"))
+            for args in (("--state", "pending"), ("-t", "running"), ("--stage", "eval"))
         }
+        elsewhere = cli("job", "list", "--cluster", "elsewhere")  # as squeue -M refuses a cluster it does not know
         # scancel -t PENDING: the held job goes, the running one (PENDING in lineage until asked) stays
         cancel_pending = cli("job", "cancel", "--state", "pending", "--yes")
         running_after = launcher.status(running).state
@@ -1200,8 +1201,10 @@ def test_slurm_statuses_ask_squeue_once_and_answer_as_status_does(slurm_harness:
         ("--state", "pending"): [out[1].id],  # the state squeue gives now; lineage said PENDING for both
         ("-t", "running"): [out[0].id],
         ("--stage", "eval"): [out[1].id],
-        ("--cluster", "elsewhere"): [],
     }, narrowed
+    assert elsewhere.returncode == 2 and elsewhere.stderr.startswith(
+        "error: --cluster 'elsewhere': no job in lineage ran on such a cluster"
+    ), elsewhere.stderr
 
 
 @pytest.mark.docker
