@@ -153,18 +153,12 @@ def _empty_config(home: Path) -> Path:
 
 @pytest.fixture
 def run_cli(openlab_home: Path) -> Iterator[object]:
-    """Run ``openlab ARGS`` as a real subprocess; returns the CompletedProcess."""
+    """Run ``openlab ARGS`` as a real child process (forked from a template that has the heavy
+    imports done: :mod:`tests.forked_cli`); returns the CompletedProcess."""
+    from tests.forked_cli import run_cli as forked
 
     def _run(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 300):
-        full_env = {**os.environ, **(env or {})}
-        return subprocess.run(
-            [sys.executable, "-m", "orchestrator.cli.main", *args],
-            capture_output=True,
-            text=True,
-            env=full_env,
-            cwd=cwd or REPO_ROOT,
-            timeout=timeout,
-        )
+        return forked(args, env={**os.environ, **(env or {})}, cwd=cwd or REPO_ROOT, timeout=timeout)
 
     yield _run
 

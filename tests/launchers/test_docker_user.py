@@ -23,7 +23,6 @@ from tests.services import docker_image, require_docker
 
 pytestmark = [pytest.mark.docker]
 
-CLI = Path(__file__).with_name("cli_entry.py")
 NOBODY = 65534
 
 
@@ -47,7 +46,8 @@ def person() -> Iterator[tuple[list[str], Path]]:
 def _job(prefix: list[str], home: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("OPENLAB_")}
     env.update(OPENLAB_HOME=str(home / "openlab"), HOME=str(home))
-    command = [*prefix, sys.executable, str(CLI), "job", "run", "-b", "docker", "--image", docker_image("job"), *args]
+    job = ["job", "run", "-b", "docker", "--image", docker_image("job"), *args]
+    command = [*prefix, sys.executable, "-m", "orchestrator.cli.main", *job]
     return subprocess.run(command, capture_output=True, text=True, timeout=180, env=env, cwd=home)
 
 

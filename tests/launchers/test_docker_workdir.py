@@ -8,13 +8,12 @@ an edited stage would re-run with the old code under the new identity.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from orchestrator.launchers import JobSpec, get_launcher
+from tests.forked_cli import run_cli
 from tests.services import docker_image, require_docker
 
 pytestmark = [pytest.mark.docker]
@@ -76,16 +75,14 @@ def test_mount_workdir_false_on_the_command_line_is_false(tmp_path: Path) -> Non
     tree = tmp_path / "tree"
     tree.mkdir()
     (tree / "only-on-host.txt").write_text("host")
-    cli = [sys.executable, str(Path(__file__).with_name("cli_entry.py")), "job", "run", "-b", "docker"]
+    cli = ["job", "run", "-b", "docker"]
     ls = ["--image", image, "--workdir", str(tree), "--", "ls", "-1", str(tree)]
     env = {**os.environ, "OPENLAB_HOME": str(tmp_path / "home")}
     for value, listed in (("true", True), ("false", False)):
-        proc = subprocess.run(
-            [*cli, "-o", f"mount_workdir={value}", *ls], capture_output=True, text=True, env=env, timeout=120
-        )
+        proc = run_cli([*cli, "-o", f"mount_workdir={value}", *ls], env=env, cwd=Path.cwd(), timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert ("only-on-host.txt" in proc.stdout) is listed, (value, proc.stdout)
-    proc = subprocess.run([*cli, "-o", "mount_workdir=nah", *ls], capture_output=True, text=True, env=env, timeout=120)
+    proc = run_cli([*cli, "-o", "mount_workdir=nah", *ls], env=env, cwd=Path.cwd(), timeout=120)
     assert proc.returncode == 2 and "backend option mount_workdir = 'nah' is not yes or no" in proc.stderr
     assert "Traceback" not in proc.stderr
 

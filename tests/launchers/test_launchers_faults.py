@@ -37,23 +37,18 @@ from orchestrator.launchers.base import flag_option, list_option, number_option,
 from orchestrator.launchers.local import group_members
 from orchestrator.lineage.models import Attempt, PipelineRun, StageRun
 from orchestrator.lineage.store import LineageStore
+from tests.forked_cli import run_cli
 from tests.launchers.harness import Harness, jobcomp_only_slurm
 
-CLI = [sys.executable, str(Path(__file__).with_name("cli_entry.py"))]
+#: ``openlab`` as a subprocess where a test needs the process itself (Popen, signals).
+CLI = [sys.executable, "-m", "orchestrator.cli.main"]
 
 
 def cli(
     *args: str, env: dict[str, str] | None = None, timeout: float = 120, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*CLI, *args],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=timeout,
-        check=False,
-        cwd=cwd,
-    )
+    """``openlab ARGS`` in a child process (:mod:`tests.forked_cli`), from ``cwd`` (else here)."""
+    return run_cli(args, env={**os.environ, **(env or {})}, cwd=cwd or Path.cwd(), timeout=timeout)
 
 
 # -- parsing ------------------------------------------------------------------------------------
