@@ -460,7 +460,16 @@ class DockerLauncher(Launcher):
             why = _api_message(exc)
             hint = not_started(why, pythons, "docker")
             raise LauncherError(f"docker refused to run the job: {why}" + (f" ({hint})" if hint else "")) from None
-        digest = self.image_digest(image)
+        except BaseException:  # Ctrl-C, SIGTERM, a lost engine mid-way: no caller learns its id, so none may run
+            self._remove_quietly(job_id)
+            self._forget_folders(job_id)
+            raise
+        try:
+            digest = self.image_digest(image)
+        except BaseException:
+            self._remove_quietly(job_id)
+            self._forget_folders(job_id)
+            raise
         return JobHandle(
             self.name,
             job_id,

@@ -840,6 +840,7 @@ class KubernetesLauncher(Launcher):
         helpers = self.helpers_manifest(manifest)
         secret = self.env_secret_manifest(spec, manifest)
         service = self.service_manifest(manifest) if spec.nodes > 1 else None
+        made = {"service": service is not None, "helpers": helpers is not None, "secret": secret is not None}
         # All before the Job: its pods cannot start without their ConfigMap and Secret, and pod 0's
         # name must resolve when its peers look it up.
         if helpers is not None:
@@ -879,18 +880,43 @@ class KubernetesLauncher(Launcher):
                 )
             created = self._call(f"create Job {job_id}", lambda: self.batch.create_namespaced_job(namespace, manifest))
         except LauncherError:
-            self._delete_companions(
-                job_id, service=service is not None, helpers=helpers is not None, secret=secret is not None
-            )
+            self._delete_companions(job_id, **made)
+            raise
+        except BaseException:  # Ctrl-C, SIGTERM: the Job may be in; nobody learns its name, so it must not run
+            self._withdraw(job_id, **made)
             raise
         uid = getattr(getattr(created, "metadata", None), "uid", None)
-        if service is not None:
-            self._own(job_id, uid, "Service", name, self.core.patch_namespaced_service)
-        if helpers is not None:
-            self._own(job_id, uid, "ConfigMap", helpers_name(name), self.core.patch_namespaced_config_map)
-        if secret is not None:
-            self._own(job_id, uid, "Secret", env_secret_name(name), self.core.patch_namespaced_secret)
+        try:
+            if service is not None:
+                self._own(job_id, uid, "Service", name, self.core.patch_namespaced_service)
+            if helpers is not None:
+                self._own(job_id, uid, "ConfigMap", helpers_name(name), self.core.patch_namespaced_config_map)
+            if secret is not None:
+                self._own(job_id, uid, "Secret", env_secret_name(name), self.core.patch_namespaced_secret)
+        except BaseException:  # refused, or interrupted: the submit fails, so the Job it made goes too
+            self._withdraw(job_id, **made)
+            raise
         return JobHandle(self.name, job_id, str(self.settings.logs_dir / f"k8s-{namespace}-{name}.log"))
+
+    def _withdraw(self, job_id: str, *, service: bool, helpers: bool, secret: bool) -> None:
+        """Undo a submit that did not return: delete the Job (if it was made) and what was made for it.
+        Best effort: the submit's own error is the one to report."""
+        from kubernetes import client
+
+        namespace, name = self._split(job_id)
+        try:
+            self._call(
+                f"delete Job {job_id}",
+                lambda: self.batch.delete_namespaced_job(
+                    name, namespace, body=client.V1DeleteOptions(propagation_policy="Background")
+                ),
+                not_found=lambda: None,
+            )
+            self._delete_companions(job_id, service=service, helpers=helpers, secret=secret)
+        except Exception as exc:  # noqa: BLE001 - warned; the submit's own error goes on up
+            log.warning(
+                "could not remove %s after its submit failed: %s; delete it by hand (kubectl delete job)", job_id, exc
+            )
 
     def _own(self, job_id: str, uid: str | None, kind: str, name: str, patch: Callable[..., Any]) -> None:
         """Make the Job the owner of its Service, ConfigMap or Secret, so Kubernetes deletes that with the

@@ -27,6 +27,7 @@ Config (``[backends.local]``): ``grace`` (seconds between SIGTERM and SIGKILL, d
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -398,8 +399,16 @@ class LocalLauncher(Launcher):
         # touches this file (it writes ID.run.json), and nobody knows the job id before we return
         state["supervisor_pid"] = child.pid
         tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(state))
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps(state))
+            os.replace(tmp, path)
+        except BaseException:  # Ctrl-C, a full disk: no caller learns the job id, so the job must not run
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signal.SIGTERM)  # the supervisor stops the job (its own group), then exits
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=grace + 3)
+            tmp.unlink(missing_ok=True)
+            raise
         return JobHandle(self.name, job_id, str(log_path), {"supervisor_pid": child.pid})
 
     def _supervisor_pid(self, job_id: str, state: dict[str, Any]) -> int | None:
