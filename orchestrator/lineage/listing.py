@@ -231,10 +231,12 @@ def _attempts_where(session: Any, flt: RecordFilter) -> Any:
     if not flt.host:
         return stmt
     ids = []
+    asked = flt.host.lower()
     # The database narrows it to the jobs on that host by name and those whose host needs reading:
     # a NodeList (`n[17-19]`, `n17,n18`) or per-task hosts. Only those are expanded here.
     maybe_there = or_(
-        col(Attempt.host) == flt.host,
+        func.lower(col(Attempt.host)) == asked,
+        func.lower(col(Attempt.host)).startswith(f"{asked}.", autoescape=True),
         col(Attempt.host).contains("["),
         col(Attempt.host).contains(","),
         col(Attempt.tasks).is_not(None),
@@ -242,7 +244,7 @@ def _attempts_where(session: Any, flt: RecordFilter) -> Any:
     for attempt_id, host, tasks in session.exec(select(Attempt.id, Attempt.host, Attempt.tasks).where(maybe_there)):
         hosts = set(expand_hostlist(host))
         hosts |= {h for task in (tasks or {}).values() for h in expand_hostlist((task or {}).get("host"))}
-        if flt.host in hosts:
+        if any(same_host(flt.host, h) for h in hosts):
             ids.append(attempt_id)
     # Written into the statement, not bound: a node's jobs over a year can be more ids than
     # PostgreSQL binds in one statement (65,535).
@@ -395,7 +397,7 @@ def refuse_unknown_names(store: LineageStore, flt: RecordFilter) -> None:
     the recipes and every job's hosts."""
     if flt.host:
         hosts = known_hosts(store)
-        if flt.host not in hosts:
+        if not any(same_host(flt.host, h) for h in hosts):
             hint = _listed(choices(flt.host, hosts, label="hosts jobs ran on"), "hosts jobs ran on", hosts)
             raise ConfigError(f"--host {flt.host!r}: no job in lineage ran on such a host; {hint}")
     if flt.cluster:
@@ -423,6 +425,13 @@ def _listed(hint: str, label: str, names: Sequence[str]) -> str:
         return hint
     meant = hint.partition(f"{label}: ")[0]
     return f"{meant}{label} ({len(names)}): {', '.join(names[:_MOST_LISTED])}, …"
+
+
+def same_host(asked: str, host: str) -> bool:
+    """Whether ``--host asked`` names ``host``: as DNS names them, whatever the case, and a short
+    name (``n17``) names the machine a job recorded by its full one (``n17.west.lab``)."""
+    asked, host = asked.lower(), host.lower()
+    return host == asked or ("." not in asked and host.partition(".")[0] == asked)
 
 
 def known_hosts(store: LineageStore) -> list[str]:
@@ -474,6 +483,7 @@ __all__ = [
     "parse_when",
     "known_clusters",
     "known_hosts",
+    "same_host",
     "utc_minute",
     "refuse_unknown_names",
     "time_field",

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from orchestrator.errors import ConfigError
 from orchestrator.lineage import Artifact, Attempt, LineageStore, PipelineRun, StageRun, WandbRun, utcnow
 from orchestrator.lineage.affected import affected
 from orchestrator.lineage.listing import RecordFilter, list_records
@@ -208,3 +209,20 @@ def test_a_node_with_more_jobs_than_postgresql_binds_is_still_listed(store: Line
     found = list_records(store, ["attempt"], RecordFilter.from_options(host="n17"), limit=None, strict=True)
     assert len(found.records) == 66_000
     assert affected(store, RecordFilter.from_options(host="n17")).made_there == []  # no stage runs behind them
+
+
+def test_a_host_is_named_as_dns_names_it_whatever_the_case_and_by_its_short_name(store: LineageStore) -> None:
+    """``--host N17`` is n17, and ``--host gpu3`` is the machine a local job recorded by its full name
+    (``os.uname().nodename``): a person types the name ``squeue`` or their monitoring shows them."""
+    h = _history(store)
+    with store.transaction() as tx:
+        srun = tx.add(StageRun(stage="eval", identity="e-fq", started_at=_at(40)))
+        tx.add(Attempt(stage_run_id=srun.id, number=1, backend="local", host="gpu3.West.Lab", submitted_at=_at(40)))
+    by_case = affected(store, RecordFilter.from_options(host="N17"))
+    assert [t.record.id for t in by_case.made_there] == [h["pre"]]
+    for name in ("gpu3", "GPU3", "gpu3.west.lab"):
+        there = affected(store, RecordFilter.from_options(host=name)).made_there
+        assert [t.record.id for t in there] == [srun.id], name
+    for name in ("gpu", "gpu3.east.lab"):  # a prefix is not a name, nor is another domain's machine
+        with pytest.raises(ConfigError, match="no job in lineage ran on such a host"):
+            list_records(store, ["attempt"], RecordFilter.from_options(host=name))
