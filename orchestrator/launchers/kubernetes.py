@@ -134,7 +134,7 @@ from orchestrator.launchers.base import (
     usage_python,
     with_notes,
 )
-from orchestrator.secrets import is_secret_name
+from orchestrator.secrets import is_secret_name, scrub, secret_values
 
 DEFAULT_VERSION = "1.33"
 #: The Job annotation naming where a multi-task pod's tasks write how they ended (artifact root).
@@ -464,6 +464,8 @@ class KubernetesLauncher(Launcher):
         self.retries = int(number_option(self.config, "retries", 3))
         self.state_dir = self.settings.home / "jobs" / "kubernetes"
         self._api_client: Any = None
+        #: each Job's secret-named values this process gave it (its Secret, which openlab never reads back)
+        self._given_secrets: dict[str, list[str]] = {}
 
     # -- connection -------------------------------------------------------------------
     def _find_cluster(self) -> str | None:
@@ -841,6 +843,7 @@ class KubernetesLauncher(Launcher):
         secret = self.env_secret_manifest(spec, manifest)
         service = self.service_manifest(manifest) if spec.nodes > 1 else None
         made = {"service": service is not None, "helpers": helpers is not None, "secret": secret is not None}
+        self._given_secrets[job_id] = secret_values(spec.env)
         # All before the Job: its pods cannot start without their ConfigMap and Secret, and pod 0's
         # name must resolve when its peers look it up.
         if helpers is not None:
@@ -1225,7 +1228,20 @@ class KubernetesLauncher(Launcher):
             not_found=lambda: None,
         )
 
+    def _secrets(self, job_id: str) -> list[str]:
+        """The values to mask in a Job's log: those this process gave it and its own environment's
+        (the W&B key a pipeline passes on). Pods print what they like, and the API server keeps it;
+        what openlab streams, shows and keeps in ``logs/`` has them as ``***``. A process that knows
+        neither (``job logs`` from another shell without the key) shows the log as the API has it:
+        openlab may not read Secrets back (infra/k8s/rbac.yaml)."""
+        return [*self._given_secrets.get(job_id, []), *secret_values()]
+
     def logs(self, handle: JobHandle, *, follow: bool = False, tail: int | None = None) -> Iterator[str]:
+        secrets = self._secrets(handle.job_id)
+        lines = self._unmasked_logs(handle, follow=follow, tail=tail)
+        return (scrub(line, secrets) for line in lines) if secrets else lines
+
+    def _unmasked_logs(self, handle: JobHandle, *, follow: bool = False, tail: int | None = None) -> Iterator[str]:
         nodes = self._nodes(handle.job_id)
         if nodes > 1:
             yield from self._logs_of_nodes(handle, nodes, follow=follow, tail=tail)
@@ -1399,7 +1415,10 @@ class KubernetesLauncher(Launcher):
         if resp is not None:
             path = Path(handle.log_path)
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(self._node_logs(handle) if self._nodes(handle.job_id) > 1 else resp.data)
+            data = self._node_logs(handle) if self._nodes(handle.job_id) > 1 else resp.data
+            if secrets := self._secrets(handle.job_id):
+                data = scrub(data.decode("utf-8", "replace"), secrets).encode()
+            path.write_bytes(data)
 
     def cleanup(self, handle: JobHandle) -> None:
         """Keep the final status and log, then delete the finished Job (its TTL would anyway)."""

@@ -134,6 +134,36 @@ def test_secret_variables_go_in_a_secret_the_job_owns_and_never_in_its_manifest(
     assert k8s_cluster.secret(namespace, f"{done}-openlab-env") is None, "cleanup deletes the Secret"
 
 
+@pytest.mark.docker
+def test_a_secret_the_job_prints_is_masked_in_what_openlab_streams_shows_and_keeps(
+    k8s_cluster: EmulatedCluster, store: LineageStore, tmp_path: Path
+) -> None:
+    """A job that prints its W&B key (a traceback quoting its environment, a debug print): the lines
+    ``run_job`` streams (the terminal, Prefect's logs), ``job logs`` in the same process and the log
+    kept in ``logs/`` at cleanup show ``***``, as on the other backends; before, all three showed it."""
+    from tests.services import require_docker
+
+    require_docker()
+    assert k8s_cluster.runtime == "docker", k8s_cluster.runtime_reason
+    launcher = _launcher(k8s_cluster)
+    value = "wandb-" + hashlib.sha256(str(time.time()).encode()).hexdigest()[:24]
+    prints = "import os; print('the key is', os.environ['WANDB_API_KEY'], flush=True)"
+    streamed: list[str] = []
+    attempt, status = run_job(
+        store,
+        launcher,
+        JobSpec(name="prints-secret", command=["python3", "-c", prints], env={"WANDB_API_KEY": value}),
+        on_log=streamed.append,
+    )
+    assert status.state is JobState.SUCCEEDED, status
+    assert "the key is ***" in streamed, streamed
+    handle = handle_from_attempt(attempt)
+    shown = list(launcher.logs(handle))
+    kept = Path(handle.log_path or "").read_text()
+    assert "the key is ***" in shown and "the key is ***" in kept, (shown, kept)
+    assert value not in "\n".join(streamed + shown) + kept
+
+
 def test_a_job_without_secret_variables_makes_no_secret_and_a_deleted_job_takes_its_secret_along(
     cluster: EmulatedCluster, store: LineageStore
 ) -> None:
