@@ -11,7 +11,8 @@ Four checks, each naming every broken record it finds:
    what they delete) are re-hashed (not trusted from a stat cache) and compared with what was
    recorded; an output folder that is gone though its artifact root is here was deleted behind
    openlab's back, and one whose root is not on this machine (another machine's storage, not
-   mounted here) is noted as not checked;
+   mounted here) is noted as not checked, as is a snapshot whose folder (or manifest) is in a
+   folder not here;
 4. the code: every recorded commit still exists in its repository, and every dirty
    patch is still in the blob store with the recorded hash;
 5. anchors, when given: each names an event (``SEQ:HASH``) that was published outside the
@@ -175,6 +176,10 @@ def _check_data(
     from orchestrator.snapshots import content_hash, verify_snapshot
 
     problems: list[Problem] = []
+    # snapshots whose data (or manifest) is on storage not mounted here -> not checked: as outputs below,
+    # a snapshot taken on the cluster (/lustre/corpus/v3) is no problem on a laptop that audits from
+    # the shared store; the folder that held it being gone is what tells "not here" from "deleted"
+    unmounted: dict[Path, list[str]] = {}
     for snap in store.list(DataSnapshot):
         if snap.removed_at is not None:
             continue  # its folder was replaced by a forced re-run (the record says when and why)
@@ -184,7 +189,14 @@ def _check_data(
         if not manifest.exists():
             manifest = settings.snapshots_dir / f"{snap.id}.json"
         if not manifest.exists():
+            if not Path(snap.manifest_path).parent.is_dir():
+                unmounted.setdefault(Path(snap.manifest_path).parent, []).append(snap.id)
+                continue
             problems.append(Problem(f"snapshot:{snap.id}", f"manifest {snap.manifest_path} is missing"))
+            continue
+        data = Path(snap.path)
+        if not os.path.lexists(data) and not data.parent.is_dir():
+            unmounted.setdefault(data.parent, []).append(snap.id)
             continue
         try:
             found = verify_snapshot(manifest, settings)
@@ -224,6 +236,7 @@ def _check_data(
                 )
             )
     if notes is not None:
+        notes.extend(_not_here(root, ids, "snapshot", "folder") for root, ids in sorted(unmounted.items()))
         notes.extend(_not_here(root, ids) for root, ids in sorted(away.items()))
     return problems
 
@@ -253,11 +266,11 @@ def _missing_artifact(store: LineageStore, art: Artifact, path: Path) -> str:
     )
 
 
-def _not_here(root: Path, ids: list[str]) -> str:
+def _not_here(root: Path, ids: list[str], kind: str = "artifact", where: str = "artifact root") -> str:
     shown = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
     return (
-        f"{len(ids)} artifact{'s' if len(ids) != 1 else ''} not on this machine, not checked "
-        f"(their artifact root {root} is not here): {shown}"
+        f"{len(ids)} {kind}{'s' if len(ids) != 1 else ''} not on this machine, not checked "
+        f"(their {where} {root} is not here): {shown}"
     )
 
 

@@ -58,6 +58,16 @@ def test_verify_names_an_output_deleted_by_hand_and_notes_one_on_another_machine
         made = tx.add(Artifact(name="pretrain/out", artifact_type="folder", uri=str(out), content_hash=hashed))
         tx.relate("wasGeneratedBy", made, stage)
         away = tx.add(Artifact(name="tokenize/out", artifact_type="folder", uri=str(elsewhere), content_hash="d" * 64))
+        # a snapshot taken on the cluster's storage, audited from here: not mounted, not checked
+        corpus = tmp_path / "lustre" / "corpus" / "v3"
+        manifest = tmp_path / "lustre-home" / "m.json"  # and its manifest in that machine's openlab home
+        on_lustre = tx.add(DataSnapshot(id="f" * 64, path=str(corpus), files=3, bytes=30, manifest_path=str(manifest)))
+        # one whose manifest is here, but whose data was on scratch storage this machine has not mounted
+        scratch = tmp_path / "scratch" / "corpus"
+        kept = load_settings().snapshots_dir / f"{'e' * 64}.json"
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text(json.dumps({"id": "e" * 64, "path": str(scratch), "entries": []}))
+        on_scratch = tx.add(DataSnapshot(id="e" * 64, path=str(scratch), files=1, bytes=1, manifest_path=str(kept)))
         gone_by_gc = tx.add(
             Artifact(
                 name="pretrain/out",
@@ -87,8 +97,12 @@ def test_verify_names_an_output_deleted_by_hand_and_notes_one_on_another_machine
     report = json.loads(ok.stdout)
     assert report["ok"] is True and report["problems"] == []
     assert report["notes"] == [
+        f"1 snapshot not on this machine, not checked (their folder {tmp_path / 'lustre-home'} is not here): "
+        f"{on_lustre.id}",
+        f"1 snapshot not on this machine, not checked (their folder {tmp_path / 'scratch'} is not here): "
+        f"{on_scratch.id}",
         f"1 artifact not on this machine, not checked (their artifact root {elsewhere.parent.parent} "
-        f"is not here): {away.id}"
+        f"is not here): {away.id}",
     ], report["notes"]
     text = run_cli("lineage", "verify", env={"COLUMNS": "300"})
     assert text.returncode == 0 and "note: 1 artifact not on this machine, not checked" in text.stdout
