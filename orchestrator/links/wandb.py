@@ -26,14 +26,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import netrc
 import os
 import re
 import shutil
 import struct
 import subprocess
 import sys
-import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +40,7 @@ from typing import Any
 from orchestrator.errors import OpenlabError
 from orchestrator.lineage.models import StageRun, WandbRun, utcnow
 from orchestrator.lineage.store import LineageStore
+from orchestrator.links.wandb_init import wandb_logged_in
 from orchestrator.settings import Settings, load_settings
 
 log = logging.getLogger(__name__)
@@ -438,20 +437,6 @@ def record_wandb_run(
 
 
 # -- uploading offline runs -----------------------------------------------------------------------------
-def wandb_logged_in(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether an API key is available (``WANDB_API_KEY`` or a netrc entry for the W&B host)."""
-    env = os.environ if environ is None else environ
-    if env.get("WANDB_API_KEY"):
-        return True
-    host = urllib.parse.urlparse(env.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
-    path = Path(env.get("NETRC") or Path.home() / ".netrc").expanduser()
-    try:
-        entry = netrc.netrc(str(path)).authenticators(host)
-    except (OSError, netrc.NetrcParseError):
-        return False
-    return bool(entry and entry[2])
-
-
 _URL_IN_OUTPUT = re.compile(r"https?://\S+/runs/[A-Za-z0-9_-]+")
 
 Runner = Callable[[Sequence[str]], "subprocess.CompletedProcess[str]"]

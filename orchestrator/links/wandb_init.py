@@ -20,15 +20,35 @@ SECTION_KEYS = ("id", "project", "entity", "group", "job_type", "tags", "config"
 
 
 def wandb_mode(environ: Mapping[str, str] | None = None) -> str:
-    """``offline`` unless an API key is set (``WANDB_MODE=offline``/``disabled`` still win).
+    """``WANDB_MODE`` where it says ``online``, ``offline`` or ``disabled``; else ``online`` where a
+    key is at hand (``WANDB_API_KEY``, or the netrc entry ``wandb login`` writes), ``offline`` where not.
 
     Decided in the job, because the job's environment, not the orchestrator's, holds the key.
     """
     env = os.environ if environ is None else environ
     forced = (env.get("WANDB_MODE") or "").strip().lower()
-    if forced in ("offline", "disabled"):
+    if forced in ("offline", "disabled", "online"):
         return forced
-    return "online" if env.get("WANDB_API_KEY") else "offline"
+    return "online" if wandb_logged_in(env) else "offline"
+
+
+def wandb_logged_in(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether an API key is available: ``WANDB_API_KEY``, or a netrc entry for the W&B host
+    (``WANDB_BASE_URL``'s, else api.wandb.ai) in ``NETRC`` or ``$HOME/.netrc``, as ``wandb login`` leaves."""
+    import netrc
+    import urllib.parse
+
+    env = os.environ if environ is None else environ
+    if env.get("WANDB_API_KEY"):
+        return True
+    host = urllib.parse.urlparse(env.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+    home = env.get("HOME") or str(Path.home())
+    path = Path(env.get("NETRC") or Path(home) / ".netrc").expanduser()
+    try:
+        entry = netrc.netrc(str(path)).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(entry and entry[2])
 
 
 def init_kwargs(

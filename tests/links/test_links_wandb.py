@@ -151,6 +151,26 @@ def test_section_carries_lineage_ids_deterministic_id_and_tags() -> None:
     assert init_kwargs(s, environ={"WANDB_API_KEY": "k"})["mode"] == "online"
 
 
+def test_a_job_goes_online_where_the_user_logged_in_or_said_so(tmp_path: Path) -> None:
+    """``wandb login`` keeps the key in ~/.netrc, not in the environment: a job with that file (or
+    ``WANDB_MODE=online``) streams to W&B, as wandb itself would, instead of writing offline runs."""
+    from orchestrator.links.wandb_init import wandb_mode
+
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine api.wandb.ai\n  login user\n  password " + "k" * 40 + "\n")
+    netrc.chmod(0o600)
+    nowhere = str(tmp_path / "none")
+    assert wandb_mode({"NETRC": str(netrc)}) == "online"
+    assert wandb_mode({"HOME": str(tmp_path), "NETRC": nowhere}) == "offline"
+    (tmp_path / ".netrc").write_bytes(netrc.read_bytes())
+    (tmp_path / ".netrc").chmod(0o600)
+    assert wandb_mode({"HOME": str(tmp_path)}) == "online", "the netrc wandb login writes, in the job's HOME"
+    assert wandb_mode({"NETRC": str(netrc), "WANDB_BASE_URL": "https://wandb.lab.internal"}) == "offline"
+    assert wandb_mode({"NETRC": nowhere, "WANDB_MODE": "online"}) == "online", "asked for: wandb says if it cannot"
+    assert wandb_mode({"NETRC": str(netrc), "WANDB_MODE": "offline"}) == "offline"
+    assert wandb_mode({"WANDB_API_KEY": "k" * 40, "WANDB_MODE": "disabled"}) == "disabled"
+
+
 @pytest.mark.parametrize("name", ["lab/moe", "moe#1", "a:b", "what?", "x" * 129, "", " moe"])
 def test_invalid_project_name_is_one_clear_line(name: str) -> None:
     with pytest.raises(WandbLinkError) as err:

@@ -2,10 +2,10 @@
 
 `open_tracker` is the only function stages call. It always appends every logged step as a JSON line to
 DIR/metrics.jsonl (the record that survives without any service), and mirrors it to Weights & Biases
-when the stage config has a `wandb:` section: mode comes from the environment (offline when
-WANDB_API_KEY is unset or WANDB_MODE=offline, else online), and run id/project/entity/group/job_type/
-tags/config/resume come from that section, through the Links helper `orchestrator.links.wandb_init`.
-Without a section W&B is disabled.
+when the stage config has a `wandb:` section: mode comes from the environment (WANDB_MODE where set,
+else online where a key is at hand, WANDB_API_KEY or `wandb login`'s netrc, else offline), and run
+id/project/entity/group/job_type/tags/config/resume come from that section, through the Links helper
+`orchestrator.links.wandb_init`. Without a section W&B is disabled.
 
 Given the stage's step count, it also prints a progress line to stderr (step, loss, drop fraction,
 time per step, time left) at the first step, at most every PROGRESS_EVERY_S after, and at the last:
