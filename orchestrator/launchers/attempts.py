@@ -167,6 +167,7 @@ def mark_running(store: LineageStore, attempt: Attempt, status: JobStatus) -> At
             started_at=max(status.started_at or utcnow(), attempt.submitted_at),
             host=status.host or attempt.host,
             image_digest=status.image_digest or attempt.image_digest,
+            granted=status.granted or attempt.granted,
         )
 
 
@@ -182,6 +183,7 @@ def finish_attempt(store: LineageStore, attempt: Attempt, status: JobStatus) -> 
         "reason": status.reason,
         "host": status.host or attempt.host,
         "image_digest": status.image_digest or attempt.image_digest,
+        "granted": status.granted or attempt.granted,
         "started_at": max(started, floor) if started and floor else started,
         "ended_at": max(ended, floor) if floor else ended,
     }

@@ -267,6 +267,10 @@ class JobStatus:
     tasks: dict[str, JobStatus] | None = None
     #: What the ended job used, where the backend can say (``max_rss_bytes``, ``cpu_seconds``).
     usage: dict[str, float] | None = None
+    #: What the backend gave the job once it started, where that can differ from what it asked for
+    #: (Slurm's allocated TRES: a ``--exclusive`` job holds the whole node, a CPU is a whole core):
+    #: ``cpus``, ``gpus`` (all nodes together), ``memory_bytes``, ``nodes``. None where not said.
+    granted: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tasks"}

@@ -247,6 +247,29 @@ def slurm_time(seconds: int) -> str:
     return f"{days}-{hours:02d}:{minutes:02d}:{secs:02d}" if days else f"{hours:02d}:{minutes:02d}:{secs:02d}"
 
 
+def granted_tres(text: str | None) -> dict[str, int] | None:
+    """What an allocation holds, from scontrol's ``TRES`` (allocated once the job started:
+    ``cpu=2,mem=3G,node=1,billing=2,gres/gpu=1``): ``cpus``, ``memory_bytes``, ``nodes``, ``gpus``.
+    None when there is nothing to read."""
+    if not text or text in ("(null)", "None"):
+        return None
+    out: dict[str, int] = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        try:
+            if key == "cpu":
+                out["cpus"] = int(value)
+            elif key == "node":
+                out["nodes"] = int(value)
+            elif key == "gres/gpu":  # typed ones (gres/gpu:a100=2) are counted in it too
+                out["gpus"] = int(value)
+            elif key == "mem":
+                out["memory_bytes"] = parse_memory(value)
+        except (ValueError, OpenlabError):
+            continue  # a form this Slurm prints that we do not read: the rest still counts
+    return out or None
+
+
 def _parse_dt(text: str | None) -> dt.datetime | None:
     """Slurm prints local times without zone (``2026-12-02T18:46:49``); None for Unknown/None."""
     if not text or text in ("Unknown", "None", "N/A") or not text[:1].isdigit():
@@ -889,7 +912,7 @@ class SlurmLauncher(Launcher):
         for good, whenever slurmdbd did not answer after slurmctld had forgotten the job."""
         if not flag_option(self.config, "sacct", True):
             return None
-        fields = ["JobID", "State", "ExitCode", "NodeList", "Start", "End", "Reason"]
+        fields = ["JobID", "State", "ExitCode", "NodeList", "Start", "End", "Reason", "AllocTRES"]
         proc = self._run("sacct", "-j", job_id, "-X", "-n", "-P", "-o", ",".join(fields), check=False)
         if proc.returncode != 0:
             message = "; ".join(line.strip() for line in (proc.stderr or proc.stdout).strip().splitlines())
@@ -914,6 +937,7 @@ class SlurmLauncher(Launcher):
                     "StartTime": values.get("Start", ""),
                     "EndTime": values.get("End", ""),
                     "Reason": values.get("Reason", ""),
+                    "AllocTRES": values.get("AllocTRES", ""),
                 }
             )
         return rows
@@ -1185,13 +1209,15 @@ class SlurmLauncher(Launcher):
             note = f"requeued {restarts} time{'s' if restarts != 1 else ''} by Slurm and restarted from its script"
             reason = with_notes(reason, note)
         node = row.get("NodeList") or row.get("BatchHost")
+        started = _parse_dt(row.get("StartTime")) if state is not JobState.PENDING else None
         return JobStatus(
             state=state,
             exit_code=code if state.terminal else None,
             reason=reason,
             host=node if node not in ("", "(null)", "None", "None assigned") else None,
-            started_at=_parse_dt(row.get("StartTime")) if state is not JobState.PENDING else None,
+            started_at=started,
             ended_at=_parse_dt(row.get("EndTime")) if state.terminal else None,
+            granted=granted_tres(row.get("AllocTRES") or row.get("TRES")) if started else None,
         )
 
     # -- logs, cancel, check ---------------------------------------------------------------

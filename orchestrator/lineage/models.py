@@ -287,6 +287,10 @@ class Attempt(LineageRecord, table=True):
     #: What the job asked the backend for (cpus, memory, gpus, time_limit; only those set), so an
     #: audit can say what a run was given, and a GPU-hour count needs no backend's memory.
     resources: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    #: What the backend gave the job, where it says and that can differ from what was asked (Slurm's
+    #: allocated TRES): ``cpus``, ``gpus``, ``memory_bytes``, ``nodes``, the whole job's (migration
+    #: 0016). CPU- and GPU-hours count these where known (:mod:`orchestrator.lineage.usage`).
+    granted: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
     #: What the job used, where openlab measures it (the local backend, whose supervisor is the job's
     #: parent): ``max_rss_bytes`` (the largest process's peak resident memory) and ``cpu_seconds``
     #: (user + system time of the job and every process it waited for). None where not measured.

@@ -7,7 +7,9 @@ its start, end, state and what it asked for (:attr:`Attempt.resources`), so the 
 
 - **wall hours**: from a job's start to its end (to now while it runs); a job that never
   started used nothing.
-- **CPU-hours / GPU-hours**: wall hours × the CPUs / GPUs the job *asked* for, counted as the
+- **CPU-hours / GPU-hours**: wall hours × the CPUs / GPUs the job held: what the backend granted
+  where it says (:attr:`Attempt.granted`, Slurm's allocated TRES: a ``--exclusive`` job holds the
+  whole node, as ``sacct``'s AllocTRES counts it), else what it *asked* for, counted as the
   launchers ask (and Slurm counts): CPUs per task × tasks, GPUs per node × nodes, so a distributed
   job of 2 nodes × 8 tasks asking 4 CPUs and 8 GPUs holds 64 CPUs and 16 GPUs. A job that asked
   for no CPU count (the backend's default) counts as 1 CPU per task; one that asked for no GPU as 0.
@@ -74,11 +76,13 @@ class Usage:
         self.attempts += 1
         self.by_state[attempt.state] = self.by_state.get(attempt.state, 0) + 1
         self.wall_hours += hours
+        granted = attempt.granted or {}
         nodes = int(asked.get("nodes") or 1)
         tasks = nodes * int(asked.get("tasks_per_node") or 1)
         cpu_hours = hours * float(asked.get("cpus") or 1) * tasks
-        self.cpu_hours += cpu_hours
-        self.gpu_hours += hours * float(asked.get("gpus") or 0) * nodes
+        self.cpu_hours += hours * float(granted["cpus"]) if "cpus" in granted else cpu_hours
+        gpus = granted.get("gpus", 0) if granted else float(asked.get("gpus") or 0) * nodes  # granted: unsaid is none
+        self.gpu_hours += hours * float(gpus or 0)
         if attempt.state not in ("COMPLETED", "RUNNING", "PENDING") and not attempt.progress_saved:
             self.lost_hours += hours
         used = attempt.used or {}

@@ -209,3 +209,49 @@ def test_a_warning_for_the_batch_shell_reaches_a_one_task_job_once(measure_usage
     assert "saved and done" in lines, lines
     assert status.state is JobState.SUCCEEDED and status.exit_code == 0, status
     assert (status.usage is not None) is measure_usage, status
+
+
+@pytest.mark.slurm
+def test_an_exclusive_job_records_the_whole_node_it_held_and_usage_counts_it(store: LineageStore) -> None:
+    """``--exclusive`` (or a cluster that gives whole cores) grants more than a job asked for: Slurm
+    charges the allocation, and so must ``lineage usage``. The attempt records what was granted
+    (scontrol's allocated TRES), beside what was asked, and CPU-hours count the granted CPUs."""
+    from orchestrator.lineage.listing import RecordFilter
+    from orchestrator.lineage.usage import usage
+
+    require_slurm()
+    import subprocess
+
+    node_cpus = int(
+        subprocess.run(["sinfo", "-h", "-o", "%c"], capture_output=True, text=True, check=True).stdout.split()[0]
+    )
+    launcher = get_launcher("slurm", extra_args=["--exclusive"])
+    hold = JobSpec(name="exclusive", command=["sleep", "2"], cpus=1)
+    attempt, status = run_job(store, launcher, hold, timeout=120)
+    assert status.state is JobState.SUCCEEDED, status
+    recorded = store.require(Attempt, attempt.id)
+    assert recorded.resources is not None and recorded.resources["cpus"] == 1
+    assert recorded.granted is not None and recorded.granted["cpus"] == node_cpus >= 1, recorded.granted
+    assert recorded.granted["nodes"] == 1, recorded.granted  # (mem too, where the cluster allocates memory)
+    hours = (recorded.ended_at - recorded.started_at).total_seconds() / 3600  # type: ignore[operator]
+    report = usage(store, RecordFilter(), by="stage")
+    assert report.total.cpu_hours == pytest.approx(hours * node_cpus), report.total
+
+    shared = get_launcher("slurm")  # asked for and given one CPU: the same either way
+    attempt, status = run_job(store, shared, JobSpec(name="shared", command=["true"], cpus=1), timeout=120)
+    assert status.state is JobState.SUCCEEDED, status
+    assert store.require(Attempt, attempt.id).granted["cpus"] == 1  # type: ignore[index]
+
+
+def test_allocated_tres_is_read_in_slurms_own_forms() -> None:
+    from orchestrator.launchers.slurm import granted_tres
+
+    assert granted_tres("cpu=64,mem=500G,node=2,billing=64,gres/gpu=16,gres/gpu:a100=16") == {
+        "cpus": 64,
+        "memory_bytes": 500 * 2**30,
+        "nodes": 2,
+        "gpus": 16,
+    }
+    assert granted_tres("cpu=2,mem=3072M,node=1,energy=5") == {"cpus": 2, "memory_bytes": 3 * 2**30, "nodes": 1}
+    assert granted_tres("(null)") is None and granted_tres("") is None and granted_tres(None) is None
+    assert granted_tres("cpu=two,node=1") == {"nodes": 1}  # a value it cannot read leaves the rest
