@@ -100,6 +100,7 @@ def stage_wandb_settings(
     trigger: str | None = None,
     sweep: str | None = None,
     lineage_ids: Mapping[str, Any] | None = None,
+    redo_of: str | None = None,
     include_mode: bool = False,
     settings: Settings | None = None,
     environ: Mapping[str, str] | None = None,
@@ -111,6 +112,11 @@ def stage_wandb_settings(
     commit, issue, data snapshot, backend, replica, how the run was started
     (``trigger-schedule``: a W&B workspace filtered on it shows the nightlies alone) and the sweep
     it is one of (``sweep-swp_…``: the sweep's runs side by side in W&B's runs table).
+
+    The run id derives from the stage identity, so every attempt of a stage (a retry, a resume after
+    preemption, a later run going on from its checkpoint) continues one W&B run; ``redo_of`` (the
+    stage run id, given when this identity completed before) makes the re-run a W&B run of its own.
+    The run is named ``replica/stage pipeline_run`` (W&B's random names say nothing in a runs table).
 
     ``mode`` is left to the job by default (offline unless ``WANDB_API_KEY`` is set *in the
     job*, see :func:`orchestrator.links.wandb_init.wandb_mode`): the MoE workload's tracker
@@ -148,7 +154,10 @@ def stage_wandb_settings(
         "stage_identity": stage_identity,
     }
     section: dict[str, Any] = {
-        "id": wandb_run_id(stage_identity),
+        # a stage's re-run after its identity completed (forced, or its outputs no longer verified)
+        # is a run of its own: continuing the completed one would log its steps again over it
+        "id": wandb_run_id(f"{stage_identity}:{redo_of}" if redo_of else stage_identity),
+        "name": f"{replica}/{stage} {pipeline_run_id}" if replica else f"{stage} {pipeline_run_id}",
         "project": project,
         "entity": entity,
         "group": pipeline_run_id,
@@ -217,6 +226,8 @@ class RunReadback:
     config: dict[str, Any] = field(default_factory=dict)
     tags: list[str] = field(default_factory=list)
     state: str | None = None
+    #: The run's name, as W&B's runs table shows it
+    name: str | None = None
 
 
 def _wandb_cli() -> list[str]:
@@ -290,6 +301,7 @@ def _read_with_protobuf(run_dir: Path) -> dict[str, Any]:
         kind = rec.WhichOneof("record_type")
         if kind == "run":
             out.update(run_id=rec.run.run_id, project=rec.run.project, entity=rec.run.entity)
+            out["name"] = rec.run.display_name or None
             out["tags"] = list(rec.run.tags)
             for item in rec.run.config.update:
                 put(out["config"], item)
@@ -349,6 +361,7 @@ def read_run_dir(run_dir: str | Path, *, reader: str = "auto") -> RunReadback:
         config=config,
         tags=list(data.get("tags") or []),
         state=data.get("state"),
+        name=data.get("name") or None,
     )
 
 
@@ -384,8 +397,13 @@ def record_wandb_run(
     whose files never say it ended is ``crashed``, W&B's word for a process that died unheard.
     """
     stage = stage_run if isinstance(stage_run, StageRun) else store.require(StageRun, stage_run)
-    expected = wandb_run_id(stage.identity) if stage.identity else None
-    dirs = find_run_dirs(run_dir_or_out_dir, expected) if expected else []
+    expected = None
+    dirs: list[Path] = []
+    for candidate in (f"{stage.identity}:{stage.id}", stage.identity) if stage.identity else ():
+        expected = wandb_run_id(candidate)  # a re-run's own run first (``redo_of``), else the identity's
+        dirs = find_run_dirs(run_dir_or_out_dir, expected)
+        if dirs:
+            break
     if not dirs:
         found = find_run_dirs(run_dir_or_out_dir)
         if not found:
@@ -411,7 +429,10 @@ def record_wandb_run(
     if ids.get("stage_identity") and ids["stage_identity"] != stage.identity:
         log.warning("W&B run %s carries stage identity %s, not %s", last.run_id, ids["stage_identity"], stage.identity)
     project = last.project or "uncategorized"
-    mode = "offline" if any(r.mode == "offline" for r in reads) else "online"
+    offline = [d for d, r in zip(dirs, reads, strict=True) if r.mode == "offline"]
+    # uploaded where every offline attempt carries wandb's mark; one written after the last sync
+    # (a retry, a resume after preemption) is not uploaded yet, whatever an earlier sync did
+    mode = "online" if not offline else "synced" if all(is_synced(d) for d in offline) else "offline"
     url = f"{app_url()}/{last.entity}/{project}/runs/{last.run_id}" if mode == "online" and last.entity else None
     record_id = f"{last.entity or ''}/{project}/{last.run_id}"
     with store.transaction() as tx:
@@ -420,7 +441,7 @@ def record_wandb_run(
             "run_id": last.run_id,
             "project": project,
             "entity": last.entity,
-            "mode": existing.mode if existing is not None and existing.mode == "synced" and mode == "offline" else mode,
+            "mode": mode,
             "url": url or (existing.url if existing is not None else None),
             "local_dir": str(last.local_dir),
             "summary": summary,
@@ -437,6 +458,35 @@ def record_wandb_run(
 
 
 # -- uploading offline runs -----------------------------------------------------------------------------
+def keep_unsynced(store: LineageStore, out_dir: Path, keep_dir: Path) -> list[Path]:
+    """Move the offline W&B runs under ``out_dir`` that were never uploaded to ``keep_dir``, and point
+    their records there: a forced re-run deletes the folder, and with it the only copy of the earlier
+    run's curves (``openlab wandb sync`` uploads them from their new place). Returns where they went."""
+    moved: dict[str, str] = {}
+    for run_dir in find_run_dirs(out_dir):
+        if not run_dir.name.startswith("offline-run") or is_synced(run_dir):
+            continue
+        target = keep_dir / run_dir.name
+        keep_dir.mkdir(parents=True, exist_ok=True)
+        shutil.move(run_dir, target)
+        moved[str(run_dir)] = str(target)
+    records = [run for run in store.list(WandbRun) if run.local_dir in moved]
+    if records:
+        with store.transaction() as tx:
+            for run in records:
+                tx.update(tx.get(WandbRun, run.id) or run, local_dir=moved[str(run.local_dir)], updated_at=utcnow())
+    return [Path(p) for p in moved.values()]
+
+
+#: The file wandb puts beside a run's ``run-<id>.wandb`` once it is uploaded.
+SYNCED_SUFFIX = ".wandb.synced"
+
+
+def is_synced(run_dir: Path) -> bool:
+    """Whether an offline run directory was uploaded (wandb's ``run-<id>.wandb.synced`` mark in it)."""
+    return any(run_dir.glob(f"run-*{SYNCED_SUFFIX}"))
+
+
 _URL_IN_OUTPUT = re.compile(r"https?://\S+/runs/[A-Za-z0-9_-]+")
 
 Runner = Callable[[Sequence[str]], "subprocess.CompletedProcess[str]"]
@@ -463,7 +513,8 @@ def sync_offline_runs(
         if not run.local_dir or not Path(run.local_dir).is_dir():
             failures.append(f"{run.id}: its files are gone ({run.local_dir})")
             continue
-        dirs = find_run_dirs(Path(run.local_dir).parent, run.run_id) or [Path(run.local_dir)]
+        every = find_run_dirs(Path(run.local_dir).parent, run.run_id) or [Path(run.local_dir)]
+        dirs = [d for d in every if not is_synced(d)] or every  # what an earlier sync uploaded, not again
         cmd = [*_wandb_cli(), "sync", "--id", run.run_id, "-p", run.project]
         if run.entity:
             cmd += ["-e", run.entity]
@@ -473,11 +524,14 @@ def sync_offline_runs(
             lines = [ln for ln in output.strip().splitlines() if ln.strip()]
             failures.append(f"{run.id}: wandb sync failed: {lines[-1] if lines else f'exit {proc.returncode}'}")
             continue
+        for d in dirs:  # wandb's own mark (`wandb sync` skips, `wandb sync --clean` deletes, such a run)
+            (d / f"run-{run.run_id}{SYNCED_SUFFIX}").touch()
         m = _URL_IN_OUTPUT.search(output)
         url = m.group(0) if m else None
         if url is None and run.entity:
             url = f"{app_url(environ)}/{run.entity}/{run.project}/runs/{run.run_id}"
         with store.transaction() as tx:
+            url = url or run.url
             synced.append(tx.update(tx.get(WandbRun, run.id) or run, mode="synced", url=url, updated_at=utcnow()))
     if failures:
         more = f" (+{len(failures) - 1} more)" if len(failures) > 1 else ""
@@ -490,6 +544,8 @@ __all__ = [
     "WandbLinkError",
     "app_url",
     "find_run_dirs",
+    "is_synced",
+    "keep_unsynced",
     "read_run_dir",
     "record_wandb_run",
     "stage_wandb_settings",

@@ -857,6 +857,28 @@ def _write_config(
     return path, bool(wandb)
 
 
+def _completed_before(ctx: PipelineContext, stage: str, identity: str, stage_run_id: str) -> bool:
+    """Whether another stage run of this stage and identity completed: this one re-does it."""
+    runs = ctx.store.list(StageRun, stage=stage, identity=identity, state="COMPLETED")
+    return any(r.id != stage_run_id for r in runs)
+
+
+def _keep_unsynced_wandb(ctx: PipelineContext, out_dir: Path) -> None:
+    """Before a forced re-run deletes ``out_dir``: its offline W&B runs never uploaded go to
+    ``$OPENLAB_HOME/wandb-unsynced`` (their records follow), where ``openlab wandb sync`` finds them."""
+    try:
+        from orchestrator.links.wandb import keep_unsynced
+    except ImportError:
+        return
+    try:
+        kept = keep_unsynced(ctx.store, out_dir, ctx.settings.home / "wandb-unsynced")
+    except Exception as exc:  # noqa: BLE001 - the re-run goes on; what could not be kept is said
+        log.warning("could not keep the W&B runs in %s before the forced re-run deletes it: %s", out_dir, exc)
+        return
+    if kept:
+        log.warning("kept %d W&B run(s) not yet uploaded in %s (wandb sync uploads them)", len(kept), kept[0].parent)
+
+
 def _wandb_section(ctx: PipelineContext, spec: StageSpec, identity: str, stage_run: StageRun) -> dict[str, Any] | None:
     """The ``wandb:`` section of the stage config (links layer); None when no W&B project is configured.
 
@@ -895,6 +917,7 @@ def _wandb_section(ctx: PipelineContext, spec: StageSpec, identity: str, stage_r
             replica=ctx.pipeline_run.replica,
             trigger=ctx.pipeline_run.trigger,
             sweep=ctx.pipeline_run.sweep.get("id"),
+            redo_of=stage_run.id if _completed_before(ctx, spec.name, identity, stage_run.id) else None,
             lineage_ids={
                 "stage_run_id": stage_run.id,
                 "user": ctx.pipeline_run.user,  # the account that started the run (W&B's own user is the key's)
@@ -1061,6 +1084,7 @@ def _run_stage(
     ctx.emit(spec.name, "RUNNING", identity=digest, stage_run_id=run.id, reason=why)
 
     if forced and out_dir.exists() and existing is None:
+        _keep_unsynced_wandb(ctx, out_dir)
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config_path, uses_wandb = _write_config(ctx, spec, digest, inputs, run)

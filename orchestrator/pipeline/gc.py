@@ -261,7 +261,7 @@ def plan_gc(
         by_identity[(sr.stage, sr.identity)].append(sr)
     removed = {a.id for a in store.list(Artifact, where=[col(Artifact.removed_at).is_not(None)])}
     snapshot_paths = [Path(s.path) for s in store.list(DataSnapshot) if s.removed_at is None]
-    unsynced = [Path(w.local_dir) for w in store.list(WandbRun) if w.local_dir and not w.url and keep_unsynced_wandb]
+    unsynced = [Path(w.local_dir) for w in store.list(WandbRun, mode="offline") if w.local_dir and keep_unsynced_wandb]
     root = settings.artifacts_dir.resolve()
 
     outputs: list[Output] = []

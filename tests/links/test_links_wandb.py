@@ -19,6 +19,7 @@ from orchestrator.lineage.trace import trace
 from orchestrator.links.wandb import (
     WandbLinkError,
     find_run_dirs,
+    is_synced,
     read_run_dir,
     record_wandb_run,
     run_dir_id,
@@ -289,8 +290,9 @@ def test_sync_without_login_is_one_line_exit_2(openlab_env: Path, tmp_path: Path
     )
 
 
-def test_sync_uploads_every_attempt_and_records_the_url(job_out, store, stage) -> None:
+def test_sync_uploads_every_attempt_and_records_the_url(job_out, store, stage, tmp_path: Path) -> None:
     out, (first, _) = job_out
+    out = Path(shutil.copytree(out, tmp_path / "out"))  # sync marks what it uploaded: the module's copy stays as run
     record_wandb_run(store, stage, out)
     calls: list[list[str]] = []
 
@@ -305,6 +307,19 @@ def test_sync_uploads_every_attempt_and_records_the_url(job_out, store, stage) -
     assert cmd[1:8] == ["sync", "--id", first["id"], "-p", "openlab-moe", "-e", "lab"]
     assert [Path(p).name for p in cmd[8:]] == [d.name for d in find_run_dirs(out)]
     assert sync_offline_runs(store, runner=fake_wandb, environ={"WANDB_API_KEY": "k"}) == []  # nothing left
+    assert all(is_synced(d) for d in find_run_dirs(out)), "marked as wandb marks what it uploaded"
+
+    # the stage is preempted and resumed: a third attempt of the same run, written after the sync
+    third = _run_job(out, _section(), [(5, {"loss": 1.5, "tokens": 600.0})])
+    assert third["id"] == first["id"]
+    again = record_wandb_run(store, stage, out, job_ended=True)
+    assert again.mode == "offline", "the new attempt is not uploaded: sync must see it"
+    calls.clear()
+    [run] = sync_offline_runs(store, runner=fake_wandb, environ={"WANDB_API_KEY": "k"})
+    [cmd] = calls
+    assert [Path(p).name for p in cmd[8:]] == [find_run_dirs(out)[-1].name], "only what was not uploaded"
+    assert run.mode == "synced" and run.url == f"https://wandb.ai/lab/openlab-moe/runs/{first['id']}"
+    assert record_wandb_run(store, stage, out, job_ended=True).mode == "synced"
 
 
 def test_sync_failure_is_reported(job_out, store, stage) -> None:

@@ -54,6 +54,27 @@ def test_tiny_replica_runs_end_to_end_then_reuses_everything() -> None:
         (s["stage"], s["reason"]) for s in second["stages"]
     ]
 
+    # Forced again, eval is a W&B run of its own (continuing the first would log its steps over it),
+    # named for people; the first's offline run, never uploaded, is kept out of the deleted folder.
+    from orchestrator.lineage import WandbRun
+    from orchestrator.links.wandb import find_run_dirs, read_run_dir
+
+    third = openlab_run("--replica", "tiny", "--force-stage", "eval", "--json")
+    assert [s["state"] for s in third["stages"]][-1] == "COMPLETED", third["stages"]
+    with LineageStore.open(load_settings()) as store:
+        runs = {}
+        for pipeline_run in (first, third):
+            (srun,) = store.list(StageRun, pipeline_run_id=pipeline_run["pipeline_run_id"], stage="eval")
+            (linked,) = [r.object_id for r in store.relations(srun.id) if r.object_kind == "wandb_run"]
+            runs[pipeline_run["pipeline_run_id"]] = store.require(WandbRun, linked)
+    before, after = runs[first["pipeline_run_id"]], runs[third["pipeline_run_id"]]
+    assert before.run_id != after.run_id, "a forced re-run continued the completed run's W&B run"
+    kept = find_run_dirs(str(Path(str(before.local_dir)).parent), before.run_id)
+    assert kept and Path(str(before.local_dir)).parent == load_settings().home / "wandb-unsynced", before.local_dir
+    assert before.mode == "offline" and read_run_dir(kept[0]).summary, "the first run's curves are still there"
+    back = read_run_dir(find_run_dirs(str(Path(str(after.local_dir)).parent), after.run_id)[0])
+    assert back.name == f"tiny/eval {third['pipeline_run_id']}", back.name
+
 
 def test_drops_replica_runs_the_reproduction_stage_with_lineage_then_reuses() -> None:
     """The token-dropping reproduction through the pipeline: data -> tokenize -> repro, the headline
