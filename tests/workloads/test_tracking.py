@@ -49,7 +49,7 @@ def _stage(out: Path, config: dict, section: dict) -> str:
 
 def test_tracker_run_carries_lineage_config_and_resumes(tmp_path: Path) -> None:
     section = {"project": "replica", "config": {"openlab": {"stage_run": "sr-1"}, "seed": 7}}
-    first_id = _stage(tmp_path, {"seed": 0, "train": {"steps": 3}}, section)
+    first_id = _stage(tmp_path, {"seed": 0, "train": {"steps": 3}, "wandb": section}, section)
     assert first_id and (tmp_path / "wandb_run_id").read_text() == first_id
     # metrics.jsonl is the record that survives without any service
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0]) == {"step": 1, "eval/loss": 2.5}
@@ -60,6 +60,7 @@ def test_tracker_run_carries_lineage_config_and_resumes(tmp_path: Path) -> None:
     # the stage's config under the section's: lineage ids (and anything the orchestrator set) win
     assert back.config["openlab"] == {"stage_run": "sr-1"} and back.config["seed"] == 7
     assert back.config["train"] == {"steps": 3}
+    assert "wandb" not in back.config, "the run's own settings are not a hyperparameter of it"
     assert not list(run_dir.rglob("output.log"))  # no console capture
 
     # a restarted stage (same DIR) continues the same W&B run

@@ -158,6 +158,7 @@ def _wandb_run(section: dict[str, Any], out: Path, stage: str, config: dict[str,
     id_file = out / "wandb_run_id"
     run_id = section.get("id") or (id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4))
     id_file.write_text(run_id)  # a restarted stage resumes the same run
+    config = {k: v for k, v in config.items() if k != "wandb"}  # the run's own settings: not a hyperparameter
     return init_run({"project": "openlab-moe", "job_type": stage, **section, "id": run_id}, dir=out, config=config)
 
 
