@@ -915,6 +915,10 @@ class KubernetesLauncher(Launcher):
                 ),
                 not_found=lambda: None,
             )
+            # its pods first: one the Job controller made meanwhile must not start without its ConfigMap
+            deadline = time.monotonic() + self.cancel_wait()
+            while self.pods(job_id) and time.monotonic() < deadline:
+                time.sleep(0.2)
             self._delete_companions(job_id, service=service, helpers=helpers, secret=secret)
         except Exception as exc:  # noqa: BLE001 - warned; the submit's own error goes on up
             log.warning(

@@ -763,7 +763,14 @@ class EmulatedCluster:
         jobs = self.jobs()
         for key, job in jobs.items():
             if key not in self._runs:
-                self._start_job(key, job)
+                try:
+                    self._start_job(key, job)
+                except RuntimeError:
+                    if key in self.jobs():  # a pod of a live Job without what it mounts: openlab's fault
+                        raise
+                    # deleted (with what it mounts) while its first pod was being made, as a submit that
+                    # was cut short withdraws it: the kubelet would drop the pod with its Job, no error
+                    self._runs.pop(key, None)
             elif job["spec"].get("completionMode") == "Indexed":
                 self._watch_indexed(key, job)
             else:

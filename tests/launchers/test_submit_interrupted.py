@@ -34,9 +34,11 @@ def _left_over(harness: Harness, name: str, marker: str) -> list[str]:
         return [c.name for c in containers]
     cluster = harness.options["cluster"]
     prefix = k8s_name(name)[:-9]  # the name less its random suffix
-    return [f"Job {n}" for (_, n) in cluster.jobs() if n.startswith(prefix)] + [
-        f"Secret {n}" for (_, n) in cluster.secrets() if n.startswith(prefix)
-    ]
+    return (
+        [f"Job {n}" for (_, n) in cluster.jobs() if n.startswith(prefix)]
+        + [f"pod {n}" for (_, n) in cluster.pod_phases() if n.startswith(prefix)]
+        + [f"Secret {n}" for (_, n) in cluster.secrets() if n.startswith(prefix)]
+    )
 
 
 def _interrupt_after_the_job_is_made(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -97,3 +99,5 @@ def test_a_submit_interrupted_after_the_job_was_made_leaves_nothing_running(
     while (left := _left_over(harness, name, marker)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert left == [], f"{harness.name}: the interrupted submit left {left} behind"
+    if harness.name == "kubernetes":  # and no pod of it was left to start without its ConfigMap or Secret
+        assert not harness.options["cluster"].errors, harness.options["cluster"].errors
