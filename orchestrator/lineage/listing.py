@@ -236,7 +236,8 @@ def _attempts_where(session: Any, flt: RecordFilter) -> Any:
     # a NodeList (`n[17-19]`, `n17,n18`) or per-task hosts. Only those are expanded here.
     maybe_there = or_(
         func.lower(col(Attempt.host)) == asked,
-        func.lower(col(Attempt.host)).startswith(f"{asked}.", autoescape=True),
+        func.lower(col(Attempt.host)) == asked.partition(".")[0],
+        func.lower(col(Attempt.host)).startswith(f"{asked.partition('.')[0]}.", autoescape=True),
         col(Attempt.host).contains("["),
         col(Attempt.host).contains(","),
         col(Attempt.tasks).is_not(None),
@@ -429,9 +430,15 @@ def _listed(hint: str, label: str, names: Sequence[str]) -> str:
 
 def same_host(asked: str, host: str) -> bool:
     """Whether ``--host asked`` names ``host``: as DNS names them, whatever the case, and a short
-    name (``n17``) names the machine a job recorded by its full one (``n17.west.lab``)."""
+    name names the machine recorded by its full one, and the other way round: ``--host n17`` finds
+    a local job recorded as ``n17.west.lab``, ``--host n17.west.lab`` (copied from monitoring) a
+    Slurm job whose NodeList says ``n17``."""
     asked, host = asked.lower(), host.lower()
-    return host == asked or ("." not in asked and host.partition(".")[0] == asked)
+    if host == asked:
+        return True
+    if "." in asked and "." in host:  # two full names: the same machine only if the same name
+        return False
+    return host.partition(".")[0] == asked.partition(".")[0]
 
 
 def known_hosts(store: LineageStore) -> list[str]:

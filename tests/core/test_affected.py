@@ -220,6 +220,8 @@ def test_a_host_is_named_as_dns_names_it_whatever_the_case_and_by_its_short_name
         tx.add(Attempt(stage_run_id=srun.id, number=1, backend="local", host="gpu3.West.Lab", submitted_at=_at(40)))
     by_case = affected(store, RecordFilter.from_options(host="N17"))
     assert [t.record.id for t in by_case.made_there] == [h["pre"]]
+    by_full_name = affected(store, RecordFilter.from_options(host="n17.west.lab"))  # NodeList says n17
+    assert [t.record.id for t in by_full_name.made_there] == [h["pre"]]
     for name in ("gpu3", "GPU3", "gpu3.west.lab"):
         there = affected(store, RecordFilter.from_options(host=name)).made_there
         assert [t.record.id for t in there] == [srun.id], name
