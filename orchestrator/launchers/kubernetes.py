@@ -901,20 +901,24 @@ class KubernetesLauncher(Launcher):
             raise
         return JobHandle(self.name, job_id, str(self.settings.logs_dir / f"k8s-{namespace}-{name}.log"))
 
-    def _withdraw(self, job_id: str, *, service: bool, helpers: bool, secret: bool) -> None:
-        """Undo a submit that did not return: delete the Job (if it was made) and what was made for it.
-        Best effort: the submit's own error is the one to report."""
+    def _delete_job(self, job_id: str) -> None:
+        """Delete a Job, its pods after it (Background propagation: the call does not wait for them)."""
         from kubernetes import client
 
         namespace, name = self._split(job_id)
+        self._call(
+            f"delete Job {job_id}",
+            lambda: self.batch.delete_namespaced_job(
+                name, namespace, body=client.V1DeleteOptions(propagation_policy="Background")
+            ),
+            not_found=lambda: None,
+        )
+
+    def _withdraw(self, job_id: str, *, service: bool, helpers: bool, secret: bool) -> None:
+        """Undo a submit that did not return: delete the Job (if it was made) and what was made for it.
+        Best effort: the submit's own error is the one to report."""
         try:
-            self._call(
-                f"delete Job {job_id}",
-                lambda: self.batch.delete_namespaced_job(
-                    name, namespace, body=client.V1DeleteOptions(propagation_policy="Background")
-                ),
-                not_found=lambda: None,
-            )
+            self._delete_job(job_id)
             # its pods first: one the Job controller made meanwhile must not start without its ConfigMap
             deadline = time.monotonic() + self.cancel_wait()
             while self.pods(job_id) and time.monotonic() < deadline:
@@ -1380,9 +1384,6 @@ class KubernetesLauncher(Launcher):
         return number_option(self.config, "cancel_timeout", float(grace) + 30)
 
     def cancel(self, handle: JobHandle) -> None:
-        from kubernetes import client
-
-        namespace, name = self._split(handle.job_id)
         status = self.status(handle)
         if status.state.terminal:
             self.cleanup(handle)
@@ -1391,13 +1392,7 @@ class KubernetesLauncher(Launcher):
         status.state, status.reason, status.ended_at = JobState.CANCELLED, "cancelled", dt.datetime.now(dt.UTC)
         self._save(handle.job_id, status)
         self._delete_companions(handle.job_id, **self._companions(handle.job_id))
-        self._call(
-            f"delete Job {handle.job_id}",
-            lambda: self.batch.delete_namespaced_job(
-                name, namespace, body=client.V1DeleteOptions(propagation_policy="Background")
-            ),
-            not_found=lambda: None,
-        )
+        self._delete_job(handle.job_id)
         timeout = self.cancel_wait()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -1426,7 +1421,6 @@ class KubernetesLauncher(Launcher):
 
     def cleanup(self, handle: JobHandle) -> None:
         """Keep the final status and log, then delete the finished Job (its TTL would anyway)."""
-        from kubernetes import client
 
         status = self.status(handle)
         if not status.state.terminal or self._final_path(handle.job_id).exists() and status.state is JobState.LOST:
@@ -1449,13 +1443,7 @@ class KubernetesLauncher(Launcher):
         )
         if flag_option(self.config, "delete_finished", True) or going_on:
             self._delete_companions(handle.job_id, **self._companions_of(handle.job_id, job))
-            self._call(
-                f"delete Job {handle.job_id}",
-                lambda: self.batch.delete_namespaced_job(
-                    name, namespace, body=client.V1DeleteOptions(propagation_policy="Background")
-                ),
-                not_found=lambda: None,
-            )
+            self._delete_job(handle.job_id)
 
     def check(self) -> tuple[bool, str]:
         try:

@@ -231,13 +231,12 @@ def _attempts_where(session: Any, flt: RecordFilter) -> Any:
     if not flt.host:
         return stmt
     ids = []
-    asked = flt.host.lower()
-    # The database narrows it to the jobs on that host by name and those whose host needs reading:
-    # a NodeList (`n[17-19]`, `n17,n18`) or per-task hosts. Only those are expanded here.
+    short = flt.host.lower().partition(".")[0]
+    # The database narrows it to the jobs on that host by name (short or full: `same_host` decides)
+    # and those whose host needs reading: a NodeList (`n[17-19]`, `n17,n18`) or per-task hosts.
     maybe_there = or_(
-        func.lower(col(Attempt.host)) == asked,
-        func.lower(col(Attempt.host)) == asked.partition(".")[0],
-        func.lower(col(Attempt.host)).startswith(f"{asked.partition('.')[0]}.", autoescape=True),
+        func.lower(col(Attempt.host)) == short,
+        func.lower(col(Attempt.host)).startswith(f"{short}.", autoescape=True),
         col(Attempt.host).contains("["),
         col(Attempt.host).contains(","),
         col(Attempt.tasks).is_not(None),

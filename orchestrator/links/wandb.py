@@ -468,13 +468,14 @@ def keep_unsynced(store: LineageStore, out_dir: Path, keep_dir: Path) -> list[Pa
             continue
         target = keep_dir / run_dir.name
         keep_dir.mkdir(parents=True, exist_ok=True)
+        moved[str(run_dir.resolve())] = str(target.resolve())
         shutil.move(run_dir, target)
-        moved[str(run_dir)] = str(target)
-    records = [run for run in store.list(WandbRun) if run.local_dir in moved]
+    records = [run for run in store.list(WandbRun) if run.local_dir and str(Path(run.local_dir).resolve()) in moved]
     if records:
         with store.transaction() as tx:
             for run in records:
-                tx.update(tx.get(WandbRun, run.id) or run, local_dir=moved[str(run.local_dir)], updated_at=utcnow())
+                new_dir = moved[str(Path(str(run.local_dir)).resolve())]
+                tx.update(tx.get(WandbRun, run.id) or run, local_dir=new_dir, updated_at=utcnow())
     return [Path(p) for p in moved.values()]
 
 
