@@ -32,7 +32,7 @@ from typing import Any
 from sqlmodel import col
 
 from orchestrator.launchers import get_launcher
-from orchestrator.launchers.attempts import handle_from_attempt
+from orchestrator.launchers.attempts import handle_from_attempt, unrecorded_job
 from orchestrator.lineage.models import Attempt, Lease, PipelineRun, StageRun, utcnow
 from orchestrator.lineage.store import LineageStore
 
@@ -76,6 +76,11 @@ def cancel_flow_run_jobs(
 def _cancel_attempt(store: LineageStore, attempt: Attempt, reason: str) -> list[str]:
     """Cancel one attempt's job by its handle (best effort) and record the attempt CANCELLED."""
     jobs: list[str] = []
+    if not attempt.job_id:  # its submitter may have died after the backend took the job, before recording it
+        try:
+            attempt = unrecorded_job(store, get_launcher(attempt.backend), attempt)
+        except Exception as exc:  # noqa: BLE001 - record what we can even if the backend cannot be asked
+            log.warning("could not look for the %s job of attempt %s: %s", attempt.backend, attempt.id, exc)
     if attempt.job_id:
         try:
             launcher = get_launcher(attempt.backend)

@@ -349,7 +349,10 @@ def main(argv):
                 waiting = True
                 holders = ", ".join(sorted(set(held.values())))
                 reason = f"waiting for {asked} GPU(s) of {ids}: held by {holders}"
-                _write(run_path, {"state": "PENDING", "reason": reason, "host": os.uname().nodename})
+                _write(
+                    run_path,
+                    {"state": "PENDING", "reason": reason, "host": os.uname().nodename, "supervisor_pid": os.getpid()},
+                )
             time.sleep(0.25)
     source = sink = None
     if secrets:  # the job's output through a pipe, masked on its way to the log (module docstring)
@@ -396,7 +399,14 @@ def main(argv):
     if why["stop"] is not None:
         kill(signal.SIGTERM)
 
-    state = {"state": "RUNNING", "pgid": pid, "host": os.uname().nodename, "started_at": time.time()}
+    # its own pid too: a submitter killed before it put that in ID.json leaves only this to cancel by
+    state = {
+        "state": "RUNNING",
+        "pgid": pid,
+        "host": os.uname().nodename,
+        "started_at": time.time(),
+        "supervisor_pid": os.getpid(),
+    }
     _write(run_path, state)
     if limit > 0:
         signal.setitimer(signal.ITIMER_REAL, limit - warn if 0 < warn < limit else limit)

@@ -29,6 +29,7 @@ from sqlmodel import select
 
 from orchestrator.errors import OpenlabError
 from orchestrator.launchers.base import (
+    ATTEMPT_LABEL,
     BackendUnavailable,
     Backoff,
     JobHandle,
@@ -107,7 +108,13 @@ def submit_attempt(
     store: LineageStore, launcher: Launcher, spec: JobSpec, *, stage_run_id: str | None = None
 ) -> tuple[Attempt, JobHandle]:
     """Submit ``spec`` and record the attempt; a refused submit is recorded FAILED and re-raised
-    (a job the backend could never run as asked is refused first, with nothing recorded)."""
+    (a job the backend could never run as asked is refused first, with nothing recorded).
+
+    The attempt is recorded (PENDING, no job id) before the job is submitted, and the job carries its
+    id (:data:`~orchestrator.launchers.base.ATTEMPT_LABEL`): a submitter killed after the backend took
+    the job and before its id was written (SIGKILL, the OOM killer, a lost node) leaves an attempt the
+    reaper finds the job of (:func:`orchestrator.pipeline.reconcile.reconcile`), not a job that trains
+    on unrecorded."""
     launcher.refuse_unsupported(spec)
     if stage_run_id is not None:
         _require_stage_run(store, stage_run_id)
@@ -127,21 +134,41 @@ def submit_attempt(
         resources=spec.resources() or None,
         state="PENDING",
     )
+    with store.transaction() as tx:
+        attempt = tx.add(attempt)
+    spec = dataclasses.replace(spec, labels={**spec.labels, ATTEMPT_LABEL: attempt.id})
     try:
         handle = launcher.submit(spec)
     except BaseException as exc:
+        stopped = interruption_reason(exc)
         with store.transaction() as tx:
-            stopped = interruption_reason(exc)
-            attempt.state = "CANCELLED" if stopped else "FAILED"
-            attempt.reason = f"submit {stopped}" if stopped else f"submit failed: {scrub(_one_line(exc), secrets)}"
-            attempt.ended_at = utcnow()
-            attempt = tx.add(attempt)
+            attempt = tx.update(
+                attempt,
+                state="CANCELLED" if stopped else "FAILED",
+                reason=f"submit {stopped}" if stopped else f"submit failed: {scrub(_one_line(exc), secrets)}",
+                ended_at=utcnow(),
+            )
         raise
     with store.transaction() as tx:
-        attempt.job_id = handle.job_id
-        attempt.log_path = handle.log_path
-        attempt = tx.add(attempt)
+        attempt = tx.update(attempt, job_id=handle.job_id, log_path=handle.log_path)
     return attempt, handle
+
+
+def unrecorded_job(store: LineageStore, launcher: Launcher, attempt: Attempt, *, record: bool = True) -> Attempt:
+    """``attempt`` with the id of its job where its submitter died (SIGKILL, a lost node) between the
+    backend taking the job and lineage recording the job's id (:func:`submit_attempt`): the job is
+    found by its :data:`~orchestrator.launchers.base.ATTEMPT_LABEL`, and with ``record`` its id
+    written. An attempt with a job id, or whose submit ended, is returned as it is, as is one whose
+    backend holds no job of it. Raises what :meth:`~orchestrator.launchers.base.Launcher.find` raises."""
+    if attempt.job_id or attempt.state != "PENDING":
+        return attempt
+    found = launcher.find({ATTEMPT_LABEL: attempt.id})
+    if not found:
+        return attempt
+    if not record:
+        return attempt.model_copy(update={"job_id": found[0].job_id, "log_path": found[0].log_path})
+    with store.transaction() as tx:
+        return tx.update(attempt, job_id=found[0].job_id, log_path=found[0].log_path)
 
 
 def _require_stage_run(store: LineageStore, stage_run_id: str) -> None:
@@ -449,4 +476,5 @@ __all__ = [
     "recorded_status",
     "run_job",
     "submit_attempt",
+    "unrecorded_job",
 ]

@@ -55,6 +55,11 @@ log = logging.getLogger(__name__)
 
 #: Label keys that carry lineage ids on containers, Slurm comments and Kubernetes objects.
 LABEL_PREFIX = "openlab.io/"
+#: The label every job submitted for a lineage attempt carries: the attempt's id. An attempt is
+#: recorded before its job is submitted, so when the submitter dies (SIGKILL, a lost node) after the
+#: backend took the job and before its id was written, the reaper finds the job by this label
+#: (:meth:`Launcher.find`) instead of leaving it to run unrecorded.
+ATTEMPT_LABEL = LABEL_PREFIX + "attempt"
 
 
 class JobState(StrEnum):
@@ -468,6 +473,15 @@ class Launcher(ABC):
     @abstractmethod
     def logs(self, handle: JobHandle, *, follow: bool = False, tail: int | None = None) -> Iterator[str]:
         """Log lines (without newline); with ``follow``, until the job ends."""
+
+    @abstractmethod
+    def find(self, labels: Mapping[str, str]) -> list[JobHandle]:
+        """The jobs this backend still knows (running, queued, or ended and not yet cleaned up) whose
+        labels include every one of ``labels``.
+
+        How a job is found whose submitter died between the backend taking it and lineage recording its
+        id (:data:`ATTEMPT_LABEL`): without it such a job trains on, holding its GPUs, and nobody can
+        cancel it. Raises :class:`BackendUnavailable` when the backend cannot be asked now."""
 
     @abstractmethod
     def cancel(self, handle: JobHandle) -> None:

@@ -675,6 +675,20 @@ class DockerLauncher(Launcher):
         if partial:
             yield partial.decode("utf-8", "replace")
 
+    def find(self, labels: Mapping[str, str]) -> list[JobHandle]:
+        import requests
+
+        wanted = [f"{k}={v}" for k, v in labels.items()] + [f"{MANAGED_LABEL}=true"]
+        try:
+            containers = self.client.containers.list(all=True, filters={"label": wanted})
+        except self._errors().APIError as exc:
+            raise LauncherError(f"docker could not list containers: {_api_message(exc)}") from None
+        except (requests.exceptions.ConnectionError, requests.exceptions.Timeout) as exc:
+            raise BackendUnavailable(
+                f"docker engine not reachable at {_engine_url(self.config)}: {type(exc).__name__}"
+            ) from None
+        return [JobHandle(self.name, c.name, str(self._log_path(c.name))) for c in containers]
+
     def cancel(self, handle: JobHandle) -> None:
         container = self._get(handle.job_id)
         if container is None:

@@ -1052,6 +1052,27 @@ class KubernetesLauncher(Launcher):
             return pods
         return [p for p in pods if _index_of(p) == index]
 
+    def find(self, labels: Mapping[str, str]) -> list[JobHandle]:
+        """Jobs of the launcher's namespace (a job sent to another by its own ``namespace`` option is
+        not looked for) whose annotations hold ``labels``: every label is one, where a value that
+        is no valid label value is not a label (:meth:`manifest`)."""
+        wanted = {str(k): str(v) for k, v in labels.items()}
+        selector = ",".join(
+            [JOB_NAME_LABEL] + [f"{k}={v}" for k, v in wanted.items() if _LABEL_VALUE.match(v) and len(v) <= 63]
+        )
+        namespace = self.namespace
+        jobs = self._call(
+            f"list Jobs in namespace {namespace}",
+            lambda: self.batch.list_namespaced_job(namespace, label_selector=selector),
+        )
+        found = []
+        for job in jobs.items or []:
+            notes = job.metadata.annotations or {}
+            if all(notes.get(k) == v for k, v in wanted.items()):  # the selector, applied again here
+                ns, name = job.metadata.namespace or namespace, job.metadata.name
+                found.append(JobHandle(self.name, f"{ns}/{name}", str(self.settings.logs_dir / f"k8s-{ns}-{name}.log")))
+        return found
+
     def status(self, handle: JobHandle) -> JobStatus:
         namespace, name = self._split(handle.job_id)
         job = self._call(

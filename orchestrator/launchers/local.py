@@ -311,6 +311,16 @@ class LocalLauncher(Launcher):
         state.update(self._load(self._run_path(job_id)) or {})
         return state
 
+    @staticmethod
+    def _write_state(path: Path, state: dict[str, Any]) -> None:
+        """Write a job's ``ID.json`` whole (through a temporary file), never half."""
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        try:
+            tmp.write_text(json.dumps(state))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
     def _reap(self, job_id: str) -> None:
         child = self._children.get(job_id)
         if child is not None and child.poll() is not None:
@@ -368,6 +378,9 @@ class LocalLauncher(Launcher):
             "host": os.uname().nodename,
         }
         path = self._state_path(job_id)
+        # written before the start as well, so that a submitter killed right after it (SIGKILL: no
+        # clean-up runs) leaves a job the reaper can find by its labels (:meth:`find`) and stop
+        self._write_state(path, state)
         grace = number_option({**self.config, **spec.options}, "grace", 5)
         argv = [
             sys.executable,
@@ -393,21 +406,23 @@ class LocalLauncher(Launcher):
                     close_fds=True,
                 )
             except OSError as exc:
+                path.unlink(missing_ok=True)
                 raise LauncherError(f"cannot start local job: {exc}") from None
+            except BaseException:
+                path.unlink(missing_ok=True)
+                raise
         self._children[job_id] = child
-        # written after the start so it carries the supervisor's pid: the supervisor never
-        # touches this file (it writes ID.run.json), and nobody knows the job id before we return
+        # written again after the start, with the supervisor's pid: the supervisor never touches
+        # this file (it writes ID.run.json), and nobody knows the job id before we return
         state["supervisor_pid"] = child.pid
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
         try:
-            tmp.write_text(json.dumps(state))
-            os.replace(tmp, path)
+            self._write_state(path, state)
         except BaseException:  # Ctrl-C, a full disk: no caller learns the job id, so the job must not run
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child.pid, signal.SIGTERM)  # the supervisor stops the job (its own group), then exits
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.wait(timeout=grace + 3)
-            tmp.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
             raise
         return JobHandle(self.name, job_id, str(log_path), {"supervisor_pid": child.pid})
 
@@ -493,6 +508,22 @@ class LocalLauncher(Launcher):
             tail=tail,
             pause=lambda seconds: self.pause(handle, seconds),
         )
+
+    def find(self, labels: Mapping[str, str]) -> list[JobHandle]:
+        wanted = {str(k): str(v) for k, v in labels.items()}
+        found = []
+        for path in sorted(self.state_dir.glob("local-*.json")):
+            if path.name.endswith(".run.json"):
+                continue
+            try:
+                state = self._load(path) or {}
+            except LauncherError:
+                continue
+            have = state.get("labels") or {}
+            if all(have.get(k) == v for k, v in wanted.items()):
+                job_id = path.name.removesuffix(".json")
+                found.append(JobHandle(self.name, job_id, state.get("log_path")))
+        return found
 
     def _end_orphans(self, job_id: str, state: dict[str, Any]) -> bool:
         """End the processes of a job whose supervisor was killed (SIGKILL, the OOM killer): they

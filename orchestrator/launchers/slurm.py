@@ -881,6 +881,29 @@ class SlurmLauncher(Launcher):
                 return job_id.partition("_")[0]  # an array's tasks: the array job
         return ""
 
+    def find(self, labels: Mapping[str, str]) -> list[JobHandle]:
+        """This user's jobs in the queue (running, pending, or ended within the cluster's MinJobAge)
+        whose ``--comment`` holds ``labels``; an array is found once, as its array job."""
+        wanted = {str(k): str(v) for k, v in labels.items()}
+        proc = self._run("squeue", "-h", "--states=all", "-u", _user(), "-o", "%i|%k", check=False)
+        if proc.returncode != 0:
+            message = "; ".join(line.strip() for line in (proc.stderr or proc.stdout).strip().splitlines())
+            raise BackendUnavailable(f"squeue could not list this user's jobs: {message}")
+        found: dict[str, JobHandle] = {}
+        for line in proc.stdout.splitlines():
+            job_id, _, comment = line.strip().partition("|")
+            job_id = job_id.partition("_")[0]
+            try:
+                have = json.loads(comment)
+            except ValueError:  # (null), or a comment someone else wrote
+                continue
+            if not job_id.isdigit() or job_id in found or not isinstance(have, dict):
+                continue
+            if all(str(have.get(k)) == v for k, v in wanted.items()):
+                rows = self._scontrol(job_id) or [{}]
+                found[job_id] = JobHandle(self.name, job_id, rows[0].get("StdOut") or None)
+        return list(found.values())
+
     @staticmethod
     def _install_helper(path: Path, name: str) -> None:
         """Put the launcher's copy of helper ``name`` (the usage wrapper, the output filter) at

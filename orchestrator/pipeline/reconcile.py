@@ -96,19 +96,29 @@ def _judge(
     """(state, reason, last attempt, backend status) for a stale stage run; ``cancel=False`` only asks.
     RUNNING: left as it is, its job being on a cluster this openlab does not reach, or its backend
     unreachable for now (a later pass asks again: recording LOST would be for good)."""
-    from orchestrator.launchers.attempts import handle_from_attempt, lineage_state
+    from orchestrator.launchers.attempts import handle_from_attempt, lineage_state, unrecorded_job
     from orchestrator.launchers.base import BackendUnavailable, JobState, LauncherError, OtherCluster, get_launcher
 
     attempts = store.list(Attempt, stage_run_id=run.id, order_by=col(Attempt.number).desc(), limit=1)
     if not attempts:
         return "LOST", "its orchestrator ended before any job was submitted", None, None
     attempt = attempts[0]
-    if not attempt.job_id:
+    if not attempt.job_id and attempt.state != "PENDING":
         return "FAILED", f"job submission failed: {attempt.reason}", attempt, None
     try:
         launcher = get_launcher(attempt.backend, settings)
     except LauncherError as exc:
         return "LOST", f"backend {attempt.backend} cannot report job {attempt.job_id}: {exc}", attempt, None
+    if not attempt.job_id:  # its orchestrator ended while submitting: the backend may have taken the job
+        ended = f"its orchestrator ended while submitting a job to {attempt.backend}"
+        try:
+            attempt = unrecorded_job(store, launcher, attempt, record=cancel)
+        except BackendUnavailable as exc:
+            return "RUNNING", f"{ended}, which cannot be asked whether it took it now: {exc}", attempt, None
+        except LauncherError as exc:
+            return "LOST", f"{ended}, which cannot be asked whether it took it: {exc}", attempt, None
+        if not attempt.job_id:
+            return "LOST", f"{ended}, which holds no job of it", attempt, None
     try:
         handle = handle_from_attempt(attempt, launcher)
     except OtherCluster as exc:  # its job is on a cluster this openlab does not reach: not this reaper's to judge

@@ -1,16 +1,23 @@
 """The on_cancellation safety net: what a flow process killed before it could record anything left behind.
 
 Real local job, real SQLite lineage; the records are those a SIGKILLed flow process leaves
-(attempt and stage run RUNNING, pipeline run RUNNING, leases held).
+(attempt and stage run RUNNING, pipeline run RUNNING, leases held; or, killed while submitting, an
+attempt PENDING with no job id yet).
 """
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from flows.cancel import cancel_flow_run_jobs
 from orchestrator.launchers import JobSpec, get_launcher
 from orchestrator.launchers.attempts import mark_running, submit_attempt
+from orchestrator.launchers.base import ATTEMPT_LABEL
 from orchestrator.lineage import leases
 from orchestrator.lineage.models import Attempt, PipelineRun, StageRun
 from orchestrator.lineage.store import LineageStore
@@ -51,3 +58,44 @@ def test_safety_net_cancels_the_orphaned_job_and_leaves_real_failures_alone() ->
         assert closed.state == "CANCELLED" and closed.error == "cancelled: test"
         assert store.list(leases.Lease) == []  # the next run of these identities need not wait for expiry
         assert cancel_flow_run_jobs(store, "fr-killed") == []  # the flow process and the runner may both call it
+
+
+def test_crashed_flow_whose_submit_was_cut_short_by_sigkill_has_its_job_cancelled() -> None:
+    """The flow process SIGKILLed right after the backend took a job, before its id was recorded: the
+    on_crashed hook finds the job by the attempt recorded before the submit (its label) and cancels it.
+    Before, the attempt was never recorded, and the job trained on with nobody to stop it."""
+    settings = load_settings()
+    launcher = get_launcher("local", settings)
+    with LineageStore.open(settings) as store:
+        with store.transaction() as tx:
+            run = tx.add(PipelineRun(name="killed", flow_run_id="fr-sigkill", state="RUNNING"))
+            stage = tx.add(StageRun(pipeline_run_id=run.id, stage="pretrain", identity="i-pre", state="RUNNING"))
+        given = {"backend": "local", "config": {}, "name": "cut", "command": ["sleep", "60"], "image": None}
+        child = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tests.launchers.killed_submitter",
+                json.dumps({**given, "env": {}, "stage_run": stage.id}),
+            ],
+            cwd=Path(__file__).resolve().parents[2],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert child.returncode == -signal.SIGKILL, child.stderr
+        (attempt,) = store.list(Attempt, stage_run_id=stage.id)
+        (handle,) = launcher.find({ATTEMPT_LABEL: attempt.id})
+        assert attempt.job_id is None and not launcher.status(handle).state.terminal
+
+        jobs = cancel_flow_run_jobs(store, "fr-sigkill", reason="crashed: test", run_state="FAILED")
+
+        assert jobs == [f"local:{handle.job_id}"]
+        deadline = time.monotonic() + 15
+        while not launcher.status(handle).state.terminal and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert launcher.status(handle).state.terminal, "the job whose submitter was killed still runs"
+        closed = store.require(Attempt, attempt.id)
+        assert (closed.job_id, closed.state) == (handle.job_id, "CANCELLED")
+        assert store.require(PipelineRun, run.id).state == "FAILED"
