@@ -55,6 +55,12 @@ log = logging.getLogger(__name__)
 
 #: Label keys that carry lineage ids on containers, Slurm comments and Kubernetes objects.
 LABEL_PREFIX = "openlab.io/"
+#: Seconds between SIGTERM and SIGKILL when a local or Docker job is cancelled or reaches its time limit
+#: (``[backends.NAME] grace``): Slurm's default KillWait and a Kubernetes pod's default
+#: terminationGracePeriodSeconds, so a training step can finish and its checkpoint be written on
+#: every backend alike. At 5 s a cancel from the Prefect UI killed a step of 10 s mid-way and the
+#: retry started over from step 1.
+STOP_GRACE = 30
 #: The label every job submitted for a lineage attempt carries: the attempt's id. An attempt is
 #: recorded before its job is submitted, so when the submitter dies (SIGKILL, a lost node) after the
 #: backend took the job and before its id was written, the reaper finds the job by this label

@@ -83,6 +83,7 @@ from orchestrator.launchers._tasks import command as tasks_command
 from orchestrator.launchers.base import (
     HELPERS_MOUNT,
     HELPERS_PYTHON_KEY,
+    STOP_GRACE,
     TIME_LIMIT_REASON,
     BackendUnavailable,
     ImageNotFound,
@@ -122,6 +123,8 @@ def _how_to_get(image: object) -> str:
 MOUNTS_EXAMPLE = '{"/data" = "/data:ro"}'
 MANAGED_LABEL = "openlab.io/managed"
 TIME_LIMIT_LABEL = "openlab.io/time-limit"
+#: Seconds a cancel gives the job between SIGTERM and SIGKILL (``grace``, default :data:`STOP_GRACE`).
+GRACE_LABEL = "openlab.io/grace"
 #: Where a multi-task container's tasks write how they ended (under the mounted artifact root).
 TASK_ENDS_LABEL = "openlab.io/task-ends"
 #: Where the container's usage wrapper (launchers/_usage.py) leaves what the job used, on this host.
@@ -292,7 +295,7 @@ class DockerLauncher(Launcher):
         super().check_options(opts)
         for name, default in (("mount_workdir", True), ("time_limit_wrapper", True), ("init", True), ("pull", False)):
             flag_option(opts, name, default)
-        for name, number in (("grace", 5), ("pids_limit", 4096), ("timeout", 60)):
+        for name, number in (("grace", STOP_GRACE), ("pids_limit", 4096), ("timeout", 60)):
             number_option(opts, name, number)
         table_option(opts, "mounts", MOUNTS_EXAMPLE)
         measure_usage_option(opts)
@@ -372,10 +375,11 @@ class DockerLauncher(Launcher):
             if spec.artifact_root is not None:  # mounted at the same path: the ends are readable here
                 task_ends = str(Path(spec.artifact_root).resolve() / ".tasks" / f"{job_id}.ends")
                 labels[TASK_ENDS_LABEL] = task_ends
+        grace = int(number_option(opts, "grace", STOP_GRACE))
+        labels[GRACE_LABEL] = str(grace)  # the job's own (a stage option may set it), which a cancel waits out
         if spec.time_limit:
             labels[TIME_LIMIT_LABEL] = str(spec.time_limit)
             if flag_option(opts, "time_limit_wrapper", True):
-                grace = int(number_option(opts, "grace", 5))
                 if spec.warn_before_limit:  # --preserve-status: the job's own exit, not timeout's 124
                     warn_at = str(spec.time_limit - spec.warn_before_limit)
                     command = ["timeout", "--foreground", "--preserve-status", "-s", "USR1", warn_at, *command]
@@ -697,7 +701,8 @@ class DockerLauncher(Launcher):
             self.state_dir.mkdir(parents=True, exist_ok=True)
             self._cancel_marker(handle.job_id).write_text(str(time.time()))
             try:
-                container.stop(timeout=int(self.config.get("grace", 5)))
+                grace = container.labels.get(GRACE_LABEL) or number_option(self.config, "grace", STOP_GRACE)
+                container.stop(timeout=int(float(grace)))
                 container.reload()
             except self._errors().NotFound:
                 return

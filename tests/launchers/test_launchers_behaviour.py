@@ -369,3 +369,44 @@ def test_log_lines_arrive_while_the_job_runs_even_with_gentle_status_looks(
     assert set(arrived) == {"first", "second"}, arrived
     lead = arrived["second"] - arrived["first"]
     assert lead > 3, f"'first' reached the log only {lead:.1f}s before 'second': streamed at a status look"
+
+
+SAVES_ON_TERM = (
+    "import signal, sys, time\n"
+    "stop = []\n"
+    "signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))\n"
+    "print('training', flush=True)\n"
+    "while not stop:\n"
+    "    time.sleep(0.1)\n"
+    "time.sleep(8)  # the rest of a long step, then the checkpoint\n"
+    "print('saved', flush=True)\n"
+    "sys.exit(143)\n"
+)
+
+
+@pytest.mark.parametrize("backend", ["local", pytest.param("docker", marks=[pytest.mark.docker])])
+def test_a_cancel_gives_the_job_time_to_finish_its_step_and_save_by_default(
+    backend: str, store: LineageStore, request: pytest.FixtureRequest
+) -> None:
+    """With no ``grace`` set, a cancelled job has as long as Slurm's KillWait and a Kubernetes pod's
+    termination grace give it (30 s) before SIGKILL. At 5 s, a cancel from the Prefect UI killed a
+    training step of 10 s mid-way, nothing was saved, and the retry started over from step 1."""
+    from orchestrator.launchers import get_launcher
+    from tests.launchers.harness import docker_image, make_harness
+
+    if backend == "docker":
+        make_harness("docker", request)  # skips (or fails under CI) without the engine and job image
+        launcher, image = get_launcher("docker", image=docker_image()), docker_image()
+    else:
+        launcher, image = get_launcher("local"), None
+    lines: list[str] = []
+    attempt, status = run_job(
+        store,
+        launcher,
+        JobSpec(name="long-step", command=["python3", "-c", SAVES_ON_TERM], image=image),
+        on_log=lines.append,
+        should_cancel=lambda: "training" in lines,
+        timeout=90,
+    )
+    assert status.state is JobState.CANCELLED, status
+    assert "saved" in lines or "saved" in list(launcher.logs(handle_from_attempt(attempt))), lines
