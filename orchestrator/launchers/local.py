@@ -21,7 +21,7 @@ which): two stages of a sweep on one workstation each on GPU 0 would both run ou
 The GPUs are ``[backends.local] gpus`` (a count or a list of ids), else the ones this process may use
 (``CUDA_VISIBLE_DEVICES``), else those ``nvidia-smi`` lists; where none are known, ``0..N-1`` as before.
 
-Config (``[backends.local]``): ``grace`` (seconds between SIGTERM and SIGKILL, default 5),
+Config (``[backends.local]``): ``grace`` (seconds between SIGTERM and SIGKILL, default 30: ``STOP_GRACE``),
 ``inherit_env`` (pass this process's environment to jobs, default true), ``gpus`` (above).
 """
 
@@ -46,6 +46,7 @@ from typing import Any
 from orchestrator.errors import ConfigError
 from orchestrator.launchers._tasks import command as tasks_command
 from orchestrator.launchers.base import (
+    STOP_GRACE,
     Backoff,
     JobHandle,
     JobNotFound,
@@ -247,7 +248,7 @@ class LocalLauncher(Launcher):
     @classmethod
     def check_options(cls, opts: Mapping[str, Any]) -> None:
         super().check_options(opts)
-        number_option(opts, "grace", 5)
+        number_option(opts, "grace", STOP_GRACE)
         flag_option(opts, "inherit_env", True)
         gpu_ids_option(opts)
 
@@ -376,12 +377,14 @@ class LocalLauncher(Launcher):
             "state": "PENDING",
             "submitted_at": time.time(),
             "host": os.uname().nodename,
+            # the job's own (a recipe's stage option may set it), which a cancel waits out as the supervisor does
+            "grace": number_option({**self.config, **spec.options}, "grace", STOP_GRACE),
         }
+        grace = state["grace"]
         path = self._state_path(job_id)
         # written before the start as well, so that a submitter killed right after it (SIGKILL: no
         # clean-up runs) leaves a job the reaper can find by its labels (:meth:`find`) and stop
         self._write_state(path, state)
-        grace = number_option({**self.config, **spec.options}, "grace", 5)
         argv = [
             sys.executable,
             "-I",
@@ -551,7 +554,7 @@ class LocalLauncher(Launcher):
         if JobState(state.get("state", "PENDING")).terminal:
             return
         sup = self._supervisor_pid(handle.job_id, state)
-        grace = number_option(self.config, "grace", 5)
+        grace = float(state.get("grace") or number_option(self.config, "grace", STOP_GRACE))
         if sup is not None and _alive(sup):
             try:
                 os.kill(sup, signal.SIGTERM)
