@@ -174,10 +174,12 @@ def follow_file(
     A file that shrinks or is replaced while followed was started again (Slurm truncates a
     requeued job's output when the job restarts): the follower goes on from its beginning, as
     ``tail -F`` does, after a line that says so, instead of waiting for ever past its end.
+    A file not there yet is waited for as long as the job has not ended: a Slurm job queued for
+    hours writes nothing until it starts (the follower gave up after 30 s, and ``openlab job run``
+    and ``job logs -f`` showed none of its output).
     """
-    deadline_missing = time.monotonic() + 30
     while not path.exists():
-        if not follow or time.monotonic() > deadline_missing:
+        if not follow:
             return
         if done():
             # A short job can start, write its log and end while done() asks (a Slurm query

@@ -270,3 +270,32 @@ def test_sbatch_is_run_again_only_once_the_queue_says_the_job_is_not_there(tmp_p
     with pytest.raises(BackendUnavailable, match="may have submitted the job all the same"):
         get_launcher("slurm", bin_dir=str(bin_dir), retries=2).submit(JobSpec(name="x", command=["true"]))
     assert calls.read_text().count("x") == 1
+
+
+@pytest.mark.slurm
+def test_the_log_of_a_job_queued_longer_than_half_a_minute_is_followed_once_it_runs() -> None:
+    """A job waiting in the queue writes no log until it starts. The follower gave up on a missing
+    log after 30 s, so ``openlab job run`` printed none of the job's output and ``job logs -f`` on a
+    pending job returned at once with nothing, as the job then ran; ``tail -F`` waits."""
+    import threading
+
+    from tests.services import require_slurm
+
+    require_slurm()
+    launcher = get_launcher("slurm", sacct=False)
+    spec = JobSpec(
+        name="queued", command=["sh", "-c", "echo line-one; sleep 1; echo line-two"], options={"extra_args": ["--hold"]}
+    )
+    handle = launcher.submit(spec)  # held in the queue, as a job waiting for a busy cluster is
+    lines: list[str] = []
+    follower = threading.Thread(target=lambda: lines.extend(launcher.logs(handle, follow=True)), daemon=True)
+    try:
+        follower.start()
+        time.sleep(33)
+        assert follower.is_alive(), f"the follower gave up on a queued job: {lines}"
+        subprocess.run(["scontrol", "release", handle.job_id], check=True, env=launcher._env())
+        follower.join(90)
+    finally:
+        launcher.cancel(handle)
+        launcher.cleanup(handle)
+    assert not follower.is_alive() and lines[:2] == ["line-one", "line-two"], lines
