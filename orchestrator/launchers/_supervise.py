@@ -43,8 +43,9 @@ signals every process of the step itself) outlives the stop signals without pass
 ``--slurm-batch`` (the batch shell's own process) passes on a signal for the batch shell alone
 (``--signal=B:USR1@300``, ``scancel --batch``) and not the SIGTERM with which Slurm ends a job, which
 CMD gets itself, told apart by the SIGCONT Slurm sends every process just before it, as the usage
-wrapper (``launchers/_usage.py``) does. Without secrets in its environment it execs CMD, so it is not
-there at all. That mode runs on the node's Python: nothing newer than Python 3.8 in this file.
+wrapper (``launchers/_usage.py``) does; SIGUSR1 and SIGUSR2, which Slurm never ends a job with and
+whose ``B:`` warning comes with a SIGCONT of its own, always. Without secrets in its environment it
+execs CMD, so it is not there at all. That mode runs on the node's Python: nothing newer than Python 3.8 in this file.
 
 A job that asks for GPUs on a machine whose GPUs the launcher knows (``$OPENLAB_GPUS``:
 ``COUNT:ID,ID,...``) is given GPUs no other local job holds: the supervisor claims them in a ledger
@@ -84,6 +85,8 @@ _UPPER = str.maketrans("abcdefghijklmnopqrstuvwxyz\u0130\u0131\u017f\u212a", "AB
 DRAIN_S = 1.0
 #: Signals the ``--mask-output`` filter passes on or outlives: those the usage wrapper passes on.
 FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
+#: ``--slurm-batch``: signals always passed on, never held against a SIGCONT (the usage wrapper's WARNINGS).
+WARNINGS = ("SIGUSR1", "SIGUSR2")
 #: ``--slurm-batch``: how close to a SIGCONT (seconds) a signal is Slurm ending the job, and how long
 #: a signal is held before deciding (the usage wrapper's SLURM_END_WINDOW and HOLD).
 SLURM_END_WINDOW = 1.0
@@ -477,8 +480,12 @@ def mask_output(argv):
         except OSError:
             pass
 
+    warnings = {getattr(signal, name) for name in WARNINGS if hasattr(signal, name)}
+
     def forward(signum, _frame):
-        if slurm_batch:  # decide once a SIGCONT that came with it has been seen (module docstring)
+        if slurm_batch and signum in warnings:  # for the batch shell alone, whatever SIGCONT comes with it
+            send(signum)
+        elif slurm_batch:  # decide once a SIGCONT that came with it has been seen (module docstring)
             held.append((signum, time.monotonic()))
             signal.setitimer(signal.ITIMER_REAL, HOLD)
         # --no-forward: CMD got it too; outlive it, nothing more

@@ -32,11 +32,14 @@ batch script of a one-task job execs the wrapper, so the wrapper is what a signa
 shell alone reaches (``--signal=B:USR1@300``, ``--signal=B:TERM@120``, ``scancel --batch``),
 and that one the command has not had. ``--slurm-batch`` tells the two apart: Slurm ends a job
 (a cancel, its time limit, a preemption) by sending every process of it SIGCONT and then SIGTERM,
-while a signal for the batch shell comes alone. So a signal within a second of a SIGCONT is not
-passed on, and any other is, a moment later (by then the SIGCONT sent just before it has been
-seen: Python runs the handlers of signals that arrived together lowest number first, TERM
-before CONT). The command's own handlers decide what a signal does; the wrapper stays to record
-what it used.
+while ``scancel --batch`` sends the batch shell its signal alone. So a stop signal within a second
+of a SIGCONT is not passed on, and any other is, a moment later (by then the SIGCONT sent just
+before it has been seen: Python runs the handlers of signals that arrived together lowest number
+first, TERM before CONT). SIGUSR1 and SIGUSR2 are always passed on, at once: Slurm never ends a job
+with them, and its time-limit warning (``--signal=B:USR1@N``) comes with a SIGCONT of its own a few
+milliseconds after it (Slurm 22.05), so held against the SIGCONT the warning was lost and training
+never saved before its limit. The command's own handlers decide what a signal does; the wrapper
+stays to record what it used.
 
 The Docker launcher copies this file into a folder it mounts into the container, and the
 Kubernetes launcher sends it in a ConfigMap mounted into the pod, so the copy that runs is
@@ -68,6 +71,8 @@ def _write(path, cpu_seconds, max_rss_bytes):
         fh.write(f'{{"cpu_seconds": {cpu_seconds!r}, "max_rss_bytes": {max_rss_bytes:d}}}')
 
 
+#: Signals Slurm never ends a job with: at the batch shell, always for it (``--slurm-batch``).
+WARNINGS = ("SIGUSR1", "SIGUSR2")
 #: How close to a SIGCONT (seconds) a signal is Slurm ending the job (``--slurm-batch``).
 SLURM_END_WINDOW = 1.0
 #: How long ``--slurm-batch`` holds a signal before deciding (seconds): ample for the SIGCONT sent
@@ -98,6 +103,7 @@ def main(argv):
     child = {"pid": None}
     pending = []  # signals that came before the command existed
     relayed = {getattr(signal, name) for name in relay if hasattr(signal, name)}
+    warnings = {getattr(signal, name) for name in WARNINGS if hasattr(signal, name)}
     held = []  # --slurm-batch: (signal, when) not yet passed on
     cont = {"at": None}  # --slurm-batch: when the last SIGCONT came
 
@@ -113,7 +119,7 @@ def main(argv):
     def forward(signum, _frame):
         if signum not in relayed:  # the command got it too (see the module docstring); outlive it, nothing more
             return
-        if slurm_batch:  # decide once a SIGCONT that came with it has been seen (module docstring)
+        if slurm_batch and signum not in warnings:  # decide once a SIGCONT that came with it has been seen
             held.append((signum, time.monotonic()))
             signal.setitimer(signal.ITIMER_REAL, HOLD)
             return

@@ -212,6 +212,28 @@ def test_a_warning_for_the_batch_shell_reaches_a_one_task_job_once(measure_usage
 
 
 @pytest.mark.slurm
+@pytest.mark.parametrize("env", [{}, {"MY_TOKEN": "s3cret-value-42"}], ids=["under the wrapper", "output masked"])
+def test_slurms_own_time_limit_warning_reaches_the_job_under_the_wrapper(env: dict[str, str]) -> None:
+    """``--signal=B:USR1@N`` as Slurm itself sends it ahead of the time limit: with a SIGCONT of its own
+    a few milliseconds after the USR1 (Slurm 22.05). The wrapper held the USR1 against that SIGCONT,
+    took it for Slurm ending the job, and dropped it: no training stage was ever warned before its
+    limit on Slurm, and each lost what it had not saved (``scancel --batch``, above, sends no SIGCONT)."""
+    require_slurm()
+    launcher = get_launcher("slurm", sacct=False)
+    spec = JobSpec(
+        name="limited", command=[sys.executable, "-c", warned("SIGUSR1")], time_limit=60, warn_before_limit=55, env=env
+    )
+    handle = launcher.submit(spec)
+    try:
+        status = launcher.wait(handle, timeout=120)
+    finally:
+        launcher.cleanup(handle)
+    lines = list(launcher.logs(handle))
+    assert [line for line in lines if line.startswith("warned")] == ["warned 1"], lines
+    assert "saved and done" in lines and status.state is JobState.SUCCEEDED, (status, lines)
+
+
+@pytest.mark.slurm
 def test_an_exclusive_job_records_the_whole_node_it_held_and_usage_counts_it(store: LineageStore) -> None:
     """``--exclusive`` (or a cluster that gives whole cores) grants more than a job asked for: Slurm
     charges the allocation, and so must ``lineage usage``. The attempt records what was granted
