@@ -18,6 +18,13 @@ class OpenlabError(Exception):
     exit_code: int = 2
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, taken as Ctrl-C is: ``kill``, ``timeout``, systemd, a CI runner and the end of an enclosing
+    Slurm job all stop a command with it. By default it killed ``openlab job run`` or ``openlab run`` on
+    the spot, and the job it had submitted ran on, its attempt PENDING or RUNNING for good; as an
+    interrupt the job is cancelled and recorded CANCELLED on the way out (:mod:`orchestrator.cli.main`)."""
+
+
 class ProvenanceWarning(UserWarning):
     """Provenance could only be captured partially (the folder is not a git repo, an untracked file
     too large for the patch). Here, with the errors, so the CLI can show it as one line without

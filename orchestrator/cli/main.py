@@ -7,8 +7,10 @@ Every command group lives in its own module and is mounted here. User errors
 
 from __future__ import annotations
 
+import signal
 import sys
 import warnings
+from types import FrameType
 
 import typer
 
@@ -18,7 +20,7 @@ from typer._click import Command
 from typer._click import exceptions as click_errors
 
 from orchestrator.cli import adopt, backends, core, deploy, gc, github, job, lineage, run, server, sweep, wandb
-from orchestrator.errors import OpenlabError, ProvenanceWarning
+from orchestrator.errors import OpenlabError, ProvenanceWarning, Terminated
 
 app = typer.Typer(
     name="openlab",
@@ -85,9 +87,21 @@ def usage_line(exc: click_errors.UsageError) -> str:
     return f"{path}: {message}; see {path} --help"
 
 
+#: Set once SIGTERM arrived: typer turns the interrupt it raises into exit code 130, as for Ctrl-C.
+_TERMINATED: list[int] = []
+
+
+def _terminate(signum: int, _frame: FrameType | None) -> None:
+    _TERMINATED.append(signum)
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI, turning user errors into one clear line and a non-zero exit."""
     from orchestrator.cli.output import print_error
+
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # not where the caller chose (SIG_IGN, its own)
+        signal.signal(signal.SIGTERM, _terminate)  # a stop, as Ctrl-C: see Terminated
 
     # A provenance warning is logged too, and the terminal shows that line; Python's own warning
     # format said it again above it, with a source file and line that mean nothing to a user.
@@ -108,15 +122,18 @@ def main(argv: list[str] | None = None) -> None:
     except typer.Abort:  # a prompt answered with end-of-input
         print_error("aborted")
         sys.exit(1)
-    except KeyboardInterrupt:
-        sys.stderr.write("interrupted\n")
-        sys.exit(130)
+    except KeyboardInterrupt as exc:  # outside a command (typer turns one inside into exit code 130)
+        sys.stderr.write("terminated\n" if isinstance(exc, Terminated) else "interrupted\n")
+        sys.exit(128 + signal.SIGTERM if isinstance(exc, Terminated) else 130)
     except OSError as exc:  # the file system refused (a home that cannot be made, a full disk): said, not traced
         if exc.filename:
             print_error(f"{exc.filename}: {exc.strerror or exc}; check OPENLAB_HOME and the paths given")
         else:  # a connection refused and the like: its own words, without a hint about paths
             print_error(" ".join(str(exc).split()) or type(exc).__name__)
         sys.exit(1)
+    if _TERMINATED and code == 130:  # the interrupt was SIGTERM's: said, and exited as a shell says it
+        sys.stderr.write("terminated\n")
+        sys.exit(128 + signal.SIGTERM)
     # without standalone mode click returns what stopped a command early (typer.Exit(code)) as
     # its code, and a command that ran to its end returns None
     sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import func
 from sqlmodel import select
 
-from orchestrator.errors import OpenlabError
+from orchestrator.errors import OpenlabError, Terminated
 from orchestrator.launchers.base import (
     ATTEMPT_LABEL,
     BackendUnavailable,
@@ -244,6 +244,8 @@ def interruption_reason(exc: BaseException) -> str | None:
     """
     if isinstance(exc, Exception):
         return None
+    if isinstance(exc, Terminated):
+        return "terminated (SIGTERM)"
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted"
     return f"interrupted ({type(exc).__name__})"

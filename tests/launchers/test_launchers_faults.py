@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -809,6 +810,27 @@ def test_interrupt_cancels_the_job_and_records_it(store: LineageStore) -> None:
     (attempt,) = store.list(Attempt)
     assert attempt.state == "CANCELLED" and attempt.reason == "interrupted" and attempt.ended_at
     assert group_members(launcher.process_group(handle_from_attempt(attempt))) == []
+
+
+def test_sigterm_to_a_job_run_cancels_its_job_and_records_it(store: LineageStore) -> None:
+    """``kill``, ``timeout``, systemd, a CI runner and the end of an enclosing Slurm job stop a command
+    with SIGTERM. It killed ``openlab job run`` on the spot: the job ran on, its attempt RUNNING for
+    good, and the reaper does not look at jobs outside a pipeline. Now it stops as Ctrl-C does."""
+    marker = f"300.{uuid.uuid4().int % 10**6:06d}"  # a sleep no other job runs
+    runner = subprocess.Popen(
+        [*CLI, "job", "run", "-q", "--backend", "local", "--", "sleep", marker], stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 30
+    while not (running := [a for a in store.list(Attempt) if a.state == "RUNNING"]):
+        assert time.monotonic() < deadline, "the job never showed up as RUNNING in lineage"
+        time.sleep(0.1)
+    runner.terminate()
+    _, err = runner.communicate(timeout=60)
+    assert runner.returncode == 143 and err.strip().endswith("terminated"), (runner.returncode, err)
+    attempt = store.require(Attempt, running[0].id)
+    assert (attempt.state, attempt.reason) == ("CANCELLED", "terminated (SIGTERM)"), attempt
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True, check=False).stdout.split()
+    assert left == [], f"the job runs on: pids {left}"
 
 
 def test_a_crash_in_the_caller_fails_the_attempt(store: LineageStore) -> None:
