@@ -574,6 +574,11 @@ def cancel_cmd(
         for ident in idents:
             try:
                 attempt, handle, launcher = _find(store, ident, backend)
+                if attempt is None and launcher.status(handle).state is JobState.LOST:  # said CANCELLED, exit 0
+                    raise NotFoundError(
+                        f"{handle.backend} knows no job {handle.job_id}, and lineage records none: nothing was "
+                        "cancelled (openlab job list shows the jobs out)"
+                    )
                 launcher.cancel(handle)
                 status = launcher.status(handle)
             except OpenlabError as exc:

@@ -76,8 +76,10 @@ import hashlib
 import json
 import math
 import os
+import pwd
 import re
 import shlex
+import signal
 import subprocess
 import time
 import uuid
@@ -135,6 +137,8 @@ STATE_MAP: dict[str, tuple[JobState, str | None]] = {
     "CONFIGURING": (JobState.PENDING, None),
     "REQUEUED": (JobState.PENDING, None),
     "REQUEUE_HOLD": (JobState.PENDING, None),
+    "REQUEUE_FED": (JobState.PENDING, None),  # requeued by its federation: it waits to run again
+    "RESV_DEL_HOLD": (JobState.PENDING, None),  # held when its reservation was deleted: an admin releases it
     "RESIZING": (JobState.RUNNING, None),
     "RUNNING": (JobState.RUNNING, None),
     "COMPLETING": (JobState.RUNNING, None),
@@ -231,12 +235,18 @@ def mask_filter_path(log_dir: Path) -> Path:
 
 def _user() -> str:
     """This process's login name, as squeue's ``-u`` takes it."""
-    import pwd
-
     try:
         return pwd.getpwuid(os.getuid()).pw_name
     except KeyError:
         return str(os.getuid())
+
+
+def _account(uid: str) -> str:
+    """``ada (uid 1000)`` for a uid as sacct gives it; the uid alone where this machine has no such account."""
+    try:
+        return f"{pwd.getpwuid(int(uid)).pw_name} (uid {uid})"
+    except (KeyError, ValueError):
+        return f"uid {uid}"
 
 
 def slurm_time(seconds: int) -> str:
@@ -954,7 +964,9 @@ class SlurmLauncher(Launcher):
             rows.append(
                 {
                     **({"ArrayJobId": array_job, "ArrayTaskId": task} if sep else {}),
+                    # "CANCELLED by 1000": who cancelled it (an admin, the user, openlab) is the reason's
                     "JobState": values.get("State", "").split(" ")[0],
+                    "CancelledBy": values.get("State", "").partition(" by ")[2].strip(),
                     "ExitCode": values.get("ExitCode", ""),
                     "NodeList": values.get("NodeList", ""),
                     "StartTime": values.get("Start", ""),
@@ -1225,8 +1237,14 @@ class SlurmLauncher(Launcher):
             reason = row["Reason"]
         if state is JobState.CANCELLED and row.get("Reason") in NEVER_STARTS:  # cancelled as it could not start
             state, reason, code, sig = JobState.FAILED, never_started(row["Reason"]), None, 0
+        if raw == "OUT_OF_MEMORY" and not code:  # sacct says 0:125, which is no signal: the OOM killer's SIGKILL
+            code, sig = 128 + signal.SIGKILL, 0
+        if raw == "TIMEOUT" and not code and not sig:  # sacct's record: the limit's SIGTERM, as scontrol says it
+            code = 128 + signal.SIGTERM
         if sig and code == 0 and state.terminal:
-            code = 128 + sig
+            code = 128 + sig if sig < 128 else code
+        if state is JobState.CANCELLED and row.get("CancelledBy"):  # as sacct says it: someone else's cancel shows
+            reason = f"cancelled by {_account(row['CancelledBy'])}"
         restarts = int(row.get("Restarts") or 0) if str(row.get("Restarts") or "0").isdigit() else 0
         if restarts and state.terminal:  # Slurm requeued it (PreemptMode=REQUEUE, a node failure, scontrol)
             note = f"requeued {restarts} time{'s' if restarts != 1 else ''} by Slurm and restarted from its script"

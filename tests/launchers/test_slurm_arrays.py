@@ -315,6 +315,20 @@ def test_slurm_states_and_stop_exits() -> None:
         assert lost_node.state is JobState.PREEMPTED and said in str(lost_node.reason), lost_node
 
 
+def test_sacct_records_read_as_scontrol_reads_the_same_end() -> None:
+    """What sacct keeps once slurmctld has forgotten a job must give the job's end as scontrol gave it:
+    a TIMEOUT whose record says ``0:0`` read as exit 0 where scontrol said 143; an OUT_OF_MEMORY's
+    ``0:125`` (no signal) as exit 253; a job held when its reservation was deleted, or requeued by its
+    federation, as LOST, which closed an attempt whose job still waited in the queue."""
+    row = {"JobState": "TIMEOUT", "ExitCode": "0:0", "NodeList": "n1", "StartTime": "2026-12-04T10:00:00"}
+    assert SlurmLauncher._row_status(row).exit_code == 143
+    oom = SlurmLauncher._row_status({**row, "JobState": "OUT_OF_MEMORY", "ExitCode": "0:125"})
+    assert (oom.state, oom.exit_code, oom.reason) == (JobState.FAILED, 137, "out of memory"), oom
+    for held in ("RESV_DEL_HOLD", "REQUEUE_FED"):
+        waiting = SlurmLauncher._row_status({**row, "JobState": held, "ExitCode": "0:0", "Reason": "None"})
+        assert waiting.state is JobState.PENDING, (held, waiting)
+
+
 def test_array_status_falls_back_to_jobcomp_with_one_record_per_task(tmp_path: Path) -> None:
     """After MinJobAge without accounting: jobcomp has a line per task; a stale line of a wiped cluster loses."""
     jobcomp = tmp_path / "jobcomp.log"

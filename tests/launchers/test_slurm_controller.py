@@ -14,6 +14,7 @@ front of the real commands where a failure or a count is needed.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import time
@@ -299,3 +300,32 @@ def test_the_log_of_a_job_queued_longer_than_half_a_minute_is_followed_once_it_r
         launcher.cancel(handle)
         launcher.cleanup(handle)
     assert not follower.is_alive() and lines[:2] == ["line-one", "line-two"], lines
+
+
+@pytest.mark.slurm
+def test_sacct_says_who_cancelled_a_job_and_an_unknown_job_is_not_said_cancelled(store: LineageStore) -> None:
+    """A plain ``scancel`` from someone else (an admin) was recorded as openlab's own cancel, "cancelled":
+    sacct's "CANCELLED by UID" lost its uid. And ``openlab job cancel 999999 --backend slurm`` said
+    "slurm job 999999: CANCELLED", exit 0, for a job that never existed."""
+    import pwd
+
+    from tests.forked_cli import run_cli
+    from tests.services import require_slurm_accounting
+
+    require_slurm_accounting()
+    launcher = get_launcher("slurm")
+    handle = launcher.submit(JobSpec(name="cancelled-elsewhere", command=["sleep", "300"]))
+    subprocess.run(["scancel", handle.job_id], check=True, env=launcher._env())
+    deadline = time.monotonic() + 60
+    while not (rows := launcher._sacct(handle.job_id) or []) or rows[0]["JobState"] != "CANCELLED":
+        assert time.monotonic() < deadline, rows
+        time.sleep(0.5)
+    me = pwd.getpwuid(os.getuid()).pw_name
+    assert launcher._row_status(rows[0]).reason == f"cancelled by {me} (uid {os.getuid()})", rows
+    launcher.cleanup(handle)
+
+    unknown = run_cli(
+        ["job", "cancel", "999999", "--backend", "slurm"], env=dict(os.environ), cwd=Path.cwd(), timeout=60
+    )
+    assert unknown.returncode == 2 and "slurm knows no job 999999" in unknown.stderr, unknown
+    assert "CANCELLED" not in unknown.stdout
