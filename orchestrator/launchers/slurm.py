@@ -280,6 +280,17 @@ def granted_tres(text: str | None) -> dict[str, int] | None:
     return out or None
 
 
+def _granted(row: Mapping[str, str]) -> dict[str, Any] | None:
+    """What a started job was given, from scontrol's or sacct's record: its allocated TRES, and the
+    partition, account and QOS it ran under (the cluster's defaults where the job named none, which
+    nothing else records)."""
+    granted: dict[str, Any] = dict(granted_tres(row.get("AllocTRES") or row.get("TRES")) or {})
+    for key, field in (("partition", "Partition"), ("account", "Account"), ("qos", "QOS")):
+        if (value := (row.get(field) or "").strip()) and value not in ("(null)", "None"):
+            granted[key] = value
+    return granted or None
+
+
 def _parse_dt(text: str | None) -> dt.datetime | None:
     """Slurm prints local times without zone (``2026-12-02T18:46:49``); None for Unknown/None."""
     if not text or text in ("Unknown", "None", "N/A") or not text[:1].isdigit():
@@ -471,6 +482,10 @@ def refuse_own_flags(flags: Sequence[str]) -> None:
     for flag in flags:
         word = str(flag).strip().split("=", 1)[0].split(None, 1)[0] if str(flag).strip() else ""
         name = _SHORT_FLAGS.get(word[:2], word) if word.startswith("-") and not word.startswith("--") else word
+        if name.startswith("--") and len(name) > 3 and name not in OWN_FLAGS:
+            # sbatch takes a long option by any prefix that names it alone (getopt_long): `--part=batch`
+            # is --partition, and passed here the job ran in a partition lineage did not name
+            name = next((own for own in OWN_FLAGS if own.startswith(name)), name)
         if name in OWN_FLAGS:
             raise ConfigError(f"extra_args {flag!r}: {name} is not for extra_args: {OWN_FLAGS[name]}")
 
@@ -945,7 +960,8 @@ class SlurmLauncher(Launcher):
         for good, whenever slurmdbd did not answer after slurmctld had forgotten the job."""
         if not flag_option(self.config, "sacct", True):
             return None
-        fields = ["JobID", "State", "ExitCode", "NodeList", "Start", "End", "Reason", "AllocTRES"]
+        fields = ["JobID", "State", "ExitCode", "NodeList", "Start", "End", "Reason", "AllocTRES", "Partition"]
+        fields += ["Account", "QOS"]
         proc = self._run("sacct", "-j", job_id, "-X", "-n", "-P", "-o", ",".join(fields), check=False)
         if proc.returncode != 0:
             message = "; ".join(line.strip() for line in (proc.stderr or proc.stdout).strip().splitlines())
@@ -973,6 +989,9 @@ class SlurmLauncher(Launcher):
                     "EndTime": values.get("End", ""),
                     "Reason": values.get("Reason", ""),
                     "AllocTRES": values.get("AllocTRES", ""),
+                    "Partition": values.get("Partition", ""),
+                    "Account": values.get("Account", ""),
+                    "QOS": values.get("QOS", ""),
                 }
             )
         return rows
@@ -1258,7 +1277,7 @@ class SlurmLauncher(Launcher):
             host=node if node not in ("", "(null)", "None", "None assigned") else None,
             started_at=started,
             ended_at=_parse_dt(row.get("EndTime")) if state.terminal else None,
-            granted=granted_tres(row.get("AllocTRES") or row.get("TRES")) if started else None,
+            granted=_granted(row) if started else None,
         )
 
     # -- logs, cancel, check ---------------------------------------------------------------

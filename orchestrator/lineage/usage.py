@@ -81,7 +81,8 @@ class Usage:
         tasks = nodes * int(asked.get("tasks_per_node") or 1)
         cpu_hours = hours * float(asked.get("cpus") or 1) * tasks
         self.cpu_hours += hours * float(granted["cpus"]) if "cpus" in granted else cpu_hours
-        gpus = granted.get("gpus", 0) if granted else float(asked.get("gpus") or 0) * nodes  # granted: unsaid is none
+        # granted TRES (cpus always among them): a gpu count unsaid is none; a partition alone says nothing of GPUs
+        gpus = granted.get("gpus", 0) if "cpus" in granted else float(asked.get("gpus") or 0) * nodes
         self.gpu_hours += hours * float(gpus or 0)
         if attempt.state not in ("COMPLETED", "RUNNING", "PENDING") and not attempt.progress_saved:
             self.lost_hours += hours

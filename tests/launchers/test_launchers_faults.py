@@ -159,11 +159,21 @@ def test_extra_args_may_not_give_the_flags_openlab_writes_or_reads_the_job_throu
         ("-o /tmp/x.out", "--output is not for extra_args"),
         ("-p urgent", "--partition is not for extra_args: use the partition option"),
         ("--time 10", "--time is not for extra_args: give the time limit"),
+        # sbatch takes any prefix that names one long option alone: these ran in batch with 2 CPUs
+        ("--part=batch", "--partition is not for extra_args: use the partition option"),
+        ("--cpus-per-t=2", "--cpus-per-task is not for extra_args: give cpus"),
     ):
         spec = JobSpec(name="x", command=["true"], options={"extra_args": [flag]})
         with pytest.raises(ConfigError, match=re.escape(f"extra_args {flag!r}: {said}")):
             launcher.refuse_unsupported(spec)
-    for fine in (["--exclusive"], ["--signal=B:TERM@120"], ["--gres=gpu:h100:8"], ["--dependency=afterok:1"]):
+    for fine in (
+        ["--exclusive"],
+        ["--signal=B:TERM@120"],
+        ["--gres=gpu:h100:8"],
+        ["--dependency=afterok:1"],
+        ["--mem-per-gpu=8G"],
+        ["--export-file=/etc/env"],
+    ):
         launcher.refuse_unsupported(JobSpec(name="x", command=["true"], options={"extra_args": fine}))
 
 

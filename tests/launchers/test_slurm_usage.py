@@ -262,7 +262,10 @@ def test_an_exclusive_job_records_the_whole_node_it_held_and_usage_counts_it(sto
     shared = get_launcher("slurm")  # asked for and given one CPU: the same either way
     attempt, status = run_job(store, shared, JobSpec(name="shared", command=["true"], cpus=1), timeout=120)
     assert status.state is JobState.SUCCEEDED, status
-    assert store.require(Attempt, attempt.id).granted["cpus"] == 1  # type: ignore[index]
+    granted = store.require(Attempt, attempt.id).granted
+    assert granted is not None and granted["cpus"] == 1, granted
+    # where it ran, which it did not name: the cluster's default partition (nothing else records it)
+    assert granted["partition"] == "debug", granted
 
 
 def test_allocated_tres_is_read_in_slurms_own_forms() -> None:
