@@ -663,6 +663,12 @@ class SlurmLauncher(Launcher):
         for flag in list_option(opts, "extra_args", EXTRA_ARGS_EXAMPLE):
             lines.append(f"#SBATCH {flag}")
         lines.append("")
+        if spec.workdir:  # Slurm runs a job whose --chdir it cannot enter in /tmp, with one line in the log
+            where = shlex.quote(spec.workdir)
+            lines.append(
+                f'[ "$PWD" -ef {where} ] || {{ echo "error: the job cannot enter its working directory "{where}'
+                " >&2; exit 127; }"
+            )
         for name in passed_env(spec.env)[1]:  # the job's own SBATCH_*/SLURM_*: see passed_env
             lines.append(f'export {name}="${PASSED_PREFIX}{name}"; unset {PASSED_PREFIX}{name}')
         measured = self._usage_lines(opts, log_pattern)

@@ -329,3 +329,18 @@ def test_sacct_says_who_cancelled_a_job_and_an_unknown_job_is_not_said_cancelled
     )
     assert unknown.returncode == 2 and "slurm knows no job 999999" in unknown.stderr, unknown
     assert "CANCELLED" not in unknown.stdout
+
+
+@pytest.mark.slurm
+def test_a_working_directory_the_node_cannot_enter_fails_the_job(store: LineageStore, tmp_path: Path) -> None:
+    """Slurm runs a job whose ``--chdir`` it cannot enter in /tmp instead, saying so in one line of the
+    log only: the job ran somewhere else than asked, and was recorded SUCCEEDED."""
+    from tests.services import require_slurm
+
+    require_slurm()
+    missing = tmp_path / "dir with space"  # not made
+    spec = JobSpec(name="elsewhere", command=["sh", "-c", "pwd > ran-here"], workdir=str(missing))
+    attempt, status = run_job(store, get_launcher("slurm"), spec, timeout=120)
+    assert (status.state, status.exit_code) == (JobState.FAILED, 127), status
+    assert f"cannot enter its working directory {missing}" in str(store.require(Attempt, attempt.id).reason)
+    assert not (Path("/tmp") / "ran-here").exists()
