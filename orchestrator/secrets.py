@@ -77,6 +77,24 @@ def is_secret_option(name: str) -> bool:
     return bool(words) and words[-1].lower() in CREDENTIAL_WORDS
 
 
+#: ``NAME=value`` inside a shell script given as one argument (``bash -c 'echo token=$T; train'``): the
+#: value ends at the next space, quote or shell operator, so the rest of the script is kept.
+_SCRIPT_ASSIGNMENT = re.compile(r"(?<![^\s;&|(`'\"])(-{0,2}[A-Za-z_][\w.-]*)=([^\s;&|()`'\"]+)")
+_NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+def _not_a_value(value: str) -> bool:
+    """A number (``max_token=4096``: a shape) or a variable or command reference (``$MY_TOKEN``,
+    ``$(cat key)``), which the command line shows without the secret it stands for."""
+    return bool(_NUMBER.fullmatch(value)) or value.startswith("$")
+
+
+def _mask_script(script: str) -> str:
+    return _SCRIPT_ASSIGNMENT.sub(
+        lambda m: m[0] if not is_secret_option(m[1]) or _not_a_value(m[2]) else f"{m[1]}={MASK}", script
+    )
+
+
 def redact_argv(args: Sequence[str], values: Iterable[str] | None = None) -> list[str]:
     """``args`` with the values of secret options and ``NAME=value`` secrets masked, and any
     secret value (``values``; default: this process's environment's) scrubbed wherever it appears.
@@ -84,7 +102,10 @@ def redact_argv(args: Sequence[str], values: Iterable[str] | None = None) -> lis
     command a job runs (``env DB_PASSWORD=x train.py``, ``train.py --db-password x``).
 
     ``--token X`` and ``--token=X`` hide X; ``-e WANDB_API_KEY=X`` and ``--env=GITHUB_TOKEN=X``
-    hide X (the first secret-looking name in a chain of ``=`` hides all after it).
+    hide X (the first secret-looking name in a chain of ``=`` hides all after it). A number or a
+    ``$reference`` is no secret value (``data.max_token=4096``). In a shell script given as one
+    argument (it has spaces: ``bash -c '...'``) each ``NAME=value`` is masked alone, up to the next
+    space or shell operator: the whole rest of the script was masked, ``echo token=***``.
     """
     found = secret_values() if values is None else list(values)
     out: list[str] = []
@@ -94,9 +115,14 @@ def redact_argv(args: Sequence[str], values: Iterable[str] | None = None) -> lis
             out.append(MASK)
             mask_next = False
             continue
+        if any(c.isspace() for c in arg):
+            out.append(scrub(_mask_script(arg), found))
+            continue
         parts = arg.split("=")
         secret_at = next((i for i, part in enumerate(parts[:-1]) if is_secret_option(part)), None)
-        if secret_at is not None:
+        if secret_at is not None and _not_a_value("=".join(parts[secret_at + 1 :])):
+            out.append(scrub(arg, found))
+        elif secret_at is not None:
             out.append("=".join([*parts[: secret_at + 1], MASK]))
         elif arg.startswith("--") and len(parts) == 1 and is_secret_option(arg):
             out.append(arg)

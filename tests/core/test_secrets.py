@@ -119,6 +119,13 @@ def test_no_log_line_carries_a_secret_to_stderr(tmp_path) -> None:
         # an option's or config key's name by whole words: shapes of a model are not secrets
         (["--tokenizer", "bpe", "max_tokens=4096", "--key-dim", "64"], None),
         (["--key-dim=64"], None),
+        (["--set", "data.max_token=4096"], None),  # a number is a shape, not a secret
+        # a shell script as one argument: each secret assignment alone is masked, the rest kept
+        (
+            ["bash", "-c", "echo token=abc123xyz hf=1; HF_TOKEN=hf_s3cret python train.py --lr 0.1; exit 1"],
+            ["bash", "-c", "echo token=*** hf=1; HF_TOKEN=*** python train.py --lr 0.1; exit 1"],
+        ),
+        (["bash", "-c", "export HF_TOKEN=$(cat ~/.hf_token); python train.py --lr 0.1"], None),
     ],
 )
 def test_a_recorded_command_line_masks_secrets_and_keeps_the_rest(typed: list[str], recorded: list[str] | None) -> None:
