@@ -456,7 +456,8 @@ def _ask_backends(store: Any, attempts: list[Any]) -> list[dict[str, Any]]:
                 continue
             _refresh(store, attempt, status)
             row["state"] = lineage_state(status.state)
-            row["host"] = status.host or attempt.host
+            # a job back in the queue (requeued, preempted) has no host now: its last one hid why it waits
+            row["host"] = status.host or (None if status.state is JobState.PENDING else attempt.host)
             if status.state is JobState.PENDING:  # why it waits: Priority, Resources, JobHeldUser...
                 row["reason"] = status.reason
             if status.tasks:  # a Slurm array: how far along its tasks are, where squeue prints a line each

@@ -14,6 +14,7 @@ front of the real commands where a failure or a count is needed.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -344,3 +345,33 @@ def test_a_working_directory_the_node_cannot_enter_fails_the_job(store: LineageS
     assert (status.state, status.exit_code) == (JobState.FAILED, 127), status
     assert f"cannot enter its working directory {missing}" in str(store.require(Attempt, attempt.id).reason)
     assert not (Path("/tmp") / "ran-here").exists()
+
+
+@pytest.mark.slurm
+def test_job_list_shows_why_a_requeued_job_waits_not_where_it_ran_before(store: LineageStore) -> None:
+    """A job Slurm put back in the queue (requeued, preempted) showed the host of its last run where
+    squeue shows why it waits: ``vm`` instead of ``(JobHeldAdmin)``."""
+    from orchestrator.launchers.attempts import mark_running, submit_attempt
+    from tests.forked_cli import run_cli
+    from tests.services import require_slurm
+
+    require_slurm()
+    launcher = get_launcher("slurm")
+    attempt, handle = submit_attempt(store, launcher, JobSpec(name="requeued", command=["sleep", "300"]))
+    try:
+        deadline = time.monotonic() + 60
+        while (status := launcher.status(handle)).state is not JobState.RUNNING:
+            assert time.monotonic() < deadline, status
+            time.sleep(0.5)
+        attempt = mark_running(store, attempt, status)
+        assert attempt.host
+        subprocess.run(["scontrol", "requeuehold", handle.job_id], check=True, env=launcher._env())
+        deadline = time.monotonic() + 60
+        while (status := launcher.status(handle)).state is not JobState.PENDING:
+            assert time.monotonic() < deadline, status
+            time.sleep(0.5)
+        listed = run_cli(["job", "list", "--json"], env=dict(os.environ), cwd=Path.cwd(), timeout=60)
+        (row,) = [r for r in json.loads(listed.stdout) if r["job_id"] == handle.job_id]
+        assert (row["state"], row["host"], row["reason"]) == ("PENDING", None, status.reason), row
+    finally:
+        launcher.cancel(handle)
