@@ -324,7 +324,13 @@ class Launcher(ABC):
         try:
             self.check_options(self.config)
         except ConfigError as exc:
-            raise ConfigError(f"[backends.{self.name}] {exc}") from None
+            # a misspelt OPENLAB_BACKENDS__SLURM__PARTITON is in no file: name the variable, or it is not found
+            prefix = f"OPENLAB_BACKENDS__{self.name.upper()}__"
+            named = sorted(
+                n for n in os.environ if n.upper().startswith(prefix) and f"'{n[len(prefix) :].lower()}'" in str(exc)
+            )
+            where = f" (set by the environment variable {', '.join(named)})" if named else ""
+            raise ConfigError(f"[backends.{self.name}]{where} {exc}") from None
         if "poll_interval" in self.config:  # ``[backends.NAME] poll_interval = 5``: gentler on a busy controller
             self.poll_interval = float(self.config["poll_interval"])
         self.outage_grace = number_option(self.config, "outage_grace", type(self).outage_grace)

@@ -212,6 +212,10 @@ def test_a_misspelt_option_is_refused_naming_the_one_meant(store: LineageStore, 
     assert store.list(Attempt) == [], "a job refused for its options leaves no attempt"
     with pytest.raises(ConfigError, match=r"^\[backends.slurm\] the slurm backend has no option 'partiton': did you "):
         get_launcher("slurm", partiton="gpu")  # a setting in openlab.toml: refused when the launcher is made
+    # set in the environment, it is in no file: the variable is named
+    proc = cli("job", "run", "--backend", "slurm", "--", "true", env={"OPENLAB_BACKENDS__SLURM__PARTITON": "gpu"})
+    said = "[backends.slurm] (set by the environment variable OPENLAB_BACKENDS__SLURM__PARTITON) the slurm backend"
+    assert proc.returncode == 2 and said in proc.stderr, proc.stderr
     with pytest.raises(ConfigError, match=r"no option 'zzz': it has: .*poll_interval"):
         get_launcher("kubernetes").refuse_unsupported(JobSpec(name="x", command=["true"], options={"zzz": 1}))
 
