@@ -19,9 +19,21 @@ from prefect import flow, get_run_logger
 from orchestrator.links.digest import DEFAULT_SINCE
 
 
+def digest_run_name() -> str:
+    """``digest since 24h`` (``digest of lab/x#3 since 7d (dry run)``): the run list says which
+    digest ran, not two random words."""
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters or {}
+    issues = params.get("issues") or []
+    name = "digest" + (f" of {', '.join(issues)}" if issues else "") + f" since {params.get('since') or DEFAULT_SINCE}"
+    return name + (" (dry run)" if params.get("dry_run") else "")
+
+
 @flow(
     name="github-digest",
     description="Post or update today's digest comment on each experiment issue with pipeline runs in the window.",
+    flow_run_name=digest_run_name,
 )
 def github_digest(since: str = DEFAULT_SINCE, issues: list[str] | None = None, dry_run: bool = False) -> dict[str, Any]:
     """Summarise each experiment issue's pipeline runs of the window in one comment per issue and day.
@@ -72,4 +84,4 @@ def github_digest(since: str = DEFAULT_SINCE, issues: list[str] | None = None, d
     return {**report.to_dict(), "digests": [d.to_dict(body=False) for d in report.digests]}
 
 
-__all__ = ["github_digest"]
+__all__ = ["digest_run_name", "github_digest"]

@@ -17,9 +17,27 @@ from prefect import flow, get_run_logger
 from orchestrator.retention import DEFAULT_FAILED_UNUSED_FOR, DEFAULT_KEEP_LAST, DEFAULT_UNUSED_FOR
 
 
+def gc_run_name() -> str:
+    """``gc: keep 3, unused for 7d (dry run)``, with the stages, recipe and replica it was limited to:
+    the run list tells a look from a deletion without opening the run."""
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters or {}
+    name = (
+        f"gc: keep {params.get('keep', DEFAULT_KEEP_LAST)}, unused for {params.get('unused_for', DEFAULT_UNUSED_FOR)}"
+    )
+    only = [", ".join(params.get("stages") or ()), params.get("recipe"), params.get("replica")]
+    if any(only):
+        name += " of " + " ".join(str(o) for o in only if o)
+    if params.get("include_failed"):
+        name += ", failed too"
+    return name + (" (dry run)" if params.get("dry_run", True) else "")
+
+
 @flow(
     name="outputs-gc",
     description="Delete stage outputs no recent, kept or running run uses; their lineage records stay.",
+    flow_run_name=gc_run_name,
 )
 def collect_outputs(
     keep: int = DEFAULT_KEEP_LAST,
@@ -113,4 +131,4 @@ def collect_outputs(
     return {"dry_run": dry_run, **plan.to_dict()}
 
 
-__all__ = ["collect_outputs"]
+__all__ = ["collect_outputs", "gc_run_name"]

@@ -13,10 +13,11 @@ from typing import Any
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.states import State
 
 from flows import events
 from flows.cancel import on_cancellation_hook, on_crashed_hook
-from flows.pipeline import Backend, replica_run_name, run_replica
+from flows.pipeline import TASK_RUN_LOGGER, Backend, failed_run, replica_run_name, run_replica, run_tags, shown
 
 
 @task(name="nightly-verdict", cache_policy=NO_CACHE)
@@ -25,7 +26,7 @@ def nightly_verdict(pipeline_run_id: str, recipe: str, replica: str) -> dict[str
     from prefect.artifacts import create_markdown_artifact
 
     from orchestrator.lineage.store import LineageStore
-    from orchestrator.nightly import evaluate_nightly, parse_tolerances, raise_for_verdict
+    from orchestrator.nightly import NightlyRegression, evaluate_nightly, parse_tolerances, raise_for_verdict
     from orchestrator.recipes import resolve
 
     logger = get_run_logger()
@@ -56,7 +57,11 @@ def nightly_verdict(pipeline_run_id: str, recipe: str, replica: str) -> dict[str
     if issue_url:
         payload["regression_issue"] = issue_url  # an Automation's Slack message can link it
     events.nightly_verdict(pipeline_run_id, payload)
-    raise_for_verdict(verdict)
+    try:
+        raise_for_verdict(verdict)
+    except NightlyRegression as exc:  # said above, at ERROR: the flow fails with it, without a traceback
+        shown(exc, TASK_RUN_LOGGER)
+        raise
     return verdict.to_dict()
 
 
@@ -115,7 +120,7 @@ def nightly_replica(
     backend: Backend | None = None,
     git_ref: str = "main",
     issue: str | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Any] | State[Any]:
     """Run ``recipe``'s ``replica`` at ``git_ref`` and fail when a tracked metric regressed.
 
     Args:
@@ -127,22 +132,35 @@ def nightly_replica(
         issue: Experiment issue owner/repo#N to post the lineage card to.
     """
     from flows.gitref import latest_ref
+    from orchestrator.errors import OpenlabError
+    from orchestrator.lineage.models import PipelineRun
+    from orchestrator.lineage.store import LineageStore
+    from orchestrator.nightly import NightlyRegression
     from orchestrator.pipeline.dag import REPO_ROOT
 
-    # main as the remote has it now, not as this server's checkout last pulled it
-    tested = latest_ref(REPO_ROOT, git_ref, get_run_logger())
-    summary = run_replica(
-        recipe=recipe,
-        replica=replica,
-        backend=backend,
-        issue=issue,
-        git_ref=tested,
-        force=False,
-        dry_run=False,
-        trigger=None,
-    )
-    # judged by the tolerances of the recipe that ran: at git_ref, not the server's own copy
-    verdict = nightly_verdict(summary["pipeline_run_id"], summary["recipe_path"], replica)
+    try:
+        # main as the remote has it now, not as this server's checkout last pulled it
+        tested = latest_ref(REPO_ROOT, git_ref, get_run_logger())
+        summary = run_replica(
+            recipe=recipe,
+            replica=replica,
+            backend=backend,
+            issue=issue,
+            git_ref=tested,
+            force=False,
+            dry_run=False,
+            trigger=None,
+        )
+        # the verdict's task run is found by the same tags as the stages' (the recipe's name, not its file)
+        with LineageStore.open() as store:
+            ran = store.require(PipelineRun, summary["pipeline_run_id"])
+        tags = run_tags(ran.recipe, ran.replica)
+        # judged by the tolerances of the recipe that ran: at git_ref, not the server's own copy
+        verdict = nightly_verdict.with_options(tags=tags)(summary["pipeline_run_id"], summary["recipe_path"], replica)
+    except NightlyRegression as exc:  # the verdict task logged it at ERROR: the flow run fails with that line
+        return failed_run(exc, logged=True)
+    except OpenlabError as exc:  # a stage's failure, a mistyped replica: one line, no traceback
+        return failed_run(exc)
     return {**summary, "verdict": verdict}
 
 

@@ -33,6 +33,7 @@ and lineage (the same code ``openlab run`` uses); this module only maps it onto 
 from __future__ import annotations
 
 import contextvars
+import logging
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -41,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.context import get_run_context
+from prefect.states import State
 
 from flows import events
 from flows.cancel import on_cancellation_hook, on_crashed_hook
@@ -49,7 +51,6 @@ from flows.progress import StageProgress
 
 if TYPE_CHECKING:
     from prefect.client.schemas.objects import TaskRun
-    from prefect.states import State
     from prefect.tasks import Task
 
     from orchestrator.pipeline.execute import PipelineContext, StageResult, StageTransition
@@ -117,16 +118,91 @@ def _stage_retries() -> int:
 
 
 def _retry_unless_cancelled(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:
-    """Retry a failed stage, but never one that was cancelled (by request or a lost lease)."""
-    from orchestrator.pipeline.execute import StageCancelled
+    """Retry a failed stage, unless the library rules a retry out (:func:`why_not_retried`: it was
+    cancelled, or its job refused its config), the same decision ``openlab run --retries`` makes;
+    the line that says why goes to the stage's log (a cancel says so itself)."""
+    from orchestrator.pipeline.execute import StageCancelled, why_not_retried
 
     try:
         state.result(raise_on_failure=True)
-    except StageCancelled:
-        return False
-    except Exception:  # noqa: BLE001 - any other failure may be transient
-        return True
+    except Exception as exc:  # noqa: BLE001 - anything the library does not rule out may be transient
+        why = why_not_retried(exc)
+        if why is not None and not isinstance(exc, StageCancelled):
+            get_run_logger().warning("%s", why)
+        return why is None
     return True
+
+
+#: The Prefect loggers its engines log a run's exception to, with its traceback: the task's end
+#: ("Task run failed with exception ... Retries are exhausted"), the flow's ("Encountered exception
+#: during execution") and, in a served flow-run process, once more on the way out ("Engine execution
+#: exited with unexpected exception").
+TASK_RUN_LOGGER = "prefect.task_runs"
+FLOW_RUN_LOGGER = "prefect.flow_runs"
+#: The attribute of an exception that lists the Prefect loggers (above) that need not show it again.
+_SHOWN_IN = "_openlab_shown_in"
+#: Task runs (ids) that ended on an exception openlab showed: their "Finished in state Failed(...)"
+#: line, which Prefect logs at ERROR, is a WARNING like their FAILED transition.
+_SHOWN_TASK_RUNS: set[str] = set()
+
+
+class _ShownErrorsFilter(logging.Filter):
+    """Drops a Prefect engine record about an exception openlab has already shown in that run's log
+    as one line (:func:`shown`), so a mistyped replica does not bury that line under two tracebacks
+    of Prefect's own frames, and lowers a task's final-state line about it to WARNING, so the flow's
+    line is the run's one ERROR. Any other exception, a bug's, keeps its record and traceback."""
+
+    def __init__(self, logger_name: str) -> None:
+        super().__init__()
+        self.logger_name = logger_name
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if isinstance(record.exc_info, tuple) else None
+        if exc is not None:
+            return self.logger_name not in getattr(exc, _SHOWN_IN, ())
+        task_run_id = getattr(record, "task_run_id", None)
+        if record.levelno >= logging.ERROR and task_run_id is not None and str(task_run_id) in _SHOWN_TASK_RUNS:
+            if str(record.msg).startswith("Finished in state"):
+                record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
+        return True
+
+
+def shown(exc: BaseException, *logger_names: str) -> BaseException:
+    """Mark ``exc`` as shown in a run's log by openlab (its transition line, or the flow's error
+    line), so the Prefect loggers named skip their record and traceback of it; returns ``exc``.
+
+    Prefect logs an exception that ends a task or a flow with its traceback, however it is raised,
+    and logs it again where a served process's flow returns a Failed state that carries it: the
+    engines offer no switch, so a filter on their loggers drops the records of marked exceptions.
+    """
+    for name in logger_names:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _ShownErrorsFilter) for f in logger.filters):
+            logger.addFilter(_ShownErrorsFilter(name))
+    already = set(getattr(exc, _SHOWN_IN, ()))
+    exc.__dict__[_SHOWN_IN] = frozenset(already | set(logger_names))
+    if TASK_RUN_LOGGER in logger_names:
+        from prefect.context import TaskRunContext
+
+        task_run = TaskRunContext.get()
+        if task_run is not None and task_run.task_run is not None:
+            _SHOWN_TASK_RUNS.add(str(task_run.task_run.id))
+    return exc
+
+
+def failed_run(exc: BaseException, *, logged: bool = False) -> State[Any]:
+    """The Failed state a flow returns for one of openlab's own errors (a mistyped replica, a stage
+    whose job failed, a regression): its message is the error's one line, which is also logged
+    once at ERROR (unless ``logged`` says a task of the run logged it already), without the
+    traceback of Prefect's frames a bug would get. The state carries ``exc``, so a caller of the
+    flow function (and ``state.result()``) still gets the exception itself."""
+    from prefect.states import Failed
+
+    line = " ".join(str(exc).split()) or type(exc).__name__
+    if not logged:
+        get_run_logger().error("%s", line)
+    shown(exc, FLOW_RUN_LOGGER)
+    return Failed(message=line, data=exc)
 
 
 def _publish_stage_card(ctx: PipelineContext, stage: str, stage_run_id: str | None) -> None:
@@ -151,6 +227,7 @@ def _publish_stage_card(ctx: PipelineContext, stage: str, stage_run_id: str | No
 def run_stage(pipeline_run_id: str, stage: str) -> dict[str, Any]:
     """Reuse or run one stage through the library (again when its job is preempted, which spends
     no Prefect retry); publish its card; return its result summary."""
+    from orchestrator.errors import OpenlabError
     from orchestrator.pipeline.execute import StageFailed, execute_stage_resuming
 
     ctx = _CONTEXTS[pipeline_run_id]
@@ -162,6 +239,11 @@ def run_stage(pipeline_run_id: str, stage: str) -> dict[str, Any]:
     except StageFailed as exc:
         failed = exc.result
         _publish_stage_card(ctx, stage, failed.stage_run_id if failed else ctx.stage_runs.get(stage))
+        # its FAILED/CANCELLED transition line says why in this task's log; the flow says it once more
+        shown(exc, TASK_RUN_LOGGER)
+        raise
+    except OpenlabError as exc:  # a stage refused before its job (a backend unknown): the flow's line says it
+        shown(exc, TASK_RUN_LOGGER)
         raise
     progress.finish()
     _publish_stage_card(ctx, stage, result.stage_run_id)
@@ -259,6 +341,7 @@ def run_replica(
                 f"{exc} (the recipe of git ref {git_ref} was read with the recipe schema of the code serving this "
                 "flow; if that ref's recipes use keys this code does not know, serve the flows from that ref)"
             ) from None
+        tag_flow_run(flow_run, run_tags(resolved.recipe.name, resolved.replica, backend))
         if dry_run:
             return _dry_run(
                 resolved=resolved,
@@ -324,6 +407,35 @@ def run_replica(
         if hint:  # what changed since the last run of this replica, and how the results moved
             logger.info("compared with the previous run: `%s`", hint)
         return summary
+
+
+def run_tags(recipe: str | None, replica: str | None, backend: str | None = None) -> set[str]:
+    """``openlab``, ``recipe:<name>``, ``replica:<name>`` and ``backend:<name>``: what the UI's run
+    list filters a replica's runs by (its flow run, and each stage's task run as :func:`stage_tags`)."""
+    tags = {"openlab"}
+    tags |= {
+        f"{key}:{value}" for key, value in (("recipe", recipe), ("replica", replica), ("backend", backend)) if value
+    }
+    return tags
+
+
+def tag_flow_run(flow_run: Any, tags: set[str]) -> None:
+    """Add ``tags`` to this flow run, beside those it was created with (its deployment's, a sweep's).
+
+    A deployment's tags are the same for every run, and the recipe, replica and backend of one are
+    known only once its parameters are read (a form left without a backend runs on the default),
+    so they are added from inside the run; without them the run list could filter task runs by
+    replica but not the runs themselves. Never fails the run: the tags are for finding it."""
+    if flow_run is None or tags <= set(getattr(flow_run, "tags", None) or ()):
+        return
+    from prefect import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            current = client.read_flow_run(flow_run.id).tags or []  # the latest: a retry's, a person's
+            client.update_flow_run(flow_run.id, tags=sorted(set(current) | tags))
+    except Exception as exc:  # noqa: BLE001 - a tag must not fail a run
+        get_run_logger().warning("could not tag this flow run %s: %s", ", ".join(sorted(tags)), exc)
 
 
 def stage_tags(ctx: PipelineContext, stage: str) -> set[str]:
@@ -561,9 +673,14 @@ def replica_run_name(prefix: str = "") -> str:
     (``stereotyped-chipmunk``) that say nothing of what ran."""
     from prefect.runtime import flow_run
 
+    return replica_name(flow_run.parameters or {}, prefix)
+
+
+def replica_name(params: dict[str, Any], prefix: str = "") -> str:
+    """:func:`replica_run_name` of a run with these parameters: also the name a sweep gives each run it
+    creates, so the name it logs is the one the run list shows once the run starts."""
     from orchestrator.recipes import set_words
 
-    params = flow_run.parameters or {}
     name = (
         f"{prefix}{params.get('recipe')}:{params.get('replica')} on {params.get('backend') or default_backend_name()}"
     )
@@ -597,7 +714,7 @@ def replica_pipeline(
     dry_run: bool = False,
     until: Stage | None = None,
     overrides: dict[str, Any] | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Any] | State[Any]:
     """Run a recipe's scaled-down replica stage by stage, reusing what is already done.
 
     Args:
@@ -616,18 +733,23 @@ def replica_pipeline(
             sets them: {"pretrain.lr": 0.02, "dispatch.scheme": "ragged"}. They change the stages'
             identities (what is reused) and are recorded with the run.
     """
-    return run_replica(
-        recipe=recipe,
-        replica=replica,
-        backend=backend,
-        issue=issue,
-        require_issue=require_issue,
-        git_ref=git_ref,
-        force=force,
-        dry_run=dry_run,
-        until=until,
-        overrides=overrides,
-    )
+    from orchestrator.errors import OpenlabError
+
+    try:
+        return run_replica(
+            recipe=recipe,
+            replica=replica,
+            backend=backend,
+            issue=issue,
+            require_issue=require_issue,
+            git_ref=git_ref,
+            force=force,
+            dry_run=dry_run,
+            until=until,
+            overrides=overrides,
+        )
+    except OpenlabError as exc:  # a user's mistake or a stage's failure, said in one line; a bug keeps its traceback
+        return failed_run(exc)
 
 
 __all__ = [
@@ -635,11 +757,15 @@ __all__ = [
     "CancelWatcher",
     "Stage",
     "default_backend_name",
+    "failed_run",
     "flow_backend",
+    "replica_name",
     "replica_pipeline",
     "run_replica",
     "run_stage",
     "run_stages_as_tasks",
+    "run_tags",
+    "shown",
     "sweep_of",
     "sweep_tags",
 ]

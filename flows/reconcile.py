@@ -16,9 +16,18 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 
+def reconcile_run_name() -> str:
+    """``reconcile`` (``reconcile (dry run)``): the run list says what ran every 10 minutes, not
+    two random words (``rainbow-malkoha``) a person has to open to tell from a pipeline's."""
+    from prefect.runtime import flow_run
+
+    return "reconcile" + (" (dry run)" if (flow_run.parameters or {}).get("dry_run") else "")
+
+
 @flow(
     name="lineage-reconcile",
     description="Close runs whose orchestrator died (lease expired) and cancel their orphaned backend jobs.",
+    flow_run_name=reconcile_run_name,
 )
 def reconcile_lineage(dry_run: bool = False) -> dict[str, Any]:
     """Close stale stage and pipeline runs and cancel their jobs; report each in the log and an artifact.
@@ -43,4 +52,4 @@ def reconcile_lineage(dry_run: bool = False) -> dict[str, Any]:
     return report.to_dict()
 
 
-__all__ = ["reconcile_lineage"]
+__all__ = ["reconcile_lineage", "reconcile_run_name"]

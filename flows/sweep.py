@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.states import State
 
 from flows.pipeline import Backend, Stage
 
@@ -92,7 +93,7 @@ def replica_sweep(
     metrics: list[str] | None = None,
     over: list[str] | None = None,
     dry_run: bool = False,
-) -> dict[str, Any]:
+) -> dict[str, Any] | State[Any]:
     """Run the replica once per combination of the grid's values and compare the runs.
 
     Args:
@@ -118,15 +119,60 @@ def replica_sweep(
             them, each metric as mean ± standard deviation over the group.
         dry_run: Start nothing: per run and stage, run, reuse or shared, and the jobs the sweep would start.
     """
+    from flows.pipeline import failed_run
+    from orchestrator.errors import OpenlabError
+
+    try:
+        return _sweep(
+            grid=grid,
+            samples=samples,
+            count=count,
+            sample_seed=sample_seed,
+            recipe=recipe,
+            replica=replica,
+            backend=backend,
+            overrides=overrides,
+            issue=issue,
+            until=until,
+            git_ref=git_ref,
+            at_once=at_once,
+            metrics=metrics,
+            over=over,
+            dry_run=dry_run,
+        )
+    except OpenlabError as exc:  # a bad grid, a trial that failed: one line, no traceback; a bug keeps its own
+        return failed_run(exc)
+
+
+def _sweep(
+    *,
+    grid: dict[str, list[Any]] | None,
+    samples: dict[str, str] | None,
+    count: int,
+    sample_seed: int,
+    recipe: str,
+    replica: str,
+    backend: str | None,
+    overrides: dict[str, Any] | None,
+    issue: str | None,
+    until: str | None,
+    git_ref: str,
+    at_once: int,
+    metrics: list[str] | None,
+    over: list[str] | None,
+    dry_run: bool,
+) -> dict[str, Any]:
+    """The body of :func:`replica_sweep` (its arguments), which turns openlab's errors into its Failed state."""
     from prefect import get_client
     from prefect.artifacts import create_markdown_artifact
+    from prefect.context import get_run_context
     from prefect.deployments import run_deployment
 
     from flows.deployments import PIPELINE_DEPLOYMENT
     from flows.gitref import checkout_ref
-    from flows.pipeline import flow_backend, replica_pipeline, sweep_tags
+    from flows.pipeline import flow_backend, replica_name, replica_pipeline, run_tags, sweep_tags, tag_flow_run
     from orchestrator.cards import render_comparison
-    from orchestrator.errors import ConfigError
+    from orchestrator.errors import ConfigError, OpenlabError
     from orchestrator.lineage.compare import DEFAULT_METRICS, compare_runs
     from orchestrator.lineage.models import PipelineRun
     from orchestrator.lineage.store import LineageStore
@@ -137,6 +183,7 @@ def replica_sweep(
 
     logger = get_run_logger()
     backend = flow_backend(backend)  # every run of the sweep on the one backend, whatever the default is by then
+    tag_flow_run(getattr(get_run_context(), "flow_run", None), run_tags(recipe, replica, backend))
     if at_once < 0:
         raise ConfigError(f"sweep: at_once must be 0 (all at once) or more, got {at_once}")
     sampled = {key: parse_sample(key, text, "samples") for key, text in (samples or {}).items()}
@@ -182,24 +229,32 @@ def replica_sweep(
         while pending or running:
             while pending and (at_once == 0 or len(running) < at_once):
                 number, trial = pending.pop(0)
+                parameters = {
+                    "recipe": recipe,
+                    "replica": replica,
+                    "backend": backend,
+                    "git_ref": git_ref,
+                    "until": until,
+                    "issue": issue,
+                    "overrides": trial,
+                }
                 child = run_deployment(
                     name,
-                    parameters={
-                        "recipe": recipe,
-                        "replica": replica,
-                        "backend": backend,
-                        "git_ref": git_ref,
-                        "until": until,
-                        "issue": issue,
-                        "overrides": trial,
-                    },
+                    parameters=parameters,
                     timeout=0,  # started, not awaited: the trials run side by side
                     tags=sweep_tags(sweep_id, number + 1, len(trials)),  # recorded as its pipeline run's sweep
+                    # the name the run takes when it starts, from the start: a search for the name logged finds it
+                    flow_run_name=replica_name(parameters),
                 )
                 running[child.id] = number
                 started[child.id] = time.monotonic()
                 logger.info(
-                    "run %d of %d: %s (flow run %s)", number + 1, len(trials), " ".join(set_words(trial)), child.name
+                    "run %d of %d: %s (flow run %r, id %s)",
+                    number + 1,
+                    len(trials),
+                    " ".join(set_words(trial)),
+                    child.name,
+                    child.id,
                 )
             time.sleep(POLL_SECONDS)
             for flow_run_id, number in list(running.items()):
@@ -236,7 +291,7 @@ def replica_sweep(
     failed = [(n, f) for n, f in sorted(ended.items()) if not f.state.is_completed()]
     if failed:
         named = "; ".join(f"{' '.join(set_words(trials[n]))}: {f.state.name} ({f.state.message})" for n, f in failed)
-        raise RuntimeError(f"{len(failed)} of {len(trials)} sweep runs did not complete: {named}")
+        raise OpenlabError(f"{len(failed)} of {len(trials)} sweep runs did not complete: {named}")
     return {
         "sweep": sweep_id,
         "runs": [{"trial": trials[n], "flow_run": str(f.id), "state": f.state.name} for n, f in sorted(ended.items())],

@@ -245,6 +245,9 @@ class StageResult:
     #: For a PREEMPTED result, whether the job saved its checkpoint anew, so the next attempt gets
     #: further: such stops do not count towards ``[pipeline] preemption_retries``.
     progress_saved: bool = False
+    #: The exit code of the stage's last job (its attempt's), when it ran one and one was reported:
+    #: with the reason it tells a job that refused its config from one that broke (:func:`why_not_retried`).
+    exit_code: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -804,6 +807,7 @@ def conclude_stage(
         attempt_id=getattr(attempt, "id", None),
         job_id=getattr(attempt, "job_id", None),
         cluster=getattr(attempt, "cluster", None),
+        exit_code=getattr(attempt, "exit_code", None),
         seconds=time.monotonic() - started,
         stopped_seconds=tuple(ctx.stopped_seconds.get(spec.name, ())),
         stopped_by=stopped_by,
@@ -1410,19 +1414,59 @@ def _give_up_preempted(ctx: PipelineContext, name: str, result: StageResult | No
     return failed
 
 
+#: The exit code with which openlab's workloads refuse their input before any compute
+#: (``workloads/moe/__main__.py``: a ``WorkloadError`` is printed as one line and the job exits 2).
+CONFIG_REFUSED_EXIT_CODE = 2
+#: The line such a workload prints for a config it refuses (``error: config: model.context=128 is
+#: longer than the data ...``), as :func:`orchestrator.launchers.attempts.error_line` puts it in the reason.
+_CONFIG_REFUSED = re.compile(r"(?:^|[\s:])(error: config: .*?)(?:; log: .*)?$")
+
+
+def why_not_retried(exc: BaseException) -> str | None:
+    """The line that says why a stage that ended with ``exc`` is not retried, or None when a retry
+    may end otherwise (a transient failure, a node that died, a job stopped too often in a row).
+
+    The one decision behind both retry loops, ``openlab run --retries`` (:func:`run_stages`) and the
+    flows' Prefect task retries, so a stage is retried the same from a terminal and from the UI. Not
+    retried: a cancelled stage (by request, or its lease was taken over), and a job that refused its
+    own config (the workload's ``error: config: ...`` line and exit code 2): a new attempt runs the
+    same config and fails the same way, after queueing for a node again, and the run's log says so
+    twice (what a lab saw: a pretrain whose ``model.context`` was longer than the data, run twice).
+    """
+    if not isinstance(exc, StageFailed):
+        return None
+    result = exc.result
+    stage = result.stage if result is not None else "the stage"
+    if isinstance(exc, StageCancelled):
+        return f"{stage} is not retried: it was cancelled, not failed"
+    if isinstance(exc, StagePreempted) or result is None or result.state != "FAILED":
+        return None
+    refused = _CONFIG_REFUSED.search(result.reason)
+    if result.exit_code == CONFIG_REFUSED_EXIT_CODE and refused:
+        return (
+            f"{stage} is not retried: its job refused its config (exit {result.exit_code}, {refused.group(1)}); "
+            "a retry would run the same config, so fix the recipe or the values set for this run"
+        )
+    return None
+
+
 def _execute_with_retries(ctx: PipelineContext, name: str, retries: int) -> None:
     """execute_stage, again after a failure, up to ``retries`` times: each retry is a new attempt of
     the same stage run, and a training stage resumes from its last checkpoint (its output folder
     is its identity's). A preempted stage is run again apart from these retries
-    (:func:`execute_stage_resuming`); a cancelled stage is never retried."""
+    (:func:`execute_stage_resuming`); a stage :func:`why_not_retried` rules out (cancelled, a config
+    its job refused) is never retried, and the line that says why is logged."""
     for tried in range(retries + 1):
         try:
             execute_stage_resuming(ctx, name)
             return
-        except StageCancelled:
-            raise
         except StageFailed as exc:
             if tried == retries:
+                raise
+            why = why_not_retried(exc)
+            if why is not None:
+                if not isinstance(exc, StageCancelled):  # a cancel says so itself, and was asked for
+                    log.warning("%s", why)
                 raise
             ctx.emit(name, "RETRYING", reason=f"retry {tried + 1} of {retries} after: {exc}")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -418,6 +419,36 @@ def test_a_cancelled_stage_is_not_retried(repo: Path, ledger: Path) -> None:
     assert [s for s in seen if s[1] in ("CANCELLED", "RETRYING")] == [("gen", "CANCELLED")], seen
     with LineageStore.open() as store:
         assert [a.state for a in store.list(Attempt)] == ["CANCELLED"], "one attempt, not three"
+
+
+#: What openlab's workloads do with a config they refuse (workloads/moe/__main__.py): one `error: config:` line, exit 2.
+REFUSES_ITS_CONFIG = (
+    "\nimport sys\n"
+    "print('error: config: model.context=128 is longer than the data', file=sys.stderr)\nraise SystemExit(2)\n"
+)
+
+
+def test_a_stage_whose_job_refused_its_config_is_not_retried_and_the_log_says_why(
+    repo: Path, ledger: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`openlab run --retries 2` on a stage whose workload refused its config: one attempt, not three
+    identical ones queued for a node each, and one line that says why it was not retried."""
+    script = repo / "stages" / "upper.py"
+    script.write_text(script.read_text() + REFUSES_ITS_CONFIG)
+    seen: list[tuple[str, str]] = []
+    hooks = PipelineHooks(on_transition=lambda e: seen.append((e.stage, e.state)))
+    ctx = start_pipeline(toy_pipeline(repo), toy_configs(), options=fast(), hooks=hooks)
+    with caplog.at_level(logging.WARNING, logger="openlab.pipeline"):
+        result = run_stages(ctx, retries=2)
+    assert result.state == "FAILED", result.error
+    assert ("upper", "RETRYING") not in seen, seen
+    with LineageStore.open() as store:
+        (upper,) = store.list(StageRun, pipeline_run_id=result.pipeline_run.id, stage="upper")
+        attempts = store.list(Attempt, stage_run_id=upper.id)
+        assert [(a.state, a.exit_code) for a in attempts] == [("FAILED", 2)], "one attempt, not three"
+        assert "error: config: model.context=128" in (attempts[0].reason or "")
+    (why,) = [r.getMessage() for r in caplog.records if "not retried" in r.getMessage()]
+    assert why.startswith("upper is not retried: its job refused its config (exit 2, error: config: model.context"), why
 
 
 def test_stage_retries_setting(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,104 @@
+"""How a flow run that fails for one of openlab's own reasons reads in the UI: one ERROR line, the
+Failed state's message, no traceback of Prefect's frames; and a job that refused its config is not
+run again by a Prefect retry. Real flows in this process against a real Prefect server, real jobs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from orchestrator.lineage import Attempt, LineageStore, StageRun
+from orchestrator.prefect_server import PrefectServer
+
+pytestmark = [pytest.mark.prefect]
+
+
+def run_logs(flow_run_id: Any, timeout: float = 30.0) -> list[Any]:
+    """Every log record of the flow run and its task runs, once its last line ("Finished in state")
+    reached the server (logs are sent in batches, after the state)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+            done = any(log.message.startswith("Finished in state") and log.task_run_id is None for log in logs)
+            if done or time.monotonic() > deadline:
+                return sorted(logs, key=lambda log: log.timestamp)
+
+
+def assert_one_error_line(state: Any) -> list[Any]:
+    """The run failed with its state's message as its one ERROR line and not a line of traceback; its logs."""
+    assert state.is_failed(), state
+    logs = run_logs(state.state_details.flow_run_id)
+    errors = [log.message for log in logs if log.level >= logging.ERROR]
+    assert errors == [state.message], errors
+    traced = [log.message for log in logs if "Traceback (most recent call last)" in log.message]
+    assert traced == [], traced[0]
+    return logs
+
+
+def test_a_mistyped_replica_fails_the_run_with_one_line_and_no_traceback(
+    prefect_server: PrefectServer, openlab_home: Path
+) -> None:
+    from flows.nightly import nightly_replica
+    from flows.pipeline import replica_pipeline
+
+    state = replica_pipeline(replica="tny", backend="local", return_state=True)
+    assert_one_error_line(state)
+    assert "no replica 'tny'" in state.message and "did you mean 'tiny'?" in state.message, state.message
+    with pytest.raises(Exception, match="did you mean 'tiny'"):  # a caller of the flow still gets the error
+        state.result()
+
+    nightly = nightly_replica(replica="tny", backend="local", git_ref="HEAD", return_state=True)
+    assert_one_error_line(nightly)
+    assert "did you mean 'tiny'?" in nightly.message, nightly.message
+
+
+def test_a_bad_sweep_grid_fails_the_run_with_one_line_and_no_traceback(
+    prefect_server: PrefectServer, openlab_home: Path
+) -> None:
+    from flows.sweep import replica_sweep
+
+    state = replica_sweep(grid={"data.max_bytes": [1, 2]}, backend="local", return_state=True)
+    assert_one_error_line(state)
+    assert "grid data.max_bytes: no such recipe field" in state.message, state.message
+
+
+def test_a_stage_whose_job_refused_its_config_fails_once_in_one_line_and_is_not_retried(
+    prefect_server: PrefectServer, openlab_home: Path
+) -> None:
+    """The audit's run: a pretrain whose `model.context` is longer than the data. Its job exits 2 with
+    `error: config: ...`; the stage's task is not retried (a second identical job would fail the same
+    way), the stage's log says why, and the flow run fails with that error as its one ERROR line."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
+
+    from flows.pipeline import replica_pipeline
+
+    state = replica_pipeline(
+        replica="tiny", backend="local", until="pretrain", overrides={"model.context": 100000}, return_state=True
+    )
+    flow_run_id = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        tasks = client.read_task_runs(
+            task_run_filter=TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[flow_run_id]))
+        )
+    (pretrain,) = [t for t in tasks if t.name.startswith("pretrain")]
+    assert pretrain.state.is_failed() and pretrain.run_count == 1, (pretrain.state, pretrain.run_count)
+    logs = assert_one_error_line(state)
+    assert state.message.startswith("stage pretrain failed: job "), state.message
+    assert "error: config: model.context=100000 is longer than the data" in state.message, state.message
+    (why,) = [log for log in logs if "is not retried" in log.message]
+    assert why.task_run_id == pretrain.id and why.level == logging.WARNING
+    assert why.message.startswith("pretrain is not retried: its job refused its config (exit 2, error: config: model")
+    assert not [log.message for log in logs if "Retry 1/" in log.message]
+    with LineageStore.open() as store:
+        (stage,) = store.list(StageRun, stage="pretrain")
+        assert stage.state == "FAILED"
+        assert [(a.state, a.exit_code) for a in store.list(Attempt, stage_run_id=stage.id)] == [("FAILED", 2)]
