@@ -308,8 +308,14 @@ def run_replica(
     require_issue: bool = False,
     until: str | None = None,
     overrides: dict[str, Any] | None = None,
+    force_stages: list[str] | None = None,
+    retries: int | None = None,
 ) -> dict[str, Any]:
-    """The body of the pipeline flows (also used by the nightly): start, run each stage as a task, finish."""
+    """The body of the pipeline flows (also used by the nightly): start, run each stage as a task, finish.
+
+    ``force_stages`` re-runs those stages even where a completed identical one exists (``openlab run
+    --force-stage``); ``retries`` is this run's retries of a failed stage, over ``[pipeline]
+    stage_retries``."""
 
     from flows.gitref import checkout_ref
     from orchestrator.errors import ConfigError
@@ -342,12 +348,15 @@ def run_replica(
                 "flow; if that ref's recipes use keys this code does not know, serve the flows from that ref)"
             ) from None
         tag_flow_run(flow_run, run_tags(resolved.recipe.name, resolved.replica, backend))
+        forced: bool | frozenset[str] = force or (frozenset(force_stages) if force_stages else False)
+        if retries is not None and retries < 0:
+            raise ConfigError(f"retries = {retries}: give 0 or more (the retries of a failed stage)")
         if dry_run:
             return _dry_run(
                 resolved=resolved,
                 backend=backend,
                 git_ref=git_ref,
-                force=force,
+                force=forced,
                 repo_root=repo_root,
                 settings=settings,
             )
@@ -364,6 +373,8 @@ def run_replica(
             "until": until,
             "overrides": dict(overrides or {}),
             "flow_run_id": flow_run_id,
+            **({"force_stages": sorted(force_stages)} if force_stages else {}),
+            **({"retries": retries} if retries is not None else {}),
         }
         automation = _automation(flow_run)
         if automation:  # which Automation started it: the trigger alone says only that one did
@@ -373,7 +384,7 @@ def run_replica(
             backend=backend,
             issue=issue or None,
             issue_required=require_issue,
-            force=force,
+            force=forced,
             trigger=trigger or _trigger(flow_run),
             flow_run_id=flow_run_id,
             params={"prefect": params, **({"sweep": sweep} if sweep else {})},
@@ -387,7 +398,7 @@ def run_replica(
                 ctx.id,
                 ctx.pipeline_run.params["retry_of"],
             )
-        run_stages_as_tasks(ctx, retries=_stage_retries(), watcher=watcher)
+        run_stages_as_tasks(ctx, retries=_stage_retries() if retries is None else retries, watcher=watcher)
         summary = {
             "pipeline_run_id": ctx.id,
             "recipe_path": str(resolved.recipe.path),  # the file that ran (a checked-out ref's own)
@@ -611,7 +622,13 @@ def _publish_pipeline_card(ctx: PipelineContext) -> None:
 
 
 def _dry_run(
-    *, resolved: ResolvedRecipe, backend: str, git_ref: str, force: bool, repo_root: Path, settings: Settings
+    *,
+    resolved: ResolvedRecipe,
+    backend: str,
+    git_ref: str,
+    force: bool | frozenset[str],
+    repo_root: Path,
+    settings: Settings,
 ) -> dict[str, Any]:
     """``openlab explain`` inside the flow: per stage run or reuse and which identity fields changed.
 
@@ -626,7 +643,8 @@ def _dry_run(
 
     logger = get_run_logger()
     plans = explain_recipe(resolved, settings=settings, force=force, repo_root=repo_root, backend=backend)
-    title = f"openlab explain {resolved.name} (backend {backend}, git ref {git_ref}{', forced' if force else ''})"
+    said = f", forced: {', '.join(sorted(force))}" if isinstance(force, frozenset) else ", forced" if force else ""
+    title = f"openlab explain {resolved.name} (backend {backend}, git ref {git_ref}{said})"
     for p in plans:
         changed = f"; changed: {'; '.join(p.changes)}" if p.changes else ""
         logger.info("dry run: %s would %s - %s%s", p.stage, p.action, p.reason, changed)
@@ -639,7 +657,7 @@ def _dry_run(
         "recipe": resolved.name,
         "backend": backend,
         "git_ref": git_ref,
-        "force": force,
+        "force": sorted(force) if isinstance(force, frozenset) else force,
         "lineage": resolved.lineage(),
         "stages": [p.to_dict() for p in plans],
     }
@@ -714,6 +732,8 @@ def replica_pipeline(
     dry_run: bool = False,
     until: Stage | None = None,
     overrides: dict[str, Any] | None = None,
+    force_stages: list[Stage] | None = None,
+    retries: int | None = None,
 ) -> dict[str, Any] | State[Any]:
     """Run a recipe's scaled-down replica stage by stage, reusing what is already done.
 
@@ -732,6 +752,9 @@ def replica_pipeline(
         overrides: Recipe values for this run only, over the replica's own, as `openlab run --set`
             sets them: {"pretrain.lr": 0.02, "dispatch.scheme": "ragged"}. They change the stages'
             identities (what is reused) and are recorded with the run.
+        force_stages: Re-run these stages even when a completed identical one exists (after fixing
+            the eval code: eval); the others are reused as usual. `openlab run --force-stage`.
+        retries: Retries of a failed stage in this run; empty: `[pipeline] stage_retries`.
     """
     from orchestrator.errors import OpenlabError
 
@@ -747,6 +770,8 @@ def replica_pipeline(
             dry_run=dry_run,
             until=until,
             overrides=overrides,
+            force_stages=list(force_stages or []),
+            retries=retries,
         )
     except OpenlabError as exc:  # a user's mistake or a stage's failure, said in one line; a bug keeps its traceback
         return failed_run(exc)

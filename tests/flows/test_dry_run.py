@@ -104,5 +104,14 @@ def test_dry_run_explains_reuse_and_changed_fields_and_launches_nothing(
     bad = replica_pipeline(recipe="marin-535b-a23b", replica="tiny", dry_run=True, until="repro", return_state=True)
     assert bad.is_failed() and "--until 'repro': not a stage of this run" in (bad.message or ""), bad.message
 
+    # 4. `force_stages` from the form (`openlab run --force-stage`, which the form lacked): that stage is run
+    state = replica_pipeline(
+        recipe="marin-535b-a23b", replica="tiny", dry_run=True, force_stages=["data"], until="tokenize"
+    )
+    assert state["stages"][0]["action"] == "run" and "forced" in state["stages"][0]["reason"], state["stages"][0]
+    assert state["force"] == ["data"]
+    bad = replica_pipeline(recipe="marin-535b-a23b", replica="tiny", dry_run=True, retries=-1, return_state=True)
+    assert bad.is_failed() and bad.message == "retries = -1: give 0 or more (the retries of a failed stage)"
+
     with LineageStore.open() as store:  # a dry run launches and records nothing
         assert (len(store.list(PipelineRun)), len(store.list(StageRun)), len(store.list(Attempt))) == recorded
