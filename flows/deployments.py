@@ -499,6 +499,29 @@ def keep_server_state(
     return kept
 
 
+def check_work_pool(name: str) -> None:
+    """Refuse a work pool the server does not have, in one line that says how to make it.
+
+    Prefect's server answers a deployment that names a missing pool with a 500 (``'NoneType' object
+    has no attribute 'base_job_template'``), which reached the person as a 54-line traceback; and
+    the deployments registered before it, and the schedules :func:`keep_server_state` updates, were
+    left half done. Needs the API (:func:`orchestrator.prefect_server.use_api`)."""
+    import shlex
+
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_work_pool(name)
+        except ObjectNotFound:
+            api = str(client.api_url).rstrip("/")
+            raise ConfigError(
+                f"work pool {name!r} does not exist on {api}: create it "
+                f"(prefect work-pool create {shlex.quote(name)} --type process) or leave --work-pool out"
+            ) from None
+
+
 def apply_deployments(
     deployments: Iterable[RunnerDeployment],
     *,
@@ -507,8 +530,11 @@ def apply_deployments(
     pause_unserved: bool = False,
 ) -> Registration:
     """Register (create or update) deployments with the API, keeping what is paused there
-    (:func:`keep_server_state`; ``resume`` and ``pause_unserved`` as there)."""
+    (:func:`keep_server_state`; ``resume`` and ``pause_unserved`` as there). A ``work_pool`` the server
+    does not have is refused first (:func:`check_work_pool`), before anything is changed there."""
     deployments = list(deployments)
+    if work_pool is not None:
+        check_work_pool(work_pool)
     kept = keep_server_state(deployments, resume=resume, pause_unserved=pause_unserved)
     out: dict[str, str] = {}
     for deployment in deployments:
@@ -556,6 +582,7 @@ __all__ = [
     "SWEEP_DEPLOYMENT",
     "apply_deployments",
     "build_deployments",
+    "check_work_pool",
     "digest_cron",
     "gc_cron",
     "in_repo_root",

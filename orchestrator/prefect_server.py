@@ -13,12 +13,18 @@ openlab's choices:
 - telemetry is off on both sides: ``PREFECT_SERVER_ANALYTICS_ENABLED=false`` for the
   server, ``DO_NOT_TRACK=1`` for clients;
 - the server runs in its own process group, so Ctrl-C in a terminal reaches openlab
-  first and openlab stops the runner before the API it reports to.
+  first and openlab stops the runner before the API it reports to;
+- flow results a client persists go to ``<prefect home>/storage`` (:func:`use_api`), beside the
+  server's database, not to ``~/.prefect/storage``, unless the user set Prefect's local storage path;
+- a server bound to its owner (``stop_with_parent``: ``openlab server``) gets SIGTERM from Linux when
+  the owner dies, even by SIGKILL, and records itself (:data:`RECORD_NAME`), so one that survived anyway
+  is recognised by the next start for the same home and stopped (:meth:`PrefectServer.stop_leftover`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -45,6 +51,26 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 4200
 #: Seconds to wait for /api/health; a cold SQLite start takes about 10 s on 2 cores.
 DEFAULT_START_TIMEOUT = 90.0
+#: The file, in the server's home, that names a server bound to its owner: its pid and start time, and
+#: its owner's. Not ``server.pid``: ``make demo`` writes that one for a server it leaves running on purpose.
+RECORD_NAME = "openlab-server.json"
+
+#: Run as ``python -c`` in front of ``prefect server start``: ask Linux for SIGTERM when the parent
+#: dies (``PR_SET_PDEATHSIG``, kept across ``execv``), give up if the parent is already gone, then
+#: become the server (same pid). A wrapper rather than ``preexec_fn``, which is unsafe in a parent
+#: with threads (Prefect's client has some).
+_DIE_WITH_PARENT = """\
+import ctypes, os, signal, sys
+try:
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    prctl.argtypes = [ctypes.c_int, *[ctypes.c_ulong] * 4]
+    prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(0)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 
 
 class PrefectServerError(OpenlabError):
@@ -77,6 +103,59 @@ def prefect_database_url(settings: Settings, prefect_home: Path) -> str:
     return url
 
 
+def prefect_home(settings: Settings) -> Path:
+    """Where openlab keeps Prefect's state: ``[prefect] home``, else ``$OPENLAB_HOME/prefect``."""
+    return Path(settings.section("prefect").get("home") or settings.home / "prefect").expanduser()
+
+
+def process_started(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat``), or ``None`` if it is
+    gone (or this is not Linux). A pid plus this names one process: a pid alone may be reused."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # after "(comm)", which may hold spaces
+    if fields[0] == "Z":  # a zombie has ended
+        return None
+    return int(fields[19])
+
+
+@dataclass(frozen=True)
+class ServerRecord:
+    """A running server bound to its owner (:data:`RECORD_NAME`): both named by pid and start time."""
+
+    pid: int
+    started: int
+    owner: int
+    owner_started: int
+    port: int
+
+    @classmethod
+    def read(cls, home: Path) -> ServerRecord | None:
+        try:
+            data = json.loads((home / RECORD_NAME).read_text())
+            return cls(**{name: int(data[name]) for name in ("pid", "started", "owner", "owner_started", "port")})
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def write(self, home: Path) -> None:
+        (home / RECORD_NAME).write_text(json.dumps(self.__dict__) + "\n")
+
+    def orphaned_server_of(self, home: Path) -> bool:
+        """Whether the recorded server still runs, for ``home``, and its owner does not: left behind.
+
+        Proven by the pid with its start time (not another process given the same pid) and its
+        environment's ``PREFECT_HOME``; anything less and it is not ours to stop."""
+        if process_started(self.pid) != self.started or process_started(self.owner) == self.owner_started:
+            return False
+        try:
+            environ = Path(f"/proc/{self.pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            return False
+        return f"PREFECT_HOME={home}".encode() in environ
+
+
 def health_ok(api_url: str, timeout: float = 2.0) -> bool:
     """Whether ``<api_url>/health`` answers ``true``."""
     try:
@@ -100,17 +179,26 @@ class PrefectServer:
     database_url: str | None = None
     extra_env: Mapping[str, str] = field(default_factory=dict)
     log_path: Path | None = None
+    #: Stop when the process that started it dies, even by SIGKILL (``openlab server``): Linux sends the
+    #: server SIGTERM when the *thread* that started it ends, so start it from one that outlives it (the
+    #: main thread). False (``make demo``, tests) leaves it to :meth:`stop`, or running on purpose.
+    stop_with_parent: bool = False
     process: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _log_file: IO[bytes] | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def from_settings(
-        cls, settings: Settings | None = None, *, host: str | None = None, port: int | None = None
+        cls,
+        settings: Settings | None = None,
+        *,
+        host: str | None = None,
+        port: int | None = None,
+        stop_with_parent: bool = False,
     ) -> PrefectServer:
         """A server configured from ``[prefect]`` (host, port, database_url) and ``$OPENLAB_HOME``."""
         settings = settings or load_settings()
         section = settings.section("prefect")
-        home = Path(section.get("home") or settings.home / "prefect").expanduser()
+        home = prefect_home(settings)
         raw = port or section.get("port") or DEFAULT_PORT
         where = "--port" if port else "[prefect] port"
         try:
@@ -124,6 +212,7 @@ class PrefectServer:
             host=host or str(section.get("host") or DEFAULT_HOST),
             port=number,
             database_url=prefect_database_url(settings, home),
+            stop_with_parent=stop_with_parent,
         )
 
     # -- addresses ---------------------------------------------------------------------
@@ -164,7 +253,41 @@ class PrefectServer:
         """What a client process needs to talk to this server, telemetry off."""
         return {"PREFECT_API_URL": self.api_url, "DO_NOT_TRACK": "1", "PREFECT_HOME": str(self.home)}
 
+    def command(self) -> list[str]:
+        """The server's command line: ``prefect server start``, behind :data:`_DIE_WITH_PARENT` on Linux
+        when ``stop_with_parent``."""
+        cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", self.host, "--port", str(self.port)]
+        cmd.append("--analytics-off")
+        if self.stop_with_parent and sys.platform.startswith("linux"):
+            return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *cmd]
+        return cmd
+
     # -- life cycle ----------------------------------------------------------------------
+    def stop_leftover(self, timeout: float = 20.0) -> ServerRecord | None:
+        """Stop the server an earlier owner of this home left running when it died (SIGKILL, or a server
+        that did not act on its parent-death signal), and return its record; ``None`` when there is none.
+
+        Only a process proven to be that server (:meth:`ServerRecord.orphaned_server_of`) is signalled: a
+        live owner's server, or a process that merely reuses the pid, is left alone."""
+        record = ServerRecord.read(self.home)
+        if record is None or not record.orphaned_server_of(self.home):
+            return None
+        # openlab started it in its own session, so its group is its pid: the group holds what it started
+        try:
+            group = os.getpgid(record.pid) == record.pid
+        except ProcessLookupError:
+            group = False
+        for sig, wait in ((signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+            with contextlib.suppress(ProcessLookupError):
+                (os.killpg if group else os.kill)(record.pid, sig)
+            deadline = time.monotonic() + wait
+            while process_started(record.pid) == record.started and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if process_started(record.pid) != record.started:
+                break
+        (self.home / RECORD_NAME).unlink(missing_ok=True)
+        return record
+
     def start(self, timeout: float = DEFAULT_START_TIMEOUT) -> PrefectServer:
         """Start the server and wait until ``/api/health`` answers; raise with the log tail if not."""
         if self.process is not None:
@@ -177,16 +300,17 @@ class PrefectServer:
         log_path = self.log_path or self.home / "server.log"
         self.log_path = log_path
         self._log_file = log_path.open("ab")
-        cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", self.host, "--port", str(self.port)]
-        cmd.append("--analytics-off")
         self.process = subprocess.Popen(  # noqa: S603 - our own interpreter and fixed arguments
-            cmd,
+            self.command(),
             env=self.env(),
             stdin=subprocess.DEVNULL,
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        started, owner_started = process_started(self.process.pid), process_started(os.getpid())
+        if self.stop_with_parent and started is not None and owner_started is not None:
+            ServerRecord(self.process.pid, started, os.getpid(), owner_started, self.port).write(self.home)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -204,6 +328,10 @@ class PrefectServer:
     def stop(self, timeout: float = 20.0) -> None:
         """Stop the server's whole process group: SIGTERM, then SIGKILL after ``timeout``."""
         proc, self.process = self.process, None
+        if proc is not None:
+            record = ServerRecord.read(self.home)
+            if record is not None and record.pid == proc.pid:
+                (self.home / RECORD_NAME).unlink(missing_ok=True)
         if proc is not None and proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -237,20 +365,42 @@ class PrefectServer:
         self.stop()
 
 
+#: Local result storage paths :func:`use_api` chose, so a nested call knows them from the user's own.
+_OUR_STORAGE: set[Path] = set()
+
+
 @contextlib.contextmanager
-def use_api(api_url: str) -> Iterator[None]:
-    """Point this process's Prefect client at ``api_url`` (telemetry off) for the block.
+def use_api(api_url: str, storage: Path | None = None) -> Iterator[None]:
+    """Point this process's Prefect client at ``api_url`` (telemetry off) for the block, with flow
+    results persisted under ``storage`` (default ``<prefect home>/storage``, :func:`prefect_home`).
 
     Prefect reads its settings once per context, so changing ``os.environ`` alone is not
-    enough after ``import prefect``; both are set so child processes inherit the choice.
+    enough after ``import prefect``; both are set so child processes inherit the choice: the
+    runner ``openlab server`` serves with and the flow-run processes it starts. Prefect's own
+    default, ``$PREFECT_HOME/storage``, is ``~/.prefect/storage``: results of every run (a failed
+    run's pickled exception) piled up there, outside ``$OPENLAB_HOME``, where openlab keeps the rest.
+    A path the user set (``PREFECT_LOCAL_STORAGE_PATH``, a profile) is kept.
     """
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_RESULTS_LOCAL_STORAGE_PATH,
+        get_current_settings,
+        temporary_settings,
+    )
 
-    saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "DO_NOT_TRACK")}
+    updates: dict[Any, Any] = {PREFECT_API_URL: api_url}
+    names = ("PREFECT_API_URL", "DO_NOT_TRACK", "PREFECT_LOCAL_STORAGE_PATH")
+    saved = {k: os.environ.get(k) for k in names}
+    results = get_current_settings().results
+    if "local_storage_path" not in results.model_fields_set or results.local_storage_path in _OUR_STORAGE:
+        path = (storage or prefect_home(load_settings()) / "storage").resolve()
+        _OUR_STORAGE.add(path)
+        updates[PREFECT_RESULTS_LOCAL_STORAGE_PATH] = path
+        os.environ["PREFECT_LOCAL_STORAGE_PATH"] = str(path)
     os.environ["PREFECT_API_URL"] = api_url
     os.environ["DO_NOT_TRACK"] = "1"
     try:
-        with temporary_settings(updates={PREFECT_API_URL: api_url}):
+        with temporary_settings(updates=updates):
             yield
     finally:
         for key, value in saved.items():
@@ -265,10 +415,14 @@ __all__ = [
     "DEFAULT_PORT",
     "PrefectServer",
     "PrefectServerError",
+    "RECORD_NAME",
+    "ServerRecord",
     "TELEMETRY_OFF",
     "free_port",
     "health_ok",
     "port_in_use",
     "prefect_database_url",
+    "prefect_home",
+    "process_started",
     "use_api",
 ]

@@ -6,8 +6,12 @@ start`` subprocess (SQLite under ``$OPENLAB_HOME/prefect`` unless ``[prefect]
 database_url`` names PostgreSQL); this process registers both deployments and serves
 them, so UI-triggered and scheduled runs execute here as subprocesses.
 
-Ctrl-C (or SIGTERM) stops the runner first — its in-flight runs are cancelled, which
-cancels their backend jobs — and then the server. Stopping pauses nothing (Prefect's
+Ctrl-C (or SIGTERM, or SIGHUP: the terminal closed, the ssh connection lost) stops the runner
+first — its in-flight runs are cancelled, which cancels their backend jobs — and then the server.
+Killed outright (SIGKILL, the OOM killer), it cannot: Linux then sends the server SIGTERM, and a
+server that outlived its ``openlab server`` anyway is stopped by the next one for the same
+``$OPENLAB_HOME``, which says so, and starts afresh with its own settings rather than adopt a server
+nobody stops. Stopping pauses nothing (Prefect's
 ``serve()`` would pause every served deployment), and registering at start keeps what is
 paused on the server, as set in the UI, and says so; ``--resume`` turns it all back on.
 ``--api-url`` attaches to a server that is already running (a team's PostgreSQL-backed
@@ -16,6 +20,7 @@ one) and serves only.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from types import FrameType
@@ -38,6 +43,13 @@ app = typer.Typer(
 def _sigterm_to_interrupt(_signum: int, _frame: FrameType | None) -> None:
     """Treat SIGTERM like Ctrl-C so ``kill`` also stops the runner and the server in order."""
     raise KeyboardInterrupt
+
+
+def _sighup_as_sigterm(_signum: int, _frame: FrameType | None) -> None:
+    """A hangup (terminal closed, ssh lost) stops as SIGTERM does, through whichever SIGTERM handler is
+    in place: ours before serving, the Prefect runner's while serving (it cancels the in-flight runs).
+    By default SIGHUP killed this process alone and left the server and the flow runs behind."""
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 @app.callback(invoke_without_command=True)
@@ -70,6 +82,10 @@ def server(
         checked_cron(settings, nightly_cron)
         nightly_timezone(settings)
     previous = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
+    # `nohup openlab server` asked to outlive the terminal: its ignored SIGHUP stays ignored
+    previous_hup = signal.getsignal(signal.SIGHUP)
+    if previous_hup is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, _sighup_as_sigterm)
     started: PrefectServer | None = None
     up = False  # "stopped" is said of something that ran, not after a refusal
     try:
@@ -78,7 +94,15 @@ def server(
                 raise OpenlabError(f"no Prefect API answers at {api_url}: check the URL or drop --api-url")
             ui = api_url.rstrip("/").removesuffix("/api")
         else:
-            started = PrefectServer.from_settings(settings, host=host, port=port)
+            started = PrefectServer.from_settings(settings, host=host, port=port, stop_with_parent=True)
+            left = started.stop_leftover()
+            if left is not None:
+                err_console.print(
+                    f"stopped the Prefect server (pid {left.pid}, port {left.port}) that an earlier `openlab server` "
+                    f"for {settings.home} left running when it was killed; starting a new one",
+                    highlight=False,
+                    soft_wrap=True,  # one line, whatever the width: it is read, and grepped, whole
+                )
             err_console.print(f"starting Prefect server (database {display_url(started.database_url or '')}) ...")
             started.start()
             api_url, ui = started.api_url, started.ui_url
@@ -108,6 +132,8 @@ def server(
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
+        if previous_hup is not signal.SIG_IGN:
+            signal.signal(signal.SIGHUP, previous_hup)
         if started is not None:
             err_console.print("stopping Prefect server ...")
             started.stop()
