@@ -315,3 +315,19 @@ def sweep_runs_and_table(sweep_id: Any, key: str = "sweep") -> tuple[list[Any], 
         )
     assert artifact.key == key, artifact.key
     return children, str(artifact.data)
+
+
+def flow_run_logs(flow_run_id: Any, until: str | Callable[[list[Any]], bool], timeout: float = 30.0) -> list[Any]:
+    """The flow run's log records (its task runs' too), oldest first, once one contains ``until`` (or
+    ``until(records)`` holds), or ``timeout`` passed: logs reach the server in batches, after the state."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    done = (lambda logs: any(until in log.message for log in logs)) if isinstance(until, str) else until
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while True:
+            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+            if done(logs) or time.monotonic() > deadline:
+                return sorted(logs, key=lambda log: log.timestamp)
+            time.sleep(0.5)

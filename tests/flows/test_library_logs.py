@@ -7,13 +7,12 @@ import logging
 import os
 import re
 import threading
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from orchestrator.prefect_server import PrefectServer
+from tests.flows.conftest import flow_run_logs
 from tests.flows.one_stage import run_one_stage_flow
 
 pytestmark = [pytest.mark.prefect]
@@ -25,26 +24,12 @@ BAD_METRICS = (
 )
 
 
-def _logs(flow_run_id: Any, wanted: str, timeout: float = 20.0) -> list[Any]:
-    """The flow run's logs, once one contains ``wanted`` (logs reach the server in batches)."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-
-    deadline = time.monotonic() + timeout
-    with get_client(sync_client=True) as client:
-        while True:
-            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-            if any(wanted in log.message for log in logs) or time.monotonic() > deadline:
-                return logs
-            time.sleep(0.5)
-
-
 def test_a_library_warning_in_a_stage_reaches_that_stage_in_the_ui(
     prefect_server: PrefectServer, openlab_home: Path
 ) -> None:
     state = run_one_stage_flow("broken", BAD_METRICS)
     assert state.is_completed(), state.message
-    logs = _logs(state.state_details.flow_run_id, "unreadable metrics")
+    logs = flow_run_logs(state.state_details.flow_run_id, "unreadable metrics")
     (warning,) = [log for log in logs if "unreadable metrics" in log.message]
     assert warning.name == "openlab.pipeline" and warning.level == logging.WARNING
     assert warning.task_run_id is not None, "the line sits under the stage's task, where the stage is looked at"
@@ -82,7 +67,7 @@ def test_helper_thread_warnings_are_sent_and_nothing_outside_the_run(
     state = library_logs(return_state=True)
     assert state.is_completed(), state.message
     logging.getLogger("orchestrator.anything").warning("after the flow: marker-after")
-    logs = _logs(state.state_details.flow_run_id, "marker-nested")
+    logs = flow_run_logs(state.state_details.flow_run_id, "marker-nested")
     messages = [log.message for log in logs]
     assert any("marker-main" in m for m in messages)
     assert "GET https://***@x/ failed" in messages and not any("ghp_not" in m for m in messages), messages
@@ -100,7 +85,7 @@ def test_a_custom_flow_on_run_stages_as_tasks_shows_its_stages_like_the_replica_
     carries the job's log lines and the stage's transitions, as the replica flows' tasks do."""
     state = run_one_stage_flow("custom", BAD_METRICS)
     assert state.is_completed(), state.message
-    logs = _logs(state.state_details.flow_run_id, "custom COMPLETED")
+    logs = flow_run_logs(state.state_details.flow_run_id, "custom COMPLETED")
     in_task = [log.message for log in logs if log.task_run_id is not None]
     assert "[custom] wrote a broken metrics file" in in_task, in_task
     assert any(m.startswith("custom RUNNING") for m in in_task) and any(

@@ -5,7 +5,6 @@ run again by a Prefect retry. Real flows in this process against a real Prefect 
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -13,29 +12,20 @@ import pytest
 
 from orchestrator.lineage import Attempt, LineageStore, StageRun
 from orchestrator.prefect_server import PrefectServer
+from tests.flows.conftest import flow_run_logs
 
 pytestmark = [pytest.mark.prefect]
 
 
-def run_logs(flow_run_id: Any, timeout: float = 30.0) -> list[Any]:
-    """Every log record of the flow run and its task runs, once its last line ("Finished in state")
-    reached the server (logs are sent in batches, after the state)."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-
-    deadline = time.monotonic() + timeout
-    with get_client(sync_client=True) as client:
-        while True:
-            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-            done = any(log.message.startswith("Finished in state") and log.task_run_id is None for log in logs)
-            if done or time.monotonic() > deadline:
-                return sorted(logs, key=lambda log: log.timestamp)
+def _finished(logs: list[Any]) -> bool:
+    """The run's last line ("Finished in state") reached the server."""
+    return any(log.message.startswith("Finished in state") and log.task_run_id is None for log in logs)
 
 
 def assert_one_error_line(state: Any) -> list[Any]:
     """The run failed with its state's message as its one ERROR line and not a line of traceback; its logs."""
     assert state.is_failed(), state
-    logs = run_logs(state.state_details.flow_run_id)
+    logs = flow_run_logs(state.state_details.flow_run_id, _finished)
     errors = [log.message for log in logs if log.level >= logging.ERROR]
     assert errors == [state.message], errors
     traced = [log.message for log in logs if "Traceback (most recent call last)" in log.message]

@@ -12,7 +12,14 @@ from pytest_httpserver import HTTPServer
 from orchestrator.lineage import Attempt, Commit, LineageStore, PipelineRun, StageRun
 from orchestrator.lineage.models import GithubUpdate
 from orchestrator.provenance.invocation import current_user
-from tests.flows.conftest import Served, openlab_events, require_service, sweep_runs_and_table, wait_flow_run
+from tests.flows.conftest import (
+    Served,
+    flow_run_logs,
+    openlab_events,
+    require_service,
+    sweep_runs_and_table,
+    wait_flow_run,
+)
 from tests.links.links_fakes import TOKEN, FakeGitHub
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
@@ -196,20 +203,6 @@ def test_values_set_in_the_run_form_configure_the_run_and_are_recorded_and_named
         assert store.list(PipelineRun, flow_run_id=str(bad.id)) == []  # refused before anything was recorded
 
 
-def _logs(flow_run_id: Any, wanted: str, timeout: float = 30.0) -> list[Any]:
-    """The flow run's log records, once one contains ``wanted`` (logs reach the server in batches)."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
-
-    deadline = time.monotonic() + timeout
-    with get_client(sync_client=True) as client:
-        while True:
-            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-            if any(wanted in log.message for log in logs) or time.monotonic() > deadline:
-                return logs
-            time.sleep(0.5)
-
-
 def test_a_sweep_from_the_ui_runs_each_combination_as_a_pipeline_run_and_compares_them(served: Served) -> None:
     """`replica-sweep/sweep`: one replica-pipeline flow run per value of the grid, each under the sweep
     in the UI and recorded with what it set; the `sweep` artifact puts them side by side with what
@@ -233,7 +226,7 @@ def test_a_sweep_from_the_ui_runs_each_combination_as_a_pipeline_run_and_compare
         "marin-535b-a23b:tiny on local until data data.max_bytes_per_domain=150000",
     ]
     # the sweep's log names each run as the run list shows it (a search for that name finds it)
-    logged = "\n".join(log.message for log in _logs(sweep.id, "run 2 of 2:"))
+    logged = "\n".join(log.message for log in flow_run_logs(sweep.id, "run 2 of 2:"))
     for child in children:
         assert f"(flow run {child.name!r}, id {child.id})" in logged, logged
     assert all(c.state.is_completed() for c in children)
