@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from orchestrator.errors import ConfigError, OpenlabError
+from orchestrator.lineage.leases import start_ticks
 from orchestrator.settings import Settings, load_settings
 
 #: Environment that turns Prefect's telemetry off for servers and clients alike.
@@ -108,19 +109,6 @@ def prefect_home(settings: Settings) -> Path:
     return Path(settings.section("prefect").get("home") or settings.home / "prefect").expanduser()
 
 
-def process_started(pid: int) -> int | None:
-    """When process ``pid`` started (clock ticks since boot, ``/proc/<pid>/stat``), or ``None`` if it is
-    gone (or this is not Linux). A pid plus this names one process: a pid alone may be reused."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # after "(comm)", which may hold spaces
-    if fields[0] == "Z":  # a zombie has ended
-        return None
-    return int(fields[19])
-
-
 @dataclass(frozen=True)
 class ServerRecord:
     """A running server bound to its owner (:data:`RECORD_NAME`): both named by pid and start time."""
@@ -147,7 +135,7 @@ class ServerRecord:
 
         Proven by the pid with its start time (not another process given the same pid) and its
         environment's ``PREFECT_HOME``; anything less and it is not ours to stop."""
-        if process_started(self.pid) != self.started or process_started(self.owner) == self.owner_started:
+        if start_ticks(self.pid) != self.started or start_ticks(self.owner) == self.owner_started:
             return False
         try:
             environ = Path(f"/proc/{self.pid}/environ").read_bytes().split(b"\0")
@@ -281,9 +269,9 @@ class PrefectServer:
             with contextlib.suppress(ProcessLookupError):
                 (os.killpg if group else os.kill)(record.pid, sig)
             deadline = time.monotonic() + wait
-            while process_started(record.pid) == record.started and time.monotonic() < deadline:
+            while start_ticks(record.pid) == record.started and time.monotonic() < deadline:
                 time.sleep(0.1)
-            if process_started(record.pid) != record.started:
+            if start_ticks(record.pid) != record.started:
                 break
         (self.home / RECORD_NAME).unlink(missing_ok=True)
         return record
@@ -308,7 +296,7 @@ class PrefectServer:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        started, owner_started = process_started(self.process.pid), process_started(os.getpid())
+        started, owner_started = start_ticks(self.process.pid), start_ticks(os.getpid())
         if self.stop_with_parent and started is not None and owner_started is not None:
             ServerRecord(self.process.pid, started, os.getpid(), owner_started, self.port).write(self.home)
         deadline = time.monotonic() + timeout
@@ -423,6 +411,5 @@ __all__ = [
     "port_in_use",
     "prefect_database_url",
     "prefect_home",
-    "process_started",
     "use_api",
 ]

@@ -71,14 +71,16 @@ def _read_text(path: str) -> str | None:
         return None
 
 
-def _start_ticks(pid: int) -> str | None:
+def start_ticks(pid: int) -> int | None:
     """A process's start time (clock ticks since boot, field 22 of /proc/PID/stat), or None when it
-    is gone or a zombie (dead, waiting for its parent to reap it)."""
+    is gone, a zombie (dead, waiting for its parent to reap it), or this is not Linux. With the pid it
+    names one process: a pid alone may have been given to another since (a lease's holder, the
+    Prefect server an ``openlab server`` left)."""
     stat = _read_text(f"/proc/{pid}/stat")
     if stat is None:
         return None
     fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
-    return fields[19] if len(fields) > 19 and fields[0] != "Z" else None
+    return int(fields[19]) if len(fields) > 19 and fields[0] != "Z" else None
 
 
 def _boot_and_namespace() -> tuple[str, str] | None:
@@ -98,7 +100,7 @@ def process_mark(pid: int | None = None) -> str | None:
     """
     where = _boot_and_namespace()
     pid = os.getpid() if pid is None else pid
-    start = _start_ticks(pid)
+    start = start_ticks(pid)
     if where is None or start is None:
         return None
     return f"{where[0]}/{where[1]}/{pid}/{start}"
@@ -113,7 +115,7 @@ def holder_gone(lease: Lease | None) -> bool:
     where = _boot_and_namespace()
     if len(parts) != 4 or where is None or (parts[0], parts[1]) != where or not parts[2].isdigit():
         return False
-    return _start_ticks(int(parts[2])) != parts[3]
+    return str(start_ticks(int(parts[2]))) != parts[3]
 
 
 def _write(store: LineageStore) -> Any:
