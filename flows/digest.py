@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.states import State
 
 from orchestrator.links.digest import DEFAULT_SINCE
 
@@ -35,7 +36,9 @@ def digest_run_name() -> str:
     description="Post or update today's digest comment on each experiment issue with pipeline runs in the window.",
     flow_run_name=digest_run_name,
 )
-def github_digest(since: str = DEFAULT_SINCE, issues: list[str] | None = None, dry_run: bool = False) -> dict[str, Any]:
+def github_digest(
+    since: str = DEFAULT_SINCE, issues: list[str] | None = None, dry_run: bool = False
+) -> dict[str, Any] | State[Any]:
     """Summarise each experiment issue's pipeline runs of the window in one comment per issue and day.
 
     Args:
@@ -77,10 +80,12 @@ def github_digest(since: str = DEFAULT_SINCE, issues: list[str] | None = None, d
         markdown += ["", *(f"<details><summary>{d.issue_id}</summary>\n\n{d.body}\n</details>" for d in report.digests)]
     create_markdown_artifact(key="github-digest", markdown="\n".join(markdown), description=headline)
     failed = [d for d in report.digests if d.outcome == "failed"]
-    if failed:
-        raise RuntimeError(
-            f"{len(failed)} digest(s) not posted: " + "; ".join(f"{d.issue_id}: {d.error}" for d in failed)
-        )
+    if failed:  # GitHub refused them for good (no right to comment, a locked issue): one line, not a traceback
+        from flows.pipeline import failed_run
+        from orchestrator.errors import OpenlabError
+
+        said = "; ".join(f"{d.issue_id}: {d.error}" for d in failed)
+        return failed_run(OpenlabError(f"{len(failed)} digest(s) not posted: {said}"))
     return {**report.to_dict(), "digests": [d.to_dict(body=False) for d in report.digests]}
 
 

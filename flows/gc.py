@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.states import State
 
 from orchestrator.retention import DEFAULT_FAILED_UNUSED_FOR, DEFAULT_KEEP_LAST, DEFAULT_UNUSED_FOR
 
@@ -49,7 +50,7 @@ def collect_outputs(
     include_failed: bool = False,
     failed_unused_for: str = DEFAULT_FAILED_UNUSED_FOR,
     dry_run: bool = True,
-) -> dict[str, Any]:
+) -> dict[str, Any] | State[Any]:
     """Remove old stage output folders and mark their artifact records removed; report each.
 
     Args:
@@ -124,10 +125,12 @@ def collect_outputs(
         key="outputs-gc", markdown="\n".join([f"**{headline}**", "", *(table if rows else [])]), description=headline
     )
     failed = [o for o in removable if o.failed]
-    if failed:
-        raise RuntimeError(
-            f"{len(failed)} output folder(s) could not be removed: " + "; ".join(o.outcome or "" for o in failed)
-        )
+    if failed:  # said in one line, as every openlab failure of a run is (flows.pipeline.failed_run)
+        from flows.pipeline import failed_run
+        from orchestrator.errors import OpenlabError
+
+        said = "; ".join(o.outcome or "" for o in failed)
+        return failed_run(OpenlabError(f"{len(failed)} output folder(s) could not be removed: {said}"))
     return {"dry_run": dry_run, **plan.to_dict()}
 
 

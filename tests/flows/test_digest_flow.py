@@ -107,3 +107,13 @@ def test_digest_flow_posts_per_issue_logs_and_lists_them(
     assert (
         len(fake_github.comments_on("lab/exp", 7)) == 1 and "prun_seven_b" in fake_github.comments[seven["id"]]["body"]
     )
+
+    # a digest GitHub refuses for good (no right to comment): the run fails in one line, not a traceback
+    with open_store() as store:
+        record_run(store, "prun_eight_b", "lab/exp#8", started=now - H, ended=now, state="COMPLETED")
+    for method in ("POST", "PATCH"):
+        fake_github.fail(method, r"/issues/(8/comments|comments/\d+)", 403, {"message": "Must have admin rights"})
+    refused = github_digest(return_state=True)
+    assert refused.is_failed() and (refused.message or "").startswith("1 digest(s) not posted: lab/exp#8"), refused
+    text = _logs(refused.state_details.flow_run_id, "not posted")
+    assert "not posted" in text and "Traceback" not in text, text
