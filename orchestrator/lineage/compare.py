@@ -22,7 +22,7 @@ from typing import Any
 from sqlmodel import col
 
 from orchestrator.errors import ConfigError, choices
-from orchestrator.lineage.diff import RUN_FIELDS, commit_of, run_asked, stage_metrics
+from orchestrator.lineage.diff import RUN_FIELDS, run_asked_at, stage_metrics
 from orchestrator.lineage.models import PipelineRun, StageRun
 from orchestrator.lineage.store import LineageStore
 from orchestrator.recipes import set_value_word
@@ -259,13 +259,10 @@ _ORDER = {name: i for i, name in enumerate((*RUN_FIELDS, "commit"))}
 
 
 def _asked(store: LineageStore, run: PipelineRun) -> dict[str, Any]:
-    """:func:`run_asked`, and the commit it ran at (runs compared may span commits)."""
-    commit = commit_of(store, run)
-    short = None
-    if commit is not None:  # `sha+patch` for a dirty tree: both parts cut short, the mark kept
-        sha, _, patch = commit.id.partition("+")
-        short = sha[:12] + (f"+{patch[:8]}" if patch else "")
-    return {**run_asked(run), "commit": short}
+    """:func:`run_asked_at` without the recipe hash, which the runs' own values already explain here."""
+    asked = run_asked_at(store, run)
+    asked.pop("recipe_hash", None)
+    return asked
 
 
 def compare_runs(store: LineageStore, runs: Iterable[PipelineRun], patterns: Sequence[str]) -> Comparison:

@@ -207,13 +207,32 @@ def run_asked(run: PipelineRun) -> dict[str, Any]:
     }
 
 
-def run_changes(a: PipelineRun, b: PipelineRun) -> list[dict[str, Any]]:
-    """How two pipeline runs were asked differently (:func:`run_asked`), values set first. Their
-    stages' identities show the effect stage by stage; this names the cause once."""
-    old, new = run_asked(a), run_asked(b)
+#: What a run is asked beyond :data:`RUN_FIELDS`: the code it ran (``sha+patch`` of a dirty tree) and
+#: its recipe file's content (an edit to its pre-registered predictions changes no stage identity).
+CODE_FIELDS = ("commit", "recipe_hash")
+
+
+def run_asked_at(store: LineageStore, run: PipelineRun) -> dict[str, Any]:
+    """:func:`run_asked`, and the commit it ran at and its recipe's content hash, both cut short (a
+    dirty tree's ``sha+patch`` keeps its mark): runs compared or diffed may span commits."""
+    commit = commit_of(store, run)
+    short = None
+    if commit is not None:
+        sha, _, patch = commit.id.partition("+")
+        short = sha[:12] + (f"+{patch[:8]}" if patch else "")
+    recipe_hash = ((run.params or {}).get("recipe") or {}).get("recipe_hash")
+    return {**run_asked(run), "commit": short, "recipe_hash": str(recipe_hash)[:12] if recipe_hash else None}
+
+
+def run_changes(a: PipelineRun, b: PipelineRun, store: LineageStore | None = None) -> list[dict[str, Any]]:
+    """How two pipeline runs were asked differently (:func:`run_asked`; with ``store``, also the
+    commit and recipe they ran: :func:`run_asked_at`), values set first. Their stages' identities
+    show the effect stage by stage; this names the cause once."""
+    old, new = (run_asked(a), run_asked(b)) if store is None else (run_asked_at(store, a), run_asked_at(store, b))
+    order = (*RUN_FIELDS, *CODE_FIELDS)
     keys = sorted(
         old.keys() | new.keys(),
-        key=lambda k: (not k.startswith("set."), RUN_FIELDS.index(k) if k in RUN_FIELDS else 0, k),
+        key=lambda k: (not k.startswith("set."), order.index(k) if k in order else 0, k),
     )
     return [{"path": k, "old": old.get(k), "new": new.get(k)} for k in keys if old.get(k) != new.get(k)]
 
@@ -299,7 +318,7 @@ def diff_records(
         return [Section(left.kind, [c for c in changed if c["old"] != c["new"]])]
     sections = []
     if left.kind == "pipeline_run":
-        asked = run_changes(left, right)  # type: ignore[arg-type]
+        asked = run_changes(left, right, store)  # type: ignore[arg-type]
         if asked:
             sections.append(Section("run", asked, kind="run"))
     for stage, (a, b) in pairs.items():

@@ -515,6 +515,26 @@ def test_diff_of_two_pipeline_runs_says_what_went_in_differently_and_how_the_res
     assert wrong.returncode == 2 and "cannot diff a pipeline_run with a stage_run" in wrong.stderr, wrong.stderr
 
 
+def test_diff_of_two_pipeline_runs_names_the_code_and_recipe_they_ran(run_cli, openlab_home: Path) -> None:
+    """Two runs of the same values at different commits (or a dirty tree), or of an edited recipe file:
+    ``lineage diff`` said only the values set, where ``lineage compare`` named the commits. Which code
+    ran is the first thing an auditor asks."""
+    from orchestrator.lineage import Commit, PipelineRun, open_store
+
+    with open_store() as store, store.transaction() as tx:
+        runs = []
+        for sha, dirty, recipe_hash in (("a" * 40, "", "1" * 64), ("b" * 40, "+" + "c" * 40, "2" * 64)):
+            params = {"recipe": {"recipe_hash": recipe_hash}}
+            run = tx.add(PipelineRun(recipe="r", replica="tiny", backend="local", params=params))
+            commit = tx.ensure(Commit(id=sha + dirty, sha=sha, repo_path="/repo", dirty=bool(dirty)))
+            tx.relate("wasAssociatedWith", run, commit, role="code")
+            runs.append(run)
+    shown = run_cli("lineage", "diff", runs[0].id, runs[1].id)
+    assert shown.returncode == 0, shown.stderr
+    assert f"  commit: '{'a' * 12}' -> '{'b' * 12}+{'c' * 8}'" in shown.stdout, shown.stdout
+    assert f"  recipe_hash: '{'1' * 12}' -> '{'2' * 12}'" in shown.stdout, shown.stdout
+
+
 def test_diff_names_the_commits_that_touched_the_code_that_changed(run_cli, repo: Path) -> None:
     """Two runs whose pretrain code differs: the diff lists the commits between their commits that
     touched that file (where to bisect), and says so when no commit did (a dirty working tree)."""
