@@ -82,6 +82,9 @@ class PipelineView:
     issues: list[GithubIssue] = field(default_factory=list)
     #: The event that recorded the run's start (``SEQ:HASH``), which the card publishes.
     anchor: str | None = None
+    #: The event that recorded the run's end (its state, its error), once it ended: published with the
+    #: start's, it proves a failure's record was not deleted afterwards, as the start's alone cannot.
+    end_anchor: str | None = None
 
 
 # -- reading lineage ------------------------------------------------------------------------------
@@ -127,6 +130,7 @@ def collect_pipeline(store: LineageStore, pipeline_run_id: str) -> PipelineView:
     linked = _linked(store, run.id)
     stages = store.list(StageRun, pipeline_run_id=run.id, order_by=col(StageRun.started_at))
     anchor = anchor_of(store, run.id)
+    end = anchor_of(store, run.id, last=True) if run.ended_at is not None else None
     return PipelineView(
         run=run,
         stages=[collect_stage(store, s.id) for s in stages],
@@ -134,6 +138,7 @@ def collect_pipeline(store: LineageStore, pipeline_run_id: str) -> PipelineView:
         snapshots=linked.get(DataSnapshot.kind, []),  # type: ignore[arg-type]
         issues=linked.get(GithubIssue.kind, []),  # type: ignore[arg-type]
         anchor=str(anchor) if anchor is not None else None,
+        end_anchor=str(end) if end is not None and end != anchor else None,
     )
 
 
@@ -403,6 +408,8 @@ def render_pipeline(view: PipelineView, github_hosts: Iterable[str] = DEFAULT_GI
             "pre-registration included); `openlab lineage verify --anchor` with it, or `--github-anchors`, "
             "proves the log still holds it.",
         ]
+    if view.end_anchor:
+        lines += [f"**End anchor:** `{view.end_anchor}`, the event that recorded how it ended ({view.run.state})."]
     return "\n".join(lines) + "\n"
 
 

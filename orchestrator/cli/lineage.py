@@ -750,7 +750,7 @@ def verify_cmd(
     was not rewritten as a whole, hashes recomputed, since then.
     """
     from orchestrator.lineage.store import LineageStore
-    from orchestrator.lineage.verify import Problem, parse_anchor, verify
+    from orchestrator.lineage.verify import Problem, head_anchor, parse_anchor, verify
     from orchestrator.settings import load_settings
 
     settings = load_settings()
@@ -785,12 +785,14 @@ def verify_cmd(
             )
     notes += unseen
     problems += unchecked
+    head = head_anchor(store)
     if json_out:
         print_json(
             {
                 "ok": not problems,
                 "problems": [p.to_dict() for p in problems],
                 "anchors": [{"anchor": str(a), "where": a.where} for a in anchors],
+                "head": str(head) if head is not None else None,
                 "notes": notes,
             }
         )
@@ -806,6 +808,10 @@ def verify_cmd(
         # outputs on another machine's storage were not checked: the line claims only what was
         data = "commits present, data present where it is on this machine" if unseen else "data and commits present"
         console.print(f"[green]lineage verified: event chain intact, records match their log, {data}{held}[/]")
+        if head is not None:  # the chain cannot show its latest events cut off: an anchor published now can
+            say(
+                f"head {head}: publish it; `openlab lineage verify --anchor {head}` later proves the log still holds it"
+            )
     raise typer.Exit(1 if problems else 0)
 
 

@@ -92,11 +92,22 @@ def find_anchors(text: str, where: str = "") -> list[Anchor]:
     return [Anchor(int(m["seq"]), m["hash"], where) for m in re.finditer(rf"`{_ANCHOR.pattern}`", text)]
 
 
-def anchor_of(store: LineageStore, record_id: str) -> Anchor | None:
-    """The event that created ``record_id``, as an anchor to publish (None: no such record)."""
+def anchor_of(store: LineageStore, record_id: str, *, last: bool = False) -> Anchor | None:
+    """The event that created ``record_id`` (``last``: its latest, e.g. a run's end), as an anchor to
+    publish (None: no such record)."""
+    order = col(Event.seq).desc() if last else col(Event.seq)
     with store.session() as session:
-        first = session.exec(select(Event).where(Event.record_id == record_id).order_by(col(Event.seq))).first()
-    return Anchor(first.seq, first.hash) if first is not None else None
+        found = session.exec(select(Event).where(Event.record_id == record_id).order_by(order)).first()
+    return Anchor(found.seq, found.hash) if found is not None else None
+
+
+def head_anchor(store: LineageStore) -> Anchor | None:
+    """The log's latest event, as an anchor to publish (None: an empty log). The chain alone cannot
+    show that its *latest* events were cut off (a failed run deleted with everything after it verifies
+    as intact); an anchor published now makes any later removal of what is in the log now a problem."""
+    with store.session() as session:
+        found = session.exec(select(Event).order_by(col(Event.seq).desc())).first()
+    return Anchor(found.seq, found.hash) if found is not None else None
 
 
 def check_anchors(store: LineageStore, anchors: Iterable[Anchor]) -> list[Problem]:

@@ -456,3 +456,40 @@ def test_a_host_refusal_lists_at_most_twenty_of_a_clusters_hosts(store: LineageS
     said = str(raised.value)
     assert said.startswith("--host 'n0017': no job in lineage ran on such a host; did you mean 'n017'? "), said
     assert "hosts jobs ran on (50): n001, n002," in said and said.endswith("n020, …") and "n021" not in said
+
+
+def test_the_head_anchor_verify_prints_catches_the_latest_run_deleted_with_all_after_it(
+    run_cli, openlab_home: Path
+) -> None:
+    """A failed run deleted from the database with every event from its first on verifies as intact: the
+    chain cannot show its own end cut off, and `verify` gave no anchor of the log as it stood to publish.
+    It now prints the head ``SEQ:HASH`` (and ``--json`` has it), and the run's card its end anchor."""
+    import sqlite3
+
+    from orchestrator.cards import collect_pipeline, render_pipeline
+    from orchestrator.lineage.models import RECORD_TYPES
+
+    with open_store() as store:
+        with store.transaction() as tx:
+            tx.add(PipelineRun(name="good", recipe="r", replica="tiny", state="COMPLETED", ended_at=utcnow()))
+        with store.transaction() as tx:
+            failed = tx.add(PipelineRun(name="bad", recipe="r", replica="tiny", state="RUNNING"))
+        with store.transaction() as tx:
+            tx.update(failed, state="FAILED", error="pretrain: exit 3", ended_at=utcnow())
+        card = render_pipeline(collect_pipeline(store, failed.id))
+    shown = run_cli("lineage", "verify")
+    assert shown.returncode == 0, shown.stderr
+    head = json.loads(run_cli("lineage", "verify", "--json").stdout)["head"]
+    assert f"head {head}: publish it" in shown.stdout, shown.stdout
+    assert f"**End anchor:** `{head}`, the event that recorded how it ended (FAILED)." in card, card
+
+    # the failed run removed, events and row, as someone with write access to the file would
+    db = sqlite3.connect(openlab_home / "lineage.db")
+    first = db.execute("select min(seq) from event where record_id = ?", (failed.id,)).fetchone()[0]
+    db.execute("delete from event where seq >= ?", (first,))
+    db.execute(f"delete from {RECORD_TYPES['pipeline_run'].__tablename__} where id = ?", (failed.id,))
+    db.commit()
+    db.close()
+    assert run_cli("lineage", "verify").returncode == 0  # the chain alone: intact, what is left of it
+    caught = run_cli("lineage", "verify", "--anchor", head)
+    assert caught.returncode == 1 and f"no event #{head.split(':')[0]}" in caught.stdout, caught.stdout
