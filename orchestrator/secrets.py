@@ -43,12 +43,18 @@ def secret_values(*sources: Mapping[str, str]) -> list[str]:
     return sorted(found, key=len, reverse=True)
 
 
+#: A password written into a URL, ``scheme://user:PASSWORD@host``: a secret whatever variable (or
+#: none) it came from (``--db postgresql://bob:pw@db/x`` in a job's command was recorded and exported).
+_URL_PASSWORD = re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^/\s:@]*:)[^/\s@]+@")
+
+
 def scrub(text: str, values: Iterable[str] | None = None) -> str:
-    """``text`` with every secret value replaced by ``***`` (default: this process's secrets)."""
+    """``text`` with every secret value replaced by ``***`` (default: this process's secrets), and the
+    password of any URL that carries one (``postgresql://bob:***@db/x``)."""
     for value in secret_values() if values is None else values:
         if value and value in text:
             text = text.replace(value, MASK)
-    return text
+    return _URL_PASSWORD.sub(rf"\g<1>{MASK}@", text) if "://" in text else text
 
 
 #: Words that make a record key a credential (``wandb_api_key``, ``githubToken``, ``db-password``).
@@ -164,7 +170,7 @@ def credential_values(value: object) -> list[str]:
 
 def _redact(value: object, found: list[str]) -> object:
     if isinstance(value, str):
-        return scrub(value, found) if found else value
+        return scrub(value, found)
     if isinstance(value, dict):
         return {
             k: (MASK if isinstance(v, str) and v and is_credential_key(str(k)) else _redact(v, found))
@@ -182,8 +188,6 @@ def _masked(record: logging.LogRecord) -> logging.LogRecord:
     except Exception:  # noqa: BLE001 - a bad format string is the handler's to report, as before
         return record
     found = secret_values()
-    if not found:
-        return record
     clean = scrub(message, found)
     if clean != message:
         record.msg, record.args = clean, None

@@ -61,6 +61,7 @@ from orchestrator.launchers.base import (
     task_ends_prefix,
     with_notes,
 )
+from orchestrator.secrets import redact_argv
 
 SUPERVISOR = Path(__file__).with_name("_supervise.py")
 GPUS_EXAMPLE = '[backends.local] gpus = 4 (GPUs 0-3), or a list of ids: gpus = ["0", "2"]'
@@ -371,7 +372,7 @@ class LocalLauncher(Launcher):
         state: dict[str, Any] = {
             "job_id": job_id,
             "name": spec.name,
-            "command": list(spec.command),
+            "command": redact_argv(spec.command, spec.secret_values()),  # what ran, as lineage records it
             "labels": dict(spec.labels),
             "workdir": workdir,
             "log_path": str(log_path),

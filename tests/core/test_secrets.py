@@ -126,6 +126,8 @@ def test_no_log_line_carries_a_secret_to_stderr(tmp_path) -> None:
             ["bash", "-c", "echo token=*** hf=1; HF_TOKEN=*** python train.py --lr 0.1; exit 1"],
         ),
         (["bash", "-c", "export HF_TOKEN=$(cat ~/.hf_token); python train.py --lr 0.1"], None),
+        # a password written into a URL is a secret whatever names it
+        (["--db", "postgresql://bob:pw_URLSECRET_77@db/x"], ["--db", "postgresql://bob:***@db/x"]),
     ],
 )
 def test_a_recorded_command_line_masks_secrets_and_keeps_the_rest(typed: list[str], recorded: list[str] | None) -> None:
@@ -189,3 +191,27 @@ def test_the_job_supervisors_copy_of_the_secret_rule_agrees_with_this_one() -> N
     assert b"caf\xe9-bytes" in expected  # as the job writes it: the bytes of its environment
     lengths = [len(found) for found in _supervise.secret_values(env)]
     assert lengths == sorted(lengths, reverse=True)  # longest first, as scrub replaces them
+
+
+def test_a_password_in_a_url_never_reaches_lineage_or_a_log(openlab_home, caplog: pytest.LogCaptureFixture) -> None:
+    """``postgresql://bob:PASSWORD@db`` in a job's error, a parameter or a log line: no variable names it,
+    so nothing masked it; it was stored, exported and printed as it was."""
+    import logging
+
+    from orchestrator.lineage import PipelineRun, open_store
+    from orchestrator.secrets import mask_secrets_in_logs
+
+    with open_store() as store, store.transaction() as tx:
+        run = tx.add(
+            PipelineRun(
+                name="x",
+                error="could not reach postgresql://bob:pw_URLSECRET_77@db/x",
+                params={"db": "https://u:pw2_SECRET@h/"},
+            )
+        )
+    with open_store() as store:
+        stored = store.require(PipelineRun, run.id)
+    assert stored.error == "could not reach postgresql://bob:***@db/x" and stored.params == {"db": "https://u:***@h/"}
+    mask_secrets_in_logs()
+    logging.getLogger("openlab.test").error("retrying https://u:%s@api.example/v1", "pw3_SECRET")
+    assert caplog.records[-1].getMessage() == "retrying https://u:***@api.example/v1"
