@@ -177,14 +177,15 @@ def test_a_secret_cut_anywhere_between_two_reads_is_masked_and_nothing_else_wait
     assert masked(b"tail s3cr", secrets, final=True) == (b"tail s3cr", b"")
 
 
-def test_the_job_state_file_keeps_the_command_masked(launcher: LocalLauncher) -> None:
+def test_the_job_state_file_keeps_the_command_masked() -> None:
     """The launcher's own ``ID.json`` kept the job's argv as given: ``--api-key`` values and URL passwords
     that lineage masks sat in a file under OPENLAB_HOME."""
     spec = JobSpec(
         name="masked-argv",
         command=["sh", "-c", "true", "--api-key", "sk_ARGSECRET_999", "postgresql://bob:pw_URLSECRET_77@db/x"],
     )
-    handle = launcher.submit(spec)
-    launcher.wait(handle, timeout=20)
-    text = (launcher.state_dir / f"{handle.job_id}.json").read_text()
+    local = launcher()
+    handle = local.submit(spec)
+    local.wait(handle, timeout=20)
+    text = (local.state_dir / f"{handle.job_id}.json").read_text()
     assert "sk_ARGSECRET_999" not in text and "pw_URLSECRET_77" not in text, text
