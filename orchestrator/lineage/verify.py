@@ -240,16 +240,35 @@ def _check_data(
             problems.append(Problem(f"artifact:{art.id}", str(exc)))
             continue
         if digest != art.content_hash:
+            which = _changed_files(art.content_hash, path, settings)
             problems.append(
                 Problem(
                     f"artifact:{art.id}",
-                    f"{path} content changed (recorded {art.content_hash[:16]}…, now {digest[:16]}…)",
+                    f"{path} content changed (recorded {art.content_hash[:16]}…, now {digest[:16]}…)"
+                    + (f": {which}" if which else ""),
                 )
             )
     if notes is not None:
         notes.extend(_not_here(root, ids, "snapshot", "folder") for root, ids in sorted(unmounted.items()))
         notes.extend(_not_here(root, ids) for root, ids in sorted(away.items()))
     return problems
+
+
+def _changed_files(content_hash: str, path: Path, settings: Settings, most: int = 5) -> str:
+    """Which files of an output changed, from the manifest recorded with it (``checkpoint/state.pt
+    content changed``), where that manifest is still here; "" where it is not."""
+    from orchestrator.snapshots import SnapshotError, verify_snapshot
+
+    manifest = settings.snapshots_dir / f"{content_hash}.json"
+    if not manifest.is_file():
+        return ""
+    try:
+        found = verify_snapshot(manifest, settings, path=path)
+    except (SnapshotError, OSError, ValueError):
+        return ""
+    said = [line.split(": ", 1)[1] if ": " in line else line for line in found]
+    more = f"; and {len(said) - most} more" if len(said) > most else ""
+    return "; ".join(said[:most]) + more
 
 
 def artifact_root(path: Path, name: str, settings: Settings) -> Path:

@@ -493,3 +493,27 @@ def test_the_head_anchor_verify_prints_catches_the_latest_run_deleted_with_all_a
     assert run_cli("lineage", "verify").returncode == 0  # the chain alone: intact, what is left of it
     caught = run_cli("lineage", "verify", "--anchor", head)
     assert caught.returncode == 1 and f"no event #{head.split(':')[0]}" in caught.stdout, caught.stdout
+
+
+def test_verify_names_the_file_of_an_output_whose_content_changed(run_cli, openlab_home: Path) -> None:
+    """One byte of a checkpoint flipped, size and mtime kept: verify caught it, but named only the output
+    folder and two hashes; the manifest recorded with the output says which file."""
+    import os
+
+    from orchestrator.pipeline.outputs import hash_output
+
+    settings = load_settings()
+    out = settings.artifacts_dir / "pretrain" / "0123456789abcdef"
+    (out / "checkpoint").mkdir(parents=True)
+    state = out / "checkpoint" / "state.pt"
+    state.write_bytes(b"weights-0")
+    (out / "metrics.json").write_text("{}")
+    hashed = hash_output(out, settings, volatile=())
+    with open_store() as store, store.transaction() as tx:
+        tx.add(Artifact(name="pretrain/out", artifact_type="folder", uri=str(out), content_hash=hashed["content_hash"]))
+    before = os.stat(state)
+    state.write_bytes(b"weights-1")
+    os.utime(state, ns=(before.st_atime_ns, before.st_mtime_ns))
+    said = run_cli("lineage", "verify")
+    assert said.returncode == 1 and "content changed" in said.stdout, said.stdout
+    assert "checkpoint/state.pt content changed" in said.stdout and "metrics.json" not in said.stdout, said.stdout
