@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import shlex
@@ -194,7 +195,10 @@ def show_cmd(
             "record": record_payload(record),
             "relations": [record_payload(r) for r in relations],
             "linked": linked,
-            "events": [{"seq": e.seq, "at": e.at, "action": e.action, "hash": e.hash} for e in events],
+            "events": [
+                {"seq": e.seq, "at": e.at, "action": e.action, "hash": e.hash, "changed": changed}
+                for e, changed in zip(events, _event_changes(events), strict=True)
+            ],
         }
         if parts_name:
             doc[parts_name] = [{"id": p.id, "summary": describe(p)} for p in parts]
@@ -242,7 +246,40 @@ def show_cmd(
             what = _what(store, *other)
             if what:  # which tokens, which commit: the related record in a few words, under its id
                 say(f"      {what}")
-    console.print(f"[bold]history[/] {len(events)} event(s), last {events[-1].hash[:16] if events else '-'}")
+    console.print(f"[bold]history[/] {len(events)} event(s)")
+    for event, changed in zip(events, _event_changes(events), strict=True):
+        what = "; ".join(f"{c['field']}: {_short(c['old'])} -> {_short(c['new'])}" for c in changed)
+        say(
+            f"  {event.seq}:{event.hash[:16]}  {event.at:%Y-%m-%d %H:%M:%S}  {event.action}"
+            + (f"  {what}" if what else "")
+        )
+    if events:  # the full hash: an anchor `lineage verify --anchor` takes
+        say(f"  last {events[-1].seq}:{events[-1].hash}")
+
+
+#: Fields an update rewrites each time without a change of meaning: not listed as changes.
+_BOOKKEEPING = frozenset({"updated_at"})
+
+
+def _event_changes(events: list[Any]) -> list[list[dict[str, Any]]]:
+    """Per event, the fields it changed from the record's previous event (none for a create): how a
+    record came to say what it says, e.g. ``state: FAILED -> COMPLETED``, set after its run ended."""
+    changes: list[list[dict[str, Any]]] = []
+    before: dict[str, Any] | None = None
+    for event in events:
+        now = dict(event.payload or {})
+        if before is None:
+            changes.append([])
+        else:
+            keys = [k for k in now.keys() | before.keys() if k not in _BOOKKEEPING and now.get(k) != before.get(k)]
+            changes.append([{"field": k, "old": before.get(k), "new": now.get(k)} for k in sorted(keys)])
+        before = now
+    return changes
+
+
+def _short(value: Any, most: int = 60) -> str:
+    text = repr(value) if not isinstance(value, dict | list) else json.dumps(value, default=str)
+    return text if len(text) <= most else text[: most - 1] + "…"
 
 
 @app.command("which")

@@ -517,3 +517,28 @@ def test_verify_names_the_file_of_an_output_whose_content_changed(run_cli, openl
     said = run_cli("lineage", "verify")
     assert said.returncode == 1 and "content changed" in said.stdout, said.stdout
     assert "checkpoint/state.pt content changed" in said.stdout and "metrics.json" not in said.stdout, said.stdout
+
+
+def test_show_lists_what_each_change_to_a_record_changed(run_cli, openlab_home: Path) -> None:
+    """A failed run rewritten as completed through the store, after it ended, passes verify: the log holds
+    the change. But `lineage show` said only "history 3 event(s), last 1a66…": what each event changed,
+    and when, is what an auditor reads to see a failure turned into a success."""
+    with open_store() as store:
+        with store.transaction() as tx:
+            run = tx.add(PipelineRun(name="r", recipe="r", replica="tiny", state="RUNNING"))
+        with store.transaction() as tx:
+            tx.update(run, state="FAILED", error="pretrain: exit 3")
+        with store.transaction() as tx:
+            tx.update(run, state="COMPLETED", error=None)
+    shown = run_cli("lineage", "show", run.id)
+    assert shown.returncode == 0, shown.stderr
+    history = shown.stdout.split("history 3 event(s)\n", 1)[1].splitlines()
+    assert history[0].endswith("  create"), history
+    assert history[1].endswith("update  error: None -> 'pretrain: exit 3'; state: 'RUNNING' -> 'FAILED'"), history
+    assert history[2].endswith("update  error: 'pretrain: exit 3' -> None; state: 'FAILED' -> 'COMPLETED'"), history
+    events = json.loads(run_cli("lineage", "show", run.id, "--json").stdout)["events"]
+    assert events[2]["changed"] == [
+        {"field": "error", "old": "pretrain: exit 3", "new": None},
+        {"field": "state", "old": "FAILED", "new": "COMPLETED"},
+    ]
+    assert history[3].startswith(f"  last {events[2]['seq']}:{events[2]['hash']}"), history
