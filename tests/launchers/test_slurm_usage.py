@@ -220,15 +220,22 @@ def test_slurms_own_time_limit_warning_reaches_the_job_under_the_wrapper(env: di
     limit on Slurm, and each lost what it had not saved (``scancel --batch``, above, sends no SIGCONT)."""
     require_slurm()
     launcher = get_launcher("slurm", sacct=False)
+    # warned 20 s in: long after the job has set its handler, even on a loaded machine (at 5 s, a Python slow
+    # to start under load was killed by the USR1 it had no handler for yet, before it printed a line)
     spec = JobSpec(
-        name="limited", command=[sys.executable, "-c", warned("SIGUSR1")], time_limit=60, warn_before_limit=55, env=env
+        name="limited",
+        command=[sys.executable, "-c", warned("SIGUSR1")],
+        time_limit=120,
+        warn_before_limit=100,
+        env=env,
     )
     handle = launcher.submit(spec)
     try:
-        status = launcher.wait(handle, timeout=120)
+        status = launcher.wait(handle, timeout=180)
     finally:
         launcher.cleanup(handle)
     lines = list(launcher.logs(handle))
+    assert "ready" in lines, (status, lines)
     assert [line for line in lines if line.startswith("warned")] == ["warned 1"], lines
     assert "saved and done" in lines and status.state is JobState.SUCCEEDED, (status, lines)
 
