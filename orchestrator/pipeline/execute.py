@@ -1441,7 +1441,7 @@ def why_not_retried(exc: BaseException) -> str | None:
         return f"{stage} is not retried: it was cancelled, not failed"
     if isinstance(exc, StagePreempted) or result is None or result.state != "FAILED":
         return None
-    refused = _CONFIG_REFUSED.search(result.reason)
+    refused = _CONFIG_REFUSED.search(result.reason or "")
     if result.exit_code == CONFIG_REFUSED_EXIT_CODE and refused:
         return (
             f"{stage} is not retried: its job refused its config (exit {result.exit_code}, {refused.group(1)}); "
