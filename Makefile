@@ -45,7 +45,7 @@ services-down:
 test: install services-up
 	set -a; [ -f $(INFRA_STATE)/services.env ] && . $(INFRA_STATE)/services.env; set +a; \
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check . && \
-	$(PY) -m pytest -q -rs -n $(PYTEST_WORKERS) --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -rs -n $(PYTEST_WORKERS) --durations=40 $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest -q -rs -m "not slow" $(PYTEST_ARGS)

@@ -439,7 +439,21 @@ class LocalLauncher(Launcher):
         try:  # jobs submitted by openlab before the pid moved into ID.json
             return int(json.loads(self._state_path(job_id).with_suffix(".pid").read_text())["supervisor_pid"])
         except (OSError, ValueError, KeyError):
-            return None
+            pass
+        # its submitter died before either file had the pid (SIGKILL right after the start): the supervisor
+        # is the process whose command line names this job's run file; a cancel must reach it, or it starts
+        # the job after the cancel was recorded
+        run_path = str(self._run_path(job_id)).encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if run_path in argv:
+                return int(entry.name)
+        return None
 
     def pause(self, handle: JobHandle, seconds: float) -> None:
         """Sleep up to ``seconds``, waking as soon as the job's supervisor exits (a pidfd).
