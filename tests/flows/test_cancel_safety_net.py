@@ -7,12 +7,8 @@ attempt PENDING with no job id yet).
 
 from __future__ import annotations
 
-import json
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 from flows.cancel import cancel_flow_run_jobs
 from orchestrator.launchers import JobSpec, get_launcher
@@ -23,6 +19,7 @@ from orchestrator.lineage.models import Attempt, PipelineRun, StageRun
 from orchestrator.lineage.store import LineageStore
 from orchestrator.pipeline.reconcile import pipeline_lease_key
 from orchestrator.settings import load_settings
+from tests.launchers.killed_submitter import run_killed_submitter
 
 
 def test_safety_net_cancels_the_orphaned_job_and_leaves_real_failures_alone() -> None:
@@ -71,19 +68,7 @@ def test_crashed_flow_whose_submit_was_cut_short_by_sigkill_has_its_job_cancelle
             run = tx.add(PipelineRun(name="killed", flow_run_id="fr-sigkill", state="RUNNING"))
             stage = tx.add(StageRun(pipeline_run_id=run.id, stage="pretrain", identity="i-pre", state="RUNNING"))
         given = {"backend": "local", "config": {}, "name": "cut", "command": ["sleep", "60"], "image": None}
-        child = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tests.launchers.killed_submitter",
-                json.dumps({**given, "env": {}, "stage_run": stage.id}),
-            ],
-            cwd=Path(__file__).resolve().parents[2],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        child = run_killed_submitter({**given, "env": {}, "stage_run": stage.id}, timeout=60)
         assert child.returncode == -signal.SIGKILL, child.stderr
         (attempt,) = store.list(Attempt, stage_run_id=stage.id)
         (handle,) = launcher.find({ATTEMPT_LABEL: attempt.id})

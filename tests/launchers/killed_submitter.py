@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 from orchestrator.launchers.attempts import submit_attempt
@@ -58,6 +60,19 @@ def _kill_once_the_job_is_made(backend: str) -> None:
         from kubernetes.client import BatchV1Api
 
         _kill_after(BatchV1Api, "create_namespaced_job")
+
+
+def run_killed_submitter(given: dict[str, Any], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run this program on ``given`` (backend, config, name, command, image, env, stage_run) from the
+    repository root, as the tests do; its return code is -SIGKILL when the kill was reached."""
+    return subprocess.run(
+        [sys.executable, "-m", "tests.launchers.killed_submitter", json.dumps(given)],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def main(argv: list[str]) -> int:

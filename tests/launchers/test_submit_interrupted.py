@@ -10,10 +10,8 @@ submit and the job's attempt label let the reaper find the job and stop it.
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -29,6 +27,7 @@ from orchestrator.lineage.store import LineageStore
 from orchestrator.pipeline.reconcile import reconcile
 from orchestrator.settings import load_settings
 from tests.launchers.harness import BACKENDS, Harness
+from tests.launchers.killed_submitter import run_killed_submitter
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -141,14 +140,7 @@ def test_a_job_whose_submitter_was_killed_is_found_and_stopped_by_the_reaper(
     given["stage_run"] = run.id
     for key, value in given["config"].items():  # the reaper's launcher, from the settings, as the harness's
         monkeypatch.setenv(f"OPENLAB_BACKENDS__{harness.name.upper()}__{key.upper()}", str(value))
-    child = subprocess.run(
-        [sys.executable, "-m", "tests.launchers.killed_submitter", json.dumps(given)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    child = run_killed_submitter(given)
     assert child.returncode == -signal.SIGKILL, child.stderr
     (attempt,) = store.list(Attempt, stage_run_id=run.id)
     assert (attempt.state, attempt.job_id) == ("PENDING", None)  # what the killed submitter left
