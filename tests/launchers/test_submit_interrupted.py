@@ -29,8 +29,6 @@ from orchestrator.settings import load_settings
 from tests.launchers.harness import BACKENDS, Harness
 from tests.launchers.killed_submitter import run_killed_submitter
 
-REPO = Path(__file__).resolve().parents[2]
-
 INTERRUPTIBLE = [p for p in BACKENDS if p.id in ("local", "docker", "kubernetes")]
 
 
