@@ -49,11 +49,11 @@ execs CMD, so it is not there at all. That mode runs on the node's Python: nothi
 
 A job that asks for GPUs on a machine whose GPUs the launcher knows (``$OPENLAB_GPUS``:
 ``COUNT:ID,ID,...``) is given GPUs no other local job holds: the supervisor claims them in a ledger
-shared by every supervisor of this openlab home (``$OPENLAB_GPU_LEDGER``: a line ``GPU PID JOB`` each,
-under ``fcntl.flock``; a claim whose supervisor is gone is free), sets ``CUDA_VISIBLE_DEVICES`` to
-them and releases them when the job ends. Until enough are free the job is PENDING, its reason
-naming the jobs that hold them, as a Slurm job waits for its GRES: two jobs on one GPU would each run
-out of its memory. Its time limit and its start count from when it got them.
+shared by every supervisor of this openlab home (``$OPENLAB_GPU_LEDGER``: a line ``GPU PID JOB PGID``
+each, under ``fcntl.flock``; a claim is free once its supervisor and its job's process group are gone),
+sets ``CUDA_VISIBLE_DEVICES`` to them and releases them when the job ends. Until enough are free the
+job is PENDING, its reason naming the jobs that hold them, as a Slurm job waits for its GRES: two jobs
+on one GPU would each run out of its memory. Its time limit and its start count from when it got them.
 
 Stdlib only, imported by path with ``-S``, and only modules that need no Python-level
 imports (``os``, ``sys``, ``time``, ``_signal``): it sits on every local job's critical
@@ -97,9 +97,11 @@ HOLD = 0.1
 RESTORED = tuple(getattr(signal, name) for name in ("SIGPIPE", "SIGXFSZ") if hasattr(signal, name))
 
 
-def claim_gpus(ledger, count, ids, job):
-    """``count`` of the GPUs ``ids`` that no live supervisor holds, claimed for this one in ``ledger``
-    (module docstring); None, and who holds them (``{gpu: job}``), when fewer are free."""
+def _rewrite_ledger(ledger, change):
+    """Apply ``change`` to the live claims of ``ledger`` (``{gpu: [supervisor pid, job, job group]}``)
+    under its lock and write them back; what ``change`` returns. A claim is live while its supervisor
+    is, or the job's process group (a supervisor SIGKILLed by the OOM killer leaves its job running on
+    the GPU until someone cancels it: giving that GPU to another job would run both out of its memory)."""
     import fcntl  # a C module, only for jobs that ask for GPUs
 
     with open(ledger, "a+", encoding="utf-8") as fh:
@@ -108,39 +110,99 @@ def claim_gpus(ledger, count, ids, job):
         held = {}
         for line in fh.read().splitlines():
             parts = line.split("\t")
-            if len(parts) == 3 and parts[1].isdigit() and _alive(int(parts[1])):
-                held[parts[0]] = (parts[1], parts[2])
+            if len(parts) == 3:  # written before the job started
+                parts.append("")
+            if len(parts) != 4 or not parts[1].isdigit():
+                continue
+            group = int(parts[3]) if parts[3].isdigit() else 0
+            if alive(int(parts[1])) or (group and group_alive(group)):
+                held[parts[0]] = parts[1:]
+        result = change(held)
+        fh.seek(0)
+        fh.truncate()
+        fh.write("".join(f"{gpu}\t{pid}\t{who}\t{group}\n" for gpu, (pid, who, group) in held.items()))
+    return result
+
+
+def claim_gpus(ledger, count, ids, job):
+    """``count`` of the GPUs ``ids`` that no live claim holds, claimed for this supervisor in ``ledger``
+    (module docstring); None, and who holds them (``{gpu: job}``), when fewer are free."""
+
+    def claim(held):
         free = [gpu for gpu in ids if gpu not in held]
         mine = free[:count] if len(free) >= count else None
         for gpu in mine or ():
-            held[gpu] = (str(os.getpid()), job)
-        fh.seek(0)
-        fh.truncate()
-        fh.write("".join(f"{gpu}\t{pid}\t{who}\n" for gpu, (pid, who) in held.items()))
-    return mine, {gpu: who for gpu, (_pid, who) in held.items()}
+            held[gpu] = [str(os.getpid()), job, ""]
+        return mine, {gpu: who for gpu, (_pid, who, _group) in held.items()}
+
+    return _rewrite_ledger(ledger, claim)
+
+
+def note_job_group(ledger, pgid):
+    """Record the job's process group with this supervisor's claims: they stay while it runs."""
+
+    def note(held):
+        for claim in held.values():
+            if claim[0] == str(os.getpid()):
+                claim[2] = str(pgid)
+
+    _rewrite_ledger(ledger, note)
 
 
 def release_gpus(ledger):
     """Give back every GPU this supervisor holds in ``ledger``."""
-    import fcntl
 
-    with open(ledger, "a+", encoding="utf-8") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        fh.seek(0)
-        kept = [line for line in fh.read().splitlines() if line.split("\t")[1:2] != [str(os.getpid())]]
-        fh.seek(0)
-        fh.truncate()
-        fh.write("".join(line + "\n" for line in kept))
+    def release(held):
+        for gpu in [gpu for gpu, claim in held.items() if claim[0] == str(os.getpid())]:
+            del held[gpu]
+
+    _rewrite_ledger(ledger, release)
 
 
-def _alive(pid):
+def alive(pid):
+    """Whether ``pid`` is a live process: a zombie is not (a supervisor SIGKILLed by the OOM killer stays
+    one until its parent, the submitter, reaps it, which may be never; its GPUs are free meanwhile)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except OSError:  # another user's process: alive
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):  # no /proc (not Linux): kill(0) said it is there
+        return True
+
+
+def group_members(pgid):
+    """Live (non-zombie) processes of process group ``pgid``, from /proc: a job's process that outlived
+    its supervisor may stay a zombie where nothing reaps orphans."""
+    if not pgid:
+        return []
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return []
+    except PermissionError:
+        pass
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", encoding="ascii", errors="replace") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def group_alive(pgid):
+    """Whether any live process of group ``pgid`` is left."""
+    return bool(group_members(pgid))
 
 
 def _json_str(text):
@@ -399,6 +461,8 @@ def main(argv):
     except OSError:
         pass
     why["pid"] = pid
+    if gpus and ledger:
+        note_job_group(ledger, pid)
     if why["stop"] is not None:
         kill(signal.SIGTERM)
 

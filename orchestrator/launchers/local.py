@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import ConfigError
+from orchestrator.launchers import _supervise
 from orchestrator.launchers._tasks import command as tasks_command
 from orchestrator.launchers.base import (
     STOP_GRACE,
@@ -116,47 +117,12 @@ def _ts(value: Any) -> dt.datetime | None:
 
 
 def _alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is not alive
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
-def group_members(pgid: int | None) -> list[int]:
-    """Live (non-zombie) processes in process group ``pgid``, from /proc."""
-    if not pgid:
-        return []
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return []
-    except PermissionError:
-        pass
-    members = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(entry.name))
-    return members
+    """Whether ``pid`` is a live process, a zombie not: the supervisor's own rule, which its GPU ledger uses."""
+    return bool(pid) and _supervise.alive(pid)
 
 
 def _group_alive(pgid: int | None) -> bool:
-    return bool(group_members(pgid))
+    return bool(pgid) and _supervise.group_alive(pgid)
 
 
 def follow_file(
@@ -567,6 +533,7 @@ class LocalLauncher(Launcher):
         return True
 
     def cancel(self, handle: JobHandle) -> None:
+        self._reap(handle.job_id)  # a supervisor killed before (the OOM killer) is not left a zombie
         state = self._read(handle.job_id)
         if JobState(state.get("state", "PENDING")).terminal:
             return

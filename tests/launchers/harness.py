@@ -60,7 +60,7 @@ class Harness:
     def nothing_running(self, handle: JobHandle) -> list[str]:
         """What of the job is still running (empty when nothing is)."""
         if self.name == "local":
-            from orchestrator.launchers.local import group_members
+            from orchestrator.launchers._supervise import group_members
 
             pgid = self.launcher.process_group(handle)  # type: ignore[attr-defined]
             return [f"pid {p}" for p in group_members(pgid)]

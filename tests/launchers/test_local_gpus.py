@@ -78,12 +78,40 @@ def test_a_job_cancelled_while_it_waits_never_runs_and_a_dead_supervisors_gpu_is
     assert status.state is JobState.CANCELLED and status.reason == "cancelled while waiting for GPUs", status
     assert not ran.exists()
 
-    # the holder's supervisor killed (the OOM killer): its claim is no one's, the next job gets the GPU
-    os.kill(int(holder.extra["supervisor_pid"]), signal.SIGKILL)
-    launcher.cancel(holder)
+    # the holder's supervisor killed (the OOM killer): its job runs on, on the GPU, so the GPU stays its
+    # own (two jobs on one GPU run out of its memory) until the job is cancelled, also while the dead
+    # supervisor is a zombie its parent (this process, the submitter) has not reaped
+    supervisor = int(holder.extra["supervisor_pid"])
+    os.kill(supervisor, signal.SIGKILL)
+    _until_zombie(supervisor)
     after = launcher.submit(JobSpec(name="after", command=["sh", "-c", "echo after=$CUDA_VISIBLE_DEVICES"], gpus=1))
+    assert _until(launcher, after, JobState.PENDING).reason == f"waiting for 1 GPU(s) of 0: held by {holder.job_id}"
+    time.sleep(1)
+    assert launcher.status(after).state is JobState.PENDING
+    launcher.cancel(holder)
+    assert launcher.status(holder).state is JobState.CANCELLED
+    assert not Path(f"/proc/{supervisor}").exists(), "the cancel reaped the zombie"
     assert launcher.wait(after, timeout=20).state is JobState.SUCCEEDED
     assert list(launcher.logs(after)) == ["after=0"]
+
+    # a supervisor gone with its job: the GPU is free even before anyone cancels or reaps it
+    gone = launcher.submit(JobSpec(name="gone", command=_held_until(gate.with_name("go2"), "gone"), gpus=1))
+    _until(launcher, gone, JobState.RUNNING)
+    group = launcher.process_group(gone)
+    os.kill(int(gone.extra["supervisor_pid"]), signal.SIGKILL)
+    os.killpg(group, signal.SIGKILL)
+    _until_zombie(int(gone.extra["supervisor_pid"]))
+    again = launcher.submit(JobSpec(name="again", command=["true"], gpus=1))
+    assert launcher.wait(again, timeout=20).state is JobState.SUCCEEDED
+
+
+def _until_zombie(pid: int) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"process {pid} is not a zombie after 10 s")
 
 
 def test_the_gpus_are_the_setting_else_those_this_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.launchers import JobSpec, JobState, JobStatus, get_launcher
-from orchestrator.launchers._supervise import masked
-from orchestrator.launchers.local import LocalLauncher, group_members
+from orchestrator.launchers._supervise import group_members, masked
+from orchestrator.launchers.local import LocalLauncher
 
 SECRET = "s3cr3t-value-42"
 INHERITED = "wandb-inherited-0042"

@@ -79,7 +79,7 @@ def test_a_job_whose_supervisor_was_killed_is_lost_and_its_processes_ended() -> 
     """SIGKILL the supervisor (the OOM killer's pick): the job runs on in its own process group with
     no one to time, stop or record it, and a LOST job is run again by its pipeline. Its status says
     LOST and ends those processes, so two never write the same output; another group is not touched."""
-    from orchestrator.launchers.local import group_members
+    from orchestrator.launchers._supervise import group_members
 
     launcher = get_launcher("local")
     handle = launcher.submit(JobSpec(name="orphan", command=["sleep", "120"]))
@@ -94,7 +94,8 @@ def test_a_job_whose_supervisor_was_killed_is_lost_and_its_processes_ended() -> 
 
 
 def _lose_the_supervisor(launcher: LocalLauncher, handle: JobHandle, other: JobHandle) -> None:
-    from orchestrator.launchers.local import _alive, group_members
+    from orchestrator.launchers._supervise import group_members
+    from orchestrator.launchers.local import _alive
 
     deadline = time.monotonic() + 10
     while launcher.status(handle).state is not JobState.RUNNING:
