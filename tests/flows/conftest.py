@@ -82,7 +82,9 @@ def running_prefect_server(home: Path) -> Iterator[PrefectServer]:
     saved_home = os.environ.get("PREFECT_HOME")
     os.environ["PREFECT_HOME"] = str(home / "client")
     try:
-        with use_api(server.api_url):
+        # results of flows this process runs go under ``home``: the session's server starts before any
+        # test's OPENLAB_HOME, so the default (``$OPENLAB_HOME/prefect/storage``) would be ~/.openlab's
+        with use_api(server.api_url, storage=home / "storage"):
             yield server
     finally:
         # Send the log records still queued in this process while the server can take them:

@@ -33,9 +33,9 @@ from orchestrator.launchers import (
     parse_duration,
     parse_memory,
 )
+from orchestrator.launchers._supervise import group_members
 from orchestrator.launchers.attempts import handle_from_attempt, run_job
 from orchestrator.launchers.base import flag_option, list_option, number_option, table_option, usage_python
-from orchestrator.launchers.local import group_members
 from orchestrator.lineage.models import Attempt, PipelineRun, StageRun
 from orchestrator.lineage.store import LineageStore
 from tests.forked_cli import run_cli
