@@ -38,10 +38,14 @@ _FIXTURE_UNITS = {
 
 
 def _unit(item: pytest.Item) -> str | None:
-    if item.get_closest_marker("slurm") is not None:
-        return _UNITS["slurm"]
+    """The unit of ``item``: a server's before the cluster's, since a ``slurm`` test that uses a Prefect
+    server elsewhere starts a second one (and its served runner) on the Slurm worker; the cluster's lock
+    still keeps it apart from the other ``slurm`` tests."""
     fixtures = getattr(item, "fixturenames", ())
-    return next((unit for fixture, unit in _FIXTURE_UNITS.items() if fixture in fixtures), None)
+    unit = next((unit for fixture, unit in _FIXTURE_UNITS.items() if fixture in fixtures), None)
+    if unit is None and item.get_closest_marker("slurm") is not None:
+        return _UNITS["slurm"]
+    return unit
 
 
 @pytest.hookimpl(optionalhook=True)
