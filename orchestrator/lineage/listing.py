@@ -389,8 +389,9 @@ def list_records(
 
 def refuse_unknown_names(store: LineageStore, flt: RecordFilter) -> None:
     """Raise :class:`ConfigError` for a ``--stage``, ``--recipe`` or ``--replica`` that neither a
-    record nor a recipe names, or a ``--host`` or ``--cluster`` no job ever ran on (a cluster named in
-    ``[backends.NAME] cluster`` is known before its first job), with the name meant: ``--stage
+    record nor a recipe names, a ``--host`` or ``--cluster`` no job ever ran on (a cluster named in
+    ``[backends.NAME] cluster`` is known before its first job), or a ``--user`` who never started a
+    run or submitted a job (``--user alcie`` said "no records match"), with the name meant: ``--stage
     pretrian`` listed (and ``job cancel`` cancelled) nothing, and ``lineage affected --host n71``
     said no stage run had a job there, which read as "nothing ran" and "nothing to distrust". A
     known name that matched nothing is no error. Asked only once nothing matched, since it reads
@@ -405,6 +406,11 @@ def refuse_unknown_names(store: LineageStore, flt: RecordFilter) -> None:
         if flt.cluster not in clusters:
             hint = choices(flt.cluster, clusters, label="clusters jobs ran on or configured")
             raise ConfigError(f"--cluster {flt.cluster!r}: no job in lineage ran on such a cluster; {hint}")
+    if flt.user:
+        users = known_users(store)
+        if flt.user not in users:
+            hint = choices(flt.user, users, label="accounts that started runs or submitted jobs")
+            raise ConfigError(f"--user {flt.user!r}: no run or job in lineage is that account's; {hint}")
     asked = [("stage", s) for s in flt.stage] + [(k, getattr(flt, k)) for k in ("recipe", "replica") if getattr(flt, k)]
     if not asked:
         return
@@ -464,6 +470,14 @@ def known_clusters(store: LineageStore) -> list[str]:
     return sorted(recorded | configured)
 
 
+def known_users(store: LineageStore) -> list[str]:
+    """Every login account that started a recorded run or submitted a recorded job, sorted."""
+    with store.session() as session:
+        users = set(session.exec(select(PipelineRun.user).where(col(PipelineRun.user).is_not(None)).distinct()))
+        users |= set(session.exec(select(Attempt.user).where(col(Attempt.user).is_not(None)).distinct()))
+    return sorted(users)
+
+
 def _known_names(store: LineageStore) -> dict[str, set[str]]:
     """Every stage, recipe and replica name in the store or in the shipped recipes."""
     from orchestrator.recipes.recipe import shipped_names
@@ -489,6 +503,7 @@ __all__ = [
     "parse_when",
     "known_clusters",
     "known_hosts",
+    "known_users",
     "same_host",
     "utc_minute",
     "refuse_unknown_names",

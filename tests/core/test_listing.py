@@ -141,7 +141,13 @@ def test_user_filter_is_who_started_a_run_and_who_submitted_a_job(store: Lineage
     assert _ids(store, KINDS, user="ada") == {h["old"], h["old_pre"], h["old_job"]}
     assert _ids(store, KINDS, user="bob") == {h["new"], h["new_data"], h["new_pre"], h["retry1"]}
     assert _ids(store, ["attempt"], user="svc", stage=("pretrain",)) == {h["retry2"]}
-    assert _ids(store, KINDS, user="nobody") == set()
+    # an account that never started a run nor submitted a job is refused with the one meant, not an
+    # empty list that reads as "she ran nothing"; one that matches nothing of a kind is no error
+    with pytest.raises(ConfigError, match=r"--user 'ada ': no run or job in lineage is that account's"):
+        _ids(store, KINDS, user="ada ")
+    with pytest.raises(ConfigError, match=r"--user 'bbo': .*did you mean 'bob'"):
+        _ids(store, KINDS, user="bbo")
+    assert _ids(store, ["attempt"], user="ada", stage=("midtrain",)) == set()
     # --trigger: what the schedule started (the nightlies), through the run for stage runs and jobs
     nightly = {h["new"], h["new_data"], h["new_pre"], h["retry1"], h["retry2"]}
     assert _ids(store, KINDS, trigger="schedule") == nightly
