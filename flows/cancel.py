@@ -21,7 +21,8 @@ What gets recorded: every attempt still PENDING/RUNNING becomes CANCELLED, every
 run still PENDING/RUNNING becomes CANCELLED, a pipeline run still RUNNING becomes
 CANCELLED, and the leases those stage runs held are released so the next run of the same
 identities need not wait for expiry. What already ended keeps its state: a stage that
-really failed stays FAILED.
+really failed stays FAILED. On a cancel, the stages' task runs it cut short are marked Cancelled
+too: the SIGTERM leaves the running one Crashed in the UI.
 """
 
 from __future__ import annotations
@@ -127,6 +128,32 @@ def on_cancellation_hook(flow: Any, flow_run: Any, state: Any) -> None:
         return
     if jobs:
         logger.info("openlab cancelled backend jobs of flow run %s: %s", flow_run.id, ", ".join(jobs))
+    try:
+        _cancel_task_runs(flow_run.id, message)
+    except Exception as exc:  # noqa: BLE001 - the run is cancelled all the same; only its tasks' look is off
+        logger.warning("openlab could not mark the stages of flow run %s Cancelled: %s", flow_run.id, exc)
+
+
+#: Task-run states a cancel leaves behind: the stage cut short by the SIGTERM reads Crashed ("Execution
+#: was aborted by a termination signal"), one not yet started Pending or Scheduled.
+_CUT_SHORT = frozenset({"CRASHED", "RUNNING", "PENDING", "SCHEDULED"})
+
+
+def _cancel_task_runs(flow_run_id: Any, message: str) -> None:
+    """Mark the task runs a cancel cut short Cancelled, as lineage records their stages: the UI showed
+    the stage a person cancelled as Crashed, which reads as a bug in it. Idempotent, as the hook runs
+    twice (the flow process, then the runner)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
+    from prefect.states import Cancelled
+
+    with get_client(sync_client=True) as client:
+        of_run = TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[flow_run_id]))
+        for task_run in client.read_task_runs(task_run_filter=of_run):
+            if task_run.state is not None and task_run.state.type.value in _CUT_SHORT:
+                client.set_task_run_state(
+                    task_run.id, Cancelled(message=f"cancelled with its flow run: {message}"), force=True
+                )
 
 
 def on_crashed_hook(flow: Any, flow_run: Any, state: Any) -> None:

@@ -515,6 +515,13 @@ def test_cancel_through_api_stops_backend_job(served: Served, backend: str) -> N
         (run,) = store.list(PipelineRun, flow_run_id=str(flow_run_id))
         assert run.state == "CANCELLED"
         assert not store.list(Attempt, where=[Attempt.stage_run_id == stage.id, Attempt.state == "RUNNING"])
+    # the UI shows each stage's task as lineage has it: the cancelled one Cancelled, not Crashed
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        of_run = TaskRunFilter(flow_run_id=TaskRunFilterFlowRunId(any_=[flow_run_id]))
+        tasks = {t.name.rsplit("-", 1)[0]: t.state for t in client.read_task_runs(task_run_filter=of_run)}
+    assert tasks["pretrain"] is not None and tasks["pretrain"].is_cancelled(), tasks
 
 
 def _wait_running(flow_run_id: Any, timeout: float) -> None:
