@@ -246,9 +246,7 @@ def run_stage(pipeline_run_id: str, stage: str) -> dict[str, Any]:
         shown(exc, TASK_RUN_LOGGER)
         raise
     progress.finish()
-    _publish_stage_card(ctx, stage, result.stage_run_id)
-    if result.state == "REUSED":
-        logger.info("%s reused stage run %s: %s", stage, result.reused_from, result.reason)
+    _publish_stage_card(ctx, stage, result.stage_run_id)  # a reuse was said by its REUSED transition line
     return result.to_dict()
 
 
@@ -338,7 +336,9 @@ def run_replica(
         # The recipe of the tree that runs (a checked-out ref brings its own), cut --until a stage.
         try:
             named = dict.fromkeys(overrides or {}, "overrides")  # the run form's field, not `--set`
-            resolved = resolve(recipe, replica, root=repo_root, sets=overrides, sets_from=named).until(until or None)
+            resolved = resolve(recipe, replica, root=repo_root, sets=overrides, sets_from=named).until(
+                until or None, "until"
+            )
         except ConfigError as exc:
             if repo_root == REPO_ROOT:
                 raise

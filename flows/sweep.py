@@ -210,7 +210,7 @@ def _sweep(
         overrides,
         sampling=sampling,
         until=until or None,
-        named=("grid", "overrides", "samples"),
+        named=("grid", "overrides", "samples", "until"),
         root=repo_root,
     )
     if dry_run:

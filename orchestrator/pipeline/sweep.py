@@ -128,14 +128,14 @@ def plan_sweep(
     *,
     sampling: Sampling | None = None,
     until: str | None = None,
-    named: tuple[str, str, str] = ("--grid", "--set", "--sample"),
+    named: tuple[str, str, str, str] = ("--grid", "--set", "--sample", "--until"),
     root: Path | None = None,
 ) -> list[Trial]:
     """The trials of a sweep, each resolved against the recipe (so checked) before any runs, under
     one new sweep id: the grid's combinations, each crossed with ``sampling``'s draws when given.
-    ``named``: what the grid, the values fixed for all and the sampled ones are called where they
-    were given, for errors (``grid``, ``overrides`` and ``samples`` in the run form). ``root``: the
-    tree whose recipe runs (a git ref's worktree), as :func:`~orchestrator.recipes.resolve` reads it."""
+    ``named``: what the grid, the values fixed for all, the sampled ones and the last stage are called
+    where they were given, for errors (``grid``, ``overrides``, ``samples`` and ``until`` in the run form).
+    ``root``: the tree whose recipe runs (a git ref's worktree), as :func:`~orchestrator.recipes.resolve` reads it."""
     combinations = sweep_trials(grid, fixed, sampling)
     sampled = sampling.samplers if sampling is not None else {}
     sweep_id = new_id(SWEEP_PREFIX)
@@ -143,7 +143,7 @@ def plan_sweep(
     for number, sets in enumerate(combinations, 1):
         swept = {key: sets[key] for key in (*grid, *sampled)}
         sets_from = {key: named[0] if key in grid else named[2] if key in sampled else named[1] for key in sets}
-        resolved = resolve(recipe, replica, root=root, sets=sets, sets_from=sets_from).until(until)
+        resolved = resolve(recipe, replica, root=root, sets=sets, sets_from=sets_from).until(until, named[3])
         params = sweep_params(sweep_id, number, len(combinations), sampling)
         trials.append(Trial(number, sets, resolved, swept, params))
     return trials

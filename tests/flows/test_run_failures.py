@@ -49,6 +49,11 @@ def test_a_mistyped_replica_fails_the_run_with_one_line_and_no_traceback(
     assert_one_error_line(nightly)
     assert "did you mean 'tiny'?" in nightly.message, nightly.message
 
+    # named as the run form names the field, not as the CLI's flag (the UI has no `--until`)
+    until = replica_pipeline(replica="tiny", backend="local", until="repro", return_state=True)
+    assert_one_error_line(until)
+    assert until.message.startswith("until 'repro': not a stage of this run; "), until.message
+
 
 def test_a_bad_sweep_grid_fails_the_run_with_one_line_and_no_traceback(
     prefect_server: PrefectServer, openlab_home: Path

@@ -126,6 +126,10 @@ def test_replica_deployment_runs_tiny_then_reuses(served: Served) -> None:
                 break
             time.sleep(0.5)
     assert hint in text, text[-3000:]
+    # each reuse said once, with the stage run it reused and why (its task's log said it twice)
+    for stage in STAGES:
+        said = [line for line in text.splitlines() if line.startswith(f"{stage} ") and "already completed by" in line]
+        assert len(said) == 1 and said[0].startswith(f"{stage} REUSED: identity "), (stage, said)
     print(f"tiny replica via deployment: first {first_seconds:.0f}s, all reused {again_seconds:.0f}s")
 
 
