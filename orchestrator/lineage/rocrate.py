@@ -20,7 +20,11 @@ the commit is an input of the pipeline run (a dirty tree's patch, where this ope
 it, a ``File`` part of it), the
 GitHub issue and W&B runs are what the runs are ``subjectOf``, and backend jobs (Slurm job id,
 container, Kubernetes Job, host, exit code) are ``identifier`` property values of their stage
-run. Values pass through the same secret masking as every other export.
+run. What a run was asked (its replica, backend, parameters and each value it set over its recipe)
+is a ``PropertyValue`` in its ``object``, and what a stage measured (its metrics, flattened) one in
+its ``result``, each the ``exampleOfWork`` of a ``FormalParameter``: the workflow's ``input`` and
+the stage tool's ``output``, as the profile models parameters. Values pass through the same
+secret masking as every other export.
 
 One crate describes one workflow, so the runs exported together must be of one pipeline.
 """
@@ -33,10 +37,12 @@ import os
 import shlex
 import shutil
 import tempfile
-from collections.abc import Sequence
+import urllib.parse
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from orchestrator.lineage.diff import flatten_metrics
 from orchestrator.lineage.export import (
     Closure,
     ExportError,
@@ -52,6 +58,10 @@ from orchestrator.lineage.store import LineageStore
 from orchestrator.secrets import scrub, secret_values
 
 RO_CRATE = "https://w3id.org/ro/crate/1.1"
+FORMAL_PARAMETER = "https://bioschemas.org/profiles/FormalParameter/1.0-RELEASE"
+#: Run parameters that are openlab's bookkeeping, not a setting of the experiment (the recipe itself
+#: is the workflow file; where the code was checked out is the commit's business).
+_NOT_SETTINGS = frozenset({"pipeline", "repo_root", "recipe", "image_code", "image_code_by_backend", "retry_of"})
 PROFILES = [f"https://w3id.org/ro/wfrun/{name}/0.5" for name in ("process", "workflow", "provenance")]
 WORKFLOW_PROFILE = "https://w3id.org/workflowhub/workflow-ro-crate/1.0"
 
@@ -65,6 +75,41 @@ _STATUS = {
     "RUNNING": "http://schema.org/ActiveActionStatus",
     "PENDING": "http://schema.org/PotentialActionStatus",
 }
+
+
+def _fragment(*parts: str) -> str:
+    """A local ``@id`` from ``parts`` (a metric's slashes kept, anything else odd escaped)."""
+    return "#" + "-".join(urllib.parse.quote(part, safe="/_.") for part in parts)
+
+
+def _value_type(value: Any) -> str:
+    """The schema.org type a formal parameter's values have."""
+    if isinstance(value, bool):
+        return "Boolean"
+    if isinstance(value, int):
+        return "Integer"
+    if isinstance(value, float):
+        return "Float"
+    return "Text"
+
+
+def _plain(value: Any) -> Any:
+    """A property value: a scalar as it is, anything else as its JSON."""
+    return value if isinstance(value, (str, int, float, bool)) else json.dumps(value, sort_keys=True)
+
+
+def run_settings(run: PipelineRun, secrets: Sequence[str]) -> dict[str, Any]:
+    """What a run was asked to do beyond its recipe, as name -> value: its replica and backend, each
+    value it set over the recipe (``set KEY``: ``openlab run --set``, the form's overrides) and each
+    parameter it was given, secrets masked."""
+    settings: dict[str, Any] = {"replica": run.replica, "backend": run.backend}
+    params = clean_value(dict(run.params or {}), secrets)
+    for key, value in sorted(params.items()):
+        if key not in _NOT_SETTINGS and value not in (None, [], {}) and not isinstance(value, Mapping):
+            settings[key] = value
+    for key, value in sorted(clean_value(run.run_set, secrets).items()):
+        settings[f"set {key}"] = value
+    return {k: v for k, v in settings.items() if v is not None}
 
 
 def _ref(entity_id: str) -> dict[str, str]:
@@ -278,6 +323,41 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
             "error": scrub(record.error, secrets) if getattr(record, "error", None) else None,
         }
 
+    # -- settings and results: each a PropertyValue of its action, an example of a FormalParameter of
+    # the workflow (a run's settings: its ``input``) or of a stage's tool (what it measured: ``output``)
+    inputs: dict[str, dict[str, str]] = {}
+    outputs: dict[str, dict[str, dict[str, str]]] = {}
+
+    def formal(entity_id: str, name: str, value: Any) -> dict[str, str]:
+        return add(
+            {
+                "@id": entity_id,
+                "@type": "FormalParameter",
+                "name": name,
+                "additionalType": _value_type(value),
+                "conformsTo": _ref(FORMAL_PARAMETER),
+            }
+        )
+
+    def values(owner: str, named: Mapping[str, Any], parameter: Any) -> list[dict[str, str]]:
+        return [
+            add(
+                {
+                    "@id": _fragment(owner, key),
+                    "@type": "PropertyValue",
+                    "name": key,
+                    "value": _plain(value),
+                    "exampleOfWork": parameter(key, value),
+                }
+            )
+            for key, value in sorted(named.items())
+            if value is not None
+        ]
+
+    def setting(key: str, value: Any) -> dict[str, str]:
+        inputs[key] = formal(_fragment("param", key), key, value)
+        return inputs[key]
+
     # -- runs ------------------------------------------------------------------------------------
     mentions = []
     for run in pipelines:
@@ -307,6 +387,13 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
             # input is some action's result and the data snapshot is in the crate.
             source_id = closure.reused.get(stage.id)
             made_by = source_id or stage.id
+            maker = closure.records.get(made_by, stage)
+            measured = flatten_metrics(clean_value(dict(getattr(maker, "metrics", None) or {}), secrets))
+
+            def result(key: str, value: Any, tool: str = stage.stage) -> dict[str, str]:
+                outputs.setdefault(tool, {})[key] = formal(_fragment("output", tool, key), key, value)
+                return outputs[tool][key]
+
             states = [stage.state.lower()]
             if stage.reused_from and stage.state != "REUSED":
                 states.append("reused")
@@ -324,7 +411,7 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
                     "name": f"{stage.stage} ({', '.join(states)})",
                     "instrument": _ref(f"#tool-{stage.stage}"),
                     "object": linked(made_by, "used", as_subject=True),
-                    "result": linked(made_by, "wasGeneratedBy", as_subject=False),
+                    "result": linked(made_by, "wasGeneratedBy", as_subject=False) + values(stage.id, measured, result),
                     "identifier": [{"@id": f"#identity-{stage.id}"}, *jobs],
                     "subjectOf": about(stage.id),
                     "description": f"stage identity {stage.identity}{reused}",
@@ -361,7 +448,11 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
                 "name": f"{name}{f' ({run.replica})' if run.replica else ''} on {run.backend or 'local'}: "
                 f"{run.state.lower()}",
                 "instrument": workflow,
-                "object": _unique(linked(run.id, "wasAssociatedWith", as_subject=True) + used),
+                "object": _unique(
+                    linked(run.id, "wasAssociatedWith", as_subject=True)
+                    + used
+                    + values(f"{run.id}-setting", run_settings(run, secrets), setting)
+                ),
                 "result": _unique(produced),
                 "subjectOf": about(run.id),
                 # Workflow Run RO-Crate's agent: the login account that started the run (a person at
@@ -387,6 +478,11 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
                 "endTime": iso_time(run.ended_at) if run.ended_at else None,
             }
         )
+
+    graph[workflow["@id"]]["input"] = [inputs[key] for key in sorted(inputs)]
+    for tool_name, made in outputs.items():
+        graph[f"#tool-{tool_name}"]["output"] = [made[key] for key in sorted(made)]
+    add({"@id": FORMAL_PARAMETER, "@type": "CreativeWork", "name": "FormalParameter profile", "version": "1.0-RELEASE"})
 
     root = {
         "@id": "./",

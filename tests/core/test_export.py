@@ -235,13 +235,35 @@ def test_ro_crate_reads_back_as_a_workflow_run_with_each_stage_linked(
     gen = runs[f"#{stages['gen'].id}"]
     assert upper["instrument"].id == "#tool-upper"
     assert {e.id for e in upper["object"]} & {e.id for e in gen["result"]}, "upper used what gen produced"
-    assert all(e.id.startswith("file://") and e["identifier"] for e in gen["result"])
+    assert all(e.id.startswith("file://") and e["identifier"] for e in gen["result"] if e.type != "PropertyValue")
     here = os.uname().nodename  # which job on which machine: a local job's cluster is this host
     jobs = [p for p in upper["identifier"] if p.type == "PropertyValue" and p["name"] == f"local job on {here}"]
     assert jobs and jobs[0]["value"] and "COMPLETED" in jobs[0]["description"]
-    # the second run reused every stage, and says so
+    # what each run was asked (its settings: the workflow's inputs) and what each stage measured (its
+    # tool's outputs), each a PropertyValue that is an example of its FormalParameter, secrets masked
+    settings = {p["name"]: p["value"] for p in first["object"] if p.type == "PropertyValue"}
+    assert settings == {
+        "backend": "local",
+        "force": False,
+        "max_tokens": "4096",
+        "note": "nightly",
+        "tokenizer": "bpe-4096",
+        "wandb_api_key": "***",
+    }, settings
+    assert {i.id for i in workflow["input"]} == {f"#param-{key}" for key in settings}
+    assert all(i.type == "FormalParameter" for i in workflow["input"])
+    count = runs[f"#{stages['count'].id}"]
+    measured = {p["name"]: p for p in count["result"] if p.type == "PropertyValue"}
+    assert measured["eval/loss"]["value"] == 1.5 and measured["words"]["value"] == stages["count"].metrics["words"]
+    tool = crate.dereference("#tool-count")
+    assert {p["exampleOfWork"].id for p in measured.values()} == {o.id for o in tool["output"]}
+    # the second run reused every stage, and says so; a reused stage's results are those it took
     second_stages = [a for a in runs.values() if "reused" in str(a.get("name"))]
     assert len(second_stages) == 3
+    (reused_count,) = [a for a in second_stages if a["instrument"].id == "#tool-count"]
+    assert {p["name"]: p["value"] for p in reused_count["result"] if p.type == "PropertyValue"} == {
+        name: p["value"] for name, p in measured.items()
+    }
     controls = crate.get_by_type("ControlAction")
     assert {c["instrument"].id for c in controls} == {"#step-gen", "#step-upper", "#step-count"}
     organize = crate.get_by_type("OrganizeAction")
