@@ -1102,7 +1102,14 @@ def test_cli_job_run_status_logs_cancel(store: LineageStore) -> None:
     assert re.search(rf"^{running[0].id} +local +{here} +{running[0].job_id} +ada +RUNNING ", wide, re.M), wide
     mine = json.loads(cli("job", "list", "--user", "ada", "--json").stdout)  # type: ignore[arg-type]
     assert [r["attempt"] for r in mine] == [running[0].id], "squeue -u: the jobs ada submitted"
-    assert cli("job", "list", "-u", "bob").stdout == "no jobs pending or running that match\n"  # type: ignore[union-attr]
+    # an account with nothing out now, as squeue -u prints; one lineage never saw is refused, as squeue
+    # refuses an invalid user, naming the accounts it knows
+    from orchestrator.provenance.invocation import current_user
+
+    assert cli("job", "list", "-u", current_user()).stdout == "no jobs pending or running that match\n"  # type: ignore[union-attr]
+    nobody = cli("job", "list", "-u", "bob")
+    assert nobody.returncode == 2, nobody.stdout  # type: ignore[union-attr]
+    assert nobody.stderr.startswith("error: --user 'bob': no run or job in lineage is that account's"), nobody.stderr  # type: ignore[union-attr]
     assert json.loads(cli("job", "status", running[0].id, "--json").stdout)["user"] == "ada"  # type: ignore[arg-type]
     cancelled = cli("job", "cancel", running[0].id)
     assert cancelled.returncode == 0, cancelled.stderr
