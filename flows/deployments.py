@@ -35,6 +35,7 @@ relative paths a person types into the UI (``recipes/x.yaml``) mean the same as 
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -62,6 +63,11 @@ DIGEST_DEPLOYMENT = "daily"
 SWEEP_DEPLOYMENT = "sweep"
 DEFAULT_DIGEST_CRON = "0 7 * * *"
 DEFAULT_RECONCILE_EVERY_S = 600
+#: Where the reaper's interval counts from: a fixed midnight (UTC), so its passes fall on the same times
+#: (:00, :10, ... for 600 s) whenever `openlab server` registers it. Prefect anchors an interval at the
+#: moment it is built, so each restart moved the next pass a whole interval on (a server restarted more
+#: often than that never reaped), and each registration changed the schedule.
+INTERVAL_ANCHOR = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 TAGS = ["openlab"]
 
 
@@ -228,7 +234,7 @@ def build_deployments(
             "Close runs whose orchestrator died (lease expired) and cancel their orphaned Slurm jobs, "
             "containers or Kubernetes Jobs; the same pass every pipeline start makes. dry_run only reports."
         ),
-        schedules=[Interval(every, slug=RECONCILE_DEPLOYMENT)] if every else None,
+        schedules=[Interval(every, anchor_date=INTERVAL_ANCHOR, slug=RECONCILE_DEPLOYMENT)] if every else None,
         paused=paused_nightly,
         tags=[*TAGS, "maintenance"],
         concurrency_limit=one_at_a_time,

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -259,3 +260,31 @@ def test_prefect_database_and_cron_come_from_openlab_settings(tmp_path: Path) ->
     assert nightly_cron(load_settings(environ=set_drops), **drops) == "30 5 * * *"
     with pytest.raises(ConfigError, match=r"invalid nightly cron 'weekly' \(\[prefect\] nightly_drops_cron\)"):
         nightly_cron(load_settings(environ={**env, "OPENLAB_PREFECT__NIGHTLY_DROPS_CRON": "weekly"}), **drops)
+
+
+def test_the_reapers_passes_keep_their_times_across_server_starts(tmp_path: Path) -> None:
+    """`openlab server` registers its deployments at each start. Prefect anchors an interval where it is
+    built, so each restart moved the reaper's next pass a whole interval on (a server restarted more
+    often than every 10 minutes never reaped) and changed the registered schedule; now its passes fall
+    on fixed times of the day, the same for every registration."""
+    from flows.deployments import RECONCILE_DEPLOYMENT, build_deployments, in_repo_root
+    from orchestrator.settings import load_settings
+
+    (tmp_path / "none.toml").write_text("")
+    env = {"OPENLAB_HOME": str(tmp_path), "OPENLAB_CONFIG": str(tmp_path / "none.toml")}
+
+    def reaper_schedule(**extra: str) -> Any:
+        with in_repo_root():
+            (reaper,) = [
+                d for d in build_deployments(load_settings(environ={**env, **extra})) if d.name == RECONCILE_DEPLOYMENT
+            ]
+        (schedule,) = reaper.schedules
+        return schedule.schedule
+
+    first = reaper_schedule()
+    time.sleep(0.01)
+    again = reaper_schedule()
+    assert first.anchor_date == again.anchor_date and first.interval == again.interval
+    anchor = first.anchor_date
+    assert (anchor.hour, anchor.minute, anchor.second, anchor.microsecond) == (0, 0, 0, 0), anchor
+    assert reaper_schedule(OPENLAB_PREFECT__RECONCILE_EVERY_S="900").anchor_date == anchor
