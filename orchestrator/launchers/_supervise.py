@@ -161,7 +161,8 @@ def release_gpus(ledger):
 
 def alive(pid):
     """Whether ``pid`` is a live process: a zombie is not (a supervisor SIGKILLed by the OOM killer stays
-    one until its parent, the submitter, reaps it, which may be never; its GPUs are free meanwhile)."""
+    one until its parent, the submitter, reaps it, which may be never: its claims then last only as long
+    as its job's process group)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
