@@ -125,6 +125,14 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt as exc:  # outside a command (typer turns one inside into exit code 130)
         sys.stderr.write("terminated\n" if isinstance(exc, Terminated) else "interrupted\n")
         sys.exit(128 + signal.SIGTERM if isinstance(exc, Terminated) else 130)
+    except SystemExit as exc:
+        # The reader of the output went away (`openlab lineage verify | head -1`): rich and typer
+        # both turn that into exit status 1, which for verify means "problems found". Exit as a
+        # command the shell's SIGPIPE stopped does (141, what `set -o pipefail` reports for cat),
+        # saying nothing: the closed pipe is the reader's choice, not an error to explain.
+        if isinstance(exc.__context__, BrokenPipeError):
+            sys.exit(128 + signal.SIGPIPE)
+        raise
     except OSError as exc:  # the file system refused (a home that cannot be made, a full disk): said, not traced
         if exc.filename:
             print_error(f"{exc.filename}: {exc.strerror or exc}; check OPENLAB_HOME and the paths given")

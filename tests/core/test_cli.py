@@ -361,6 +361,42 @@ def test_verify_reports_data_drift_and_tampering(run_cli, data: Path, openlab_ho
     assert any(p["record"] == f"snapshot:{snap['id']}" and "f1.txt" in p["message"] for p in report["problems"])
 
 
+def test_verify_into_a_pipe_its_reader_closed_exits_as_a_piped_command_does_not_as_problems_found(
+    data: Path, openlab_home: Path
+) -> None:
+    """`openlab lineage verify | head -1` in a script with `set -o pipefail`: verify's exit status 1
+    means "problems found", and a closed pipe gave that same 1 (rich and typer's own handling), so
+    the script read a sound log as a broken one. A reader gone is 141, as for cat (128 + SIGPIPE)."""
+    import signal
+    import sys
+
+    def into_closed_pipe(*args: str) -> subprocess.CompletedProcess[str]:
+        read, write = os.pipe()
+        os.close(read)  # the reader is gone before the first line: every write fails, not just some
+        try:
+            return subprocess.run(
+                [sys.executable, "-m", "orchestrator.cli.main", *args],
+                stdout=write,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=120,
+            )
+        finally:
+            os.close(write)
+
+    subprocess.run(
+        [sys.executable, "-m", "orchestrator.cli.main", "snapshot", str(data)], check=True, capture_output=True
+    )
+    for sound_or_not in ("sound", "drifted"):
+        for args in (("lineage", "verify"), ("lineage", "verify", "--json"), ("lineage", "list")):
+            closed = into_closed_pipe(*args)
+            assert (closed.returncode, closed.stderr) == (128 + signal.SIGPIPE, ""), (sound_or_not, args)
+        (data / "f1.txt").write_text("drifted\n")
+    # the same drifted log into a reader that stays: 1, problems found, as before
+    kept = subprocess.run([sys.executable, "-m", "orchestrator.cli.main", "lineage", "verify"], capture_output=True)
+    assert kept.returncode == 1
+
+
 def test_verify_names_commits_that_vanished(run_cli, repo: Path, openlab_home: Path) -> None:
     from orchestrator.lineage import open_store
     from orchestrator.lineage.record import record_git
