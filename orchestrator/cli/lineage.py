@@ -1002,7 +1002,8 @@ def export_cmd(
         ),
     ] = "prov",
     output: Annotated[
-        str | None, typer.Option("--output", "-o", help="Write to this file (ro-crate: this new directory).")
+        str | None,
+        typer.Option("--output", "-o", help="Write to this file (ro-crate: this new directory); - is stdout."),
     ] = None,
     namespace: Annotated[str, typer.Option(help="OpenLineage job namespace.")] = "openlab",
     state: StateOpt = None,
@@ -1045,13 +1046,13 @@ def export_cmd(
     if fmt == "ro-crate":
         from orchestrator.lineage.rocrate import write_rocrate
 
-        if output is None:
-            raise ConfigError("--format ro-crate writes a directory: add --output DIR")
+        if output is None or output == "-":
+            raise ConfigError("--format ro-crate writes a directory: add --output DIR (not stdout)")
         crate = write_rocrate(_open(), runs or (), Path(output))
         console.print(f"wrote RO-Crate to {crate}/ (ro-crate-metadata.json)", highlight=False)
         return
     text = export(_open(), fmt, runs or (), namespace=namespace)
-    if output is None:
+    if output is None or output == "-":  # `-o -` is stdout, as for curl and tar: not a file named "-"
         print(text, end="")
         return
     atomic_write(Path(output), text.encode())  # a reader never sees half an export

@@ -182,6 +182,12 @@ def test_cli_export_writes_file_and_rejects_bad_input(recorded: dict[str, str], 
     done = run_cli("lineage", "export", recorded["first"][:12], "--format", "prov", "-o", str(out))
     assert done.returncode == 0, done.stderr
     assert json.loads(out.read_text())["prefix"]["openlab"] == "urn:openlab:"
+    # `-o -` is stdout, as a script piping the export on writes it: not a file named "-" where it ran
+    piped = run_cli("lineage", "export", recorded["first"][:12], "-o", "-", cwd=tmp_path)
+    assert piped.returncode == 0, piped.stderr
+    assert json.loads(piped.stdout) == json.loads(out.read_text()) and not (tmp_path / "-").exists()
+    crate = run_cli("lineage", "export", recorded["first"][:12], "-f", "ro-crate", "-o", "-", cwd=tmp_path)
+    assert crate.returncode == 2 and "add --output DIR" in crate.stderr and not (tmp_path / "-").exists()
 
     done = run_cli("lineage", "export", "--format", "rdf")
     assert done.returncode == 2
