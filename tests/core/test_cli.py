@@ -758,6 +758,22 @@ def test_a_value_set_on_the_command_line_runs_is_recorded_and_shown_and_is_reuse
     text = run_cli("lineage", "diff", second, third, "-m", "*").stdout.splitlines()
     assert text[:2] == ["run: 1 field(s) differ", "  set.data.max_bytes_per_domain: 150000 -> None"], text
 
+    # the RO-Crate of the experiment says what it set over its recipe: a setting of its run, an example of
+    # the workflow's formal parameter of that name, read back by the rocrate library
+    from rocrate.rocrate import ROCrate
+
+    crate_dir = openlab_home / "crate"
+    exported = run_cli("lineage", "export", first, second, "-f", "ro-crate", "-o", str(crate_dir))
+    assert exported.returncode == 0, exported.stderr
+    crate = ROCrate(crate_dir)
+    for run_id in (first, second):
+        settings = {p["name"]: p for p in crate.dereference(f"#{run_id}")["object"] if p.type == "PropertyValue"}
+        assert settings["set data.max_bytes_per_domain"]["value"] == 150000, settings
+        assert settings["replica"]["value"] == "tiny" and settings["backend"]["value"] == "local"
+    param = settings["set data.max_bytes_per_domain"]["exampleOfWork"]
+    assert param.type == "FormalParameter" and param["additionalType"] == "Integer"
+    assert param.id in {i.id for i in crate.mainEntity["input"]}
+
 
 def test_run_at_a_terminal_shows_live_progress_and_the_summary(run_cli_tty, run_cli) -> None:
     """The display only a terminal gets (rich progress bars) must work: it is what people see first."""
