@@ -542,8 +542,11 @@ class DockerLauncher(Launcher):
             return JobStatus(JobState.PENDING, host=host, image_digest=digest)
         if status_text in ("running", "paused", "restarting"):
             limit = int(labels.get(TIME_LIMIT_LABEL) or 0)
-            if limit and started and (dt.datetime.now(dt.UTC) - started).total_seconds() > limit + 10:
-                # the in-container wrapper did not end it (disabled, or missing): end it here
+            # The in-container wrapper tells the job at its limit and kills it a grace later; only past
+            # both (and a margin) did the wrapper not end it (disabled, or missing): end it here. At
+            # limit + 10 this killed a job in the middle of the checkpoint its grace was for.
+            grace = int(float(labels.get(GRACE_LABEL) or STOP_GRACE))
+            if limit and started and (dt.datetime.now(dt.UTC) - started).total_seconds() > limit + grace + 10:
                 container.kill()
                 container.reload()
                 return self._status_of(container, job_id)

@@ -178,3 +178,22 @@ def test_cancelling_a_container_that_never_started_removes_it_and_ends_the_job()
     finally:
         with contextlib.suppress(Exception):
             created.remove(force=True)
+
+
+def test_a_job_saving_at_its_time_limit_has_its_grace_before_the_backstop_kills_it() -> None:
+    """At its time limit a job is told (SIGTERM) and has `grace` seconds to save before SIGKILL. The
+    status look's backstop killed any container 10 s past its limit, so a training that needed more
+    than 10 s of a 30 s grace to write its checkpoint lost it whenever someone was watching."""
+    require_docker()
+    image = docker_image("base")
+    launcher = get_launcher("docker", image=image, grace=25)
+    saves = 'trap "sleep 14; echo saved; exit 0" TERM; sleep 600 & wait'
+    handle = launcher.submit(JobSpec(name="saves", command=["sh", "-c", saves], image=image, time_limit=1))
+    try:
+        status = launcher.wait(handle, timeout=120)  # looks every poll_interval, 2 s: many looks past limit + 10
+        assert status.state is JobState.FAILED and "time limit" in (status.reason or ""), status
+        assert status.exit_code != 137, status  # not killed: timeout's own exit, once the job ended
+        log = "\n".join(launcher.logs(handle))
+        assert "saved" in log, log
+    finally:
+        launcher.cleanup(handle)
