@@ -191,7 +191,7 @@ class JobSpec:
         if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 0:
             raise OpenlabError(f"gpus must be a whole number of 0 or more, got {self.gpus!r}")
         if self.memory is not None:
-            parse_memory(self.memory)  # fail early on "lots"
+            parse_memory_request(self.memory)  # fail early on "lots", "4096" (no unit) and "0"
         if self.time_limit is not None and self.time_limit <= 0:
             raise OpenlabError(f"time limit must be positive, got {self.time_limit}")
         if self.warn_before_limit is not None and not self.time_limit:
@@ -206,7 +206,7 @@ class JobSpec:
 
     @property
     def memory_bytes(self) -> int | None:
-        return parse_memory(self.memory) if self.memory else None
+        return parse_memory_request(self.memory) if self.memory else None
 
     @property
     def tasks(self) -> int:
@@ -567,6 +567,32 @@ def parse_memory(text: str) -> int:
     return int(number * 1024 ** "_KMGT".index(unit)) if unit else int(number)
 
 
+#: The least memory a job may ask for: Docker refuses a container limit under 6 MiB at the engine, after
+#: the attempt is recorded; on every backend a job that small could not start Python.
+MIN_JOB_MEMORY = 6 * 2**20
+
+
+def parse_memory_request(text: str | int) -> int:
+    """The memory a job asks for, in bytes: :func:`parse_memory` with a unit required and a floor.
+
+    A bare number means megabytes to ``sbatch --mem`` and bytes to Docker and Kubernetes, so
+    ``memory: 4096`` asked Slurm for 4 KiB (``--mem=1M``) and gave a container no room to start;
+    and 0, which is "no limit" here, is "all of the node's memory" to ``sbatch --mem=0``. Both are
+    refused before anything is recorded; reading sizes a tool printed (sacct's ``0``) stays lenient."""
+    bytes_ = parse_memory(str(text))
+    if bytes_ and not _MEM.match(str(text)).group(2):  # type: ignore[union-attr]  # parse_memory matched it
+        raise OpenlabError(
+            f"memory {text!r} has no unit: sbatch reads a bare number as megabytes, Docker and Kubernetes "
+            f"as bytes; write it with one, e.g. {text}M or 4G"
+        )
+    if bytes_ < MIN_JOB_MEMORY:
+        raise OpenlabError(
+            f"memory {text!r} is under 6M, the least a container can start in: give e.g. 512M or 4G, "
+            "or leave memory out for no limit"
+        )
+    return bytes_
+
+
 _DURATION = re.compile(r"^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?$")
 
 
@@ -918,6 +944,7 @@ __all__ = [
     "launcher_class",
     "parse_duration",
     "parse_memory",
+    "parse_memory_request",
     "flag_option",
     "list_option",
     "measure_usage_option",

@@ -20,7 +20,7 @@ import yaml
 
 from orchestrator.errors import ConfigError, OpenlabError, choices
 from orchestrator.hashing import hash_json
-from orchestrator.launchers.base import parse_memory
+from orchestrator.launchers.base import parse_memory, parse_memory_request
 from orchestrator.preregistration import Prediction
 from orchestrator.recipes.schema import (
     BACKEND_OPTIONS,
@@ -410,6 +410,11 @@ def stage_resources(
                 raise ConfigError(
                     f"{label}.{key}: invalid {value!r}: a number with K, M, G or T, e.g. 512M or 2G"
                 ) from None
+        if entry.get("memory") is not None:
+            try:
+                parse_memory_request(entry["memory"])
+            except OpenlabError as exc:
+                raise ConfigError(f"{label}.memory: {exc}") from None
         if extra := (entry.get("slurm") or {}).get("extra_args"):  # refused here, not once a job is submitted
             from orchestrator.launchers.slurm import refuse_own_flags
 

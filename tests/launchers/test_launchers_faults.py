@@ -105,6 +105,25 @@ def test_memory_parses_and_rejects() -> None:
     assert parse_memory("1.5Gi") == int(1.5 * 2**30)
     with pytest.raises(OpenlabError, match="invalid memory"):
         JobSpec(name="x", command=["true"], memory="lots")
+    assert parse_memory("0") == 0 and parse_memory("277080") == 277080  # as sacct prints sizes: read leniently
+
+
+@pytest.mark.parametrize(
+    ("memory", "message"),
+    [
+        ("4096", "memory '4096' has no unit: sbatch reads a bare number as megabytes"),  # was --mem=1M, 4 KiB
+        ("1.5", "write it with one, e.g. 1.5M or 4G"),
+        ("0", "memory '0' is under 6M"),  # no limit here, all the node's memory to sbatch --mem=0
+        ("0G", "or leave memory out for no limit"),
+        ("5M", "the least a container can start in"),  # Docker refused it at the engine, after recording
+    ],
+)
+def test_a_memory_request_without_a_unit_or_too_small_to_start_in_is_refused_before_it_is_sent(
+    memory: str, message: str
+) -> None:
+    with pytest.raises(OpenlabError, match=re.escape(message)):
+        JobSpec(name="x", command=["true"], memory=memory)
+    assert JobSpec(name="x", command=["true"], memory="6M").memory_bytes == 6 * 2**20
 
 
 def test_handle_round_trips_through_a_dict() -> None:

@@ -404,6 +404,8 @@ def test_a_training_stage_is_warned_ahead_of_its_time_limit_as_long_as_its_recip
         ({"pretrian": {"gpus": 1}}, "replicas.tiny.resources.pretrian: not a stage this runs"),
         ({"repro": {"gpus": 1}}, "replicas.tiny.resources.repro: not a stage this runs"),
         ({"pretrain": {"memory": "lots"}}, "replicas.tiny.resources.pretrain.memory: invalid 'lots'"),
+        ({"pretrain": {"memory": "4096"}}, "replicas.tiny.resources.pretrain.memory: memory '4096' has no unit"),
+        ({"pretrain": {"memory": "0"}}, "replicas.tiny.resources.pretrain.memory: memory '0' is under 6M"),
         (
             {"pretrain": {"slurm": {"extra_args": ["--exclusive", "--export=NONE"]}}},
             "replicas.tiny.resources.pretrain.slurm.extra_args '--export=NONE': --export is not for extra_args",
