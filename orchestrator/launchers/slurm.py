@@ -62,8 +62,8 @@
   answer) only once squeue shows no job running that submission's script.
 
 Config (``[backends.slurm]``): partition, account, qos, slurm_conf (exported as
-SLURM_CONF), bin_dir, extra_args (list of sbatch flags), retries, log_dir, measure_usage,
-python, sacct (above).
+SLURM_CONF), bin_dir, extra_args (list of sbatch flags), gpu_type (``--gres=gpu:TYPE:N``), retries,
+log_dir, measure_usage, python, sacct (above).
 """
 
 from __future__ import annotations
@@ -469,6 +469,41 @@ OWN_FLAGS: dict[str, str] = {
     "--nodelist": "use the nodelist option",
     "--constraint": "use the constraint option",
 }
+#: ``extra_args`` flags that ask what a job's own fields also ask (field, what openlab writes for it):
+#: given beside that field, the job asked twice (``--gres=gpu:1`` and ``--gres=gpu:a100:2``: it got
+#: the second, lineage asked the first) or sbatch refused it after the attempt was recorded
+#: (``--mem`` with ``--mem-per-cpu``: "mutually exclusive"). Alone they stay the user's to give.
+_DOUBLED = {
+    "--gres=gpu": ("gpus", "--gres=gpu:N; for a type set the gpu_type option (--gres=gpu:TYPE:N)"),
+    "--gpus": ("gpus", "--gres=gpu:N; for a type set the gpu_type option (--gres=gpu:TYPE:N)"),
+    "--gpus-per-node": ("gpus", "--gres=gpu:N; for a type set the gpu_type option (--gres=gpu:TYPE:N)"),
+    "--gpus-per-task": ("gpus", "--gres=gpu:N; for a type set the gpu_type option (--gres=gpu:TYPE:N)"),
+    "--mem-per-cpu": ("memory", "--mem, which sbatch refuses beside it"),
+    "--mem-per-gpu": ("memory", "--mem, which sbatch refuses beside it"),
+    "--signal": ("warn_before_limit", "--signal=B:USR1@N"),
+}
+_DOUBLED_SHORT = {"-G": "--gpus"}
+_GPU_GRES = re.compile(r"(^|,)gpu(:|$|,)")
+
+
+def refuse_doubled(spec: JobSpec, flags: Sequence[str]) -> None:
+    """Refuse an ``extra_args`` flag that asks again what ``spec`` asks by its own field (:data:`_DOUBLED`)."""
+    for flag in flags:
+        text = str(flag).strip()
+        word, _, value = text.partition("=") if "=" in text.split(None, 1)[0] else text.partition(" ")
+        name = _DOUBLED_SHORT.get(word[:2], word) if not word.startswith("--") else word
+        if name == "--gres":
+            name = "--gres=gpu" if _GPU_GRES.search(value.strip()) else name
+        if name not in _DOUBLED:
+            continue
+        field, written = _DOUBLED[name]
+        if getattr(spec, field):
+            raise ConfigError(
+                f"extra_args {flag!r} asks again what the job's {field} ({getattr(spec, field)}) asks: openlab "
+                f"writes {written}; give one of them"
+            )
+
+
 _SHORT_FLAGS = {
     "-o": "--output", "-e": "--error", "-J": "--job-name", "-D": "--chdir", "-a": "--array", "-t": "--time",
     "-c": "--cpus-per-task", "-N": "--nodes", "-p": "--partition", "-A": "--account", "-q": "--qos",
@@ -480,6 +515,8 @@ def refuse_own_flags(flags: Sequence[str]) -> None:
     """Refuse an ``extra_args`` flag that is openlab's own (:data:`OWN_FLAGS`): ``--export=NONE``
     ran the job without its -e values, ``--output`` sent its log where openlab does not read it."""
     for flag in flags:
+        if "\n" in str(flag) or "\r" in str(flag):  # the rest of the line would be a directive of its own
+            raise ConfigError(f"extra_args {flag!r}: a Slurm batch directive cannot hold a line break")
         word = str(flag).strip().split("=", 1)[0].split(None, 1)[0] if str(flag).strip() else ""
         name = _SHORT_FLAGS.get(word[:2], word) if word.startswith("-") and not word.startswith("--") else word
         if name.startswith("--") and len(name) > 3 and name not in OWN_FLAGS:
@@ -546,7 +583,7 @@ class SlurmLauncher(Launcher):
     multi_task = True
     max_nodes = None
     known_options = Launcher.known_options | {
-        "partition", "account", "qos", "constraint", "nodelist", "array", "extra_args", "log_dir",
+        "partition", "account", "qos", "constraint", "nodelist", "array", "extra_args", "log_dir", "gpu_type",
         "slurm_conf", "bin_dir", "retries", "cancel_timeout", "measure_usage", "sacct",
         "jobcomp_loc",  # where jobcomp/filetxt writes: read from `scontrol show config` unless set
     }  # fmt: skip
@@ -554,10 +591,17 @@ class SlurmLauncher(Launcher):
         "slurm_conf", "bin_dir", "retries", "cancel_timeout", "sacct", "jobcomp_loc",
     }  # fmt: skip
 
+    def refuse_unsupported(self, spec: JobSpec) -> None:
+        super().refuse_unsupported(spec)
+        refuse_doubled(spec, list_option({**self.config, **spec.options}, "extra_args", EXTRA_ARGS_EXAMPLE))
+
     @classmethod
     def check_options(cls, opts: Mapping[str, Any]) -> None:
         super().check_options(opts)
         refuse_own_flags(list_option(opts, "extra_args", EXTRA_ARGS_EXAMPLE))
+        gpu_type = opts.get("gpu_type")
+        if gpu_type is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", str(gpu_type)):
+            raise ConfigError(f"gpu_type {gpu_type!r}: one GPU type as gres.conf names it, e.g. a100 or h100")
         number_option(opts, "retries", 3)
         number_option(opts, "cancel_timeout", 30)
         measure_usage_option(opts)
@@ -650,8 +694,9 @@ class SlurmLauncher(Launcher):
             lines.append(f"#SBATCH --cpus-per-task={max(1, math.ceil(spec.cpus))}")
         if spec.memory_bytes:
             lines.append(f"#SBATCH --mem={max(1, math.ceil(spec.memory_bytes / 2**20))}M")
-        if spec.gpus:
-            lines.append(f"#SBATCH --gres=gpu:{spec.gpus}")
+        if spec.gpus:  # of one type where gpu_type names it (gres.conf's Type): --gres=gpu:a100:2
+            typed = f"{opts['gpu_type']}:" if opts.get("gpu_type") else ""
+            lines.append(f"#SBATCH --gres=gpu:{typed}{spec.gpus}")
         if spec.tasks > 1:
             lines.append(f"#SBATCH --nodes={spec.nodes}")
             lines.append(f"#SBATCH --ntasks-per-node={spec.tasks_per_node}")

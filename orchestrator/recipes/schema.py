@@ -157,6 +157,7 @@ _SLURM_STAGE_OPTIONS = {
     "qos": Opt(str),
     "constraint": Opt(str),
     "nodelist": Opt(str),
+    "gpu_type": Opt(str),
     "extra_args": Opt(ListOf(str)),
 }
 

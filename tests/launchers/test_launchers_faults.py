@@ -196,6 +196,31 @@ def test_extra_args_may_not_give_the_flags_openlab_writes_or_reads_the_job_throu
         launcher.refuse_unsupported(JobSpec(name="x", command=["true"], options={"extra_args": fine}))
 
 
+def test_extra_args_may_not_ask_again_what_the_jobs_own_gpus_memory_or_warning_ask() -> None:
+    """Beside `gpus: 1`, `--gres=gpu:a100:2` gave the job two A100s while lineage asked one GPU; beside
+    `memory: 4G`, sbatch refused `--mem-per-cpu` ("mutually exclusive") after the attempt was
+    recorded. Alone, each is the user's to give; a GPU type is the gpu_type option."""
+    launcher = get_launcher("slurm")
+    for asked, flag in (
+        ({"gpus": 1}, "--gres=gpu:a100:2"),
+        ({"gpus": 2}, "-G 2"),
+        ({"gpus": 1}, "--gpus-per-node=4"),
+        ({"memory": "4G"}, "--mem-per-cpu=2G"),
+        ({"time_limit": 600, "warn_before_limit": 60}, "--signal=B:TERM@120"),
+    ):
+        spec = JobSpec(name="x", command=["true"], options={"extra_args": [flag]}, **asked)
+        with pytest.raises(ConfigError, match=re.escape(f"extra_args {flag!r} asks again what the job's")):
+            launcher.refuse_unsupported(spec)
+    launcher.refuse_unsupported(JobSpec(name="x", command=["true"], gpus=1, options={"extra_args": ["--gres=nvme:1"]}))
+    with pytest.raises(ConfigError, match="a Slurm batch directive cannot hold a line break"):
+        launcher.refuse_unsupported(JobSpec(name="x", command=["true"], options={"extra_args": ["--exclusive\n#X"]}))
+    typed = JobSpec(name="x", command=["true"], gpus=2, options={"gpu_type": "a100"})
+    launcher.refuse_unsupported(typed)
+    assert "#SBATCH --gres=gpu:a100:2\n" in launcher.batch_script(typed, "/tmp/x.log")
+    with pytest.raises(ConfigError, match="gpu_type 'a100 x': one GPU type as gres.conf names it"):
+        launcher.refuse_unsupported(JobSpec(name="x", command=["true"], gpus=2, options={"gpu_type": "a100 x"}))
+
+
 def test_table_and_list_options_refuse_text_instead_of_misreading_it() -> None:
     """A string where a list belongs was walked one character at a time: ``extra_args =
     "--exclusive"`` became eleven ``#SBATCH`` lines of one character each."""
