@@ -230,6 +230,19 @@ def _refuse_foreign(url: str, tables: Iterable[str] | None) -> None:
     )
 
 
+def _refuse_empty(url: str, tables: Iterable[str]) -> None:
+    """For a reader: raise :class:`StoreError` when the database holds no tables at all. A lineage
+    file truncated to 0 bytes (its whole history erased) was migrated by ``verify``, which then
+    called the new, empty event chain intact; a database nobody wrote is "nothing recorded", as a
+    missing SQLite file is."""
+    if not any(not t.startswith("sqlite_") for t in tables):
+        raise StoreError(
+            f"{_sqlite_path(url) or display_url(url)} holds no lineage (an empty database: nothing was "
+            "recorded there, or what was has been erased); check OPENLAB_HOME or OPENLAB_DB_URL, and "
+            "restore it from a backup if it held records; it was left as it is"
+        )
+
+
 def _make_engine(url: str, setting: str = "the lineage database URL") -> Engine:
     parsed = _parse_url(url, setting)
     if parsed.get_backend_name() == "sqlite":
@@ -421,14 +434,20 @@ class LineageStore:
             _require_sqlite_file(self.url)
         path = _sqlite_path(self.url)
         if path is not None:  # before the engine: its first connection switches the file to WAL mode
-            _refuse_foreign(self.url, _sqlite_tables(path))
+            tables = _sqlite_tables(path)
+            _refuse_foreign(self.url, tables)
+            if not create and tables is not None:
+                _refuse_empty(self.url, tables)
         self.engine = _make_engine(self.url, setting)
         try:
             from orchestrator.lineage.migrations import ensure_schema
 
             if not self.is_sqlite:
                 with self.engine.connect() as conn:
-                    _refuse_foreign(self.url, sa.inspect(conn).get_table_names())
+                    tables = sa.inspect(conn).get_table_names()
+                _refuse_foreign(self.url, tables)
+                if not create:
+                    _refuse_empty(self.url, tables)
             ensure_schema(self.engine, migrate=migrate)
         except (OperationalError, DatabaseError) as exc:
             self.engine.dispose()

@@ -162,6 +162,24 @@ def test_auditing_a_database_that_does_not_exist_is_an_error_not_an_empty_histor
     assert not typo.parent.exists(), "a reader created the database it was asked to read"
 
 
+@pytest.mark.parametrize("command", [("lineage", "list"), ("lineage", "verify"), ("lineage", "export")])
+def test_auditing_a_lineage_file_emptied_to_0_bytes_is_an_error_and_leaves_it_as_it_is(
+    run_cli, openlab_home: Path, tmp_path: Path, command: tuple[str, ...]
+) -> None:
+    """`: > lineage.db` erased every record; `verify` then wrote the schema into the empty file and
+    called the new, empty event chain intact (exit 0). A reader refuses a database without tables."""
+    db = openlab_home / "lineage.db"
+    db.write_bytes(b"")
+    result = run_cli(*command)
+    assert result.returncode == 2, result.stdout
+    assert result.stderr.startswith(f"error: {db} holds no lineage (an empty database"), result.stderr
+    assert db.stat().st_size == 0, "a reader wrote into the database it was asked to audit"
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.txt").write_text("a\n")
+    assert run_cli("snapshot", str(tmp_path / "data")).returncode == 0  # a writer still makes its schema there
+    assert run_cli(*command).returncode == 0
+
+
 def test_opening_a_new_database_another_process_is_still_writing_waits_for_it(tmp_path: Path) -> None:
     """Two pipelines started together both create the new database. Switching it to WAL does not wait
     on SQLite's busy timeout: while the other side's first write was open, the switch failed at once
@@ -397,6 +415,33 @@ def test_a_postgresql_database_that_is_not_openlabs_is_refused_and_left_as_it_wa
             with other.begin() as conn:  # another application's migrations
                 conn.execute(sa.text("CREATE TABLE IF NOT EXISTS alembic_version (version_num varchar(32))"))
                 conn.execute(sa.text("INSERT INTO alembic_version VALUES ('a1b2c3d4e5f6')"))
+    finally:
+        other.dispose()
+        _drop_database(admin, name)
+        admin.dispose()
+
+
+def test_auditing_an_empty_postgresql_database_is_an_error_and_writes_nothing_there() -> None:
+    """A reader (`lineage verify`) on a PostgreSQL database nobody recorded in, or whose tables were
+    dropped, created the schema and reported an intact, empty history."""
+    import uuid
+
+    from tests.core.conftest import _drop_database, _postgres_admin_url
+
+    admin_url = _postgres_admin_url()
+    name = f"openlab_t_{uuid.uuid4().hex[:10]}"
+    admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    url = sa.engine.make_url(admin_url).set(database=name).render_as_string(hide_password=False)
+    other = sa.create_engine(url)
+    try:
+        with pytest.raises(StoreError, match=r"holds no lineage \(an empty database"):
+            LineageStore(url, create=False)
+        with other.connect() as conn:
+            assert sa.inspect(conn).get_table_names() == []
+        LineageStore(url).close()  # a writer makes its schema in it, and readers then read it
+        LineageStore(url, create=False).close()
     finally:
         other.dispose()
         _drop_database(admin, name)
