@@ -13,7 +13,10 @@ capture works from the *working tree*:
   dataset left in the repository made every capture read it whole into memory and store it
   again as a blob, and code is not that big; data belongs in a snapshot. More than
   :data:`UNTRACKED_WARN_FILES` untracked files stay in the patch (they may be code) but are
-  warned of, with the folders that hold most of them.
+  warned of, with the folders that hold most of them. The value of a secret-named variable of
+  this process (``HF_TOKEN``) found in the patch (a ``.env`` or notes file left untracked) is
+  recorded as ``***``, with a warning: the patch is lineage, shown and exported, and a secret
+  never reaches lineage; that line then applies as ``***``.
 * ``tree_hashes`` — for each declared code path, the git object id (tree for a
   folder, blob for a file) of that path in the working tree. It is computed by
   ``git add -A`` into a *temporary index* (a copy of the real one, so unchanged files
@@ -303,6 +306,33 @@ def _relative_code_path(declared: str, base: Path, root: Path) -> str:
     return rel.as_posix()
 
 
+def _masked_patch(patch: bytes, root: Path) -> bytes:
+    """``patch`` with the value of each secret-named variable of this process masked (``***``), and
+    a warning naming the files that held one. Bytes, not text: the patch may carry binary files."""
+    from orchestrator.secrets import MASK, secret_values
+
+    found = [value.encode() for value in secret_values() if value.encode() in patch]
+    if not found:
+        return patch
+    files = sorted(
+        {
+            line.split(b" b/", 1)[-1].decode(errors="replace")
+            for part in patch.split(b"\ndiff --git ")
+            if any(value in part for value in found)
+            for line in part.splitlines()[:1]
+        }
+    )
+    for value in found:
+        patch = patch.replace(value, MASK.encode())
+    message = (
+        f"{root}: {', '.join(files)} held the value of a secret-named environment variable; the working "
+        f"tree's patch records it as {MASK} (move the secret out of the repository, or into .gitignore)"
+    )
+    warnings.warn(message, ProvenanceWarning, stacklevel=4)
+    log.warning(message)
+    return patch
+
+
 def capture_git(
     path: Path = Path("."),
     *,
@@ -395,6 +425,7 @@ def _capture(
                     f"code path {declared} ({root / rel}) {why}; fix the stage's declared code paths"
                 ) from None
 
+    patch = _masked_patch(patch, root)
     submodules = _submodules(repo)
     patch_hash: str | None = None
     patch_path: str | None = None

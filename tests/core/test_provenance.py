@@ -132,6 +132,28 @@ def test_a_large_untracked_file_is_named_not_copied_into_the_patch(repo: Path, s
     assert b"small.bin" in (settings.blobs_dir / str(kept.patch_hash)).read_bytes()
 
 
+def test_a_secret_in_the_working_tree_is_masked_in_the_recorded_patch(
+    repo: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A notes file left untracked with `HF_TOKEN=hf_...` in it went verbatim into the patch blob,
+    which `lineage show` says to `git apply` and every export names: a secret in lineage. The value
+    of this process's secret-named variables is recorded as ***, with a warning naming the file."""
+    secret = "hf_secretvalueZZZ999"
+    monkeypatch.setenv("HF_TOKEN", secret)
+    (repo / "notes.txt").write_text(f"export HF_TOKEN={secret}\n")
+    (repo / "src" / "model.py").write_text("x = 1\ny = 3\n")
+    with pytest.warns(ProvenanceWarning, match=r"notes.txt held the value of a secret-named environment variable"):
+        info = capture_git(repo, code_paths=["src"], settings=settings)
+    patch = (settings.blobs_dir / str(info.patch_hash)).read_bytes()
+    assert secret.encode() not in patch and b"export HF_TOKEN=***" in patch and b"y = 3" in patch
+    assert hash_bytes(patch) == info.patch_hash  # what verify checks the blob against
+    clone = repo.parent / "clone"
+    git(repo.parent, "clone", "-q", str(repo), str(clone))
+    subprocess.run(["git", "-C", str(clone), "apply", "--binary", info.patch_path], check=True)
+    assert (clone / "notes.txt").read_text() == "export HF_TOKEN=***\n"
+    assert (clone / "src" / "model.py").read_bytes() == (repo / "src" / "model.py").read_bytes()
+
+
 def test_a_folder_of_untracked_files_is_warned_of_and_kept(repo: Path, settings: Settings) -> None:
     """20,000 small untracked files (a run's outputs, a virtualenv .gitignore misses) made every
     capture take 12 s and store a 37 MB patch, silently. Past a thousand, a warning names the
