@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -100,25 +101,31 @@ def gc_cmd(
         failed_used_since=failed_used_since,
     )
     removable = plan.removable
-    if not dry_run and removable and not yes:
-        if not sys.stdin.isatty():
-            raise ConfigError(
-                f"{len(removable)} output folder(s) ({decimal(plan.bytes_removable)}) would be deleted: "
-                "pass --yes to delete them, or --dry-run to list them"
-            )
-        _print_plan(plan)
-        if not typer.confirm(f"Delete {len(removable)} output folder(s)?", default=False):
-            raise typer.Exit(1)
-    elif not json_out:
-        _print_plan(plan)
-    # the checkouts runs of a git ref made ($OPENLAB_HOME/worktrees/<sha>): a cache of commits, made again when asked
+    # the checkouts runs of a git ref made ($OPENLAB_HOME/worktrees/<sha>): a cache of commits, made
+    # again when asked. They belong to no stage, recipe or replica, so a gc narrowed to some leaves
+    # them; otherwise they are asked about with the outputs (they were removed without --yes).
     from flows.gitref import prune_worktrees, stale_worktrees
     from orchestrator.pipeline.dag import REPO_ROOT
 
-    worktrees = stale_worktrees(settings, used_since) if dry_run else prune_worktrees(REPO_ROOT, settings, used_since)
-    if worktrees and not json_out:
-        verb = "would remove" if dry_run else "removed"
-        console.print(f"{verb} {len(worktrees)} git worktree(s) of commits no run used since then", markup=False)
+    narrowed = bool(stage or recipe or replica)
+    worktrees = [] if narrowed else stale_worktrees(settings, used_since)
+    what = f"{len(removable)} output folder(s)" + (f" and {len(worktrees)} git worktree(s)" if worktrees else "")
+    if not dry_run and (removable or worktrees) and not yes:
+        if not sys.stdin.isatty():
+            raise ConfigError(
+                f"{what} ({decimal(plan.bytes_removable)} of outputs) would be deleted: "
+                "pass --yes to delete them, or --dry-run to list them"
+            )
+        _print_plan(plan)
+        _print_worktrees(worktrees, "would remove")
+        if not typer.confirm(f"Delete {what}?", default=False):
+            raise typer.Exit(1)
+    elif not json_out:
+        _print_plan(plan)
+    if worktrees and not dry_run:
+        worktrees = prune_worktrees(REPO_ROOT, settings, used_since)
+    if not json_out:
+        _print_worktrees(worktrees, "would remove" if dry_run else "removed")
     if dry_run or not removable:
         if json_out:
             print_json({"dry_run": dry_run, **plan.to_dict(), "worktrees": [str(p) for p in worktrees]})
@@ -143,6 +150,11 @@ def gc_cmd(
         )
     if any(o.failed for o in done):
         raise typer.Exit(1)
+
+
+def _print_worktrees(worktrees: list[Path], verb: str) -> None:
+    if worktrees:
+        console.print(f"{verb} {len(worktrees)} git worktree(s) of commits no run used since then", markup=False)
 
 
 def _print_plan(plan: GcPlan) -> None:

@@ -251,6 +251,23 @@ def test_the_command(run_cli, run_cli_tty, store: LineageStore, tmp_path: Path) 
     assert "Traceback" not in refused.stderr
     assert output_dir(settings, "upper", ids["a"]["upper"]).is_dir()
 
+    # a checkout of a commit no run used since the cut goes as the outputs do: asked about, never without
+    # --yes where nobody can be asked (it went, with "0 to delete" above it), and not by a narrowed gc
+    cut = "2026-01-01T00:00+00:00"
+    tree = settings.home / "worktrees" / ("a" * 40)
+    tree.mkdir(parents=True)
+    long_ago = dt.datetime(2025, 6, 1, tzinfo=dt.UTC).timestamp()
+    os.utime(tree, (long_ago, long_ago))
+    narrowed = run_cli("gc", "--unused-for", cut, "--keep", "0", "--stage", "count")
+    assert narrowed.returncode == 0 and "worktree" not in narrowed.stdout and tree.is_dir(), narrowed.stdout
+    asked = run_cli("gc", "--unused-for", cut, "--keep", "0")
+    assert asked.returncode == 2 and tree.is_dir(), asked.stdout + asked.stderr
+    assert "0 output folder(s) and 1 git worktree(s) (0 bytes of outputs) would be deleted: pass --yes" in asked.stderr
+    listed = json.loads(run_cli("gc", "--unused-for", cut, "--keep", "0", "--dry-run", "--json").stdout)
+    assert listed["worktrees"] == [str(tree)] and tree.is_dir()
+    done = run_cli("gc", "--unused-for", cut, "--keep", "0", "--yes")
+    assert done.returncode == 0 and "removed 1 git worktree(s)" in done.stdout and not tree.exists(), done.stdout
+
     looked = run_cli("gc", "--unused-for", "0s", "--keep", "1", "--dry-run", "--json")
     assert looked.returncode == 0, looked.stderr
     report = json.loads(looked.stdout)
