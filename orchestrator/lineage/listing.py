@@ -159,7 +159,9 @@ class RecordFilter:
         if start is not None and end is not None and start >= end:
             raise ConfigError(f"--since {since!r} is not before --until {until!r}: nothing could match; swap them")
         return cls(
-            state=tuple(state or ()),
+            # a job that ended well is SUCCEEDED to its backend and `job status`, COMPLETED in lineage:
+            # taken as given, `--state SUCCEEDED` was accepted and matched nothing, "no records match"
+            state=tuple(dict.fromkeys("COMPLETED" if s.strip().upper() == "SUCCEEDED" else s for s in state or ())),
             stage=tuple(stage or ()),
             recipe=recipe,
             replica=replica,
@@ -181,7 +183,7 @@ class RecordFilter:
 
 
 #: What ``--state`` may name: pipeline and stage run states, and SUCCEEDED, how an attempt (a
-#: job, :class:`orchestrator.launchers.JobState`) says it ended well.
+#: job, :class:`orchestrator.launchers.JobState`) says it ended well: read as COMPLETED, its name in lineage.
 KNOWN_STATES = (*STATES, "SUCCEEDED")
 
 

@@ -270,7 +270,19 @@ def test_every_state_a_job_or_run_can_be_in_can_be_asked_for() -> None:
     from orchestrator.lineage.listing import KNOWN_STATES
 
     assert {s.value for s in JobState} <= set(KNOWN_STATES)
-    assert RecordFilter.from_options(state=["succeeded", "Failed"]).state == ("succeeded", "Failed")
+    # SUCCEEDED is how a job says it ended well (`job status`); lineage records it COMPLETED
+    assert RecordFilter.from_options(state=["succeeded", "Failed"]).state == ("COMPLETED", "Failed")
+
+
+def test_asking_for_succeeded_jobs_finds_the_jobs_lineage_records_completed(store: LineageStore) -> None:
+    """`job status` says SUCCEEDED, `lineage list --state SUCCEEDED` was accepted and said "no records
+    match": attempts are recorded COMPLETED."""
+    h = _history(store)
+    with store.transaction() as tx:
+        done = tx.add(Attempt(stage_run_id=h["new_data"], backend="slurm", job_id="6", state="COMPLETED"))
+    for asked in ("SUCCEEDED", "succeeded", "COMPLETED"):
+        found = list_records(store, ["attempt"], RecordFilter.from_options(state=[asked])).records
+        assert [r.id for r in found] == [done.id], asked
 
 
 def test_parse_when_forms() -> None:
