@@ -1055,5 +1055,12 @@ def export_cmd(
     if output is None or output == "-":  # `-o -` is stdout, as for curl and tar: not a file named "-"
         print(text, end="")
         return
-    atomic_write(Path(output), text.encode())  # a reader never sees half an export
+    if Path(output).is_dir():  # atomic_write's error named its own temporary file beside it
+        raise ConfigError(f"--output {output} is a folder: give a file to write ({fmt} is one file)")
+    try:
+        atomic_write(Path(output), text.encode())  # a reader never sees half an export
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write {output}: {exc.strerror or exc}; give a file in a folder you can write"
+        ) from None
     console.print(f"wrote {fmt} export to {output}", highlight=False)

@@ -186,6 +186,15 @@ def test_cli_export_writes_file_and_rejects_bad_input(recorded: dict[str, str], 
     piped = run_cli("lineage", "export", recorded["first"][:12], "-o", "-", cwd=tmp_path)
     assert piped.returncode == 0, piped.stderr
     assert json.loads(piped.stdout) == json.loads(out.read_text()) and not (tmp_path / "-").exists()
+    folder = run_cli("lineage", "export", recorded["first"][:12], "-o", str(tmp_path))
+    assert (
+        folder.returncode == 2
+        and folder.stderr == f"error: --output {tmp_path} is a folder: give a file to write (prov is one file)\n"
+    )
+    denied = run_cli("lineage", "export", recorded["first"][:12], "-o", "/proc/openlab/x.json")
+    assert denied.returncode == 2 and denied.stderr.startswith("error: cannot write /proc/openlab/x.json: "), (
+        denied.stderr
+    )
     crate = run_cli("lineage", "export", recorded["first"][:12], "-f", "ro-crate", "-o", "-", cwd=tmp_path)
     assert crate.returncode == 2 and "add --output DIR" in crate.stderr and not (tmp_path / "-").exists()
 
