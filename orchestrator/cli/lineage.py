@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -842,8 +843,16 @@ def verify_cmd(
             say(f"  {p}")
     else:
         held = f"; {len(anchors)} published anchor(s) held" if anchors else ""
-        # outputs on another machine's storage were not checked: the line claims only what was
-        data = "commits present, data present where it is on this machine" if unseen else "data and commits present"
+        # outputs on another machine's storage, commits of a repository not here, were not checked: the
+        # line claims only what was
+        commits_away = any(re.match(r"\d+ commits? not on this machine", note) for note in unseen)
+        data_away = any(not re.match(r"\d+ commits? not on this machine", note) for note in unseen)
+        data = ", ".join(
+            (
+                "commits present where their repository is on this machine" if commits_away else "commits present",
+                "data present where it is on this machine" if data_away else "data present",
+            )
+        )
         console.print(f"[green]lineage verified: event chain intact, records match their log, {data}{held}[/]")
         if head is not None:  # the chain cannot show its latest events cut off: an anchor published now can
             say(

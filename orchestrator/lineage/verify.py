@@ -227,7 +227,10 @@ def _check_data(
         path = Path(art.uri.removeprefix("file://"))
         if not os.path.lexists(path):
             root = artifact_root(path, art.name, settings)
-            if not root.is_dir():  # another machine's storage, not mounted here: nothing to say of it
+            # another machine's storage, not mounted here: nothing to say of it. Not this openlab's own
+            # root beside its own SQLite file, which only this machine wrote to: gone, that root is
+            # every output deleted (`rm -rf $OPENLAB_HOME/artifacts` was a note and "verified")
+            if not root.is_dir() and not (store.is_sqlite and root == settings.artifacts_dir):
                 away.setdefault(root, []).append(art.id)
                 continue
             problems.append(Problem(f"artifact:{art.id}", _missing_artifact(store, art, path)))
@@ -304,13 +307,19 @@ def _not_here(root: Path, ids: list[str], kind: str = "artifact", where: str = "
     )
 
 
-def _check_commits(store: LineageStore, settings: Settings) -> list[Problem]:
+def _check_commits(store: LineageStore, settings: Settings, notes: list[str] | None = None) -> list[Problem]:
+    """Each commit still in the repository it was recorded in, and each dirty patch in the blobs. A
+    commit whose repository is not on this machine (a clone elsewhere, moved) is noted, not checked:
+    the line that says lineage verified said "commits present" of it all the same."""
     from orchestrator.provenance.git import commit_exists
 
     problems: list[Problem] = []
+    away: dict[Path, list[str]] = {}
     for commit in store.list(Commit):
         label = f"commit:{commit.id}"
-        if commit.sha and commit.repo_path and Path(commit.repo_path).exists():
+        if commit.sha and commit.repo_path and not Path(commit.repo_path).exists():
+            away.setdefault(Path(commit.repo_path), []).append(commit.id)
+        elif commit.sha and commit.repo_path:
             if not commit_exists(Path(commit.repo_path), commit.sha):
                 problems.append(Problem(label, f"commit {commit.sha} no longer exists in {commit.repo_path}"))
         if commit.patch_hash:
@@ -319,6 +328,8 @@ def _check_commits(store: LineageStore, settings: Settings) -> list[Problem]:
                 problems.append(Problem(label, f"dirty patch {commit.patch_hash[:16]}… is missing from {blob.parent}"))
             elif hash_file(blob) != commit.patch_hash:
                 problems.append(Problem(label, f"dirty patch {blob} does not match its recorded hash"))
+    if notes is not None:
+        notes.extend(_not_here(repo, ids, kind="commit", where="repository") for repo, ids in sorted(away.items()))
     return problems
 
 
@@ -332,11 +343,12 @@ def verify(
 ) -> list[Problem]:
     """Run every check (anchors only when given); an empty list means lineage is intact. What could
     not be checked here (outputs whose artifact root is another machine's storage, not mounted on
-    this one) is appended to ``notes``: no problem, but no pass either."""
+    this one, commits whose repository is not here) is appended to ``notes``: no problem, but no
+    pass either."""
     settings = settings or load_settings()
     chain_problems, latest = _check_chain(store)
     problems = chain_problems + _check_records(store, latest)
     problems += _check_data(store, settings, progress, notes)
-    problems += _check_commits(store, settings)
+    problems += _check_commits(store, settings, notes)
     problems += check_anchors(store, anchors)
     return problems

@@ -106,10 +106,36 @@ def test_verify_names_an_output_deleted_by_hand_and_notes_one_on_another_machine
     ], report["notes"]
     text = run_cli("lineage", "verify", env={"COLUMNS": "300"})
     assert text.returncode == 0 and "note: 1 artifact not on this machine, not checked" in text.stdout
-    assert "data and commits present" not in text.stdout, "the unchecked artifact must not read as checked"
+    assert "data present," not in text.stdout, "the unchecked artifact must not read as checked"
     assert "lineage verified: event chain intact, records match their log, commits present, data present where" in (
         text.stdout
     ), text.stdout
+
+    # this openlab's own artifact root gone whole (`rm -rf $OPENLAB_HOME/artifacts`), beside its own SQLite
+    # file: every output in it deleted, not "another machine's storage" (it was a note, and exit 0)
+    root = load_settings().artifacts_dir
+    shutil.move(root, tmp_path / "all-outputs")
+    gone = run_cli("lineage", "verify", "--json")
+    assert gone.returncode == 1, gone.stdout
+    (problem,) = json.loads(gone.stdout)["problems"]
+    assert problem["record"] == f"artifact:{made.id}" and f"output folder {out} is missing" in problem["message"]
+
+
+def test_a_commit_whose_repository_is_not_here_is_noted_not_called_present(run_cli, tmp_path: Path) -> None:
+    """Recorded from a clone since moved (or on another machine), a commit could not be looked up, and
+    the line said "commits present" of it all the same."""
+    from orchestrator.lineage import Commit
+
+    moved = tmp_path / "clone-since-moved"
+    with open_store() as store, store.transaction() as tx:
+        commit = tx.add(Commit(id="c" * 40, sha="c" * 40, repo_path=str(moved)))
+    report = json.loads(run_cli("lineage", "verify", "--json").stdout)
+    assert report["ok"] is True and report["notes"] == [
+        f"1 commit not on this machine, not checked (their repository {moved} is not here): {commit.id}"
+    ]
+    text = run_cli("lineage", "verify", env={"COLUMNS": "300"})
+    assert text.returncode == 0, text.stdout
+    assert "commits present where their repository is on this machine, data present" in text.stdout, text.stdout
 
 
 def test_verify_on_both_databases_skips_removed_outputs_and_names_missing_ones(store: LineageStore) -> None:
