@@ -95,18 +95,25 @@ class Comparison:
     note: str | None = None
     #: Every metric name the runs measured, picked or not: what a pattern that picks none could have meant.
     measured: list[str] = field(default_factory=list)
+    #: Every (stage, metric) the runs measured: what each pattern is checked against.
+    measured_keys: list[tuple[str, str]] = field(default_factory=list)
 
     def check_picked(self, patterns: Sequence[str]) -> None:
-        """Refuse patterns a person typed that pick no metric the runs measured (a typo, most often),
-        naming the closest name; runs that measured nothing at all are not the patterns' fault."""
-        if self.columns or not self.measured:
+        """Refuse each pattern a person typed that picks no metric the runs measured (a typo, most
+        often), naming the closest name: one misspelt among several (`-m eval/code/loss -m
+        eval/prose/los`) dropped its column without a word. Runs that measured nothing at all are
+        not the patterns' fault."""
+        if not self.measured:
             return
-        close = difflib.get_close_matches(patterns[0].rpartition(":")[2], self.measured, n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ConfigError(
-            f"-m {' '.join(patterns)}: no metric of these runs matches; {hint}"
-            f"-m '*' shows all {len(self.measured)} they measured"
-        )
+        for pattern in patterns:
+            if any(metric_matches(stage, name, [pattern]) for stage, name in self.measured_keys):
+                continue
+            close = difflib.get_close_matches(pattern.rpartition(":")[2], self.measured, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(
+                f"-m {pattern}: no metric of these runs matches; {hint}"
+                f"-m '*' shows all {len(self.measured)} they measured"
+            )
 
     def label(self, column: tuple[str, str]) -> str:
         """A column's heading: the metric's name, ``stage:metric`` where two stages report that name."""
@@ -295,7 +302,7 @@ def compare_runs(store: LineageStore, runs: Iterable[PipelineRun], patterns: Seq
     varies = [k for k in keys if len({repr(row.asked.get(k)) for row in rows}) > 1]
     columns = sorted({c for row in rows for c in row.metrics}, key=lambda c: (stage_order.get(c[0], 0), c[1]))
     measured_names = sorted({name for m in measured for _, name in m})
-    return Comparison(rows, varies, columns, note, measured_names)
+    return Comparison(rows, varies, columns, note, measured_names, sorted({k for m in measured for k in m}))
 
 
 __all__ = [

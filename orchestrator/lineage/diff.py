@@ -14,13 +14,13 @@ section per stage either ran; any other two records of one kind field by field.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from sqlmodel import col
 
-from orchestrator.errors import OpenlabError
+from orchestrator.errors import ConfigError, OpenlabError
 from orchestrator.identity import diff_identities, source_file
 from orchestrator.lineage.models import Commit, LineageRecord, PipelineRun, Relation, StageRun
 from orchestrator.lineage.store import LineageStore, record_payload
@@ -317,6 +317,7 @@ def diff_records(
         changed = [{"path": k, "old": pa.get(k), "new": pb.get(k)} for k in sorted(pa.keys() | pb.keys())]
         return [Section(left.kind, [c for c in changed if c["old"] != c["new"]])]
     sections = []
+    measured: set[str] = set()
     if left.kind == "pipeline_run":
         asked = run_changes(left, right, store)  # type: ignore[arg-type]
         if asked:
@@ -336,5 +337,22 @@ def diff_records(
             why = (_absence(stage, a), _absence(stage, b))
             section.metrics = diff_metrics(old, new, patterns, sides=sides, why=why)
             section.compared = sum(1 for n in old.keys() | new.keys() if _matches(n, patterns))
+            measured |= old.keys() | new.keys()
         sections.append(section)
+    _refuse_unmatched(patterns, measured)
     return sections
+
+
+def _refuse_unmatched(patterns: Sequence[str], measured: set[str]) -> None:
+    """Refuse a ``--metric`` pattern that matches no metric either side measured (a typo, most
+    often), naming the closest: it printed "metrics: none matches --metric" under every stage, and
+    beside a pattern that matched, nothing at all. Records that measured nothing are not its fault."""
+    import difflib
+
+    for pattern in patterns if measured else ():
+        if not any(_matches(name, [pattern]) for name in measured):
+            close = difflib.get_close_matches(pattern, sorted(measured), n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(
+                f"-m {pattern}: no metric of these runs matches; {hint}-m '*' shows all {len(measured)} they measured"
+            )

@@ -540,6 +540,12 @@ def test_diff_of_two_pipeline_runs_says_what_went_in_differently_and_how_the_res
         f"    new/x              - -> 1  missing in {night1.id}",
         f"eval: only in {night1.id} (the other run did not run it: no metrics to compare)",
     ], lines
+    # a misspelt pattern beside one that matches said "none matches" under stages, or nothing at all
+    typo = run_cli("lineage", "diff", night1.id, night2.id, "-m", "eval/*/loss", "-m", "moe/drop_fractoin")
+    assert typo.returncode == 2 and typo.stdout == "", typo.stdout
+    assert typo.stderr.startswith(
+        "error: -m moe/drop_fractoin: no metric of these runs matches; did you mean 'moe/drop_fraction'?"
+    ), typo.stderr
     data = json.loads(run_cli("lineage", "diff", night1.id, night2.id, "-m", "*", "--json").stdout)
     assert data["changes"]["tokenize"] == [] and data["metrics"]["tokenize"] == []  # reused: the same numbers
     assert {c["metric"] for c in data["metrics"]["pretrain"]} == {"eval/code/loss", "moe/drop_fraction", "new/x"}
@@ -973,6 +979,10 @@ def test_compare_puts_a_sweeps_runs_side_by_side_with_what_each_set_and_measured
         (
             (ids[0], "-m", "eval/cod/loss"),
             "error: -m eval/cod/loss: no metric of these runs matches; did you mean 'eval/code/loss'?",
+        ),
+        (  # one misspelt beside one that matches: its column was dropped without a word
+            (ids[0], "-m", "eval/code/loss", "-m", "eval/sft/los"),
+            "error: -m eval/sft/los: no metric of these runs matches; did you mean 'eval/sft/loss'?",
         ),
     ):
         out = run_cli("lineage", "compare", *args)
