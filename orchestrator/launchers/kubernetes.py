@@ -105,6 +105,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from orchestrator.errors import ConfigError
 from orchestrator.launchers._tasks import command as tasks_command
 from orchestrator.launchers.base import (
     HELPERS_MOUNT,
@@ -456,6 +457,13 @@ class KubernetesLauncher(Launcher):
         measure_usage_option(opts)
         for name, default in (("retries", 3), ("cancel_timeout", 30), ("master_port", DEFAULT_MASTER_PORT)):
             number_option(opts, name, default)
+        # whole numbers the API server takes as they are: `-o backoff_limit=three` was a ValueError
+        # traceback from manifest(), after the attempt was recorded, and -1 the API server's 422
+        for name, default in (("backoff_limit", 0), ("ttl_seconds", 3600)):
+            if name in opts and not number_option(opts, name, default).is_integer():
+                raise ConfigError(
+                    f"backend option {name} = {opts[name]!r} is not a whole number: give one, e.g. {default}"
+                )
 
     def __init__(self, settings: Any = None, config: Any = None) -> None:
         super().__init__(settings, config)
@@ -609,18 +617,19 @@ class KubernetesLauncher(Launcher):
         meta["name"] = name
         meta["namespace"] = str(opts.get("namespace", self.namespace))
         labels = {str(k): str(v) for k, v in spec.labels.items() if _LABEL_VALUE.match(str(v)) and len(str(v)) <= 63}
-        labels[JOB_NAME_LABEL] = re.sub(r"[^A-Za-z0-9_.-]+", "-", spec.name).strip("-_.")[:63] or "job"
+        # a label value ends in a letter or digit: cut to 63 after the strip, a name could end in "-" (422)
+        labels[JOB_NAME_LABEL] = re.sub(r"[^A-Za-z0-9_.-]+", "-", spec.name).strip("-_.")[:63].rstrip("-_.") or "job"
         annotations = {str(k): str(v) for k, v in spec.labels.items()}
         meta["labels"] = {**(meta.get("labels") or {}), **labels}
         meta["annotations"] = {**(meta.get("annotations") or {}), **annotations}
         jspec = job.setdefault("spec", {})
         if "backoff_limit" in opts:
-            jspec["backoffLimit"] = int(opts["backoff_limit"])
+            jspec["backoffLimit"] = int(float(opts["backoff_limit"]))
         jspec.setdefault("backoffLimit", 0)
         if spec.nodes > 1:  # one pod per node, each told its index (see the module docstring)
             jspec.update(completionMode="Indexed", completions=spec.nodes, parallelism=spec.nodes, backoffLimit=0)
         if "ttl_seconds" in opts:
-            jspec["ttlSecondsAfterFinished"] = int(opts["ttl_seconds"])
+            jspec["ttlSecondsAfterFinished"] = int(float(opts["ttl_seconds"]))
         pod = jspec.setdefault("template", {})
         pod_meta = pod.setdefault("metadata", {})
         pod_meta["labels"] = {**(pod_meta.get("labels") or {}), **labels}

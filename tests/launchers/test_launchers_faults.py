@@ -153,6 +153,24 @@ def test_yes_no_and_number_options_refuse_anything_else() -> None:
     assert usage_python({"measure_usage": "auto"}, {"openlab.io/python": "/opt/py"}) == "/opt/py"
 
 
+def test_kubernetes_whole_number_options_and_a_long_names_label_are_what_the_api_server_takes() -> None:
+    """`-o backoff_limit=three` was a ValueError traceback from the manifest, after the attempt was
+    recorded; and a 64-character name cut to 63 could end its label in "-", which the API server
+    refuses (a label value ends in a letter or digit)."""
+    launcher = get_launcher("kubernetes")
+    for options, said in (
+        ({"backoff_limit": "three"}, "backend option backoff_limit = 'three' is not a number of zero or more"),
+        ({"backoff_limit": -1}, "backend option backoff_limit = -1 is not a number of zero or more"),
+        ({"ttl_seconds": "1.5"}, "backend option ttl_seconds = '1.5' is not a whole number: give one, e.g. 3600"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            launcher.refuse_unsupported(JobSpec(name="x", command=["true"], image="i", options=options))
+    job = launcher.manifest(JobSpec(name="x", command=["true"], image="i", options={"backoff_limit": "2"}), "x-1")
+    assert job["spec"]["backoffLimit"] == 2
+    label = launcher.manifest(JobSpec(name="a" * 62 + "-b", command=["true"], image="i"), "x-2")["metadata"]["labels"]
+    assert label["openlab.io/job-name"] == "a" * 62
+
+
 def test_a_warning_before_the_time_limit_is_slurms_signal_to_the_batch_shell() -> None:
     """The batch shell gets SIGUSR1 ahead of the limit (`B:`) and passes it on to the task, which
     saves and stops; a warning that does not come before the limit is refused before any job."""
