@@ -233,6 +233,9 @@ def _phase(pod: Any) -> str | None:
 
 #: Container waiting reasons that are only the way to running, not a reason to tell anyone.
 _ON_THE_WAY = frozenset({"ContainerCreating", "PodInitializing"})
+#: Container waiting reasons no retry of the kubelet's ends: the image reference does not parse, or
+#: the pod may not pull (imagePullPolicy Never) an image the node lacks. Docker refuses both at submit.
+NEVER_STARTS = frozenset({"InvalidImageName", "ErrImageNeverPull"})
 
 
 def _waiting(pods: list[Any]) -> str | None:
@@ -1212,7 +1215,11 @@ class KubernetesLauncher(Launcher):
             state = JobState.RUNNING
         if state is JobState.RUNNING and current and all(_phase(p) == "Pending" for p in current):
             waiting = _waiting(current)  # active to the Job controller, but no pod of it runs: say why
-            if waiting:
+            if waiting and waiting.split(":", 1)[0] in NEVER_STARTS:
+                # the kubelet retries these for ever (a Job with no time limit waited for good, one with a
+                # limit failed as "time limit exceeded" without having run): the image name is the job's
+                state, reason, started = JobState.FAILED, f"the container cannot start: {waiting}", None
+            elif waiting:
                 state, reason, started = JobState.PENDING, waiting, None
         if not state.terminal:
             exit_code, ended = None, None

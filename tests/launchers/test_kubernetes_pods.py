@@ -260,6 +260,16 @@ def test_a_pod_that_cannot_be_scheduled_or_pulled_is_pending_with_the_reason_not
         JobState.PENDING,
         'ImagePullBackOff: Back-off pulling "openlab/job:nosuch"',
     )
+    # an image reference that does not parse, or one the node lacks that may not be pulled: the kubelet
+    # retries for ever, so the job waited for good (or failed as "time limit exceeded" without running)
+    for never, said in (
+        ("InvalidImageName", 'Failed to apply default image tag "openlab/Job:x": invalid reference format'),
+        ("ErrImageNeverPull", 'Container image "openlab/job:nosuch" is not present with pull policy of Never'),
+    ):
+        pulling.state = V1ContainerState(waiting=V1ContainerStateWaiting(reason=never, message=said))
+        job, pod = _pending_job_and_pod(container_statuses=[pulling])
+        status = launcher._status_of(handle, job, [pod])
+        assert (status.state, status.reason) == (JobState.FAILED, f"the container cannot start: {never}: {said}")
     creating = V1ContainerStateWaiting(reason="ContainerCreating")  # on its way: no reason to tell
     pulling.state = V1ContainerState(waiting=creating)
     job, pod = _pending_job_and_pod(container_statuses=[pulling])
