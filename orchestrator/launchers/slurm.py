@@ -456,6 +456,7 @@ OWN_FLAGS: dict[str, str] = {
     "--job-name": "the job's name is openlab's (job run --name)",
     "--comment": "openlab's labels are the job's --comment",
     "--parsable": "openlab adds it",
+    "--open-mode": "openlab appends to the job's log, so a requeued job keeps its earlier run's",
     "--chdir": "give the working directory (job run --workdir)",
     "--array": "use the array option",
     "--time": "give the time limit (job run --time-limit, resources.<stage>.time_limit)",
@@ -685,6 +686,9 @@ class SlurmLauncher(Launcher):
         """The generated batch script (public so users and tests can see exactly what is sent)."""
         opts = {**self.config, **spec.options}
         lines = ["#!/bin/bash", directive("job-name", spec.name), directive("output", log_pattern)]
+        # a requeued job (preemption, a node failure) starts its script again: by default Slurm then
+        # empties its output, and the run before the requeue (how far it got, why it stopped) was lost
+        lines.append("#SBATCH --open-mode=append")
         lines.append("#SBATCH --export=ALL")
         if spec.time_limit:
             lines.append(f"#SBATCH --time={slurm_time(spec.time_limit)}")
@@ -708,6 +712,10 @@ class SlurmLauncher(Launcher):
         for flag in list_option(opts, "extra_args", EXTRA_ARGS_EXAMPLE):
             lines.append(f"#SBATCH {flag}")
         lines.append("")
+        lines.append(
+            '[ "${SLURM_RESTART_COUNT:-0}" = 0 ] || echo "[openlab] Slurm requeued the job and started it again'
+            ' (restart $SLURM_RESTART_COUNT); the log of its earlier run is above"'
+        )
         if spec.workdir:  # Slurm runs a job whose --chdir it cannot enter in /tmp, with one line in the log
             where = shlex.quote(spec.workdir)
             lines.append(

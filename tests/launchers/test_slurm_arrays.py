@@ -40,8 +40,9 @@ def _queue(job_id: str) -> list[str]:
 @pytest.mark.slurm
 def test_a_requeued_job_is_followed_through_its_restart(slurm_harness: Harness, store: LineageStore) -> None:
     """Slurm requeues a running job (PreemptMode=REQUEUE, a node failure, `scontrol requeue`): same
-    job id, its output file truncated when it restarts. The log follower goes on from the top of
-    the new output instead of waiting past its end, and the attempt says it was requeued."""
+    job id, its script started again. Its log keeps the run before the requeue (Slurm empties it by
+    default, and how far that run got was lost), the restart is said in it, the log follower goes on
+    into the new run, and the attempt says it was requeued."""
     import threading
 
     lines: list[str] = []
@@ -75,7 +76,10 @@ def test_a_requeued_job_is_followed_through_its_restart(slurm_harness: Harness, 
     assert status.state is JobState.SUCCEEDED, status
     assert attempt.reason == "requeued 1 time by Slurm and restarted from its script"
     assert lines[0] == "run 0" and lines[-2:] == ["run 1", "end"], lines
-    assert any("was started again" in line for line in lines), lines
+    said = "[openlab] Slurm requeued the job and started it again (restart 1); the log of its earlier run is above"
+    assert said in lines, lines
+    kept = Path(str(attempt.log_path)).read_text().splitlines()
+    assert [line for line in kept if line in ("run 0", said, "run 1", "end")] == ["run 0", said, "run 1", "end"], kept
 
 
 def _queue_named(name: str) -> list[str]:
