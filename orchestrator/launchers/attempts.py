@@ -101,7 +101,11 @@ def handle_from_attempt(attempt: Attempt, launcher: Launcher | None = None) -> J
         raise JobNotFound(f"attempt {attempt.id} has no job id: its submission failed ({attempt.reason})")
     if launcher is not None:
         launcher.check_cluster(attempt.cluster, f"attempt {attempt.id} (job {attempt.job_id})")
-    return JobHandle(backend=attempt.backend, job_id=attempt.job_id, log_path=attempt.log_path)
+    # a Slurm array's task list (its `array` option, as recorded): the tasks slurmctld has forgotten are
+    # looked up elsewhere, not left out of the array's end (SlurmLauncher._with_forgotten_tasks)
+    array = ((attempt.resources or {}).get("options") or {}).get("array")
+    extra = {"array": True, "array_tasks": str(array)} if array else {}
+    return JobHandle(backend=attempt.backend, job_id=attempt.job_id, log_path=attempt.log_path, extra=extra)
 
 
 def submit_attempt(

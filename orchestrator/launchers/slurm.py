@@ -905,7 +905,10 @@ class SlurmLauncher(Launcher):
         if not job_id.isdigit():
             raise LauncherError(f"sbatch --parsable printed no job id: {proc.stdout.strip()!r}")
         log_path = log_pattern.replace("%A", job_id).replace("%j", job_id)
-        return JobHandle(self.name, job_id, log_path, {"script": str(script_path), "array": is_array})
+        extra: dict[str, Any] = {"script": str(script_path), "array": is_array}
+        if is_array:  # every task it has, for a look after slurmctld forgot some (_with_forgotten_tasks)
+            extra["array_tasks"] = str(opts["array"])
+        return JobHandle(self.name, job_id, log_path, extra)
 
     def _sbatch(
         self, args: list[str], script_path: Path, name: str, env: dict[str, str]
@@ -1224,17 +1227,42 @@ class SlurmLauncher(Launcher):
         is cancelled first (``end_hopeless``) and then reads FAILED with why (:meth:`_row_status`),
         instead of waiting in the queue for ever: with ``--dependency=afterok:`` on a job that
         failed, ``run_job`` never returned."""
-        rows, _source = self._rows(handle.job_id)
+        rows, source = self._rows(handle.job_id)
         if not rows:
             reason = f"slurm no longer knows job {handle.job_id} (scontrol, sacct, jobcomp)"
             return JobStatus(JobState.LOST, reason=reason)
         tasks = self._tasks(handle.job_id, rows)
+        if tasks and source == "scontrol":
+            tasks = self._with_forgotten_tasks(handle, tasks)
         status = aggregate_tasks(tasks) if tasks else self._from_rows(handle, rows, [self._row_status(r) for r in rows])
         if end_hopeless and status.state is JobState.PENDING and status.reason in NEVER_STARTS:
             self._run("scancel", handle.job_id, check=False)  # one that just went is gone all the same
             self._wait_gone(handle)
             return self._read_status(handle, end_hopeless=False)
         return status
+
+    def _with_forgotten_tasks(self, handle: JobHandle, tasks: dict[str, JobStatus]) -> dict[str, JobStatus]:
+        """``tasks`` (slurmctld's) with the tasks of the array it no longer shows: slurmctld forgets
+        each task ``MinJobAge`` after it ended, while later ones still run, and an array whose failed
+        task 0 was forgotten read SUCCEEDED from the tasks left. Those come from sacct (else the
+        jobcomp log); one nothing knows is LOST, so the array cannot read as a success."""
+        expected = expand_task_ids(str((handle.extra or {}).get("array_tasks") or ""))
+        missing = [task for task in expected if task not in tasks]
+        if not missing:
+            return tasks
+        try:
+            rows = self._sacct(handle.job_id)
+        except BackendUnavailable:  # slurmdbd down: the jobcomp log may know them
+            rows = None
+        found = self._tasks(handle.job_id, rows or []) or {}
+        if any(task not in found for task in missing):
+            found = {**(self._tasks(handle.job_id, self._jobcomp(handle.job_id) or []) or {}), **found}
+        for task in missing:
+            tasks[task] = found.get(task) or JobStatus(
+                JobState.LOST,
+                reason=f"slurmctld forgot task {task} (MinJobAge) and neither sacct nor the jobcomp log knows it",
+            )
+        return tasks
 
     def _ended(self, handle: JobHandle) -> bool:
         """Whether the job has ended, for a log follower, which reads its file far more often:

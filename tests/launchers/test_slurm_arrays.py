@@ -167,6 +167,36 @@ def test_array_with_a_failed_task_is_failed_and_names_it(
     failed = launcher.task_handle(JobHandle("slurm", str(stored.job_id), stored.log_path), 3)
     assert list(launcher.logs(failed)) == ["shard 3 of 4", "broken"]
 
+    # slurmctld forgets each task MinJobAge after it ended, while later ones may still run: with failed
+    # task 3 forgotten, the array read SUCCEEDED from the three left. The handle a pipeline holds, and
+    # the one revived from the attempt (the reaper, `job status`), know the array's tasks: the forgotten
+    # one comes from sacct, and is LOST where nothing knows it, never a success
+    from orchestrator.launchers.attempts import handle_from_attempt
+
+    forgetting = SlurmLauncher.__dict__["_scontrol"]
+
+    def forgot_task_3(self: SlurmLauncher, job_id: str) -> list[dict[str, str]] | None:
+        rows = forgetting(self, job_id)
+        return [r for r in rows or () if r.get("ArrayTaskId") != "3"] or None
+
+    deadline = time.monotonic() + 30  # sacct has a job a moment after its end; a forgotten task ended long ago
+    while "3" not in (launcher._tasks(str(stored.job_id), launcher._sacct(str(stored.job_id)) or []) or {}):
+        assert time.monotonic() < deadline, "sacct never recorded task 3"
+        time.sleep(0.5)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SlurmLauncher, "_scontrol", forgot_task_3)
+        revived = handle_from_attempt(stored, launcher)
+        assert revived.extra == {"array": True, "array_tasks": "1-4"}
+        again = launcher.status(revived)
+        assert (again.state, again.reason) == (JobState.FAILED, "1 of 4 tasks failed: task 3 (exit code 7)"), again
+        mp.setattr(SlurmLauncher, "_sacct", lambda self, job_id: None)
+        mp.setattr(SlurmLauncher, "_jobcomp", lambda self, job_id: None)
+        unknown = launcher.status(revived)
+        assert (unknown.state, unknown.reason) == (JobState.LOST, "1 of 4 tasks lost: task 3"), unknown
+        assert unknown.tasks is not None and unknown.tasks["3"].reason == (
+            "slurmctld forgot task 3 (MinJobAge) and neither sacct nor the jobcomp log knows it"
+        )
+
 
 @pytest.mark.slurm
 @pytest.mark.slow
