@@ -458,8 +458,9 @@ def affected_cmd(
     for t in report.made_there:
         say(f"  {t.record.id}  {t.record.stage} {t.record.state}: {t.why}")
     say(f"outputs to distrust ({len(report.outputs)}):")
-    for t in report.outputs:
-        say(f"  {t.record.id}  {t.record.name} {t.record.uri}  ({t.why})")
+    for t in report.outputs:  # one gc or a re-run already removed is no file to distrust: said so
+        gone = f"; removed {t.record.removed_at:%Y-%m-%d}" if getattr(t.record, "removed_at", None) else ""
+        say(f"  {t.record.id}  {t.record.name} {t.record.uri}  ({t.why}{gone})")
     if report.stage_runs:
         say(f"later stage runs made from them ({len(report.stage_runs)}):")
         for t in report.stage_runs:

@@ -51,7 +51,16 @@ def _history(store: LineageStore) -> dict[str, Any]:
         mid = stage(run, "midtrain", 12)
         job(mid, 12, "n18")
         tx.relate("used", mid, ckpt, role="checkpoint")
-        mid_out = tx.add(Artifact(name="midtrain/out", artifact_type="folder", uri="/ckpt/mid", content_hash="d" * 64))
+        mid_out = tx.add(  # gc has since removed it: no file left to distrust, and the list says so
+            Artifact(
+                name="midtrain/out",
+                artifact_type="folder",
+                uri="/ckpt/mid",
+                content_hash="d" * 64,
+                removed_at=dt.datetime(2026, 11, 30, tzinfo=dt.UTC),
+                removed_reason="openlab gc by ada@vm",
+            )
+        )
         tx.relate("wasGeneratedBy", mid_out, mid)
         reused = stage(later, "pretrain", 20, state="REUSED", reused_from=pre.id)
         tx.relate("wasInformedBy", reused, pre, role="reused")  # as a run records a reuse
@@ -96,7 +105,8 @@ def test_the_command(run_cli, openlab_home) -> None:
         h = _history(store)
     shown = run_cli("lineage", "affected", "--host", "n17", env={"COLUMNS": "200"})
     assert shown.returncode == 0, shown.stderr
-    assert f"  {h['ckpt']}  pretrain/out /ckpt/pre  (made by {h['pre']})" in shown.stdout, shown.stdout
+    assert f"  {h['ckpt']}  pretrain/out /ckpt/pre  (made by {h['pre']})\n" in shown.stdout, shown.stdout
+    assert f"  {h['mid_out']}  midtrain/out /ckpt/mid  (made by {h['mid']}; removed 2026-11-30)" in shown.stdout
     assert "pipeline runs affected (2), each with the command that redoes it:" in shown.stdout
     assert f"\n    openlab rerun {h['later']} --force-stage pretrain\n" in shown.stdout, shown.stdout
     assert f"W&B runs logged by them (1):\n  https://wandb.ai/lab/moe/runs/mid1  (logged by midtrain {h['mid']})" in (
