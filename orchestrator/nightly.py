@@ -254,6 +254,13 @@ def evaluate_nightly(
             previous_run_id=before.id,
             previous_commit=pipeline_commit(store, before),
         )
+    if not tolerances:  # compared nothing: a green verdict (and commit status) would guard nothing
+        verdict.status = "regressed"
+        verdict.message = (
+            f"nightly cannot judge: recipe {run.recipe} tracks no metric of the stages replica {run.replica} runs; "
+            "add tracked_metrics for them (a nightly that compares nothing would pass whatever it measured). "
+            + verdict.message
+        )
     unreported = [c.metric for c in verdict.checks if c.current is None]
     if unreported:
         reported = ", ".join(sorted(k for k in current if "/" in k)[:12]) or "none"

@@ -62,12 +62,12 @@ class Tolerance:
     def lookup(self, metrics: Mapping[str, Any]) -> float | None:
         """This metric's value in :func:`orchestrator.nightly.pipeline_metrics` output.
 
-        Stage-qualified (``stage/metric``) when a stage is named, else the first stage reporting it.
+        Stage-qualified (``stage/metric``) when a stage is named, and only that: pretrain, mid-train
+        and post-train report ``eval/code/loss`` too, and when the named stage did not, its bare
+        name held the first stage's value, compared as the eval's. Else the first stage reporting it.
         """
         if self.stage is not None:
-            found = as_number(metrics.get(f"{self.stage}/{self.metric}"))
-            if found is not None:
-                return found
+            return as_number(metrics.get(f"{self.stage}/{self.metric}"))
         return as_number(metrics.get(self.metric))
 
     def allowance(self, previous: float, noise: float | None = None) -> float:
@@ -216,15 +216,17 @@ def check_metric(
         # A nightly that cannot measure a tracked metric guards nothing: fail loudly, never pass.
         note = "no longer reported" if previous is not None else "not reported by this run"
         return MetricCheck(tol.metric, previous, None, None, True, note)
-    if previous is None:
-        return MetricCheck(tol.metric, None, current, None, False, "not in the previous nightly; not compared")
-    if not math.isfinite(current):
+    if not math.isfinite(current):  # before the baseline: a NaN baseline made every later value pass
         return MetricCheck(tol.metric, previous, current, None, True, "not a finite number")
+    if previous is None or not math.isfinite(previous):  # an inf baseline allowed any change
+        why = "not in the previous nightly" if previous is None else "the previous nightly's is not a finite number"
+        return MetricCheck(tol.metric, previous, current, None, False, f"{why}; not compared")
     noise = None
     note = f"tolerance {tol.describe()}"
     if tol.stderr is not None:
         ses = (previous_se, current_se)
-        if all(se is not None and math.isfinite(se) for se in ses):
+        # a negative one ("-1": not computed) widened the allowance as a standard error of 1
+        if all(se is not None and math.isfinite(se) and se >= 0 for se in ses):
             noise = math.hypot(*ses)  # type: ignore[arg-type]
             note += f"; standard error of the difference {noise:.4g}"
         else:

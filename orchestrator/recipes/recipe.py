@@ -75,6 +75,9 @@ class TrackedMetric:
     #: The metric holding this one's standard error, and the allowed change in standard errors.
     stderr: str | None = None
     sigmas: float | None = None
+    #: Which way is a regression (``higher``: a loss, ``lower``: an accuracy); ``either`` flags any change,
+    #: and an improvement beyond the tolerance then fails every later nightly against the old baseline.
+    worse: str = "either"
 
     def within(self, old: float, new: float, old_se: float | None = None, new_se: float | None = None) -> bool:
         """Whether ``new`` is within tolerance of ``old``, as the nightly verdict decides it."""
@@ -355,6 +358,7 @@ def resolve(
             absolute=m.get("absolute"),
             stderr=m.get("stderr"),
             sigmas=m.get("sigmas"),
+            worse=m.get("worse") or "either",
         )
         for n, m in (values.get("tracked_metrics") or {}).items()
         if m["stage"] in stages

@@ -340,6 +340,8 @@ RECIPE_SCHEMA: dict[str, Any] = {
                 "stage": OneOf(STAGES),
                 "relative": Opt(NUMBER),
                 "absolute": Opt(NUMBER),
+                # which way is a regression: higher (a loss), lower (an accuracy), either (the default)
+                "worse": Opt(OneOf(("either", "higher", "lower"))),
                 # A noisy metric's standard error (another metric of the same stage) and how many
                 # standard errors of the difference a change may be (orchestrator.nightly).
                 "stderr": Opt(str),

@@ -260,3 +260,73 @@ def test_parse_noise_scaled_tolerances() -> None:
 
     tracked = parse_tolerances(resolve("marin-535b-a23b", "drops", validate=False).tracked_metrics)
     assert tracked and all(t.stderr == f"{t.metric}_se" and t.sigmas == 3 for t in tracked)
+
+
+def test_a_metric_tracked_for_one_stage_is_that_stages_only(store: LineageStore) -> None:
+    """Pretrain, mid-train and post-train report `eval/code/loss` too. An eval that did not report
+    it had the bare name looked up instead, the first stage's value: "passed", comparing yesterday's
+    eval with today's pretrain estimate. It is "not reported by this run", which never passes."""
+    tracked = [Tolerance("eval/code/loss", rel=0.02, stage="eval")]
+    both = {"pretrain": {"eval": {"code": {"loss": 3.0}}}, "eval": {"eval": {"code": {"loss": 3.1}}}}
+    base = _plant(store, "a" * 40, "tiny", both, minutes=0)
+    assert evaluate_nightly(store, base.id, tracked).status == "baseline"
+    no_eval = {"pretrain": {"eval": {"code": {"loss": 3.0}}}, "eval": {"eval": {"tokens_seen": 100}}}
+    run = _plant(store, "b" * 40, "tiny", no_eval, minutes=1440)
+    verdict = evaluate_nightly(store, run.id, tracked)
+    assert verdict.status == "regressed", verdict.message
+    assert (verdict.checks[0].previous, verdict.checks[0].current, verdict.checks[0].note) == (
+        3.1,
+        None,
+        "no longer reported",
+    )
+
+
+def test_a_nan_or_infinite_baseline_is_never_what_a_later_nightly_passes_against(store: LineageStore) -> None:
+    """A first nightly whose loss was NaN became the baseline, and the next one, at loss 50, passed
+    against it (the allowance was NaN); an infinite previous value allowed any change."""
+    nan = plant_run(store, "a" * 40, float("nan"), 0.10, minutes=0)
+    verdict = evaluate_nightly(store, nan.id, TOLERANCES)
+    assert verdict.status == "regressed" and verdict.checks[0].note == "not a finite number", verdict.message
+    good = plant_run(store, "b" * 40, 3.0, 0.10, minutes=1440)
+    assert evaluate_nightly(store, good.id, TOLERANCES).status == "baseline", "the NaN run is no baseline"
+    assert check_metric(Tolerance("eval/loss", rel=0.02), math.inf, 50.0).note.startswith(
+        "the previous nightly's is not a finite number"
+    )
+    assert check_metric(Tolerance("eval/loss", rel=0.02), None, math.nan).regressed
+
+
+def test_a_negative_standard_error_is_not_reported_and_does_not_widen_the_tolerance() -> None:
+    """`se = -1` (a "not computed" placeholder) made the noise sqrt(2) and the allowance 4.2: a pass."""
+    check = check_metric(NOISY, 0.05, 0.07, -1.0, -1.0)
+    assert check.regressed and check.noise is None and check.allowed == 0.005, check
+    assert "not reported by both runs, so the fixed tolerance applies" in check.note
+
+
+def test_a_nightly_that_tracks_nothing_cannot_pass(store: LineageStore) -> None:
+    """With no tracked metric of its stages a nightly said "passed: 0 tracked metric(s)" and set a
+    green commit status: a verdict that guards nothing."""
+    run = plant_run(store, "a" * 40, 3.0, 0.10, minutes=0)
+    verdict = evaluate_nightly(store, run.id, [])
+    assert verdict.status == "regressed" and not verdict.passed
+    assert verdict.message.startswith("nightly cannot judge: recipe marin-535b-a23b tracks no metric of the stages")
+
+
+def test_a_recipe_says_which_way_a_tracked_metric_is_worse(tmp_path: Path) -> None:
+    """`worse: higher` for a loss was refused as an unknown key, so every tracked metric was "either"
+    and a deliberate improvement failed every later nightly against the old baseline."""
+    import yaml
+
+    from orchestrator.recipes import load_recipe, resolve
+
+    data = yaml.safe_load(Path("recipes/marin-535b-a23b.yaml").read_text())
+    data["tracked_metrics"]["eval/code/loss"]["worse"] = "higher"
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(data))
+    tracked = {m.name: m for m in resolve(load_recipe(path), "tiny", validate=False).tracked_metrics}
+    assert tracked["eval/code/loss"].worse == "higher" and tracked["eval/prose/loss"].worse == "either"
+    (tol,) = [t for t in parse_tolerances(tracked.values()) if t.metric == "eval/code/loss"]
+    assert not check_metric(tol, 3.0, 2.5).regressed and check_metric(tol, 3.0, 3.5).regressed
+    data["tracked_metrics"]["eval/code/loss"]["worse"] = "up"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="worse"):
+        resolve(load_recipe(path), "tiny", validate=False)
