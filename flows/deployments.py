@@ -101,13 +101,21 @@ def nightly_cron(
     cron = str(override or settings.section("prefect").get(key) or default).strip()
     from prefect.client.schemas.schedules import CronSchedule
 
+    what = f"invalid {'nightly ' if 'nightly' in key else ''}cron {cron!r} ([prefect] {key})"
+    fields = cron.split()
+    if not (len(fields) == 5 or (len(fields) == 1 and cron.startswith("@"))):
+        # Prefect takes a sixth field as seconds: "0 2 * * * *" ran 60 times in the minute after 02:00
+        raise ConfigError(f"{what}: use five fields, e.g. '0 2 * * *' (02:00 daily), or an alias such as @daily")
     try:
         CronSchedule(cron=cron, timezone=DEFAULT_NIGHTLY_TIMEZONE)
     except ValueError:
-        raise ConfigError(
-            f"invalid {'nightly ' if 'nightly' in key else ''}cron {cron!r} ([prefect] {key}): use five fields, "
-            "e.g. '0 2 * * *' (02:00 daily)"
-        ) from None
+        raise ConfigError(f"{what}: use five fields, e.g. '0 2 * * *' (02:00 daily)") from None
+    from prefect._vendor.croniter import CroniterBadDateError, croniter  # the cron reader Prefect schedules with
+
+    try:  # "0 2 31 2 *" parses, and never comes: Prefect's scheduler then raised, and no nightly ran
+        croniter(cron, dt.datetime.now(dt.UTC), max_years_between_matches=1).get_next(dt.datetime)
+    except CroniterBadDateError:
+        raise ConfigError(f"{what}: no date within a year matches it (February 31?); give one that comes") from None
     return cron
 
 

@@ -260,6 +260,12 @@ def test_prefect_database_and_cron_come_from_openlab_settings(tmp_path: Path) ->
     assert nightly_cron(load_settings(environ=set_drops), **drops) == "30 5 * * *"
     with pytest.raises(ConfigError, match=r"invalid nightly cron 'weekly' \(\[prefect\] nightly_drops_cron\)"):
         nightly_cron(load_settings(environ={**env, "OPENLAB_PREFECT__NIGHTLY_DROPS_CRON": "weekly"}), **drops)
+    # a sixth field is seconds to Prefect (60 runs in the minute after 02:00); February 31 never comes
+    with pytest.raises(ConfigError, match=r"'0 2 \* \* \* \*' \(\[prefect\] nightly_cron\): use five fields"):
+        nightly_cron(load_settings(environ=env), "0 2 * * * *")
+    with pytest.raises(ConfigError, match="no date within a year matches it"):
+        nightly_cron(load_settings(environ=env), "0 2 31 2 *")
+    assert nightly_cron(load_settings(environ=env), "@daily") == "@daily"
 
 
 def test_the_reapers_passes_keep_their_times_across_server_starts(tmp_path: Path) -> None:
