@@ -38,7 +38,7 @@ from orchestrator.lineage.models import GithubIssue, PipelineRun
 from orchestrator.lineage.store import LineageStore
 from orchestrator.links.github import GithubLinker, _Failure
 from orchestrator.links.refs import IssueRef
-from orchestrator.nightly import Verdict, short_commit
+from orchestrator.nightly import Verdict, asked_ref, short_commit
 from orchestrator.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -47,9 +47,31 @@ log = logging.getLogger(__name__)
 ACTION = "regression"
 
 
-def regression_marker(recipe: str | None, replica: str | None) -> str:
-    """The hidden line that names a regression issue's recipe and replica."""
-    return f"<!-- openlab:regression={recipe or '-'}/{replica or '-'} -->"
+def regression_marker(
+    recipe: str | None, replica: str | None, backend: str | None = None, ref: str | None = None
+) -> str:
+    """The hidden line that names a regression issue's nightly: its recipe and replica, and the backend
+    and git ref it runs on, as its baseline is kept (:func:`orchestrator.nightly.previous_nightly`).
+    Without the last two, a nightly run from the UI on a fix branch, passing against its own baseline,
+    commented "passed again" on main's issue and closed it while main was still red. ``backend`` and
+    ``ref`` left out: the marker issues had before they were named, still read (:func:`_find_open`)."""
+    where = f" on {backend or '-'} at {ref}" if ref is not None else ""
+    return f"<!-- openlab:regression={recipe or '-'}/{replica or '-'}{where} -->"
+
+
+def _marker_of(run: PipelineRun) -> str:
+    return regression_marker(run.recipe, run.replica, run.backend, asked_ref(run))
+
+
+def _find_open(open_issues: list[Any], run: PipelineRun) -> Any:
+    """The open regression issue of ``run``'s nightly: by its own marker, else (an issue opened before
+    markers named the backend and ref) by the recipe and replica alone, for the nightly of main."""
+    marker = _marker_of(run)
+    found = next((i for i in open_issues if marker in (i.body or "")), None)
+    if found is None and asked_ref(run) in ("main", "HEAD"):
+        legacy = regression_marker(run.recipe, run.replica)
+        found = next((i for i in open_issues if legacy in (i.body or "")), None)
+    return found
 
 
 def run_marker(pipeline_run_id: str) -> str:
@@ -105,7 +127,9 @@ def _table(verdict: Verdict) -> list[str]:
 
 def issue_title(run: PipelineRun, verdict: Verdict) -> str:
     metrics = ", ".join(c.metric for c in verdict.regressions) or "tracked metrics"
-    return f"Nightly regression: {run.recipe}/{run.replica}: {metrics}"[:250]
+    ref = asked_ref(run)
+    branch = f" (at {ref})" if ref not in ("main", "HEAD") else ""  # not main's: said where it is seen first
+    return f"Nightly regression: {run.recipe}/{run.replica}{branch}: {metrics}"[:250]
 
 
 def issue_body(linker: GithubLinker, repo: str, run: PipelineRun, verdict: Verdict) -> str:
@@ -117,9 +141,10 @@ def issue_body(linker: GithubLinker, repo: str, run: PipelineRun, verdict: Verdi
         else "the first nightly of this recipe and replica, with tracked metrics missing"
     )
     lines = [
-        regression_marker(run.recipe, run.replica),
+        _marker_of(run),
         run_marker(run.id),
-        f"The nightly **{run.recipe}/{run.replica}** regressed at commit `{short_commit(verdict.commit)}` "
+        f"The nightly **{run.recipe}/{run.replica}** on {run.backend or 'its backend'} at `{asked_ref(run)}` "
+        f"regressed at commit `{short_commit(verdict.commit)}` "
         f"(pipeline run `{run.id}`), {against}.",
         "",
         *_table(verdict),
@@ -200,9 +225,8 @@ def _report(
     if not linker.has_token:
         raise linker._missing_token()
     gh_repo = linker.client().get_repo(repo)
-    marker = regression_marker(run.recipe, run.replica)
     open_issues = linker._call(where, lambda: list(gh_repo.get_issues(state="open", labels=[label])))
-    issue = next((i for i in open_issues if marker in (i.body or "")), None)
+    issue = _find_open(open_issues, run)
     if issue is None and verdict.passed:
         return RegressionReport("none")
     if issue is None:

@@ -22,9 +22,13 @@ from tests.links.links_fakes import TOKEN, FakeGitHub
 GOOD, BAD, WORSE, FIXED = "a" * 40, "b" * 40, "c" * 40, "d" * 40
 
 
-def _nightly(store: LineageStore, sha: str, loss: float, minutes: int) -> PipelineRun:
-    """A finished nightly at ``sha`` whose eval loss is ``loss``, judged (and recorded) as the flow does."""
+def _nightly(store: LineageStore, sha: str, loss: float, minutes: int, ref: str | None = None) -> PipelineRun:
+    """A finished nightly at ``sha`` whose eval loss is ``loss``, judged (and recorded) as the flow does;
+    ``ref``: run from the UI on that git ref, as the nightly's form allows."""
     run = plant_run(store, sha, loss, 0.03, minutes=minutes)
+    if ref is not None:
+        with store.transaction() as tx:
+            tx.update(run, params={"prefect": {"git_ref": ref}})
     evaluate_nightly(store, run.id, TOLERANCES)
     return store.require(PipelineRun, run.id)
 
@@ -45,7 +49,7 @@ def test_a_regression_opens_one_issue_that_the_next_good_nightly_closes(
     (issue,) = _regression_issues(fake_github)
     assert issue["title"] == "Nightly regression: marin-535b-a23b/tiny: eval/loss"
     body = issue["body"]
-    assert regression_marker("marin-535b-a23b", "tiny") in body
+    assert regression_marker("marin-535b-a23b", "tiny", None, "HEAD") in body
     assert "| `eval/loss` ❌ | 2.0 | 2.3 |" in body
     assert f"{fake_github.web}/lab/exp/compare/{GOOD[:12]}...{BAD[:12]}" in body
     command = f"openlab lineage diff {baseline.id} {bad.id} -m eval/loss"
@@ -94,6 +98,34 @@ def test_a_regression_opens_one_issue_that_the_next_good_nightly_closes(
     # a new regression after the close is a new issue
     again = report_verdict(store, _nightly(store, BAD, 2.5, 5).id)
     assert again.action == "opened" and again.issue_id == "lab/exp#9"
+
+
+def test_a_branchs_nightly_passing_leaves_mains_regression_issue_open(
+    fake_github: FakeGitHub, store: LineageStore
+) -> None:
+    """Baselines are kept per backend and git ref; the regression issue was kept per recipe and replica.
+    A nightly run from the UI on a fix branch, passing against its own baseline, commented "passed
+    again" on main's issue and closed it while main was still red."""
+    _nightly(store, GOOD, 2.0, 0)
+    main_run = _nightly(store, BAD, 2.3, 1)
+    main_red = report_verdict(store, main_run.id)
+    assert main_red.action == "opened" and main_red.issue_id == "lab/exp#8"
+    assert report_verdict(store, _nightly(store, FIXED, 2.3, 2, ref="fix-drops").id).action == "none", "its baseline"
+    assert report_verdict(store, _nightly(store, FIXED, 2.31, 3, ref="fix-drops").id).action == "none"
+    (issue,) = _regression_issues(fake_github)
+    assert issue["state"] == "open" and fake_github.comments_on("lab/exp", 8) == []
+    branch_run = _nightly(store, WORSE, 2.6, 4, ref="fix-drops")
+    branch_red = report_verdict(store, branch_run.id)
+    assert branch_red.action == "opened" and branch_red.issue_id == "lab/exp#9", "its own issue, not main's"
+    titles = {i["number"]: i["title"] for i in _regression_issues(fake_github)}
+    assert titles[9] == "Nightly regression: marin-535b-a23b/tiny (at fix-drops): eval/loss", titles
+    # an issue opened before markers named the backend and ref is still main's nightly's, not a branch's
+    from types import SimpleNamespace
+
+    from orchestrator.links.regressions import _find_open
+
+    legacy = SimpleNamespace(body=regression_marker("marin-535b-a23b", "tiny"))
+    assert _find_open([legacy], main_run) is legacy and _find_open([legacy], branch_run) is None
 
 
 def test_another_replicas_open_issue_is_not_this_ones(fake_github: FakeGitHub, store: LineageStore) -> None:
