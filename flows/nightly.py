@@ -137,6 +137,7 @@ def nightly_replica(
     from orchestrator.lineage.store import LineageStore
     from orchestrator.nightly import NightlyRegression
     from orchestrator.pipeline.dag import REPO_ROOT
+    from orchestrator.pipeline.execute import StageCancelled, StageFailed
 
     try:
         # main as the remote has it now, not as this server's checkout last pulled it
@@ -159,9 +160,39 @@ def nightly_replica(
         verdict = nightly_verdict.with_options(tags=tags)(summary["pipeline_run_id"], summary["recipe_path"], replica)
     except NightlyRegression as exc:  # the verdict task logged it at ERROR: the flow run fails with that line
         return failed_run(exc, logged=True)
-    except OpenlabError as exc:  # a stage's failure, a mistyped replica: one line, no traceback
+    except StageCancelled as exc:  # stopped on purpose: no verdict
+        return failed_run(exc)
+    except StageFailed as exc:  # the pipeline ran and failed: a verdict all the same, so it pages someone
+        _verdict_of_failure(exc)
+        return failed_run(exc)
+    except OpenlabError as exc:  # a mistyped replica, a recipe that does not resolve: one line, no traceback
         return failed_run(exc)
     return {**summary, "verdict": verdict}
+
+
+def _verdict_of_failure(exc: Any) -> None:
+    """Record the regressed verdict of a nightly whose stage failed (:func:`orchestrator.nightly.failed_nightly`),
+    then report it as any verdict: the event an Automation pages on, the regression issue, the commit status."""
+    from orchestrator.lineage.models import StageRun
+    from orchestrator.lineage.store import LineageStore
+    from orchestrator.nightly import failed_nightly
+
+    logger = get_run_logger()
+    stage_run_id = getattr(getattr(exc, "result", None), "stage_run_id", None)
+    try:
+        with LineageStore.open() as store:
+            stage_run = store.get(StageRun, stage_run_id) if stage_run_id else None
+            if stage_run is None or not stage_run.pipeline_run_id:
+                return
+            verdict = failed_nightly(store, stage_run.pipeline_run_id, str(exc))
+    except Exception as failure:  # noqa: BLE001 - the run's failure is recorded already; this only reports it
+        logger.warning("could not record the failed nightly's verdict: %s", failure)
+        return
+    issue_url = _report_on_github(verdict.pipeline_run_id)
+    payload = verdict.to_dict()
+    if issue_url:
+        payload["regression_issue"] = issue_url
+    events.nightly_verdict(verdict.pipeline_run_id, payload)
 
 
 __all__ = ["nightly_replica", "nightly_verdict"]

@@ -274,6 +274,29 @@ def evaluate_nightly(
     return verdict
 
 
+def failed_nightly(store: LineageStore, pipeline_run_id: str, error: str, *, record: bool = True) -> Verdict:
+    """The verdict of a nightly whose pipeline failed before it could be judged (a stage diverged
+    and crashed, a job ran out of memory): regressed, naming the failure, and recorded as any
+    verdict is, so the event, the regression issue and the commit's status say it too. Without it
+    the worst regression, a training that no longer finishes, paged nobody. Never a baseline."""
+    run = store.get(PipelineRun, pipeline_run_id)
+    if run is None:
+        raise NotFoundError(f"no pipeline run {pipeline_run_id!r}")
+    commit = pipeline_commit(store, run)
+    verdict = Verdict(
+        status="regressed",
+        pipeline_run_id=run.id,
+        commit=commit,
+        message=(
+            f"nightly failed before its verdict: {error} (run {run.id} at commit {short_commit(commit)}; "
+            "no tracked metric was compared)"
+        ),
+    )
+    if record:
+        record_verdict(store, run.id, verdict)
+    return verdict
+
+
 def raise_for_verdict(verdict: Verdict) -> Verdict:
     """Raise :class:`NightlyRegression` for a regressed verdict; return it otherwise."""
     if not verdict.passed:
@@ -290,6 +313,7 @@ __all__ = [
     "check_metric",
     "compare_metrics",
     "evaluate_nightly",
+    "failed_nightly",
     "parse_tolerances",
     "pipeline_commit",
     "pipeline_metrics",

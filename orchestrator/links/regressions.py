@@ -126,7 +126,7 @@ def _table(verdict: Verdict) -> list[str]:
 
 
 def issue_title(run: PipelineRun, verdict: Verdict) -> str:
-    metrics = ", ".join(c.metric for c in verdict.regressions) or "tracked metrics"
+    metrics = ", ".join(c.metric for c in verdict.regressions) or ("tracked metrics" if verdict.checks else "failed")
     ref = asked_ref(run)
     branch = f" (at {ref})" if ref not in ("main", "HEAD") else ""  # not main's: said where it is seen first
     return f"Nightly regression: {run.recipe}/{run.replica}{branch}: {metrics}"[:250]

@@ -330,3 +330,19 @@ def test_a_recipe_says_which_way_a_tracked_metric_is_worse(tmp_path: Path) -> No
     path.write_text(yaml.safe_dump(data))
     with pytest.raises(ConfigError, match="worse"):
         resolve(load_recipe(path), "tiny", validate=False)
+
+
+def test_a_nightly_whose_stage_failed_is_a_regressed_verdict_and_never_a_baseline(store: LineageStore) -> None:
+    """A training that diverged and crashed recorded no verdict: no event to page on, no regression
+    issue, no commit status; the worst regression said nothing."""
+    from orchestrator.nightly import failed_nightly
+
+    base = plant_run(store, "a" * 40, 3.0, 0.10, minutes=0)
+    evaluate_nightly(store, base.id, TOLERANCES)
+    crashed = plant_run(store, "b" * 40, 3.0, 0.10, minutes=1440, state="FAILED")
+    verdict = failed_nightly(store, crashed.id, "stage pretrain failed: exit code 1: loss is NaN")
+    assert verdict.status == "regressed" and not verdict.passed and verdict.checks == []
+    assert verdict.message.startswith("nightly failed before its verdict: stage pretrain failed: exit code 1")
+    assert store.require(PipelineRun, crashed.id).verdict["status"] == "regressed"  # recorded
+    later = plant_run(store, "c" * 40, 3.0, 0.10, minutes=2880)
+    assert evaluate_nightly(store, later.id, TOLERANCES).previous_run_id == base.id, "judged against the last good"

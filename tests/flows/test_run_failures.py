@@ -97,3 +97,28 @@ def test_a_stage_whose_job_refused_its_config_fails_once_in_one_line_and_is_not_
         (stage,) = store.list(StageRun, stage="pretrain")
         assert stage.state == "FAILED"
         assert [(a.state, a.exit_code) for a in store.list(Attempt, stage_run_id=stage.id)] == [("FAILED", 2)]
+
+
+def test_a_nightly_whose_stage_failed_records_a_regressed_verdict_naming_the_failure(
+    prefect_server: PrefectServer, openlab_home: Path, tmp_path: Path
+) -> None:
+    """A training that no longer finishes is the worst regression a nightly can find, and it recorded
+    no verdict: no `openlab.nightly.regressed` event to page on, no regression issue, no commit status."""
+    import yaml
+
+    from flows.nightly import nightly_replica
+    from orchestrator.lineage import PipelineRun
+    from orchestrator.pipeline.dag import REPO_ROOT
+
+    data = yaml.safe_load((REPO_ROOT / "recipes" / "marin-535b-a23b.yaml").read_text())
+    data["data"]["domains"]["code"] = f"path:{tmp_path}/gone/**/*.py"  # the corpus moved away: the data stage fails
+    recipe = tmp_path / "marin-535b-a23b.yaml"
+    recipe.write_text(yaml.safe_dump(data))
+    state = nightly_replica(recipe=str(recipe), replica="tiny", backend="local", git_ref="HEAD", return_state=True)
+    assert state.is_failed() and "stage data failed" in state.message, state.message
+    with LineageStore.open() as store:
+        (run,) = store.list(PipelineRun)
+    assert run.state == "FAILED" and run.verdict is not None, run
+    assert run.verdict["status"] == "regressed", run.verdict
+    assert run.verdict["message"].startswith("nightly failed before its verdict: stage data failed: "), run.verdict
+    assert "matched no files" in run.verdict["message"]

@@ -128,6 +128,20 @@ def test_a_branchs_nightly_passing_leaves_mains_regression_issue_open(
     assert _find_open([legacy], main_run) is legacy and _find_open([legacy], branch_run) is None
 
 
+def test_a_nightly_that_failed_opens_the_issue_naming_the_failure(fake_github: FakeGitHub, store: LineageStore) -> None:
+    from orchestrator.nightly import failed_nightly
+
+    _nightly(store, GOOD, 2.0, 0)
+    crashed = plant_run(store, BAD, 2.0, 0.03, minutes=1, state="FAILED")
+    failed_nightly(store, crashed.id, "stage pretrain failed: exit code 1: loss is NaN")
+    opened = report_verdict(store, crashed.id)
+    assert opened.action == "opened", opened
+    (issue,) = _regression_issues(fake_github)
+    assert issue["title"] == "Nightly regression: marin-535b-a23b/tiny: failed"
+    assert "nightly failed before its verdict: stage pretrain failed: exit code 1: loss is NaN" in issue["body"]
+    assert report_verdict(store, _nightly(store, FIXED, 2.01, 2).id).action == "closed", "the next good one closes it"
+
+
 def test_another_replicas_open_issue_is_not_this_ones(fake_github: FakeGitHub, store: LineageStore) -> None:
     fake_github.add_issue(
         "lab/exp", 8, "Nightly regression: x/y", labels=["openlab:regression"], body=regression_marker("x", "y")
