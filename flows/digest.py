@@ -48,13 +48,18 @@ def github_digest(
     """
     from prefect.artifacts import create_markdown_artifact
 
+    from flows.pipeline import failed_run
     from orchestrator.cards import md_cell
+    from orchestrator.errors import OpenlabError
     from orchestrator.lineage.store import LineageStore
     from orchestrator.links.digest import digest_summary, post_digests
 
     logger = get_run_logger()
-    with LineageStore.open() as store:
-        report = post_digests(store, since=since, issues=issues or (), dry_run=dry_run)
+    try:  # "7 days" for since, a malformed issue: one line naming the field, not a traceback
+        with LineageStore.open() as store:
+            report = post_digests(store, since=since, issues=issues or (), dry_run=dry_run)
+    except OpenlabError as exc:
+        return failed_run(exc)
     for digest in report.digests:
         (logger.warning if digest.outcome in ("queued", "failed") else logger.info)(digest.line())
     for line in report.quiet_lines():
@@ -81,9 +86,6 @@ def github_digest(
     create_markdown_artifact(key="github-digest", markdown="\n".join(markdown), description=headline)
     failed = [d for d in report.digests if d.outcome == "failed"]
     if failed:  # GitHub refused them for good (no right to comment, a locked issue): one line, not a traceback
-        from flows.pipeline import failed_run
-        from orchestrator.errors import OpenlabError
-
         said = "; ".join(f"{d.issue_id}: {d.error}" for d in failed)
         return failed_run(OpenlabError(f"{len(failed)} digest(s) not posted: {said}"))
     return {**report.to_dict(), "digests": [d.to_dict(body=False) for d in report.digests]}

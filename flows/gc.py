@@ -69,37 +69,55 @@ def collect_outputs(
     from prefect.artifacts import create_markdown_artifact
     from rich.filesize import decimal
 
+    from flows.pipeline import failed_run
     from orchestrator.cards import md_cell
-    from orchestrator.lineage.listing import parse_when
+    from orchestrator.errors import ConfigError, OpenlabError
+    from orchestrator.lineage.listing import RecordFilter, parse_when, refuse_unknown_names
     from orchestrator.lineage.store import LineageStore
     from orchestrator.pipeline.gc import collect, plan_gc
     from orchestrator.settings import load_settings
 
     logger = get_run_logger()
     settings = load_settings()
+    try:  # the form's fields, checked as `openlab gc` checks its options: one line, not a traceback
+        if keep < 0:
+            raise ConfigError(f"keep {keep}: give 0 or more completed runs to keep")
+        used_since = parse_when(unused_for)
+        failed_used_since = parse_when(failed_unused_for) if include_failed else None
+        with LineageStore.open(settings) as store:  # a misspelt stage would plan "0 to delete"
+            refuse_unknown_names(store, RecordFilter(stage=tuple(stages or ()), recipe=recipe, replica=replica))
+    except OpenlabError as exc:
+        return failed_run(exc)
     with LineageStore.open(settings) as store:
         plan = plan_gc(
             store,
             settings,
             keep_last=keep,
-            used_since=parse_when(unused_for),
+            used_since=used_since,
             stages=stages,
             recipe=recipe,
             replica=replica,
             keep_unsynced_wandb=not include_unsynced_wandb,
             include_failed=include_failed,
-            failed_used_since=parse_when(failed_unused_for) if include_failed else None,
+            failed_used_since=failed_used_since,
         )
         removable = plan.removable
         if not dry_run and removable:
             for out in collect(store, settings, plan):
                 line = f"{out.stage} {out.identity[:16]} ({decimal(out.bytes)}): {out.outcome}"
                 (logger.info if out.outcome == "removed" else logger.warning)(line)
-    from flows.gitref import prune_worktrees, stale_worktrees
+    from flows.gitref import prune_worktrees, running_commits, stale_worktrees
     from orchestrator.pipeline.dag import REPO_ROOT
 
-    used_since = parse_when(unused_for)  # each nightly on a new commit checked out a whole worktree of it
-    worktrees = stale_worktrees(settings, used_since) if dry_run else prune_worktrees(REPO_ROOT, settings, used_since)
+    # each nightly on a new commit checked out a whole worktree of it
+    with LineageStore.open(settings) as store:
+        in_use = running_commits(store)  # a run longer than unused_for still runs from its checkout
+    if stages or recipe or replica:  # checkouts belong to no stage, recipe or replica: as `openlab gc` does
+        worktrees: list[Any] = []
+    elif dry_run:
+        worktrees = stale_worktrees(settings, used_since, in_use)
+    else:
+        worktrees = prune_worktrees(REPO_ROOT, settings, used_since, in_use)
     verb = "would remove" if dry_run else "removed"
     if worktrees:
         logger.info("%s %d git worktree(s) of commits no run used since %s", verb, len(worktrees), unused_for)
@@ -126,9 +144,6 @@ def collect_outputs(
     )
     failed = [o for o in removable if o.failed]
     if failed:  # said in one line, as every openlab failure of a run is (flows.pipeline.failed_run)
-        from flows.pipeline import failed_run
-        from orchestrator.errors import OpenlabError
-
         said = "; ".join(o.outcome or "" for o in failed)
         return failed_run(OpenlabError(f"{len(failed)} output folder(s) could not be removed: {said}"))
     return {"dry_run": dry_run, **plan.to_dict()}

@@ -17,6 +17,7 @@ import logging
 import re
 import shutil
 import subprocess
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -99,13 +100,30 @@ def checkout_ref(repo: Path, ref: str | None, settings: Settings) -> Path:
     return path
 
 
-def stale_worktrees(settings: Settings, unused_since: dt.datetime) -> list[Path]:
+def running_commits(store: Any) -> set[str]:
+    """The commits of pipeline runs not yet ended: a run checks its worktree out once, at its start, so
+    a run longer than gc's ``unused_for`` had its checkout removed from under it."""
+    from sqlmodel import col
+
+    from orchestrator.lineage.diff import commit_of
+    from orchestrator.lineage.models import PipelineRun
+
+    shas: set[str] = set()
+    for run in store.list(PipelineRun, where=[col(PipelineRun.state).in_(("PENDING", "RUNNING"))]):
+        found = commit_of(store, run)
+        if found is not None and found.sha:
+            shas.add(found.sha)
+    return shas
+
+
+def stale_worktrees(settings: Settings, unused_since: dt.datetime, in_use: Collection[str] = ()) -> list[Path]:
     """The commit worktrees (``$OPENLAB_HOME/worktrees/<sha>``) no run has checked out since
-    ``unused_since``: each run of a ref takes the checkout's lock, whose file's time is its last use."""
+    ``unused_since``: each run of a ref takes the checkout's lock, whose file's time is its last use;
+    those of ``in_use`` commits (:func:`running_commits`) are not stale, however long ago."""
     root = settings.home / "worktrees"
     stale = []
     for path in sorted(root.glob("*")) if root.is_dir() else []:
-        if not path.is_dir() or not re.fullmatch(r"[0-9a-f]{40}", path.name):
+        if not path.is_dir() or not re.fullmatch(r"[0-9a-f]{40}", path.name) or path.name in in_use:
             continue
         lock = root / f"{path.name}.lock"
         used = (lock if lock.exists() else path).stat().st_mtime
@@ -114,12 +132,14 @@ def stale_worktrees(settings: Settings, unused_since: dt.datetime) -> list[Path]
     return stale
 
 
-def prune_worktrees(repo: Path, settings: Settings, unused_since: dt.datetime) -> list[Path]:
+def prune_worktrees(
+    repo: Path, settings: Settings, unused_since: dt.datetime, in_use: Collection[str] = ()
+) -> list[Path]:
     """Remove :func:`stale_worktrees`, each as ``git worktree remove`` does (the repository's list of
     worktrees too): each nightly on a new commit added a whole checkout, for good. One a run holds
     now (its lock taken) is left. Returns those removed."""
     removed = []
-    for path in stale_worktrees(settings, unused_since):
+    for path in stale_worktrees(settings, unused_since, in_use):
         lock = path.parent / f"{path.name}.lock"
         with lock.open("a") as fh:
             try:
@@ -138,4 +158,4 @@ def prune_worktrees(repo: Path, settings: Settings, unused_since: dt.datetime) -
     return removed
 
 
-__all__ = ["checkout_ref", "latest_ref", "prune_worktrees", "resolve_ref", "stale_worktrees"]
+__all__ = ["checkout_ref", "latest_ref", "prune_worktrees", "resolve_ref", "running_commits", "stale_worktrees"]

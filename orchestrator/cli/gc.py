@@ -104,11 +104,12 @@ def gc_cmd(
     # the checkouts runs of a git ref made ($OPENLAB_HOME/worktrees/<sha>): a cache of commits, made
     # again when asked. They belong to no stage, recipe or replica, so a gc narrowed to some leaves
     # them; otherwise they are asked about with the outputs (they were removed without --yes).
-    from flows.gitref import prune_worktrees, stale_worktrees
+    from flows.gitref import prune_worktrees, running_commits, stale_worktrees
     from orchestrator.pipeline.dag import REPO_ROOT
 
     narrowed = bool(stage or recipe or replica)
-    worktrees = [] if narrowed else stale_worktrees(settings, used_since)
+    in_use = running_commits(store)
+    worktrees = [] if narrowed else stale_worktrees(settings, used_since, in_use)
     what = f"{len(removable)} output folder(s)" + (f" and {len(worktrees)} git worktree(s)" if worktrees else "")
     if not dry_run and (removable or worktrees) and not yes:
         if not sys.stdin.isatty():
@@ -123,7 +124,7 @@ def gc_cmd(
     elif not json_out:
         _print_plan(plan)
     if worktrees and not dry_run:
-        worktrees = prune_worktrees(REPO_ROOT, settings, used_since)
+        worktrees = prune_worktrees(REPO_ROOT, settings, used_since, in_use)
     if not json_out:
         _print_worktrees(worktrees, "would remove" if dry_run else "removed")
     if dry_run or not removable:

@@ -170,3 +170,18 @@ def test_worktrees_no_run_used_since_are_removed_and_one_in_use_is_kept(tmp_path
     with (old.parent / f"{old.name}.lock").open("a") as held:  # a run checking it out right now
         fcntl.flock(held, fcntl.LOCK_EX)
         assert prune_worktrees(repo, settings, week_ago) == [] and old.exists()
+
+    # a run still going, started from that checkout eight days ago (a long training): its commit is in use
+    from flows.gitref import running_commits
+    from orchestrator.lineage import Commit, LineageStore, PipelineRun
+
+    with LineageStore(f"sqlite:///{tmp_path / 'lineage.db'}") as store:
+        with store.transaction() as tx:
+            run = tx.add(PipelineRun(recipe="r", replica="tiny", state="RUNNING"))
+            tx.relate("wasAssociatedWith", run, tx.add(Commit(id=shas[0], sha=shas[0])), role="code")
+            done = tx.add(PipelineRun(recipe="r", replica="tiny", state="COMPLETED"))
+            tx.relate("wasAssociatedWith", done, tx.add(Commit(id=shas[1], sha=shas[1])), role="code")
+        in_use = running_commits(store)
+    assert in_use == {shas[0]}
+    assert stale_worktrees(settings, week_ago, in_use) == [] and prune_worktrees(repo, settings, week_ago, in_use) == []
+    assert old.exists()

@@ -65,6 +65,25 @@ def test_a_bad_sweep_grid_fails_the_run_with_one_line_and_no_traceback(
     assert "grid data.max_bytes: no such recipe field" in state.message, state.message
 
 
+def test_the_gc_and_digest_forms_bad_fields_fail_the_run_with_one_line_and_no_traceback(
+    prefect_server: PrefectServer, openlab_home: Path
+) -> None:
+    """`unused_for = "7 days"` in the gc form, `since = "yesterday"` in the digest's: a traceback of
+    Prefect's frames, where `openlab gc` and `openlab github digest` say one line."""
+    from flows.digest import github_digest
+    from flows.gc import collect_outputs
+
+    state = collect_outputs(unused_for="7 days", return_state=True)
+    assert_one_error_line(state)
+    assert "cannot read '7 days'" in state.message, state.message
+    negative = collect_outputs(keep=-1, return_state=True)
+    assert_one_error_line(negative)
+    assert negative.message.startswith("keep -1: give 0 or more"), negative.message
+    digest = github_digest(since="yesterday", dry_run=True, return_state=True)
+    assert_one_error_line(digest)
+    assert "cannot read 'yesterday'" in digest.message, digest.message
+
+
 def test_a_stage_whose_job_refused_its_config_fails_once_in_one_line_and_is_not_retried(
     prefect_server: PrefectServer, openlab_home: Path
 ) -> None:
