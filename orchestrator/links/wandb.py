@@ -521,12 +521,16 @@ def sync_offline_runs(
             cmd += ["-e", run.entity]
         proc = runner([*cmd, *map(str, dirs)])
         output = f"{proc.stdout or ''}\n{proc.stderr or ''}"
-        if proc.returncode != 0 or "Not authenticated" in output:
-            lines = [ln for ln in output.strip().splitlines() if ln.strip()]
-            failures.append(f"{run.id}: wandb sync failed: {lines[-1] if lines else f'exit {proc.returncode}'}")
+        # wandb (0.30 on) prints an upload's errors (a run deleted on the server, a project the key may
+        # not write) and exits 0; only its own mark beside each run's .wandb file, written once the upload
+        # went through, says it did. openlab wrote that mark itself after any exit 0, recorded the run
+        # synced, and gc then deleted the only copy of a run that never reached W&B.
+        if proc.returncode != 0 or "Not authenticated" in output or not all(is_synced(d) for d in dirs):
+            lines = [ln.strip() for ln in output.strip().splitlines() if ln.strip()]
+            said = next((ln for ln in reversed(lines) if "error" in ln.lower()), lines[-1] if lines else None)
+            unmarked = "" if proc.returncode else " (wandb marked no upload as done)"
+            failures.append(f"{run.id}: wandb sync failed: {said or f'exit {proc.returncode}'}{unmarked}")
             continue
-        for d in dirs:  # wandb's own mark (`wandb sync` skips, `wandb sync --clean` deletes, such a run)
-            (d / f"run-{run.run_id}{SYNCED_SUFFIX}").touch()
         m = _URL_IN_OUTPUT.search(output)
         url = m.group(0) if m else None
         if url is None and run.entity:

@@ -296,8 +296,11 @@ def test_sync_uploads_every_attempt_and_records_the_url(job_out, store, stage, t
     record_wandb_run(store, stage, out)
     calls: list[list[str]] = []
 
-    def fake_wandb(cmd):
+    def fake_wandb(cmd):  # as wandb 0.31's sync does it: each run's mark beside its .wandb file, once uploaded
         calls.append(list(cmd))
+        for run_dir in cmd[8:]:
+            for log in Path(run_dir).glob("run-*.wandb"):
+                log.with_suffix(".wandb.synced").touch()
         url = f"https://wandb.ai/lab/openlab-moe/runs/{first['id']}"
         return subprocess.CompletedProcess(cmd, 0, stdout=f"Syncing: {url} ... done.\n", stderr="")
 
@@ -332,3 +335,13 @@ def test_sync_failure_is_reported(job_out, store, stage) -> None:
     with pytest.raises(WandbLinkError, match="wandb sync failed: wandb: ERROR permission denied"):
         sync_offline_runs(store, runner=failing, environ={"WANDB_API_KEY": "k"})
     assert store.list(WandbRun)[0].mode == "offline"
+
+    # wandb 0.31 prints an upload's error and exits 0, writing no mark: not synced, and gc keeps its folder
+    def refused(cmd):
+        said = "wandb: ERROR run lab/openlab-moe/abc was previously created and deleted; try a new run name\n"
+        return subprocess.CompletedProcess(cmd, 0, stdout="Syncing 1 run(s):\n", stderr=said)
+
+    with pytest.raises(WandbLinkError, match="was previously created and deleted; try a new run name"):
+        sync_offline_runs(store, runner=refused, environ={"WANDB_API_KEY": "k"})
+    assert store.list(WandbRun)[0].mode == "offline"
+    assert not any(is_synced(d) for d in find_run_dirs(out)), "no mark wandb did not write"
