@@ -27,7 +27,10 @@ def wandb_mode(environ: Mapping[str, str] | None = None) -> str:
     """
     env = os.environ if environ is None else environ
     forced = (env.get("WANDB_MODE") or "").strip().lower()
-    if forced in ("offline", "disabled", "online"):
+    # wandb's own older names: `dryrun` is offline and `run` online; passed as the mode, anything
+    # else was read as "online where a key is at hand" and beat the variable asking for offline
+    forced = {"dryrun": "offline", "run": "online"}.get(forced, forced)
+    if forced in ("offline", "disabled", "online", "shared"):
         return forced
     return "online" if wandb_logged_in(env) else "offline"
 
@@ -86,11 +89,23 @@ def init_run(
     Console capture is off: the launcher already keeps the job's stdout and stderr, and a
     second copy in W&B would send whatever a job prints to W&B's servers.
     """
+    import sys
+
     import wandb
 
     kwargs = init_kwargs(section, dir=dir, config=config)
     kwargs.setdefault("settings", wandb.Settings(silent=True, console="off"))
-    return wandb.init(**kwargs)
+    try:
+        return wandb.init(**kwargs)
+    except Exception as exc:  # noqa: BLE001 - W&B is optional: the stage trains without its servers
+        if kwargs.get("mode") not in ("online", "shared"):
+            raise
+        # W&B's servers refused or did not answer (a run of this id deleted in the UI, a project the key
+        # may not write, no network): the training failed with it, and every retry of the same run id
+        # again. The run goes on offline, its files kept for `openlab wandb sync`, which says why.
+        said = " ".join(str(exc).split())[:300]
+        sys.stderr.write(f"openlab: W&B did not start the run online ({said}); logging it offline instead\n")
+        return wandb.init(**{**kwargs, "mode": "offline"})
 
 
 __all__ = ["SECTION_KEYS", "init_kwargs", "init_run", "wandb_mode"]

@@ -170,6 +170,47 @@ def test_a_job_goes_online_where_the_user_logged_in_or_said_so(tmp_path: Path) -
     assert wandb_mode({"NETRC": nowhere, "WANDB_MODE": "online"}) == "online", "asked for: wandb says if it cannot"
     assert wandb_mode({"NETRC": str(netrc), "WANDB_MODE": "offline"}) == "offline"
     assert wandb_mode({"WANDB_API_KEY": "k" * 40, "WANDB_MODE": "disabled"}) == "disabled"
+    # wandb's older names: dryrun asked for offline, and a key at hand made it online
+    assert wandb_mode({"WANDB_API_KEY": "k" * 40, "WANDB_MODE": "dryrun"}) == "offline"
+    assert wandb_mode({"NETRC": nowhere, "WANDB_MODE": "run"}) == "online"
+
+
+REFUSED_ONLINE = r"""
+import json, sys, wandb
+real = wandb.init
+def refusing(**kwargs):  # W&B's servers, as they answer for a run id whose run was deleted in the UI
+    if kwargs.get("mode") == "online":
+        raise wandb.errors.CommError("run lab/openlab-moe/x was previously created and deleted; try a new run name")
+    return real(**kwargs)
+wandb.init = refusing
+from orchestrator.links.wandb_init import init_run
+section, out = json.loads(sys.argv[1]), sys.argv[2]
+run = init_run({**section, "mode": "online"}, dir=out)
+run.log({"loss": 3.0}, step=0)
+print(json.dumps({"id": run.id, "mode": run.settings.mode, "dir": run.dir}))
+run.finish()
+"""
+
+
+def test_a_run_w_and_b_refuses_online_trains_on_logging_offline(tmp_path: Path) -> None:
+    """A run of this stage's id deleted in the W&B UI, a project the key may not write, no network:
+    `wandb.init` raised, the stage failed, and every retry of the same run id failed again."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-c", REFUSED_ONLINE, json.dumps(_section()), str(out)],
+        env=_job_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ran = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert ran["mode"] == "offline" and Path(ran["dir"]).is_relative_to(out), ran
+    assert (
+        "openlab: W&B did not start the run online (run lab/openlab-moe/x was previously created and deleted; "
+        "try a new run name); logging it offline instead"
+    ) in proc.stderr
 
 
 @pytest.mark.parametrize("name", ["lab/moe", "moe#1", "a:b", "what?", "x" * 129, "", " moe"])
