@@ -527,12 +527,21 @@ class GithubLinker:
         return [i for i in found if i is not None]
 
     def render_body(self, pipeline_run_id: str) -> str:
-        """Marker plus card, cut to GitHub's size limit."""
+        """Marker plus card, cut to GitHub's size limit in the middle, at a line's end: the lineage
+        anchors are the card's last lines, and a cut that kept its first 65,000 characters dropped
+        them, so `lineage verify --github-anchors` found a card that "carries no lineage anchor"."""
         card = pipeline_card(self.store, pipeline_run_id, github_hosts=self.config.web_hosts)
         body = f"{marker(pipeline_run_id)}\n{card}"
-        if len(body) > MAX_BODY:
-            body = body[: MAX_BODY - 80] + "\n\n_card truncated; `openlab lineage show` has the rest_\n"
-        return body
+        if len(body) <= MAX_BODY:
+            return body
+        at = body.find("\n**Lineage anchor:**")
+        if at < 0:
+            at = body.find("\n**End anchor:**")
+        head, tail = (body[:at], body[at:]) if at >= 0 else (body, "")
+        note = "\n\n_card truncated; `openlab lineage show` has the rest_\n"
+        head = head[: MAX_BODY - len(tail) - len(note)]
+        line_end = head.rfind("\n")  # at a line's end, unless that line is most of the card (thousands of --set)
+        return (head[:line_end] if line_end > len(head) - 2000 else head) + note + tail
 
     def publish(self, pipeline_run_id: str, *, issue_id: str | None = None) -> list[GithubComment]:
         """Create or edit the run's card comment on each linked issue and set its state label.

@@ -168,7 +168,7 @@ def test_the_card_publishes_a_lineage_anchor_that_verify_reads_back_from_github(
     import json
 
     from orchestrator.cli.lineage import app as lineage_app
-    from orchestrator.lineage.verify import Anchor, anchor_of
+    from orchestrator.lineage.verify import Anchor, anchor_of, find_anchors
     from tests.core.forgery import rewrite_whole_log
 
     resolve_issue(store, ISSUE, pipeline)
@@ -180,6 +180,20 @@ def test_the_card_publishes_a_lineage_anchor_that_verify_reads_back_from_github(
     published = GithubLinker(store).published_anchors()
     assert published.anchors == [Anchor(anchor.seq, anchor.hash, str(rec.url))]
     assert published.unreadable == [] and published.without_anchor == []
+
+    # a card over GitHub's size limit (a sweep's thousands of values set) is cut in its middle: the
+    # anchors, its last lines, stay, where a cut keeping the first 65,000 characters dropped them
+    from orchestrator.lineage import PipelineRun
+    from orchestrator.links.github import MAX_BODY
+
+    many = {f"pretrain.layer_{i:05d}.scale": i for i in range(3000)}
+    with store.transaction() as tx:
+        run = tx.get(PipelineRun, pipeline.id) or pipeline
+        tx.update(run, params={**(run.params or {}), "recipe": {"run_set": many}})
+    long_card = GithubLinker(store).render_body(pipeline.id)
+    assert len(long_card) <= MAX_BODY and "pretrain.layer_00000.scale=0" in long_card
+    assert "\n\n_card truncated; `openlab lineage show` has the rest_\n\n**Lineage anchor:** " in long_card
+    assert [a.seq for a in find_anchors(long_card, where="card")] == [anchor.seq], long_card[-600:]
 
     runner = CliRunner()
     report = json.loads(runner.invoke(lineage_app, ["verify", "--github-anchors", "--json"]).stdout)
