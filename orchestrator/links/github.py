@@ -490,7 +490,7 @@ class GithubLinker:
         Failures: ``required`` raises :class:`GithubLinkError`; otherwise the issue is
         left unresolved with ``last_error`` and, when retrying can help, queued.
         """
-        ref = ref if isinstance(ref, IssueRef) else parse_issue_ref(ref, self.config.repo)
+        ref = ref if isinstance(ref, IssueRef) else parse_issue_ref(ref, self.config.repo, self.config.web_hosts[-1:])
         self._waited = 0.0
         record = self._ensure_issue(ref, pipeline_run)
         try:
@@ -809,7 +809,8 @@ def check_issue_option(ref: str, settings: Settings | None = None) -> IssueRef:
     """The experiment issue a run or sweep was asked to link, read before anything is recorded:
     a malformed reference (or ``#N`` without ``[github] repo``) is a typo to refuse in one line,
     not a FAILED run; whether the issue exists is for :func:`resolve_issue` once the run does."""
-    return parse_issue_ref(ref, GithubConfig.from_settings(settings).repo)
+    config = GithubConfig.from_settings(settings)
+    return parse_issue_ref(ref, config.repo, config.web_hosts[-1:])
 
 
 def resolve_issue(

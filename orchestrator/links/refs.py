@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from orchestrator.errors import OpenlabError
@@ -14,7 +15,7 @@ class GithubLinkError(OpenlabError):
 
 _REPO = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})/[A-Za-z0-9._-]{1,100}"
 _REF = re.compile(rf"^(?P<repo>{_REPO})?#(?P<number>[0-9]+)$")
-_URL = re.compile(rf"^https?://[^/\s]+/(?P<repo>{_REPO})/(?:issues|pull)/(?P<number>[0-9]+)/?(?:[#?].*)?$")
+_URL = re.compile(rf"^https?://(?P<host>[^/\s]+)/(?P<repo>{_REPO})/(?:issues|pull)/(?P<number>[0-9]+)/?(?:[#?].*)?$")
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,10 @@ class IssueRef:
         return self.id
 
 
-def parse_issue_ref(ref: str, default_repo: str | None = None) -> IssueRef:
-    """Parse ``owner/repo#N``, ``#N`` (needs ``default_repo``, i.e. ``[github] repo``) or an issue URL.
+def parse_issue_ref(ref: str, default_repo: str | None = None, hosts: Sequence[str] | None = None) -> IssueRef:
+    """Parse ``owner/repo#N``, ``#N`` (needs ``default_repo``, i.e. ``[github] repo``) or an issue URL,
+    whose host must be one of ``hosts`` where given (the GitHub openlab talks to): an Enterprise
+    issue's URL with github.com configured named ``owner/repo#N`` on github.com, another issue.
 
     Raises :class:`GithubLinkError` with one line saying what is wrong, so a typo is
     caught before any job starts rather than discovered when the card is posted.
@@ -43,6 +46,12 @@ def parse_issue_ref(ref: str, default_repo: str | None = None) -> IssueRef:
     if not m:
         raise GithubLinkError(
             f"malformed issue reference {ref!r}: use owner/repo#N, #N (with [github] repo set) or an issue URL"
+        )
+    host = (m.groupdict().get("host") or "").lower().removeprefix("www.").partition(":")[0]
+    if host and hosts is not None and host not in hosts:
+        raise GithubLinkError(
+            f"issue {ref!r} is on {host}, and openlab's GitHub is {hosts[-1]}: set [github] base_url to "
+            f"{host}'s API (https://{host}/api/v3), or give the issue as owner/repo#N"
         )
     number = int(m.group("number"))
     if number < 1:
