@@ -146,9 +146,18 @@ class GithubConfig:
             raise ConfigError(f"invalid [github] setting: {exc}") from None
 
     def token(self, environ: Mapping[str, str] | None = None) -> str | None:
-        """The token from the configured variable, else ``GITHUB_TOKEN``; never stored."""
+        """The token from the configured variable, else ``GITHUB_TOKEN`` for github.com alone: an
+        Enterprise host was sent the github.com token of ``GITHUB_TOKEN`` when ``GHE_TOKEN`` was
+        unset, and its 401 then blamed the variable that held nothing. Never stored."""
         env = os.environ if environ is None else environ
-        return env.get(self.token_env) or env.get("GITHUB_TOKEN") or None
+        return env.get(self.token_env) or (env.get("GITHUB_TOKEN") if self.token_var(env) == "GITHUB_TOKEN" else None)
+
+    def token_var(self, environ: Mapping[str, str] | None = None) -> str:
+        """The variable :meth:`token` reads the token from: the configured one where it is set, else
+        ``GITHUB_TOKEN`` where openlab talks to github.com, else the configured one (holding none)."""
+        env = os.environ if environ is None else environ
+        public = (urllib.parse.urlparse(self.base_url).hostname or "api.github.com") == "api.github.com"
+        return self.token_env if env.get(self.token_env) or not public else "GITHUB_TOKEN"
 
     @property
     def web_hosts(self) -> tuple[str, ...]:
@@ -264,7 +273,8 @@ class GithubLinker:
 
     def _missing_token(self) -> _Failure:
         env = self.config.token_env
-        hint = env if env == "GITHUB_TOKEN" else f"{env} (or GITHUB_TOKEN)"
+        public = self.config.token_var({}) == "GITHUB_TOKEN"  # GITHUB_TOKEN serves github.com alone
+        hint = env if env == "GITHUB_TOKEN" or not public else f"{env} (or GITHUB_TOKEN)"
         return _Failure(f"no GitHub token: set {hint} to a token that can write issues", retryable=True)
 
     def client(self) -> Any:
@@ -312,7 +322,7 @@ class GithubLinker:
         status = exc.status
         data = exc.data if isinstance(exc.data, Mapping) else {}
         detail = str(data.get("message") or "").strip()
-        env = self.config.token_env
+        env = self.config.token_var()
         if status == 401:
             msg = f"GitHub rejected the token in ${env} (401 Bad credentials): it is revoked, expired or mistyped"
             return _Failure(msg, retryable=True, status=status)

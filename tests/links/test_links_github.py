@@ -148,6 +148,20 @@ def test_token_env_names_another_variable(fake_github: FakeGitHub, openlab_env, 
     assert resolve_issue(store, ISSUE, pipeline).resolved
 
 
+def test_github_token_is_no_fallback_for_an_enterprise_host() -> None:
+    """With `token_env = "GHE_TOKEN"` unset and GITHUB_TOKEN (a github.com token) set, the github.com
+    token was sent to the Enterprise host, and its 401 blamed $GHE_TOKEN, which held nothing."""
+    from orchestrator.links.github import GithubConfig
+
+    env = {"GITHUB_TOKEN": "gh-public"}
+    enterprise = GithubConfig(base_url="https://ghe.lab.org/api/v3", token_env="GHE_TOKEN")
+    assert enterprise.token(env) is None and enterprise.token_var(env) == "GHE_TOKEN"
+    assert enterprise.token({**env, "GHE_TOKEN": "ghe"}) == "ghe"
+    public = GithubConfig(token_env="LAB_TOKEN")
+    assert public.token(env) == "gh-public" and public.token_var(env) == "GITHUB_TOKEN", "said as the one used"
+    assert public.token_var({**env, "LAB_TOKEN": "lab"}) == "LAB_TOKEN"
+
+
 # -- the card comment -------------------------------------------------------------------------------
 def test_card_comment_created_once_then_edited_and_labels_follow_state(
     fake_github: FakeGitHub, store, pipeline
