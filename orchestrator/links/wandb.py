@@ -519,7 +519,14 @@ def sync_offline_runs(
         cmd = [*_wandb_cli(), "sync", "--id", run.run_id, "-p", run.project]
         if run.entity:
             cmd += ["-e", run.entity]
-        proc = runner([*cmd, *map(str, dirs)])
+        try:
+            proc = runner([*cmd, *map(str, dirs)])
+        except subprocess.TimeoutExpired as exc:  # one stuck upload: said, and the other runs still tried
+            failures.append(f"{run.id}: wandb sync did not finish within {exc.timeout:g} s; run it again")
+            continue
+        except OSError as exc:  # no wandb command to run
+            failures.append(f"{run.id}: cannot run {cmd[0]}: {exc.strerror or exc}")
+            continue
         output = f"{proc.stdout or ''}\n{proc.stderr or ''}"
         # wandb (0.30 on) prints an upload's errors (a run deleted on the server, a project the key may
         # not write) and exits 0; only its own mark beside each run's .wandb file, written once the upload

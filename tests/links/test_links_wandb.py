@@ -382,6 +382,11 @@ def test_sync_failure_is_reported(job_out, store, stage) -> None:
         said = "wandb: ERROR run lab/openlab-moe/abc was previously created and deleted; try a new run name\n"
         return subprocess.CompletedProcess(cmd, 0, stdout="Syncing 1 run(s):\n", stderr=said)
 
+    def stuck(cmd):  # an upload that never ends: `_run`'s timeout, as subprocess.run raises it
+        raise subprocess.TimeoutExpired(cmd, 3600)
+
+    with pytest.raises(WandbLinkError, match="wandb sync did not finish within 3600 s; run it again"):
+        sync_offline_runs(store, runner=stuck, environ={"WANDB_API_KEY": "k"})
     with pytest.raises(WandbLinkError, match="was previously created and deleted; try a new run name"):
         sync_offline_runs(store, runner=refused, environ={"WANDB_API_KEY": "k"})
     assert store.list(WandbRun)[0].mode == "offline"
