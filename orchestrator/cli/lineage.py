@@ -1069,8 +1069,10 @@ def export_cmd(
         raise ConfigError(f"--output {output} is a folder: give a file to write ({fmt} is one file)")
     try:
         atomic_write(Path(output), text.encode())  # a reader never sees half an export
-    except OSError as exc:
+    except OSError as exc:  # named by what refused: a folder above it (a file there), else the path given
+        above = exc.filename and Path(exc.filename) in Path(output).parents
+        where = f"{exc.filename}: " if above else ""
         raise ConfigError(
-            f"cannot write {output}: {exc.strerror or exc}; give a file in a folder you can write"
+            f"cannot write {output}: {where}{exc.strerror or exc}; give a file in a folder you can write"
         ) from None
     console.print(f"wrote {fmt} export to {output}", highlight=False)

@@ -137,10 +137,9 @@ def test_a_home_or_path_the_file_system_refuses_is_one_line_naming_it(run_cli, t
         assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert run_cli("snapshot", str(data)).returncode == 0
     out = run_cli("lineage", "export", "--output", str(afile / "lineage.json"))
-    assert (
-        out.returncode == 1
-        and out.stderr.strip() == f"error: {afile}: File exists; check OPENLAB_HOME and the paths given"
-    )
+    assert out.returncode == 2 and out.stderr.strip() == (
+        f"error: cannot write {afile / 'lineage.json'}: {afile}: File exists; give a file in a folder you can write"
+    ), out.stderr
 
 
 def test_an_empty_path_is_refused_not_read_as_the_folder_the_command_ran_in(run_cli, tmp_path: Path) -> None:
