@@ -52,6 +52,7 @@ def nightly_verdict(pipeline_run_id: str, recipe: str, replica: str) -> dict[str
     except Exception as exc:  # noqa: BLE001 - the verdict is in lineage either way
         logger.warning("could not publish the verdict artifact: %s", exc)
     (logger.error if not verdict.passed else logger.info)(verdict.message)
+    _republish_card(pipeline_run_id)
     issue_url = _report_on_github(pipeline_run_id)  # the regression issue, then the commit's status linking it
     payload = verdict.to_dict()
     if issue_url:
@@ -188,11 +189,34 @@ def _verdict_of_failure(exc: Any) -> None:
     except Exception as failure:  # noqa: BLE001 - the run's failure is recorded already; this only reports it
         logger.warning("could not record the failed nightly's verdict: %s", failure)
         return
+    _republish_card(verdict.pipeline_run_id)
     issue_url = _report_on_github(verdict.pipeline_run_id)
     payload = verdict.to_dict()
     if issue_url:
         payload["regression_issue"] = issue_url
     events.nightly_verdict(verdict.pipeline_run_id, payload)
+
+
+def _republish_card(pipeline_run_id: str) -> None:
+    """The run's lineage card again, now with its verdict: the ``lineage-pipeline`` artifact and the
+    experiment issue's card were published when the pipeline ended, before the verdict was decided,
+    and nothing published them again, so neither ever showed a nightly's verdict."""
+    from prefect.artifacts import create_markdown_artifact
+
+    from orchestrator.cards import pipeline_card
+    from orchestrator.lineage.store import LineageStore
+    from orchestrator.links.github import publish_card
+
+    try:
+        with LineageStore.open() as store:
+            create_markdown_artifact(
+                key="lineage-pipeline",
+                markdown=pipeline_card(store, pipeline_run_id),
+                description=f"openlab lineage of pipeline run {pipeline_run_id}, with its nightly verdict",
+            )
+            publish_card(store, pipeline_run_id)  # its issues' card; GitHub problems queued, never raised
+    except Exception as exc:  # noqa: BLE001 - the verdict is recorded; the card is a courtesy
+        get_run_logger().warning("could not publish the card with the verdict: %s", exc)
 
 
 __all__ = ["nightly_replica", "nightly_verdict"]

@@ -141,3 +141,14 @@ def test_a_nightly_whose_stage_failed_records_a_regressed_verdict_naming_the_fai
     assert run.verdict["status"] == "regressed", run.verdict
     assert run.verdict["message"].startswith("nightly failed before its verdict: stage data failed: "), run.verdict
     assert "matched no files" in run.verdict["message"]
+    # the run's card, published when the pipeline ended, is published again with the verdict on it
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    of_run = ArtifactFilter(
+        flow_run_id=ArtifactFilterFlowRunId(any_=[state.state_details.flow_run_id]),
+        key=ArtifactFilterKey(any_=["lineage-pipeline"]),
+    )
+    with get_client(sync_client=True) as client:
+        cards = client.read_artifacts(artifact_filter=of_run)
+    assert any("**Nightly verdict:** regressed" in str(card.data) for card in cards), [c.data for c in cards]
