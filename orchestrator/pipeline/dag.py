@@ -129,6 +129,11 @@ class Pipeline:
         if isinstance(force, bool):
             return
         unknown = sorted(set(force) - set(self.order))
+        if unknown and unknown[0] in MOE_STAGE_INPUTS:  # a stage there is, that this run leaves out
+            raise ConfigError(
+                f"--force-stage {unknown[0]!r}: this run does not run it (an --until before it, or a replica "
+                f"without it); it runs {', '.join(self.order)}"
+            )
         if unknown:
             hint = choices(unknown[0], self.order, label="stages")
             raise ConfigError(f"--force-stage {unknown[0]!r}: no such stage in pipeline {self.name}; {hint}")

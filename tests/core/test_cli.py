@@ -122,6 +122,16 @@ def test_bad_input_is_one_line_exit_2(run_cli, args: tuple[str, ...]) -> None:
     assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1
 
 
+def test_forcing_a_stage_this_run_leaves_out_says_so_not_that_there_is_no_such_stage(run_cli) -> None:
+    """`--until pretrain --force-stage eval` said "no such stage in pipeline moe-replica": eval is a stage,
+    the --until leaves it out."""
+    out = run_cli("explain", "marin-535b-a23b", "-r", "tiny", "--until", "pretrain", "--force-stage", "eval")
+    assert out.returncode == 2 and out.stderr.strip() == (
+        "error: --force-stage 'eval': this run does not run it (an --until before it, or a replica without it); "
+        "it runs data, tokenize, pretrain"
+    ), out.stderr
+
+
 def test_a_home_or_path_the_file_system_refuses_is_one_line_naming_it(run_cli, tmp_path: Path, data: Path) -> None:
     """OPENLAB_HOME naming a file (or a folder that cannot be made) and an export into one were
     tracebacks from mkdir; each is one line naming the path."""
