@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import sqlite3
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -393,18 +395,7 @@ def test_every_opener_refuses_a_foreign_sqlite_database_but_creates_in_an_empty_
 def test_a_postgresql_database_that_is_not_openlabs_is_refused_and_left_as_it_was() -> None:
     """Pointed at another application's PostgreSQL database (Prefect's has an alembic_version too),
     openlab must neither write its schema there nor call that schema "newer than this openlab"."""
-    import uuid
-
-    from tests.core.conftest import _drop_database, _postgres_admin_url
-
-    admin_url = _postgres_admin_url()
-    name = f"openlab_t_{uuid.uuid4().hex[:10]}"
-    admin = sa.create_engine(admin_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
-    url = sa.engine.make_url(admin_url).set(database=name).render_as_string(hide_password=False)
-    other = sa.create_engine(url)
-    try:
+    with _new_postgres_database() as (url, other):
         with other.begin() as conn:
             conn.execute(sa.text("CREATE TABLE foo (x int)"))
         for tables in (["foo"], ["alembic_version", "foo"]):
@@ -415,15 +406,11 @@ def test_a_postgresql_database_that_is_not_openlabs_is_refused_and_left_as_it_wa
             with other.begin() as conn:  # another application's migrations
                 conn.execute(sa.text("CREATE TABLE IF NOT EXISTS alembic_version (version_num varchar(32))"))
                 conn.execute(sa.text("INSERT INTO alembic_version VALUES ('a1b2c3d4e5f6')"))
-    finally:
-        other.dispose()
-        _drop_database(admin, name)
-        admin.dispose()
 
 
-def test_auditing_an_empty_postgresql_database_is_an_error_and_writes_nothing_there() -> None:
-    """A reader (`lineage verify`) on a PostgreSQL database nobody recorded in, or whose tables were
-    dropped, created the schema and reported an intact, empty history."""
+@contextlib.contextmanager
+def _new_postgres_database() -> Iterator[tuple[str, sa.Engine]]:
+    """A new, empty PostgreSQL database (its URL and an engine on it), dropped afterwards."""
     import uuid
 
     from tests.core.conftest import _drop_database, _postgres_admin_url
@@ -436,16 +423,23 @@ def test_auditing_an_empty_postgresql_database_is_an_error_and_writes_nothing_th
     url = sa.engine.make_url(admin_url).set(database=name).render_as_string(hide_password=False)
     other = sa.create_engine(url)
     try:
+        yield url, other
+    finally:
+        other.dispose()
+        _drop_database(admin, name)
+        admin.dispose()
+
+
+def test_auditing_an_empty_postgresql_database_is_an_error_and_writes_nothing_there() -> None:
+    """A reader (`lineage verify`) on a PostgreSQL database nobody recorded in, or whose tables were
+    dropped, created the schema and reported an intact, empty history."""
+    with _new_postgres_database() as (url, other):
         with pytest.raises(StoreError, match=r"holds no lineage \(an empty database"):
             LineageStore(url, create=False)
         with other.connect() as conn:
             assert sa.inspect(conn).get_table_names() == []
         LineageStore(url).close()  # a writer makes its schema in it, and readers then read it
         LineageStore(url, create=False).close()
-    finally:
-        other.dispose()
-        _drop_database(admin, name)
-        admin.dispose()
 
 
 def test_an_id_prefix_is_characters_of_an_id_not_a_like_pattern(store: LineageStore) -> None:

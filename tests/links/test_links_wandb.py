@@ -192,19 +192,25 @@ run.finish()
 """
 
 
-def test_a_run_w_and_b_refuses_online_trains_on_logging_offline(tmp_path: Path) -> None:
-    """A run of this stage's id deleted in the W&B UI, a project the key may not write, no network:
-    `wandb.init` raised, the stage failed, and every retry of the same run id failed again."""
-    out = tmp_path / "out"
+def _run_section_job(code: str, out: Path, home: Path) -> subprocess.CompletedProcess[str]:
+    """``code`` run as a job is: its own Python, given the W&B section and its output folder."""
     proc = subprocess.run(
-        [sys.executable, "-c", REFUSED_ONLINE, json.dumps(_section()), str(out)],
-        env=_job_env(tmp_path),
+        [sys.executable, "-c", code, json.dumps(_section()), str(out)],
+        env=_job_env(home),
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
+def test_a_run_w_and_b_refuses_online_trains_on_logging_offline(tmp_path: Path) -> None:
+    """A run of this stage's id deleted in the W&B UI, a project the key may not write, no network:
+    `wandb.init` raised, the stage failed, and every retry of the same run id failed again."""
+    out = tmp_path / "out"
+    proc = _run_section_job(REFUSED_ONLINE, out, tmp_path)
     ran = json.loads(proc.stdout.strip().splitlines()[-1])
     assert ran["mode"] == "offline" and Path(ran["dir"]).is_relative_to(out), ran
     assert (
@@ -306,15 +312,7 @@ def test_moe_workload_tracker_accepts_the_section(tmp_path: Path) -> None:
     )
     out = tmp_path / "moe"
     out.mkdir()
-    proc = subprocess.run(
-        [sys.executable, "-c", code, json.dumps(_section()), str(out)],
-        env=_job_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _run_section_job(code, out, tmp_path)
     assert proc.stdout.strip().splitlines()[-1] == wandb_run_id(IDENTITY)
     [d] = find_run_dirs(out)
     back = read_run_dir(d, reader="protobuf")
