@@ -491,6 +491,8 @@ def refuse_doubled(spec: JobSpec, flags: Sequence[str]) -> None:
     """Refuse an ``extra_args`` flag that asks again what ``spec`` asks by its own field (:data:`_DOUBLED`)."""
     for flag in flags:
         text = str(flag).strip()
+        if not text:
+            continue
         word, _, value = text.partition("=") if "=" in text.split(None, 1)[0] else text.partition(" ")
         name = _DOUBLED_SHORT.get(word[:2], word) if not word.startswith("--") else word
         if name == "--gres":
@@ -518,6 +520,8 @@ def refuse_own_flags(flags: Sequence[str]) -> None:
     for flag in flags:
         if "\n" in str(flag) or "\r" in str(flag):  # the rest of the line would be a directive of its own
             raise ConfigError(f"extra_args {flag!r}: a Slurm batch directive cannot hold a line break")
+        if not str(flag).strip():  # an empty `#SBATCH` line
+            raise ConfigError(f"extra_args {flag!r}: an empty flag; remove it")
         word = str(flag).strip().split("=", 1)[0].split(None, 1)[0] if str(flag).strip() else ""
         name = _SHORT_FLAGS.get(word[:2], word) if word.startswith("-") and not word.startswith("--") else word
         if name.startswith("--") and len(name) > 3 and name not in OWN_FLAGS:

@@ -232,6 +232,8 @@ def test_extra_args_may_not_ask_again_what_the_jobs_own_gpus_memory_or_warning_a
     launcher.refuse_unsupported(JobSpec(name="x", command=["true"], gpus=1, options={"extra_args": ["--gres=nvme:1"]}))
     with pytest.raises(ConfigError, match="a Slurm batch directive cannot hold a line break"):
         launcher.refuse_unsupported(JobSpec(name="x", command=["true"], options={"extra_args": ["--exclusive\n#X"]}))
+    with pytest.raises(ConfigError, match="extra_args ' ': an empty flag; remove it"):
+        launcher.refuse_unsupported(JobSpec(name="x", command=["true"], gpus=1, options={"extra_args": [" "]}))
     typed = JobSpec(name="x", command=["true"], gpus=2, options={"gpu_type": "a100"})
     launcher.refuse_unsupported(typed)
     assert "#SBATCH --gres=gpu:a100:2\n" in launcher.batch_script(typed, "/tmp/x.log")
