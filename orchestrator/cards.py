@@ -198,8 +198,10 @@ def how_started(run: PipelineRun) -> str | None:
 
 
 def md_cell(value: Any) -> str:
-    """Text safe inside a markdown table cell (a ``|`` or a newline would break the row)."""
-    return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+    """Recorded text safe inside a markdown table cell or line: a ``|`` or a newline would break the
+    row, and a ``<`` opens HTML (a proxy's error page in a stage's error began ``<!--``, and the rest
+    of the card was a comment nobody saw), so it is written ``&lt;``, which reads as ``<``."""
+    return str(value).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ").replace("<", "&lt;")
 
 
 def format_metric(value: Any) -> str:

@@ -50,6 +50,8 @@ def test_pipeline_card_shows_every_link(store, pipeline) -> None:
         }
         tx.update(run, state="COMPLETED", verdict={"status": "regressed", "loss_delta": 0.0312}, preregistration=prereg)
         tx.update(tx.get(StageRun, "srun_train"), state="COMPLETED", metrics={"eval|loss": 2.25})
+        # a proxy's error page in a stage's error: raw, its "<!--" made the rest of the card a comment
+        tx.update(tx.get(StageRun, "srun_tok"), error="upload failed: 502 <!-- nginx --> <html>bad gateway")
         tx.update(
             tx.get(WandbRun, "/openlab/w1234567"), url="https://wandb.ai/lab/openlab/runs/w1234567", state="failed"
         )
@@ -70,8 +72,10 @@ def test_pipeline_card_shows_every_link(store, pipeline) -> None:
         "**Pre-registered:**",
         "- eval\\|loss (eval): predicted 2.2 ± 0.1, measured 2.25 (+0.05): met",
         "[lab/exp#7](https://github.com/lab/exp/issues/7)",
+        "upload failed: 502 &lt;!-- nginx --> &lt;html>bad gateway",  # reads as written, opens no HTML
     ]:
         assert needle in card, needle
+    assert "<!--" not in card.split("\n", 1)[1] and "<html>" not in card
     assert "_step" not in card
     assert card == pipeline_card(store, pipeline.id)  # same records, same card
 
