@@ -14,7 +14,7 @@ from orchestrator.lineage.models import GithubIssue, GithubUpdate, PipelineRun, 
 from orchestrator.lineage.store import LineageStore
 from orchestrator.lineage.trace import describe
 from orchestrator.links.github import GithubLinker
-from orchestrator.links.regressions import regression_marker, report_verdict
+from orchestrator.links.regressions import _marker_of, regression_marker, report_verdict
 from orchestrator.nightly import evaluate_nightly
 from tests.flows.test_nightly_library import TOLERANCES, plant_run
 from tests.links.links_fakes import TOKEN, FakeGitHub
@@ -140,6 +140,21 @@ def test_a_nightly_that_failed_opens_the_issue_naming_the_failure(fake_github: F
     assert issue["title"] == "Nightly regression: marin-535b-a23b/tiny: failed"
     assert "nightly failed before its verdict: stage pretrain failed: exit code 1: loss is NaN" in issue["body"]
     assert report_verdict(store, _nightly(store, FIXED, 2.01, 2).id).action == "closed", "the next good one closes it"
+
+
+def test_a_regression_issue_that_lost_its_label_is_still_found_not_opened_again(
+    fake_github: FakeGitHub, store: LineageStore
+) -> None:
+    """GitHub drops a new issue's labels when the token may not push; found by its label alone, the
+    open issue was missed and another opened every night."""
+    _nightly(store, GOOD, 2.0, 0)
+    bad = _nightly(store, BAD, 2.3, 1)
+    fake_github.add_issue(
+        "lab/exp", 8, "Nightly regression: marin-535b-a23b/tiny: eval/loss", labels=[], body=_marker_of(bad)
+    )
+    report = report_verdict(store, bad.id)
+    assert (report.action, report.issue_id) == ("commented", "lab/exp#8"), report
+    assert _regression_issues(fake_github) == [], "none opened"
 
 
 def test_another_replicas_open_issue_is_not_this_ones(fake_github: FakeGitHub, store: LineageStore) -> None:
