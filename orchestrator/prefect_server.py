@@ -187,12 +187,14 @@ class PrefectServer:
         settings = settings or load_settings()
         section = settings.section("prefect")
         home = prefect_home(settings)
-        raw = port or section.get("port") or DEFAULT_PORT
-        where = "--port" if port else "[prefect] port"
-        try:
-            number = int(raw)
-        except (TypeError, ValueError):
-            number = -1
+        # `--port 0` or `port = 0` was taken as unset (4200), `true` as port 1 and 4200.9 as 4200
+        raw = port if port is not None else section.get("port", DEFAULT_PORT)
+        where = "--port" if port is not None else "[prefect] port"
+        number = -1
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            number = raw
+        elif isinstance(raw, str) and raw.strip().isdigit():
+            number = int(raw.strip())
         if not 1 <= number <= 65535:  # a port the socket layer would refuse with a traceback
             raise ConfigError(f"{where} {raw!r}: a port is a whole number from 1 to 65535 (default {DEFAULT_PORT})")
         return cls(
@@ -225,6 +227,10 @@ class PrefectServer:
         env["PREFECT_SERVER_API_HOST"] = self.host
         env["PREFECT_SERVER_API_PORT"] = str(self.port)
         sqlite = f"sqlite+aiosqlite:///{self.home / 'prefect.db'}"
+        # The database is openlab's choice ([prefect] database_url, else a file in this home), under
+        # Prefect 3's name and its older alias: a PREFECT_SERVER_DATABASE_CONNECTION_URL of the user's
+        # shell (a team server's database) outranked the alias, and this server migrated and wrote it.
+        env["PREFECT_SERVER_DATABASE_CONNECTION_URL"] = self.database_url or sqlite
         env["PREFECT_API_DATABASE_CONNECTION_URL"] = self.database_url or sqlite
         # The server must not think it is a client of some other server.
         env.pop("PREFECT_API_URL", None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import re
 import subprocess
 import sys
 import time
@@ -250,6 +251,13 @@ def test_prefect_database_and_cron_come_from_openlab_settings(tmp_path: Path) ->
     )
     server = PrefectServer.from_settings(pg)
     assert server.database_url == "postgresql+asyncpg://u:p@db/prefect" and server.port == 4300
+    # port 0 was taken as unset (4200), `true` as port 1, 4200.9 as 4200
+    for given, where in ((0, "--port 0"), ("true", "[prefect] port True"), ("4200.9", "[prefect] port 4200.9")):
+        with pytest.raises(ConfigError, match=re.escape(f"{where}: a port is a whole number from 1 to 65535")):
+            if isinstance(given, int):
+                PrefectServer.from_settings(load_settings(environ=env), port=given)
+            else:
+                PrefectServer.from_settings(load_settings(environ={**env, "OPENLAB_PREFECT__PORT": given}))
     assert nightly_cron(load_settings(environ=env)) == "0 2 * * *"
     assert nightly_cron(load_settings(environ={**env, "OPENLAB_PREFECT__NIGHTLY_CRON": "15 4 * * 1"})) == "15 4 * * 1"
     with pytest.raises(ConfigError, match="invalid nightly cron"):
@@ -266,6 +274,26 @@ def test_prefect_database_and_cron_come_from_openlab_settings(tmp_path: Path) ->
     with pytest.raises(ConfigError, match="no date within a year matches it"):
         nightly_cron(load_settings(environ=env), "0 2 31 2 *")
     assert nightly_cron(load_settings(environ=env), "@daily") == "@daily"
+
+
+def test_a_prefect_database_of_the_users_shell_is_not_the_one_openlab_server_uses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`PREFECT_SERVER_DATABASE_CONNECTION_URL` (Prefect 3's name) exported for a team server outranked
+    the older alias openlab set: `openlab server` migrated and wrote the team's database, while its
+    banner named its own SQLite file. Prefect itself, given the server's environment, says which it uses."""
+    from orchestrator.settings import load_settings
+
+    monkeypatch.setenv("PREFECT_SERVER_DATABASE_CONNECTION_URL", "postgresql+asyncpg://me:pw@teamdb/prefect")
+    env = {"OPENLAB_HOME": str(tmp_path), "OPENLAB_CONFIG": str(tmp_path / "none.toml")}
+    (tmp_path / "none.toml").write_text("")
+    server = PrefectServer.from_settings(load_settings(environ=env))
+    read = (
+        "from prefect.settings import get_current_settings as s; "
+        "print(s().server.database.connection_url.get_secret_value())"
+    )
+    used = subprocess.run([sys.executable, "-c", read], env=server.env(), capture_output=True, text=True, check=True)
+    assert used.stdout.strip() == server.database_url == f"sqlite+aiosqlite:///{tmp_path / 'prefect' / 'prefect.db'}"
 
 
 def test_the_reapers_passes_keep_their_times_across_server_starts(tmp_path: Path) -> None:
