@@ -118,6 +118,16 @@ def _write(tmp_path: Path, cfg: dict) -> str:
         ({"train": {"steps": "ten"}}, "'train.steps' must be an integer"),
         ({"moe": {"qb_estimator": "median"}}, "moe.qb_estimator 'median' is not one of topk, hist"),
         ({"train": {"keep_every": -1}}, "train.keep_every must be >= 0"),
+        # values that trained on wrongly or crashed in torch, numpy or the dispatch, after the data loaded
+        ({"train": {"lr": float("nan")}}, "'train.lr' must be a finite number, got nan"),
+        ({"train": {"lr": -0.001}}, "train.lr must be > 0"),
+        ({"train": {"grad_clip": -1.0}}, "train.grad_clip must be >= 0 (0: no clipping)"),  # flipped gradients
+        ({"train": {"min_lr_ratio": -3.0}}, "train.min_lr_ratio must be in [0, 1]"),  # a negative learning rate
+        ({"moe": {"capacity_factor": 1e300}}, "moe: capacity factors must be > 0 and at most 1000"),
+        ({"moe": {"ranks": 0}}, "moe.ranks must be >= 1, got 0"),
+        ({"eval": {"batches": 0}}, "eval.batches must be >= 1"),
+        ({"seed": -1}, "seed must be >= 0, got -1"),
+        ({"data": {"domains": {"../../escaped": "stdlib:code"}}}, "'../../escaped' is no name for a domain"),
     ],
 )
 def test_bad_config_one_line_error_before_compute(
@@ -125,12 +135,29 @@ def test_bad_config_one_line_error_before_compute(
 ) -> None:
     cfg = train_cfg(tiny_tokens)
     for section, values in patch.items():
-        cfg[section] = {**cfg.get(section, {}), **values}
+        cfg[section] = {**cfg.get(section, {}), **values} if isinstance(values, dict) else values
     out = tmp_path / "out"
     rc = main(["pretrain", "--config", _write(tmp_path, cfg), "--out", str(out)])
     err = capsys.readouterr().err
     assert rc == 2
     assert err.count("\n") == 1 and err.startswith("error: ") and needle in err, err
+    assert not (out / "checkpoint").exists() and not (out / "metrics.jsonl").exists()
+
+
+def test_cuda_asked_for_where_there_is_none_is_one_line_before_compute(
+    tiny_tokens: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`device: cuda` on a machine without a GPU was torch's AssertionError after the model was built."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU: device cuda is what it runs on")
+    out = tmp_path / "out"
+    rc = main(
+        ["pretrain", "--config", _write(tmp_path, {**train_cfg(tiny_tokens), "device": "cuda"}), "--out", str(out)]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "device is cuda, and this machine has no CUDA GPU" in err, err
     assert not (out / "checkpoint").exists() and not (out / "metrics.jsonl").exists()
 
 

@@ -65,6 +65,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
+import re
 import types
 import typing
 from collections.abc import Sequence
@@ -272,6 +274,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"config: '{path}' must be a number, got {value!r}")
+        if not math.isfinite(value):  # a NaN learning rate trained to `loss nan`; an inf factor overflowed
+            raise ConfigError(f"config: '{path}' must be a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -412,13 +416,18 @@ _STAGE_INPUTS = {
 }
 
 
+#: The largest capacity factor taken: a factor is slots per expected assignment, and past the number of
+#: experts every assignment fits anyway; 1e300 overflowed converting the capacity to an integer.
+MAX_CAPACITY_FACTOR = 1000.0
+
+
 def validate_dispatch(dispatch: str, cf: float, tcf: float, waves: int, chunks: int, where: str) -> None:
     if dispatch not in DISPATCH_NAMES:
         raise ConfigError(
             f"config: {where}.dispatch: unknown dispatch '{dispatch}' {known_names(dispatch, DISPATCH_NAMES)}"
         )
-    if cf <= 0 or tcf <= 0:
-        raise ConfigError(f"config: {where}: capacity factors must be > 0")
+    if not (0 < cf <= MAX_CAPACITY_FACTOR and 0 < tcf <= MAX_CAPACITY_FACTOR):  # 1e300 overflowed at dispatch
+        raise ConfigError(f"config: {where}: capacity factors must be > 0 and at most {MAX_CAPACITY_FACTOR:g}")
     if waves < 1 or chunks < 1:
         raise ConfigError(f"config: {where}: waves and chunks must be >= 1")
 
@@ -453,7 +462,33 @@ def validate(cfg: Config, stage: str) -> None:
             raise ConfigError(f"config: stage '{stage}' needs inputs.{name}")
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"config: device must be auto, cpu or cuda, got '{cfg.device}'")
+    if cfg.seed < 0:
+        raise ConfigError(f"config: seed must be >= 0, got {cfg.seed}")
     mo = cfg.moe
+    if mo.ranks < 1:  # every stage splits by it (a data stage divided by 0)
+        raise ConfigError(f"config: moe.ranks must be >= 1, got {mo.ranks}")
+    tr = cfg.train
+    for name, ok, rule in (
+        ("train.lr", tr.lr > 0, "> 0"),
+        ("train.min_lr_ratio", 0 <= tr.min_lr_ratio <= 1, "in [0, 1]"),
+        ("train.weight_decay", tr.weight_decay >= 0, ">= 0"),
+        ("train.grad_clip", tr.grad_clip >= 0, ">= 0 (0: no clipping)"),
+        ("model.attn_window", cfg.model.attn_window >= 0, ">= 0 (0: full causal attention)"),
+        ("model.rope_theta", cfg.model.rope_theta > 0, "> 0"),
+        ("model.routed_weight_sum", cfg.model.routed_weight_sum > 0, "> 0"),
+        ("eval.batches", cfg.eval.batches >= 1, ">= 1"),
+        ("tokenizer.min_frequency", cfg.tokenizer.min_frequency >= 0, ">= 0"),
+        ("tokenizer.vocab_size", cfg.tokenizer.vocab_size <= 2**31 - 1, "at most 2147483647"),
+        ("data.max_bytes_per_domain", cfg.data.max_bytes_per_domain >= 1, ">= 1"),
+        ("data.min_doc_chars", cfg.data.min_doc_chars >= 0, ">= 0"),
+    ):
+        if not ok:  # each trained on (a flipped gradient, a negative learning rate) or crashed in torch
+            raise ConfigError(f"config: {name} must be {rule}")
+    bad_domain = next(
+        (d for d in cfg.data.domains if not re.fullmatch(r"[A-Za-z0-9_.-]+", d) or d in (".", "..")), None
+    )
+    if bad_domain is not None:  # a name is a folder under the output: "../x" wrote outside it
+        raise ConfigError(f"config: data.domains: {bad_domain!r} is no name for a domain; use letters, digits, _ . -")
     validate_dispatch(mo.dispatch, mo.capacity_factor, mo.transport_capacity_factor, mo.waves, mo.chunks, "moe")
     if mo.qb_estimator not in QB_ESTIMATORS:
         raise ConfigError(f"config: moe.qb_estimator '{mo.qb_estimator}' is not one of {', '.join(QB_ESTIMATORS)}")
@@ -474,8 +509,9 @@ def validate(cfg: Config, stage: str) -> None:
         raise ConfigError("config: train.steps and train.checkpoint_every must be >= 1")
     if cfg.train.keep_every < 0:
         raise ConfigError("config: train.keep_every must be >= 0 (0 keeps only the latest checkpoint)")
-    if any(w < 0 for w in cfg.train.mixture.values()) or (cfg.train.mixture and sum(cfg.train.mixture.values()) <= 0):
-        raise ConfigError("config: train.mixture weights must be >= 0 and not all zero")
+    weights = cfg.train.mixture.values()
+    if any(w < 0 for w in weights) or (cfg.train.mixture and not 0 < sum(weights) < math.inf):
+        raise ConfigError("config: train.mixture weights must be >= 0, not all zero, and sum to a finite number")
     if not 0 < cfg.data.heldout_fraction < 1:
         raise ConfigError("config: data.heldout_fraction must be in (0, 1)")
     if cfg.tokenizer.vocab_size < 300:

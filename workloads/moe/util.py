@@ -55,8 +55,15 @@ def config_fingerprint(obj: Any) -> str:
 
 
 def pick_device(name: str) -> torch.device:
+    """The device a stage runs on; ``cuda`` where this machine has none is one line (a WorkloadError),
+    where torch's AssertionError came after the model was built. Asked where the job runs, not where
+    the recipe was checked: an orchestrator without a GPU sends jobs to nodes that have one."""
     import torch
 
+    if name == "cuda" and not torch.cuda.is_available():
+        from .config import WorkloadError
+
+        raise WorkloadError("config: device is cuda, and this machine has no CUDA GPU torch can use; use auto or cpu")
     if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
         return torch.device("cuda")
     return torch.device("cpu")
