@@ -76,10 +76,22 @@ def server(
     if limit is not None and limit < 1:
         raise OpenlabError(f"--limit {limit}: give the most flow runs at once, 1 or more (leave it out: no limit)")
     if serve:  # refused before a server starts, not after it has (its schedules would be built with it)
+        from flows.deployments import (
+            DEFAULT_DROPS_NIGHTLY_CRON,
+            digest_cron,
+            gc_cron,
+            nightly_timezone,
+            reconcile_every,
+        )
         from flows.deployments import nightly_cron as checked_cron
-        from flows.deployments import nightly_timezone
 
         checked_cron(settings, nightly_cron)
+        # every schedule the deployments are built with: a bad gc_cron or reconcile_every_s failed only once
+        # the Prefect server had started and said where its UI was
+        checked_cron(settings, key="nightly_drops_cron", default=DEFAULT_DROPS_NIGHTLY_CRON)
+        gc_cron(settings)
+        digest_cron(settings)
+        reconcile_every(settings)
         nightly_timezone(settings)
     previous = signal.signal(signal.SIGTERM, _sigterm_to_interrupt)
     # `nohup openlab server` asked to outlive the terminal: its ignored SIGHUP stays ignored

@@ -200,13 +200,21 @@ def test_rerun_refuses_a_backend_before_it_says_what_it_would_run(run_cli) -> No
 def test_server_options_are_checked_before_a_server_starts(run_cli) -> None:
     """`server --limit -1` started Prefect, served every deployment, then died in two tracebacks;
     `--nightly-cron bogus` started and stopped a server before saying so."""
-    for args, want in (
-        (("server", "--limit", "-1"), "error: --limit -1: give the most flow runs at once, 1 or more"),
-        (("server", "--nightly-cron", "bogus"), "error: invalid nightly cron 'bogus'"),
-        (("server",), "error: invalid time zone 'Europe/Berln' ([prefect] nightly_timezone): use an IANA name"),
+    zone = {"OPENLAB_PREFECT__NIGHTLY_TIMEZONE": "Europe/Berln"}
+    for args, env, want in (
+        (("server", "--limit", "-1"), {}, "error: --limit -1: give the most flow runs at once, 1 or more"),
+        (("server", "--nightly-cron", "bogus"), {}, "error: invalid nightly cron 'bogus'"),
+        (("server",), zone, "error: invalid time zone 'Europe/Berln' ([prefect] nightly_timezone): use an IANA name"),
+        # the other schedules, which failed once the Prefect server had started and printed its UI
+        (("server",), {"OPENLAB_PREFECT__GC_CRON": "nightly"}, "error: invalid cron 'nightly' ([prefect] gc_cron)"),
+        (("server",), {"OPENLAB_PREFECT__RECONCILE_EVERY_S": "5"}, "error: invalid [prefect] reconcile_every_s 5"),
+        (
+            ("server",),
+            {"OPENLAB_PREFECT__NIGHTLY_DROPS_CRON": "0 4 * * * *"},
+            "error: invalid nightly cron '0 4 * * * *' ([prefect] nightly_drops_cron): use five fields",
+        ),
     ):
-        zone = {"OPENLAB_PREFECT__NIGHTLY_TIMEZONE": "Europe/Berln"} if args == ("server",) else {}
-        out = run_cli(*args, timeout=60, env=zone)
+        out = run_cli(*args, timeout=60, env=env)
         assert out.returncode == 2 and out.stderr.startswith(want), out.stderr
         assert len(out.stderr.strip().splitlines()) == 1 and not out.stdout, (out.stdout, out.stderr)
 
