@@ -18,6 +18,7 @@ import typer
 from orchestrator.cli.output import say
 from orchestrator.errors import OpenlabError
 from orchestrator.prefect_server import DEFAULT_HOST, DEFAULT_PORT, health_ok, use_api
+from orchestrator.secrets import scrub
 from orchestrator.settings import Settings, load_settings
 
 app = typer.Typer(
@@ -81,14 +82,15 @@ def deploy(
     settings = load_settings()
     url = resolve_api_url(settings, api_url)
     if not health_ok(url):
-        raise OpenlabError(f"no Prefect API answers at {url}: start one with `openlab server`, or pass --api-url")
+        shown = scrub(url, ())  # a password in the URL (a proxy's basic auth) is not printed
+        raise OpenlabError(f"no Prefect API answers at {shown}: start one with `openlab server`, or pass --api-url")
     cron = resolve_cron(settings, nightly_cron)
     zone = nightly_timezone(settings)  # every schedule's (nightlies, gc, digest)
     with use_api(url), in_repo_root():
         built = build_deployments(settings, cron=cron, paused_nightly=paused_nightly)
         done = apply_deployments(built, work_pool=work_pool, resume=resume)
     full_name = {d.name: d.full_name for d in built}
-    ui = url.removesuffix("/api")
+    ui = scrub(url, ()).removesuffix("/api")  # printed in every link below: its password masked
     for name, deployment_id in done.ids.items():
         say(f"deployed {name}  {ui}/deployments/deployment/{deployment_id}")
 

@@ -29,6 +29,7 @@ import typer
 
 from orchestrator.cli.output import console, err_console, print_error, say
 from orchestrator.prefect_server import PrefectServer, health_ok, use_api
+from orchestrator.secrets import scrub
 from orchestrator.settings import load_settings
 
 app = typer.Typer(
@@ -103,7 +104,8 @@ def server(
     try:
         if api_url:
             if not health_ok(api_url):
-                raise OpenlabError(f"no Prefect API answers at {api_url}: check the URL or drop --api-url")
+                shown = scrub(api_url, ())  # a password in the URL (a proxy's basic auth) is not printed
+                raise OpenlabError(f"no Prefect API answers at {shown}: check the URL or drop --api-url")
             ui = api_url.rstrip("/").removesuffix("/api")
         else:
             started = PrefectServer.from_settings(settings, host=host, port=port, stop_with_parent=True)
@@ -120,8 +122,9 @@ def server(
             api_url, ui = started.api_url, started.ui_url
             err_console.print(f"server log: {started.log_path}")
         up = True
-        console.print(f"Prefect UI: {ui}", highlight=False)
-        console.print(f"Prefect API: {api_url}  (export PREFECT_API_URL={api_url} to use it)", highlight=False)
+        console.print(f"Prefect UI: {scrub(ui, ())}", highlight=False)  # a URL's password masked
+        shown = scrub(api_url, ())
+        console.print(f"Prefect API: {shown}  (export PREFECT_API_URL={shown} to use it)", highlight=False)
         if not serve:
             console.print("serving nothing (--no-serve); press Ctrl-C to stop", highlight=False)
             signal.pause()
@@ -131,7 +134,7 @@ def server(
         with use_api(api_url), in_repo_root():
             deployments = build_deployments(settings, cron=nightly_cron)
             for d in deployments:
-                console.print(f"serving deployment {d.full_name}: {ui}/deployments", highlight=False)
+                console.print(f"serving deployment {d.full_name}: {scrub(ui, ())}/deployments", highlight=False)
 
             def report(kept: KeptState) -> None:  # before serving starts: what stays paused, and how to resume it
                 for line in kept.lines("openlab server"):

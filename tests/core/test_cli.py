@@ -219,6 +219,15 @@ def test_server_options_are_checked_before_a_server_starts(run_cli) -> None:
         assert len(out.stderr.strip().splitlines()) == 1 and not out.stdout, (out.stdout, out.stderr)
 
 
+def test_a_prefect_api_urls_password_is_not_printed(run_cli) -> None:
+    """`--api-url http://ada:s3cret@host/api` (a proxy's basic auth) was echoed whole in the error, and
+    would have been in the banner's export line and every deployment link."""
+    for command in ("server", "deploy"):
+        out = run_cli(command, "--api-url", "http://ada:s3cret@127.0.0.1:9/api", timeout=60)
+        assert out.returncode == 2 and "s3cret" not in out.stderr + out.stdout, out.stderr
+        assert out.stderr.startswith("error: no Prefect API answers at http://ada:***@127.0.0.1:9/api: "), out.stderr
+
+
 def test_a_bad_port_or_stage_is_named_as_it_was_given(run_cli) -> None:
     """`server --port 99999` was an OverflowError traceback followed by "stopped"; `adopt --stage pretrian`
     was refused as "--until 'pretrian'", an option the person never typed."""
