@@ -23,7 +23,7 @@ import copy
 import os
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -297,6 +297,20 @@ def anchor_paths(config: Mapping[str, Any], base: Path) -> dict[str, Any]:
     if "db_url" in out:
         out["db_url"] = absolute_db_url(out["db_url"], base)
     return out
+
+
+def pin_environment(settings: Settings, environ: MutableMapping[str, str] | None = None) -> None:
+    """Put ``settings``' home, project file and database URL in ``environ`` (default this process's),
+    absolute: what a child process started elsewhere then reads. ``openlab server`` serves from the
+    repository's root, and the flow runs it starts read ``OPENLAB_HOME=.openlab`` (given where the
+    server was started) against that root, or found another ``openlab.toml``: another home, another
+    backend, from the server's own."""
+    env = os.environ if environ is None else environ
+    env["OPENLAB_HOME"] = str(settings.home)
+    if settings.config_path is not None:
+        env["OPENLAB_CONFIG"] = str(settings.config_path.absolute())
+    if env.get("OPENLAB_DB_URL"):
+        env["OPENLAB_DB_URL"] = settings.db_url
 
 
 def load_settings(cwd: Path | None = None, environ: Mapping[str, str] | None = None) -> Settings:

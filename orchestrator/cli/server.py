@@ -130,7 +130,9 @@ def server(
             signal.pause()
             return
         from flows.deployments import KeptState, build_deployments, in_repo_root, serve_deployments
+        from orchestrator.settings import pin_environment
 
+        pin_environment(settings)  # the flow runs start in the repository's root: they read these as given here
         with use_api(api_url), in_repo_root():
             deployments = build_deployments(settings, cron=nightly_cron)
             for d in deployments:

@@ -319,6 +319,28 @@ def test_a_setting_nothing_reads_is_refused_where_it_was_written_naming_the_one_
     assert taken.returncode == 0, taken.stderr
 
 
+def test_what_openlab_server_was_started_with_is_what_its_flow_runs_read_from_the_repository_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`OPENLAB_HOME=.openlab openlab server` from /tmp/x: the server used /tmp/x/.openlab, and the flow
+    runs it started in the repository's root read `.openlab` there, and found the repository's own
+    openlab.toml, if any: another home, another backend. The server pins them, absolute, for its children."""
+    from orchestrator.settings import load_settings, pin_environment
+
+    started_in = tmp_path / "x"
+    started_in.mkdir()
+    (started_in / "openlab.toml").write_text('[backends]\ndefault = "slurm"\n')
+    monkeypatch.delenv("OPENLAB_CONFIG", raising=False)
+    monkeypatch.setenv("OPENLAB_HOME", ".openlab")
+    server = load_settings(cwd=started_in)
+    assert server.home == started_in / ".openlab" and server.config_path == started_in / "openlab.toml"
+    pin_environment(server)
+    assert os.environ["OPENLAB_HOME"] == str(started_in / ".openlab")
+    assert os.environ["OPENLAB_CONFIG"] == str(started_in / "openlab.toml")
+    child = load_settings(cwd=tmp_path)  # where a flow run starts: elsewhere
+    assert (child.home, child.config_path, child.default_backend) == (server.home, server.config_path, "slurm")
+
+
 def test_a_relative_home_is_the_folder_it_named_where_it_was_given(
     run_cli, openlab_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
