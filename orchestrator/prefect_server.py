@@ -282,14 +282,18 @@ class PrefectServer:
         (self.home / RECORD_NAME).unlink(missing_ok=True)
         return record
 
-    def start(self, timeout: float = DEFAULT_START_TIMEOUT) -> PrefectServer:
-        """Start the server and wait until ``/api/health`` answers; raise with the log tail if not."""
-        if self.process is not None:
-            return self
+    def check_port(self) -> None:
+        """Raise :class:`PrefectServerError` when something already listens on this server's port."""
         if port_in_use(self.host if self.host not in ("0.0.0.0", "") else DEFAULT_HOST, self.port):  # noqa: S104
             raise PrefectServerError(
                 f"port {self.port} is already in use: stop what listens there, or pick another with --port"
             )
+
+    def start(self, timeout: float = DEFAULT_START_TIMEOUT) -> PrefectServer:
+        """Start the server and wait until ``/api/health`` answers; raise with the log tail if not."""
+        if self.process is not None:
+            return self
+        self.check_port()
         self.home.mkdir(parents=True, exist_ok=True)
         log_path = self.log_path or self.home / "server.log"
         self.log_path = log_path

@@ -117,6 +117,7 @@ def server(
                     highlight=False,
                     soft_wrap=True,  # one line, whatever the width: it is read, and grepped, whole
                 )
+            started.check_port()  # before "starting": a port in use is refused, not a server started and stopped
             err_console.print(f"starting Prefect server (database {display_url(started.database_url or '')}) ...")
             started.start()
             api_url, ui = started.api_url, started.ui_url
@@ -151,10 +152,12 @@ def server(
         signal.signal(signal.SIGTERM, previous)
         if previous_hup is not signal.SIG_IGN:
             signal.signal(signal.SIGHUP, previous_hup)
+        launched = started is not None and started.process is not None  # a refused start (port in use) ran nothing
         if started is not None:
-            err_console.print("stopping Prefect server ...")
+            if launched:
+                err_console.print("stopping Prefect server ...")
             started.stop()
-        if up or started is not None:
+        if up or launched:
             err_console.print("stopped")
 
 

@@ -238,6 +238,8 @@ def test_the_next_openlab_server_stops_the_prefect_server_a_killed_one_left_and_
         held = subprocess.run([*cli, str(other)], env=_env(tmp_path, other), capture_output=True, text=True, timeout=60)  # noqa: S603
         assert held.returncode == 2 and "Traceback" not in held.stderr, held.stderr
         assert f"port {other} is already in use: stop what listens there, or pick another with --port" in held.stderr
+        # one line: it said "starting", "stopping" and "stopped" of a server it never started
+        assert len(held.stderr.strip().splitlines()) == 1, held.stderr
         assert _alive(server), "a Prefect server whose openlab server lives was stopped"
 
         owner.kill()  # SIGKILL: its server is left behind
