@@ -30,6 +30,12 @@ def test_scaling_keeps_z() -> None:
     assert math.isclose((spec.capacity_factor - 1) * math.sqrt(mu["receiver"]), 0.33 * math.sqrt(29127))
     raw, _ = arm_spec(ArmConfig("pw", "pooled_wave", 1.33, 1.05, 3, 2, scale=False), 4, 24, 4, 2048, True)
     assert (raw.capacity_factor, raw.transport_capacity_factor) == (1.33, 1.05)
+    # a factor under 1 at a smaller replica has no positive equivalent: it ran at cf' < 0, dropped every
+    # assignment, and the table showed that as measured; refused in one line, the unscaled arm still runs
+    with pytest.raises(ConfigError, match=r"repro arm 'tight': capacity factor 0.9 scales to -"):
+        arm_spec(ArmConfig("tight", "waterfilling", 0.9, 1.0, 1, 2), 4, 24, 4, 64, True)  # a tiny replica's T
+    unscaled, _ = arm_spec(ArmConfig("tight", "waterfilling", 0.9, 1.0, 1, 2, scale=False), 4, 24, 4, 64, True)
+    assert unscaled.capacity_factor == 0.9
 
 
 def test_short_repro_run_reports_every_arm(tiny_tokens: Path, tmp_path: Path) -> None:

@@ -89,6 +89,13 @@ def arm_spec(arm: ArmConfig, P: int, E: int, K: int, T: int, scale: bool) -> tup
         else:
             (unit,) = m
             cf = scaled(cf, m[unit], mu[unit])
+    if cf <= 0 or tcf <= 0:
+        # (cf' - 1)·√μ' = (cf - 1)·√μ has no positive answer for a factor under 1 scaled to a smaller
+        # replica: the arm ran at cf' -0.6, dropped every assignment, and the table reported it as measured
+        raise ConfigError(
+            f"config: repro arm '{arm.name}': capacity factor {arm.capacity_factor:g} scales to {cf:.3g} at this "
+            "replica's assignments per capacity unit; give a factor of at least 1, or scale: false for the arm"
+        )
     info.update({"cf": cf, "tcf": tcf if arm.dispatch == "pooled_wave" else None})
     return DispatchSpec(arm.dispatch, P, E, cf, tcf, arm.waves, arm.chunks), info
 
