@@ -426,12 +426,14 @@ def parse_ratio(value: Any, where: str) -> Fraction:
             frac = Fraction(value).limit_denominator(10**12)
         else:
             raise ValueError
-    except (ValueError, ZeroDivisionError):
+    except (ValueError, ZeroDivisionError, OverflowError):  # inf: "cannot convert Infinity to integer ratio"
         raise ConfigError(
             f"{where}: expected a scale factor (number or 'a/b'), got {type_name(value)} {value!r}"
         ) from None
     if frac <= 0:
         raise ConfigError(f"{where}: scale factor must be positive, got {value!r}")
+    if frac > 10**6:  # 1e300 overflowed a float in the scaled values: a replica is a scale *down*, or near it
+        raise ConfigError(f"{where}: scale factor must be at most 1000000, got {value!r}")
     return frac
 
 

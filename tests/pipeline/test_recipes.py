@@ -103,6 +103,9 @@ def test_small_replica_resolves_and_passes_the_workload_checks() -> None:
             "recipe r.yaml: replicas.tiny.scale.d_model: expected a scale",
         ),
         (("replicas", "tiny", "scale", "widths"), 0.5, "recipe r.yaml: replicas.tiny.scale.widths: unknown key"),
+        # an infinite or enormous factor was an OverflowError traceback from the fraction or the scaled value
+        (("replicas", "tiny", "scale", "tokens"), float("inf"), "replicas.tiny.scale.tokens: expected a scale factor"),
+        (("replicas", "tiny", "scale", "tokens"), 1e300, "replicas.tiny.scale.tokens: scale factor must be at most"),
         (
             ("replicas", "tiny", "set"),
             {"model.nope": 1},
