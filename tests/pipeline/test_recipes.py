@@ -187,6 +187,26 @@ def test_missing_key_and_bad_split_and_unknown_replica(tmp_path: Path, monkeypat
     assert find_recipe("marin-535b-a23b") == RECIPES_DIR / "marin-535b-a23b.yaml"
 
 
+def test_yaml_1_1_integers_and_a_key_given_twice_are_not_read_silently(tmp_path: Path) -> None:
+    """PyYAML's YAML 1.1 rules read `steps: 010` as 8 and `1:30` as 90 (base 60), and a second `train:`
+    replaced the first: a recipe ran with values nobody wrote. Such text stays text (refused where a
+    number goes), and a key given twice is refused naming it."""
+    from orchestrator.recipes.schema import load_yaml
+
+    assert load_yaml("a: 010\nb: 1:30\nc: 10\nd: 0x1f\ne: 1_000\nf: 1e-4") == {
+        "a": "010",
+        "b": "1:30",
+        "c": 10,
+        "d": 31,
+        "e": 1000,
+        "f": 0.0001,
+    }
+    data = base()
+    text = yaml.safe_dump(data) + "name: again\n"  # `name:` twice
+    with pytest.raises(ConfigError, match="invalid YAML: found the key 'name' twice in one mapping; keep one"):
+        load_recipe(write(tmp_path, text))
+
+
 def test_yaml_is_loaded_safely(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     text = f"name: !!python/object/apply:os.system ['touch {marker}']\n"

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,6 +120,12 @@ def test_a_number_in_scientific_notation_is_a_number_in_a_config_and_a_set() -> 
     assert load_yaml("train: {lr: 1e-4, min_lr: 2.5E-5, steps: 1e2x}") == {
         "train": {"lr": 0.0001, "min_lr": 2.5e-05, "steps": "1e2x"}
     }
+    # YAML 1.1's octal and base-60 integers (`010` was 8, `1:30` was 90) stay text, refused where a number goes
+    assert load_yaml("train: {steps: 010, checkpoint_every: 1:30}") == {
+        "train": {"steps": "010", "checkpoint_every": "1:30"}
+    }
+    with pytest.raises(Exception, match="found the key 'train' twice in one mapping"):
+        load_yaml("train: {lr: 0.5}\ntrain: {steps: 3}")  # the first was dropped, lr 0.5 lost without a word
     assert apply_overrides({"train": {"lr": 0.01}}, ["train.lr=1e-4", "seed=12"]) == {
         "train": {"lr": 0.0001},
         "seed": 12,

@@ -321,6 +321,30 @@ def load_yaml(text: str) -> Any:
         re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
         list("-+0123456789"),
     )
+    # YAML 1.2's integers only (`010` is not 8, `1:30` not 90), and no key given twice (a second `train:`
+    # replaced the first): as the orchestrator's loader reads recipes
+    Loader.yaml_implicit_resolvers = {
+        first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:int"]
+        for first, resolvers in Loader.yaml_implicit_resolvers.items()
+    }
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:int",
+        re.compile(r"^(?:[-+]?(?:0|[1-9][0-9_]*)|0o[0-7]+|0x[0-9a-fA-F]+)$"),
+        list("-+0123456789"),
+    )
+
+    def no_duplicate_keys(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"found the key {key!r} twice in one mapping; keep one", key_node.start_mark
+                )
+            seen.add(key)
+        return loader.construct_mapping(node)
+
+    Loader.add_constructor("tag:yaml.org,2002:map", no_duplicate_keys)
     return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
 
 
