@@ -120,7 +120,7 @@ def _write(tmp_path: Path, cfg: dict) -> str:
         ({"train": {"keep_every": -1}}, "train.keep_every must be >= 0"),
         # values that trained on wrongly or crashed in torch, numpy or the dispatch, after the data loaded
         ({"train": {"lr": float("nan")}}, "'train.lr' must be a finite number, got nan"),
-        ({"train": {"lr": -0.001}}, "train.lr must be > 0"),
+        ({"train": {"lr": -0.001}}, "train.lr must be >= 0"),  # adam's ValueError, after the model was built
         ({"train": {"grad_clip": -1.0}}, "train.grad_clip must be >= 0 (0: no clipping)"),  # flipped gradients
         ({"train": {"min_lr_ratio": -3.0}}, "train.min_lr_ratio must be in [0, 1]"),  # a negative learning rate
         ({"moe": {"capacity_factor": 1e300}}, "moe: capacity factors must be > 0 and at most 1000"),

@@ -493,7 +493,7 @@ def validate(cfg: Config, stage: str) -> None:
         raise ConfigError(f"config: moe.ranks must be >= 1, got {mo.ranks}")
     tr = cfg.train
     for name, ok, rule in (
-        ("train.lr", tr.lr > 0, "> 0"),
+        ("train.lr", tr.lr >= 0, ">= 0 (0: the parameters stay as they are)"),
         ("train.min_lr_ratio", 0 <= tr.min_lr_ratio <= 1, "in [0, 1]"),
         ("train.weight_decay", tr.weight_decay >= 0, ">= 0"),
         ("train.grad_clip", tr.grad_clip >= 0, ">= 0 (0: no clipping)"),
