@@ -52,12 +52,7 @@ def nightly_verdict(pipeline_run_id: str, recipe: str, replica: str) -> dict[str
     except Exception as exc:  # noqa: BLE001 - the verdict is in lineage either way
         logger.warning("could not publish the verdict artifact: %s", exc)
     (logger.error if not verdict.passed else logger.info)(verdict.message)
-    _republish_card(pipeline_run_id)
-    issue_url = _report_on_github(pipeline_run_id)  # the regression issue, then the commit's status linking it
-    payload = verdict.to_dict()
-    if issue_url:
-        payload["regression_issue"] = issue_url  # an Automation's Slack message can link it
-    events.nightly_verdict(pipeline_run_id, payload)
+    _announce(verdict)
     try:
         raise_for_verdict(verdict)
     except NightlyRegression as exc:  # said above, at ERROR: the flow fails with it, without a traceback
@@ -189,6 +184,13 @@ def _verdict_of_failure(exc: Any) -> None:
     except Exception as failure:  # noqa: BLE001 - the run's failure is recorded already; this only reports it
         logger.warning("could not record the failed nightly's verdict: %s", failure)
         return
+    _announce(verdict)
+
+
+def _announce(verdict: Any) -> None:
+    """A recorded verdict, said everywhere a person or an Automation looks: the run's card again (now
+    with the verdict), the regression issue and the commit's status, then the ``openlab.nightly.*``
+    event, which carries the issue's URL so an Automation's message can link it."""
     _republish_card(verdict.pipeline_run_id)
     issue_url = _report_on_github(verdict.pipeline_run_id)
     payload = verdict.to_dict()
