@@ -15,8 +15,10 @@ The flow (``flows/nightly.py``) turns a regressed verdict into a failed flow run
 "Previous successful nightly" means: a pipeline run of the same recipe and replica
 that completed, carries a verdict (so it was a nightly) and whose verdict was not a
 regression. A regressed nightly never becomes the baseline; the next run is again
-compared with the last good one, so a regression keeps failing until it is fixed or
-the tolerance is changed on purpose.
+compared with the last good one, so a regression keeps failing until it is fixed, the
+tolerance is changed on purpose, or someone accepts the regressed run as the new normal
+(:func:`accept_nightly`, ``openlab nightly accept``: a change of routing that moves the drop
+fraction by design), with a reason that is kept on its verdict.
 
 Tolerances, noise-scaled ones included, and the check of one metric against its tolerance
 live in :mod:`orchestrator.tolerances`, which recipes share; this module re-exports them.
@@ -30,7 +32,7 @@ from typing import Any, Literal
 
 from sqlmodel import col
 
-from orchestrator.errors import NotFoundError, OpenlabError
+from orchestrator.errors import ConfigError, NotFoundError, OpenlabError
 from orchestrator.lineage.diff import commit_of, stage_metrics
 from orchestrator.lineage.models import PipelineRun, StageRun, utcnow
 from orchestrator.lineage.store import LineageStore
@@ -69,6 +71,8 @@ class Verdict:
     checks: list[MetricCheck] = field(default_factory=list)
     message: str = ""
     decided_at: str = field(default_factory=lambda: utcnow().isoformat())
+    #: Who accepted a regressed run as the new baseline, when and why (``by``, ``at``, ``reason``).
+    accepted: dict[str, str] | None = None
 
     @property
     def passed(self) -> bool:
@@ -87,7 +91,21 @@ class Verdict:
     def from_dict(cls, data: Mapping[str, Any]) -> Verdict:
         checks = [MetricCheck(**c) for c in data.get("checks", [])]
         fields = {k: data.get(k) for k in ("status", "pipeline_run_id", "commit", "previous_run_id", "previous_commit")}
-        return cls(**fields, checks=checks, message=data.get("message", ""), decided_at=data.get("decided_at", ""))
+        accepted = data.get("accepted")
+        return cls(
+            **fields,
+            checks=checks,
+            message=data.get("message", ""),
+            decided_at=data.get("decided_at", ""),
+            accepted=dict(accepted) if isinstance(accepted, Mapping) else None,
+        )
+
+
+def is_good_verdict(verdict: Mapping[str, Any] | None) -> bool:
+    """Whether a recorded verdict makes its run a baseline for the nightlies after it: it passed, it
+    was the first, or its regression was accepted as the new normal (:func:`accept_nightly`)."""
+    verdict = verdict or {}
+    return verdict.get("status") in GOOD_STATUSES or bool(verdict.get("accepted"))
 
 
 def _fmt(value: float | None) -> str:
@@ -199,11 +217,14 @@ def previous_nightly(store: LineageStore, run: PipelineRun) -> PipelineRun | Non
         state="COMPLETED",
     )
     for candidate in candidates:
-        verdict = candidate.verdict or {}
-        same = candidate.backend == run.backend and asked_ref(candidate) == asked_ref(run)
-        if same and verdict.get("status") in GOOD_STATUSES:
+        if same_nightly(candidate, run) and is_good_verdict(candidate.verdict):
             return candidate
     return None
+
+
+def same_nightly(a: PipelineRun, b: PipelineRun) -> bool:
+    """Whether two nightlies are judged against one baseline: recipe, replica, backend and asked ref."""
+    return (a.recipe, a.replica, a.backend, asked_ref(a)) == (b.recipe, b.replica, b.backend, asked_ref(b))
 
 
 def record_verdict(store: LineageStore, pipeline_run_id: str, verdict: Verdict) -> PipelineRun:
@@ -297,6 +318,101 @@ def failed_nightly(store: LineageStore, pipeline_run_id: str, error: str, *, rec
     return verdict
 
 
+def nightly_kinds(store: LineageStore, *, recipe: str | None = None) -> list[dict[str, Any]]:
+    """Each kind of nightly recorded (recipe, replica, backend, asked git ref), with its latest run and
+    the run the next one is judged against (``None`` before one passed), newest kinds first."""
+    runs = store.list(
+        PipelineRun,
+        where=[col(PipelineRun.verdict).is_not(None)],
+        order_by=col(PipelineRun.started_at).desc(),
+        **({"recipe": recipe} if recipe else {}),
+    )
+    kinds: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for run in runs:
+        key = (run.recipe, run.replica, run.backend, asked_ref(run))
+        entry = kinds.get(key)
+        if entry is None:
+            entry = kinds[key] = dict(zip(("recipe", "replica", "backend", "ref"), key, strict=True))
+            entry.update(latest=_brief(store, run), baseline=None)
+        if entry["baseline"] is None and run.state == "COMPLETED" and is_good_verdict(run.verdict):
+            entry["baseline"] = _brief(store, run)
+    return list(kinds.values())
+
+
+def _brief(store: LineageStore, run: PipelineRun) -> dict[str, Any]:
+    verdict = run.verdict or {}
+    return {
+        "id": run.id,
+        "started_at": run.started_at.isoformat(),
+        "state": run.state,
+        "status": verdict.get("status"),
+        "commit": pipeline_commit(store, run),
+        "accepted": verdict.get("accepted"),
+    }
+
+
+def accept_nightly(store: LineageStore, run_id: str, *, reason: str, by: str) -> Verdict:
+    """Accept the regressed nightly ``run_id`` as the baseline the next nightly of its kind is judged
+    against, recording who, when and why on its verdict (one transaction, one logged event). Its
+    status stays ``regressed``: the history says what the numbers did, and that someone chose it.
+
+    Refused in one line, changing nothing: a run that is not a judged nightly, one that did not
+    complete (no metrics to judge against), one missing a tracked metric (the next nightly would
+    pass that metric unjudged), one that passed already, one accepted already, and one a later good
+    nightly of its kind has already replaced (accepting it would change nothing)."""
+    from orchestrator.secrets import scrub
+
+    reason = " ".join(reason.split())
+    if not reason:
+        raise ConfigError("--reason is empty: say why this regression is the new normal (an issue, a change)")
+    run = store.find(run_id)
+    if not isinstance(run, PipelineRun):
+        raise ConfigError(f"{run_id} is a {run.kind}, not a pipeline run: accept takes a nightly's run (prun_…)")
+    if not run.verdict:
+        raise ConfigError(f"{run.id} has no nightly verdict: only a judged nightly can become the baseline")
+    verdict = Verdict.from_dict(run.verdict)
+    if verdict.accepted:
+        raise ConfigError(
+            f"{run.id} was accepted already, by {verdict.accepted.get('by')} at {verdict.accepted.get('at')}: "
+            f"{verdict.accepted.get('reason')}"
+        )
+    if verdict.passed:
+        raise ConfigError(f"{run.id}'s nightly {verdict.status}: it is a baseline as it stands, nothing to accept")
+    if run.state != "COMPLETED":
+        raise ConfigError(
+            f"{run.id} is {run.state}: a nightly that did not complete has no results to judge the next one "
+            "against; fix it, and the next nightly that completes is judged against the last good one"
+        )
+    missing = [c.metric for c in verdict.checks if c.current is None]
+    if missing or not verdict.checks:
+        named = ", ".join(missing) or "every tracked metric (it compared none)"
+        raise ConfigError(
+            f"{run.id} reported no value of {named}: as a baseline it would let the next nightly pass unjudged; "
+            "fix the stage or the recipe's tracked_metrics, and accept a nightly that reports them"
+        )
+    later = [
+        r
+        for r in store.list(
+            PipelineRun,
+            where=[PipelineRun.id != run.id, col(PipelineRun.started_at) > run.started_at],
+            recipe=run.recipe,
+            replica=run.replica,
+            state="COMPLETED",
+        )
+        if same_nightly(r, run) and is_good_verdict(r.verdict)
+    ]
+    if later:
+        newest = max(later, key=lambda r: r.started_at)
+        raise ConfigError(
+            f"a later nightly of {run.recipe}/{run.replica}, {newest.id}, is the baseline already: accepting "
+            f"{run.id} would change nothing"
+        )
+    verdict.accepted = {"by": by, "at": utcnow().isoformat(), "reason": scrub(reason)}
+    verdict.message = f"accepted as the new baseline by {by}: {verdict.accepted['reason']}. {verdict.message}"
+    record_verdict(store, run.id, verdict)
+    return verdict
+
+
 def raise_for_verdict(verdict: Verdict) -> Verdict:
     """Raise :class:`NightlyRegression` for a regressed verdict; return it otherwise."""
     if not verdict.passed:
@@ -310,10 +426,13 @@ __all__ = [
     "NightlyRegression",
     "Tolerance",
     "Verdict",
+    "accept_nightly",
     "check_metric",
     "compare_metrics",
     "evaluate_nightly",
     "failed_nightly",
+    "is_good_verdict",
+    "nightly_kinds",
     "parse_tolerances",
     "pipeline_commit",
     "pipeline_metrics",
@@ -321,4 +440,5 @@ __all__ = [
     "previous_nightly",
     "raise_for_verdict",
     "record_verdict",
+    "same_nightly",
 ]

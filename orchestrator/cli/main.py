@@ -19,7 +19,7 @@ import typer
 from typer._click import Command
 from typer._click import exceptions as click_errors
 
-from orchestrator.cli import adopt, backends, core, deploy, gc, github, job, lineage, run, server, sweep, wandb
+from orchestrator.cli import adopt, backends, core, deploy, gc, github, job, lineage, nightly, run, server, sweep, wandb
 from orchestrator.errors import OpenlabError, ProvenanceWarning, Terminated
 
 app = typer.Typer(
@@ -41,6 +41,7 @@ app.add_typer(lineage.app, name="lineage")
 app.add_typer(job.app, name="job")
 app.add_typer(backends.app, name="backends")
 app.add_typer(github.app, name="github")
+app.add_typer(nightly.app, name="nightly")
 app.add_typer(wandb.app, name="wandb")
 app.add_typer(server.app, name="server")
 app.add_typer(deploy.app, name="deploy")

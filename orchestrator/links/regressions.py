@@ -162,6 +162,9 @@ def issue_body(linker: GithubLinker, repo: str, run: PipelineRun, verdict: Verdi
     lines += [
         f"- The run's lineage: `openlab lineage trace {run.id}`",
         "",
+        f"- A change that moved these on purpose: `openlab nightly accept {run.id} --reason '...'` makes this run "
+        "the baseline the next nightly is judged against, and closes this issue",
+        "",
         "openlab comments here while the nightly stays regressed and closes this issue when it passes again.",
     ]
     return "\n".join(lines)
@@ -174,6 +177,26 @@ def _comment_body(run: PipelineRun, verdict: Verdict, *, passed: bool) -> str:
         else f"**Still regressed** at commit `{short_commit(verdict.commit)}` (pipeline run `{run.id}`)."
     )
     return "\n".join([run_marker(run.id), head, "", *_table(verdict), "", verdict.message])
+
+
+def accepted_marker(pipeline_run_id: str) -> str:
+    """The hidden line that says a run's acceptance as the new baseline was reported."""
+    return f"<!-- openlab:regression-accepted={pipeline_run_id} -->"
+
+
+def _acceptance_body(run: PipelineRun, verdict: Verdict) -> str:
+    accepted = verdict.accepted or {}
+    return "\n".join(
+        [
+            accepted_marker(run.id),
+            f"**Accepted as the new baseline** by {accepted.get('by')} at {accepted.get('at')}: "
+            f"{accepted.get('reason')}",
+            "",
+            f"Pipeline run `{run.id}` at commit `{short_commit(verdict.commit)}` is the baseline the next nightly of "
+            f"{run.recipe}/{run.replica} on {run.backend or 'its backend'} at `{asked_ref(run)}` is judged against: "
+            "closing.",
+        ]
+    )
 
 
 def _enabled(linker: GithubLinker, settings: Settings | None) -> tuple[str | None, str]:
@@ -227,6 +250,8 @@ def _report(
     gh_repo = linker.client().get_repo(repo)
     open_issues = linker._call(where, lambda: list(gh_repo.get_issues(state="open", labels=[label])))
     issue = _find_open(open_issues, run)
+    if verdict.accepted:
+        return _report_acceptance(linker, repo, gh_repo, run, verdict, issue, where)
     if issue is None and not verdict.passed:
         # GitHub drops the labels of a new issue without a word when the token may not push: found by
         # its label alone, such an issue was opened again every night. Before opening one, every open
@@ -254,6 +279,25 @@ def _report(
     return RegressionReport(action, ref.id, issue.html_url)
 
 
+def _report_acceptance(
+    linker: GithubLinker, repo: str, gh_repo: Any, run: PipelineRun, verdict: Verdict, issue: Any, where: IssueRef
+) -> RegressionReport:
+    """Say on the open regression issue that its run was accepted as the new baseline, and close it
+    (as not planned: nothing was fixed). No open issue: nothing to say."""
+    if issue is None:  # one GitHub dropped the label of is found by its marker
+        issue = _find_open(linker._call(where, lambda: list(gh_repo.get_issues(state="open"))), run)
+    if issue is None:
+        return RegressionReport("none")
+    ref = IssueRef(repo, issue.number)
+    marker = accepted_marker(run.id)
+    if not any(marker in (c.body or "") for c in linker._call(ref, lambda: list(issue.get_comments()))):
+        text = _acceptance_body(run, verdict)
+        linker._call(ref, lambda: issue.create_comment(text))
+    linker._call(ref, lambda: issue.edit(state="closed", state_reason="not_planned"))
+    _record(linker, repo, issue, run)
+    return RegressionReport("closed", ref.id, issue.html_url)
+
+
 def _record(linker: GithubLinker, repo: str, issue: Any, run: PipelineRun) -> None:
     """The issue as a lineage record, and the run's link to it."""
     ref = IssueRef(repo, issue.number)
@@ -265,6 +309,7 @@ def _record(linker: GithubLinker, repo: str, issue: Any, run: PipelineRun) -> No
 __all__ = [
     "ACTION",
     "RegressionReport",
+    "accepted_marker",
     "issue_body",
     "issue_title",
     "regression_marker",

@@ -346,3 +346,28 @@ def test_a_nightly_whose_stage_failed_is_a_regressed_verdict_and_never_a_baselin
     assert store.require(PipelineRun, crashed.id).verdict["status"] == "regressed"  # recorded
     later = plant_run(store, "c" * 40, 3.0, 0.10, minutes=2880)
     assert evaluate_nightly(store, later.id, TOLERANCES).previous_run_id == base.id, "judged against the last good"
+
+
+def test_a_run_that_cannot_be_a_baseline_is_not_accepted(store: LineageStore) -> None:
+    """A failed nightly has no numbers to judge the next one against, and one that missed a tracked
+    metric would let the next nightly pass that metric unjudged: neither is accepted, and the
+    refusal records nothing."""
+    from orchestrator.nightly import accept_nightly, failed_nightly
+
+    base = plant_run(store, "a" * 40, 3.0, 0.10, minutes=0)
+    evaluate_nightly(store, base.id, TOLERANCES)
+    crashed = plant_run(store, "b" * 40, 3.0, 0.10, minutes=10, state="FAILED")
+    failed_nightly(store, crashed.id, "stage pretrain failed")
+    with pytest.raises(ConfigError, match="is FAILED: a nightly that did not complete"):
+        accept_nightly(store, crashed.id, reason="new routing", by="ada@n1")
+    partial = _plant(store, "c" * 40, "tiny", {"eval": {"eval/loss": 3.5}}, minutes=20)
+    assert evaluate_nightly(store, partial.id, TOLERANCES).status == "regressed"
+    with pytest.raises(ConfigError, match="reported no value of moe/drop_fraction"):
+        accept_nightly(store, partial.id, reason="new routing", by="ada@n1")
+    plain = plant_run(store, "d" * 40, 3.0, 0.10, minutes=30)
+    with pytest.raises(ConfigError, match="has no nightly verdict"):
+        accept_nightly(store, plain.id, reason="new routing", by="ada@n1")
+    for run in (crashed, partial):
+        assert not store.require(PipelineRun, run.id).verdict.get("accepted")
+    later = plant_run(store, "e" * 40, 3.5, 0.10, minutes=40)
+    assert evaluate_nightly(store, later.id, TOLERANCES).previous_run_id == base.id, "still the last good one"

@@ -207,3 +207,64 @@ def test_a_repository_github_does_not_know_is_one_line_and_not_queued(
     assert report.action == "failed" and report.error is not None
     assert report.error.startswith("repository lab/exp not found (404): check [github] repo"), report.error
     assert store.list(GithubUpdate, state="pending") == [], "retrying cannot help: nothing queued"
+
+
+def test_accepting_a_regression_makes_it_the_baseline_and_closes_its_issue(
+    fake_github: FakeGitHub, store: LineageStore, run_cli, monkeypatch
+) -> None:
+    """Routing changed on purpose and moved eval loss: every nightly after it regressed against the old
+    numbers until the tolerance was edited. `openlab nightly accept` makes the regressed run the
+    baseline, keeps who and why on its verdict, and closes the regression issue as not planned."""
+    baseline = _nightly(store, GOOD, 2.00, 0)
+    bad = _nightly(store, BAD, 2.30, 1)
+    assert report_verdict(store, bad.id).action == "opened"
+    worse = _nightly(store, WORSE, 2.31, 2)
+    assert report_verdict(store, worse.id).action == "commented"
+
+    def accept(run_id: str, reason: str):
+        return run_cli("nightly", "accept", run_id, "--reason", reason)
+
+    for run_id, reason, says in [
+        (worse.id, "   ", "--reason is empty"),
+        (baseline.id, "new routing", "nothing to accept"),
+        ("prun_nosuchrun", "new routing", "prun_nosuchrun"),
+    ]:
+        refused = accept(run_id, reason)
+        assert refused.returncode == 2 and says in refused.stderr, refused
+        assert len(refused.stderr.strip().splitlines()) == 1 and "Traceback" not in refused.stderr
+    assert not (store.require(PipelineRun, worse.id).verdict or {}).get("accepted"), "a refusal records nothing"
+
+    monkeypatch.setenv("MY_API_KEY", "s3cr3t-value-42")
+    done = accept(worse.id, "aux-loss-free routing lands (lab/exp#7); key s3cr3t-value-42")
+    assert done.returncode == 0, done.stderr
+    assert f"{worse.id} at commit {WORSE[:12]} is the baseline" in done.stdout, done.stdout
+    assert "regression issue lab/exp#8: closed" in done.stdout, done.stdout
+    verdict = store.require(PipelineRun, worse.id).verdict
+    assert verdict["status"] == "regressed", "the history keeps what the numbers did"
+    assert verdict["accepted"]["reason"] == "aux-loss-free routing lands (lab/exp#7); key ***"
+    assert "@" in verdict["accepted"]["by"] and verdict["accepted"]["at"]
+    assert [e.action for e in store.events(worse.id)][-1] == "update", "written through a logged transaction"
+    (issue,) = _regression_issues(fake_github)
+    assert (issue["state"], issue["state_reason"]) == ("closed", "not_planned")
+    said = fake_github.comments_on("lab/exp", 8)[-1]["body"]
+    assert "**Accepted as the new baseline**" in said and "aux-loss-free routing" in said
+    assert "s3cr3t-value-42" not in said
+
+    # the next nightly is judged against the accepted run: same numbers pass, no issue to speak on
+    nxt = _nightly(store, FIXED, 2.31, 3)
+    assert nxt.verdict["status"] == "passed" and nxt.verdict["previous_run_id"] == worse.id, nxt.verdict
+    assert report_verdict(store, nxt.id).action == "none"
+
+    again = accept(worse.id, "twice")
+    assert again.returncode == 2 and "accepted already" in again.stderr, again
+    older = accept(bad.id, "the first red one")
+    assert older.returncode == 2 and f"{nxt.id}, is the baseline already" in older.stderr, older
+
+    listed = run_cli("nightly", "baselines")
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.splitlines()[:3] == [
+        "marin-535b-a23b/tiny on - at HEAD",
+        f"  baseline: {nxt.id} {nxt.started_at.isoformat()[:16]} commit {FIXED[:12]} (passed)",
+        f"  latest:   {nxt.id} {nxt.started_at.isoformat()[:16]} commit {FIXED[:12]} COMPLETED passed",
+    ], listed.stdout
+    assert run_cli("lineage", "verify").returncode == 0, "the acceptance is part of the hash chain"
