@@ -60,7 +60,7 @@ from git.exc import (  # noqa: E402
 )
 
 from orchestrator.errors import OpenlabError, ProvenanceWarning  # noqa: E402
-from orchestrator.hashing import hash_bytes  # noqa: E402
+from orchestrator.hashing import hash_bytes, hash_json  # noqa: E402
 from orchestrator.settings import Settings, load_settings  # noqa: E402
 from orchestrator.snapshots import atomic_write  # noqa: E402
 
@@ -163,8 +163,39 @@ def _unavailable(path: Path, reason: str) -> GitInfo:
     return GitInfo(available=False, reason=reason)
 
 
-def _open_repo(path: Path) -> gitpython.Repo:
-    return gitpython.Repo(path, search_parent_directories=True)
+#: Variables that point git at another repository's parts. Set in the environment openlab runs in
+#: (a git hook, a shell that exported them), they made the capture of one repository read another's
+#: index or objects: a patch that deleted its files and added the other's.
+_GIT_LOCATION_VARS = (
+    "GIT_DIR",
+    "GIT_WORK_TREE",
+    "GIT_INDEX_FILE",
+    "GIT_OBJECT_DIRECTORY",
+    "GIT_ALTERNATE_OBJECT_DIRECTORIES",
+    "GIT_COMMON_DIR",
+    "GIT_NAMESPACE",
+)
+
+
+def _open_repo(path: Path, *, search: bool = True) -> gitpython.Repo:
+    """The repository at (or, with ``search``, above) ``path``, its git commands pinned to its own
+    git dir, work tree, index and objects whatever this process's environment says."""
+    repo = gitpython.Repo(path, search_parent_directories=search)
+    stray = [name for name in _GIT_LOCATION_VARS if name in os.environ]
+    if stray:
+        git_dir = Path(repo.git_dir)
+        common = Path(getattr(repo, "common_dir", git_dir))
+        pinned = {
+            "GIT_DIR": str(git_dir),
+            "GIT_WORK_TREE": repo.working_tree_dir or "",
+            "GIT_INDEX_FILE": str(git_dir / "index"),
+            "GIT_OBJECT_DIRECTORY": str(common / "objects"),
+            "GIT_ALTERNATE_OBJECT_DIRECTORIES": "",
+            "GIT_COMMON_DIR": str(common),
+            "GIT_NAMESPACE": "",
+        }
+        repo.git.update_environment(**{name: pinned[name] for name in stray if pinned[name] or name in os.environ})
+    return repo
 
 
 def _remote_url(repo: gitpython.Repo) -> str | None:
@@ -220,8 +251,29 @@ class _TempTree:
         except GitCommandError:
             return None
 
+    def _unhide(self) -> None:
+        """Clear, in the temporary index, the flags that hide a file's edits from ``add``: assume-unchanged
+        (``git update-index --assume-unchanged``), and skip-worktree where the file is on disk (a sparse
+        checkout's absent files keep theirs: they are not deleted). With them, an edited file was recorded
+        as its committed content and the tree as clean."""
+        root = Path(self.repo.working_tree_dir or ".")
+        assumed: list[str] = []
+        skipped: list[str] = []
+        for entry in self.run("ls-files", "-v", "-z").split("\0"):
+            if len(entry) < 3:
+                continue
+            tag, rel = entry[0], entry[2:]
+            if tag.islower():
+                assumed.append(rel)
+            if tag.upper() == "S" and os.path.lexists(root / rel):
+                skipped.append(rel)
+        for flag, paths in (("--no-assume-unchanged", assumed), ("--no-skip-worktree", skipped)):
+            for start in range(0, len(paths), 1000):
+                self.run("update-index", flag, "--", *paths[start : start + 1000])
+
     def __enter__(self) -> _TempTree:
         try:
+            self._unhide()
             self.run("add", "-A", "--", ".", *(f":(exclude,literal){p}" for p in self.exclude))
             self.tree = self.run("write-tree").strip()
         except BaseException:
@@ -284,7 +336,7 @@ def _submodules(repo: gitpython.Repo) -> tuple[SubmoduleInfo, ...]:
         dirty = False
         if (sub_dir / ".git").exists():
             try:
-                sub = gitpython.Repo(sub_dir)
+                sub = _open_repo(sub_dir, search=False)
                 commit = sub.head.commit.hexsha if sub.head.is_valid() else None
                 dirty = sub.is_dirty(untracked_files=True)
             except (InvalidGitRepositoryError, GitCommandError, ValueError):
@@ -293,12 +345,98 @@ def _submodules(repo: gitpython.Repo) -> tuple[SubmoduleInfo, ...]:
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class _Nested:
+    """A repository checked out inside the captured one (a submodule, or an embedded clone git records
+    as a gitlink): the commit it is at, its working tree's root tree id, its uncommitted changes as a
+    patch whose paths start at the top repository's root, and the ids of declared paths inside it."""
+
+    path: str
+    commit: str | None
+    tree: str
+    patch: bytes
+    ids: Mapping[str, str | None]
+
+
+def _diff_args(base: str, prefix: str = "") -> list[str]:
+    """``git diff`` of the temporary index against ``base``: binary-safe, whole ids, submodules shown,
+    paths under ``prefix`` (a nested repository's place in the top one)."""
+    args = ["diff", "--cached", "--binary", "--no-color", "--no-ext-diff", "--full-index", "--ignore-submodules=none"]
+    if prefix:
+        args += [f"--src-prefix=a/{prefix}", f"--dst-prefix=b/{prefix}"]
+    return [*args, base]
+
+
+def _nested_trees(work: _TempTree, root: Path, prefix: str, wanted: Sequence[str]) -> list[_Nested]:
+    """Every repository checked out inside ``work``'s (depth first), captured as the top one is. Its
+    gitlink says only which commit it is at: an edit inside a submodule left the recorded tree, the
+    patch and every code path's hash as they were for the clean commit, and a stale result was reused."""
+    out: list[_Nested] = []
+    for record in work.run("ls-files", "-s", "-z").split("\0"):
+        if not record.startswith("160000 "):
+            continue
+        rel = record.split("\t", 1)[1]
+        sub_dir = root / rel
+        if not (sub_dir / ".git").exists():
+            continue  # not checked out: the gitlink is all there is
+        full = f"{prefix}{rel}/"
+        sub = _open_repo(sub_dir, search=False)
+        try:
+            commit = sub.head.commit.hexsha if sub.head.is_valid() else None
+            with _TempTree(sub) as inner:
+                patch: bytes = inner.run(*_diff_args(commit or EMPTY_TREE, full), binary=True)
+                ids = {w: inner.path_id(w[len(full) :]) for w in wanted if w.startswith(full)}
+                deeper = _nested_trees(inner, sub_dir, full, wanted)
+                out.append(_Nested(full[:-1], commit, inner.tree, patch, ids))
+            out.extend(deeper)
+        finally:
+            sub.close()
+    return out
+
+
+def _code_path_id(work: _TempTree, rel: str, nested: Sequence[_Nested]) -> str | None:
+    """The id of declared path ``rel`` in the working tree, nested repositories' edits included: a path
+    inside one is looked up in it; a path that holds one with uncommitted changes (the submodule itself,
+    a folder above it, the root) is its tree id and theirs hashed together, so an edit in there moves it."""
+    for sub in nested:
+        if rel.startswith(sub.path + "/") and rel in sub.ids:
+            return sub.ids[rel]
+    found = work.path_id(rel)
+    if found is None:
+        return None
+    inside = rel in ("", ".")
+    dirty = {
+        sub.path: sub.tree
+        for sub in nested
+        if sub.patch and (inside or sub.path == rel or sub.path.startswith(rel + "/"))
+    }
+    return hash_json({"tree": found, "nested": dirty}) if dirty else found
+
+
+def _uncommitted_repos(root: Path, untracked: Sequence[str]) -> tuple[str, ...]:
+    """Untracked folders that are git repositories with no commit yet: ``git add`` refuses them ("adding
+    files failed"), which lost the whole capture; they are left out of the recorded tree instead."""
+    out = []
+    for rel in untracked:
+        folder = root / rel
+        if rel.endswith("/") and (folder / ".git").exists():
+            try:
+                with _open_repo(folder, search=False) as repo:
+                    if not repo.head.is_valid():
+                        out.append(rel.rstrip("/"))
+            except (InvalidGitRepositoryError, GitCommandError, ValueError):
+                out.append(rel.rstrip("/"))
+    return tuple(out)
+
+
 def _relative_code_path(declared: str, base: Path, root: Path) -> str:
     candidate = Path(declared)
     absolute = candidate if candidate.is_absolute() else base / candidate
     absolute = Path(os.path.normpath(absolute))
-    try:
-        rel = absolute.relative_to(root)
+    try:  # a path through a link to the repository (root is resolved) is the same path inside it
+        rel = (absolute if absolute.is_relative_to(root) else absolute.parent.resolve() / absolute.name).relative_to(
+            root
+        )
     except ValueError:
         raise ProvenanceError(
             f"code path {declared}: outside the git repository {root}; declare paths inside it"
@@ -400,22 +538,23 @@ def _capture(
         warnings.warn(message, ProvenanceWarning, stacklevel=3)
         log.warning(message)
 
-    with _TempTree(repo, exclude=[p for p, _ in large]) as work:
-        patch: bytes = work.run(
-            "diff",
-            "--cached",
-            "--binary",
-            "--no-color",
-            "--no-ext-diff",
-            "--full-index",
-            "--ignore-submodules=none",
-            base,
-            binary=True,
+    empty_repos = _uncommitted_repos(root, untracked)
+    if empty_repos:
+        message = (
+            f"{root}: left out of the recorded working tree, git repositories with no commit yet: "
+            f"{', '.join(empty_repos)}; commit in them, or add them to .gitignore"
         )
+        warnings.warn(message, ProvenanceWarning, stacklevel=3)
+        log.warning(message)
+
+    with _TempTree(repo, exclude=[*(p for p, _ in large), *empty_repos]) as work:
+        patch: bytes = work.run(*_diff_args(base), binary=True)
+        wanted = {declared: _relative_code_path(declared, path, root) for declared in code_paths}
+        nested = _nested_trees(work, root, "", list(wanted.values()))
+        patch += b"".join(sub.patch for sub in nested)
         tree_hashes: dict[str, str] = {}
-        for declared in code_paths:
-            rel = _relative_code_path(declared, path, root)
-            found = work.path_id(rel)
+        for declared, rel in wanted.items():
+            found = _code_path_id(work, rel, nested)
             if found is not None:
                 tree_hashes[declared] = found
             else:

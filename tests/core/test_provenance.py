@@ -285,9 +285,87 @@ def test_submodule_recorded(repo: Path, tmp_path: Path, settings: Settings) -> N
     assert [s.path for s in info.submodules] == ["vendor/lib"]
     assert info.submodules[0].commit == git(lib, "rev-parse", "HEAD")
     assert info.tree_hashes["vendor/lib"] == git(lib, "rev-parse", "HEAD")
+    clean = info
     (repo / "vendor" / "lib" / "l.py").write_text("l = 2\n")
-    info = capture_git(repo, settings=settings)
+    info = capture_git(repo, code_paths=["vendor/lib", "vendor", "vendor/lib/l.py", "."], settings=settings)
     assert info.dirty is True and info.submodules[0].dirty is True
+    # the edit is in the recorded tree: its patch, and the hash of every code path that holds it (the gitlink
+    # alone says the submodule's commit, so a stale result of the clean tree was reused)
+    assert info.patch_hash is not None and info.patch_hash != clean.patch_hash
+    assert info.tree_hashes["vendor/lib"] != clean.tree_hashes["vendor/lib"]
+    assert info.tree_hashes["vendor/lib/l.py"] == git(repo / "vendor" / "lib", "hash-object", "l.py")
+    again = capture_git(repo, code_paths=["vendor/lib", "vendor", "."], settings=settings)
+    assert {k: info.tree_hashes[k] for k in again.tree_hashes} == again.tree_hashes, "the same edit, the same hash"
+    # the patch rebuilds the tree: the superproject's clone, its submodule, then the patch at the top
+    clone = tmp_path / "clone"
+    git(tmp_path, "clone", "-q", str(repo), str(clone))
+    git(clone, "-c", "protocol.file.allow=always", "submodule", "update", "-q", "--init")
+    subprocess.run(["git", "-C", str(clone), "apply", "--binary", info.patch_path], check=True)
+    assert (clone / "vendor" / "lib" / "l.py").read_text() == "l = 2\n"
+
+
+def test_a_repository_with_no_commit_inside_the_tree_is_left_out_not_the_whole_capture(
+    repo: Path, settings: Settings
+) -> None:
+    """``git add`` refuses an embedded repository with no commit ("adding files failed"): every run from
+    the tree was recorded as having no git at all."""
+    inner = repo / "scratch"
+    inner.mkdir()
+    git(inner, "init", "-q")
+    (inner / "try.py").write_text("print(1)\n")
+    (repo / "src" / "model.py").write_text("x = 1\ny = 5\n")
+    with pytest.warns(ProvenanceWarning, match="git repositories with no commit yet: scratch"):
+        info = capture_git(repo, code_paths=["src"], settings=settings)
+    assert info.available and info.dirty and info.commit == git(repo, "rev-parse", "HEAD")
+    assert b"y = 5" in Path(info.patch_path).read_bytes()
+
+
+def test_files_git_is_told_to_ignore_edits_of_are_still_captured(repo: Path, settings: Settings) -> None:
+    """``git update-index --assume-unchanged`` (or ``--skip-worktree``) hides a file's edits from git status
+    and ``git add``: the edited file was recorded as its committed content and the tree as clean."""
+    clean = capture_git(repo, code_paths=["src/model.py", "data/prep.py"], settings=settings)
+    git(repo, "update-index", "--assume-unchanged", "src/model.py")
+    git(repo, "update-index", "--skip-worktree", "data/prep.py")
+    (repo / "src" / "model.py").write_text("x = 1\ny = 7\n")
+    (repo / "data" / "prep.py").write_text("print('prep7')\n")
+    info = capture_git(repo, code_paths=["src/model.py", "data/prep.py"], settings=settings)
+    assert info.dirty is True
+    patch = Path(info.patch_path).read_bytes()
+    assert b"y = 7" in patch and b"prep7" in patch
+    assert all(info.tree_hashes[k] != clean.tree_hashes[k] for k in clean.tree_hashes)
+    assert git(repo, "ls-files", "-v", "src/model.py").startswith("h "), "the user's index keeps its flags"
+
+
+def test_git_location_variables_of_the_environment_do_not_mix_in_another_repository(
+    repo: Path, tmp_path: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run from a git hook (or a shell that exported ``GIT_DIR``), the capture of one repository read
+    another's index and objects: a patch that deleted its files and added the other's."""
+    other = tmp_path / "other"
+    other.mkdir()
+    git(other, "init", "-q", "-b", "main")
+    (other / "b.py").write_text("b = 1\n")
+    git(other, "add", "-A")
+    git(other, "commit", "-q", "-m", "other")
+    expected = capture_git(repo, code_paths=["src"], settings=settings)
+    monkeypatch.setenv("GIT_DIR", str(other / ".git"))
+    monkeypatch.setenv("GIT_INDEX_FILE", str(other / ".git" / "index"))
+    info = capture_git(repo, code_paths=["src"], settings=settings)
+    assert (info.commit, info.dirty, info.tree_hashes, info.untracked) == (
+        expected.commit,
+        False,
+        expected.tree_hashes,
+        (),
+    ), info
+
+
+def test_a_code_path_through_a_link_to_the_repository_is_inside_it(
+    repo: Path, tmp_path: Path, settings: Settings
+) -> None:
+    link = tmp_path / "linked"
+    link.symlink_to(repo)
+    info = capture_git(link, code_paths=[str(link / "src")], settings=settings)
+    assert info.tree_hashes[str(link / "src")] == git(repo, "rev-parse", "HEAD:src")
 
 
 def test_commit_exists(repo: Path, tmp_path: Path) -> None:
