@@ -550,7 +550,10 @@ def snapshot(
         body = {
             "version": CACHE_VERSION,
             "root": str(root),
-            "manifest": snap_id,
+            # the id these entries make, only where they are every file of it: a file written too recently
+            # to cache (the last a job wrote) and deleted since left the same count of hits, and the id of
+            # the folder with it was taken for the folder without it
+            "manifest": snap_id if len(new_cache) == nfiles else None,
             "links": links,
             "entries": new_cache,
         }
@@ -666,12 +669,17 @@ def content_hash(path: Path) -> str:
     file is re-read. Artifacts are recorded and verified with it, so an artifact's
     hash and a snapshot of the same data are always the same string.
     """
+    return merkle_root(content_entries(path))
+
+
+def content_entries(path: Path) -> list[SnapshotEntry]:
+    """The manifest entries of an output file or folder as it is now, every file re-read (no stat
+    cache, no manifest written): what :func:`content_hash` hashes."""
     root = _resolve_root(path)
     digest = _hashing_once()
-    entries = [
+    return [
         SnapshotEntry(path=f.rel, link=f.link)
         if f.link is not None
         else SnapshotEntry(path=f.rel, size=f.st.st_size, blake3=digest(f))
         for f in _walk(root)
     ]
-    return merkle_root(entries)

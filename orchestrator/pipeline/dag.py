@@ -31,9 +31,9 @@ from orchestrator.settings import Settings
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 #: Files whose content may differ between two runs that computed the same thing (wall
-#: times in metrics, W&B run folders, logs). Downstream identities hash a stage's output
+#: times in metrics and in the per-step log, W&B run folders, logs). Downstream identities hash a stage's output
 #: *without* them, so a re-run that produced byte-identical data re-uses what follows.
-DEFAULT_VOLATILE = ("metrics.json", "wandb/*", "*.log", "*.tmp", ".openlab/*")
+DEFAULT_VOLATILE = ("metrics.json", "metrics.jsonl", "wandb/*", "*.log", "*.tmp", ".openlab/*")
 
 
 @dataclass(frozen=True)
@@ -244,11 +244,21 @@ def moe_pipeline(
     selected = check_stage_selection(DEFAULT_STAGES if stages is None else stages)
     root = (repo_root or REPO_ROOT).resolve()
     common = [_moe("__init__.py"), _moe("__main__.py"), _moe("config.py"), _moe("util.py")]
-    # training and eval read token shards through tokenizing.py
-    model = [_moe("model.py"), _moe("dispatch.py"), _moe("metrics.py"), _moe("tokenizing.py"), _moe("train.py")]
+    # training and eval read token shards through tokenizing.py, which imports data.py; train.py averages
+    # gradients and weights the loss over a job's tasks in distributed.py (each module a stage imports,
+    # however indirectly, decides its result: one left out, an edit to it reused the stale result)
+    model = [
+        _moe("model.py"),
+        _moe("dispatch.py"),
+        _moe("metrics.py"),
+        _moe("data.py"),
+        _moe("tokenizing.py"),
+        _moe("distributed.py"),
+        _moe("train.py"),
+    ]
     declared: dict[str, Sequence[str]] = {
         "data": [*common, _moe("data.py")],
-        "tokenize": [*common, _moe("tokenizing.py")],
+        "tokenize": [*common, _moe("data.py"), _moe("tokenizing.py")],
         "pretrain": [*common, *model],
         "midtrain": [*common, *model],
         "posttrain": [*common, *model],

@@ -1087,7 +1087,11 @@ def _run_stage(
                     tx.relate("used", run, snap, role=key)
     ctx.emit(spec.name, "RUNNING", identity=digest, stage_run_id=run.id, reason=why)
 
-    if forced and out_dir.exists() and existing is None:
+    # Forced, or a completed run's recorded outputs here no longer verify (changed from outside openlab):
+    # start from an empty folder. Left in place, a training stage found its (edited) final checkpoint,
+    # "resumed" at the last step, trained nothing and recorded the tampered weights as a fresh result.
+    # What a failed run left where openlab had replaced or removed the outputs stays: it goes on from it.
+    if (forced or replaced) and out_dir.exists() and existing is None:
         _keep_unsynced_wandb(ctx, out_dir)
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,7 @@ from orchestrator.errors import OpenlabError
 from orchestrator.lineage.models import Artifact, StageRun, new_id
 from orchestrator.lineage.record import record_snapshot
 from orchestrator.lineage.store import Transaction
-from orchestrator.pipeline.dag import StageSpec
+from orchestrator.pipeline.dag import DEFAULT_VOLATILE, StageSpec
 from orchestrator.settings import Settings
 
 log = logging.getLogger("openlab.pipeline")
@@ -73,6 +73,7 @@ def hash_output(path: Path, settings: Settings, volatile: Sequence[str]) -> dict
         "path": str(snap.path),
         "content_hash": snap.id,
         "input_hash": merkle_root(stable),
+        "volatile": list(volatile),
         "files": snap.files,
         "bytes": snap.bytes,
         "manifest_path": str(snap.manifest_path),
@@ -81,12 +82,16 @@ def hash_output(path: Path, settings: Settings, volatile: Sequence[str]) -> dict
 
 
 def verify_outputs(outputs: Mapping[str, Any], settings: Settings, *, deep: bool = False) -> str | None:
-    """None when every recorded output still has its content hash, else what is wrong.
+    """None when every recorded output still holds what was recorded, volatile files aside, else what
+    is wrong.
 
-    The default check re-snapshots with the stat cache (one stat per unchanged file), so
-    reuse stays cheap; ``deep`` re-reads every byte.
+    What a later stage reads of an output is its hash without volatile files (``input_hash``), and so
+    is what must still hold for it to be reused: with the whole folder's hash, ``openlab wandb sync``
+    (which marks W&B's run folder synced) or a metric logged again made the stage run again. The
+    default check re-snapshots with the stat cache (one stat per unchanged file), so reuse stays
+    cheap; ``deep`` re-reads every byte.
     """
-    from orchestrator.snapshots import SnapshotError, snapshot, verify_snapshot
+    from orchestrator.snapshots import SnapshotError, content_entries, merkle_root, snapshot, verify_snapshot
 
     if not outputs:
         return "no outputs recorded"
@@ -95,12 +100,17 @@ def verify_outputs(outputs: Mapping[str, Any], settings: Settings, *, deep: bool
         if not path.exists():
             return f"output {name} is missing at {path}"
         try:
+            entries = content_entries(path) if deep else snapshot(path, settings=settings).entries
+            if merkle_root(entries) == out.get("content_hash"):
+                continue
+            volatile = out.get("volatile") or DEFAULT_VOLATILE
+            stable = [e for e in entries if not _volatile(e.path, volatile)]
+            if out.get("input_hash") and merkle_root(stable) == out["input_hash"]:
+                continue  # only volatile files moved
             if deep:
                 problems = verify_snapshot(out["content_hash"], settings, path=path)
-                if problems:
-                    return f"output {name}: {problems[0]}"
-            elif snapshot(path, settings=settings).id != out.get("content_hash"):
-                return f"output {name} at {path} changed since it was recorded"
+                return f"output {name}: {problems[0] if problems else 'changed since it was recorded'}"
+            return f"output {name} at {path} changed since it was recorded"
         except (SnapshotError, OpenlabError) as exc:
             return f"output {name}: {exc}"
     return None

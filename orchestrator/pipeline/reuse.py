@@ -40,10 +40,12 @@ def find_reusable(
         return None, "no completed run with this identity"
     problems = []
     for run in candidates:
-        problem = verify_outputs(run.outputs, settings, deep=deep)
+        # outputs openlab removed (gc) or replaced (a forced re-run) are not reused, even where a folder
+        # with the same stable bytes stands there now: the record says they are gone
+        problem = _removed(store, run) or verify_outputs(run.outputs, settings, deep=deep)
         if problem is None:
             return run, f"identity {identity[:16]} already completed by {run.id}; outputs verified"
-        problems.append(f"{run.id}: {_removed(store, run) or problem}")
+        problems.append(f"{run.id}: {problem}")
     return None, NO_LONGER_VERIFY + "; ".join(problems)
 
 

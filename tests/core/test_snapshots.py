@@ -179,6 +179,20 @@ def test_recently_modified_file_is_not_cached(tmp_path: Path, settings: Settings
     assert len(count_hashes) == 1
 
 
+def test_a_file_too_new_to_cache_then_deleted_changes_the_id(tmp_path: Path, settings: Settings) -> None:
+    """The last file a job writes is too recent to cache; deleted after the snapshot, every other file
+    still hit the cache and the folder kept the id it had with that file, so its outputs still verified."""
+    root = tmp_path / "out"
+    root.mkdir()
+    (root / "a").write_bytes(b"a")
+    _settle()
+    (root / "b").write_bytes(b"b")
+    with_b = snapshot(root, settings=settings)
+    (root / "b").unlink()
+    without = snapshot(root, settings=settings)
+    assert without.id != with_b.id and without.id == snapshots.content_hash(root)
+
+
 def test_corrupt_cache_is_ignored(tmp_path: Path, settings: Settings) -> None:
     root = make_tree(tmp_path / "data")
     _settle()

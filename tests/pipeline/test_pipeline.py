@@ -173,14 +173,31 @@ def test_one_line_change_reruns_that_stage_and_only_stages_whose_input_changed(r
 def test_changed_output_on_disk_is_not_reused(repo: Path, ledger: Path) -> None:
     first = run_pipeline(toy_pipeline(repo), toy_configs(), options=fast())
     (first.results["count"].out_dir / "count.json").write_text('{"words": -1}')
+    (first.results["count"].out_dir / "partial.bin").write_bytes(b"left by whoever edited it")
     again = run_pipeline(toy_pipeline(repo), toy_configs(), options=fast())
     assert again.results["count"].state == "COMPLETED"
     assert executions(ledger) == ["gen", "upper", "count", "count"]
+    # it ran in an empty folder: a training stage finds what it left there and goes on from it
+    assert not (again.results["count"].out_dir / "partial.bin").exists()
     # why it ran: its recorded output changed, not "no earlier completed run"
     why = again.results["count"].reason
     count = first.results["count"]
     recorded = f"{count.stage_run_id}: output out at {count.out_dir} changed since it was recorded"
     assert why.startswith("completed runs with this identity no longer verify: ") and why.endswith(recorded), why
+
+
+def test_an_output_whose_volatile_files_alone_changed_is_reused(repo: Path, ledger: Path) -> None:
+    """`openlab wandb sync` marks W&B's run folder synced and a metric may be logged again: what later
+    stages read of the output is unchanged, and so it is reused, not run again."""
+    first = run_pipeline(toy_pipeline(repo), toy_configs(), options=fast())
+    out = first.results["count"].out_dir
+    (out / "wandb" / "offline-run-1").mkdir(parents=True)
+    (out / "wandb" / "offline-run-1" / "run-1.wandb.synced").write_text("")
+    (out / "metrics.json").write_text('{"words": 3, "relogged": 1}')
+    for deep in (False, True):
+        again = run_pipeline(toy_pipeline(repo), toy_configs(), options=dataclasses.replace(fast(), deep_verify=deep))
+        assert [again.results[s].state for s in ("gen", "upper", "count")] == ["REUSED"] * 3, deep
+    assert executions(ledger) == ["gen", "upper", "count"]
 
 
 def test_two_pipeline_processes_at_once_execute_each_identity_once(repo: Path, ledger: Path) -> None:
@@ -769,6 +786,35 @@ def test_moe_pipeline_declares_which_stages_track_wandb() -> None:
 
     tracking = {s.name for s in moe_pipeline().stages if s.tracks_wandb}
     assert tracking == {"pretrain", "midtrain", "posttrain", "eval"}  # data and tokenize never call wandb.init
+
+
+def test_every_workload_module_a_stage_imports_is_in_its_identity() -> None:
+    """tokenize imports data.py and training averages gradients in distributed.py; neither was declared,
+    so an edit to either reused the stale result. Each stage's declared code is every module of the
+    workload its program imports, however indirectly (the W&B helper alone is left out on purpose)."""
+    import ast
+
+    from orchestrator.pipeline import moe_pipeline
+    from orchestrator.pipeline.dag import REPO_ROOT
+
+    package = REPO_ROOT / "workloads" / "moe"
+
+    def imported(module: str, seen: set[str]) -> set[str]:
+        if module in seen:
+            return seen
+        seen.add(module)
+        for node in ast.walk(ast.parse((package / module).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                imported(f"{node.module}.py", seen)
+        return seen
+
+    entry = {"data": "data.py", "tokenize": "tokenizing.py", "eval": "train.py", "repro": "repro.py"}
+    pipeline = moe_pipeline(stages=["data", "tokenize", "repro"])
+    specs = {s.name: s for s in [*moe_pipeline().stages, *pipeline.stages]}
+    for name, spec in specs.items():
+        needed = imported(entry.get(name, "train.py"), {"__main__.py"}) - {"tracking.py"}
+        declared = {Path(p).name for p in spec.code_paths}
+        assert needed <= declared, f"{name} does not declare {sorted(needed - declared)}"
 
 
 def test_stage_interpreter_follows_where_the_job_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
