@@ -46,6 +46,9 @@ def secret_values(*sources: Mapping[str, str]) -> list[str]:
 #: A password written into a URL, ``scheme://user:PASSWORD@host``: a secret whatever variable (or
 #: none) it came from (``--db postgresql://bob:pw@db/x`` in a job's command was recorded and exported).
 _URL_PASSWORD = re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^/\s:@]*:)[^/\s@]+@")
+#: A token written as a web URL's user (``https://ghp_…@github.com/o/r.git``, as GitHub documents for
+#: cloning): the whole user part of an http(s) URL is masked, as ``strip_credentials`` drops it.
+_URL_TOKEN_USER = re.compile(r"(?i)(\bhttps?://)[^/\s:@]+@")
 
 
 def scrub(text: str, values: Iterable[str] | None = None) -> str:
@@ -54,7 +57,9 @@ def scrub(text: str, values: Iterable[str] | None = None) -> str:
     for value in secret_values() if values is None else values:
         if value and value in text:
             text = text.replace(value, MASK)
-    return _URL_PASSWORD.sub(rf"\g<1>{MASK}@", text) if "://" in text else text
+    if "://" not in text:
+        return text
+    return _URL_TOKEN_USER.sub(rf"\g<1>{MASK}@", _URL_PASSWORD.sub(rf"\g<1>{MASK}@", text))
 
 
 #: Words that make a record key a credential (``wandb_api_key``, ``githubToken``, ``db-password``).

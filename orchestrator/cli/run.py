@@ -308,7 +308,10 @@ def _run_here(resolved: Any, options: Any, retries: int, verbose: bool, json_out
             f"recipe {resolved.name} · backend {ctx.options.backend}"
         )
         if resolved.run_set:  # what this run set over its recipe: the experiment, in its summary
-            console.print("set for this run: " + " ".join(set_words(resolved.run_set)), markup=False, highlight=False)
+            from orchestrator.secrets import scrub
+
+            said = scrub(" ".join(set_words(resolved.run_set)))  # a terminal's scrollback is a log
+            console.print("set for this run: " + said, markup=False, highlight=False)
         for line in outcome_lines(result.pipeline_run.preregistration):
             console.print(f"pre-registered {line}", markup=False, highlight=False)
         if result.error:

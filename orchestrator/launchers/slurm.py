@@ -891,7 +891,11 @@ class SlurmLauncher(Launcher):
             self._install_helper(mask_filter_path(log_dir), MASK_HELPER)
         self.script_dir.mkdir(parents=True, exist_ok=True)
         script_path = self.script_dir / f"{re.sub(r'[^A-Za-z0-9_.-]+', '-', spec.name)[:40]}-{uuid.uuid4().hex[:8]}.sh"
-        script_path.write_text(script)
+        # the owner's alone: a job's command may carry a secret (`--db-password X`), masked in lineage but
+        # needed by the job as it is, and the jobs folder may be on a filesystem the whole cluster reads
+        fd = os.open(script_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(script)
         env_extra = passed_env(spec.env)[0]
         env_extra["OPENLAB_JOB_NAME"] = spec.name
         env_extra["OPENLAB_LABELS"] = json.dumps(dict(spec.labels), sort_keys=True)

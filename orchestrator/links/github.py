@@ -266,10 +266,13 @@ class GithubLinker:
         return bool(self._token)
 
     def scrub(self, text: str) -> str:
-        """``text`` with the token (if any) masked: messages end up in lineage and logs."""
+        """``text`` with the token (if any), this process's other secrets and any URL's password masked:
+        messages end up in lineage and logs."""
+        from orchestrator.secrets import scrub
+
         if self._token and self._token in text:
             text = text.replace(self._token, "***")
-        return text
+        return scrub(text)
 
     def _missing_token(self) -> _Failure:
         env = self.config.token_env
@@ -463,13 +466,13 @@ class GithubLinker:
         qid = self._queue_id(action, ref, key or pipeline_run_id, issue_id)
         with self.store.transaction() as tx:
             entry = tx.session.get(GithubUpdate, qid)
-            news = entry is None or entry.state == "done" or entry.last_error != failure.message
+            news = entry is None or entry.state == "done" or entry.last_error != self.scrub(failure.message)
             entry = entry or GithubUpdate(
                 id=qid, action=action, issue_id=issue_id or ref.id, pipeline_run_id=pipeline_run_id
             )
             entry.state = "pending" if failure.retryable else "failed"
             entry.attempts += 1
-            entry.last_error = failure.message
+            entry.last_error = self.scrub(failure.message)  # written past the store's masking (tx.session)
             entry.not_before = failure.not_before
             entry.updated_at = utcnow()
             tx.session.add(entry)

@@ -73,6 +73,7 @@ from orchestrator.pipeline.reuse import (
 )
 from orchestrator.provenance.invocation import current_user
 from orchestrator.recipes import ResolvedRecipe, identity_config
+from orchestrator.secrets import scrub
 from orchestrator.settings import Settings, load_settings
 
 if TYPE_CHECKING:
@@ -930,7 +931,10 @@ def _wandb_section(ctx: PipelineContext, spec: StageSpec, identity: str, stage_r
                 "issue": ctx.issue_id,
                 "lineage_anchor": str(anchor) if anchor is not None else None,
                 # the values this run set over its recipe (`run --set`): the experiment, in W&B's run overview
-                "run_set": set_words(ctx.recipe.run_set) if ctx.recipe is not None and ctx.recipe.run_set else None,
+                # (a value that is a secret's, masked: W&B's servers are no place for it, as lineage is not)
+                "run_set": [scrub(w) for w in set_words(ctx.recipe.run_set)]
+                if ctx.recipe is not None and ctx.recipe.run_set
+                else None,
             },
             settings=ctx.settings,
         )

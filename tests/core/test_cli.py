@@ -828,6 +828,11 @@ def test_a_value_set_on_the_command_line_runs_is_recorded_and_shown_and_is_reuse
     assert param.type == "FormalParameter" and param["additionalType"] == "Integer"
     assert param.id in {i.id for i in crate.mainEntity["input"]}
 
+    # a value that is a secret's (typed from the environment) is masked in what the terminal keeps
+    masked = run_cli("run", *args, "--set", "data.max_bytes_per_domain=150000", env={"MY_API_KEY": "150000"})
+    assert "set for this run: data.max_bytes_per_domain=***" in masked.stdout.splitlines(), masked.stdout
+    assert "150000" not in masked.stdout
+
 
 def test_run_at_a_terminal_shows_live_progress_and_the_summary(run_cli_tty, run_cli) -> None:
     """The display only a terminal gets (rich progress bars) must work: it is what people see first."""

@@ -128,6 +128,12 @@ def test_no_log_line_carries_a_secret_to_stderr(tmp_path) -> None:
         (["bash", "-c", "export HF_TOKEN=$(cat ~/.hf_token); python train.py --lr 0.1"], None),
         # a password written into a URL is a secret whatever names it
         (["--db", "postgresql://bob:pw_URLSECRET_77@db/x"], ["--db", "postgresql://bob:***@db/x"]),
+        # a token as a web URL's user, as GitHub documents for cloning; ssh's git@ user is no secret
+        (
+            ["git", "clone", "https://ghp_URLUSER_123456@github.com/o/r.git"],
+            ["git", "clone", "https://***@github.com/o/r.git"],
+        ),
+        (["git", "clone", "git@github.com:o/r.git"], None),
     ],
 )
 def test_a_recorded_command_line_masks_secrets_and_keeps_the_rest(typed: list[str], recorded: list[str] | None) -> None:

@@ -135,10 +135,12 @@ def test_a_warning_for_the_batch_shell_reaches_a_job_under_the_filter_once(measu
 def test_a_node_without_the_filters_python_runs_the_job_as_it_is() -> None:
     """Where the node has no such Python the job runs unfiltered (as it runs unmeasured): it must run."""
     launcher = slurm(python="no-such-python3b")
-    handle = launcher.submit(with_secret("plain", ["sh", "-c", "echo ran"]))
+    handle = launcher.submit(with_secret("plain", ["sh", "-c", "echo ran", "--db-password", "pw"]))
     status = launcher.wait(handle, timeout=120)
     assert status.state is JobState.SUCCEEDED, status
     assert list(launcher.logs(handle)) == ["ran"]
+    # the batch script holds the command as the job needs it, secrets and all: its owner's to read alone
+    assert Path(handle.extra["script"]).stat().st_mode & 0o777 == 0o600
 
 
 def test_the_batch_script_runs_a_job_with_secrets_under_the_filter_and_others_as_before(

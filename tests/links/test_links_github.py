@@ -428,13 +428,17 @@ def test_no_network_records_unresolved_and_queues(openlab_env: Path, store, pipe
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    openlab_env.write_text(f'[github]\nbase_url = "http://127.0.0.1:{port}/api/v3"\nseconds_between_requests = 0\n')
+    # a proxy's password in the API's URL: masked in the issue's record and in the queue's alike
+    url = f"http://bob:proxyPassw0rd@127.0.0.1:{port}/api/v3"
+    openlab_env.write_text(f'[github]\nbase_url = "{url}"\nseconds_between_requests = 0\n')
     monkeypatch.setenv("GITHUB_TOKEN", TOKEN)
     with caplog.at_level(logging.WARNING):
         issue = resolve_issue(store, ISSUE, pipeline)
         for _stage_update in range(3):  # each stage's transition refreshes the card: the same outage each time
             assert publish_card(store, pipeline.id) == []
-    assert not issue.resolved and f"cannot reach GitHub at http://127.0.0.1:{port}/api/v3" in (issue.last_error or "")
+    said = f"cannot reach GitHub at http://bob:***@127.0.0.1:{port}/api/v3"
+    assert not issue.resolved and said in (issue.last_error or ""), issue.last_error
+    assert all(said in (u.last_error or "") for u in store.list(GithubUpdate)), store.list(GithubUpdate)
     warned = [r.getMessage() for r in caplog.records if "not posted on" in r.getMessage()]
     assert len(warned) == 1 and "queued for `openlab github sync`" in warned[0], warned  # said once, not per stage
     assert sorted((u.action, u.state) for u in store.list(GithubUpdate)) == [
