@@ -31,10 +31,13 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Callable, Iterable
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
+from sqlalchemy.exc import StatementError
 from sqlmodel import col, select
 
 from orchestrator.errors import OpenlabError
@@ -132,50 +135,102 @@ def check_anchors(store: LineageStore, anchors: Iterable[Anchor]) -> list[Proble
     return problems
 
 
+#: Rows read at a time; a batch with a row that cannot be read is read again one row at a time.
+_BATCH = 500
+
+
+@dataclass(frozen=True)
+class _Unreadable:
+    """A row whose stored values cannot be read as its columns' types (a date that is not one, JSON cut
+    short): edited outside openlab. Its key and, for an event, the hash column (text, always readable)."""
+
+    key: Any
+    error: str
+    hash: str | None = None
+
+
+def _rows(store: LineageStore, model: Any, key: Any) -> Iterator[Any]:
+    """Every row of ``model`` in ``key`` order, an unreadable one as :class:`_Unreadable` in its place.
+    Loaded whole, one row SQL had set to a date that is not one stopped verify with a traceback, hiding
+    every other problem behind it."""
+    with store.session() as session:
+        keys = list(session.exec(select(key).order_by(key)))
+    for start in range(0, len(keys), _BATCH):
+        part = keys[start : start + _BATCH]
+        with store.session() as session:
+            try:
+                rows = list(session.exec(select(model).where(key.in_(part)).order_by(key)))
+            except (ValueError, TypeError, StatementError):
+                rows = None
+        if rows is not None:
+            yield from rows
+            continue
+        for one in part:
+            with store.session() as session:
+                try:
+                    yield from session.exec(select(model).where(key == one))
+                except (ValueError, TypeError, StatementError) as exc:
+                    found = session.exec(select(Event.hash).where(Event.seq == one)).first() if model is Event else None
+                    yield _Unreadable(one, " ".join(str(exc).split())[:200], found)
+
+
+def _readable(store: LineageStore, model: Any) -> Iterator[Any]:
+    """The rows of ``model`` that can be read (the records check names the others)."""
+    return (row for row in _rows(store, model, col(model.id)) if not isinstance(row, _Unreadable))
+
+
 def _check_chain(store: LineageStore) -> tuple[list[Problem], dict[tuple[str, str], dict]]:
     problems: list[Problem] = []
     latest: dict[tuple[str, str], dict] = {}
     expected_seq, prev = 1, GENESIS_HASH
-    with store.session() as session:
-        for ev in session.exec(select(Event).order_by(col(Event.seq))):
-            if ev.seq != expected_seq:
-                problems.append(Problem(f"event:{expected_seq}", f"missing (next event is {ev.seq}): events deleted"))
-            if ev.prev_hash != prev:
-                problems.append(Problem(f"event:{ev.seq}", "prev_hash does not match the previous event's hash"))
-            digest = event_hash(ev.seq, ev.at, ev.record_kind, ev.record_id, ev.action, ev.payload, ev.prev_hash)
-            if digest != ev.hash:
-                problems.append(
-                    Problem(f"event:{ev.seq}", f"content does not match its hash ({ev.record_kind}:{ev.record_id})")
-                )
-            latest[(ev.record_kind, ev.record_id)] = ev.payload
-            expected_seq, prev = ev.seq + 1, ev.hash
+    for ev in _rows(store, Event, col(Event.seq)):
+        if isinstance(ev, _Unreadable):
+            problems.append(Problem(f"event:{ev.key}", f"unreadable, edited outside openlab: {ev.error}"))
+            expected_seq, prev = ev.key + 1, ev.hash or ""
+            continue
+        if ev.seq != expected_seq:
+            problems.append(Problem(f"event:{expected_seq}", f"missing (next event is {ev.seq}): events deleted"))
+        if ev.prev_hash != prev:
+            problems.append(Problem(f"event:{ev.seq}", "prev_hash does not match the previous event's hash"))
+        digest = event_hash(ev.seq, ev.at, ev.record_kind, ev.record_id, ev.action, ev.payload, ev.prev_hash)
+        if digest != ev.hash:
+            problems.append(
+                Problem(f"event:{ev.seq}", f"content does not match its hash ({ev.record_kind}:{ev.record_id})")
+            )
+        latest[(ev.record_kind, ev.record_id)] = ev.payload
+        expected_seq, prev = ev.seq + 1, ev.hash
     return problems, latest
 
 
 def _check_records(store: LineageStore, latest: dict[tuple[str, str], dict]) -> list[Problem]:
     problems: list[Problem] = []
     seen: set[tuple[str, str]] = set()
-    with store.session() as session:
-        for kind, model in RECORD_TYPES.items():
-            for row in session.exec(select(model)):
-                key = (kind, row.id)  # type: ignore[attr-defined]
-                seen.add(key)
-                recorded = latest.get(key)
-                if recorded is None:
-                    problems.append(Problem(f"{kind}:{key[1]}", "has no event: written outside openlab"))
-                    continue
+    for kind, model in RECORD_TYPES.items():
+        for row in _rows(store, model, col(model.id)):
+            if isinstance(row, _Unreadable):
+                seen.add((kind, row.key))
+                problems.append(Problem(f"{kind}:{row.key}", f"unreadable, edited outside openlab: {row.error}"))
+                continue
+            key = (kind, row.id)  # type: ignore[attr-defined]
+            seen.add(key)
+            recorded = latest.get(key)
+            if recorded is None:
+                problems.append(Problem(f"{kind}:{key[1]}", "has no event: written outside openlab"))
+                continue
+            with warnings.catch_warnings():  # pydantic's word on a value of the wrong type: said below
+                warnings.simplefilter("ignore")
                 current = record_payload(row)
-                # A column added by a later migration is absent from older events; it
-                # holds its default (None) until an event records a value for it.
-                fields = sorted(
-                    k
-                    for k in current.keys() | recorded.keys()
-                    if (k in recorded or current[k] is not None) and current.get(k) != recorded.get(k)
+            # A column added by a later migration is absent from older events; it
+            # holds its default (None) until an event records a value for it.
+            fields = sorted(
+                k
+                for k in current.keys() | recorded.keys()
+                if (k in recorded or current[k] is not None) and current.get(k) != recorded.get(k)
+            )
+            if fields:
+                problems.append(
+                    Problem(f"{kind}:{key[1]}", f"edited outside openlab: {', '.join(fields)} differ from its log")
                 )
-                if fields:
-                    problems.append(
-                        Problem(f"{kind}:{key[1]}", f"edited outside openlab: {', '.join(fields)} differ from its log")
-                    )
     for kind, record_id in sorted(latest.keys() - seen):
         problems.append(Problem(f"{kind}:{record_id}", "deleted outside openlab (its events remain)"))
     return problems
@@ -191,7 +246,7 @@ def _check_data(
     # a snapshot taken on the cluster (/lustre/corpus/v3) is no problem on a laptop that audits from
     # the shared store; the folder that held it being gone is what tells "not here" from "deleted"
     unmounted: dict[Path, list[str]] = {}
-    for snap in store.list(DataSnapshot):
+    for snap in _readable(store, DataSnapshot):
         if snap.removed_at is not None:
             continue  # its folder was replaced by a forced re-run (the record says when and why)
         if progress:
@@ -221,7 +276,7 @@ def _check_data(
             found.append(f"manifest id {manifest_id} is not the recorded id")
         problems.extend(Problem(f"snapshot:{snap.id}", msg) for msg in found)
     away: dict[Path, list[str]] = {}  # artifact root not on this machine -> its artifacts, not checked
-    for art in store.list(Artifact):
+    for art in _readable(store, Artifact):
         if art.removed_at is not None:
             continue  # removed by `openlab gc` or replaced by a re-run (new bytes may be there): the record says
         path = Path(art.uri.removeprefix("file://"))
@@ -315,7 +370,7 @@ def _check_commits(store: LineageStore, settings: Settings, notes: list[str] | N
 
     problems: list[Problem] = []
     away: dict[Path, list[str]] = {}
-    for commit in store.list(Commit):
+    for commit in _readable(store, Commit):
         label = f"commit:{commit.id}"
         if commit.sha and commit.repo_path and not Path(commit.repo_path).exists():
             away.setdefault(Path(commit.repo_path), []).append(commit.id)

@@ -84,6 +84,25 @@ def test_event_tampering_breaks_the_chain(store: LineageStore) -> None:
     assert "event:2" in records and "event:3" in records  # missing, and the next link broken
 
 
+def test_rows_sql_made_unreadable_are_named_and_every_other_check_still_runs(tmp_path: Path) -> None:
+    """A date that is not one, JSON cut short: SQLite stores what SQL gives it, and verify stopped at
+    the first such row with a traceback, hiding every other edit behind it."""
+    store = LineageStore(f"sqlite:///{tmp_path / 'lineage.db'}")
+    run, stage = _populate(store)
+    (exp,) = store.list(Experiment)
+    with store.engine.begin() as conn:
+        conn.execute(sa.text("UPDATE event SET at = 'garbage' WHERE seq = 2"))
+        conn.execute(sa.text("UPDATE stagerun SET metrics = '[1,2' WHERE id = :id"), {"id": stage.id})
+        conn.execute(sa.text("UPDATE pipelinerun SET started_at = 'yesterday' WHERE id = :id"), {"id": run.id})
+        conn.execute(sa.text("UPDATE experiment SET name = 'forged' WHERE id = :id"), {"id": exp.id})
+    found = {p.record: p.message for p in verify(store, load_settings())}
+    for record in ("event:2", f"stage_run:{stage.id}", f"pipeline_run:{run.id}"):
+        assert found.get(record, "").startswith("unreadable, edited outside openlab: "), (record, found)
+    assert "name" in found[f"experiment:{exp.id}"], found
+    assert "event:3" not in found, "the chain goes on from the unreadable event's hash"
+    store.close()
+
+
 def _writer(url: str, worker: int, count: int) -> None:
     store = LineageStore(url)
     for i in range(count):
