@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,8 +29,11 @@ def given_path(value: str | Path) -> Path:
 
 
 def print_json(data: Any) -> None:
-    """Print one JSON document on stdout (no colour, no wrapping: scripts parse it)."""
-    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    """Print one JSON document on stdout (no colour, no wrapping: scripts parse it; strict JSON, a
+    diverged loss as ``"NaN"``: ``jq`` refuses a bare ``NaN``)."""
+    from orchestrator.lineage.export import dumps
+
+    sys.stdout.write(dumps(data, indent=2, sort_keys=True) + "\n")
     sys.stdout.flush()
 
 

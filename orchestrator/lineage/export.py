@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import re
 import urllib.parse
 import uuid
@@ -196,6 +197,24 @@ def clean_value(value: Any, secrets: Sequence[str]) -> Any:
     if isinstance(value, tuple):
         value = list(value)
     return redact_value(value, secrets)
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with each float that is not a finite number as JSON has no word for it: ``"NaN"``,
+    ``"Infinity"``, ``"-Infinity"`` (a diverged loss is a result, kept as text). Python's ``json``
+    writes ``NaN`` bare, which no strict reader (Marquez, JSON-LD tools) accepts."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+def dumps(value: Any, **options: Any) -> str:
+    """Strict JSON of an export (see :func:`strict_json`)."""
+    return json.dumps(strict_json(value), allow_nan=False, default=str, **options)
 
 
 def iso_time(when: dt.datetime) -> str:
@@ -559,5 +578,5 @@ def export(store: LineageStore, fmt: str, pipeline_run_ids: Iterable[str] = (), 
         raise ExportError(f"unknown export format {fmt!r}; {choices(fmt, FORMATS, label='formats')}")
     closure = collect(store, list(pipeline_run_ids))
     if fmt == "prov":
-        return json.dumps(to_prov(closure), indent=2, sort_keys=True, default=str) + "\n"
-    return "".join(json.dumps(e, sort_keys=True, default=str) + "\n" for e in to_openlineage(closure, namespace))
+        return dumps(to_prov(closure), indent=2, sort_keys=True) + "\n"
+    return "".join(dumps(e, sort_keys=True) + "\n" for e in to_openlineage(closure, namespace))

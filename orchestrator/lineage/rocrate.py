@@ -34,6 +34,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import re
 import shlex
 import shutil
 import tempfile
@@ -49,6 +50,7 @@ from orchestrator.lineage.export import (
     account_id,
     clean_value,
     collect,
+    dumps,
     iso_time,
     patch_files,
     producer_uri,
@@ -165,9 +167,11 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
         upstream.setdefault(stage.stage, sorted((fields.get("inputs") or {}).keys()))
         code_paths.setdefault(stage.stage, sorted((fields.get("code") or {}).keys()))
     recipe = clean_value((pipelines[-1].params or {}).get("recipe"), secrets)
-    workflow_path = f"workflow/{name}.json"
+    # a file of the crate whatever the name holds (a pipeline built in code may be named anything:
+    # "../x" wrote outside the crate), and an @id that is a relative IRI
+    workflow_path = f"workflow/{re.sub(r'[^A-Za-z0-9_.-]+', '-', name).lstrip('.') or 'pipeline'}.json"
     workflow_text = (
-        json.dumps(
+        dumps(
             {
                 "pipeline": name,
                 "recipe": recipe,
@@ -527,7 +531,7 @@ def write_rocrate(store: LineageStore, pipeline_run_ids: Sequence[str], director
             (staging / relative).parent.mkdir(parents=True, exist_ok=True)
             (staging / relative).write_text(text, encoding="utf-8")
         (staging / "ro-crate-metadata.json").write_text(
-            json.dumps(document, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8"
+            dumps(document, indent=2, sort_keys=True) + "\n", encoding="utf-8"
         )
         if directory.exists():
             directory.rmdir()

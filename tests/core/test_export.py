@@ -315,3 +315,39 @@ def test_a_sweeps_runs_have_the_sweep_as_their_openlineage_parent(
     parent = runs[run_uuid(swept.pipeline_run.id)]["run"]["facets"]["parent"]
     assert parent["run"]["runId"] == run_uuid("swp_" + "7" * 20) and parent["job"]["name"] == "toy.sweep", parent
     assert "parent" not in runs[run_uuid(alone.pipeline_run.id)]["run"]["facets"]
+
+
+def test_a_diverged_loss_exports_as_strict_json_and_an_odd_name_stays_in_the_crate(
+    recorded: dict[str, str], run_cli, tmp_path: Path
+) -> None:
+    """A loss that went to NaN reached OpenLineage, the RO-Crate and `--json` as a bare `NaN`, which no
+    strict reader takes; and a pipeline named `../x` wrote its workflow file outside the crate."""
+
+    def strict(text: str) -> object:
+        def refuse(name: str) -> None:
+            raise ValueError(f"bare {name}")
+
+        return json.loads(text, parse_constant=refuse)
+
+    from orchestrator.lineage.models import PipelineRun
+
+    with _store() as store:
+        (stage, *_) = store.list(StageRun, pipeline_run_id=recorded["first"])
+        run = store.require(PipelineRun, recorded["first"])
+        with store.transaction() as tx:
+            tx.update(stage, metrics={"loss": float("nan"), "grad_norm": float("inf")})
+            tx.update(run, recipe="../../escaped")
+        for fmt in ("prov", "openlineage"):
+            text = export(store, fmt, [recorded["first"]])
+            for line in [text] if fmt == "prov" else text.splitlines():
+                strict(line)
+        assert '"NaN"' in text and '"Infinity"' in text, "the values kept, as text"
+    shown = run_cli("lineage", "show", stage.id, "--json")
+    assert shown.returncode == 0 and strict(shown.stdout)
+    crate_dir = tmp_path / "deep" / "crate"
+    done = run_cli("lineage", "export", recorded["first"], "-f", "ro-crate", "-o", str(crate_dir))
+    assert done.returncode == 0, done.stderr
+    document = strict((crate_dir / "ro-crate-metadata.json").read_text())
+    assert [p.name for p in (crate_dir / "workflow").iterdir()] == ["-..-escaped.json"]
+    assert sorted(p.name for p in (tmp_path / "deep").iterdir()) == ["crate"], "nothing written beside the crate"
+    assert any(e["@id"] == "workflow/-..-escaped.json" for e in document["@graph"])  # type: ignore[index]
