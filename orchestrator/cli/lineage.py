@@ -204,12 +204,15 @@ def show_cmd(
         if parts_name:
             doc[parts_name] = [{"id": p.id, "summary": describe(p)} for p in parts]
         if patch is not None:
-            doc["patch"] = patch
+            doc["packages" if record.kind == "environment" else "patch"] = patch
         print_json(doc)
         return
     console.print(f"[bold]{record.kind}[/] {record.id}")
     payload = record_payload(record)
-    if patch is not None:  # where the uncommitted changes are, beside their hash
+    if patch is not None and record.kind == "environment":  # the package list the hash stands for
+        said = f"`{patch['apply']}` installs them" if patch["present"] else "not in this openlab home"
+        payload["packages"] = f"{patch['path']}  ({said})"
+    elif patch is not None:  # where the uncommitted changes are, beside their hash
         if patch["present"]:
             on = record.sha or "the commit"
             payload["patch"] = f"{patch['path']}  (`{patch['apply']}` on {on} rebuilds the tree)"
@@ -370,11 +373,15 @@ def trace_cmd(
 
 def _patch(record: Any) -> dict[str, Any] | None:
     """Where a dirty-tree commit's uncommitted changes are (the blob store holds the patch under its
-    hash), whether they are there, and how to put them back; None for any other record."""
-    if record.kind != "commit" or not getattr(record, "patch_hash", None):
-        return None
+    hash), whether they are there, and how to put them back; an environment's package list likewise;
+    None for any other record."""
     from orchestrator.settings import load_settings
 
+    if record.kind == "environment" and getattr(record, "packages_hash", None):
+        blob = load_settings().blobs_dir / record.packages_hash
+        return {"path": str(blob), "present": blob.is_file(), "apply": f"pip install -r {shlex.quote(str(blob))}"}
+    if record.kind != "commit" or not getattr(record, "patch_hash", None):
+        return None
     blob = load_settings().blobs_dir / record.patch_hash
     return {"path": str(blob), "present": blob.is_file(), "apply": f"git apply --binary {shlex.quote(str(blob))}"}
 

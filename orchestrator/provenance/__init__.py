@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.provenance.environment import EnvironmentInfo, capture_environment
+from orchestrator.provenance.environment import EnvironmentInfo, capture_environment, keep_packages
 from orchestrator.provenance.git import (
     GitInfo,
     ProvenanceError,
@@ -23,7 +23,7 @@ from orchestrator.provenance.git import (
     commit_exists,
     strip_credentials,
 )
-from orchestrator.settings import Settings
+from orchestrator.settings import Settings, load_settings
 
 __all__ = [
     "EnvironmentInfo",
@@ -60,7 +60,7 @@ def capture(
 ) -> Provenance:
     """Capture provenance for the repository containing ``path`` and this process (``keep_patch``:
     see :func:`capture_git`)."""
-    return Provenance(
-        git=capture_git(path, code_paths=code_paths, settings=settings, keep_patch=keep_patch),
-        environment=capture_environment(),
-    )
+    git = capture_git(path, code_paths=code_paths, settings=settings, keep_patch=keep_patch)
+    if keep_patch:  # the package list beside the patch: what the environment's hash stands for
+        keep_packages((settings if settings is not None else load_settings()).blobs_dir)
+    return Provenance(git=git, environment=capture_environment())

@@ -6,11 +6,13 @@ because they routinely hold secrets; the single exception is
 ``OPENLAB_IMAGE_DIGEST``, set by openlab's own launcher, and only when it has the
 shape of an image digest.
 
-``id`` identifies the *software* environment: Python version and implementation,
-OS and architecture, libc, the installed-distributions hash and the image digest.
-Hostname, CPU and GPU are recorded but left out of ``id``: the same image on two
-nodes is the same environment, and where a job ran must not change what it means
-(stage identity can declare hardware fields explicitly when numerics depend on them).
+``id`` identifies the environment as recorded: Python version and implementation, OS and
+architecture, libc, the installed-distributions hash and the image digest, and the machine
+(host, CPU, GPU). Left out of it, a run on a GPU node was linked to the record of the first run
+of the same software, on a laptop, and lineage said the wrong host and hardware. Stage identity
+never uses this id: a stage declares the fields its result depends on (``packages_hash``, the
+image digest, a hardware field where numerics depend on it), so where a job ran does not
+change what it means.
 """
 
 from __future__ import annotations
@@ -176,6 +178,9 @@ def _identity(info: dict[str, Any]) -> str:
         "libc",
         "packages_hash",
         "container_image_digest",
+        "hostname",
+        "cpu_model",
+        "gpu_models",
     )
     return hash_json({k: info[k] for k in keys})
 
@@ -202,6 +207,20 @@ def _capture() -> EnvironmentInfo:
         "container_image_digest": digest,
     }
     return EnvironmentInfo(id=_identity(fields), **fields)
+
+
+def keep_packages(blobs_dir: Path) -> Path:
+    """Store this process's ``name==version`` list in the blob store under its hash (the environment's
+    ``packages_hash``) and return where: the hash alone says that two environments differ, the list
+    says how, and lets a later reader install the same (``pip install -r`` it)."""
+    from orchestrator.snapshots import atomic_write
+
+    lines = installed_packages()
+    text = "\n".join(lines).encode("utf-8")
+    blob = blobs_dir / hash_bytes(text)
+    if not blob.exists():
+        atomic_write(blob, text)
+    return blob
 
 
 def capture_environment(*, refresh: bool = False) -> EnvironmentInfo:

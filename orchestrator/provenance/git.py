@@ -16,14 +16,21 @@ capture works from the *working tree*:
   warned of, with the folders that hold most of them. The value of a secret-named variable of
   this process (``HF_TOKEN``) found in the patch (a ``.env`` or notes file left untracked) is
   recorded as ``***``, with a warning: the patch is lineage, shown and exported, and a secret
-  never reaches lineage; that line then applies as ``***``.
+  never reaches lineage; that line then applies as ``***`` (only added lines are masked: the
+  context lines ``git apply`` checks are the commit's). Uncommitted changes inside a submodule
+  or an embedded clone are in the patch too, under their paths from the top (after ``git
+  submodule update``, the patch applies at the top); an embedded repository with no commit yet
+  is left out, with a warning. Files flagged assume-unchanged or skip-worktree (present on
+  disk) are captured as they are, and ``GIT_DIR``-like variables of the environment are ignored.
 * ``tree_hashes`` — for each declared code path, the git object id (tree for a
   folder, blob for a file) of that path in the working tree. It is computed by
   ``git add -A`` into a *temporary index* (a copy of the real one, so unchanged files
   are not re-read) with a *temporary object directory* (so nothing is written into
   the user's repository), then ``git write-tree``. Git ids are content-addressed per
   subtree, so a one-line edit changes the hash of exactly the declared paths that
-  contain it, and a clean tree gives the same ids as ``HEAD:<path>``.
+  contain it, and a clean tree gives the same ids as ``HEAD:<path>``. A path inside a
+  submodule is its id there; a path that holds a submodule with changes hashes its own id
+  with the submodule's tree, so the edit moves it.
 
 A folder that is not in a git repository (or a machine without git) yields
 ``GitInfo(available=False, reason=...)`` and a :class:`ProvenanceWarning`; it never
@@ -460,8 +467,16 @@ def _masked_patch(patch: bytes, root: Path) -> bytes:
             for line in part.splitlines()[:1]
         }
     )
-    for value in found:
-        patch = patch.replace(value, MASK.encode())
+    # Only on the lines the patch adds: a context or removed line is the commit's own text, which `git
+    # apply` checks, and masked there (a secret's value that is also a common word) the patch no longer
+    # applied. An added line applies as ***: the tree rebuilt differs there, as the warning says.
+    lines = patch.split(b"\n")
+    for i, line in enumerate(lines):
+        if line.startswith(b"+") and not line.startswith(b"+++ "):
+            for value in found:
+                line = line.replace(value, MASK.encode())
+            lines[i] = line
+    patch = b"\n".join(lines)
     message = (
         f"{root}: {', '.join(files)} held the value of a secret-named environment variable; the working "
         f"tree's patch records it as {MASK} (move the secret out of the repository, or into .gitignore)"

@@ -154,6 +154,26 @@ def test_a_secret_in_the_working_tree_is_masked_in_the_recorded_patch(
     assert (clone / "src" / "model.py").read_bytes() == (repo / "src" / "model.py").read_bytes()
 
 
+def test_a_secret_value_that_is_also_in_the_commits_text_leaves_the_patch_applicable(
+    repo: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The value was masked on every line of the patch, the context lines git apply checks against
+    the commit included: a secret that is also a word of the code ("return") made a patch that no
+    longer applied. Only what the patch adds is masked."""
+    (repo / "src" / "model.py").write_text("def f():\n    return 1\n\n\ny = 2\n")
+    git(repo, "commit", "-qam", "f")
+    monkeypatch.setenv("MY_TOKEN", "return")
+    (repo / "src" / "model.py").write_text("def f():\n    return 1\n\n\ny = 3  # return\n")
+    with pytest.warns(ProvenanceWarning, match="held the value of a secret-named"):
+        info = capture_git(repo, code_paths=["src"], settings=settings)
+    patch = Path(info.patch_path).read_bytes()
+    assert b"+y = 3  # ***" in patch and b" return 1" in patch
+    clone = repo.parent / "clone"
+    git(repo.parent, "clone", "-q", str(repo), str(clone))
+    subprocess.run(["git", "-C", str(clone), "apply", "--binary", info.patch_path], check=True)
+    assert (clone / "src" / "model.py").read_text() == "def f():\n    return 1\n\n\ny = 3  # ***\n"
+
+
 def test_a_folder_of_untracked_files_is_warned_of_and_kept(repo: Path, settings: Settings) -> None:
     """20,000 small untracked files (a run's outputs, a virtualenv .gitignore misses) made every
     capture take 12 s and store a 37 MB patch, silently. Past a thousand, a warning names the
@@ -246,6 +266,27 @@ def test_not_a_repo_warns_and_records_no_git(tmp_path: Path, settings: Settings)
     data = json.loads(json.dumps(prov.to_dict()))
     assert data["git"]["commit"] is None and data["git"]["patch_hash"] is None
     assert "dirty" in data["git"] and data["environment"]["packages_hash"]
+
+
+def test_the_package_list_the_environments_hash_stands_for_is_kept_and_shown(
+    repo: Path, settings: Settings, run_cli
+) -> None:
+    """Only the hash of the installed packages was recorded: two environments could be told apart but
+    nobody could say how, or install the one a result came from."""
+    from orchestrator.lineage import LineageStore
+    from orchestrator.lineage.record import record_environment
+
+    prov = capture(repo, ["src"], settings=settings)
+    blob = settings.blobs_dir / prov.environment.packages_hash
+    listed = blob.read_text().splitlines()
+    assert len(listed) == prov.environment.packages_count and any(line.startswith("pytest==") for line in listed)
+    with LineageStore.open(settings) as store, store.transaction() as tx:
+        env = record_environment(tx, prov.environment)
+    shown = run_cli("lineage", "show", f"environment:{env.id}", env={"COLUMNS": "300"})
+    assert shown.returncode == 0, shown.stderr
+    assert f"{blob}  (`pip install -r {blob}` installs them)" in shown.stdout, shown.stdout
+    doc = json.loads(run_cli("lineage", "show", f"environment:{env.id}", "--json").stdout)
+    assert doc["packages"] == {"path": str(blob), "present": True, "apply": f"pip install -r {blob}"}
 
 
 def test_remote_credentials_stripped(repo: Path, settings: Settings) -> None:
@@ -388,6 +429,27 @@ def test_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert normalise_dist_name("Foo_Bar.baz") == "foo-bar-baz"
     assert packages_hash(["b==1", "a==2"]) == packages_hash(["a==2", "b==1", "a==2"])
     assert packages_hash(["a==2"]) != packages_hash(["a==3"])
+
+
+def test_the_same_software_on_another_machine_is_recorded_as_that_machine(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The record's id left the host and hardware out: a run on a GPU node was linked to the record of
+    the first run of the same packages, made on a laptop, and lineage named the laptop."""
+    from orchestrator.lineage import LineageStore
+    from orchestrator.lineage.record import record_environment
+    from orchestrator.provenance import environment
+
+    here = capture_environment(refresh=True)
+    monkeypatch.setattr(environment.socket, "gethostname", lambda: "gpu-node-7")
+    monkeypatch.setattr(environment, "gpu_models", lambda: ("NVIDIA H100",))
+    there = capture_environment(refresh=True)
+    assert there.packages_hash == here.packages_hash and there.id != here.id
+    with LineageStore(f"sqlite:///{tmp_path / 'l.db'}") as store, store.transaction() as tx:
+        first, second = record_environment(tx, here), record_environment(tx, there)
+        assert (second.hostname, second.gpu) == ("gpu-node-7", "NVIDIA H100") and first.id != second.id
+    monkeypatch.undo()
+    capture_environment(refresh=True)
 
 
 def test_image_digest_from_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
