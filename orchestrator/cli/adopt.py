@@ -8,6 +8,7 @@ records one pipeline run with trigger ``adopt`` that reuses those stages and ado
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Annotated
 
@@ -50,6 +51,7 @@ def adopt_cmd(
     settings = load_settings()
     path = check_source(source, settings.artifacts_dir)
     resolved = resolve(recipe, replica, sets=parse_sets(set_values or [])).until(stage, "--stage")
+    asked_backend = backend
     backend = backend or settings.default_backend
     plan_adoption(explain_recipe(resolved, backend=backend, settings=settings), stage)
     params = {"adopt": {"stage": stage, "source": str(path), "by": user_at_host(), "move": move}}
@@ -80,6 +82,14 @@ def adopt_cmd(
         raise
     run = finish_pipeline(ctx)
     out = result.outputs["out"]
+    # the run that reuses it is asked as the adoption was: the values set and the backend decide the identity
+    from orchestrator.recipes import set_words
+    from orchestrator.secrets import scrub
+
+    again = ["openlab", "run", recipe, *(["--replica", replica] if replica else [])]
+    again += ["--backend", asked_backend] if asked_backend else []
+    again += [word for value in set_words(resolved.run_set) for word in ("--set", value)]
+    next_command = scrub(shlex.join(again))
     if json_out:
         print_json(
             {
@@ -93,6 +103,7 @@ def adopt_cmd(
                 "bytes": out["bytes"],
                 "adopted_from": out["adopted_from"],
                 "adopted_by": out["adopted_by"],
+                "next": next_command,
             }
         )
         return
@@ -100,6 +111,4 @@ def adopt_cmd(
     console.print(f"  identity   {result.identity[:16]}", markup=False)
     console.print(f"  stored at  {out['path']} ({out['files']} files, {out['bytes']} bytes)", markup=False)
     console.print(f"  recorded   stage run {result.stage_run_id} in pipeline run {run.id}", markup=False)
-    console.print(
-        f"  next       `openlab run {recipe}{f' --replica {replica}' if replica else ''}` reuses it", markup=False
-    )
+    console.print(f"  next       `{next_command}` reuses it", markup=False, highlight=False)

@@ -5,6 +5,7 @@ Real workload stages, real SQLite, the command as a subprocess."""
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 from pathlib import Path
 
@@ -81,6 +82,16 @@ def test_an_adopted_corpus_is_reused_by_the_next_run(run_cli, openlab_home: Path
     assert stages["tokenize"]["state"] == "COMPLETED", stages["tokenize"]
     verified = run_cli("lineage", "verify")
     assert verified.returncode == 0, verified.stdout + verified.stderr
+
+    # adopted with a value set over the recipe: the command it names to reuse it sets it too (without,
+    # the run asked for another identity, and ran the stage it was told would be reused)
+    sets = ("--set", "data.max_bytes_per_domain=150000")
+    with_set = run_cli("adopt", *TINY, "--stage", "data", str(corpus), *sets, "--backend", "local", "--json")
+    assert with_set.returncode == 0, with_set.stderr[-2000:]
+    named = json.loads(with_set.stdout)["next"]
+    assert named == f"openlab run {' '.join(TINY)} --backend local --set data.max_bytes_per_domain=150000", named
+    planned = json.loads(run_cli("explain", *shlex.split(named)[2:], "--until", "data", "--json").stdout)
+    assert planned["stages"][0]["action"] == "reuse", planned
 
 
 def test_a_failed_recording_puts_a_moved_folder_back(
