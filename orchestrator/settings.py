@@ -327,4 +327,10 @@ def load_settings(cwd: Path | None = None, environ: Mapping[str, str] | None = N
     db_url = (
         absolute_db_url(env.get("OPENLAB_DB_URL"), here) or config.get("db_url") or f"sqlite:///{home / 'lineage.db'}"
     )
-    return Settings(home=home, db_url=str(db_url), config=config, config_path=path)
+    settings = Settings(home=home, db_url=str(db_url), config=config, config_path=path)
+    # a [backends] table that names no backend (`default = "slurmm"`, [backends.kubernets]) stops every
+    # command, as any misspelt setting does; each backend's own options are its launcher's to check
+    from orchestrator.launchers.base import check_backends_section
+
+    check_backends_section(settings)
+    return settings

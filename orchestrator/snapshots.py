@@ -219,6 +219,12 @@ def _walk(root: Path, on_problem: Callable[[str], None] | None = None) -> list[_
         for child in children:
             rel = f"{rel_dir}/{child.name}" if rel_dir else child.name
             try:
+                child.name.encode("utf-8")
+            except UnicodeEncodeError:  # a manifest is JSON text: such a name has no place in it
+                shown = os.fsencode(child.path).decode("utf-8", "backslashreplace")
+                problem(f"{shown}: a file name that is not UTF-8 cannot be recorded; rename it")
+                continue
+            try:
                 st = child.stat(follow_symlinks=False)
             except OSError as exc:
                 problem(f"{child.path}: cannot stat ({exc.strerror})")
@@ -244,6 +250,15 @@ def _walk(root: Path, on_problem: Callable[[str], None] | None = None) -> list[_
             else:
                 kind = "fifo" if _stat.S_ISFIFO(mode) else "socket" if _stat.S_ISSOCK(mode) else "device file"
                 problem(f"{child.path}: is a {kind}, which cannot be snapshotted; remove or exclude it")
+    # names are recorded in NFC: two that differ only in normalisation (café typed on macOS and on Linux)
+    # would be one entry, one file's content standing for both
+    first: dict[str, str] = {}
+    for f in found:
+        other = first.setdefault(f.rel, f.abs)
+        if other != f.abs:
+            problem(
+                f"{other} and {f.abs}: names that differ only in Unicode normalisation are one name here; rename one"
+            )
     return found
 
 

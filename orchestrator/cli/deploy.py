@@ -21,14 +21,6 @@ from orchestrator.prefect_server import DEFAULT_HOST, DEFAULT_PORT, health_ok, u
 from orchestrator.secrets import scrub
 from orchestrator.settings import Settings, load_settings
 
-app = typer.Typer(
-    help="Register the openlab deployments (replica pipeline, nightly) with a Prefect server.",
-    invoke_without_command=True,
-    no_args_is_help=False,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-
 
 def resolve_api_url(settings: Settings, flag: str | None = None) -> str:
     """The Prefect API to talk to: the flag, ``PREFECT_API_URL``, ``[prefect] api_url``, or the local default."""
@@ -39,7 +31,6 @@ def resolve_api_url(settings: Settings, flag: str | None = None) -> str:
     return str(url).rstrip("/")
 
 
-@app.callback(invoke_without_command=True)
 def deploy(
     api_url: str = typer.Option(None, "--api-url", help="Prefect API URL (default: PREFECT_API_URL or local)."),
     nightly_cron: str = typer.Option(
@@ -133,7 +124,9 @@ if __name__ == "__main__":  # `python -m orchestrator.cli.deploy`: usable before
     from orchestrator.cli.output import print_error
 
     try:
-        app(prog_name="openlab deploy")
+        alone = typer.Typer(add_completion=False, pretty_exceptions_enable=False)  # one command: runs as it
+        alone.command()(deploy)
+        alone(prog_name="openlab deploy")
     except OpenlabError as exc:
         print_error(exc)
         sys.exit(exc.exit_code)

@@ -103,9 +103,11 @@ def run_cmd(
     cpus: float = typer.Option(None, "--cpus", help="CPUs for the job"),
     memory: str = typer.Option(None, "--memory", help="memory limit, e.g. 512M or 2G"),
     gpus: int = typer.Option(0, "--gpus", help="GPUs for the job (per node)"),
-    nodes: int = typer.Option(1, "--nodes", help="machines for the job (slurm)"),
+    nodes: int = typer.Option(
+        1, "--nodes", help="machines for the job (slurm, kubernetes; local and docker run on one)"
+    ),
     tasks_per_node: int = typer.Option(
-        1, "--tasks-per-node", help="processes per machine, each given RANK, WORLD_SIZE, MASTER_ADDR... (slurm)"
+        1, "--tasks-per-node", help="processes per machine, each given RANK, WORLD_SIZE, MASTER_ADDR... (every backend)"
     ),
     time_limit: str = typer.Option(
         None, "--time-limit", help="seconds, 1h, 30m, or as sbatch --time: MM:SS, HH:MM:SS, D-HH, D-HH:MM:SS"

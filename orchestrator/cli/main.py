@@ -43,8 +43,9 @@ app.add_typer(backends.app, name="backends")
 app.add_typer(github.app, name="github")
 app.add_typer(nightly.app, name="nightly")
 app.add_typer(wandb.app, name="wandb")
-app.add_typer(server.app, name="server")
-app.add_typer(deploy.app, name="deploy")
+# one command each, not a group: a group's help said "COMMAND [ARGS]..." of commands it has none of
+app.command("server")(server.server)
+app.command("deploy")(deploy.deploy)
 
 
 def reflow(text: str | None) -> str | None:

@@ -216,7 +216,7 @@ def rerun(
     ] = False,
     json_out: JsonFlag = False,
 ) -> None:
-    """Run PIPELINE_RUN again here as it was asked (recipe, replica, --set values, --until, backend, issue),
+    """Run PIPELINE_RUN again here as it was asked (recipe, replica, --set values, --until, backend, issue, sweep),
     recorded as its retry: what completed is reused, a training stage resumes from its checkpoint."""
     from orchestrator.lineage.store import LineageStore
     from orchestrator.pipeline import RunOptions, stage_retries

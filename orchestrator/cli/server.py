@@ -32,14 +32,6 @@ from orchestrator.prefect_server import PrefectServer, health_ok, use_api
 from orchestrator.secrets import scrub
 from orchestrator.settings import load_settings
 
-app = typer.Typer(
-    help="Start a local Prefect server (telemetry off) and serve the openlab deployments.",
-    invoke_without_command=True,
-    no_args_is_help=False,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-
 
 def _sigterm_to_interrupt(_signum: int, _frame: FrameType | None) -> None:
     """Treat SIGTERM like Ctrl-C so ``kill`` also stops the runner and the server in order."""
@@ -53,7 +45,6 @@ def _sighup_as_sigterm(_signum: int, _frame: FrameType | None) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-@app.callback(invoke_without_command=True)
 def server(
     host: str = typer.Option(None, help="Address the server listens on ([prefect] host, default 127.0.0.1)."),
     port: int = typer.Option(None, help="Server port ([prefect] port, default 4200)."),
@@ -165,7 +156,9 @@ if __name__ == "__main__":  # `python -m orchestrator.cli.server`: usable before
     from orchestrator.errors import OpenlabError
 
     try:
-        app(prog_name="openlab server")
+        alone = typer.Typer(add_completion=False, pretty_exceptions_enable=False)  # one command: runs as it
+        alone.command()(server)
+        alone(prog_name="openlab server")
     except OpenlabError as exc:
         print_error(exc)
         sys.exit(exc.exit_code)

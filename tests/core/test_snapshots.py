@@ -193,6 +193,24 @@ def test_a_file_too_new_to_cache_then_deleted_changes_the_id(tmp_path: Path, set
     assert without.id != with_b.id and without.id == snapshots.content_hash(root)
 
 
+def test_names_a_manifest_cannot_hold_apart_are_refused_naming_them(tmp_path: Path, settings: Settings) -> None:
+    """café written in NFC and in NFD was one entry (one file's content stood for both, and a change to
+    the other moved nothing); a name that is not UTF-8 stopped the snapshot with a traceback."""
+    import unicodedata
+
+    root = tmp_path / "names"
+    root.mkdir()
+    (root / unicodedata.normalize("NFC", "café")).write_text("one")
+    (root / unicodedata.normalize("NFD", "café")).write_text("two")
+    with pytest.raises(SnapshotError, match="differ only in Unicode normalisation"):
+        snapshot(root, settings=settings)
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / os.fsdecode(b"x\xff")).write_text("x")
+    with pytest.raises(SnapshotError, match=r"x\\xff: a file name that is not UTF-8 cannot be recorded"):
+        snapshot(odd, settings=settings)
+
+
 def test_corrupt_cache_is_ignored(tmp_path: Path, settings: Settings) -> None:
     root = make_tree(tmp_path / "data")
     _settle()

@@ -308,7 +308,13 @@ def test_a_backends_key_that_names_no_backend_is_refused_naming_the_one_meant(
         ),
     ):
         config.write_text(text)
-        for args in (("backends", "check"), ("job", "run", "-q", "--", "true")):
+        # every command, as any misspelt setting: `lineage list` and `gc` ran on as if it were not there
+        for args in (
+            ("backends", "check"),
+            ("job", "run", "-q", "--", "true"),
+            ("lineage", "list"),
+            ("gc", "--dry-run"),
+        ):
             proc = cli(*args, env={"OPENLAB_CONFIG": str(config)})
             assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
             assert proc.stderr.strip() == f"error: {config}: {want}", proc.stderr
