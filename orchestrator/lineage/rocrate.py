@@ -274,7 +274,7 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
         if record.kind == "github_issue":
             return add(
                 {
-                    "@id": record.url or f"#issue-{record.id}",  # type: ignore[attr-defined]
+                    "@id": record.url or _fragment("issue", record.id),  # type: ignore[attr-defined]
                     "@type": "CreativeWork",
                     "name": f"{record.id}: {record.title or ''}".rstrip(": "),  # type: ignore[attr-defined]
                     "identifier": record.id,
@@ -283,7 +283,7 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
         if record.kind == "wandb_run":
             return add(
                 {
-                    "@id": record.url or f"#wandb-{record.id}",  # type: ignore[attr-defined]
+                    "@id": record.url or _fragment("wandb", record.id),  # type: ignore[attr-defined]
                     "@type": "CreativeWork",
                     "name": f"W&B run {record.run_id} ({record.mode})",  # type: ignore[attr-defined]
                     "identifier": record.id,

@@ -351,3 +351,22 @@ def test_a_diverged_loss_exports_as_strict_json_and_an_odd_name_stays_in_the_cra
     assert [p.name for p in (crate_dir / "workflow").iterdir()] == ["-..-escaped.json"]
     assert sorted(p.name for p in (tmp_path / "deep").iterdir()) == ["crate"], "nothing written beside the crate"
     assert any(e["@id"] == "workflow/-..-escaped.json" for e in document["@graph"])  # type: ignore[index]
+
+
+def test_an_unresolved_issue_has_an_id_that_is_an_iri_in_the_crate(tmp_path: Path) -> None:
+    """An issue GitHub was not asked about yet has no URL: its local id was `#issue-lab/exp#12`, two
+    fragments in one reference, which no IRI parser takes."""
+    import urllib.parse
+
+    from orchestrator.lineage.models import GithubIssue, PipelineRun
+    from orchestrator.lineage.rocrate import to_rocrate
+
+    with LineageStore(f"sqlite:///{tmp_path / 'l.db'}") as store:
+        with store.transaction() as tx:
+            run = tx.add(PipelineRun(recipe="marin-535b-a23b", replica="tiny", state="COMPLETED"))
+            issue = tx.add(GithubIssue(id="lab/exp#12", repo="lab/exp", number=12))
+            tx.relate("wasAssociatedWith", run, issue, role="experiment")
+        document, _ = to_rocrate(collect(store, [run.id]))
+    (entity,) = [e for e in document["@graph"] if e.get("identifier") == "lab/exp#12"]
+    assert entity["@id"] == "#issue-lab/exp%2312", entity
+    assert urllib.parse.urlsplit(entity["@id"]).fragment == "issue-lab/exp%2312"
