@@ -1,6 +1,6 @@
 """openlab's Prefect deployments: the replica pipeline (run from the UI), the nightlies and upkeep.
 
-Six deployments, built the same way for ``openlab deploy`` (register only) and
+Eight deployments, built the same way for ``openlab deploy`` (register only) and
 ``openlab server`` (register and serve); the three that run training:
 
 - ``replica-pipeline/replica``: parameters recipe, replica, backend, issue, git ref,
@@ -15,7 +15,9 @@ Six deployments, built the same way for ``openlab deploy`` (register only) and
 
 The reaper (``lineage-reconcile/reconcile``), the outputs gc (``outputs-gc/gc``) and the daily
 digest (``github-digest/daily``: one summary comment per experiment issue, default ``0 7 * * *`` UTC,
-``[prefect] digest_cron``; ``""`` registers it without a schedule) are registered with them.
+``[prefect] digest_cron``; ``""`` registers it without a schedule) are registered with them, and so
+are the sweep (``replica-sweep/sweep``) and ``nightly-accept/accept``, which makes a regressed
+nightly the baseline on purpose, with a reason (no schedule: a person runs it).
 
 The nightlies, the reaper, the gc and the digest carry a deployment concurrency limit of one with
 CANCEL_NEW: a scheduled run that finds the previous one still going is cancelled by the server, not queued.
@@ -61,6 +63,7 @@ RECONCILE_DEPLOYMENT = "reconcile"
 GC_DEPLOYMENT = "gc"
 DIGEST_DEPLOYMENT = "daily"
 SWEEP_DEPLOYMENT = "sweep"
+ACCEPT_DEPLOYMENT = "accept"
 DEFAULT_DIGEST_CRON = "0 7 * * *"
 DEFAULT_RECONCILE_EVERY_S = 600
 #: Where the reaper's interval counts from: a fixed midnight (UTC), so its passes fall on the same times
@@ -173,8 +176,8 @@ def build_deployments(
     nightly_parameters: dict[str, Any] | None = None,
     paused_nightly: bool = False,
 ) -> list[RunnerDeployment]:
-    """The pipeline, the two nightlies, the reaper, the outputs gc and the daily digest (not yet
-    registered). Call inside :func:`in_repo_root`.
+    """The pipeline, the two nightlies, the reaper, the outputs gc, the daily digest, the sweep and the
+    nightly's accept (not yet registered). Call inside :func:`in_repo_root`.
 
     ``paused_nightly`` builds every scheduled deployment paused (``--paused-nightly``): registered
     paused, whatever the server had. Otherwise each is built on, and :func:`keep_server_state` (which
@@ -188,7 +191,7 @@ def build_deployments(
 
     from flows.digest import github_digest
     from flows.gc import collect_outputs
-    from flows.nightly import nightly_replica
+    from flows.nightly import nightly_accept, nightly_replica
     from flows.pipeline import replica_pipeline
     from flows.reconcile import reconcile_lineage
     from flows.sweep import replica_sweep
@@ -289,7 +292,17 @@ def build_deployments(
         tags=[*TAGS, "sweep"],
         entrypoint_type=EntrypointType.MODULE_PATH,
     )
-    return [pipeline, nightly, drops, reaper, gc, digest, sweep]
+    accept = nightly_accept.to_deployment(
+        name=ACCEPT_DEPLOYMENT,
+        description=(
+            "Make a regressed nightly (its pipeline run, prun_…) the baseline its recipe, replica, backend and "
+            "git ref are judged against from now on, with the reason why: kept on its verdict and posted on its "
+            "regression issue, which is closed. For a change that moved a tracked metric on purpose."
+        ),
+        tags=[*TAGS, "nightly"],
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )
+    return [pipeline, nightly, drops, reaper, gc, digest, sweep, accept]
 
 
 #: Tag ``make demo`` puts on a scheduled deployment it paused because no runner serves it: that pause

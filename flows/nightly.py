@@ -221,4 +221,51 @@ def _republish_card(pipeline_run_id: str) -> None:
         get_run_logger().warning("could not publish the card with the verdict: %s", exc)
 
 
-__all__ = ["nightly_replica", "nightly_verdict"]
+def accept_run_name() -> str:
+    """``accept prun_… as baseline``: the run list says which nightly was accepted."""
+    from prefect.runtime import flow_run
+
+    return f"accept {(flow_run.parameters or {}).get('pipeline_run_id') or '?'} as baseline"
+
+
+@flow(
+    name="nightly-accept",
+    description="Make a regressed nightly the baseline its kind is judged against, keeping why; close its issue.",
+    flow_run_name=accept_run_name,
+)
+def nightly_accept(pipeline_run_id: str, reason: str) -> dict[str, Any] | State[Any]:
+    """Accept the regressed nightly ``pipeline_run_id`` as the new normal (what ``openlab nightly accept``
+    does): the next nightly of its recipe, replica, backend and git ref is judged against it; its verdict
+    stays regressed, with who accepted it, when and why; its regression issue is closed as not planned.
+
+    Args:
+        pipeline_run_id: The regressed nightly's pipeline run (prun_…: its flow run's log and artifacts name it).
+        reason: Why the new numbers are right (an issue, a change): kept on the verdict and posted on the issue.
+    """
+    from prefect.runtime import flow_run
+
+    from orchestrator.errors import OpenlabError
+    from orchestrator.lineage.store import LineageStore
+    from orchestrator.links.regressions import report_verdict
+    from orchestrator.nightly import accept_nightly, short_commit
+    from orchestrator.provenance.invocation import user_at_host
+
+    logger = get_run_logger()
+    by = f"{user_at_host()} (Prefect flow run {flow_run.name or flow_run.id})"  # the UI names no person
+    try:
+        with LineageStore.open() as store:
+            verdict = accept_nightly(store, pipeline_run_id, reason=reason, by=by)
+            report = report_verdict(store, verdict.pipeline_run_id)
+    except OpenlabError as exc:  # a run that cannot be the baseline, an empty reason: one line, nothing recorded
+        return failed_run(exc)
+    logger.info(
+        "%s at commit %s is the baseline of its nightly from now on (accepted: %s)",
+        verdict.pipeline_run_id,
+        short_commit(verdict.commit),
+        (verdict.accepted or {}).get("reason"),
+    )
+    (logger.warning if report.action in ("queued", "failed") else logger.info)("%s", report.line())
+    return {"verdict": verdict.to_dict(), "regression_issue": report.action, "issue": report.issue_id}
+
+
+__all__ = ["nightly_accept", "nightly_replica", "nightly_verdict"]

@@ -33,7 +33,8 @@ RECONCILE = "lineage-reconcile/reconcile"
 GC = "outputs-gc/gc"
 DIGEST = "github-digest/daily"
 SWEEP = "replica-sweep/sweep"
-ALL = [PIPELINE, NIGHTLY, DROPS, RECONCILE, GC, DIGEST, SWEEP]
+ACCEPT = "nightly-accept/accept"
+ALL = [PIPELINE, NIGHTLY, DROPS, RECONCILE, GC, DIGEST, SWEEP, ACCEPT]
 SCHEDULED = [NIGHTLY, DROPS, RECONCILE, DIGEST]  # gc has no schedule unless [prefect] gc_cron
 
 

@@ -717,6 +717,31 @@ def test_github_digest_deployment_renders_each_active_issue(served: Served) -> N
         )
 
 
+def test_a_regressed_nightly_is_accepted_as_the_baseline_from_the_ui(served: Served) -> None:
+    """`nightly-accept/accept` from the API, as the UI's Run button: the regressed nightly becomes the
+    baseline, who and why on its verdict; a run that cannot be one fails the flow run in one line."""
+    from orchestrator.nightly import evaluate_nightly
+    from tests.flows.test_nightly_library import TOLERANCES, plant_run
+
+    with LineageStore(served.db_url) as store:
+        good = plant_run(store, "a" * 40, 2.0, 0.03, minutes=0)
+        evaluate_nightly(store, good.id, TOLERANCES)
+        red = plant_run(store, "b" * 40, 2.5, 0.03, minutes=1)
+        assert evaluate_nightly(store, red.id, TOLERANCES).status == "regressed"
+    refused = wait_flow_run(start_run("nightly-accept/accept", {"pipeline_run_id": good.id, "reason": "x"}), 120)
+    assert refused.state.is_failed() and "nothing to accept" in (refused.state.message or ""), refused.state
+    run = wait_flow_run(
+        start_run("nightly-accept/accept", {"pipeline_run_id": red.id, "reason": "routing changed, lab/exp#51"}), 120
+    )
+    assert run.state.is_completed(), (run.state, served.log()[-3000:])
+    assert run.name == f"accept {red.id} as baseline"
+    with LineageStore(served.db_url) as store:
+        accepted = store.require(PipelineRun, red.id).verdict["accepted"]
+        assert accepted["reason"] == "routing changed, lab/exp#51" and "Prefect flow run" in accepted["by"]
+        later = plant_run(store, "c" * 40, 2.5, 0.03, minutes=2)
+        assert evaluate_nightly(store, later.id, TOLERANCES).previous_run_id == red.id
+
+
 def test_a_flow_run_retried_from_the_ui_is_linked_to_the_run_it_retries(served: Served) -> None:
     """A run fails (its data path is missing); the path is fixed and the flow run is retried in place, as
     the UI's Retry button does (AwaitingRetry). The retry's pipeline run names the failed one it retries,
