@@ -643,6 +643,33 @@ BACKENDS: dict[str, str] = {
 }
 
 
+def warn_secret_arguments(spec: JobSpec, readable_in: str) -> bool:
+    """Warn, naming the argument, when the job's command carries a secret (``--db-password X``, a secret
+    variable's value): lineage records it masked, but the job needs it whole, so it is readable in
+    ``readable_in`` (the Kubernetes Job manifest) by whoever may read that. The job still runs: only its
+    author can move the value into the job's environment, which that backend keeps in a Secret. (Not
+    said on Docker: there the environment is as readable, in ``docker inspect``, as the command.)"""
+    from orchestrator.secrets import MASK, redact_argv
+
+    masked = redact_argv(spec.command, spec.secret_values())
+    held = [i for i, (a, b) in enumerate(zip(spec.command, masked, strict=True)) if a != b]
+    if not held:
+        return False
+    named = ", ".join(
+        f"argument {i + 1} ({masked[i - 1]} …)" if i and MASK == masked[i] else f"argument {i + 1} ({masked[i]})"
+        for i in held[:3]
+    )
+    log.warning(
+        "job %s: its command holds a secret, %s, readable in %s; pass it in the job's environment instead "
+        "(a secret-named variable, kept out of %s)",
+        spec.name,
+        named,
+        readable_in,
+        readable_in,
+    )
+    return True
+
+
 def task_ends_prefix(log_path: str | Path) -> str:
     """Where a multi-task job's tasks write how they ended: ``<log without .log>.ends.<rank>``."""
     return str(log_path).removesuffix(".log") + ".ends"

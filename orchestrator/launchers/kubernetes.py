@@ -133,6 +133,7 @@ from orchestrator.launchers.base import (
     table_option,
     task_ends,
     usage_python,
+    warn_secret_arguments,
     with_notes,
 )
 from orchestrator.secrets import is_secret_name, scrub, secret_values
@@ -847,6 +848,7 @@ class KubernetesLauncher(Launcher):
         return namespace, name
 
     def submit(self, spec: JobSpec) -> JobHandle:
+        warn_secret_arguments(spec, "the Job manifest (whoever may read Jobs or Pods)")
         name = k8s_name(spec.name)
         manifest = self.manifest(spec, name)
         namespace = manifest["metadata"]["namespace"]

@@ -33,7 +33,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 #: Files whose content may differ between two runs that computed the same thing (wall
 #: times in metrics and in the per-step log, W&B run folders, logs). Downstream identities hash a stage's output
 #: *without* them, so a re-run that produced byte-identical data re-uses what follows.
-DEFAULT_VOLATILE = ("metrics.json", "metrics.jsonl", "wandb/*", "*.log", "*.tmp", ".openlab/*")
+DEFAULT_VOLATILE = ("metrics.json", "metrics.jsonl", "wandb/*", "wandb_run_id", "*.log", "*.tmp", ".openlab/*")
 
 
 @dataclass(frozen=True)

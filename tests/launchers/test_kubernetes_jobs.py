@@ -134,6 +134,30 @@ def test_secret_variables_go_in_a_secret_the_job_owns_and_never_in_its_manifest(
     assert k8s_cluster.secret(namespace, f"{done}-openlab-env") is None, "cleanup deletes the Secret"
 
 
+def test_a_secret_in_the_jobs_command_is_warned_of_naming_the_argument(
+    k8s_cluster: EmulatedCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A secret-named variable goes into a Secret; one typed as an argument (``--db-password X``) is in
+    the Job's manifest, readable by whoever may read Jobs, while lineage shows it masked. The job runs
+    (it needs the value), and the warning says which argument and where to put it instead."""
+    import logging
+
+    launcher = _launcher(k8s_cluster)
+    with caplog.at_level(logging.WARNING, logger="orchestrator.launchers.base"):
+        handle = launcher.submit(JobSpec(name="secret-arg", command=["true", "--db-password", "hunter2hunter2"]))
+    try:
+        (said,) = [r.getMessage() for r in caplog.records if "holds a secret" in r.getMessage()]
+        assert "argument 3 (--db-password …)" in said and "the Job manifest" in said and "environment" in said
+        assert "hunter2hunter2" not in said
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="orchestrator.launchers.base"):
+            plain = launcher.submit(JobSpec(name="plain-arg", command=["true", "--lr", "0.1"]))
+        launcher.cleanup(plain)
+        assert not [r for r in caplog.records if "holds a secret" in r.getMessage()]
+    finally:
+        launcher.cleanup(handle)
+
+
 @pytest.mark.docker
 def test_a_secret_the_job_prints_is_masked_in_what_openlab_streams_shows_and_keeps(
     k8s_cluster: EmulatedCluster, store: LineageStore, tmp_path: Path

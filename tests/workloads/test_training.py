@@ -184,6 +184,10 @@ def test_same_config_and_threads_give_bitwise_identical_runs(tiny_tokens: Path, 
         assert done.returncode == 0, done.stderr[-2000:]
         runs.append(_losses(out))
     assert runs[0] == runs[1]
+    # and the same checkpoint, byte for byte: the stages after it hash it, and a forced re-run that wrote
+    # other bytes (Python's generator state from the OS's entropy) made every one of them run again
+    saved = [(tmp_path / name / "checkpoint" / "state.pt").read_bytes() for name in ("a", "b")]
+    assert saved[0] == saved[1]
 
 
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGUSR1"])

@@ -198,7 +198,9 @@ def save_checkpoint(
         "step": step,
         "tokens_seen": tokens_seen,
         "stage": stage,
-        "config": cfg.to_dict(),
+        # the stage's config as it decides the weights: its W&B section (this run's ids, its commit) left
+        # out, or no two runs of one stage identity wrote the same checkpoint and every later stage ran again
+        "config": {k: v for k, v in cfg.to_dict().items() if k != "wandb"},
         "qb_bias": [m.qb_bias.tolist() for m in model.moe_layers()],
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         "lineage": lineage,
@@ -349,6 +351,10 @@ def _train(
     dp: DataParallel,
 ) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
+    # Python's own generator too: nothing here draws from it, but a checkpoint keeps its state for a
+    # resume, and left to the OS's entropy it made every checkpoint of one config differ in those bytes,
+    # so a forced re-run never let the stages after it be reused
+    random.seed(cfg.seed)
     model = MoELM(mc).to(device)
     opt = make_optimizer(model, cfg)
     start, tokens_seen = 0, 0

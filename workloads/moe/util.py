@@ -40,9 +40,11 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
     try:
-        torch.save(obj, tmp)
+        # through the open file, not its name: torch names the archive inside after the file it is given,
+        # and the temp file's random name made two saves of the same state differ in those bytes
+        with os.fdopen(fd, "wb") as out:
+            torch.save(obj, out)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
