@@ -297,7 +297,7 @@ def _check_data(
         except OpenlabError as exc:
             problems.append(Problem(f"artifact:{art.id}", str(exc)))
             continue
-        if digest != art.content_hash:
+        if digest != art.content_hash and not _only_volatile_moved(art.content_hash, path, settings):
             which = _changed_files(art.content_hash, path, settings)
             problems.append(
                 Problem(
@@ -310,6 +310,26 @@ def _check_data(
         notes.extend(_not_here(root, ids, "snapshot", "folder") for root, ids in sorted(unmounted.items()))
         notes.extend(_not_here(root, ids) for root, ids in sorted(away.items()))
     return problems
+
+
+def _only_volatile_moved(content_hash: str, path: Path, settings: Settings) -> bool:
+    """Whether what changed in an output since it was recorded is only its volatile files (W&B's run
+    folder, ``metrics.json``, logs: what no later stage reads), by the manifest recorded with it. A
+    successful ``openlab wandb sync`` marks the run folder synced, inside the output, and verify said
+    the output had been tampered with."""
+    import fnmatch
+
+    from orchestrator.pipeline.dag import DEFAULT_VOLATILE
+    from orchestrator.snapshots import SnapshotEntry, content_entries, load_manifest, merkle_root
+
+    def stable(entries: Iterable[SnapshotEntry]) -> str:
+        return merkle_root(e for e in entries if not any(fnmatch.fnmatchcase(e.path, v) for v in DEFAULT_VOLATILE))
+
+    try:
+        recorded = [SnapshotEntry.from_dict(d) for d in load_manifest(content_hash, settings)["entries"]]
+        return stable(recorded) == stable(content_entries(path))
+    except (OpenlabError, KeyError, TypeError, ValueError):
+        return False  # no manifest to tell by: the change is reported
 
 
 def _changed_files(content_hash: str, path: Path, settings: Settings, most: int = 5) -> str:

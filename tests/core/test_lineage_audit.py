@@ -550,6 +550,15 @@ def test_verify_names_the_file_of_an_output_whose_content_changed(run_cli, openl
     assert said.returncode == 1 and "content changed" in said.stdout, said.stdout
     assert "checkpoint/state.pt content changed" in said.stdout and "metrics.json" not in said.stdout, said.stdout
 
+    # what `openlab wandb sync` writes into an output (its run folder marked synced) and a metric logged
+    # again are no tampering: verify said they were, after every successful sync
+    state.write_bytes(b"weights-0")
+    (out / "wandb" / "offline-run-1").mkdir(parents=True)
+    (out / "wandb" / "offline-run-1" / "run-1.wandb.synced").write_text("")
+    (out / "metrics.json").write_text('{"loss": 2.0}')
+    clean = run_cli("lineage", "verify")
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+
 
 def test_show_lists_what_each_change_to_a_record_changed(run_cli, openlab_home: Path) -> None:
     """A failed run rewritten as completed through the store, after it ended, passes verify: the log holds
