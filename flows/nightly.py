@@ -246,16 +246,15 @@ def nightly_accept(pipeline_run_id: str, reason: str) -> dict[str, Any] | State[
 
     from orchestrator.errors import OpenlabError
     from orchestrator.lineage.store import LineageStore
-    from orchestrator.links.regressions import report_verdict
-    from orchestrator.nightly import accept_nightly, short_commit
+    from orchestrator.links.regressions import accept_and_report
+    from orchestrator.nightly import short_commit
     from orchestrator.provenance.invocation import user_at_host
 
     logger = get_run_logger()
     by = f"{user_at_host()} (Prefect flow run {flow_run.name or flow_run.id})"  # the UI names no person
     try:
         with LineageStore.open() as store:
-            verdict = accept_nightly(store, pipeline_run_id, reason=reason, by=by)
-            report = report_verdict(store, verdict.pipeline_run_id)
+            verdict, report = accept_and_report(store, pipeline_run_id, reason=reason, by=by)
     except OpenlabError as exc:  # a run that cannot be the baseline, an empty reason: one line, nothing recorded
         return failed_run(exc)
     logger.info(

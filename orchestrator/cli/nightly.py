@@ -9,7 +9,7 @@ kept on the run's verdict, and closes the regression issue it opened.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
@@ -38,38 +38,26 @@ def accept(
     and git ref is judged against, and close its regression issue (with [github] repo set). Its verdict
     stays regressed, with who accepted it, when and why."""
     from orchestrator.lineage.store import LineageStore
-    from orchestrator.nightly import accept_nightly
+    from orchestrator.links.regressions import accept_and_report
+    from orchestrator.nightly import short_commit
     from orchestrator.provenance.invocation import user_at_host
     from orchestrator.settings import load_settings
 
     settings = load_settings()
     with LineageStore.open(settings, create=False) as store:
-        verdict = accept_nightly(store, run_id, reason=reason, by=user_at_host())
-        report = _report(store, verdict.pipeline_run_id, settings)
+        # the regression issue is closed where one is open; queued, as any GitHub update, when GitHub
+        # cannot be reached now (`openlab github sync` sends it)
+        verdict, report = accept_and_report(store, run_id, reason=reason, by=user_at_host(), settings=settings)
     if json_out:
-        print_json({"verdict": verdict.to_dict(), "regression_issue": report})
+        issue = {"action": report.action, "issue": report.issue_id, "url": report.url, "line": report.line()}
+        print_json({"verdict": verdict.to_dict(), "regression_issue": issue})
         return
     typer.echo(
-        f"{verdict.pipeline_run_id} at commit {_short(verdict.commit)} is the baseline of its nightly from now on "
-        f"(accepted by {(verdict.accepted or {}).get('by')}: {(verdict.accepted or {}).get('reason')})"
+        f"{verdict.pipeline_run_id} at commit {short_commit(verdict.commit)} is the baseline of its nightly from now "
+        f"on (accepted by {(verdict.accepted or {}).get('by')}: {(verdict.accepted or {}).get('reason')})"
     )
-    if report["action"] != "off":
-        typer.echo(report["line"])
-
-
-def _short(commit: str | None) -> str:
-    from orchestrator.nightly import short_commit
-
-    return short_commit(commit)
-
-
-def _report(store: Any, pipeline_run_id: str, settings: Any) -> dict[str, Any]:
-    """The regression issue closed where one is open: queued, as any GitHub update, when GitHub cannot be
-    reached now (``openlab github sync`` sends it)."""
-    from orchestrator.links.regressions import report_verdict
-
-    report = report_verdict(store, pipeline_run_id, settings=settings)
-    return {"action": report.action, "issue": report.issue_id, "url": report.url, "line": report.line()}
+    if report.action != "off":
+        typer.echo(report.line())
 
 
 @app.command("baselines")
@@ -80,7 +68,7 @@ def baselines(
     """Each kind of nightly (recipe/replica on a backend at a git ref): the run the next one is judged against,
     and its latest verdict."""
     from orchestrator.lineage.store import LineageStore
-    from orchestrator.nightly import nightly_kinds
+    from orchestrator.nightly import nightly_kinds, short_commit
     from orchestrator.settings import load_settings
 
     with LineageStore.open(load_settings(), create=False) as store:
@@ -103,8 +91,10 @@ def baselines(
                 if base["accepted"]
                 else base["status"]
             )
-            typer.echo(f"  baseline: {base['id']} {base['started_at'][:16]} commit {_short(base['commit'])} ({how})")
+            typer.echo(
+                f"  baseline: {base['id']} {base['started_at'][:16]} commit {short_commit(base['commit'])} ({how})"
+            )
         typer.echo(
-            f"  latest:   {latest['id']} {latest['started_at'][:16]} commit {_short(latest['commit'])} "
+            f"  latest:   {latest['id']} {latest['started_at'][:16]} commit {short_commit(latest['commit'])} "
             f"{latest['state']} {latest['status']}"
         )

@@ -317,17 +317,12 @@ def _only_volatile_moved(content_hash: str, path: Path, settings: Settings) -> b
     folder, ``metrics.json``, logs: what no later stage reads), by the manifest recorded with it. A
     successful ``openlab wandb sync`` marks the run folder synced, inside the output, and verify said
     the output had been tampered with."""
-    import fnmatch
-
-    from orchestrator.pipeline.dag import DEFAULT_VOLATILE
-    from orchestrator.snapshots import SnapshotEntry, content_entries, load_manifest, merkle_root
-
-    def stable(entries: Iterable[SnapshotEntry]) -> str:
-        return merkle_root(e for e in entries if not any(fnmatch.fnmatchcase(e.path, v) for v in DEFAULT_VOLATILE))
+    from orchestrator.pipeline.outputs import stable_root
+    from orchestrator.snapshots import SnapshotEntry, content_entries, load_manifest
 
     try:
         recorded = [SnapshotEntry.from_dict(d) for d in load_manifest(content_hash, settings)["entries"]]
-        return stable(recorded) == stable(content_entries(path))
+        return stable_root(recorded) == stable_root(content_entries(path))
     except (OpenlabError, KeyError, TypeError, ValueError):
         return False  # no manifest to tell by: the change is reported
 

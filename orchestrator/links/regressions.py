@@ -240,6 +240,17 @@ def report_verdict(
     return report
 
 
+def accept_and_report(
+    store: LineageStore, pipeline_run_id: str, *, reason: str, by: str, settings: Settings | None = None
+) -> tuple[Verdict, RegressionReport]:
+    """Accept the regressed nightly as the new baseline (:func:`orchestrator.nightly.accept_nightly`) and
+    close its regression issue: what ``openlab nightly accept`` and the ``nightly-accept`` flow both do."""
+    from orchestrator.nightly import accept_nightly
+
+    verdict = accept_nightly(store, pipeline_run_id, reason=reason, by=by)
+    return verdict, report_verdict(store, verdict.pipeline_run_id, settings=settings)
+
+
 def _report(
     linker: GithubLinker, repo: str, label: str, run: PipelineRun, verdict: Verdict, where: IssueRef
 ) -> RegressionReport:
@@ -309,6 +320,7 @@ def _record(linker: GithubLinker, repo: str, issue: Any, run: PipelineRun) -> No
 __all__ = [
     "ACTION",
     "RegressionReport",
+    "accept_and_report",
     "accepted_marker",
     "issue_body",
     "issue_title",

@@ -15,7 +15,7 @@ import fnmatch
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,14 @@ def output_dir(settings: Settings, stage: str, identity: str) -> Path:
 
 def _volatile(path: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(path, p) for p in patterns)
+
+
+def stable_root(entries: Iterable[Any], volatile: Sequence[str] = DEFAULT_VOLATILE) -> str:
+    """The Merkle root of an output's entries without its volatile files: what later stages read of it
+    (its ``input_hash``), and what must still hold for it to be reused or to verify."""
+    from orchestrator.snapshots import merkle_root
+
+    return merkle_root(e for e in entries if not _volatile(e.path, volatile))
 
 
 def detach_external_links(path: Path, volatile: Sequence[str]) -> list[str]:
@@ -64,15 +72,14 @@ def detach_external_links(path: Path, volatile: Sequence[str]) -> list[str]:
 
 def hash_output(path: Path, settings: Settings, volatile: Sequence[str]) -> dict[str, Any]:
     """Snapshot an output folder: full Merkle hash plus the hash without volatile files."""
-    from orchestrator.snapshots import merkle_root, snapshot
+    from orchestrator.snapshots import snapshot
 
     detach_external_links(path, volatile)
     snap = snapshot(path, settings=settings)
-    stable = [e for e in snap.entries if not _volatile(e.path, volatile)]
     return {
         "path": str(snap.path),
         "content_hash": snap.id,
-        "input_hash": merkle_root(stable),
+        "input_hash": stable_root(snap.entries, volatile),
         "volatile": list(volatile),
         "files": snap.files,
         "bytes": snap.bytes,
@@ -103,9 +110,10 @@ def verify_outputs(outputs: Mapping[str, Any], settings: Settings, *, deep: bool
             entries = content_entries(path) if deep else snapshot(path, settings=settings).entries
             if merkle_root(entries) == out.get("content_hash"):
                 continue
-            volatile = out.get("volatile") or DEFAULT_VOLATILE
-            stable = [e for e in entries if not _volatile(e.path, volatile)]
-            if out.get("input_hash") and merkle_root(stable) == out["input_hash"]:
+            if (
+                out.get("input_hash")
+                and stable_root(entries, out.get("volatile") or DEFAULT_VOLATILE) == out["input_hash"]
+            ):
                 continue  # only volatile files moved
             if deep:
                 problems = verify_snapshot(out["content_hash"], settings, path=path)

@@ -312,13 +312,18 @@ def test_strip_credentials(url: str | None, expected: str | None) -> None:
     assert strip_credentials(url) == expected
 
 
+def _one_commit_repo(root: Path, name: str, text: str) -> Path:
+    """A repository at ``root`` whose one commit holds the file ``name`` with ``text``."""
+    root.mkdir()
+    git(root, "init", "-q", "-b", "main")
+    (root / name).write_text(text)
+    git(root, "add", "-A")
+    git(root, "commit", "-q", "-m", name)
+    return root
+
+
 def test_submodule_recorded(repo: Path, tmp_path: Path, settings: Settings) -> None:
-    lib = tmp_path / "lib"
-    lib.mkdir()
-    git(lib, "init", "-q", "-b", "main")
-    (lib / "l.py").write_text("l = 1\n")
-    git(lib, "add", "-A")
-    git(lib, "commit", "-q", "-m", "lib")
+    lib = _one_commit_repo(tmp_path / "lib", "l.py", "l = 1\n")
     git(repo, "-c", "protocol.file.allow=always", "submodule", "add", "-q", str(lib), "vendor/lib")
     git(repo, "commit", "-q", "-m", "add submodule")
     info = capture_git(repo, code_paths=["vendor/lib"], settings=settings)
@@ -382,12 +387,7 @@ def test_git_location_variables_of_the_environment_do_not_mix_in_another_reposit
 ) -> None:
     """Run from a git hook (or a shell that exported ``GIT_DIR``), the capture of one repository read
     another's index and objects: a patch that deleted its files and added the other's."""
-    other = tmp_path / "other"
-    other.mkdir()
-    git(other, "init", "-q", "-b", "main")
-    (other / "b.py").write_text("b = 1\n")
-    git(other, "add", "-A")
-    git(other, "commit", "-q", "-m", "other")
+    other = _one_commit_repo(tmp_path / "other", "b.py", "b = 1\n")
     expected = capture_git(repo, code_paths=["src"], settings=settings)
     monkeypatch.setenv("GIT_DIR", str(other / ".git"))
     monkeypatch.setenv("GIT_INDEX_FILE", str(other / ".git" / "index"))
