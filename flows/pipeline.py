@@ -667,14 +667,11 @@ def flow_backend(backend: str | None, settings: Settings | None = None) -> str:
     """The backend a flow's stage jobs run on: the form's, else ``[backends] default`` (as ``openlab
     run`` without ``--backend``): the scheduled nightly, whose form nobody fills in, ran on the
     server's own machine whatever the lab had configured."""
-    from orchestrator.launchers.base import check_backends_section
     from orchestrator.settings import load_settings
 
     if backend:
         return backend
-    settings = settings or load_settings()
-    check_backends_section(settings)  # a misspelt default, named where it was written
-    return settings.default_backend
+    return (settings or load_settings()).default_backend  # a misspelt default is refused, named, there
 
 
 def default_backend_name() -> str:

@@ -120,9 +120,12 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_project_config(cwd: Path | None = None) -> tuple[dict[str, Any], Path | None]:
-    """Return the project's openlab configuration and the file it came from (if any)."""
-    explicit = os.environ.get("OPENLAB_CONFIG")
+def load_project_config(
+    cwd: Path | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[dict[str, Any], Path | None]:
+    """Return the project's openlab configuration and the file it came from (if any): the one
+    ``OPENLAB_CONFIG`` names in ``environ`` (default this process's), else the nearest above ``cwd``."""
+    explicit = (os.environ if environ is None else environ).get("OPENLAB_CONFIG")
     if explicit:
         path = Path(explicit).expanduser()
         if not path.is_file():
@@ -233,7 +236,11 @@ def check_known(config: Mapping[str, Any], path: Path | None, environ: Mapping[s
             continue
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where(key)}{key} = {value!r}: {key} is a table of settings, [{key}], not a value")
-        for name in value if keys is not None else ():  # [backends.*]: each launcher checks its own
+        if key == "backends":  # its tables are the backends' own: a misspelt one is named here, its
+            from orchestrator.launchers.base import check_backends_section  # options by its launcher
+
+            check_backends_section(value, where)
+        for name in value if keys is not None else ():
             if name not in keys:
                 hint = choices(name, sorted(keys), label=f"[{key}] has")
                 raise ConfigError(f"{where(key, name)}[{key}] {name}: no such setting; {hint}")
@@ -318,7 +325,7 @@ def load_settings(cwd: Path | None = None, environ: Mapping[str, str] | None = N
     nothing reads (:func:`check_known`). Paths come back absolute (:data:`PATH_SETTINGS`)."""
     env = os.environ if environ is None else environ
     here = (cwd or Path.cwd()).absolute()
-    file_config, path = load_project_config(cwd)
+    file_config, path = load_project_config(cwd, env)
     if path is not None:
         file_config = anchor_paths(file_config, path.absolute().parent)
     config = _merge(file_config, anchor_paths(_env_overrides(env), here))
@@ -327,10 +334,4 @@ def load_settings(cwd: Path | None = None, environ: Mapping[str, str] | None = N
     db_url = (
         absolute_db_url(env.get("OPENLAB_DB_URL"), here) or config.get("db_url") or f"sqlite:///{home / 'lineage.db'}"
     )
-    settings = Settings(home=home, db_url=str(db_url), config=config, config_path=path)
-    # a [backends] table that names no backend (`default = "slurmm"`, [backends.kubernets]) stops every
-    # command, as any misspelt setting does; each backend's own options are its launcher's to check
-    from orchestrator.launchers.base import check_backends_section
-
-    check_backends_section(settings)
-    return settings
+    return Settings(home=home, db_url=str(db_url), config=config, config_path=path)

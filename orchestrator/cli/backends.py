@@ -27,11 +27,9 @@ def check_cmd(
     from orchestrator.cli.output import console, print_json
     from orchestrator.errors import OpenlabError
     from orchestrator.launchers import configured_backends, get_launcher
-    from orchestrator.launchers.base import check_backends_section
     from orchestrator.settings import load_settings
 
-    settings = load_settings()
-    check_backends_section(settings)  # a misspelt [backends] key is the answer, not one row per backend
+    settings = load_settings()  # a misspelt [backends] key is the answer there, not one row per backend
     default = settings.default_backend.strip().lower()  # where a job without --backend goes
     names = backend or configured_backends(settings)
     results = []

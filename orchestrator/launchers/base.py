@@ -39,7 +39,7 @@ import re
 import signal
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from pathlib import Path
@@ -643,7 +643,7 @@ BACKENDS: dict[str, str] = {
 }
 
 
-def warn_secret_arguments(spec: JobSpec, readable_in: str) -> bool:
+def warn_secret_arguments(spec: JobSpec, readable_in: str) -> None:
     """Warn, naming the argument, when the job's command carries a secret (``--db-password X``, a secret
     variable's value): lineage records it masked, but the job needs it whole, so it is readable in
     ``readable_in`` (the Kubernetes Job manifest) by whoever may read that. The job still runs: only its
@@ -654,7 +654,7 @@ def warn_secret_arguments(spec: JobSpec, readable_in: str) -> bool:
     masked = redact_argv(spec.command, spec.secret_values())
     held = [i for i, (a, b) in enumerate(zip(spec.command, masked, strict=True)) if a != b]
     if not held:
-        return False
+        return
     named = ", ".join(
         f"argument {i + 1} ({masked[i - 1]} …)" if i and MASK == masked[i] else f"argument {i + 1} ({masked[i]})"
         for i in held[:3]
@@ -667,7 +667,6 @@ def warn_secret_arguments(spec: JobSpec, readable_in: str) -> bool:
         readable_in,
         readable_in,
     )
-    return True
 
 
 def task_ends_prefix(log_path: str | Path) -> str:
@@ -904,36 +903,34 @@ def launcher_class(name: str) -> type[Launcher]:
     return getattr(importlib.import_module(module_name), cls_name)
 
 
-def check_backends_section(settings: Settings) -> None:
+def check_backends_section(section: Mapping[str, Any], where: Callable[..., str]) -> None:
     """Raise :class:`ConfigError` for a ``[backends]`` section that names no backend: ``default =
     "slurmm"``, or a table ``[backends.kubernets]`` whose settings no launcher would ever read
-    (the jobs would run with none of them). One line, naming the one meant."""
-    section = settings.section("backends")
+    (the jobs would run with none of them). One line, naming the one meant and, through ``where``
+    (:func:`orchestrator.settings.check_known`'s), where it was written. Each backend's own options
+    are its launcher's to check."""
     for key, value in section.items():
-        # where it was written: an OPENLAB_BACKENDS__<KEY>... variable wins over the file
-        variables = sorted(n for n in os.environ if n.upper().startswith(f"OPENLAB_BACKENDS__{key.upper()}"))
-        where = f"{variables[0]}: " if variables else f"{settings.config_path}: " if settings.config_path else ""
+        said = where("backends", key)
         if key == "default":
             if str(value).strip().lower() in BACKENDS:
                 continue
             named, what = str(value), f"[backends] default = {value!r}"
-        elif key in BACKENDS and isinstance(value, dict):
+        elif key in BACKENDS and isinstance(value, Mapping):
             continue
         elif key in BACKENDS:
             raise ConfigError(
-                f"{where}[backends] {key} = {value!r}: the {key} backend's settings are a table, [backends.{key}]"
+                f"{said}[backends] {key} = {value!r}: the {key} backend's settings are a table, [backends.{key}]"
             )
         else:
             named, what = str(key), f"[backends.{key}]"
-        raise ConfigError(f"{where}{what} is not a backend: {choices(named, BACKENDS, label='known backends')}")
+        raise ConfigError(f"{said}{what} is not a backend: {choices(named, BACKENDS, label='known backends')}")
 
 
 def get_launcher(name: str, settings: Settings | None = None, **overrides: Any) -> Launcher:
     """The launcher for backend ``name``, configured from ``[backends.<name>]`` plus ``overrides``."""
     from orchestrator.settings import load_settings
 
-    settings = settings or load_settings()
-    check_backends_section(settings)
+    settings = settings or load_settings()  # its [backends] section checked there
     cls = launcher_class(name)
     config = {**settings.section(f"backends.{cls.name}"), **{k: v for k, v in overrides.items() if v is not None}}
     return cls(settings, config)

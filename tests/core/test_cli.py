@@ -377,6 +377,30 @@ def test_a_relative_home_is_the_folder_it_named_where_it_was_given(
     assert slurm["log_dir"] == str(project / "slurm-logs")
 
 
+def test_a_misspelt_backend_is_named_where_the_given_environment_wrote_it(tmp_path: Path) -> None:
+    """``load_settings(environ=...)`` (a served flow run's environment, not this process's) names the
+    variable that wrote ``[backends.slrum]``: the check read ``os.environ`` and blamed the file."""
+    from orchestrator.errors import ConfigError
+
+    (tmp_path / "openlab.toml").write_text('[backends]\ndefault = "local"\n')
+    environ = {"OPENLAB_BACKENDS__SLRUM__PARTITION": "gpu", "OPENLAB_HOME": str(tmp_path / "home")}
+    with pytest.raises(ConfigError) as raised:
+        load_settings(tmp_path, environ=environ)
+    assert str(raised.value).startswith(
+        "OPENLAB_BACKENDS__SLRUM__PARTITION: [backends.slrum] is not a backend: did you mean 'slurm'?"
+    ), raised.value
+    environ["OPENLAB_BACKENDS__DEFAULT"] = "dokcer"
+    del environ["OPENLAB_BACKENDS__SLRUM__PARTITION"]
+    with pytest.raises(ConfigError, match=r"^OPENLAB_BACKENDS__DEFAULT: \[backends\] default = 'dokcer' is not a"):
+        load_settings(tmp_path, environ=environ)
+    assert load_settings(tmp_path, environ={"OPENLAB_HOME": str(tmp_path)}).default_backend == "local"
+    (tmp_path / "lab.toml").write_text('[backends]\ndefault = "slurm"\n')  # the file it names, not this process's
+    named = load_settings(
+        tmp_path, environ={"OPENLAB_HOME": str(tmp_path), "OPENLAB_CONFIG": str(tmp_path / "lab.toml")}
+    )
+    assert (named.default_backend, named.config_path) == ("slurm", tmp_path / "lab.toml")
+
+
 def test_every_documented_setting_is_one_openlab_reads() -> None:
     """The `[section] key` settings the README and the docstrings name are all in KNOWN_SETTINGS:
     documenting a new one without it would refuse the very setting the docs tell a person to write."""
