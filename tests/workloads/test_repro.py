@@ -238,7 +238,7 @@ def test_a_stopped_reproduction_saves_its_step_and_resumes(tiny_tokens: Path, tm
     import sys
     import time
 
-    steps = 300
+    steps = 120  # signalled at step 5 or so: the rest (seconds) is the margin for the signal to land
     arms = [{"name": "wf", "dispatch": "waterfilling", "capacity_factor": 1.05}]
     cfg = tmp_path / "repro.json"
     cfg.write_text(

@@ -199,7 +199,7 @@ def test_a_stop_signal_saves_the_step_and_a_rerun_finishes_as_if_uninterrupted(
     import signal
     import time
 
-    steps = 400
+    steps = 150  # signalled at step 5 or so: the rest (seconds) is the margin for the signal to land
     cfg = _write(tmp_path, train_cfg(tiny_tokens, steps=steps))
     straight = tmp_path / "straight"
     run_train(parse_config(train_cfg(tiny_tokens, steps=steps)), straight, "pretrain")
