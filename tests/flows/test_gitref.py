@@ -26,8 +26,8 @@ def test_checkout_ref(tmp_path: Path) -> None:
     _git(repo, "-c", "user.name=t", "-c", "user.email=t@e", "commit", "-qm", "one")
     main_sha = _git(repo, "rev-parse", "HEAD")
     (repo / "stage.py").write_text("v = 2  # uncommitted\n")
-    settings = load_settings(environ={"OPENLAB_HOME": str(tmp_path / "home"), "OPENLAB_CONFIG": str(repo / "x.toml")})
     (repo / "x.toml").write_text("")
+    settings = load_settings(environ={"OPENLAB_HOME": str(tmp_path / "home"), "OPENLAB_CONFIG": str(repo / "x.toml")})
 
     assert checkout_ref(repo, "HEAD", settings) == repo
     tree = checkout_ref(repo, "main", settings)
@@ -153,8 +153,8 @@ def test_worktrees_no_run_used_since_are_removed_and_one_in_use_is_kept(tmp_path
         _git(repo, "add", ".")
         _git(repo, *ident, "commit", "-qm", f"v{v}")
         shas.append(_git(repo, "rev-parse", "HEAD"))
-    settings = load_settings(environ={"OPENLAB_HOME": str(tmp_path / "home"), "OPENLAB_CONFIG": str(repo / "x.toml")})
     (repo / "x.toml").write_text("")
+    settings = load_settings(environ={"OPENLAB_HOME": str(tmp_path / "home"), "OPENLAB_CONFIG": str(repo / "x.toml")})
     old, new = (checkout_ref(repo, sha, settings) for sha in shas)
     week_ago = dt.datetime.now(dt.UTC) - dt.timedelta(days=7)
     stamp = (week_ago - dt.timedelta(days=1)).timestamp()

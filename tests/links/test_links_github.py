@@ -40,17 +40,19 @@ def test_parse_issue_ref_accepts_the_documented_forms(text: str, expected: str) 
     assert parse_issue_ref(text, "dflt/repo").id == expected
 
 
-def test_an_issue_url_on_another_github_than_openlabs_is_refused_not_read_as_one_here() -> None:
+def test_an_issue_url_on_another_github_than_openlabs_is_refused_not_read_as_one_here(tmp_path: Path) -> None:
     """An Enterprise issue's URL, with github.com configured, linked github.com's issue of that number."""
     from orchestrator.links.github import GithubConfig, check_issue_option
     from orchestrator.settings import load_settings
 
-    public = load_settings(environ={"OPENLAB_CONFIG": "/nonexistent.toml"})
+    empty = tmp_path / "openlab.toml"
+    empty.write_text("")
+    public = load_settings(environ={"OPENLAB_CONFIG": str(empty)})
     assert check_issue_option("https://www.github.com/lab/exp/issues/7", public).id == "lab/exp#7"
     with pytest.raises(GithubLinkError, match=r"is on ghe.lab.org, and openlab's GitHub is github.com: set \[github\]"):
         check_issue_option("https://ghe.lab.org/lab/exp/issues/7", public)
     enterprise = load_settings(
-        environ={"OPENLAB_CONFIG": "/nonexistent.toml", "OPENLAB_GITHUB__BASE_URL": "https://ghe.lab.org/api/v3"}
+        environ={"OPENLAB_CONFIG": str(empty), "OPENLAB_GITHUB__BASE_URL": "https://ghe.lab.org/api/v3"}
     )
     assert GithubConfig.from_settings(enterprise).web_hosts[-1] == "ghe.lab.org"
     assert check_issue_option("https://ghe.lab.org/lab/exp/issues/7", enterprise).id == "lab/exp#7"

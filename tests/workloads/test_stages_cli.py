@@ -23,7 +23,7 @@ SHRINK = {
 }
 
 
-def _stage(stage: str, tmp: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _stage(stage: str, tmp: Path, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess[str]:
     cfg = yaml.safe_load((EXAMPLES / f"{stage}.yaml").read_text())
     for section, values in SHRINK[stage].items():
         cfg[section] = {**cfg.get(section, {}), **values}
@@ -34,7 +34,7 @@ def _stage(stage: str, tmp: Path, env: dict[str, str]) -> subprocess.CompletedPr
     path.write_text(json.dumps(cfg))
     out = tmp / {"tokenize": "tokens"}.get(stage, stage)
     return subprocess.run(
-        [sys.executable, "-m", "workloads.moe", stage, "--config", str(path), "--out", str(out)],
+        [sys.executable, "-m", "workloads.moe", stage, "--config", str(path), "--out", str(out), *extra],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -51,6 +51,8 @@ def test_six_stage_chain_end_to_end(tmp_path: Path) -> None:
         assert proc.returncode == 0, (stage, proc.stderr[-2000:])
         out = tmp_path / {"tokenize": "tokens"}.get(stage, stage)
         assert (out / "metrics.json").is_file(), stage
+        if stage == "pretrain":
+            _reports_progress_on_stderr(proc, out)
     assert (tmp_path / "tokens" / "tokenizer.json").is_file()
     pre = json.loads((tmp_path / "pretrain" / "checkpoint" / "meta.json").read_text())
     mid = json.loads((tmp_path / "midtrain" / "checkpoint" / "meta.json").read_text())
@@ -59,12 +61,39 @@ def test_six_stage_chain_end_to_end(tmp_path: Path) -> None:
     ev = json.loads((tmp_path / "eval" / "metrics.json").read_text())
     assert {"eval/code/loss", "eval/prose/loss", "eval/moe/drop_fraction"} <= set(ev)
     assert ev["wandb_run_id"] and list((tmp_path / "eval" / "wandb").glob("offline-run-*"))
-    # Restarting a finished stage resumes from its checkpoint instead of training again.
+    # Restarting a finished stage resumes from its checkpoint instead of training again; given more
+    # steps, it trains those, counting from where it resumed, and `--json` ends stdout with every
+    # scalar metric as JSON.
     proc = _stage("midtrain", tmp_path, env)
     assert (
         proc.returncode == 0
         and json.loads((tmp_path / "midtrain" / "metrics.json").read_text())["resumed_from_step"] == 3
     )
+    proc = _stage("midtrain", tmp_path, env, "--set", "train.steps=5", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("step ")]
+    assert lines[0].startswith("step 4/5 (80%)") and lines[-1].startswith("step 5/5"), lines
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    metrics = json.loads((tmp_path / "midtrain" / "metrics.json").read_text())
+    assert result["resumed_from_step"] == 3 and result["train/loss"] == metrics["train/loss"], result
+
+
+def _reports_progress_on_stderr(proc: subprocess.CompletedProcess[str], out: Path) -> None:
+    """A training stage says how far it is (step, loss, drop, time per step, time left) on stderr, which a
+    launcher streams into the Prefect logs: at its first step, at most every 10 s, and at its last.
+    stdout ends with one line of headline figures (the log's last word on the stage)."""
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("step ")]
+    assert lines[0].startswith("step 1/4 (25%) | loss ") and " | drop " in lines[0], lines
+    assert "s/step | about " in lines[0] and lines[0].endswith(" left"), lines
+    assert lines[-1].startswith("step 4/4 (100%)") and lines[-1].endswith(" | done"), lines
+    assert len(lines) <= 4
+    metrics = json.loads((out / "metrics.json").read_text())
+    summary = proc.stdout.strip().splitlines()[-1]
+    assert summary.startswith("done: step 4/4 | "), summary
+    assert f" | loss {metrics['train/loss']:.4f} | drop {metrics['moe/drop_fraction']:.2%} | " in summary, summary
+    assert f"eval loss code {metrics['eval/code/loss']:.4f}, " in summary, summary
+    assert f" | eval drop {metrics['eval/moe/drop_fraction']:.2%} | W&B run {metrics['wandb_run_id']} | " in summary
+    assert summary.endswith(f" | all metrics in {out}/metrics.json"), summary
 
 
 def test_cli_bad_input_is_one_line_exit_2(tmp_path: Path) -> None:
@@ -197,48 +226,3 @@ def test_extends_starts_from_another_config_and_lays_this_files_keys_on_top(tmp_
         )
         assert proc.returncode == 2 and said in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
         assert not (tmp_path / "bad").exists()
-
-
-def test_a_training_stage_reports_progress_on_stderr(tmp_path: Path, tiny_tokens: Path) -> None:
-    """A training stage says how far it is (step, loss, drop, time per step, time left) on stderr, which a
-    launcher streams into the Prefect logs: at its first step, at most every 10 s, and at its last.
-    stdout ends with one line of headline figures (the log's last word on the stage), or with
-    ``--json`` every scalar metric as JSON. A resumed stage counts from where it resumed."""
-    from .conftest import train_cfg
-
-    cfg = tmp_path / "c.json"
-
-    def pretrain(steps: int, *extra: str) -> subprocess.CompletedProcess[str]:
-        cfg.write_text(json.dumps(train_cfg(tiny_tokens, steps=steps, checkpoint_every=3)))
-        out = str(tmp_path / "p")
-        return subprocess.run(
-            [sys.executable, "-m", "workloads.moe", "pretrain", "--config", str(cfg), "--out", out, *extra],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-
-    proc = pretrain(6)
-    assert proc.returncode == 0, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("step ")]
-    assert lines[0].startswith("step 1/6 (16%) | loss ") and " | drop " in lines[0], lines
-    assert "s/step | about " in lines[0] and lines[0].endswith(" left"), lines
-    assert lines[-1].startswith("step 6/6 (100%)") and lines[-1].endswith(" | done"), lines
-    assert len(lines) <= 6
-    metrics = json.loads((tmp_path / "p" / "metrics.json").read_text())
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert summary.startswith("done: step 6/6 | "), summary
-    assert f" | loss {metrics['train/loss']:.4f} | drop {metrics['moe/drop_fraction']:.2%} | " in summary, summary
-    assert f"eval loss code {metrics['eval/code/loss']:.4f}, " in summary, summary
-    assert summary.endswith(
-        f" | eval drop {metrics['eval/moe/drop_fraction']:.2%} | all metrics in {cfg.parent}/p/metrics.json"
-    )
-
-    proc = pretrain(9, "--json")  # resumes from the step-6 checkpoint
-    assert proc.returncode == 0, proc.stderr
-    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("step ")]
-    assert lines[0].startswith("step 7/9 (77%)") and lines[-1].startswith("step 9/9"), lines
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    metrics = json.loads((tmp_path / "p" / "metrics.json").read_text())
-    assert result["resumed_from_step"] == 6 and result["train/loss"] == metrics["train/loss"], result
