@@ -236,11 +236,12 @@ def check_known(config: Mapping[str, Any], path: Path | None, environ: Mapping[s
             continue
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where(key)}{key} = {value!r}: {key} is a table of settings, [{key}], not a value")
-        if key == "backends":  # its tables are the backends' own: a misspelt one is named here, its
-            from orchestrator.launchers.base import check_backends_section  # options by its launcher
+        if keys is None:  # [backends]: a table per backend, a misspelt one named here, its options by its launcher
+            from orchestrator.launchers.base import check_backends_section
 
             check_backends_section(value, where)
-        for name in value if keys is not None else ():
+            continue
+        for name in value:
             if name not in keys:
                 hint = choices(name, sorted(keys), label=f"[{key}] has")
                 raise ConfigError(f"{where(key, name)}[{key}] {name}: no such setting; {hint}")
