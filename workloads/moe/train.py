@@ -37,6 +37,7 @@ from .dispatch import DispatchSpec
 from .distributed import DataParallel
 from .metrics import summarize
 from .model import MoELM, RoutingRuntime, count_params
+from .optim import AdamW
 from .tokenizing import load_manifest, open_shard
 from .tracking import SilentTracker, open_tracker
 from .util import Preempted, StopSignals, atomic_torch_save, atomic_write_text, pick_device, setup_torch
@@ -184,7 +185,7 @@ def check_model_section(cfg: Config, mc: ModelConfig) -> None:
 def save_checkpoint(
     out: Path,
     model: MoELM,
-    opt: torch.optim.Optimizer,
+    opt: AdamW,
     step: int,
     tokens_seen: int,
     stage: str,
@@ -245,10 +246,10 @@ def keep_revision(out: Path, step: int, tokens_seen: int) -> None:
     atomic_write_text(index, json.dumps(sorted(listed, key=lambda r: r["step"]), indent=2))
 
 
-def make_optimizer(model: MoELM, cfg: Config) -> torch.optim.Optimizer:
+def make_optimizer(model: MoELM, cfg: Config) -> AdamW:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW(
+    return AdamW(
         [{"params": decay, "weight_decay": cfg.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.train.lr,
         betas=(0.9, 0.95),
