@@ -48,8 +48,8 @@ class AdamW:
         defaults = {"weight_decay": weight_decay, "lr": lr, "betas": betas, "eps": eps, **_TORCH_GROUP_FLAGS}
         self.param_groups: list[dict[str, Any]] = []
         for group in groups:
-            params = list(group["params"])
-            self.param_groups.append({**defaults, **{k: v for k, v in group.items() if k != "params"}, "params": params})
+            given = {k: v for k, v in group.items() if k != "params"}
+            self.param_groups.append({**defaults, **given, "params": list(group["params"])})
         self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
