@@ -521,6 +521,10 @@ def _status(code: int, reason: str, message: str) -> aiohttp.web.Response:
     return aiohttp.web.json_response({**body, "code": code}, status=code)
 
 
+#: requests kmock keeps to match a new one against (more than are ever in flight at once)
+_KEPT_REQUESTS = 16
+
+
 class _ApiServer(kmock.KubernetesEmulator):
     """kmock's emulator, plus what every API server writes into an object it creates: a
     ``metadata.uid`` (what ``ownerReferences`` name) and a ``creationTimestamp``; a Secret's
@@ -528,6 +532,8 @@ class _ApiServer(kmock.KubernetesEmulator):
     (:meth:`_pod_log`); and RBAC when :attr:`rules` is set (module docstring)."""
 
     rules: frozenset[tuple[str, str, str]] | None = None
+    #: (HTTP method, path, query) of every request, in order (EmulatedCluster sets it; :meth:`EmulatedCluster.requests`)
+    answered: list[tuple[str, str, dict[str, str]]]
     #: Each pod's containers' log files, by (namespace, pod) and container name (EmulatedCluster fills it).
     logs: dict[tuple[str, str], dict[str, Path]]
 
@@ -573,6 +579,11 @@ class _ApiServer(kmock.KubernetesEmulator):
 
     async def _handle(self, request: Any) -> Any:
         method, path = str(request.method.value).upper(), request.url.path
+        self.answered.append((method, path, dict(request.params)))
+        # kmock finds each request's reaction by walking every request it has kept, so a session's cluster
+        # answered slower with each request (the indexed-Job tests spent half their time there); it keeps the
+        # last few (those in flight), and requests() reads ``answered``
+        del self._requests[:-_KEPT_REQUESTS]
         if method == "POST" and path == ACCESS_REVIEW:
             spec = (request.data or {}).get("spec") or {}
             attrs = spec.get("resourceAttributes") or {}
@@ -637,6 +648,7 @@ class EmulatedCluster:
         self._runs: dict[tuple[str, str], list[_Run]] = {}
         self._ended: dict[tuple[str, str], list[_Run]] = {}
         self._settled: set[tuple[str, str]] = set()  # Jobs whose final condition is written
+        self._job_status: dict[tuple[str, str], dict[str, Any]] = {}  # an indexed Job's counts, as last written
         self._job_started: dict[tuple[str, str], float] = {}  # a Job's startTime (monotonic): its deadline's
         #: Whether the one node is cordoned (:meth:`cordon`): new pods are not scheduled meanwhile.
         self.cordoned = False
@@ -683,11 +695,12 @@ class EmulatedCluster:
                 km.resources["v1/configmaps"] = {}
                 km.resources["v1/secrets"] = {}
                 km.logs = {}
+                km.answered = []
                 self.km, self._loop = km, asyncio.get_running_loop()
                 self.url = str(server.url).rstrip("/")
                 self._ready.set()
-                while not self._stop.is_set():
-                    await asyncio.sleep(0.05)
+                # woken by stop() rather than polling: an idle cluster lives the whole session
+                await asyncio.to_thread(self._stop.wait)
 
         try:
             asyncio.run(main())
@@ -827,10 +840,7 @@ class EmulatedCluster:
         """Every request the API server has answered, as (HTTP method, path, query): what a client
         (the launcher) asked of it; the controller's own reads and writes do not go over HTTP."""
 
-        def read() -> list[tuple[str, str, dict[str, str]]]:
-            return [(str(r.method.value).upper(), r.url.path, dict(r.params)) for r in list(self.km._requests)]
-
-        return self.on_loop(read)
+        return self.on_loop(lambda: list(self.km.answered))
 
     def cordon(self) -> None:
         """As ``kubectl cordon`` on the one node: pods made from now on stay Pending, not scheduled
@@ -1317,7 +1327,10 @@ class EmulatedCluster:
             "failed": len(failed),
         }
         if active:
-            self._patch(JOBS, *key, {**counts, **({"completedIndexes": done} if done else {})})
+            status = {**counts, **({"completedIndexes": done} if done else {})}
+            if self._job_status.get(key) != status:  # written when it changes, as the Job controller does:
+                self._job_status[key] = status  # every pass wrote it, and every watcher read it, 20 times a second
+                self._patch(JOBS, *key, status)
             return
         now = _now()
         self._settled.add(key)
