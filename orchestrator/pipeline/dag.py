@@ -245,8 +245,9 @@ def moe_pipeline(
     root = (repo_root or REPO_ROOT).resolve()
     common = [_moe("__init__.py"), _moe("__main__.py"), _moe("config.py"), _moe("util.py")]
     # training and eval read token shards through tokenizing.py, which imports data.py; train.py averages
-    # gradients and weights the loss over a job's tasks in distributed.py (each module a stage imports,
-    # however indirectly, decides its result: one left out, an edit to it reused the stale result)
+    # gradients and weights the loss over a job's tasks in distributed.py and steps AdamW in optim.py
+    # (each module a stage imports, however indirectly, decides its result: one left out, an edit to it
+    # reused the stale result)
     model = [
         _moe("model.py"),
         _moe("dispatch.py"),
@@ -254,6 +255,7 @@ def moe_pipeline(
         _moe("data.py"),
         _moe("tokenizing.py"),
         _moe("distributed.py"),
+        _moe("optim.py"),
         _moe("train.py"),
     ]
     declared: dict[str, Sequence[str]] = {
