@@ -32,7 +32,7 @@ def _train(model: torch.nn.Module, opt: object, steps: range) -> None:
         x, y = torch.randn(5, 6, generator=g), torch.randn(5, 3, generator=g)
         for group in opt.param_groups:  # type: ignore[attr-defined]
             group["lr"] = 1e-2 / (1 + step)  # the loop's schedule: set on the groups each step
-        opt.zero_grad(set_to_none=True)  # type: ignore[attr-defined]
+        opt.zero_grad()  # type: ignore[attr-defined]
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()  # type: ignore[attr-defined]
 

@@ -52,13 +52,11 @@ class AdamW:
             self.param_groups.append({**defaults, **given, "params": list(group["params"])})
         self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self) -> None:
+        """Drops the gradients (torch's default, ``set_to_none=True``: the next backward writes fresh ones)."""
         for group in self.param_groups:
             for p in group["params"]:
-                if set_to_none:
-                    p.grad = None
-                elif p.grad is not None:
-                    p.grad.detach_().zero_()
+                p.grad = None
 
     @torch.no_grad()
     def step(self) -> None:
@@ -67,8 +65,6 @@ class AdamW:
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("AdamW does not support sparse gradients")
                 state = self.state.get(p)
                 if state is None:  # as torch lays it out: a float32 step counter on the CPU, moments like p
                     state = self.state[p] = {

@@ -234,7 +234,7 @@ def run_repro(cfg: Config, out: Path) -> dict[str, Any]:
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, cfg)
             loss, lm = model(x.to(device), y.to(device), rt)
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
             tokens_seen += int(x.numel())

@@ -410,7 +410,7 @@ def _train(
             share = dp.loss_weight(y)
             if share != 1.0:  # the global batch's token mean once gradients are averaged over tasks
                 loss = loss + (share - 1.0) * lm
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad()
             loss.backward()
             dp.average_gradients(model)
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
