@@ -8,12 +8,17 @@ runs. Skips with the reason locally when it cannot start; fails under ``CI=true`
 ``served`` (session): ``python -m orchestrator.cli.server --api-url ...`` serving the
 replica pipeline and the nightly against that server, with its own ``OPENLAB_HOME``
 (:attr:`Served.home`), so tests read the lineage the flow runs wrote.
+
+Servers the tests start find their database migrated (:func:`seed_prefect_db`), as a person's
+second ``openlab server`` does; ``make demo``'s test keeps the first start's migrations covered.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +34,59 @@ from orchestrator.prefect_server import PrefectServer, free_port, use_api
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+#: Where :func:`seed_prefect_db` keeps the migrated database it copies: the run's temporary folder,
+#: shared by its xdist workers (set by :func:`_prefect_db_root`).
+_PREFECT_DB_ROOT: Path | None = None
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _prefect_db_root(tmp_path_factory: pytest.TempPathFactory) -> None:
+    global _PREFECT_DB_ROOT  # noqa: PLW0603 - one per process, read by a helper fixtures and tests call
+    base = tmp_path_factory.getbasetemp()
+    _PREFECT_DB_ROOT = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def seed_prefect_db(prefect_home: Path) -> None:
+    """Put a migrated, empty Prefect database where a server in ``prefect_home`` opens its own.
+
+    A server's first start on a new SQLite file runs every Prefect migration: 11 of its 18 s of CPU
+    on this machine, for each of the dozen servers the flow tests start. Prefect's own
+    ``prefect server database upgrade`` makes one copy per run (under a lock the workers share);
+    each server then starts as on a person's second ``openlab server``. A database already there
+    is kept.
+    """
+    target = prefect_home / "prefect.db"
+    if target.exists():
+        return
+    root = _PREFECT_DB_ROOT
+    assert root is not None, "seed_prefect_db runs inside a test session"
+    template = root / "prefect-db-template" / "prefect.db"
+    with (root / "prefect-db-template.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        if not template.exists():
+            scratch = template.parent.with_name(template.parent.name + ".partial")
+            shutil.rmtree(scratch, ignore_errors=True)
+            scratch.mkdir(parents=True)
+            env = {
+                **os.environ,
+                "PREFECT_HOME": str(scratch),
+                "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{scratch / 'prefect.db'}",
+                "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{scratch / 'prefect.db'}",
+            }
+            done = subprocess.run(  # noqa: S603
+                [sys.executable, "-m", "prefect", "server", "database", "upgrade", "-y"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            if done.returncode != 0:
+                unavailable(f"prefect server database upgrade failed:\n{done.stdout}{done.stderr}")
+            scratch.rename(template.parent)
+    prefect_home.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(template, target)
 
 
 def unavailable(reason: str) -> None:
@@ -75,6 +133,7 @@ def running_prefect_server(home: Path) -> Iterator[PrefectServer]:
     """A Prefect server of its own under ``home``, with this process's Prefect client pointed at it
     for the block (``PREFECT_HOME`` too), stopped after it."""
     server = PrefectServer(home=home, port=free_port())
+    seed_prefect_db(home)
     try:
         server.start(timeout=120)
     except Exception as exc:  # noqa: BLE001 - any start-up failure is reported the same way

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from orchestrator.prefect_server import PrefectServer, free_port, health_ok, use_api
-from tests.flows.conftest import REPO_ROOT, runner_env, stop_process, wait_for_deployments
+from tests.flows.conftest import REPO_ROOT, runner_env, seed_prefect_db, stop_process, wait_for_deployments
 
 pytestmark = [pytest.mark.prefect]
 
@@ -25,7 +25,9 @@ PIPELINE = "replica-pipeline/replica"
 
 
 def _env(home: Path, port: int) -> dict[str, str]:
-    """A person's environment for ``openlab server --port port`` with ``$OPENLAB_HOME`` at ``home``."""
+    """A person's environment for ``openlab server --port port`` with ``$OPENLAB_HOME`` at ``home``,
+    whose Prefect database a server has migrated before (:func:`seed_prefect_db`)."""
+    seed_prefect_db(home / "prefect")
     env = runner_env(PrefectServer(home=home / "prefect", port=port), home)
     env.pop("PREFECT_API_URL")
     return env
