@@ -21,10 +21,14 @@ if TYPE_CHECKING:
     from orchestrator.snapshots import Snapshot
 
 
-def commit_id(sha: str | None, patch_hash: str | None) -> str:
-    """A commit record's id: the sha, plus the patch hash when the tree was dirty."""
+def commit_id(sha: str | None, patch_hash: str | None, dirty: bool = False) -> str:
+    """A commit record's id: the sha, plus the patch hash when the tree was dirty, or ``+dirty`` when
+    it was dirty in a way no patch holds (only an untracked file too large for one, a nested repository
+    with no commit yet): a record is written once, so that tree and the clean one need two."""
     base = sha or "no-git"
-    return f"{base}+{patch_hash[:16]}" if patch_hash else base
+    if patch_hash:
+        return f"{base}+{patch_hash[:16]}"
+    return f"{base}+dirty" if dirty else base
 
 
 def record_snapshot(tx: Transaction, snap: Snapshot) -> DataSnapshot:
@@ -88,7 +92,7 @@ def record_git(tx: Transaction, git: GitInfo) -> Commit:
     authored = info.get("authored_at")
     return tx.ensure(
         Commit(
-            id=commit_id(info.get("commit"), info.get("patch_hash")),
+            id=commit_id(info.get("commit"), info.get("patch_hash"), bool(info.get("dirty"))),
             sha=info.get("commit"),
             repo_path=info.get("root"),
             remote_url=info.get("remote_url"),

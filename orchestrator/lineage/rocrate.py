@@ -84,6 +84,15 @@ def _fragment(*parts: str) -> str:
     return "#" + "-".join(urllib.parse.quote(part, safe="/_.") for part in parts)
 
 
+def _dirty_text(commit: Any) -> str | None:
+    """What a commit record's tree had beside the commit: its patch, or what no patch holds."""
+    if commit.patch_hash:
+        return f"uncommitted changes: patch {commit.patch_hash}"
+    if commit.dirty:  # an untracked file too large for a patch, a nested repository with no commit
+        return "uncommitted changes no patch holds: an untracked file too large for one, or a repository with no commit"
+    return None
+
+
 def _value_type(value: Any) -> str:
     """The schema.org type a formal parameter's values have."""
     if isinstance(value, bool):
@@ -267,7 +276,7 @@ def to_rocrate(closure: Closure) -> tuple[dict[str, Any], dict[str, str]]:
                     "codeRepository": scrub(where, secrets) if where else None,
                     "version": record.sha,  # type: ignore[attr-defined]
                     "identifier": record.id,
-                    "description": f"uncommitted changes: patch {record.patch_hash}" if record.dirty else None,  # type: ignore[attr-defined]
+                    "description": _dirty_text(record),
                     "hasPart": [patch] if patch else None,
                 }
             )

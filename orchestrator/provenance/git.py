@@ -9,7 +9,8 @@ capture works from the *working tree*:
   ``patch_hash`` is the BLAKE3 of its bytes (``None`` when the tree is clean).
   ``git apply --binary`` of that patch on the recorded commit rebuilds the tree.
   An untracked file over :data:`UNTRACKED_PATCH_LIMIT` is left out of the patch and the tree
-  (``untracked_large`` names it, with its size, and a warning says so): a checkpoint or a
+  (``untracked_large`` names it, with its size, and a warning says so; the tree is still
+  ``dirty``, as ``git status`` would say, with no patch that holds it): a checkpoint or a
   dataset left in the repository made every capture read it whole into memory and store it
   again as a blob, and code is not that big; data belongs in a snapshot. More than
   :data:`UNTRACKED_WARN_FILES` untracked files stay in the patch (they may be code) but are
@@ -597,7 +598,8 @@ def _capture(
         remote_url=_remote_url(repo),
         branch=branch,
         commit=commit,
-        dirty=bool(patch) or any(s.dirty for s in submodules),
+        # what git status would call dirty: a left-out file or repository too, though no patch holds it
+        dirty=bool(patch or large or empty_repos) or any(s.dirty for s in submodules),
         patch_hash=patch_hash,
         patch_path=patch_path,
         patch_bytes=len(patch),

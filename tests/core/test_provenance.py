@@ -132,6 +132,36 @@ def test_a_large_untracked_file_is_named_not_copied_into_the_patch(repo: Path, s
     assert b"small.bin" in (settings.blobs_dir / str(kept.patch_hash)).read_bytes()
 
 
+def test_a_tree_dirty_only_by_what_no_patch_holds_is_recorded_dirty_apart_from_the_clean_one(
+    repo: Path, settings: Settings, tmp_path: Path
+) -> None:
+    """A large untracked file (left out of the patch) or a nested repository with no commit was the only
+    difference from HEAD: the tree was recorded clean, though ``git status`` says otherwise, under the
+    clean tree's record, which is written once."""
+    from orchestrator.lineage import Commit, LineageStore
+    from orchestrator.lineage.record import record_git
+    from orchestrator.provenance.git import UNTRACKED_PATCH_LIMIT
+
+    clean = capture_git(repo, code_paths=["src"], settings=settings)
+    (repo / "weights.pt").write_bytes(os.urandom(UNTRACKED_PATCH_LIMIT + 1))
+    with pytest.warns(ProvenanceWarning, match="weights.pt"):
+        large = capture_git(repo, code_paths=["src"], settings=settings)
+    (repo / "weights.pt").unlink()
+    (repo / "scratch").mkdir()
+    git(repo / "scratch", "init", "-q")
+    with pytest.warns(ProvenanceWarning, match="no commit yet: scratch"):
+        nested = capture_git(repo, code_paths=["src"], settings=settings)
+    assert (clean.dirty, large.dirty, nested.dirty) == (False, True, True)
+    assert large.patch_hash is None and nested.patch_hash is None, "nothing a patch could hold"
+    assert large.tree_hashes == clean.tree_hashes, "the code is the same: only the record says more"
+
+    with LineageStore(f"sqlite:///{tmp_path / 'lineage.db'}") as store:
+        with store.transaction() as tx:
+            ids = [record_git(tx, info).id for info in (clean, large, nested)]
+        assert ids == [clean.commit, f"{clean.commit}+dirty", f"{clean.commit}+dirty"]
+        assert {c.id: c.dirty for c in store.list(Commit)} == {ids[0]: False, ids[1]: True}
+
+
 def test_a_secret_in_the_working_tree_is_masked_in_the_recorded_patch(
     repo: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
