@@ -1074,8 +1074,15 @@ def export_cmd(
         return
     if Path(output).is_dir():  # atomic_write's error named its own temporary file beside it
         raise ConfigError(f"--output {output} is a folder: give a file to write ({fmt} is one file)")
+    target = Path(output)
     try:
-        atomic_write(Path(output), text.encode())  # a reader never sees half an export
+        if target.exists() and not target.is_file():
+            # /dev/null, /dev/stdout, a named pipe: written into, as curl -o and tar -f do. Replaced by a
+            # temporary file, root's /dev/null became a regular file holding the export.
+            with target.open("wb") as stream:
+                stream.write(text.encode())
+        else:
+            atomic_write(target, text.encode())  # a reader never sees half an export
     except OSError as exc:  # named by what refused: a folder above it (a file there), else the path given
         above = exc.filename and Path(exc.filename) in Path(output).parents
         where = f"{exc.filename}: " if above else ""

@@ -198,6 +198,28 @@ def test_cli_export_writes_file_and_rejects_bad_input(recorded: dict[str, str], 
     crate = run_cli("lineage", "export", recorded["first"][:12], "-f", "ro-crate", "-o", "-", cwd=tmp_path)
     assert crate.returncode == 2 and "add --output DIR" in crate.stderr and not (tmp_path / "-").exists()
 
+
+def test_export_into_a_pipe_or_device_writes_into_it_and_leaves_it_one(
+    recorded: dict[str, str], run_cli, tmp_path: Path
+) -> None:
+    """``-o /dev/null``, ``-o /dev/stdout``, a named pipe: the export was written beside it and renamed over
+    it, so root's /dev/null became a regular file holding the export (and a pipe's reader got nothing)."""
+    import stat
+    import threading
+
+    (tmp_path / "out").mkdir()
+    pipe = tmp_path / "out" / "export.pipe"
+    os.mkfifo(pipe)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(pipe.read_bytes()), daemon=True)
+    reader.start()
+    done = run_cli("lineage", "export", recorded["first"][:12], "--format", "prov", "-o", str(pipe), timeout=60)
+    reader.join(timeout=30)
+    assert done.returncode == 0, done.stderr
+    assert got and json.loads(got[0])["prefix"]["openlab"] == "urn:openlab:", "the pipe's reader got the export"
+    assert stat.S_ISFIFO(pipe.stat().st_mode), "still a pipe, not a file put in its place"
+    assert [p.name for p in pipe.parent.iterdir()] == ["export.pipe"], "no temporary file left beside it"
+
     done = run_cli("lineage", "export", "--format", "rdf")
     assert done.returncode == 2
     assert "unknown export format 'rdf'" in done.stderr and "Traceback" not in done.stderr
