@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import math
 import re
 import urllib.parse
 import uuid
@@ -40,6 +39,7 @@ from orchestrator.lineage.models import (
     PipelineRun,
     Relation,
     StageRun,
+    strict_json,
 )
 from orchestrator.lineage.store import LineageStore, record_payload
 from orchestrator.secrets import redact_value, scrub, secret_values
@@ -197,19 +197,6 @@ def clean_value(value: Any, secrets: Sequence[str]) -> Any:
     if isinstance(value, tuple):
         value = list(value)
     return redact_value(value, secrets)
-
-
-def strict_json(value: Any) -> Any:
-    """``value`` with each float that is not a finite number as JSON has no word for it: ``"NaN"``,
-    ``"Infinity"``, ``"-Infinity"`` (a diverged loss is a result, kept as text). Python's ``json``
-    writes ``NaN`` bare, which no strict reader (Marquez, JSON-LD tools) accepts."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-    if isinstance(value, dict):
-        return {k: strict_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [strict_json(v) for v in value]
-    return value
 
 
 def dumps(value: Any, **options: Any) -> str:

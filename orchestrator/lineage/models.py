@@ -21,10 +21,12 @@ same on either database.
 from __future__ import annotations
 
 import datetime as dt
+import math
 import uuid
 from typing import Any, ClassVar
 
 from sqlalchemy import JSON, BigInteger, Column, UniqueConstraint
+from sqlalchemy.types import TypeDecorator
 from sqlmodel import Field, SQLModel
 
 
@@ -36,6 +38,50 @@ def utcnow() -> dt.datetime:
 def as_utc(when: dt.datetime) -> dt.datetime:
     """``when`` as a timezone-aware UTC time: SQLite hands timestamps back naive, written in UTC."""
     return when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)
+
+
+#: How :func:`strict_json` spells the floats JSON has no word for, and what each reads back as.
+NON_FINITE: dict[str, float] = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def strict_json(value: Any) -> Any:
+    """``value`` with each float that is not a finite number as JSON has no word for it: ``"NaN"``,
+    ``"Infinity"``, ``"-Infinity"`` (a diverged loss is a result, kept as text). Python's ``json``
+    writes ``NaN`` bare, which no strict reader (Marquez, JSON-LD tools, PostgreSQL) accepts."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
+def _numbers_back(value: Any) -> Any:
+    """:func:`strict_json`'s words read back as the floats they stand for."""
+    if isinstance(value, str):
+        return NON_FINITE.get(value, value)
+    if isinstance(value, dict):
+        return {k: _numbers_back(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_numbers_back(v) for v in value]
+    return value
+
+
+class NumbersJSON(TypeDecorator[Any]):
+    """A JSON column of measured numbers (metrics, a W&B summary, a verdict, what a job used), where
+    a diverged loss is NaN or infinite: PostgreSQL's ``json`` refuses Python's bare ``NaN``, so the
+    failed stage's record could not be written there. Stored as :func:`strict_json`'s words, read back
+    as floats; a record of words, ids and commands keeps plain ``JSON``, where ``"NaN"`` is text."""
+
+    impl = JSON
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Any) -> Any:
+        return strict_json(value)
+
+    def process_result_value(self, value: Any, dialect: Any) -> Any:
+        return _numbers_back(value)
 
 
 def new_id(prefix: str) -> str:
@@ -180,7 +226,7 @@ class WandbRun(LineageRecord, table=True):
     mode: str = "offline"
     url: str | None = None
     local_dir: str | None = None
-    summary: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))
+    summary: dict[str, Any] = Field(default_factory=dict, sa_column=Column(NumbersJSON))
     #: How the run ended, as its own files say: ``finished``, ``failed`` (the stage raised),
     #: ``preempted`` (stopped by a scheduler, to be resumed), ``crashed`` (its process died
     #: without a word: killed, out of memory) or ``running``. None for runs recorded before.
@@ -208,10 +254,10 @@ class PipelineRun(LineageRecord, table=True):
     flow_run_id: str | None = Field(default=None, index=True)
     params: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))
     state: str = "RUNNING"
-    verdict: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    verdict: dict[str, Any] | None = Field(default=None, sa_column=Column(NumbersJSON))
     #: The recipe's pre-registered predictions checked against what the run measured
     #: (orchestrator.preregistration); the predictions themselves are in ``params.recipe``.
-    preregistration: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    preregistration: dict[str, Any] | None = Field(default=None, sa_column=Column(NumbersJSON))
     error: str | None = None
     started_at: dt.datetime = Field(default_factory=utcnow)
     ended_at: dt.datetime | None = None
@@ -245,7 +291,7 @@ class StageRun(LineageRecord, table=True):
     state: str = "PENDING"
     reused_from: str | None = None
     outputs: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))
-    metrics: dict[str, Any] = Field(default_factory=dict, sa_column=Column(JSON))
+    metrics: dict[str, Any] = Field(default_factory=dict, sa_column=Column(NumbersJSON))
     error: str | None = None
     started_at: dt.datetime = Field(default_factory=utcnow)
     ended_at: dt.datetime | None = None
@@ -294,7 +340,7 @@ class Attempt(LineageRecord, table=True):
     #: What the job used, where openlab measures it (the local backend, whose supervisor is the job's
     #: parent): ``max_rss_bytes`` (the largest process's peak resident memory) and ``cpu_seconds``
     #: (user + system time of the job and every process it waited for). None where not measured.
-    used: dict[str, Any] | None = Field(default=None, sa_column=Column(JSON))
+    used: dict[str, Any] | None = Field(default=None, sa_column=Column(NumbersJSON))
     #: True when the job was stopped (preempted, or by its time limit) after saving its stage's
     #: checkpoint anew, which the stage's next attempt goes on from (migration 0015): its hours are
     #: not lost, as a failed job's are (:mod:`orchestrator.lineage.usage`). None otherwise.

@@ -45,6 +45,30 @@ def test_writes_are_logged_and_verify_clean(store: LineageStore) -> None:
     assert verify(store, load_settings()) == []
 
 
+def test_a_diverged_stage_is_recorded_with_its_nan_and_infinite_numbers_and_verifies(store: LineageStore) -> None:
+    """PostgreSQL's json refuses Python's bare NaN: the record of a stage whose loss diverged could not be
+    written there ("invalid input syntax for type json"), though a failure's record is what is kept.
+    The numbers read back as the floats they were, on either database; words stay words."""
+    import math
+
+    with store.transaction() as tx:
+        run = tx.add(PipelineRun(recipe="marin-535b-a23b", replica="tiny", state="FAILED", params={"note": "NaN"}))
+        stage = tx.add(
+            StageRun(
+                pipeline_run_id=run.id,
+                stage="pretrain",
+                identity="diverged",
+                state="FAILED",
+                metrics={"loss": math.nan, "grad_norm": math.inf, "moe": {"min": -math.inf}, "steps": [1.5, math.nan]},
+            )
+        )
+    got = store.require(StageRun, stage.id).metrics
+    assert math.isnan(got["loss"]) and got["grad_norm"] == math.inf and got["moe"] == {"min": -math.inf}
+    assert got["steps"][0] == 1.5 and math.isnan(got["steps"][1])
+    assert store.require(PipelineRun, run.id).params == {"note": "NaN"}, "a word in a column of words stays one"
+    assert verify(store, load_settings()) == []
+
+
 def test_failed_transaction_writes_nothing(store: LineageStore) -> None:
     _populate(store)
     before = len(store.events())
