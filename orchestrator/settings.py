@@ -128,7 +128,7 @@ def load_project_config(
     explicit = (os.environ if environ is None else environ).get("OPENLAB_CONFIG")
     if explicit:
         path = Path(explicit).expanduser()
-        if not path.is_file():
+        if not path.exists() or path.is_dir():  # /dev/null is read, as GIT_CONFIG_GLOBAL=/dev/null is: no settings
             what = "is a folder, not a file" if path.is_dir() else "does not exist"
             raise ConfigError(f"OPENLAB_CONFIG names {path}, which {what}")
         data = _read_toml(path)

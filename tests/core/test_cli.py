@@ -310,6 +310,9 @@ def test_a_setting_nothing_reads_is_refused_where_it_was_written_naming_the_one_
     pyproject.write_text('[project]\nname = "lab"\n\n[tool.openlab.pipeline]\nstage_retries = 2\n')
     folder = run_cli("lineage", "list", env={"OPENLAB_CONFIG": str(tmp_path)})
     assert folder.stderr == f"error: OPENLAB_CONFIG names {tmp_path}, which is a folder, not a file\n", folder.stderr
+    # /dev/null is no settings at all (as GIT_CONFIG_GLOBAL=/dev/null is), not "does not exist"
+    none = run_cli("snapshot", str(pyproject), env={"OPENLAB_CONFIG": "/dev/null"})
+    assert none.returncode == 0 and "OPENLAB_CONFIG" not in none.stderr, none.stderr
     taken = run_cli("snapshot", str(pyproject), env={"OPENLAB_CONFIG": str(pyproject)})
     assert taken.returncode == 0, taken.stderr
     config.write_text(every)  # every setting openlab reads is taken (what each value must be is each one's to say)
