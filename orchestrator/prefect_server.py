@@ -78,18 +78,40 @@ class PrefectServerError(OpenlabError):
     """The Prefect server could not be started or did not become healthy."""
 
 
+#: The addresses that mean "every interface" (IPv4's, IPv6's, unset), and what this machine reaches
+#: such a server at.
+EVERY_INTERFACE = {"0.0.0.0": DEFAULT_HOST, "": DEFAULT_HOST, "::": "::1"}  # noqa: S104 - names, not a bind
+
+
+def _family(host: str) -> socket.AddressFamily:
+    """IPv6 for an IPv6 address (``::1``, ``[::1]``), else IPv4: an AF_INET socket given ``::1`` raised
+    "Address family for hostname not supported" out of ``openlab server --host ::1``."""
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def url_host(host: str) -> str:
+    """``host`` as a URL writes it: an IPv6 address in brackets (``http://[::1]:4200``)."""
+    bare = host.strip("[]")
+    return f"[{bare}]" if ":" in bare else bare
+
+
 def free_port(host: str = DEFAULT_HOST) -> int:
     """A TCP port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
+    bare = host.strip("[]")
+    with socket.socket(_family(bare), socket.SOCK_STREAM) as sock:
+        sock.bind((bare, 0))
         return int(sock.getsockname()[1])
 
 
 def port_in_use(host: str, port: int) -> bool:
     """Whether something already accepts connections on ``host:port``."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    bare = host.strip("[]")
+    with socket.socket(_family(bare), socket.SOCK_STREAM) as sock:
         sock.settimeout(0.5)
-        return sock.connect_ex((host, port)) == 0
+        try:
+            return sock.connect_ex((bare, port)) == 0
+        except OSError:  # a name this machine cannot resolve: nothing of ours listens there
+            return False
 
 
 def prefect_database_url(settings: Settings, prefect_home: Path) -> str:
@@ -174,6 +196,9 @@ class PrefectServer:
     process: subprocess.Popen[bytes] | None = field(default=None, init=False, repr=False)
     _log_file: IO[bytes] | None = field(default=None, init=False, repr=False)
 
+    def __post_init__(self) -> None:
+        self.host = self.host.strip("[]")  # `--host [::1]`, as a URL writes it: the address itself
+
     @classmethod
     def from_settings(
         cls,
@@ -208,8 +233,7 @@ class PrefectServer:
     # -- addresses ---------------------------------------------------------------------
     @property
     def url(self) -> str:
-        shown = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host  # noqa: S104 - display only
-        return f"http://{shown}:{self.port}"
+        return f"http://{url_host(EVERY_INTERFACE.get(self.host, self.host))}:{self.port}"
 
     @property
     def api_url(self) -> str:
@@ -240,6 +264,9 @@ class PrefectServer:
             # to ask http://0.0.0.0:PORT/api, which is their own machine. This one's name instead
             # (PREFECT_UI_API_URL set by hand wins: a proxy, a name the machine does not know).
             env["PREFECT_UI_API_URL"] = f"http://{socket.getfqdn()}:{self.port}/api"
+        elif ":" in self.host and not env.get("PREFECT_UI_API_URL"):
+            # an IPv6 address: Prefect writes http://::1:PORT/api for its UI, which no browser parses
+            env["PREFECT_UI_API_URL"] = self.api_url
         env.update(self.extra_env)
         return env
 
@@ -284,7 +311,7 @@ class PrefectServer:
 
     def check_port(self) -> None:
         """Raise :class:`PrefectServerError` when something already listens on this server's port."""
-        if port_in_use(self.host if self.host not in ("0.0.0.0", "") else DEFAULT_HOST, self.port):  # noqa: S104
+        if port_in_use(EVERY_INTERFACE.get(self.host, self.host), self.port):
             raise PrefectServerError(
                 f"port {self.port} is already in use: stop what listens there, or pick another with --port"
             )

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from orchestrator.prefect_server import PrefectServer, free_port, health_ok
-from tests.flows.conftest import REPO_ROOT, runner_env, stop_process, wait_for_deployments
+from tests.flows.conftest import REPO_ROOT, runner_env, seed_prefect_db, stop_process, wait_for_deployments
 
 pytestmark = [pytest.mark.prefect]
 
@@ -232,6 +232,32 @@ def test_a_server_on_every_interface_tells_its_ui_to_ask_this_machine_not_0000(
     assert "PREFECT_UI_API_URL" not in PrefectServer(home=tmp_path, port=4301).env(), "127.0.0.1: Prefect's own"
     monkeypatch.setenv("PREFECT_UI_API_URL", "https://prefect.lab.example/api")  # behind a proxy: as given
     assert server.env()["PREFECT_UI_API_URL"] == "https://prefect.lab.example/api"
+
+
+def test_a_server_on_an_ipv6_address_starts_and_every_url_it_gives_works(tmp_path: Path) -> None:
+    """`openlab server --host ::1` raised "Address family for hostname not supported" out of its port check
+    (an IPv4 socket), and the URLs it printed, http://::1:4200, and the one Prefect gave its UI, parse
+    in no browser or client."""
+    import socket
+
+    from orchestrator.prefect_server import PrefectServerError, port_in_use
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError as exc:  # a machine without IPv6 loopback: nothing to test
+        pytest.skip(f"this machine has no IPv6 loopback ({exc})")
+    port = free_port("::1")
+    assert PrefectServer(home=tmp_path, host="[::1]", port=port).host == "::1", "as a URL writes it, or bare"
+    assert PrefectServer(home=tmp_path, host="::", port=port).url == f"http://[::1]:{port}", "every interface: here"
+    seed_prefect_db(tmp_path / "prefect")
+    with PrefectServer(home=tmp_path / "prefect", host="::1", port=port).start(timeout=120) as server:
+        assert server.api_url == f"http://[::1]:{port}/api"
+        assert server.env()["PREFECT_UI_API_URL"] == server.api_url, "Prefect's own would be http://::1:PORT/api"
+        assert health_ok(server.api_url) and port_in_use("::1", port)
+        with pytest.raises(PrefectServerError, match=f"port {port} is already in use"):
+            PrefectServer(home=tmp_path / "other", host="::1", port=port).start()
+    assert not port_in_use("::1", port), "stopped"
 
 
 def test_prefect_database_and_cron_come_from_openlab_settings(tmp_path: Path) -> None:
