@@ -128,8 +128,16 @@ def load_project_config(
     explicit = (os.environ if environ is None else environ).get("OPENLAB_CONFIG")
     if explicit:
         path = Path(explicit).expanduser()
-        if not path.exists() or path.is_dir():  # /dev/null is read, as GIT_CONFIG_GLOBAL=/dev/null is: no settings
-            what = "is a folder, not a file" if path.is_dir() else "does not exist"
+        if path == Path(os.devnull):  # as GIT_CONFIG_GLOBAL=/dev/null is: no settings at all
+            return {}, path
+        if not path.is_file():  # a pipe or a device other than that would be read for ever
+            what = (
+                "is a folder, not a file"
+                if path.is_dir()
+                else "is not a regular file"
+                if path.exists()
+                else "does not exist"
+            )
             raise ConfigError(f"OPENLAB_CONFIG names {path}, which {what}")
         data = _read_toml(path)
         if path.name != "pyproject.toml":
@@ -159,6 +167,8 @@ def _env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
         if not name.startswith(ENV_PREFIX) or "__" not in name:
             continue
         parts = [p.lower() for p in name[len(ENV_PREFIX) :].split("__") if p]
+        if not parts:  # OPENLAB___: an IndexError traceback
+            raise ConfigError(f"{name} names no setting: write OPENLAB_SECTION__KEY, as OPENLAB_PREFECT__PORT")
         node = out
         for part in parts[:-1]:
             node = node.setdefault(part, {})
@@ -252,7 +262,11 @@ def check_known(config: Mapping[str, Any], path: Path | None, environ: Mapping[s
         if value is not None and not (isinstance(value, str) and value.strip()):
             name = keys[0] if len(keys) == 1 else f"[{'.'.join(keys[:-1])}] {keys[-1]}"
             what = "a database URL" if keys == ("db_url",) else "a path"
-            source = where(*keys) if len(keys) > 1 else f"{path}: "  # OPENLAB_HOME is read apart, never here
+            if len(keys) > 1:
+                source = where(*keys)
+            else:  # OPENLAB_HOME itself is read apart, never here: OPENLAB_HOME__X=1 made it a table
+                nested = sorted(n for n in environ if n.upper().startswith(f"{ENV_PREFIX}{keys[0].upper()}__"))
+                source = f"{nested[0]}: " if nested else f"{path}: " if path else ""
             raise ConfigError(f"{source}{name} = {value!r}: give {what} as text, in quotes")
 
 

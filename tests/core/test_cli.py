@@ -284,6 +284,9 @@ def test_a_setting_nothing_reads_is_refused_where_it_was_written_naming_the_one_
             {"OPENLAB_GITHUB__MAX_WAIT": "5"},
             "error: OPENLAB_GITHUB__MAX_WAIT: [github] max_wait: no such setting; did you mean 'max_wait_s'?",
         ),
+        # a value made a table by a variable: named, not "None:"; a variable that names nothing: no IndexError
+        ("", {"OPENLAB_HOME__X": "1"}, "error: OPENLAB_HOME__X: home = {'x': 1}: give a path as text, in quotes"),
+        ("", {"OPENLAB___": "1"}, "error: OPENLAB___ names no setting: write OPENLAB_SECTION__KEY"),
     ):
         config.write_text(text)
         for args in (("lineage", "list"), ("run", "marin-535b-a23b", "-r", "tiny", "--until", "data")):
@@ -313,6 +316,9 @@ def test_a_setting_nothing_reads_is_refused_where_it_was_written_naming_the_one_
     # /dev/null is no settings at all (as GIT_CONFIG_GLOBAL=/dev/null is), not "does not exist"
     none = run_cli("snapshot", str(pyproject), env={"OPENLAB_CONFIG": "/dev/null"})
     assert none.returncode == 0 and "OPENLAB_CONFIG" not in none.stderr, none.stderr
+    os.mkfifo(tmp_path / "config.pipe")  # any other pipe or device: refused, not read for ever
+    piped = run_cli("lineage", "list", env={"OPENLAB_CONFIG": str(tmp_path / "config.pipe")}, timeout=30)
+    assert piped.stderr == f"error: OPENLAB_CONFIG names {tmp_path / 'config.pipe'}, which is not a regular file\n"
     taken = run_cli("snapshot", str(pyproject), env={"OPENLAB_CONFIG": str(pyproject)})
     assert taken.returncode == 0, taken.stderr
     config.write_text(every)  # every setting openlab reads is taken (what each value must be is each one's to say)
