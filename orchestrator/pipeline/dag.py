@@ -145,6 +145,22 @@ class Pipeline:
             out.extend(p for p in spec.code_paths if p not in out)
         return out
 
+    def code_tree(self, tree_hashes: Mapping[str, str], why: str | None = None) -> dict[str, str]:
+        """The git id of every stage's declared code (``tree_hashes`` of the capture), refused in one
+        line where the capture has none: without git (a copy of the project with no ``.git``, no
+        ``git`` on PATH) there is nothing to put in a stage's identity, which was a KeyError out of
+        ``run``, ``explain`` and ``adopt`` after ``run`` had recorded its pipeline run as FAILED."""
+        missing = [p for p in self.code_paths() if p not in tree_hashes]
+        if missing:
+            from orchestrator.provenance.git import ProvenanceError
+
+            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+            raise ProvenanceError(
+                f"cannot hash the stages' code ({shown}) in {self.repo_root}: {why or 'git gave no id for it'}; "
+                "run from a git clone of the project, with git installed"
+            )
+        return dict(tree_hashes)
+
     def downstream(self, name: str) -> list[str]:
         """Stages that (transitively) consume ``name``'s output."""
         hit = {name}

@@ -517,6 +517,7 @@ def _open_pipeline_run(
         b: e.image_code for b, e in envs.items() if b != options.backend and e.image_code is not None
     }
     prov = capture(pipeline.repo_root, pipeline.code_paths(), settings=settings)
+    tree_hashes = pipeline.code_tree(prov.git.tree_hashes, prov.git.reason)  # refused before anything is recorded
     all_env_fields = sorted({f for s in pipeline.stages for f in s.environment_fields})
     env_values = environment_values(prov, all_env_fields)
     params: dict[str, Any] = {
@@ -588,7 +589,7 @@ def _open_pipeline_run(
         commit=commit,
         environment=environment,
         provenance=prov,
-        tree_hashes=dict(prov.git.tree_hashes),
+        tree_hashes=tree_hashes,
         env_values=env_values,
         recipe=recipe,
         owns_store=owns,

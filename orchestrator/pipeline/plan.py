@@ -97,7 +97,7 @@ def plan(
         env_values = environment_values(prov, env_fields)
         # the run's own checks (refused as the run would be), and each stage's environment image
         images = {b: e.image for b, e in backend_environments(pipeline, backend, settings).items()}
-        tree = dict(prov.git.tree_hashes)
+        tree = pipeline.code_tree(prov.git.tree_hashes, prov.git.reason)
         known: dict[str, str | None] = {}  # stage -> input hash of its output (None: unknown until it runs)
         plans: list[StagePlan] = []
         for spec in pipeline.stages:

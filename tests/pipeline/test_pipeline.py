@@ -65,6 +65,28 @@ def fast() -> RunOptions:
     return RunOptions(wait_poll=0.05, lease_ttl=10)
 
 
+def test_a_copy_of_the_project_without_git_is_refused_in_one_line_before_anything_is_recorded(
+    repo: Path, ledger: Path
+) -> None:
+    """Run from a copy with no ``.git`` (a tarball, a container's copy) or without git installed, the
+    capture records no tree ids: ``run``, ``explain`` and ``adopt`` died in a KeyError, and ``run`` had
+    recorded its pipeline run as FAILED first."""
+    import shutil
+
+    from orchestrator.provenance.git import ProvenanceError
+
+    shutil.rmtree(repo / ".git")
+    with pytest.raises(
+        ProvenanceError, match=r"cannot hash the stages' code \(stages/gen.py, .*\) in .*: no git; run from a git clone"
+    ):
+        plan(toy_pipeline(repo), toy_configs())
+    with pytest.raises(ProvenanceError, match="cannot hash the stages' code"):
+        run_pipeline(toy_pipeline(repo), toy_configs(), options=fast())
+    assert executions(ledger) == []
+    with LineageStore.open(load_settings()) as store:
+        assert store.list(PipelineRun) == [] and store.events() == [], "nothing recorded"
+
+
 def test_first_run_records_lineage_and_second_run_reuses_every_stage(repo: Path, ledger: Path) -> None:
     transitions: list[tuple[str, str]] = []
     logs: list[tuple[str, str]] = []
