@@ -35,6 +35,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import logging
+import math
 import os
 import re
 import time
@@ -58,7 +59,7 @@ from orchestrator.lineage.models import (
     utcnow,
 )
 from orchestrator.lineage.store import LineageStore
-from orchestrator.links.refs import GithubLinkError, IssueRef, parse_issue_ref
+from orchestrator.links.refs import REPO_PATTERN, GithubLinkError, IssueRef, parse_issue_ref
 from orchestrator.settings import Settings, load_settings
 
 if TYPE_CHECKING:
@@ -95,11 +96,55 @@ def comment_record_id(issue_id: str, pipeline_run_id: str) -> str:
     return "ghc_" + hashlib.sha256(f"{issue_id}@{pipeline_run_id}".encode()).hexdigest()[:20]
 
 
-def _float_or_none(value: Any, default: float | None) -> float | None:
-    if value is None:
+def _number(section: Mapping[str, Any], key: str, default: float, *, least: float, most: float | None = None) -> float:
+    """A ``[github]`` number from a number or its text, refused in one line naming the key where it is
+    not one or out of range (a timeout of 0 was PyGithub's ValueError traceback, ``per_page = 0`` an
+    AssertionError). Unset or empty: ``default``."""
+    value = section.get(key)
+    value = default if value is None or value == "" else value
+    try:
+        number = float(value) if not isinstance(value, bool) else math.nan
+    except (TypeError, ValueError):
+        number = math.nan
+    if not math.isfinite(number) or number < least or (most is not None and number > most):
+        bound = f"from {least:g} to {most:g}" if most is not None else f"{least:g} or more"
+        raise ConfigError(f"[github] {key} = {value!r}: give a number {bound} (default {default:g})")
+    return number
+
+
+def _seconds_or_none(section: Mapping[str, Any], key: str, default: float) -> float | None:
+    """A throttle's seconds, 0 for none (PyGithub's own ``None``)."""
+    if section.get(key) is None or section.get(key) == "":
         return default
-    value = float(value)
-    return value if value > 0 else None
+    return _number(section, key, default, least=0) or None
+
+
+def _flag(section: Mapping[str, Any], key: str, default: bool) -> bool:
+    """A ``[github]`` yes/no: a boolean or its text; ``strict = "maybe"`` was taken as true. Unset or
+    empty: ``default``."""
+    value = section.get(key)
+    value = default if value is None or value == "" else value
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise ConfigError(f"[github] {key} = {value!r}: give true or false")
+
+
+def _base_url(value: Any) -> str:
+    """The API's address, ``https://api.github.com`` or an Enterprise host's ``https://HOST/api/v3``;
+    anything else (no scheme, ``ftp://``) was a traceback out of PyGithub at the first request."""
+    url = str(value or DEFAULT_BASE_URL).rstrip("/")
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(
+            f"[github] base_url = {value!r}: give the API's http(s) address, "
+            "https://api.github.com or https://HOST/api/v3 for GitHub Enterprise"
+        )
+    return url
 
 
 @dataclass(frozen=True)
@@ -110,6 +155,9 @@ class GithubConfig:
     token_env: str = "GITHUB_TOKEN"
     base_url: str = DEFAULT_BASE_URL
     strict: bool = False
+    required: bool = False
+    commit_statuses: bool = True
+    regression_issues: bool = True
     max_wait_s: float = 60.0
     timeout_s: int = 15
     per_page: int = 100
@@ -120,30 +168,33 @@ class GithubConfig:
     @classmethod
     def from_settings(cls, settings: Settings | None = None) -> GithubConfig:
         section = (settings or load_settings()).section("github")
-        try:
-            labels = dict(DEFAULT_LABELS)
-            raw_labels = section.get("labels", {})
-            if not isinstance(raw_labels, Mapping):
-                raise ConfigError("[github] labels must be a table of running/passed/regressed/failed names")
-            unknown = set(raw_labels) - set(DEFAULT_LABELS)
-            if unknown:
-                first = sorted(unknown)[0]
-                raise ConfigError(f"[github.labels] {first}: unknown key; {choices(first, DEFAULT_LABELS)}")
-            labels.update({k: str(v) for k, v in raw_labels.items()})
-            return cls(
-                repo=section.get("repo") or None,
-                token_env=str(section.get("token_env") or "GITHUB_TOKEN"),
-                base_url=str(section.get("base_url") or DEFAULT_BASE_URL).rstrip("/"),
-                strict=bool(section.get("strict", False)),
-                max_wait_s=float(section.get("max_wait_s", 60.0)),
-                timeout_s=int(section.get("timeout_s", 15)),
-                per_page=int(section.get("per_page", 100)),
-                seconds_between_requests=_float_or_none(section.get("seconds_between_requests"), 0.25),
-                seconds_between_writes=_float_or_none(section.get("seconds_between_writes"), 1.0),
-                labels=labels,
-            )
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"invalid [github] setting: {exc}") from None
+        labels = dict(DEFAULT_LABELS)
+        raw_labels = section.get("labels", {})
+        if not isinstance(raw_labels, Mapping):
+            raise ConfigError("[github] labels must be a table of running/passed/regressed/failed names")
+        unknown = set(raw_labels) - set(DEFAULT_LABELS)
+        if unknown:
+            first = sorted(unknown)[0]
+            raise ConfigError(f"[github.labels] {first}: unknown key; {choices(first, DEFAULT_LABELS)}")
+        labels.update({k: str(v) for k, v in raw_labels.items()})
+        repo = section.get("repo") or None
+        if repo is not None and not (isinstance(repo, str) and re.fullmatch(REPO_PATTERN, repo)):
+            raise ConfigError(f"[github] repo = {repo!r}: give the repository as owner/name, in quotes")
+        return cls(
+            repo=repo,
+            token_env=str(section.get("token_env") or "GITHUB_TOKEN"),
+            base_url=_base_url(section.get("base_url")),
+            strict=_flag(section, "strict", False),
+            required=_flag(section, "required", False),
+            commit_statuses=_flag(section, "commit_statuses", True),
+            regression_issues=_flag(section, "regression_issues", True),
+            max_wait_s=_number(section, "max_wait_s", 60.0, least=0),
+            timeout_s=int(_number(section, "timeout_s", 15, least=1)),
+            per_page=int(_number(section, "per_page", 100, least=1, most=100)),
+            seconds_between_requests=_seconds_or_none(section, "seconds_between_requests", 0.25),
+            seconds_between_writes=_seconds_or_none(section, "seconds_between_writes", 1.0),
+            labels=labels,
+        )
 
     def token(self, environ: Mapping[str, str] | None = None) -> str | None:
         """The token from the configured variable, else ``GITHUB_TOKEN`` for github.com alone: an

@@ -13,7 +13,9 @@ class GithubLinkError(OpenlabError):
     """A GitHub link cannot be made: bad reference, token, permission or issue."""
 
 
-_REPO = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})/[A-Za-z0-9._-]{1,100}"
+#: ``owner/name`` as GitHub allows them.
+REPO_PATTERN = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})/[A-Za-z0-9._-]{1,100}"
+_REPO = REPO_PATTERN
 _REF = re.compile(rf"^(?P<repo>{_REPO})?#(?P<number>[0-9]+)$")
 _URL = re.compile(rf"^https?://(?P<host>[^/\s]+)/(?P<repo>{_REPO})/(?:issues|pull)/(?P<number>[0-9]+)/?(?:[#?].*)?$")
 

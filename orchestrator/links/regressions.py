@@ -205,7 +205,7 @@ def _enabled(linker: GithubLinker, settings: Settings | None) -> tuple[str | Non
 
     section = (settings or load_settings()).section("github")
     label = str(section.get("regression_label") or "openlab:regression")
-    if not section.get("regression_issues", True) or not linker.config.repo:
+    if not linker.config.regression_issues or not linker.config.repo:
         return None, label
     return linker.config.repo, label
 

@@ -72,7 +72,7 @@ def report_status(
     settings = settings or load_settings()
     linker = linker or GithubLinker(store, settings=settings)
     repo = linker.config.repo
-    if not repo or not settings.section("github").get("commit_statuses", True):
+    if not repo or not linker.config.commit_statuses:
         return StatusReport("off")
     run = store.require(PipelineRun, pipeline_run_id)
     if not run.verdict:

@@ -516,6 +516,11 @@ def _open_pipeline_run(
     image_code_by_backend = {
         b: e.image_code for b, e in envs.items() if b != options.backend and e.image_code is not None
     }
+    github_required = False
+    if options.issue:  # a bad [github] setting is refused before the run is recorded, not as its failure
+        from orchestrator.links.github import GithubConfig
+
+        github_required = GithubConfig.from_settings(settings).required
     prov = capture(pipeline.repo_root, pipeline.code_paths(), settings=settings)
     tree_hashes = pipeline.code_tree(prov.git.tree_hashes, prov.git.reason)  # refused before anything is recorded
     all_env_fields = sorted({f for s in pipeline.stages for f in s.environment_fields})
@@ -601,7 +606,7 @@ def _open_pipeline_run(
         from orchestrator.links.github import resolve_issue
 
         try:
-            required = options.issue_required or bool(settings.section("github").get("required", False))
+            required = options.issue_required or github_required
             issue = resolve_issue(store, options.issue, run, required=required, settings=settings)
         except BaseException as exc:  # a required issue that cannot be linked: close the run, do not strand it
             finish_pipeline(ctx, "FAILED", f"{type(exc).__name__}: {exc}")

@@ -68,6 +68,40 @@ def test_malformed_issue_ref_is_one_clear_line(text: str) -> None:
     assert "owner/repo#N" in str(err.value) or "start at 1" in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("base_url", "notaurl", "[github] base_url = 'notaurl': give the API's http(s) address"),
+        ("base_url", "ftp://x", "[github] base_url = 'ftp://x': give the API's http(s) address"),
+        ("timeout_s", "0", "[github] timeout_s = 0: give a number 1 or more (default 15)"),
+        ("per_page", "0", "[github] per_page = 0: give a number from 1 to 100 (default 100)"),
+        ("per_page", "101", "[github] per_page = 101: give a number from 1 to 100"),
+        ("max_wait_s", "abc", "[github] max_wait_s = 'abc': give a number 0 or more (default 60)"),
+        ("seconds_between_requests", "-1", "[github] seconds_between_requests = -1: give a number 0 or more"),
+        ("strict", "maybe", "[github] strict = 'maybe': give true or false"),
+        ("required", "maybe", "[github] required = 'maybe': give true or false"),
+        ("commit_statuses", "maybe", "[github] commit_statuses = 'maybe': give true or false"),
+        ("regression_issues", "maybe", "[github] regression_issues = 'maybe': give true or false"),
+        ("repo", "5", "[github] repo = 5: give the repository as owner/name, in quotes"),
+    ],
+)
+def test_a_bad_github_setting_is_one_line_naming_it(tmp_path: Path, key: str, value: str, message: str) -> None:
+    """A base URL without a scheme was an AttributeError traceback, a timeout of 0 PyGithub's ValueError,
+    ``per_page = 0`` an AssertionError; ``max_wait_s = abc`` named no setting; ``strict = maybe`` was
+    taken as true."""
+    from orchestrator.errors import ConfigError
+    from orchestrator.links.github import GithubConfig
+    from orchestrator.settings import load_settings
+
+    (tmp_path / "openlab.toml").write_text("")
+    env = {"OPENLAB_CONFIG": str(tmp_path / "openlab.toml"), f"OPENLAB_GITHUB__{key.upper()}": value}
+    with pytest.raises(ConfigError) as caught:
+        GithubConfig.from_settings(load_settings(environ=env))
+    assert str(caught.value).startswith(message), caught.value
+    env[f"OPENLAB_GITHUB__{key.upper()}"] = {"strict": "off", "required": "yes", "per_page": "100"}.get(key, "")
+    GithubConfig.from_settings(load_settings(environ=env))  # a good value, or none: taken
+
+
 def test_short_ref_without_default_repo_says_how_to_fix() -> None:
     with pytest.raises(GithubLinkError, match=r"\[github\] repo"):
         parse_issue_ref("#5", None)
