@@ -294,8 +294,18 @@ def absolute_path(value: Any, base: Path) -> Any:
     text is left for :func:`check_known` and its reader to refuse."""
     if not isinstance(value, str) or not value:
         return value
-    path = Path(value).expanduser()
+    path = expand_user(value)
     return str(path if path.is_absolute() else base / path)
+
+
+def expand_user(value: str | Path) -> Path:
+    """``Path(value).expanduser()``, where ``~nosuchuser`` (a RuntimeError traceback out of every
+    command) is a :class:`ConfigError` naming it."""
+    try:
+        return Path(value).expanduser()
+    except RuntimeError:
+        user = str(value).split("/")[0]
+        raise ConfigError(f"{value}: no such user here to expand {user} for; write the path out") from None
 
 
 def absolute_db_url(value: Any, base: Path) -> Any:

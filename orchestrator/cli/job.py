@@ -498,7 +498,7 @@ def _age(seconds: float) -> str:
 def logs_cmd(
     ident: str = typer.Argument(..., metavar="ID", help=_ID_HELP),
     follow: bool = typer.Option(False, "--follow", "-f", help="keep printing until the job ends"),
-    tail: int = typer.Option(None, "--tail", "-n", help="only the last N lines"),
+    tail: int = typer.Option(None, "--tail", "-n", min=0, help="only the last N lines"),
     backend: str = typer.Option(None, "--backend", "-b", help="backend, for a job id not in lineage"),
 ) -> None:
     """Print a job's log."""

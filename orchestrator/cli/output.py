@@ -25,6 +25,10 @@ def given_path(value: str | Path) -> Path:
         import typer
 
         raise typer.BadParameter("an empty path: give a file or folder (. for this one)")
+    if value.startswith("~"):  # quoted past the shell: ~ and ~user mean what the shell would make them
+        from orchestrator.settings import expand_user
+
+        return expand_user(value)  # ~nosuchuser: said in one line, where a literal folder was made here
     return Path(value)
 
 
@@ -48,7 +52,10 @@ def print_error(message: object) -> None:
     read as rich markup (``[prefect] nightly_cron`` in a message must print as written)."""
     from rich.markup import escape
 
-    err_console.print(f"[bold red]error:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
+    from orchestrator.secrets import scrub
+
+    # a secret's value that an error quotes back (`--stage-run x-$TOKEN`) is masked, as in every log
+    err_console.print(f"[bold red]error:[/] {escape(scrub(str(message)))}", highlight=False, soft_wrap=True)
 
 
 #: Below this many columns (an 80-column terminal, or a pipe, which rich takes as 80) tables with

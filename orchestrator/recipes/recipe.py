@@ -39,6 +39,7 @@ from orchestrator.recipes.schema import (
     seconds,
     type_name,
 )
+from orchestrator.settings import expand_user
 from orchestrator.tolerances import check_metric, parse_tolerances
 
 #: Where recipe names (``marin-535b-a23b``) are looked up: ``recipes/`` at the repo root.
@@ -168,7 +169,7 @@ def find_recipe(ref: str | Path, recipes_dir: Path | None = None, *, root: Path 
     ``root`` is the tree a run executes (a checked-out git ref): a relative path or a name is
     looked up there first, so a run of an older commit uses that commit's recipe with its code.
     """
-    candidate = Path(ref).expanduser()
+    candidate = expand_user(ref)
     if root is not None and not candidate.is_absolute():
         if (root / candidate).is_file():
             return root / candidate

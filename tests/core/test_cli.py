@@ -180,6 +180,32 @@ def test_an_empty_path_is_refused_not_read_as_the_folder_the_command_ran_in(run_
     ), out.stderr
 
 
+def test_a_home_of_no_user_a_negative_tail_and_a_secret_in_an_error_are_one_clean_line(run_cli, tmp_path: Path) -> None:
+    """``~nosuchuser/...`` quoted past the shell was a RuntimeError traceback (``OPENLAB_HOME``, a recipe, a
+    snapshot), or a folder literally named ``~nosuchuser`` made where the command ran (``--artifact-root``);
+    ``job logs --tail -5`` printed nothing and exit 0; an error quoting what was typed quoted a secret's
+    value with it."""
+    nobody = "~nosuchuser-openlab"
+    for args, env in (
+        (("lineage", "list"), {"OPENLAB_HOME": f"{nobody}/home"}),
+        (("explain", f"{nobody}/recipe.yaml"), {}),
+        (("snapshot", f"{nobody}/data"), {}),
+        (("job", "run", "-q", "-b", "local", "--artifact-root", f"{nobody}/out", "--", "true"), {}),
+    ):
+        out = run_cli(*args, env=env, cwd=tmp_path, timeout=60)
+        assert out.returncode == 2 and f"no such user here to expand {nobody} for" in out.stderr, (args, out.stderr)
+        assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert list(tmp_path.iterdir()) == [], "no folder named ~nosuchuser made here"
+    tail = run_cli("job", "logs", "att_whatever", "--tail", "-5", timeout=60)
+    assert tail.returncode == 2 and "'--tail'" in tail.stderr, tail.stderr
+    secret = "s3cret-value-typed-back"
+    echoed = run_cli(
+        "job", "run", "-b", "local", "--stage-run", f"x-{secret}", "--", "true", env={"MY_API_TOKEN": secret}
+    )
+    assert echoed.returncode != 0 and echoed.stderr.startswith("error: "), echoed.stderr
+    assert secret not in echoed.stderr + echoed.stdout and "***" in echoed.stderr, echoed.stderr
+
+
 def test_a_refused_name_says_the_names_there_are_even_when_there_are_none() -> None:
     """`lineage compare --sort nosuch` over runs that measured nothing ended "columns: ", as if cut off."""
     from orchestrator.errors import choices
