@@ -298,6 +298,16 @@ def absolute_path(value: Any, base: Path) -> Any:
     return str(path if path.is_absolute() else base / path)
 
 
+def yes_or_no(value: Any) -> bool | None:
+    """A yes/no setting's value: a boolean, or its text (``true``, ``off``, ``1``...; settings come
+    from variables and forms as text, where ``"false"``, a non-empty string, would be true); None
+    for anything else, which its reader refuses naming the setting."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    return True if text in ("true", "1", "yes", "on") else False if text in ("false", "0", "no", "off") else None
+
+
 def expand_user(value: str | Path) -> Path:
     """``Path(value).expanduser()``, where ``~nosuchuser`` (a RuntimeError traceback out of every
     command) is a :class:`ConfigError` naming it."""

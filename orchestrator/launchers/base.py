@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.errors import ConfigError, OpenlabError, choices
 from orchestrator.secrets import SECRET_NAME, redact_mapping, secret_values
+from orchestrator.settings import yes_or_no
 
 if TYPE_CHECKING:
     from orchestrator.settings import Settings
@@ -700,23 +701,16 @@ def task_ends(ends_prefix: str | None) -> list[TaskEnd]:
     return sorted(ends, key=lambda e: (e.when, e.rank))
 
 
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
-
-
 def flag_option(opts: Mapping[str, Any], name: str, default: bool) -> bool:
     """A yes/no backend option. Strings count as well as booleans (``true``, ``off``...), since
     an option may come from an environment or a form as text; any other value is a
     :class:`ConfigError`, because treating ``"false"`` as a non-empty string, true, would do the
     opposite of what was asked."""
     value = opts.get(name, default)
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in _TRUE:
-        return True
-    if text in _FALSE:
-        return False
-    raise ConfigError(f"backend option {name} = {value!r} is not yes or no: give true or false")
+    flag = yes_or_no(value)
+    if flag is None:
+        raise ConfigError(f"backend option {name} = {value!r} is not yes or no: give true or false")
+    return flag
 
 
 def number_option(opts: Mapping[str, Any], name: str, default: float) -> float:

@@ -60,7 +60,7 @@ from orchestrator.lineage.models import (
 )
 from orchestrator.lineage.store import LineageStore
 from orchestrator.links.refs import REPO_PATTERN, GithubLinkError, IssueRef, parse_issue_ref
-from orchestrator.settings import Settings, load_settings
+from orchestrator.settings import Settings, load_settings, yes_or_no
 
 if TYPE_CHECKING:
     from orchestrator.lineage.verify import Anchor
@@ -123,15 +123,10 @@ def _flag(section: Mapping[str, Any], key: str, default: bool) -> bool:
     """A ``[github]`` yes/no: a boolean or its text; ``strict = "maybe"`` was taken as true. Unset or
     empty: ``default``."""
     value = section.get(key)
-    value = default if value is None or value == "" else value
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes", "on"):
-        return True
-    if text in ("false", "0", "no", "off"):
-        return False
-    raise ConfigError(f"[github] {key} = {value!r}: give true or false")
+    flag = default if value is None or value == "" else yes_or_no(value)
+    if flag is None:
+        raise ConfigError(f"[github] {key} = {value!r}: give true or false")
+    return flag
 
 
 def _base_url(value: Any) -> str:
