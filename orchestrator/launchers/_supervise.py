@@ -56,15 +56,21 @@ job is PENDING, its reason naming the jobs that hold them, as a Slurm job waits 
 on one GPU would each run out of its memory. Its time limit and its start count from when it got them.
 
 Stdlib only, imported by path with ``-S``, and only modules that need no Python-level
-imports (``os``, ``sys``, ``time``, ``_signal``): it sits on every local job's critical
+imports (``os``, ``sys``, ``time``, ``_signal``, ``resource``): it sits on every local job's critical
 path, and ``json`` (``re``, ``enum``), ``socket`` and ``signal`` (``enum``) once cost
 ~30 ms of a ~45 ms start on a busy machine. Hence the hand-written JSON below, which only
 has to encode a flat dict of strings, numbers and None.
 """
 
 import os
+import resource  # noqa: F401 - before any os.wait4, which imports it on its first call (see below)
 import sys
 import time
+
+# os.wait4 imports ``resource`` (a C module, 0.7 ms) the first time it builds what a child used. The
+# first wait4 is in the main thread, and a job that ends at once (CI: `readlink`, under load) sent its
+# SIGCHLD in the middle of that import: the handler's own wait4 imported it again, and CPython 3.11's
+# import lock, entered twice in one thread, failed with a KeyError traceback in place of the job.
 
 try:  # the C module: ``signal`` itself wraps it in enums, and importing enum costs ~8 ms
     import _signal as signal
