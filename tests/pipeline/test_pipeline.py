@@ -73,14 +73,19 @@ def test_a_copy_of_the_project_without_git_is_refused_in_one_line_before_anythin
     recorded its pipeline run as FAILED first."""
     import shutil
 
+    from orchestrator.provenance import ProvenanceWarning
     from orchestrator.provenance.git import ProvenanceError
 
     shutil.rmtree(repo / ".git")
-    with pytest.raises(
-        ProvenanceError, match=r"cannot hash the stages' code \(stages/gen.py, .*\) in .*: no git; run from a git clone"
+    with (
+        pytest.warns(ProvenanceWarning, match="no git"),
+        pytest.raises(
+            ProvenanceError,
+            match=r"cannot hash the stages' code \(stages/gen.py, .*\) in .*: no git; run from a git clone",
+        ),
     ):
         plan(toy_pipeline(repo), toy_configs())
-    with pytest.raises(ProvenanceError, match="cannot hash the stages' code"):
+    with pytest.warns(ProvenanceWarning, match="no git"), pytest.raises(ProvenanceError, match="cannot hash the"):
         run_pipeline(toy_pipeline(repo), toy_configs(), options=fast())
     assert executions(ledger) == []
     with LineageStore.open(load_settings()) as store:
