@@ -62,7 +62,7 @@ from orchestrator.launchers.base import (
     task_ends_prefix,
     with_notes,
 )
-from orchestrator.secrets import redact_argv
+from orchestrator.secrets import redact_argv, scrub
 
 SUPERVISOR = Path(__file__).with_name("_supervise.py")
 GPUS_EXAMPLE = '[backends.local] gpus = 4 (GPUs 0-3), or a list of ids: gpus = ["0", "2"]'
@@ -335,12 +335,13 @@ class LocalLauncher(Launcher):
             env["OPENLAB_TASK_ENDS"] = task_ends_prefix(log_path)
             env["OPENLAB_STOP_FIRST_PROCESS"] = "1"  # the runner passes a stop on: each task gets it once
             command = tasks_command(sys.executable, spec.tasks, command)
+        secrets = spec.secret_values()
         state: dict[str, Any] = {
             "job_id": job_id,
-            "name": spec.name,
-            "command": redact_argv(spec.command, spec.secret_values()),  # what ran, as lineage records it
+            "name": scrub(spec.name, secrets),  # a name or a folder typed with a secret's value in it
+            "command": redact_argv(spec.command, secrets),  # what ran, as lineage records it
             "labels": dict(spec.labels),
-            "workdir": workdir,
+            "workdir": scrub(workdir, secrets) if workdir else workdir,
             "log_path": str(log_path),
             "time_limit": spec.time_limit,
             "state": "PENDING",

@@ -57,6 +57,18 @@ def test_job_run_and_job_logs_never_show_a_secret_the_job_printed(run_cli, openl
     assert SECRET not in ran.stdout + ran.stderr + shown.stderr and INHERITED not in ran.stdout + ran.stderr
 
 
+def test_a_secret_in_a_jobs_name_or_folder_stays_out_of_its_state_file(tmp_path: Path) -> None:
+    """``job run --name $TOKEN`` (or a working folder whose name holds one) wrote the value into
+    ``jobs/local/ID.json``, which ``job list`` and ``job status`` read; lineage and the log masked it."""
+    folder = tmp_path / f"work-{SECRET}"
+    folder.mkdir()
+    local, status, _ = run(with_secret(f"named-{SECRET}", ["true"], workdir=str(folder)))
+    assert status.state is JobState.SUCCEEDED, status
+    files = list(local.state_dir.glob("local-*.json"))
+    assert files and all(SECRET not in path.read_text() for path in files)
+    assert any("named-***" in path.read_text() for path in files), "the name is there, masked"
+
+
 def test_the_log_keeps_every_byte_the_job_wrote_but_the_secrets() -> None:
     """A value cut in two by the pipe (written in two parts, 0.3 s apart) is masked whole; binary
     output and a last line without a newline are kept byte for byte."""
