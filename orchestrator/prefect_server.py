@@ -84,32 +84,29 @@ EVERY_INTERFACE = {"0.0.0.0": DEFAULT_HOST, "": DEFAULT_HOST, "::": "::1"}  # no
 
 
 def _family(host: str) -> socket.AddressFamily:
-    """IPv6 for an IPv6 address (``::1``, ``[::1]``), else IPv4: an AF_INET socket given ``::1`` raised
+    """IPv6 for an IPv6 address (``::1``), else IPv4: an AF_INET socket given ``::1`` raised
     "Address family for hostname not supported" out of ``openlab server --host ::1``."""
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 def url_host(host: str) -> str:
     """``host`` as a URL writes it: an IPv6 address in brackets (``http://[::1]:4200``)."""
-    bare = host.strip("[]")
-    return f"[{bare}]" if ":" in bare else bare
+    return f"[{host}]" if ":" in host else host
 
 
 def free_port(host: str = DEFAULT_HOST) -> int:
     """A TCP port nobody listens on right now (the OS picks it)."""
-    bare = host.strip("[]")
-    with socket.socket(_family(bare), socket.SOCK_STREAM) as sock:
-        sock.bind((bare, 0))
+    with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 
 def port_in_use(host: str, port: int) -> bool:
     """Whether something already accepts connections on ``host:port``."""
-    bare = host.strip("[]")
-    with socket.socket(_family(bare), socket.SOCK_STREAM) as sock:
+    with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
         sock.settimeout(0.5)
         try:
-            return sock.connect_ex((bare, port)) == 0
+            return sock.connect_ex((host, port)) == 0
         except OSError:  # a name this machine cannot resolve: nothing of ours listens there
             return False
 

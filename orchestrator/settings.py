@@ -131,13 +131,10 @@ def load_project_config(
         if path == Path(os.devnull):  # as GIT_CONFIG_GLOBAL=/dev/null is: no settings at all
             return {}, path
         if not path.is_file():  # a pipe or a device other than that would be read for ever
-            what = (
-                "is a folder, not a file"
-                if path.is_dir()
-                else "is not a regular file"
-                if path.exists()
-                else "does not exist"
-            )
+            if path.is_dir():
+                what = "is a folder, not a file"
+            else:
+                what = "is not a regular file" if path.exists() else "does not exist"
             raise ConfigError(f"OPENLAB_CONFIG names {path}, which {what}")
         data = _read_toml(path)
         if path.name != "pyproject.toml":

@@ -1078,7 +1078,7 @@ def export_cmd(
     try:
         if target.exists() and not target.is_file():
             # /dev/null, /dev/stdout, a named pipe: written into, as curl -o and tar -f do. Replaced by a
-            # temporary file, root's /dev/null became a regular file holding the export.
+            # temporary file, a pipe's reader got nothing, and as root /dev/null would become a regular file.
             with target.open("wb") as stream:
                 stream.write(text.encode())
         else:

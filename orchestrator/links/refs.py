@@ -15,9 +15,10 @@ class GithubLinkError(OpenlabError):
 
 #: ``owner/name`` as GitHub allows them.
 REPO_PATTERN = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,38})/[A-Za-z0-9._-]{1,100}"
-_REPO = REPO_PATTERN
-_REF = re.compile(rf"^(?P<repo>{_REPO})?#(?P<number>[0-9]+)$")
-_URL = re.compile(rf"^https?://(?P<host>[^/\s]+)/(?P<repo>{_REPO})/(?:issues|pull)/(?P<number>[0-9]+)/?(?:[#?].*)?$")
+_REF = re.compile(rf"^(?P<repo>{REPO_PATTERN})?#(?P<number>[0-9]+)$")
+_URL = re.compile(
+    rf"^https?://(?P<host>[^/\s]+)/(?P<repo>{REPO_PATTERN})/(?:issues|pull)/(?P<number>[0-9]+)/?(?:[#?].*)?$"
+)
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ def parse_issue_ref(ref: str, default_repo: str | None = None, hosts: Sequence[s
                 f"issue reference {ref!r} names no repository and [github] repo is not set: "
                 "write owner/repo#N or set [github] repo (or OPENLAB_GITHUB__REPO)"
             )
-        if not re.fullmatch(_REPO, default_repo):
+        if not re.fullmatch(REPO_PATTERN, default_repo):
             raise GithubLinkError(f"[github] repo {default_repo!r} is not owner/name")
         repo = default_repo
     return IssueRef(repo=repo, number=number)

@@ -43,7 +43,7 @@ _PREFECT_DB_ROOT: Path | None = None
 
 @pytest.fixture(scope="session", autouse=True)
 def _prefect_db_root(tmp_path_factory: pytest.TempPathFactory) -> None:
-    global _PREFECT_DB_ROOT  # noqa: PLW0603 - one per process, read by a helper fixtures and tests call
+    global _PREFECT_DB_ROOT  # noqa: PLW0603 - one per process, read by a helper that fixtures and tests call
     base = tmp_path_factory.getbasetemp()
     _PREFECT_DB_ROOT = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
